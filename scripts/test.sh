@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install flt with its test dependencies (torch pinned to the CPU build) and run the tests.
+# pytest's exit code 5 (no tests collected) counts as a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet -c constraints.txt -e ".[dev,train,mol]"
+set +e
+python -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$rc"

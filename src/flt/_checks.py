@@ -1,0 +1,80 @@
+"""Argument validation shared by every public entry point.
+
+Each helper raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong shape,
+non-finite values, bad option) with a message that names the argument and says what
+was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None, layout: str = "") -> None:
+    """Require a floating-point tensor, optionally of a given rank."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype, got {x.dtype}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.ndim not in allowed:
+            want = " or ".join(str(n) for n in allowed)
+            shape_hint = f" {layout}" if layout else ""
+            raise ValueError(f"{name} must have rank {want}{shape_hint}, got shape {tuple(x.shape)}")
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    """Reject NaN and infinite entries (positions, masks)."""
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_dim(name: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+    """Require ``x.shape[dim] == expected``."""
+    if x.shape[dim] != expected:
+        raise ValueError(
+            f"{name} has {what} = {x.shape[dim]} (dim {dim} of shape {tuple(x.shape)}), expected {expected}"
+        )
+
+
+def check_broadcast(name: str, x: torch.Tensor, target: Sequence[int], layout: str) -> None:
+    """Require ``x`` to broadcast to ``target``."""
+    try:
+        torch.broadcast_shapes(tuple(x.shape), tuple(target))
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(x.shape)} does not broadcast to {layout} = {tuple(target)}"
+        ) from None
+    if torch.broadcast_shapes(tuple(x.shape), tuple(target)) != tuple(target):
+        raise ValueError(f"{name} of shape {tuple(x.shape)} would enlarge {layout} = {tuple(target)}")
+
+
+def check_choice(name: str, value, choices: Iterable) -> None:
+    """Require ``value`` to be one of ``choices``."""
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_positions(name: str, pos, *, batch: int, length: int, pos_dim: int | None) -> torch.Tensor:
+    """Validate positions ``[B, N, P]`` or ``[N, P]`` and return them as ``[B or 1, N, P]``."""
+    check_tensor(name, pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
+    if pos.ndim == 2:
+        pos = pos.unsqueeze(0)
+    if pos.shape[0] not in (1, batch):
+        raise ValueError(f"{name} has batch size {pos.shape[0]}, expected 1 or {batch} (shape {tuple(pos.shape)})")
+    if pos.shape[1] != length:
+        raise ValueError(f"{name} has {pos.shape[1]} positions but the input has N = {length} tokens")
+    if pos_dim is not None and pos.shape[2] != pos_dim:
+        raise ValueError(f"{name} has position dimension P = {pos.shape[2]}, expected P = {pos_dim}")
+    check_finite(name, pos)
+    return pos

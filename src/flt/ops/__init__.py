@@ -1,0 +1,45 @@
+"""Pure tensor functions: no parameters, no buffers. Layers own those and call these.
+
+Shape vocabulary, used in every docstring of the package:
+
+====  =========================================================
+B     batch
+H     heads
+N     tokens (queries); ``Nk`` keys where it differs
+D     query/key head dimension
+Dv    value head dimension
+P     position dimension (1 text, 2 image patches, 3 atoms, K graph anchors)
+R     number of random frequencies of a spectrum; features have ``2R`` entries
+m     number of kernel features
+====  =========================================================
+
+Layouts: queries, keys and values ``[B, H, N, D]``; positions ``[B, N, P]``; kernel
+features ``[B, H, N, m]``; spectral features ``[B or 1, H, N, 2R]``.
+"""
+
+from flt.ops.features import (
+    elu_features,
+    favor_plus_features,
+    gaussian_orthogonal_random_matrix,
+    relu_features,
+)
+from flt.ops.linear import RecurrentState, flt_attention, linear_attention, recurrent_step
+from flt.ops.reference import (
+    flt_attention_reference,
+    linear_attention_reference,
+    rpe_attention_reference,
+)
+
+__all__ = [
+    "RecurrentState",
+    "elu_features",
+    "favor_plus_features",
+    "flt_attention",
+    "flt_attention_reference",
+    "gaussian_orthogonal_random_matrix",
+    "linear_attention",
+    "linear_attention_reference",
+    "recurrent_step",
+    "relu_features",
+    "rpe_attention_reference",
+]

@@ -1,0 +1,98 @@
+"""Kernel feature maps for linear attention (MATH.md section 2).
+
+Pure functions: the random projection is an argument, drawn by
+:func:`gaussian_orthogonal_random_matrix` and kept as a buffer by the layer that owns it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from flt._checks import check_positive_int, check_tensor
+
+
+def gaussian_orthogonal_random_matrix(
+    num_features: int,
+    dim: int,
+    *,
+    orthogonal: bool = True,
+    generator: torch.Generator | None = None,
+    device=None,
+    dtype=None,
+) -> torch.Tensor:
+    """Draw the ``[m, D]`` FAVOR+ projection.
+
+    With ``orthogonal=True`` the rows come in blocks of ``D`` mutually orthogonal rows
+    (QR of Gaussian blocks) rescaled to norms drawn from chi(D), so every row is still
+    marginally N(0, I) and the estimator stays unbiased, with lower variance.
+    """
+    check_positive_int("num_features", num_features)
+    check_positive_int("dim", dim)
+    dtype = dtype or torch.get_default_dtype()
+    # Drawn in float64 on the CPU so a seed gives the same matrix on every device.
+    gauss = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    if not orthogonal:
+        return gauss(num_features, dim).to(device=device, dtype=dtype)
+    blocks = []
+    for _ in range(math.ceil(num_features / dim)):
+        qmat, rmat = torch.linalg.qr(gauss(dim, dim))
+        qmat = qmat * torch.sign(torch.diagonal(rmat)).unsqueeze(0)  # unique Haar-distributed Q
+        blocks.append(qmat.T)
+    rows = torch.cat(blocks, dim=0)[:num_features]
+    norms = gauss(num_features, dim).norm(dim=1, keepdim=True)
+    return (rows * norms).to(device=device, dtype=dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FAVOR+ positive random features with a per-token stabiliser.
+
+    ``phi(x) = m^(-1/2) exp(W x - |x|^2 / 2)`` so that ``E[phi(x).phi(y)] = exp(x.y)``.
+    The caller scales the inputs (``x = q / D^(1/4)`` gives the softmax kernel).
+
+    Each token's exponent is shifted by its own maximum ``s`` over the ``m`` features:
+    the function returns ``(feat, s)`` with ``phi(x) = feat * exp(s)``. For queries ``s``
+    cancels in the attention ratio and can be dropped; for keys pass it to the attention
+    op as ``key_log_scale``, which rescales with a global max (bidirectional) or a running
+    max over past keys only (causal), so no output ever depends on a future key.
+
+    Args:
+        x: ``[..., N, D]``.
+        projection: ``[m, D]``.
+
+    Returns:
+        ``feat [..., N, m]`` in float32 or better, ``s [..., N]`` (detached).
+    """
+    check_tensor("x", x)
+    check_tensor("projection", projection, ndim=2, layout="[m, D]")
+    if projection.shape[1] != x.shape[-1]:
+        raise ValueError(f"projection has D = {projection.shape[1]} but x has last dimension {x.shape[-1]}")
+    cdt = _compute_dtype(x)
+    x = x.to(cdt)
+    logits = x @ projection.to(cdt).T - 0.5 * (x * x).sum(dim=-1, keepdim=True)
+    shift = logits.amax(dim=-1).detach()
+    feat = torch.exp(logits - shift.unsqueeze(-1)) * (projection.shape[0] ** -0.5)
+    return feat, shift
+
+
+def relu_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """ReLU random features ``m^(-1/2) relu(W x)``: ``[..., N, D] -> [..., N, m]``.
+
+    A deterministic-given-W nonnegative map; not an estimator of the softmax kernel.
+    """
+    check_tensor("x", x)
+    check_tensor("projection", projection, ndim=2, layout="[m, D]")
+    cdt = _compute_dtype(x)
+    return F.relu(x.to(cdt) @ projection.to(cdt).T) * (projection.shape[0] ** -0.5)
+
+
+def elu_features(x: torch.Tensor) -> torch.Tensor:
+    """``elu(x) + 1`` (Katharopoulos et al.): ``[..., N, D] -> [..., N, D]``, strictly positive."""
+    check_tensor("x", x)
+    return F.elu(x.to(_compute_dtype(x))) + 1.0
