@@ -1,0 +1,7 @@
+"""Layers: modules that own parameters and buffers and call :mod:`flt.ops`."""
+
+from flt.layers.base import AttentionBase, QKScaling
+from flt.layers.features import FEATURE_MAPS, FeatureMap
+from flt.layers.flt import COUPLINGS, DecodeState, FLTAttention
+
+__all__ = ["COUPLINGS", "FEATURE_MAPS", "AttentionBase", "DecodeState", "FLTAttention", "FeatureMap", "QKScaling"]

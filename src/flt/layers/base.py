@@ -1,0 +1,107 @@
+"""What every attention layer shares: projections, argument checks, positions, q/k scaling.
+
+All layers take ``x [B, N, dim]``, positions ``pos [B, N, P]`` (or ``[N, P]``; token indices
+by default when ``P = 1``) and ``key_padding_mask [B, N]`` (bool, True marks a padded key
+that no query may attend to, the convention of ``torch.nn.MultiheadAttention``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from flt._checks import check_dim, check_positions, check_positive_int, check_tensor
+
+
+@dataclass
+class Prepared:
+    """Projected inputs of one forward call."""
+
+    q: torch.Tensor  # [B, H, N, D]
+    k: torch.Tensor  # [B, H, N, D]
+    v: torch.Tensor  # [B, H, N, D]
+    pos: torch.Tensor  # [B or 1, N, P]
+    pad: torch.Tensor | None  # [B, N] bool, True = padded key
+
+
+class AttentionBase(nn.Module):
+    """Input/output projections and input validation shared by the attention layers."""
+
+    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        check_positive_int("heads", heads)
+        check_positive_int("pos_dim", pos_dim)
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        self.dim, self.heads, self.head_dim, self.pos_dim, self.causal = dim, heads, dim // heads, pos_dim, bool(causal)
+        fk = {"device": device, "dtype": dtype}
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
+        self.to_out = nn.Linear(dim, dim, **fk)
+
+    def default_positions(self, length: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        if self.pos_dim != 1:
+            raise ValueError(f"pos is required when pos_dim = {self.pos_dim} (token indices only serve P = 1)")
+        idx = torch.arange(offset, offset + length, device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
+        return idx.view(1, length, 1)
+
+    def prepare(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> Prepared:
+        check_tensor("x", x, ndim=3, layout="[B, N, dim]")
+        check_dim("x", x, -1, self.dim, "feature size")
+        B, N, _ = x.shape
+        if pos is None:
+            pos = self.default_positions(N, x)
+        else:
+            pos = check_positions("pos", pos, batch=B, length=N, pos_dim=self.pos_dim)
+        pad = None
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+                raise TypeError("key_padding_mask must be a bool tensor [B, N] (True marks padding)")
+            if tuple(key_padding_mask.shape) != (B, N):
+                raise ValueError(f"key_padding_mask must have shape [B, N] = {(B, N)}, got {tuple(key_padding_mask.shape)}")
+            pad = key_padding_mask
+        q, k, v = rearrange(self.to_qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        return Prepared(q, k, v, pos, pad)
+
+    def finish(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""
+        return self.to_out(rearrange(out.to(like.dtype), "b h n d -> b n (h d)"))
+
+    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype) -> torch.Tensor | None:
+        """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
+        if pad is None:
+            return None
+        return (~pad).to(dtype)[:, None, None, :]
+
+
+class QKScaling(nn.Module):
+    """Scale queries and keys so that the kernel is ``exp(x_q . x_k)``.
+
+    Without normalisation ``x = q / D^(1/4)`` (the softmax kernel ``exp(q.k / sqrt(D))``).
+    With ``qk_norm=True``, ``x = sqrt(t_h) q / |q|`` with a learned temperature ``t_h`` per
+    head: the logits are ``t_h cos(q, k)``, bounded, which keeps FAVOR+'s variance
+    (exponential in ``|x|^2``) under control whatever the scale of the projections.
+    """
+
+    def __init__(self, heads: int, head_dim: int, *, qk_norm: bool, temperature: float = 2.0, device=None, dtype=None) -> None:
+        super().__init__()
+        self.head_dim, self.qk_norm = head_dim, bool(qk_norm)
+        if self.qk_norm:
+            if not temperature > 0:
+                raise ValueError(f"temperature must be positive, got {temperature!r}")
+            self.log_temperature = nn.Parameter(torch.full((heads,), math.log(temperature), device=device, dtype=dtype))
+        else:
+            self.register_parameter("log_temperature", None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.qk_norm:
+            s = self.head_dim**-0.25
+            return q * s, k * s
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        root = torch.exp(0.5 * self.log_temperature.to(cdt)).view(1, -1, 1, 1)
+        return F.normalize(q.to(cdt), dim=-1) * root, F.normalize(k.to(cdt), dim=-1) * root

@@ -1,0 +1,163 @@
+"""The common interface of every spectral family (MATH.md section 3).
+
+A spectrum ``g`` on ``R^P`` defines the RPE mask ``f(Delta) = int g(xi) cos(2 pi xi.Delta) dxi``.
+Each family estimates ``f`` with ``R`` frequencies and weights,
+``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``, which factorises into query-side and
+key-side features with ``a(r) . c(s) = f^(r - s)`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
+from flt.spectra.sampling import SAMPLERS, standard_normal_draws
+
+
+class Spectrum(nn.Module):
+    """Base class of the spectral families.
+
+    Subclasses implement :meth:`density` (``g``), :meth:`mask` (the exact ``f``) and
+    :meth:`frequencies` (``xi [H, R, P]``, ``w [H, R]`` from the fixed base draws
+    ``self.eps``, differentiable in the parameters), and set :attr:`extra_normals` when
+    they need auxiliary normals per frequency.
+
+    Args:
+        heads: ``H``, one spectrum per head.
+        pos_dim: ``P``.
+        num_frequencies: ``R``; features have ``2R`` entries.
+        sampler: ``"iid"``, ``"qmc"`` (Sobol) or ``"orthogonal"`` base draws.
+        seed: seeds the base draws; ``None`` draws from torch's global generator.
+        redraw: if True, :meth:`redraw_frequencies` is allowed (layers call it on a
+            schedule during training); the default keeps one fixed buffer.
+    """
+
+    #: Auxiliary standard normals per frequency beyond the ``P`` spatial ones.
+    extra_normals: int = 0
+
+    def __init__(
+        self,
+        heads: int,
+        pos_dim: int,
+        num_frequencies: int,
+        *,
+        sampler: str = "iid",
+        seed: int | None = None,
+        redraw: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        check_positive_int("heads", heads)
+        check_positive_int("pos_dim", pos_dim)
+        check_positive_int("num_frequencies", num_frequencies)
+        check_choice("sampler", sampler, SAMPLERS)
+        self.heads, self.pos_dim, self.num_frequencies = heads, pos_dim, num_frequencies
+        self.sampler, self.seed, self.redraw = sampler, seed, redraw
+        self._factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        self.register_buffer("eps", self._draw(seed), persistent=True)
+
+    # -- subclass interface ------------------------------------------------------------
+    def density(self, xi: torch.Tensor) -> torch.Tensor:
+        """``g(xi)``: ``[..., P] -> [..., H]``."""
+        raise NotImplementedError
+
+    def mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The exact mask ``f(Delta)``: ``[..., P] -> [..., H]``."""
+        raise NotImplementedError
+
+    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xi [H, R, P], w [H, R])`` with ``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``."""
+        raise NotImplementedError
+
+    # -- shared machinery --------------------------------------------------------------
+    def _draw(self, seed: int | None) -> torch.Tensor:
+        gen = None
+        if seed is not None:
+            gen = torch.Generator().manual_seed(int(seed))
+        elif self.sampler == "qmc":
+            # Sobol scrambling seeds come from the global generator, like iid draws.
+            gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,))))
+        draws = standard_normal_draws(
+            self.heads,
+            self.num_frequencies,
+            self.pos_dim + self.extra_normals,
+            method=self.sampler,
+            spatial_dim=self.pos_dim,
+            generator=gen,
+        )
+        return draws.to(**self._factory)
+
+    @torch.no_grad()
+    def redraw_frequencies(self, generator: torch.Generator | None = None) -> None:
+        """Replace the base draws (only for spectra built with ``redraw=True``)."""
+        if not self.redraw:
+            raise RuntimeError("this spectrum keeps fixed frequencies; build it with redraw=True to redraw them")
+        seed = None if generator is None else int(torch.randint(0, 2**62, (1,), generator=generator))
+        self.eps.copy_(self._draw(seed))
+
+    def _check_points(self, name: str, x: torch.Tensor) -> None:
+        check_tensor(name, x)
+        if x.ndim < 1 or x.shape[-1] != self.pos_dim:
+            raise ValueError(f"{name} must have last dimension P = {self.pos_dim}, got shape {tuple(x.shape)}")
+        check_finite(name, x)
+
+    def estimate(self, delta: torch.Tensor) -> torch.Tensor:
+        """The random-feature estimate ``f^(Delta)``: ``[..., P] -> [..., H]``."""
+        self._check_points("delta", delta)
+        xi, w = self.frequencies()
+        cdt = torch.promote_types(delta.dtype, torch.float32)
+        phase = 2 * math.pi * torch.einsum("...p,hrp->...hr", delta.to(cdt), xi.to(cdt))
+        return (torch.cos(phase) * w.to(cdt)).sum(dim=-1)
+
+    def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query- and key-side features of positions.
+
+        Args:
+            pos: ``[B, N, P]`` or ``[N, P]``.
+
+        Returns:
+            ``(a, c)``, each ``[B or 1, H, N, 2R]`` in float32 or better, with
+            ``a_i . c_j = f^(r_i - r_j)``. ``sqrt|w_k|`` sits on both sides (the sign on the
+            query side) so both vectors have norms independent of ``R``: with all the
+            weight on one side the key norms would grow like ``sqrt(R)`` and FAVOR+ on the
+            concatenated vectors would lose its accuracy.
+        """
+        check_tensor("pos", pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
+        if pos.ndim == 2:
+            pos = pos.unsqueeze(0)
+        self._check_points("pos", pos)
+        xi, w = self.frequencies()
+        cdt = torch.promote_types(pos.dtype, torch.float32)
+        phase = 2 * math.pi * torch.einsum("bnp,hrp->bhnr", pos.to(cdt), xi.to(cdt))
+        root = w.to(cdt).abs().sqrt().unsqueeze(-2)  # [H, 1, R]
+        sign = torch.sign(w.to(cdt)).unsqueeze(-2)
+        cos, sin = torch.cos(phase), torch.sin(phase)
+        c = torch.cat([root * cos, root * sin], dim=-1)
+        a = torch.cat([sign * root * cos, sign * root * sin], dim=-1)
+        return a, c
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, pos_dim={self.pos_dim}, num_frequencies={self.num_frequencies}, "
+            f"sampler={self.sampler!r}, redraw={self.redraw}"
+        )
+
+
+def positive(raw: torch.Tensor) -> torch.Tensor:
+    """Map an unconstrained parameter to a positive value (log-parameterisation)."""
+    return torch.exp(raw)
+
+
+def inverse_positive(value, *, shape, device=None, dtype=None) -> torch.Tensor:
+    """Unconstrained initial value for :func:`positive`, broadcast to ``shape``.
+
+    ``value`` is a number or anything ``torch.as_tensor`` accepts; it must be positive.
+    """
+    t = torch.as_tensor(value, dtype=torch.float64)
+    if not bool((t > 0).all()) or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"expected positive finite values, got {value!r}")
+    return torch.log(t).expand(shape).clone().to(device=device, dtype=dtype or torch.get_default_dtype())

@@ -1,0 +1,90 @@
+"""Gaussian-mixture spectra (MATH.md section 3.1).
+
+``g(xi) = sum_c alpha_c N(xi; mu_c, diag(s_c^2))`` per head, with the closed form
+``f(Delta) = sum_c alpha_c cos(2 pi mu_c.Delta) exp(-2 pi^2 sum_p s_cp^2 Delta_p^2)``.
+``alpha_c`` is signed, so ``f`` need not be positive definite. Sampling is stratified by
+component: ``R / C`` frequencies each, ``xi = mu_c + s_c * eps``, ``w = alpha_c / R_c``
+(unbiased for signed ``alpha`` too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flt._checks import check_positive_int
+from flt.spectra.base import Spectrum, inverse_positive, positive
+
+
+class GaussianMixtureSpectrum(Spectrum):
+    """Learned Gaussian mixture per head: ``alpha [H, C]``, ``mu [H, C, P]``, ``log s [H, C, P]``.
+
+    Args:
+        components: ``C``; ``num_frequencies`` must be a multiple of it.
+        amplitude: initial total ``sum_c alpha_c = f(0)``, split evenly over components.
+            ``0`` makes ``f = 0`` (a fresh logit-coupled layer is a Performer); ``1``
+            makes ``f`` start near 1 (the multiplicative coupling starts as plain attention).
+        length_scale: initial decay length of ``f`` in position units, per component
+            spread geometrically from ``length_scale`` to ``length_scale * length_spread``
+            so heads see several ranges. ``s = 1 / (2 pi l)``.
+        mean_scale: std of the initial component means ``mu`` (0: all at the origin,
+            giving nonnegative ``f``).
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        pos_dim: int,
+        num_frequencies: int,
+        *,
+        components: int = 4,
+        amplitude: float = 1.0,
+        length_scale: float = 8.0,
+        length_spread: float = 8.0,
+        mean_scale: float = 0.0,
+        **kwargs,
+    ) -> None:
+        check_positive_int("components", components)
+        if num_frequencies % components:
+            raise ValueError(
+                f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
+                "so every mixture component gets the same number of frequencies"
+            )
+        super().__init__(heads, pos_dim, num_frequencies, **kwargs)
+        self.components = components
+        fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
+        self.alpha = nn.Parameter(torch.full((heads, components), amplitude / components, **fk))
+        mu = torch.randn(heads, components, pos_dim, dtype=torch.float64) * mean_scale
+        self.mu = nn.Parameter(mu.to(**fk))
+        lengths = length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64) if components > 1 else torch.tensor([length_scale], dtype=torch.float64)
+        scales = (1.0 / (2 * math.pi * lengths)).view(1, components, 1)
+        self.log_scale = nn.Parameter(inverse_positive(scales, shape=(heads, components, pos_dim), **fk))
+
+    def scales(self) -> torch.Tensor:
+        """Component standard deviations ``s [H, C, P]``."""
+        return positive(self.log_scale)
+
+    def density(self, xi: torch.Tensor) -> torch.Tensor:
+        self._check_points("xi", xi)
+        s = self.scales()
+        z = (xi.unsqueeze(-2).unsqueeze(-2) - self.mu) / s  # [..., H, C, P]
+        log_norm = -0.5 * (z * z).sum(-1) - torch.log(s).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
+        return (self.alpha * torch.exp(log_norm)).sum(-1)
+
+    def mask(self, delta: torch.Tensor) -> torch.Tensor:
+        self._check_points("delta", delta)
+        d = delta.unsqueeze(-2).unsqueeze(-2)  # [..., 1, 1, P]
+        s = self.scales()
+        osc = torch.cos(2 * math.pi * (self.mu * d).sum(-1))
+        env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
+        return (self.alpha * osc * env).sum(-1)
+
+    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+        H, C, P = self.mu.shape
+        per = self.num_frequencies // C
+        eps = self.eps[..., :P].reshape(H, C, per, P)
+        xi = self.mu.unsqueeze(-2) + self.scales().unsqueeze(-2) * eps  # [H, C, per, P]
+        w = (self.alpha / per).unsqueeze(-1).expand(H, C, per)
+        return xi.reshape(H, C * per, P), w.reshape(H, C * per)
