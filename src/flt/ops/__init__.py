@@ -24,6 +24,9 @@ from flt.ops.features import (
     relu_features,
 )
 from flt.ops.linear import RecurrentState, flt_attention, linear_attention, recurrent_step
+from flt.ops.softmax import BACKENDS as SOFTMAX_BACKENDS
+from flt.ops.softmax import flex_attention_available, softmax_attention
+from flt.ops.toeplitz import fft_length, toeplitz_attention, toeplitz_attention_reference, toeplitz_matrix, toeplitz_matvec
 from flt.ops.reference import (
     flt_attention_reference,
     linear_attention_reference,
@@ -31,7 +34,15 @@ from flt.ops.reference import (
 )
 
 __all__ = [
+    "SOFTMAX_BACKENDS",
     "RecurrentState",
+    "fft_length",
+    "flex_attention_available",
+    "softmax_attention",
+    "toeplitz_attention",
+    "toeplitz_attention_reference",
+    "toeplitz_matrix",
+    "toeplitz_matvec",
     "elu_features",
     "favor_plus_features",
     "flt_attention",

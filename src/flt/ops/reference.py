@@ -94,8 +94,16 @@ def linear_attention_reference(q_feat, k_feat, v, *, causal: bool = False, key_l
 
 
 def _weighted(weights, v, causal, key_log_scale):
-    if key_log_scale is not None:
-        weights = weights * torch.exp(key_log_scale - key_log_scale.amax(dim=-1, keepdim=True)).unsqueeze(-2)
     if causal:
         weights = weights * causal_mask_like(weights)
+    if key_log_scale is not None:
+        kls = key_log_scale.to(weights.dtype)
+        if causal:
+            # Each row is shifted by the max over the keys it sees, so no row underflows
+            # because of a later key.
+            row_max = torch.cummax(kls, dim=-1).values.unsqueeze(-1)  # [B, H, N, 1]
+            log_w = (kls.unsqueeze(-2) - row_max).masked_fill(causal_mask_like(weights) == 0, -float("inf"))
+        else:
+            log_w = (kls - kls.amax(dim=-1, keepdim=True)).unsqueeze(-2)
+        weights = weights * torch.exp(log_w)
     return safe_divide(weights @ v, weights.sum(dim=-1, keepdim=True))

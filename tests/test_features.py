@@ -1,0 +1,121 @@
+import math
+
+import pytest
+import torch
+
+from flt.layers import FeatureMap
+from flt.ops import elu_features, favor_plus_features, gaussian_orthogonal_random_matrix, relu_features
+
+F64 = torch.float64
+
+
+def kernel_estimates(x, y, m, draws, orthogonal):
+    gen = torch.Generator().manual_seed(123)
+    est = []
+    for _ in range(draws):
+        w = gaussian_orthogonal_random_matrix(m, x.shape[-1], orthogonal=orthogonal, generator=gen, dtype=F64)
+        fx, sx = favor_plus_features(x, w)
+        fy, sy = favor_plus_features(y, w)
+        est.append((fx * fy).sum(-1) * torch.exp(sx + sy))
+    return torch.stack(est)
+
+
+@pytest.mark.parametrize("orthogonal", [False, True])
+def test_favor_plus_is_unbiased(orthogonal):
+    x = torch.randn(6, 8, dtype=F64) * 0.4
+    y = torch.randn(6, 8, dtype=F64) * 0.4
+    est = kernel_estimates(x, y, m=16, draws=3000, orthogonal=orthogonal)
+    truth = torch.exp((x * y).sum(-1))
+    stderr = est.std(0) / math.sqrt(est.shape[0])
+    # A 5-sigma band: a biased estimator (e.g. a wrong |x|^2/2 term) lands far outside it.
+    assert ((est.mean(0) - truth).abs() < 5 * stderr + 1e-12).all()
+    assert (stderr < 0.05 * truth).all()
+
+
+def test_orthogonal_rows_and_chi_norms():
+    w = gaussian_orthogonal_random_matrix(20, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
+    block = w[:8] / w[:8].norm(dim=1, keepdim=True)
+    torch.testing.assert_close(block @ block.T, torch.eye(8, dtype=F64), atol=1e-12, rtol=0)
+    big = gaussian_orthogonal_random_matrix(4000, 8, generator=torch.Generator().manual_seed(1), dtype=F64)
+    assert abs((big.norm(dim=1) ** 2).mean().item() - 8.0) < 0.3  # E|w|^2 = D for N(0, I) rows
+
+
+def test_orthogonal_features_have_lower_variance():
+    x = torch.randn(4, 16, dtype=F64) * 0.3
+    y = torch.randn(4, 16, dtype=F64) * 0.3
+    var_iid = kernel_estimates(x, y, 16, 600, orthogonal=False).var(0).mean()
+    var_ort = kernel_estimates(x, y, 16, 600, orthogonal=True).var(0).mean()
+    assert var_ort < var_iid
+
+
+def test_favor_plus_error_explodes_with_query_key_norm():
+    """The failure mode that makes qk-normalisation the default of FAVOR+-based layers."""
+    D, m = 64, 4096
+    gen = torch.Generator().manual_seed(0)
+    w = gaussian_orthogonal_random_matrix(m, D, generator=gen, dtype=F64)
+    q, k = torch.randn(2, 64, D, dtype=F64)
+
+    def rel_err(xq, xk):
+        fq, _ = favor_plus_features(xq, w)
+        fk, sk = favor_plus_features(xk, w)
+        kf = fk * torch.exp(sk - sk.max()).unsqueeze(-1)
+        est = fq @ kf.T
+        est = est / est.sum(-1, keepdim=True)
+        exact = torch.softmax(xq @ xk.T, dim=-1)
+        return ((est - exact).norm() / exact.norm()).item()
+
+    raw = rel_err(q / D**0.25, k / D**0.25)  # unit-variance q, k: |x|^2 = sqrt(D) = 8
+    normed = rel_err(torch.nn.functional.normalize(q, dim=-1) * 2**0.5, torch.nn.functional.normalize(k, dim=-1) * 2**0.5)
+    assert raw > 0.5
+    assert normed < 0.2
+    assert raw > 5 * normed
+
+
+def test_deterministic_maps_are_nonnegative_and_shaped():
+    x = torch.randn(2, 3, 5, 4)
+    w = torch.randn(7, 4)
+    assert relu_features(x, w).shape == (2, 3, 5, 7) and (relu_features(x, w) >= 0).all()
+    assert (elu_features(x) > 0).all() and elu_features(x).shape == x.shape
+
+
+def test_feature_map_redraw_schedule_and_fixed_default():
+    fixed = FeatureMap(4, 8, seed=0)
+    before = fixed.projection.clone()
+    fixed.train()
+    for _ in range(5):
+        fixed.step_schedule()
+    assert torch.equal(fixed.projection, before)
+    redrawn = FeatureMap(4, 8, redraw_interval=2, seed=0)
+    redrawn.train()
+    first = redrawn.projection.clone()
+    redrawn.step_schedule()
+    assert torch.equal(redrawn.projection, first)
+    redrawn.step_schedule()
+    redrawn.step_schedule()
+    assert not torch.equal(redrawn.projection, first)
+    redrawn.eval()
+    second = redrawn.projection.clone()
+    redrawn.step_schedule()
+    assert torch.equal(redrawn.projection, second)
+
+
+def test_feature_map_projection_stays_float32_in_half_modules():
+    fm = FeatureMap(4, 8).to(torch.bfloat16)
+    assert fm.projection.dtype == torch.float32
+    feat, shift = fm(torch.randn(1, 1, 3, 4, dtype=torch.bfloat16))
+    assert feat.dtype == torch.float32 and torch.isfinite(feat).all()
+
+
+@pytest.mark.parametrize(
+    "call, err, match",
+    [
+        (lambda: favor_plus_features(torch.randn(2, 3), torch.randn(4, 5)), ValueError, "projection has D = 5"),
+        (lambda: favor_plus_features(torch.ones(2, 3, dtype=torch.long), torch.randn(4, 3)), TypeError, "x must have a floating-point"),
+        (lambda: gaussian_orthogonal_random_matrix(0, 3), ValueError, "num_features"),
+        (lambda: FeatureMap(4, 8, kind="cosine"), ValueError, "feature_map must be one of"),
+        (lambda: FeatureMap(4, 8, redraw_interval=0), ValueError, "redraw_interval"),
+    ],
+)
+def test_bad_input_is_rejected(call, err, match):
+    with pytest.raises(err, match=match):
+        call()

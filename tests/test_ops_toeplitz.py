@@ -1,0 +1,265 @@
+"""FFT Toeplitz attention (MATH.md section 6) against its dense O(N^2) formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt.ops.reference import rpe_attention_reference
+from flt.ops.toeplitz import (
+    fft_length,
+    toeplitz_attention,
+    toeplitz_attention_reference,
+    toeplitz_matrix,
+    toeplitz_matvec,
+)
+
+F64 = torch.float64
+
+
+def _inputs(B=2, H=3, N=13, m=5, Dv=4, dtype=F64, bias_std=1.0):
+    q_feat = torch.rand(B, H, N, m, dtype=dtype) + 0.05
+    k_feat = torch.rand(B, H, N, m, dtype=dtype) + 0.05
+    v = torch.randn(B, H, N, Dv, dtype=dtype)
+    bias = torch.randn(H, 2 * N - 1, dtype=dtype) * bias_std
+    return q_feat, k_feat, v, bias
+
+
+def _bias_matrix(bias, n):
+    """``[H, N, N]`` with entry ``bias[h, (i - j) + N - 1]``, written without the library."""
+    i = torch.arange(n).view(n, 1)
+    j = torch.arange(n).view(1, n)
+    return bias[:, i - j + n - 1]
+
+
+def _dense_attention(q_feat, k_feat, v, bias, causal):
+    """Weights ``exp(beta_(i-j)) * (qf_i . kf_j)``, normalised over ``j``."""
+    n = q_feat.shape[2]
+    w = torch.exp(_bias_matrix(bias, n)) * (q_feat @ k_feat.transpose(-1, -2))
+    if causal:
+        w = w.tril()
+    return (w @ v) / w.sum(dim=-1, keepdim=True)
+
+
+def _smooth(x):
+    for p in (2, 3, 5):
+        while x % p == 0:
+            x //= p
+    return x == 1
+
+
+def test_fft_length_is_smallest_smooth_number():
+    for n in range(1, 600):
+        expected = next(k for k in range(n, 2 * n + 1) if _smooth(k))
+        assert fft_length(n) == expected, n
+    with pytest.raises(ValueError, match="n must be"):
+        fft_length(0)
+
+
+def test_toeplitz_matrix_entries_and_structure():
+    n = 5
+    coeffs = torch.randn(2, 2 * n - 1, dtype=F64)
+    t = toeplitz_matrix(coeffs, n)
+    assert t.shape == (2, n, n)
+    for i in range(n):
+        for j in range(n):
+            assert torch.equal(t[:, i, j], coeffs[:, i - j + n - 1])
+    # Constant along diagonals: the defining property of a Toeplitz matrix.
+    assert torch.equal(t[:, 1:, 1:], t[:, :-1, :-1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 33])
+@pytest.mark.parametrize("part", ["full", "lower", "upper"])
+def test_fft_matvec_equals_dense_forward_backward(n, part):
+    """Identity 10.4: FFT Toeplitz product == dense product, for offsets of both signs."""
+    B, H, C = 2, 3, 4
+    coeffs = torch.randn(H, 2 * n - 1, dtype=F64)
+    # "lower" keeps t >= 0 only (causal), "upper" keeps t <= 0 only: both wrap directions.
+    if part == "lower":
+        coeffs[:, : n - 1] = 0
+    elif part == "upper":
+        coeffs[:, n:] = 0
+    coeffs.requires_grad_()
+    x = torch.randn(B, H, n, C, dtype=F64, requires_grad=True)
+    g = torch.randn(B, H, n, C, dtype=F64)
+
+    fast = toeplitz_matvec(coeffs, x)
+    dense = torch.einsum("hij,bhjc->bhic", _bias_matrix(coeffs, n), x)
+    assert_close(fast, dense)
+    grads_fast = torch.autograd.grad((fast * g).sum(), (coeffs, x))
+    grads_dense = torch.autograd.grad((dense * g).sum(), (coeffs, x))
+    for a, b in zip(grads_fast, grads_dense):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 13])
+def test_attention_equals_dense_formula_forward_backward(causal, n):
+    q_feat, k_feat, v, bias = _inputs(N=n)
+    for t in (q_feat, k_feat, v, bias):
+        t.requires_grad_()
+    g = torch.randn_like(v)
+    inputs = (q_feat, k_feat, v, bias)
+
+    expected = _dense_attention(q_feat, k_feat, v, bias, causal)
+    grads_expected = torch.autograd.grad((expected * g).sum(), inputs)
+    for fn in (toeplitz_attention, toeplitz_attention_reference):
+        out = fn(q_feat, k_feat, v, bias, causal=causal)
+        assert out.shape == v.shape and out.dtype == F64
+        assert_close(out, expected, msg=f"{fn.__name__} forward")
+        for a, b in zip(torch.autograd.grad((out * g).sum(), inputs), grads_expected):
+            assert_close(a, b, msg=f"{fn.__name__} backward")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_equals_rpe_reference(causal):
+    """Same weights through the project's exact reference: mask qf.kf, bias beta_(i-j), q.k = 0."""
+    q_feat, k_feat, v, bias = _inputs(N=11)
+    B, H, N, _ = q_feat.shape
+    zeros = torch.zeros(B, H, N, 2, dtype=F64)
+    expected = rpe_attention_reference(
+        zeros, zeros, v, mask=q_feat @ k_feat.transpose(-1, -2), bias=_bias_matrix(bias, N), causal=causal
+    )
+    assert_close(toeplitz_attention(q_feat, k_feat, v, bias, causal=causal), expected)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_tiny(causal):
+    q_feat, k_feat, v, bias = _inputs(B=1, H=2, N=4, m=2, Dv=2)
+    inputs = tuple(t.requires_grad_() for t in (q_feat, k_feat, v, bias))
+    assert torch.autograd.gradcheck(lambda *a: toeplitz_attention(*a, causal=causal), inputs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_translation_invariance(causal):
+    """Shifting every token by s (padding with keyless tokens) leaves the outputs unchanged.
+
+    The bias is one function of the offset, evaluated on a longer table for the longer
+    sequence: the output may depend on positions only through ``i - j``, and the table
+    must be read around its centre ``N - 1`` whatever ``N`` is. (The sign convention of
+    ``t`` is pinned down by the dense-formula tests, not by this one.)
+    """
+    n, s, after = 9, 4, 3
+    total = s + n + after
+    q_feat, k_feat, v, _ = _inputs(N=n)
+    big_table = torch.randn(3, 2 * total - 1, dtype=F64)
+    centre = total - 1
+    bias = big_table[:, centre - (n - 1) : centre + n]  # offsets -(n-1)..(n-1)
+    out = toeplitz_attention(q_feat, k_feat, v, bias, causal=causal)
+
+    def pad(x, keyless=False):
+        shape = list(x.shape)
+        shape[2] = s
+        front = torch.rand(shape, dtype=F64) if not keyless else torch.zeros(shape, dtype=F64)
+        shape[2] = after
+        back = torch.rand(shape, dtype=F64) if not keyless else torch.zeros(shape, dtype=F64)
+        return torch.cat([front, x, back], dim=2)
+
+    out_big = toeplitz_attention(pad(q_feat), pad(k_feat, keyless=True), pad(v), big_table, causal=causal)
+    assert_close(out_big[:, :, s : s + n], out)
+
+
+def test_constant_bias_shift_changes_nothing():
+    q_feat, k_feat, v, bias = _inputs()
+    shift = torch.tensor([[-300.0], [0.5], [40.0]], dtype=F64)
+    assert_close(toeplitz_attention(q_feat, k_feat, v, bias + shift), toeplitz_attention(q_feat, k_feat, v, bias))
+
+
+def test_causal_ignores_future_offsets_entirely():
+    """Future offsets may hold anything finite: no effect on values, no NaN in gradients."""
+    q_feat, k_feat, v, bias = _inputs(N=9)
+    wild = bias.clone()
+    wild[:, :8] = 1e4  # offsets t < 0
+    wild.requires_grad_()
+    out = toeplitz_attention(q_feat, k_feat, v, wild, causal=True)
+    assert_close(out, toeplitz_attention(q_feat, k_feat, v, bias, causal=True))
+    (grad,) = torch.autograd.grad(out.sum(), wild)
+    assert torch.equal(grad[:, :8], torch.zeros_like(grad[:, :8]))
+    assert bool(torch.isfinite(grad).all())
+
+
+def test_window_bias_with_minus_inf():
+    n, w = 15, 2
+    q_feat, k_feat, v, bias = _inputs(N=n)
+    offsets = torch.arange(-(n - 1), n)
+    bias = bias.masked_fill(offsets.abs() > w, -math.inf)
+    for causal in (False, True):
+        expected = _dense_attention(q_feat, k_feat, v, bias, causal)
+        assert_close(toeplitz_attention(q_feat, k_feat, v, bias, causal=causal), expected)
+
+
+def test_empty_rows_return_zeros():
+    q_feat, k_feat, v, bias = _inputs(N=8)
+    # Every offset removed: no row has any weight.
+    out = toeplitz_attention(q_feat, k_feat, v, torch.full_like(bias, -math.inf))
+    assert torch.equal(out, torch.zeros_like(out))
+    # Causal with the first key featureless: row 0 is empty (exactly zero in the dense
+    # formula, rounding noise in the FFT); it must give zeros, the other rows stay exact.
+    k_feat[:, :, 0] = 0
+    for dtype in (F64, torch.float32):
+        args = [t.to(dtype) for t in (q_feat, k_feat, v, bias)]
+        out = toeplitz_attention(*args, causal=True)
+        ref = toeplitz_attention_reference(*args, causal=True)
+        assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+        assert_close(out, ref)
+
+
+def test_float32_long_sequence_matches_float64_dense():
+    n = 1001
+    q_feat, k_feat, v, bias = _inputs(B=1, H=2, N=n, m=8, Dv=8, bias_std=2.0)
+    # An ALiBi-like decay on top of noise: a wide dynamic range of coefficients.
+    bias = bias - 0.02 * torch.arange(-(n - 1), n, dtype=F64).abs()
+    args32 = [t.float() for t in (q_feat, k_feat, v, bias)]
+
+    expected = toeplitz_attention_reference(q_feat, k_feat, v, bias)
+    out = toeplitz_attention(*args32)
+    assert out.dtype == torch.float32
+    assert_close(out, expected, dtype=torch.float32)
+
+    # Causal: the FFT error is relative to the largest (latest) row sums, so the first
+    # rows, which sum over few keys, are the least accurate (measured about 3e-5 here).
+    expected = toeplitz_attention_reference(q_feat, k_feat, v, bias, causal=True)
+    out = toeplitz_attention(*args32, causal=True)
+    assert (out.double() - expected).abs().max() < 1e-3
+    assert_close(out[:, :, 100:], expected[:, :, 100:], dtype=torch.float32)
+    # A float64 FFT on float32 inputs removes that error.
+    out = toeplitz_attention(*args32, causal=True, fft_dtype=torch.float64)
+    assert out.dtype == torch.float32
+    assert_close(out, expected, dtype=torch.float32)
+
+
+def test_half_inputs_are_upcast():
+    q_feat, k_feat, v, bias = _inputs(N=31)
+    expected = toeplitz_attention_reference(q_feat, k_feat, v, bias, causal=True)
+    out = toeplitz_attention(*(t.to(torch.bfloat16) for t in (q_feat, k_feat, v, bias)), causal=True)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected, dtype=torch.bfloat16, scale=2.0)
+
+
+def test_bad_inputs_rejected():
+    q_feat, k_feat, v, bias = _inputs(N=6)
+    with pytest.raises(ValueError, match=r"bias must have 2N - 1 = 11 offsets"):
+        toeplitz_attention(q_feat, k_feat, v, bias[:, :-1])
+    with pytest.raises(ValueError, match=r"bias has 2 heads.*expected H = 3"):
+        toeplitz_attention(q_feat, k_feat, v, bias[:2])
+    with pytest.raises(ValueError, match=r"bias must have rank 2"):
+        toeplitz_attention(q_feat, k_feat, v, bias[None])
+    with pytest.raises(TypeError, match=r"bias must have a floating-point dtype"):
+        toeplitz_attention(q_feat, k_feat, v, bias.long())
+    with pytest.raises(TypeError, match=r"q_feat must be a torch.Tensor"):
+        toeplitz_attention(q_feat.numpy(), k_feat, v, bias)
+    with pytest.raises(ValueError, match=r"q_feat and k_feat must have the same shape"):
+        toeplitz_attention(q_feat, k_feat[..., :-1], v, bias)
+    with pytest.raises(ValueError, match=r"v must be \[B, H, N, Dv\]"):
+        toeplitz_attention(q_feat, k_feat, v[:, :, :-1], bias)
+    with pytest.raises(ValueError, match=r"k_feat must have rank 4"):
+        toeplitz_attention(q_feat, k_feat[0], v, bias)
+    with pytest.raises(ValueError, match=r"coeffs must have 2N - 1"):
+        toeplitz_matvec(bias[:, 1:], v)
+    with pytest.raises(ValueError, match=r"coeffs must have last dimension"):
+        toeplitz_matrix(bias, 5)
+    with pytest.raises(ValueError, match=r"fft_dtype must be"):
+        toeplitz_attention(q_feat, k_feat, v, bias, fft_dtype=torch.float16)
