@@ -76,6 +76,8 @@ class FLTAttention(AttentionBase):
     -> [B, N, dim]``.
     """
 
+    supports_decoding = True
+
     def __init__(
         self,
         dim: int,
