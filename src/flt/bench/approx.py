@@ -1,0 +1,164 @@
+"""Approximation accuracy: spectral masks against their exact f, FLT against exact attention.
+
+Everything here is measured live in float64 from the library's own exact references;
+nothing is a stored number. Used by ``flt approx`` and ``flt bench approx``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flt.layers import FLTAttention
+from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
+from flt.spectra import SAMPLERS, SPECTRA
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class MaskError:
+    spectrum: str
+    sampler: str
+    pos_dim: int
+    R: int
+    max_error: float  # mean over seeds of max_Delta |f^(Delta) - f(Delta)| / |f(0)|
+    rms_error: float  # mean over seeds of the RMS over Delta, same normalisation
+
+
+@dataclass(frozen=True)
+class AttentionError:
+    coupling: str
+    causal: bool
+    m: int
+    R: int
+    rel_error: float  # |FLT(x) - exact(x)| / |exact(x)|, mean over seeds
+
+
+@dataclass(frozen=True)
+class KernelScaleError:
+    setting: str
+    D: int
+    m: int
+    sq_norm: float  # |x|^2 fed to the exponential
+    rel_error: float  # relative error of the row-normalised attention matrix
+
+
+def offsets(pos_dim: int, extent: float = 32.0, points: int = 257) -> torch.Tensor:
+    """Evaluation offsets ``[K, P]``: a line through the origin along the diagonal."""
+    line = torch.linspace(-extent, extent, points, dtype=F64)
+    return line.unsqueeze(-1).expand(points, pos_dim) / math.sqrt(pos_dim)
+
+
+def mask_errors(
+    names=None, samplers=SAMPLERS, Rs=(8, 32, 128, 512, 1024), pos_dims=(1,), seeds=(0, 1, 2), heads: int = 2
+) -> list[MaskError]:
+    """``max |a.c - f|`` over offsets for every spectrum, sampler and R (relative to f(0))."""
+    rows = []
+    for name in names or sorted(SPECTRA):
+        for pos_dim in pos_dims:
+            delta = offsets(pos_dim)
+            for sampler in samplers:
+                if sampler == "orthogonal" and pos_dim == 1:
+                    continue  # one axis: orthogonal blocks are iid draws
+                for R in Rs:
+                    mx, rms = [], []
+                    for seed in seeds:
+                        spec = SPECTRA[name](heads=heads, pos_dim=pos_dim, num_frequencies=R, sampler=sampler, seed=seed).double()
+                        with torch.no_grad():
+                            f = spec.mask(delta)
+                            err = (spec.estimate(delta) - f) / spec.mask(torch.zeros(1, pos_dim, dtype=F64)).abs().clamp_min(1e-12)
+                        mx.append(err.abs().max().item())
+                        rms.append(err.square().mean().sqrt().item())
+                    rows.append(MaskError(name, sampler, pos_dim, R, sum(mx) / len(mx), sum(rms) / len(rms)))
+    return rows
+
+
+def attention_errors(settings=((64, 8), (256, 32), (1024, 128)), *, N: int = 65, dim: int = 32, heads: int = 2, seeds=(0, 1)) -> list[AttentionError]:
+    """Relative error of ``FLTAttention.forward`` against ``FLTAttention.exact``."""
+    rows = []
+    for coupling in ("logit", "multiplicative"):
+        for causal in (False, True):
+            for m, R in settings:
+                errs = []
+                for seed in seeds:
+                    torch.manual_seed(seed)
+                    layer = FLTAttention(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, amplitude=0.5, length_scale=4.0).double()
+                    x = torch.randn(2, N, dim, dtype=F64)
+                    with torch.no_grad():
+                        exact = layer.exact(x)
+                        errs.append(((layer(x) - exact).norm() / exact.norm()).item())
+                rows.append(AttentionError(coupling, causal, m, R, sum(errs) / len(errs)))
+    return rows
+
+
+def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=(1.0, 2.0, 4.0)) -> list[KernelScaleError]:
+    """FAVOR+ error for raw unit-variance q, k (``|x|^2 = sqrt(D)``) and for L2-normalised
+    q, k with temperature t (``|x|^2 = t``): why FAVOR+-based layers normalise by default."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, N, D, generator=gen, dtype=F64)
+    unit = torch.nn.functional.normalize
+    cases = [("raw q/D^(1/4), unit-variance q, k", q / D**0.25, k / D**0.25, math.sqrt(D))]
+    cases += [(f"L2-normalised, temperature {t:g}", unit(q, dim=-1) * t**0.5, unit(k, dim=-1) * t**0.5, t) for t in temperatures]
+    rows = []
+    for m in ms:
+        w = gaussian_orthogonal_random_matrix(m, D, generator=gen, dtype=F64)
+        for label, xq, xk, sq in cases:
+            fq, _ = favor_plus_features(xq, w)
+            fk, sk = favor_plus_features(xk, w)
+            est = fq @ (fk * torch.exp(sk - sk.max()).unsqueeze(-1)).T
+            est = est / est.sum(-1, keepdim=True)
+            exact = torch.softmax(xq @ xk.T, dim=-1)
+            rows.append(KernelScaleError(label, D, m, sq, ((est - exact).norm() / exact.norm()).item()))
+    return rows
+
+
+def markdown_table(rows, columns=None) -> str:
+    """Render dataclass rows as a markdown table."""
+    if not rows:
+        return "(no rows)"
+    data = [asdict(r) for r in rows]
+    columns = columns or list(data[0])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(d[c]) for c in columns) + " |" for d in data]
+    return "\n".join(lines)
+
+
+def mask_error_pivot(rows: list[MaskError]) -> str:
+    """One line per (spectrum, sampler, P), one column per R: the max error."""
+    Rs = sorted({r.R for r in rows})
+    keys = sorted({(r.spectrum, r.sampler, r.pos_dim) for r in rows})
+    table = {(r.spectrum, r.sampler, r.pos_dim, r.R): r.max_error for r in rows}
+    lines = ["| spectrum | sampler | P | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|---|---|" + "---|" * len(Rs)]
+    for key in keys:
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(f"{table[key + (R,)]:.3g}" for R in Rs) + " |")
+    return "\n".join(lines)
+
+
+def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
+    """Save a PNG with, per spectrum, the exact f of head 0 against its R-frequency estimate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = names or sorted(SPECTRA)
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
+    delta = offsets(1, extent, 401)
+    for ax, name in zip(axes[0], names):
+        spec = SPECTRA[name](heads=1, pos_dim=1, num_frequencies=R, seed=0).double()
+        with torch.no_grad():
+            ax.plot(delta[:, 0], spec.mask(delta)[:, 0], label="exact f", lw=2)
+            for sampler, style in (("iid", "--"), ("qmc", ":")):
+                est = SPECTRA[name](heads=1, pos_dim=1, num_frequencies=R, sampler=sampler, seed=0).double()
+                est.load_state_dict({k: v for k, v in spec.state_dict().items() if k != "eps"}, strict=False)
+                ax.plot(delta[:, 0], est.estimate(delta)[:, 0], style, label=f"a.c, {sampler}")
+        ax.set_title(f"{name} (R={R})")
+        ax.set_xlabel("offset")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
