@@ -78,7 +78,7 @@ def _case(bias_kind, causal, padding, Nk, requires_grad):
 def test_sdpa_equals_reference_forward_backward(bias_kind, causal, padding, Nk):
     q, k, v, bias, keep = _case(bias_kind, causal, padding, Nk, requires_grad=True)
     inputs = [t for t in (q, k, v, bias) if t is not None]
-    kwargs = dict(bias=bias, causal=causal, key_padding_mask=keep)
+    kwargs = dict(bias=bias, causal=causal, key_padding_mask=None if keep is None else ~keep)
     out = softmax_attention(q, k, v, backend="sdpa", **kwargs)
     ref = softmax_attention(q, k, v, backend="reference", **kwargs)
     assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[-1]) and out.dtype == F64
@@ -93,7 +93,7 @@ def test_reference_backend_is_the_reference_formula():
     q, k, v = _qkv()
     keep = _padding(2, 7)
     bias = _relative_bias(7, 7, 3)
-    out = softmax_attention(q, k, v, bias=bias, key_padding_mask=keep, scale=0.3, backend="reference")
+    out = softmax_attention(q, k, v, bias=bias, key_padding_mask=~keep, scale=0.3, backend="reference")
     logits = 0.3 * q @ k.transpose(-1, -2) + bias
     logits = logits.masked_fill(~keep[:, None, None, :], -math.inf)
     assert_close(out, torch.softmax(logits, dim=-1) @ v)
@@ -122,7 +122,7 @@ def test_fully_masked_rows_are_zero(backend):
     bias = torch.zeros(1, 3, 7, 7, dtype=F64)
     bias[0, 1, 3] = -math.inf
     bias.requires_grad_(requires_grad)
-    out = softmax_attention(q, k, v, bias=bias, causal=True, key_padding_mask=keep, backend=backend)
+    out = softmax_attention(q, k, v, bias=bias, causal=True, key_padding_mask=~keep, backend=backend)
     assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
     assert torch.equal(out[:, 1, 3], torch.zeros_like(out[:, 1, 3]))
     ref = rpe_attention_reference(q, k, v, bias=bias, mask=keep[:, None, None, :].double(), causal=True)
@@ -138,7 +138,7 @@ def test_fully_masked_rows_are_zero(backend):
 def test_flex_equals_reference_forward(bias_kind, causal, padding, Nk):
     _flex_forward_or_skip()
     q, k, v, bias, keep = _case(bias_kind, causal, padding, Nk, requires_grad=False)
-    kwargs = dict(bias=bias, causal=causal, key_padding_mask=keep)
+    kwargs = dict(bias=bias, causal=causal, key_padding_mask=None if keep is None else ~keep)
     out = softmax_attention(q, k, v, backend="flex", **kwargs)
     assert out.dtype == F64
     assert_close(out, softmax_attention(q, k, v, backend="reference", **kwargs))
@@ -155,8 +155,8 @@ def test_flex_user_score_mod_composes_with_bias_and_masks():
 
     distance = (torch.arange(7).view(7, 1) - torch.arange(7).view(1, 7)).abs()
     alibi_bias = -0.3 * torch.arange(1, 4, dtype=F64).view(3, 1, 1) * distance
-    out = softmax_attention(q, k, v, bias=bias, causal=True, key_padding_mask=keep, score_mod=alibi, backend="flex")
-    expected = softmax_attention(q, k, v, bias=bias + alibi_bias, causal=True, key_padding_mask=keep, backend="reference")
+    out = softmax_attention(q, k, v, bias=bias, causal=True, key_padding_mask=~keep, score_mod=alibi, backend="flex")
+    expected = softmax_attention(q, k, v, bias=bias + alibi_bias, causal=True, key_padding_mask=~keep, backend="reference")
     assert_close(out, expected)
 
 

@@ -98,7 +98,7 @@ def _check_inputs(q, k, v, bias, key_padding_mask, causal, score_mod, backend) -
         if not isinstance(key_padding_mask, torch.Tensor):
             raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
         if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be a bool tensor (True = real key), got {key_padding_mask.dtype}")
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = padded key), got {key_padding_mask.dtype}")
         if tuple(key_padding_mask.shape) != (B, Nk):
             raise ValueError(f"key_padding_mask must be [B, Nk] = {(B, Nk)}, got {tuple(key_padding_mask.shape)}")
     if causal and N != Nk:
@@ -131,9 +131,8 @@ def softmax_attention(
             ``b(r_i - r_j)`` evaluated on the pairs.
         causal: token ``i`` attends only to ``j <= i`` (needs ``N == Nk``).
         scale: logit scale, ``1/sqrt(D)`` by default.
-        key_padding_mask: bool ``[B, Nk]``, **True for a real key, False for padding**
-            (the convention of SDPA's boolean masks, the opposite of
-            ``nn.MultiheadAttention``'s ``key_padding_mask``).
+        key_padding_mask: bool ``[B, Nk]``, True marks a padded key that no query
+            attends to (the convention of ``nn.MultiheadAttention`` and of every layer here).
         score_mod: ``backend="flex"`` only: ``score_mod(score, b, h, q_idx, kv_idx)`` applied
             to ``scale * q.k`` before the bias is added and the masks applied, so it can
             never revive a masked key.
@@ -148,6 +147,8 @@ def softmax_attention(
     """
     _check_inputs(q, k, v, bias, key_padding_mask, causal, score_mod, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    # Internally the backends take the complement: True = a real key.
+    key_padding_mask = None if key_padding_mask is None else ~key_padding_mask
     if backend == "reference":
         mask = None
         if key_padding_mask is not None:
