@@ -1,0 +1,153 @@
+"""Shared machinery of the kernelized (linear) attention layers: Performer and FLT.
+
+A kernel layer scales queries and keys (optionally L2-normalised with a learned
+temperature, optionally rotated by RoPE), maps them to nonnegative features and runs
+:func:`flt.ops.linear_attention` or the Kronecker :func:`flt.ops.flt_attention`.
+Subclasses decide the features through :meth:`KernelAttention.features`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flt._checks import check_tensor
+from flt.layers.base import AttentionBase, QKScaling
+from flt.layers.features import FeatureMap
+from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, linear_attention, recurrent_step
+from flt.ops.reference import flt_attention_reference, linear_attention_reference
+from flt.posenc.rope import apply_rope
+
+
+@dataclass
+class DecodeState:
+    """Constant-size state of a causal linear layer decoding token by token."""
+
+    inner: RecurrentState | None = None
+    position: int = 0
+
+
+@dataclass
+class KernelFeatures:
+    """Features of one forward call: ``a, c`` are None for plain linear attention."""
+
+    q: torch.Tensor  # [B, H, N, m]
+    k: torch.Tensor  # [B, H, N, m]
+    key_log_scale: torch.Tensor | None  # [B, H, N]
+    a: torch.Tensor | None = None  # [B|1, H, N, 2R]
+    c: torch.Tensor | None = None
+
+
+def mask_padded_keys(feats: KernelFeatures, pad: torch.Tensor | None) -> KernelFeatures:
+    """Zero the features of padded keys (``pad [B, N]``) and keep their log scale out of any max."""
+    if pad is None:
+        return feats
+    kf = feats.k * (~pad[:, None, :, None])
+    kls = feats.key_log_scale
+    if kls is not None:
+        floor = kls.detach().amin(dim=-1, keepdim=True)
+        kls = torch.where(pad[:, None, :], floor, kls)
+    return KernelFeatures(feats.q, kf, kls, feats.a, feats.c)
+
+
+class KernelAttention(AttentionBase):
+    """Base of the linear layers; see :class:`flt.layers.performer.PerformerAttention` for
+    the arguments they share (``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
+    ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``, ``chunk_size``)."""
+
+    supports_decoding = True
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        feature_dim: int | None = None,
+        num_features: int = 256,
+        feature_map: str = "favor+",
+        qk_norm: bool | None = None,
+        temperature: float = 2.0,
+        orthogonal: bool = True,
+        redraw_interval: int | None = None,
+        seed: int | None = None,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        if rope and self.head_dim % (2 * pos_dim):
+            raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
+        self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
+        qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
+        self.scaling = QKScaling(heads, self.head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
+        self.feature_map = FeatureMap(
+            feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal,
+            redraw_interval=redraw_interval, seed=seed, device=device, dtype=dtype,
+        )
+
+    def scaled_qk(self, q, k, pos):
+        """``(x_q, x_k)`` with the kernel ``exp(x_q.x_k)``; RoPE rotates before scaling."""
+        if self.rope:
+            q = apply_rope(q, pos, base=self.rope_base)
+            k = apply_rope(k, pos, base=self.rope_base)
+        return self.scaling(q, k)
+
+    def features(self, q, k, pos) -> KernelFeatures:
+        xq, xk = self.scaled_qk(q, k, pos)
+        qf, _ = self.feature_map(xq)
+        kf, kls = self.feature_map(xk)
+        return KernelFeatures(qf, kf, kls)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        p = self.prepare(x, pos, key_padding_mask)
+        self.feature_map.step_schedule()
+        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
+        if f.a is None:
+            out = linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+        else:
+            out = flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+        return self.finish(out, x)
+
+    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same features through the O(N^2) quadratic formula (the fast path's reference)."""
+        p = self.prepare(x, pos, key_padding_mask)
+        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
+        if f.a is None:
+            out = linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
+        else:
+            out = flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
+        return self.finish(out, x)
+
+    def step(self, x: torch.Tensor, state: DecodeState | None = None, pos: torch.Tensor | None = None):
+        """Decode one token with constant memory (``causal=True`` only).
+
+        Args:
+            x: ``[B, dim]``, the next token.
+            state: the state returned by the previous call (``None`` to start).
+            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
+
+        Returns:
+            ``(y [B, dim], state)``: feeding a sequence token by token gives the outputs of
+            ``forward`` with ``causal=True``.
+        """
+        if not self.causal:
+            raise ValueError("step() decodes causal attention; build the layer with causal=True")
+        check_tensor("x", x, ndim=2, layout="[B, dim]")
+        state = state or DecodeState()
+        if pos is None:
+            pos_seq = self.default_positions(1, x, offset=state.position)
+        else:
+            check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
+            pos_seq = pos.reshape(-1, 1, pos.shape[-1])
+        p = self.prepare(x.unsqueeze(1), pos_seq, None)
+        f = self.features(p.q, p.k, p.pos)
+        first = lambda t: None if t is None else t[:, :, 0]  # noqa: E731
+        out, inner = recurrent_step(
+            f.q[:, :, 0], f.k[:, :, 0], p.v[:, :, 0], state.inner, a=first(f.a), c=first(f.c), key_log_scale=first(f.key_log_scale)
+        )
+        return self.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), DecodeState(inner, state.position + 1)

@@ -1,0 +1,128 @@
+"""SoftmaxAttention: exact O(N^2) attention, optionally with a relative positional bias.
+
+The exact baselines FLT is judged against: plain softmax, a learned per-offset table
+(clipped or T5-bucketed), ALiBi, RoPE, or the exact ``f`` of any FLT spectrum as the bias
+(the exact counterpart of ``FLTAttention(coupling="logit")``) or as a multiplicative mask
+(the counterpart of ``coupling="multiplicative"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+
+from flt._checks import check_choice
+from flt.layers.base import AttentionBase
+from flt.ops.reference import rpe_attention_reference
+from flt.ops.softmax import BACKENDS, softmax_attention
+from flt.posenc.bias import RelativeBiasTable, alibi_bias, alibi_slopes
+from flt.posenc.rope import apply_rope
+from flt.spectra import SPECTRA
+
+RELATIVE_BIASES = (None, "t5", "clipped", "alibi", "spectrum")
+
+
+class SoftmaxAttention(AttentionBase):
+    """Exact multi-head softmax attention with an optional relative positional encoding.
+
+    Args:
+        dim, heads, pos_dim, causal: as every attention layer.
+        relative_bias: ``None``, ``"t5"`` / ``"clipped"`` (learned table over 1-D integer
+            offsets; ``max_distance``, ``num_buckets``), ``"alibi"`` (``-slope_h |r_i - r_j|``,
+            Euclidean for ``P > 1``) or ``"spectrum"`` (the exact mask ``f`` of
+            ``SPECTRA[spectrum]``, learned, any ``P``).
+        coupling: with ``relative_bias="spectrum"``: ``"logit"`` adds ``f`` to the logits,
+            ``"multiplicative"`` multiplies the weights by ``f`` (computed by the reference
+            backend, since it is not a softmax).
+        rope, rope_base: rotate queries and keys by RoPE at ``pos`` (1-D or axial).
+        backend: ``"sdpa"`` (default), ``"flex"`` (FlexAttention; raises where it cannot run,
+            e.g. backward on CPU) or ``"reference"``.
+        **spectrum_options: for ``relative_bias="spectrum"``: ``num_frequencies`` is unused
+            by the exact mask but kept so the spectrum matches an FLT layer's; other options
+            go to the spectrum (``amplitude`` defaults to 0 for logit, 1 for multiplicative).
+    """
+
+    supports_decoding = False
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        relative_bias: str | None = None,
+        max_distance: int = 128,
+        num_buckets: int | None = None,
+        spectrum: str = "gaussian_mixture",
+        coupling: str = "logit",
+        num_frequencies: int = 32,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        backend: str = "sdpa",
+        device=None,
+        dtype=None,
+        **spectrum_options,
+    ) -> None:
+        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        check_choice("relative_bias", relative_bias, RELATIVE_BIASES)
+        check_choice("backend", backend, BACKENDS)
+        check_choice("coupling", coupling, ("logit", "multiplicative"))
+        if coupling == "multiplicative" and relative_bias != "spectrum":
+            raise ValueError("coupling='multiplicative' applies to relative_bias='spectrum' only")
+        if relative_bias in ("t5", "clipped") and pos_dim != 1:
+            raise ValueError(f"relative_bias={relative_bias!r} is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
+        if spectrum_options and relative_bias != "spectrum":
+            raise ValueError(f"unexpected options {sorted(spectrum_options)} (spectrum options need relative_bias='spectrum')")
+        if rope and self.head_dim % (2 * pos_dim):
+            raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
+        self.relative_bias, self.coupling, self.backend = relative_bias, coupling, backend
+        self.rope, self.rope_base = bool(rope), rope_base
+        fk = {"device": device, "dtype": dtype}
+        self.table = self.spectrum = None
+        if relative_bias in ("t5", "clipped"):
+            self.table = RelativeBiasTable(
+                heads, mode=relative_bias, max_distance=max_distance, num_buckets=num_buckets, bidirectional=not causal, **fk
+            )
+        elif relative_bias == "alibi":
+            self.register_buffer("slopes", alibi_slopes(heads, device=device, dtype=torch.float32), persistent=False)
+        elif relative_bias == "spectrum":
+            spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
+            self.spectrum = SPECTRA[spectrum](heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, **fk, **spectrum_options)
+
+    def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
+        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions."""
+        if self.table is not None:
+            return self.table(pos).to(dtype)
+        if self.relative_bias == "alibi":
+            return alibi_bias(pos, pos, self.slopes).to(dtype)
+        if self.spectrum is not None:
+            cdt = torch.promote_types(dtype, torch.float32)
+            delta = (pos.unsqueeze(2) - pos.unsqueeze(1)).to(cdt)  # [B|1, N, N, P]
+            return rearrange(self.spectrum.mask(delta), "b i j h -> b h i j")
+        return None
+
+    def _attend(self, x, pos, key_padding_mask, backend):
+        p = self.prepare(x, pos, key_padding_mask)
+        q, k = p.q, p.k
+        if self.rope:
+            q, k = apply_rope(q, p.pos, base=self.rope_base), apply_rope(k, p.pos, base=self.rope_base)
+        term = self.positional_term(p.pos, q.dtype)
+        if self.coupling == "multiplicative":
+            cdt = torch.promote_types(q.dtype, torch.float32)
+            mask = term if p.pad is None else term * (~p.pad).to(cdt)[:, None, None, :]
+            out = rpe_attention_reference(q.to(cdt), k.to(cdt), p.v.to(cdt), mask=mask, causal=self.causal, scale=1 / math.sqrt(self.head_dim))
+            return self.finish(out, x)
+        out = softmax_attention(q, k, p.v, bias=term, causal=self.causal, key_padding_mask=p.pad, backend=backend)
+        return self.finish(out, x)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self._attend(x, pos, key_padding_mask, self.backend)
+
+    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same computation by the plain O(N^2) reference backend."""
+        return self._attend(x, pos, key_padding_mask, "reference")
+
+    exact = reference

@@ -1,0 +1,230 @@
+"""Relative attention biases as functions of position offsets (the logit coupling of
+MATH.md section 1): ALiBi (Press et al. 2022), T5 buckets (Raffel et al. 2020) and
+clipped learned offsets (Shaw et al. 2018).
+
+Every bias has the layout ``[B, H, N, Nk]`` and is added to the attention logits
+``q_i.k_j / sqrt(D)``. Offsets are ``key - query`` (``r_j - r_i``), T5's convention:
+negative offsets are keys in the past.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from flt._checks import check_choice, check_dim, check_finite, check_positive_int, check_tensor
+from flt.posenc._common import compute_dtype, integer_positions
+
+
+def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
+    """ALiBi head slopes ``[H]``.
+
+    For ``H`` a power of two the slopes are the geometric sequence ``2^(-8h/H)``,
+    ``h = 1 .. H``. Otherwise, with ``H'`` the largest power of two below ``H``, the
+    slopes are those for ``H'`` followed by the first ``H - H'`` odd-indexed slopes
+    for ``2H'`` (``2^(-8(2k-1)/(2H'))``, ``k = 1, 2, ...``), as in the ALiBi paper's code.
+    Values are exact powers of two, computed in float64 before casting.
+    """
+    check_positive_int("heads", heads)
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    low = 2 ** int(math.floor(math.log2(heads)))
+    slopes = power_of_two(low) + power_of_two(2 * low)[0::2][: heads - low]
+    return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype or torch.get_default_dtype())
+
+
+def _pair_positions(pos_q, pos_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate query/key positions; return them as ``[B or 1, N, P]`` and ``[B or 1, Nk, P]``."""
+    check_tensor("pos_q", pos_q, ndim=(2, 3), layout="[B, N, P] or [N, P]")
+    check_tensor("pos_k", pos_k, ndim=(2, 3), layout="[B, Nk, P] or [Nk, P]")
+    pos_q = pos_q if pos_q.ndim == 3 else pos_q.unsqueeze(0)
+    pos_k = pos_k if pos_k.ndim == 3 else pos_k.unsqueeze(0)
+    check_dim("pos_k", pos_k, 2, pos_q.shape[2], "position dimension P (must match pos_q)")
+    if pos_q.shape[0] != pos_k.shape[0] and 1 not in (pos_q.shape[0], pos_k.shape[0]):
+        raise ValueError(f"pos_q and pos_k have batch sizes {pos_q.shape[0]} and {pos_k.shape[0]}; they must match or be 1")
+    check_finite("pos_q", pos_q)
+    check_finite("pos_k", pos_k)
+    return pos_q, pos_k
+
+
+def alibi_bias(pos_q: torch.Tensor, pos_k: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """ALiBi bias ``b[b, h, i, j] = -slopes[h] * |r_i - r_j|``: ``[B, H, N, Nk]``.
+
+    For ``P > 1`` the distance is Euclidean, ``|r_i - r_j|_2`` (an isotropic extension;
+    the paper is 1-D). The paper's causal form ``-m (i - j)`` for ``j <= i`` equals this
+    on the causal part; the symmetric ``|i - j|`` is the usual bidirectional variant.
+
+    Args:
+        pos_q: query positions ``[B or 1, N, P]`` or ``[N, P]``.
+        pos_k: key positions ``[B or 1, Nk, P]`` or ``[Nk, P]``.
+        slopes: ``[H]``, e.g. :func:`alibi_slopes`.
+
+    Returns:
+        ``[B or 1, H, N, Nk]`` in float32 or better.
+    """
+    pos_q, pos_k = _pair_positions(pos_q, pos_k)
+    check_tensor("slopes", slopes, ndim=1, layout="[H]")
+    check_finite("slopes", slopes)
+    cdt = compute_dtype(pos_q, pos_k, slopes)
+    diff = pos_q.to(cdt).unsqueeze(2) - pos_k.to(cdt).unsqueeze(1)  # [B, N, Nk, P]
+    # vector_norm's backward is 0 (not NaN) at zero distance, unlike a hand-written sqrt.
+    dist = diff.abs().squeeze(-1) if diff.shape[-1] == 1 else torch.linalg.vector_norm(diff, dim=-1)
+    return -slopes.to(cdt)[None, :, None, None] * dist.unsqueeze(1)
+
+
+def t5_relative_buckets(
+    offsets: torch.Tensor,
+    *,
+    bidirectional: bool,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> torch.Tensor:
+    """T5 bucket index (``torch.long``, same shape) of integer offsets ``key - query``.
+
+    With ``bidirectional=True`` half the buckets are for offsets ``<= 0`` (keys at or
+    before the query) and half, shifted by ``num_buckets/2``, for offsets ``> 0``; with
+    ``bidirectional=False`` all buckets serve distances into the past and every future
+    offset shares bucket 0 with offset 0 (a causal mask removes them anyway).
+
+    Within one half of ``n`` buckets, a distance ``d >= 0`` gets bucket ``d`` when
+    ``d < n/2`` (exact), else ``n/2 + floor(log(d / (n/2)) / log(max_distance / (n/2)) * (n - n/2))``
+    capped at ``n - 1`` (log-spaced up to ``max_distance``, one bucket beyond).
+
+    The log expression is evaluated by comparing ``d`` with the integer thresholds where
+    it changes value, computed once in Python float64, so the result is exact at the
+    boundaries (e.g. ``d = 16, 32`` with the defaults), device-independent and needs no
+    float64 on the device. Implementations that evaluate the log in float32 (T5 and
+    x-transformers do) can differ exactly at such boundary distances.
+    """
+    n = integer_positions("offsets", offsets)
+    check_positive_int("num_buckets", num_buckets)
+    check_positive_int("max_distance", max_distance)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional must be a bool, got {type(bidirectional).__name__}")
+    half = num_buckets
+    if bidirectional:
+        if num_buckets % 2 != 0:
+            raise ValueError(f"num_buckets must be even when bidirectional, got {num_buckets}")
+        half = num_buckets // 2
+        bucket = (n > 0).long() * half
+        dist = n.abs()
+    else:
+        bucket = torch.zeros_like(n)
+        dist = (-n).clamp(min=0)
+    exact = half // 2
+    if exact < 1:
+        raise ValueError(f"num_buckets = {num_buckets} leaves no exact buckets; use at least {4 if bidirectional else 2}")
+    if max_distance <= exact:
+        raise ValueError(f"max_distance = {max_distance} must exceed the {exact} exact buckets")
+    thresholds = _log_bucket_thresholds(exact, half - exact, max_distance)
+    large = exact + torch.bucketize(dist, torch.tensor(thresholds, dtype=torch.long, device=n.device), right=True)
+    return bucket + torch.where(dist < exact, dist, large)
+
+
+def _log_bucket_thresholds(exact: int, num_log: int, max_distance: int) -> list[int]:
+    """Smallest integer distances reaching log bucket ``exact + k``, ``k = 1 .. num_log - 1``."""
+    ratio = max_distance / exact
+    out = []
+    for k in range(1, num_log):
+        t = exact * ratio ** (k / num_log)
+        # Snap values that are integers up to rounding (e.g. 8 * 16^(1/4) = 16).
+        if abs(t - round(t)) <= 1e-9 * t:
+            t = round(t)
+        out.append(math.ceil(t))
+    return out
+
+
+def clipped_relative_indices(offsets: torch.Tensor, *, max_distance: int, bidirectional: bool) -> torch.Tensor:
+    """Table index of integer offsets ``key - query`` clipped to ``max_distance`` (Shaw et al.).
+
+    Bidirectional: ``clip(offset, -M, M) + M`` in ``[0, 2M]``. Unidirectional:
+    ``clip(offset, -M, 0) + M`` in ``[0, M]`` (future offsets share offset 0's entry).
+    """
+    n = integer_positions("offsets", offsets)
+    check_positive_int("max_distance", max_distance)
+    if not isinstance(bidirectional, bool):
+        raise TypeError(f"bidirectional must be a bool, got {type(bidirectional).__name__}")
+    upper = max_distance if bidirectional else 0
+    return n.clamp(min=-max_distance, max=upper) + max_distance
+
+
+class RelativeBiasTable(nn.Module):
+    """Learned per-head bias of 1-D integer offsets: ``[B, H, N, Nk]``.
+
+    Modes:
+        ``"t5"``: one entry per :func:`t5_relative_buckets` bucket (``num_buckets``
+            entries, default 32).
+        ``"clipped"``: one entry per offset in ``[-max_distance, max_distance]``
+            (:func:`clipped_relative_indices`); ``num_buckets`` must be left unset.
+
+    The table starts at zero so a fresh layer adds no bias (plain attention).
+
+    Shapes: ``forward(pos_q [B, N, 1], pos_k [B, Nk, 1] = pos_q) -> [B, H, N, Nk]`` in the
+    table's dtype. Positions are integer-valued (float or integer tensors; ``[N, 1]``
+    is accepted and gives batch 1).
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        *,
+        mode: str = "t5",
+        max_distance: int = 128,
+        num_buckets: int | None = None,
+        bidirectional: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_positive_int("heads", heads)
+        check_choice("mode", mode, ("t5", "clipped"))
+        check_positive_int("max_distance", max_distance)
+        if not isinstance(bidirectional, bool):
+            raise TypeError(f"bidirectional must be a bool, got {type(bidirectional).__name__}")
+        if mode == "t5":
+            num_buckets = 32 if num_buckets is None else num_buckets
+            # Validates num_buckets / max_distance now rather than at the first forward.
+            probe = torch.zeros(1, dtype=torch.long)
+            t5_relative_buckets(probe, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+            size = num_buckets
+        else:
+            if num_buckets is not None:
+                raise ValueError("num_buckets applies to mode='t5' only; leave it unset for mode='clipped'")
+            size = 2 * max_distance + 1 if bidirectional else max_distance + 1
+        self.heads, self.mode = heads, mode
+        self.max_distance, self.num_buckets, self.bidirectional = max_distance, num_buckets, bidirectional
+        self.table = nn.Parameter(torch.zeros(size, heads, device=device, dtype=dtype))
+
+    def indices(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Table row of each integer offset ``key - query`` (any shape, ``torch.long``)."""
+        if self.mode == "t5":
+            return t5_relative_buckets(
+                offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
+            )
+        return clipped_relative_indices(offsets, max_distance=self.max_distance, bidirectional=self.bidirectional)
+
+    def forward(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
+        pos_k = pos_q if pos_k is None else pos_k
+        q, k = (integer_positions(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k)))
+        for name, p in (("pos_q", q), ("pos_k", k)):
+            if p.ndim not in (2, 3) or p.shape[-1] != 1:
+                raise ValueError(f"{name} must have shape [B, N, 1] or [N, 1] (1-D positions), got {tuple(p.shape)}")
+        q = q if q.ndim == 3 else q.unsqueeze(0)
+        k = k if k.ndim == 3 else k.unsqueeze(0)
+        if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+            raise ValueError(f"pos_q and pos_k have batch sizes {q.shape[0]} and {k.shape[0]}; they must match or be 1")
+        offsets = k[..., 0].unsqueeze(1) - q[..., 0].unsqueeze(2)  # [B, N, Nk], key - query
+        bias = self.table[self.indices(offsets)]  # [B, N, Nk, H]
+        return rearrange(bias, "b i j h -> b h i j")
+
+    def extra_repr(self) -> str:
+        extra = f", num_buckets={self.num_buckets}" if self.mode == "t5" else ""
+        return (
+            f"heads={self.heads}, mode={self.mode!r}, max_distance={self.max_distance}{extra}, "
+            f"bidirectional={self.bidirectional}"
+        )

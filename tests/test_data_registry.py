@@ -1,0 +1,35 @@
+"""The task -> default dataset registry, and that importing the data package does no work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flt.data import DATASETS
+
+
+def _small_kwargs(task, tmp_path):
+    return {
+        "lm": {"max_bytes": 50_000},
+        "image": {},
+        "molecule": {"num_samples": 3, "relax_steps": 1, "cache_dir": tmp_path, "progress": False},
+    }[task]
+
+
+@pytest.mark.parametrize("task", sorted(DATASETS))
+def test_default_datasets_have_train_and_valid(task, tmp_path):
+    pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase"}[task])
+    splits = DATASETS[task](**_small_kwargs(task, tmp_path))
+    assert len(splits.train) > 0 and len(splits.valid) > 0
+
+
+def test_registry_names():
+    assert set(DATASETS) == {"lm", "image", "molecule"}
+
+
+def test_import_loads_no_optional_dependency():
+    code = "import sys, flt.data; print(sorted(m for m in ('sklearn', 'ase', 'PIL') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
