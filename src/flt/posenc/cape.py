@@ -13,8 +13,9 @@ FLT's spectral RPE, RoPE). Per sample ``b``, after optional mean-centring,
 In eval mode the random part is off. Mean-centring (``x - mean_i x``, per sample and
 axis) is deterministic and is applied in both modes, as in the reference implementations:
 centring only during training would shift every position at test time relative to what
-the model saw. So ``eval()`` is the identity exactly when ``mean_center=False``, and a
-pure translation of each sample otherwise.
+the model saw. The default ``mean_center=False`` makes ``eval()`` exactly the identity;
+with ``mean_center=True`` (the paper's option) eval is a pure translation of each sample,
+which relative mechanisms ignore.
 
 Centring averages over all ``N`` tokens; for padded batches centre the valid tokens
 yourself and pass ``mean_center=False``.
@@ -86,7 +87,7 @@ class CAPE(nn.Module):
         max_global_shift: float = 0.0,
         max_local_shift: float = 0.0,
         max_global_scaling: float = 1.0,
-        mean_center: bool = True,
+        mean_center: bool = False,
     ):
         super().__init__()
         check_positive_int("pos_dim", pos_dim)
@@ -108,7 +109,7 @@ class CAPE(nn.Module):
         max_global_shift: float = 5.0,
         max_local_shift: float = 0.5,
         max_global_scaling: float = 1.0,
-        mean_center: bool = True,
+        mean_center: bool = False,
     ) -> CAPE:
         """Preset for token indices ``0 .. N-1`` (unit step).
 
