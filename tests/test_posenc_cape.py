@@ -19,13 +19,13 @@ def test_eval_is_identity_without_centring_and_a_translation_with_it():
     pos = 10 * torch.randn(3, 7, 2, dtype=torch.float64)
     cape = CAPE(2, max_global_shift=3.0, max_local_shift=0.5, max_global_scaling=1.5, mean_center=False).eval()
     assert torch.equal(cape(pos), pos)
-    centred = CAPE(2, max_global_shift=3.0, max_local_shift=0.5, max_global_scaling=1.5).eval()(pos)
+    centred = CAPE(2, max_global_shift=3.0, max_local_shift=0.5, max_global_scaling=1.5, mean_center=True).eval()(pos)
     assert_close(centred, pos - pos.mean(dim=1, keepdim=True))
     assert_close(centred.mean(dim=1), torch.zeros(3, 2, dtype=torch.float64))
 
 
 def test_training_applies_the_formula_with_the_drawn_values():
-    cape = CAPE(2, max_global_shift=2.0, max_local_shift=0.3, max_global_scaling=1.4)
+    cape = CAPE(2, max_global_shift=2.0, max_local_shift=0.3, max_global_scaling=1.4, mean_center=True)
     pos = torch.randn(4, 6, 2, dtype=torch.float64)
     out = cape(pos, generator=torch.Generator().manual_seed(7))
     draws = cape.sample(4, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
