@@ -1,15 +1,34 @@
 """Spectral families ``g`` whose Fourier transforms are the learned RPE masks ``f``.
 
 ``SPECTRA`` maps a name to a class constructed as
-``SPECTRA[name](heads=H, pos_dim=P, num_frequencies=R, **options)``.
+``SPECTRA[name](heads=H, pos_dim=P, num_frequencies=R, **options)``; every family takes
+an ``amplitude`` option (the initial ``f(0)``; ``0`` gives ``f == 0``).
 """
 
 from flt.spectra.base import Spectrum
 from flt.spectra.gaussian_mixture import GaussianMixtureSpectrum
+from flt.spectra.kernels import MATERN_NU, GaussianKernelSpectrum, MaternSpectrum
+from flt.spectra.local import LocalSpectrum
+from flt.spectra.neural import NeuralSpectrum
 from flt.spectra.sampling import SAMPLERS, standard_normal_draws
 
 SPECTRA: dict[str, type[Spectrum]] = {
     "gaussian_mixture": GaussianMixtureSpectrum,
+    "gaussian": GaussianKernelSpectrum,
+    "matern": MaternSpectrum,
+    "local": LocalSpectrum,
+    "neural": NeuralSpectrum,
 }
 
-__all__ = ["SAMPLERS", "SPECTRA", "GaussianMixtureSpectrum", "Spectrum", "standard_normal_draws"]
+__all__ = [
+    "MATERN_NU",
+    "SAMPLERS",
+    "SPECTRA",
+    "GaussianKernelSpectrum",
+    "GaussianMixtureSpectrum",
+    "LocalSpectrum",
+    "MaternSpectrum",
+    "NeuralSpectrum",
+    "Spectrum",
+    "standard_normal_draws",
+]

@@ -16,6 +16,10 @@ from torch import nn
 from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
 from flt.spectra.sampling import SAMPLERS, standard_normal_draws
 
+# Times 1 / R: weights smaller than this are split unevenly between the query and key
+# features so that w = 0 stays differentiable (see Spectrum.features).
+_WEIGHT_FLOOR = 1e-4
+
 
 class Spectrum(nn.Module):
     """Base class of the spectral families.
@@ -124,7 +128,17 @@ class Spectrum(nn.Module):
             ``a_i . c_j = f^(r_i - r_j)``. ``sqrt|w_k|`` sits on both sides (the sign on the
             query side) so both vectors have norms independent of ``R``: with all the
             weight on one side the key norms would grow like ``sqrt(R)`` and FAVOR+ on the
-            concatenated vectors would lose its accuracy.
+            concatenated vectors would lose its accuracy. Weights below a floor are the
+            exception: the key side carries ``rho_k = sqrt(max(|w_k|, floor))`` and the
+            query side ``w_k / rho_k``, ``floor = 1e-4 / R``. The product is still exactly
+            ``w_k``, and ``sqrt|w_k|`` on both sides is kept whenever ``|w_k| >= floor``
+            (``w_k ~ f(0) / R``). With ``sqrt|w_k|`` on both sides down to 0, a
+            zero-initialised spectrum (``amplitude=0``: a fresh logit-coupled layer) would
+            get NaN gradients (``d sqrt|w| / dw`` is infinite at 0), and even with that
+            patched it would sit at a saddle: with ``a = c = 0`` no gradient of ``a . c``
+            reaches ``w``. With the floor, ``w = 0`` gives ``a = 0`` exactly (so
+            ``a . c = 0``) and small key features ``|c|^2 = R floor = 1e-4``, and
+            ``d(a . c) / dw_k`` is exact.
         """
         check_tensor("pos", pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
         if pos.ndim == 2:
@@ -133,11 +147,11 @@ class Spectrum(nn.Module):
         xi, w = self.frequencies()
         cdt = torch.promote_types(pos.dtype, torch.float32)
         phase = 2 * math.pi * torch.einsum("bnp,hrp->bhnr", pos.to(cdt), xi.to(cdt))
-        root = w.to(cdt).abs().sqrt().unsqueeze(-2)  # [H, 1, R]
-        sign = torch.sign(w.to(cdt)).unsqueeze(-2)
+        w = w.to(cdt).unsqueeze(-2)  # [H, 1, R]
+        root = w.abs().clamp_min(_WEIGHT_FLOOR / self.num_frequencies).sqrt()
         cos, sin = torch.cos(phase), torch.sin(phase)
         c = torch.cat([root * cos, root * sin], dim=-1)
-        a = torch.cat([sign * root * cos, sign * root * sin], dim=-1)
+        a = torch.cat([(w / root) * cos, (w / root) * sin], dim=-1)
         return a, c
 
     def extra_repr(self) -> str:
