@@ -88,7 +88,7 @@ class QKScaling(nn.Module):
     (exponential in ``|x|^2``) under control whatever the scale of the projections.
     """
 
-    def __init__(self, heads: int, head_dim: int, *, qk_norm: bool, temperature: float = 2.0, device=None, dtype=None) -> None:
+    def __init__(self, heads: int, head_dim: int, *, qk_norm: bool, temperature: float = 1.0, device=None, dtype=None) -> None:
         super().__init__()
         self.head_dim, self.qk_norm = head_dim, bool(qk_norm)
         if self.qk_norm:

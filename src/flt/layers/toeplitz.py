@@ -44,7 +44,7 @@ class ToeplitzAttention(KernelAttention):
         num_features: int = 256,
         feature_map: str = "favor+",
         qk_norm: bool | None = None,
-        temperature: float = 2.0,
+        temperature: float = 1.0,
         orthogonal: bool = True,
         redraw_interval: int | None = None,
         seed: int | None = None,
