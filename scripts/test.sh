@@ -4,8 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet -c constraints.txt -e ".[dev,train,mol]"
+# Optional peers for the agreement tests; their tests skip (and say so) if this fails.
+python -m pip install --quiet --no-deps -r requirements-peers.txt \
+    || echo "note: peer packages could not be installed; their agreement tests will be skipped" >&2
 set +e
-python -m pytest -q "$@"
+python -m pytest -q -rs "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
