@@ -150,3 +150,15 @@ def test_flex_backend_says_it_cannot_train_on_cpu():
 def test_bad_input_is_rejected(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matches_float32(name, dtype):
+    torch.manual_seed(0)
+    lay = ATTENTION[name](16, 2, causal=True)
+    x = torch.randn(2, 9, 16)
+    ref = lay(x)
+    out = lay.to(dtype)(x.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()) < 0.05
