@@ -12,6 +12,7 @@ depends, not even through rounding or underflow, on a key after it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -86,11 +87,41 @@ def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scal
     return _attend(q_feat, k_feat, v, a, c, causal, key_log_scale, chunk_size)
 
 
-def _global_key_rescale(k_feat, key_log_scale):
-    if key_log_scale is None:
-        return k_feat
-    kls = key_log_scale.to(k_feat.dtype)
-    return k_feat * torch.exp(kls - kls.amax(dim=-1, keepdim=True)).unsqueeze(-1)
+def _augment(v, weight=None):
+    """``[v, 1]``, each row times its key's ``weight``: ``[B, H, N, Dv] -> [B, H, N, Dv + 1]``.
+
+    The column of ones turns every product that forms a numerator into one that forms the
+    denominator too (its last column). Per-key scalars go on these ``Dv + 1`` columns
+    instead of the ``m`` key features, which are usually several times wider.
+    """
+    aug = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    return aug if weight is None else aug * weight.unsqueeze(-1)
+
+
+def _write(kf, c, vaug):
+    """Key-side state ``sum_j c_j (x) kf_j (x) vaug_j`` of a block of tokens (any leading dims).
+
+    Plain (``c`` None): ``kf^T vaug``, ``[..., m, Dv+1]``. Kronecker: the Khatri-Rao product of
+    the values with the narrower of ``c`` (``2R``) and ``kf`` (``m``) is formed, then contracted
+    with the other: ``[..., m, 2R*(Dv+1)]`` when ``2R <= m``, else ``[..., 2R, m*(Dv+1)]``.
+    Either way ``O(T * 2R * m * (Dv+1))`` work in one matmul.
+    """
+    if c is None:
+        return kf.transpose(-1, -2) @ vaug
+    if c.shape[-1] <= kf.shape[-1]:
+        return kf.transpose(-1, -2) @ (c.unsqueeze(-1) * vaug.unsqueeze(-2)).flatten(-2)
+    return c.transpose(-1, -2) @ (kf.unsqueeze(-1) * vaug.unsqueeze(-2)).flatten(-2)
+
+
+def _read(qf, a, state):
+    """``out_i = sum_(k,s) a_ik qf_is state[k, s, :]`` for a block of queries: ``[..., T, Dv+1]``."""
+    if a is None:
+        return qf @ state
+    if a.shape[-1] <= qf.shape[-1]:
+        t = (qf @ state).unflatten(-1, (a.shape[-1], -1))  # [..., T, 2R, Dv+1]
+        return (a.unsqueeze(-2) @ t).squeeze(-2)
+    t = (a @ state).unflatten(-1, (qf.shape[-1], -1))  # [..., T, m, Dv+1]
+    return (qf.unsqueeze(-2) @ t).squeeze(-2)
 
 
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
@@ -100,105 +131,152 @@ def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
         dtype = torch.promote_types(torch.promote_types(dtype, a.dtype), c.dtype)
         a, c = a.to(dtype), c.to(dtype)
     qf, kf, v = qf.to(dtype), kf.to(dtype), v.to(dtype)
+    kls = None if key_log_scale is None else key_log_scale.to(dtype)
     if causal:
-        return _causal_chunked(qf, kf, v, a, c, key_log_scale, chunk_size)
-    kf = _global_key_rescale(kf, key_log_scale)
+        out = _causal_chunked(qf, kf, v, a, c, kls, chunk_size)
+    else:
+        out = _bidirectional(qf, kf, v, a, c, kls, chunk_size)
+    return safe_divide(out[..., :-1], out[..., -1:])
+
+
+def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
+    """``[numerator, denominator]`` of every query, ``[B, H, N, Dv + 1]``."""
+    # One global shift of the key log scales; it cancels in the ratio.
+    vaug = _augment(v, None if kls is None else torch.exp(kls - kls.amax(dim=-1, keepdim=True)))
     if a is None:
-        kv = kf.transpose(-1, -2) @ v  # [B, H, m, Dv]
-        z = kf.sum(dim=-2)  # [B, H, m]
-        num = qf @ kv
-        den = (qf * z.unsqueeze(-2)).sum(dim=-1, keepdim=True)
-        return safe_divide(num, den)
-    return _kronecker_bidirectional(qf, kf, v, a, c, chunk_size)
-
-
-def _kronecker_bidirectional(qf, kf, v, a, c, chunk_size):
+        return qf @ (kf.transpose(-1, -2) @ vaug)
+    # Kronecker: stream the Khatri-Rao intermediate [block, min(2R, m) * (Dv+1)] over blocks
+    # of tokens, as large as keeps it within the size of the features (few, large matmuls)
+    # and at least chunk_size. split, not slicing: the backward concatenates block gradients once.
     B, H, N, m = qf.shape
-    Dv = v.shape[-1]
-    R2 = a.shape[-1]
-    state = qf.new_zeros(B, H, R2, m * Dv)
-    z = qf.new_zeros(B, H, R2, m)
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
-        kv = (kf[:, :, s:e, :, None] * v[:, :, s:e, None, :]).flatten(-2)  # [B, H, C, m*Dv]
-        ct = c[:, :, s:e].transpose(-1, -2)  # [B|1, H, 2R, C]
-        state = state + ct @ kv
-        z = z + ct @ kf[:, :, s:e]
-    outs = []
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
-        qb = qf[:, :, s:e]
-        ab = a[:, :, s:e]
-        t = (ab @ state).unflatten(-1, (m, Dv))  # [B, H, C, m, Dv]
-        num = (qb.unsqueeze(-1) * t).sum(dim=-2)
-        den = ((ab @ z) * qb).sum(dim=-1, keepdim=True)
-        outs.append(safe_divide(num, den))
-    return torch.cat(outs, dim=2)
+    block = max(chunk_size, (N * m) // (min(a.shape[-1], m) * vaug.shape[-1]))
+    state = None
+    for kb, cb, vb in zip(kf.split(block, 2), c.split(block, 2), vaug.split(block, 2)):
+        part = _write(kb, cb, vb)
+        state = part if state is None else state + part
+    return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
 
 
-def _running_log_scale(kf, key_log_scale):
-    """Return key features and a nondecreasing log scale (prefix max) describing them."""
-    if key_log_scale is None:
-        return kf, None
-    kls = key_log_scale.to(kf.dtype)
-    run = torch.cummax(kls, dim=-1).values
-    return kf * torch.exp(kls - run).unsqueeze(-1), run
+#: Chunks per block of the cross-chunk scan, a [G+1, G] matmul over the chunk index: its
+#: cost is G / chunk_size of the state products, and Python loops over N / (G * C) blocks.
+_SCAN_BLOCK = 32
 
 
-def _causal_chunked(qf, kf, v, a, c, key_log_scale, chunk_size):
+def _causal_chunked(qf, kf, v, a, c, kls, chunk_size):
+    """Causal ``[numerator, denominator]``, ``[B, H, N, Dv + 1]``, in chunks of ``chunk_size``.
+
+    Tokens are cut into ``N // C`` full chunks plus a tail, each viewed as
+    ``[B, H, chunks, C, ...]``: the masked ``C x C`` products inside chunks are one batched
+    matmul over all chunks (:func:`_inside_chunks`). Across chunks (:func:`_across_chunks`):
+    every chunk's key state in one matmul, the states of all earlier tokens by a scan over
+    the chunk index (small triangular matmuls, :func:`_scan`), and one matmul to read them
+    for every query. So that these states take no more memory than the features
+    ``B * H * N * m``, the Kronecker state ``2R * m * (Dv+1)`` is handled for groups of
+    chunks at a time, the state carried from group to group. Never a per-token prefix sum,
+    and few, large operations.
+
+    With key log scales ``s_j`` the weights are ``w_ij = qf_i.kf_j * exp(s_j - run_i)``,
+    ``run`` the running maximum: inside a chunk ``exp(s_j - run_j) * exp(run_j - run_i)``,
+    across chunks a state stored relative to the level ``run`` at the end of its last
+    chunk. Every exponent is <= 0, and nothing in row ``i`` depends on a key after ``i``.
+    """
     B, H, N, m = qf.shape
-    Dv = v.shape[-1]
-    kf, run = _running_log_scale(kf, key_log_scale)
+    run = None if kls is None else torch.cummax(kls, dim=-1).values
+    vaug = _augment(v)
+    n_main = N - N % chunk_size
+    segments = [(n, t) for n, t in ((n_main, chunk_size), (N - n_main, N - n_main)) if n]
+
+    def pieces(t):  # [B, H, N, ...] -> per segment [B, H, chunks, T, ...] (views)
+        if t is None:
+            return [None] * len(segments)
+        parts = (t,) if len(segments) == 1 else t.split([n for n, _ in segments], dim=2)
+        return [p.unflatten(2, (-1, T)) for p, (_, T) in zip(parts, segments)]
+
     R2 = 1 if a is None else a.shape[-1]
-    state = qf.new_zeros(B, H, R2, m * Dv)
-    z = qf.new_zeros(B, H, R2, m)
-    level = None if run is None else run[..., 0]  # log scale the state is stored relative to
-    outs = []
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
-        qb, kb, vb = qf[:, :, s:e], kf[:, :, s:e], v[:, :, s:e]
-        w = qb @ kb.transpose(-1, -2)  # [B, H, C, C]
-        if a is not None:
-            ab, cb = a[:, :, s:e], c[:, :, s:e]
-            w = w * (ab @ cb.transpose(-1, -2))
-        C = e - s
-        lower = torch.ones(C, C, dtype=torch.bool, device=qf.device).tril()
-        if run is not None:
-            rb = run[..., s:e]  # [B, H, C], nondecreasing
-            # exp(run_j - run_i) <= 1 for j <= i; masked before exp so nothing overflows.
-            diff = (rb.unsqueeze(-2) - rb.unsqueeze(-1)).masked_fill(~lower, -float("inf"))
-            w = w * torch.exp(diff)
-        else:
-            w = w.masked_fill(~lower, 0.0)
-        num = w @ vb
-        den = w.sum(dim=-1, keepdim=True)
-        # Contribution of all previous chunks through the running state.
-        if a is None:
-            num_p = qb @ state.view(B, H, m, Dv)
-            den_p = (qb * z.view(B, H, 1, m)).sum(dim=-1, keepdim=True)
-        else:
-            t = (ab @ state).unflatten(-1, (m, Dv))
-            num_p = (qb.unsqueeze(-1) * t).sum(dim=-2)
-            den_p = ((ab @ z) * qb).sum(dim=-1, keepdim=True)
-        if run is not None:
-            decay = torch.exp(level.unsqueeze(-1) - rb).unsqueeze(-1)  # [B, H, C, 1], <= 1
-            num_p, den_p = num_p * decay, den_p * decay
-        outs.append(safe_divide(num + num_p, den + den_p))
-        # Fold this chunk into the state, relative to the new level.
-        if run is not None:
-            new_level = rb[..., -1]
-            state = state * torch.exp(level - new_level)[..., None, None]
-            z = z * torch.exp(level - new_level)[..., None, None]
-            kb = kb * torch.exp(rb - new_level.unsqueeze(-1)).unsqueeze(-1)
-            level = new_level
-        if a is None:
-            state = state + (kb.transpose(-1, -2) @ vb).view(B, H, 1, m * Dv)
-            z = z + kb.sum(dim=-2).unsqueeze(-2)
-        else:
-            ct = cb.transpose(-1, -2)
-            state = state + ct @ (kb.unsqueeze(-1) * vb.unsqueeze(-2)).flatten(-2)
-            z = z + ct @ kb
-    return torch.cat(outs, dim=2)
+    group = max(1, qf.numel() // (B * H * R2 * m * (v.shape[-1] + 1)))
+    carry, outs = None, []
+    for q5, k5, v5, a5, c5, s5, r5 in zip(*map(pieces, (qf, kf, vaug, a, c, kls, run))):
+        out = _inside_chunks(q5, k5, v5, a5, c5, s5, r5)
+        cross = []
+        for chunks in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5))):
+            read, carry = _across_chunks(*chunks, carry)
+            cross.append(read)
+        outs.append((out + _cat(cross, dim=2)).flatten(2, 3))
+    return _cat(outs, dim=2)
+
+
+def _groups(t, group):
+    """Groups of ``group`` chunks along dim 2; ``None`` stays ``None``. A single group is the
+    tensor itself (a split's backward would copy its gradient)."""
+    if t is None:
+        return itertools.repeat(None)
+    return (t,) if group >= t.shape[2] else t.split(group, dim=2)
+
+
+def _cat(parts, dim):
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _inside_chunks(q, k, vaug, a, c, s, run):
+    """Weights of keys in the same chunk, ``j <= i``: ``[B, H, chunks, T, Dv + 1]``."""
+    w = q @ k.transpose(-1, -2)  # [B, H, chunks, T, T]
+    if a is not None:
+        w = w * (a @ c.transpose(-1, -2))
+    if run is None:
+        return w.tril() @ vaug
+    T = q.shape[-2]
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    # exp(run_j - run_i) <= 1 for j <= i; masked before exp so nothing overflows.
+    w = w * torch.exp((run.unsqueeze(-2) - run.unsqueeze(-1)).masked_fill(future, -float("inf")))
+    return w @ (vaug * torch.exp(s - run).unsqueeze(-1))
+
+
+def _across_chunks(q, k, vaug, a, c, s, run, carry):
+    """Weights of keys in earlier chunks, for a group of G chunks, and the state after them.
+
+    ``carry = (state, level)`` after the previous group (None at the start): the key sums of
+    all earlier tokens relative to ``exp(level)``. Chunk ``g``'s own state is stored relative
+    to ``e_g``, the running max at its last token. Returns ``([B, H, G, T, Dv+1], carry)``.
+    """
+    ends = None if run is None else run[..., -1]  # [B, H, G]
+    fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
+    if carry is None:
+        carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
+    prefixes, levels = [], []
+    blocks = zip(_groups(fresh, _SCAN_BLOCK), _groups(ends, _SCAN_BLOCK))
+    for block, block_ends in blocks:
+        prefix, level, carry = _scan(block, block_ends, carry)
+        prefixes.append(prefix)
+        levels.append(level)
+    read = _read(q, a, _cat(prefixes, dim=2))
+    if run is not None:
+        read = read * torch.exp(_cat(levels, dim=-1).unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
+    return read, carry
+
+
+def _scan(fresh, ends, carry):
+    """States of all tokens before each of G chunks, from the chunks' own states.
+
+    ``fresh [B, H, G, X, Y]``: chunk ``g``'s key sums relative to ``exp(e_g)`` (``ends``
+    ``[B, H, G]``, None without key scales). The state before chunk ``g`` is
+    ``P_g = state * exp(level - l_g) + sum_(g' < g) fresh_g' * exp(e_g' - l_g)`` at level
+    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``): one ``[G+1, G]`` matmul over the
+    chunk index, whose last row is the carry. ``l`` and ``e`` are nondecreasing, so every
+    exponent is <= 0. Returns ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
+    """
+    state, level = carry
+    G = fresh.shape[2]
+    below = torch.ones(G + 1, G, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
+    if ends is None:
+        scan, start, levels = below.to(fresh.dtype), state.unsqueeze(2), None
+    else:
+        levels = torch.cat([level.unsqueeze(-1), ends], dim=-1)  # l_0 .. l_G: [B, H, G + 1]
+        scan = torch.exp((ends.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
+        start = state.unsqueeze(2) * torch.exp(level.unsqueeze(-1) - levels)[..., None, None]
+    prefix = (scan @ fresh.flatten(-2)).unflatten(-1, fresh.shape[-2:]) + start  # [B, H, G + 1, X, Y]
+    if ends is None:
+        return prefix[:, :, :G], None, (prefix[:, :, G], None)
+    return prefix[:, :, :G], levels[..., :G], (prefix[:, :, G], levels[..., G])
 
 
 @dataclass

@@ -32,6 +32,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_tensor
@@ -86,6 +87,18 @@ def toeplitz_matrix(coeffs: torch.Tensor, n: int) -> torch.Tensor:
     return coeffs[..., offsets]
 
 
+def _circulant_hat(coeffs: torch.Tensor, n: int, length: int) -> torch.Tensor:
+    """``rfft`` of the first column of the length-``L`` circulant holding the Toeplitz matrix.
+
+    ``coeffs [H, 2N-1]`` -> ``[H, L//2 + 1]``. The column is ``c_0 .. c_(N-1), zeros,
+    c_-(N-1) .. c_-1``; any ``L >= 2N-1`` keeps the wrapped-around negative offsets away
+    from the positive ones.
+    """
+    pad = coeffs.new_zeros(coeffs.shape[0], length - (2 * n - 1))
+    column = torch.cat([coeffs[:, n - 1 :], pad, coeffs[:, : n - 1]], dim=-1)  # [H, L]
+    return torch.fft.rfft(column, n=length)
+
+
 def _toeplitz_fft(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``y[b, h, :, i] = sum_j coeffs[h, i - j + N - 1] x[b, h, :, j]`` via a circulant.
 
@@ -94,13 +107,8 @@ def _toeplitz_fft(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """
     n = x.shape[-1]
     length = fft_length(2 * n - 1)
-    # First column of the circulant: c_0 .. c_(N-1), zeros, c_-(N-1) .. c_-1. Any L >= 2N-1
-    # keeps the wrapped-around negative offsets away from the positive ones.
-    pad = coeffs.new_zeros(coeffs.shape[0], length - (2 * n - 1))
-    column = torch.cat([coeffs[:, n - 1 :], pad, coeffs[:, : n - 1]], dim=-1)  # [H, L]
-    column_hat = torch.fft.rfft(column, n=length)  # [H, L//2 + 1]
     x_hat = torch.fft.rfft(x, n=length)  # zero-padded to L: [B, H, C, L//2 + 1]
-    y = torch.fft.irfft(x_hat * column_hat.unsqueeze(1), n=length)
+    y = torch.fft.irfft(x_hat * _circulant_hat(coeffs, n, length).unsqueeze(1), n=length)
     return y[..., :n]
 
 
@@ -204,21 +212,31 @@ def toeplitz_attention(q_feat, k_feat, v, bias, *, causal: bool = False, fft_dty
         raise ValueError(f"fft_dtype must be None, torch.float32 or torch.float64, got {fft_dtype!r}")
     qf, kf, vv = q_feat.to(cdt), k_feat.to(cdt), v.to(cdt)
     coeffs = _bias_to_coeffs(bias.to(cdt), causal)
+    length = fft_length(2 * N - 1)
 
-    # All m*Dv numerator channels and the m denominator channels go through one FFT.
-    kv = rearrange(torch.einsum("bhnm,bhnd->bhmdn", kf, vv), "b h m d n -> b h (m d) n")
-    x = torch.cat([kv, rearrange(kf, "b h n m -> b h m n")], dim=2)  # [B, H, m*Dv + m, N]
-    y = _toeplitz_fft(coeffs, x)
-    y_kv = rearrange(y[:, :, : m * Dv], "b h (m d) n -> b h n m d", m=m)
-    y_k = rearrange(y[:, :, m * Dv :], "b h m n -> b h n m")
-    num = torch.einsum("bhnm,bhnmd->bhnd", qf, y_kv)
-    den = torch.einsum("bhnm,bhnm->bhn", qf, y_k).unsqueeze(-1)
+    # All channels kf (x) [v, 1] (numerators and, in the last column, denominators) go
+    # through one batched rfft/irfft along the sequence, laid out [B, H, m, Dv + 1, L] so
+    # each transform runs over contiguous memory. The factors are zero-padded to L before
+    # their outer product, so the product is born padded (no extra copy for the FFT).
+    k_t = F.pad(kf.transpose(-1, -2), (0, length - N))  # [B, H, m, L]
+    v_t = F.pad(torch.cat([vv, vv.new_ones(B, H, N, 1)], dim=-1).transpose(-1, -2), (0, length - N))  # [B, H, Dv+1, L]
+    x_hat = torch.fft.rfft(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, m, Dv+1, L//2 + 1]
+    column_hat = _circulant_hat(coeffs, N, length)[:, None, None, :]  # [H, 1, 1, L//2 + 1]
+    if torch.is_grad_enabled() and column_hat.requires_grad:
+        x_hat = x_hat * column_hat
+    else:
+        x_hat *= column_hat  # nothing saved for backward needs the old x_hat: save the memory
+    y = torch.fft.irfft(x_hat, n=length)[..., :N]  # [B, H, m, Dv+1, N]
+    del x_hat
+    # out[n, d] = sum_m qf[n, m] y[m, d, n]; reading y in its own layout (no permuted copy).
+    out = (y * qf.transpose(-1, -2).unsqueeze(-2)).sum(dim=2).transpose(-1, -2)  # [B, H, N, Dv+1]
+    num, den = out[..., :Dv], out[..., Dv:]
+    y_k = y[:, :, :, Dv]  # [B, H, m, N]: the Toeplitz sums of the key features
 
     # Rounding floor of each row's denominator: the FFT error is relative to the largest
     # Toeplitz sums of each channel, seen through this row's query features.
-    length = fft_length(2 * N - 1)
     unit = torch.finfo(cdt).eps * math.log2(max(length, 2))
-    scale = torch.einsum("bhnm,bhm->bhn", qf.abs(), y_k.abs().amax(dim=2)).unsqueeze(-1).detach()
+    scale = torch.einsum("bhnm,bhm->bhn", qf.abs(), y_k.abs().amax(dim=-1)).unsqueeze(-1).detach()
     dead = den <= _DEAD_ROW_UNITS * unit * scale
     out = safe_divide(num, torch.where(dead, torch.zeros_like(den), den))
     return out.to(out_dtype)

@@ -1,0 +1,298 @@
+"""Tables, fitted scaling exponents, target ratios and the log-log plot of ``flt bench speed``.
+
+Pure functions of the result dictionary :func:`flt.bench.speed.run` returns (and that
+``speed.json`` stores), so a saved run can be re-rendered.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+from flt.bench.speed import SHAPES, VARIANTS
+
+#: Targets of the project's issue 4 (CPU, 2 cores, float32, B=1, H=4, D=64, N=16384).
+TARGETS = {
+    "fwd_speedup": 30.0,  # FLT-logit fwd vs exact softmax with a materialised bias, at least
+    "fwd_memory_ratio": 20.0,  # peak memory, same pair, at least
+    "fwdbwd_speedup": 100.0,  # fwd+bwd, same pair, at least
+    "vs_favor": 1.5,  # FLT-logit time / FAVOR+ time at equal m, at most
+    "causal_overhead": 2.0,  # causal / bidirectional FLT-logit time, at most
+    "memory_exponent": 1.1,  # fitted exponent of peak memory in N, every linear mechanism, at most
+}
+
+
+def series(results: list[dict]) -> dict[tuple, dict[int, dict]]:
+    """``(variant, shape, causal, mode) -> {N: result}`` for the successful results."""
+    out = defaultdict(dict)
+    for r in results:
+        c = r["config"]
+        if r["status"] == "ok" and c["mode"] != "matmul":
+            out[(c["variant"], c["shape"], c["causal"], c["mode"])][c["N"]] = r
+    return dict(out)
+
+
+def fit_exponent(points: dict[int, float], min_n: int) -> tuple[float, int] | None:
+    """Least-squares slope of ``log y`` on ``log N`` over ``N >= min_n``: ``(slope, points)``."""
+    xs = [(math.log(n), math.log(y)) for n, y in sorted(points.items()) if n >= min_n and y > 0]
+    if len(xs) < 2:
+        return None
+    mx = sum(x for x, _ in xs) / len(xs)
+    my = sum(y for _, y in xs) / len(xs)
+    sxx = sum((x - mx) ** 2 for x, _ in xs)
+    return sum((x - mx) * (y - my) for x, y in xs) / sxx, len(xs)
+
+
+def exponents(results: list[dict], min_n: int) -> dict[tuple, dict]:
+    """Fitted time and peak-memory exponents per series."""
+    out = {}
+    for key, by_n in series(results).items():
+        out[key] = {
+            "time": fit_exponent({n: r["median_s"] for n, r in by_n.items()}, min_n),
+            "memory": fit_exponent({n: r["peak_mb"] for n, r in by_n.items()}, min_n),
+        }
+    return out
+
+
+def _get(results, variant, shape, causal, mode, N):
+    for r in results:
+        c = r["config"]
+        if (c["variant"], c["shape"], c["causal"], c["mode"], c["N"]) == (variant, shape, causal, mode, N):
+            return r
+    return None
+
+
+def _ok(r):
+    return r is not None and r["status"] == "ok"
+
+
+def targets(data: dict) -> list[dict]:
+    """The issue's target ratios at the preset's ``target_n``, measured in this run.
+
+    Each row: ``name, target, measured`` (median-based; ``measured_min`` from the fastest
+    repeats, ``measured_cpu`` from process CPU time, which a busy machine inflates less),
+    ``passed`` (None when not measurable, with the reason in ``note``). ``passed`` uses the
+    medians of wall time.
+    """
+    results, preset = data["results"], data["preset"]
+    flt, exact, favor = preset["headline"]
+    shape = preset["shapes"][0]
+    N = target_length(data)
+    rows = []
+
+    def ratio(name, target, num, den, larger_is_better, field="median_s", note=""):
+        if not (_ok(num) and _ok(den)):
+            missing = [r for r in (num, den) if not _ok(r)]
+            why = "; ".join(f"{m['config']['variant']} {m['config']['mode']}: {m['status']} ({m['note']})" for m in missing if m) or "not in this run"
+            rows.append({"name": name, "target": target, "measured": None, "passed": None, "note": why})
+            return
+        value = num[field] / den[field]
+        row = {"name": name, "target": target, "measured": value, "passed": value >= target if larger_is_better else value <= target, "note": note}
+        if field == "median_s":
+            row["measured_min"] = num["min_s"] / den["min_s"]
+            row["measured_cpu"] = statistics.median(num["cpu_s"]) / statistics.median(den["cpu_s"])
+        rows.append(row)
+
+    for mode, key in (("fwd", "fwd_speedup"), ("fwd+bwd", "fwdbwd_speedup")):
+        ratio(f"{mode}: {exact} time / {flt} time (>=)", TARGETS[key], _get(results, exact, shape, False, mode, N), _get(results, flt, shape, False, mode, N), True)
+        if rows[-1]["measured"] is None:
+            # The named exact baseline did not run at this N: say what every other exact one gives.
+            for other, spec in VARIANTS.items():
+                if spec.mechanism == "softmax" and other != exact and spec.memory_order >= 2:
+                    alt = _get(results, other, shape, False, mode, N)
+                    if _ok(alt):
+                        ratio(f"{mode}: {other} time / {flt} time (>=)", TARGETS[key], alt, _get(results, flt, shape, False, mode, N), True,
+                              note=f"{exact} could not run at N = {N}; the cheapest materialised bias that did")
+    ratio(f"fwd: {exact} peak memory / {flt} peak memory (>=)", TARGETS["fwd_memory_ratio"], _get(results, exact, shape, False, "fwd", N), _get(results, flt, shape, False, "fwd", N), True, field="peak_mb")
+    for mode in ("fwd", "fwd+bwd"):
+        ratio(f"{mode}: {flt} time / {favor} time (<=)", TARGETS["vs_favor"], _get(results, flt, shape, False, mode, N), _get(results, favor, shape, False, mode, N), False)
+    for mode in ("fwd", "fwd+bwd"):
+        ratio(f"{mode}: {flt} causal time / bidirectional time (<=)", TARGETS["causal_overhead"], _get(results, flt, shape, True, mode, N), _get(results, flt, shape, False, mode, N), False)
+    fits = exponents(results, preset["fit_min_n"])
+    for (variant, shp, causal, mode), fit in sorted(fits.items()):
+        spec = VARIANTS[variant]
+        if spec.kind == "op" or spec.memory_order >= 2 or spec.mechanism == "softmax" or shp != shape or fit["memory"] is None:
+            continue
+        slope, npts = fit["memory"]
+        rows.append({
+            "name": f"peak-memory exponent, {variant} {'causal' if causal else 'bidir'} {mode} (<=)", "target": TARGETS["memory_exponent"],
+            "measured": slope, "passed": slope <= TARGETS["memory_exponent"], "note": f"fit over {npts} sizes, N >= {preset['fit_min_n']}",
+        })
+    return rows
+
+
+def target_length(data: dict) -> int:
+    """The preset's ``target_n``, or the largest N of the run when that was not measured."""
+    Ns = {r["config"]["N"] for r in data["results"] if r["config"]["shape"] == data["preset"]["shapes"][0]}
+    return data["preset"]["target_n"] if data["preset"]["target_n"] in Ns or not Ns else max(Ns)
+
+
+def kronecker_model(data: dict) -> list[dict]:
+    """Op-level Kronecker FLT against its cost model and this machine's matmul throughput.
+
+    Model FLOPs (multiply-adds counted as 2): the key-side state and the query-side read
+    each contract ``N x 2R x m x (Dv + 1)`` per batch and head (the extra column is the
+    denominator), ``4 B H N 2R m (Dv+1)``; causal adds the in-chunk products
+    ``2 B H N C (m + 2R + Dv + 1)`` with ``C`` the chunk size (128).
+    """
+    from flt.ops.linear import DEFAULT_CHUNK_SIZE
+
+    peak = data["matmul"].get("gflops") if data["matmul"]["status"] == "ok" else None
+    rows = []
+    for r in data["results"]:
+        c = r["config"]
+        spec = VARIANTS[c["variant"]]
+        if spec.kind != "op" or r["status"] != "ok":
+            continue
+        s = SHAPES[c["shape"]]
+        m, R = spec.kwargs["num_features"], spec.kwargs["num_frequencies"]
+        flops = 4 * s.B * s.H * c["N"] * 2 * R * m * (s.D + 1)
+        if c["causal"]:
+            flops += 2 * s.B * s.H * c["N"] * DEFAULT_CHUNK_SIZE * (m + 2 * R + s.D + 1)
+        achieved = flops / r["median_s"] / 1e9
+        rows.append({
+            "m": m, "R": R, "N": c["N"], "causal": c["causal"], "mode": c["mode"], "median_s": r["median_s"],
+            "model_gflop": flops / 1e9, "achieved_gflops": achieved, "fraction_of_matmul": None if peak is None else achieved / peak,
+        })
+    return rows
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"] + (": memory" if r["note"].startswith("memory") else ": time" if r["note"].startswith("time") else "")
+    spread = (r["q3_s"] - r["q1_s"]) / r["median_s"] * 100
+    return f"{_fmt_time(r['median_s'])} ±{spread:.0f}% / {r['peak_mb']:.0f} MB"
+
+
+def markdown(data: dict, command: str = "") -> str:
+    """The whole report as markdown: machine, targets, tables, exponents, Kronecker model, notes."""
+    m, preset, results = data["machine"], data["preset"], data["results"]
+    lines = ["# flt bench speed", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    load = lambda t: ", ".join(f"{x:.2f}" for x in t)  # noqa: E731
+    lines += [
+        f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['threads']} threads, {m['mem_total_gb']} GB; {m['platform']}; "
+        f"Python {m['python']}, torch {m['torch']}; commit {m['commit'][:12]}{' (dirty)' if m['dirty'] else ''}; {m['date']}. "
+        f"Load average at start {load(m['loadavg_start'])}, at end {load(m.get('loadavg_end', []))}.",
+    ]
+    mm = data["matmul"]
+    if mm["status"] == "ok":
+        lines.append(f"float32 matmul ({preset['matmul_n']}^3): {mm['gflops']:.1f} GFLOP/s median, {mm['gflops_best']:.1f} best.")
+    peers = m.get("peers") or {}
+    if peers:
+        lines.append("Peers: " + "; ".join(f"{k} {v}" for k, v in peers.items()) + ".")
+    lines += [
+        "",
+        "Layer level: `x [B, N, H*D] -> [B, N, H*D]` including the projections; float32; `fwd` under no_grad, "
+        "`fwd+bwd` = forward and backward to the input and the parameters. Cells: median wall time ±IQR/median "
+        "over repeats / peak RSS above the process's baseline (fresh process per cell). Every timed cell passed a "
+        "float64 fast-path-vs-reference check first.",
+        "",
+    ]
+    rows = targets(data)
+    if rows:
+        shape = SHAPES[preset["shapes"][0]]
+        lines += [f"## Targets at N = {target_length(data)} (B={shape.B}, H={shape.H}, D={shape.D}; ratios from this run)", ""]
+        lines += ["| target | required | measured (median wall) | fastest repeats | CPU time | met | note |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            meas = "—" if r["measured"] is None else f"{r['measured']:.3g}"
+            extra = [f"{r[k]:.3g}" if r.get(k) is not None else "" for k in ("measured_min", "measured_cpu")]
+            met = "n/a" if r["passed"] is None else ("yes" if r["passed"] else "**no**")
+            lines.append(f"| {r['name']} | {r['target']:g} | {meas} | {' | '.join(extra)} | {met} | {r['note']} |")
+        lines.append("")
+    fits = exponents(results, preset["fit_min_n"])
+    for shape_name in preset["shapes"]:
+        s = SHAPES[shape_name]
+        for mode in ("fwd", "fwd+bwd"):
+            keys = [k for k in _series_keys(results) if k[1] == shape_name and k[3] == mode and VARIANTS[k[0]].kind != "op"]
+            if not keys:
+                continue
+            Ns = sorted({r["config"]["N"] for r in results if r["config"]["shape"] == shape_name and r["config"]["mode"] == mode})
+            lines += [f"## {mode}, shape {shape_name} (B={s.B}, H={s.H}, D={s.D})", ""]
+            lines.append("| variant | causal | " + " | ".join(f"N={n}" for n in Ns) + f" | time exp. | memory exp. |")
+            lines.append("|---|---|" + "---|" * len(Ns) + "---|---|")
+            for key in keys:
+                variant, _, causal, _ = key
+                cells = [_cell(_get(results, variant, shape_name, causal, mode, n)) for n in Ns]
+                fit = fits.get(key, {"time": None, "memory": None})
+                fmt = lambda f: "" if f is None else f"{f[0]:.2f}"  # noqa: E731
+                lines.append(f"| {variant} | {'yes' if causal else 'no'} | " + " | ".join(cells) + f" | {fmt(fit['time'])} | {fmt(fit['memory'])} |")
+            lines.append("")
+    lines.append(f"Exponents: least-squares slope of log(median time) and log(peak memory) on log N over N >= {preset['fit_min_n']}.")
+    lines.append("")
+    kron = kronecker_model(data)
+    if kron:
+        lines += ["## Multiplicative (Kronecker) coupling against its cost model (op level, `flt_attention`)", ""]
+        lines += [kronecker_model.__doc__.split("\n\n")[1].replace("\n    ", " ").strip(), ""]
+        lines += ["| m | R | N | causal | time | model GFLOP | achieved GFLOP/s | fraction of matmul |", "|---|---|---|---|---|---|---|---|"]
+        for k in kron:
+            frac = "" if k["fraction_of_matmul"] is None else f"{k['fraction_of_matmul'] * 100:.0f}%"
+            lines.append(f"| {k['m']} | {k['R']} | {k['N']} | {'yes' if k['causal'] else 'no'} | {_fmt_time(k['median_s'])} | {k['model_gflop']:.3g} | {k['achieved_gflops']:.3g} | {frac} |")
+        lines.append("")
+    notes = [r for r in results if r["status"] != "ok"]
+    if notes:
+        lines += ["## Not measured", ""]
+        for r in notes:
+            c = r["config"]
+            lines.append(f"- {c['variant']} {c['shape']} N={c['N']} {c['mode']} {'causal' if c['causal'] else 'bidirectional'}: {r['status']}: {r['note']}")
+        lines.append("")
+    described = sorted({r["config"]["variant"] for r in results if r.get("variant_note")})
+    if described:
+        lines += ["## Variants", ""] + [f"- `{v}`: {VARIANTS[v].note}" for v in described if VARIANTS[v].note] + [""]
+    return "\n".join(lines)
+
+
+def _series_keys(results):
+    seen = []
+    for r in results:
+        c = r["config"]
+        key = (c["variant"], c["shape"], c["causal"], c["mode"])
+        if c["mode"] != "matmul" and key not in seen:
+            seen.append(key)
+    return seen
+
+
+def plot(data: dict, path) -> None:
+    """Log-log time and peak memory against N, one line per series, fitted exponents in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    preset = data["preset"]
+    shape = preset["shapes"][0]
+    fits = exponents(data["results"], preset["fit_min_n"])
+    modes = ("fwd", "fwd+bwd")
+    fig, axes = plt.subplots(2, len(modes), figsize=(7 * len(modes), 10), squeeze=False)
+    for col, mode in enumerate(modes):
+        for key, by_n in series(data["results"]).items():
+            variant, shp, causal, md = key
+            if shp != shape or md != mode or VARIANTS[variant].kind == "op":
+                continue
+            Ns = sorted(by_n)
+            label = f"{variant}{' causal' if causal else ''}"
+            style = "--" if causal else "-"
+            for row, (field, what) in enumerate((("median_s", "time"), ("peak_mb", "memory"))):
+                fit = fits[key][what]
+                tag = f" ({fit[0]:.2f})" if fit else ""
+                axes[row][col].loglog(Ns, [by_n[n][field] for n in Ns], style, marker="o", ms=3, label=label + tag)
+        s = SHAPES[shape]
+        axes[0][col].set_title(f"{mode}: median time (B={s.B}, H={s.H}, D={s.D})")
+        axes[1][col].set_title(f"{mode}: peak memory above baseline")
+        axes[0][col].set_ylabel("seconds")
+        axes[1][col].set_ylabel("MB")
+        for row in (0, 1):
+            axes[row][col].set_xlabel("N")
+            axes[row][col].grid(True, which="both", alpha=0.3)
+            axes[row][col].legend(fontsize=6, title="fitted exponent in ()", title_fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,112 @@
+"""``flt bench``: benchmarks. ``flt bench speed`` (time and memory) and ``flt bench approx``
+(approximation error against the exact layers), each writing JSON, markdown and a PNG.
+
+    flt bench speed --preset quick     # CI smoke, ~20 s: checks the runner, not the timings
+    flt bench speed                    # targets' shape up to N = 16384, ~8 min on 2 cores
+    flt bench speed --preset full      # N up to 65536, more variants and a batched shape, ~1 h
+    flt bench approx [--quick]         # ~1 min (quick: ~10 s)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="speed/memory and approximation benchmarks", description=__doc__)
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    # Choices are checked in run_speed: importing the registries here would import torch
+    # and slow down `flt --help`.
+    s = bench.add_parser("speed", help="time and peak memory of every attention variant over named shapes")
+    s.add_argument("--preset", default="default", help="quick, default or full (default: %(default)s)")
+    s.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
+    s.add_argument("--variants", nargs="+", metavar="VARIANT", help="only these variants of the preset (names as in speed.md)")
+    s.add_argument("--lengths", nargs="+", type=int, metavar="N", help="override the preset's sequence lengths")
+    s.add_argument("--shapes", nargs="+", metavar="SHAPE", help="override the preset's named shapes (tiny, lm, batch)")
+    s.add_argument("--threads", type=int, help="torch threads per worker (default: all CPUs)")
+    s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")
+    s.set_defaults(func=run_speed)
+
+    a = bench.add_parser("approx", help="mask error vs R per spectrum and sampler, FLT error vs m and R per coupling")
+    a.add_argument("--quick", action="store_true", help="fewer sizes and seeds")
+    a.add_argument("--out-dir", default="flt-out/bench", help="where approx.json/.md/.png go (default: %(default)s)")
+    a.set_defaults(func=run_approx)
+
+
+def run_speed(args) -> int:
+    from flt.bench import report, speed
+
+    if args.preset not in speed.PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(speed.PRESETS)}, got {args.preset!r}")
+    unknown = sorted(set(args.variants or ()) - set(speed.VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; known: {sorted(speed.VARIANTS)}")
+    unknown = sorted(set(args.shapes or ()) - set(speed.SHAPES))
+    if unknown:
+        raise ValueError(f"unknown shapes {unknown}; known: {sorted(speed.SHAPES)}")
+    preset = speed.PRESETS[args.preset]
+    if args.lengths and any(n < 1 for n in args.lengths):
+        raise ValueError(f"--lengths must be positive, got {args.lengths}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be positive, got {args.threads}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    data = speed.run(preset, variants=args.variants, lengths=args.lengths, shapes=args.shapes, threads=args.threads)
+    data["command"] = " ".join(
+        ["flt bench speed --preset", args.preset]
+        + (["--variants", *args.variants] if args.variants else [])
+        + (["--lengths", *map(str, args.lengths)] if args.lengths else [])
+        + (["--shapes", *args.shapes] if args.shapes else [])
+        + ([f"--threads {args.threads}"] if args.threads else [])
+    )
+    data["elapsed_s"] = time.perf_counter() - t0
+    (out / "speed.json").write_text(json.dumps(data, indent=1))
+    text = report.markdown(data, data["command"])
+    (out / "speed.md").write_text(text)
+    report.plot(data, out / "speed.png")
+    print()
+    print(text)
+    print(f"saved {out / 'speed.json'}, {out / 'speed.md'}, {out / 'speed.png'} ({data['elapsed_s']:.0f} s)")
+    return 0
+
+
+def run_approx(args) -> int:
+    import torch
+
+    from flt.bench import approx, convergence
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    quick = args.quick
+    Rs = (8, 32, 128) if quick else (8, 16, 32, 64, 128, 256, 512, 1024)
+    seeds = (0,) if quick else (0, 1, 2)
+    masks = approx.mask_errors(Rs=Rs, seeds=seeds, pos_dims=(1, 2))
+    ms = (16, 64, 256) if quick else (16, 32, 64, 128, 256, 512, 1024, 2048)
+    sweeps = convergence.attention_error_sweeps(
+        ms, (4, 16, 64) if quick else (4, 8, 16, 32, 64, 128, 256), fixed_R=32 if quick else 128, fixed_m=256 if quick else 2048,
+        seeds=(0,) if quick else (0, 1),
+    )
+    lines = [
+        "# flt bench approx", "",
+        f"Command: `flt bench approx{' --quick' if quick else ''}`. float64, live against the exact references.", "",
+        "## Mask error max|a.c - f| / |f(0)| over offsets in [-32, 32] (mean over seeds), per spectrum, sampler and P", "",
+        approx.mask_error_pivot(masks), "",
+        f"## FLT vs its exact O(N^2) layer (`FLTAttention.exact`), relative output error vs m (R = {sweeps['vs_m'][0].R})", "",
+        approx.markdown_table(sweeps["vs_m"]), "",
+        f"## ... vs R (m = {sweeps['vs_R'][0].m})", "",
+        approx.markdown_table(sweeps["vs_R"]), "",
+    ]
+    text = "\n".join(lines)
+    (out / "approx.md").write_text(text)
+    (out / "approx.json").write_text(json.dumps({"masks": [asdict(r) for r in masks], **{k: [asdict(r) for r in v] for k, v in sweeps.items()}}, indent=1))
+    convergence.plot_convergence(masks, sweeps, out / "approx.png")
+    print(text)
+    print(f"saved {out / 'approx.md'}, {out / 'approx.json'}, {out / 'approx.png'} ({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,196 @@
+"""``flt compare TASK --attention a,b,c``: train mechanisms with the same budget and seeds.
+
+Each entry of ``--attention`` is a name in ``flt.ATTENTION``, optionally followed by its
+own options: ``flt:coupling=multiplicative:spectrum=gaussian``. Every (entry, seed) pair
+is one ``flt train`` run in a fresh Python process, one after the other, with the same
+preset, steps, batch and seed, in ``OUT/ENTRY/seed-S``. Then a table is printed (and
+saved as ``OUT/compare.md`` and ``compare.json``) with the final validation metric
+(mean and sample standard deviation over seeds), the median time per training step
+and the peak memory, and ``OUT/compare.png`` plots the validation metric per step.
+
+Peak memory: on CPU, the peak resident set size of the training process
+(``getrusage(RUSAGE_SELF).ru_maxrss``; it includes the interpreter, torch and the
+dataset, a baseline of a few hundred MiB common to all rows, so compare differences);
+on CUDA, ``torch.cuda.max_memory_allocated``. One process per run makes both clean.
+
+Example::
+
+    flt compare lm --attention flt,flt:coupling=multiplicative --seeds 0,1 --preset smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+from flt.commands.train import add_config_arguments, add_runtime_arguments, parse_value
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compare", help="train several attention mechanisms with the same budget and compare",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("task", choices=("lm", "image", "molecule"))
+    p.add_argument("--attention", required=True, help="comma-separated entries NAME[:KEY=VALUE...]")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
+    p.add_argument("--out-dir", help="directory for the runs and the table (default: runs/compare-TASK-PRESET)")
+    add_config_arguments(p)
+    add_runtime_arguments(p)
+    p.set_defaults(func=run)
+
+
+def parse_entries(text: str) -> list[tuple[str, str, dict]]:
+    """``"a,b:k=v"`` -> ``[(label, name, options)]``; labels must be distinct."""
+    entries = []
+    for raw in text.split(","):
+        raw = raw.strip()
+        if not raw:
+            raise ValueError(f"--attention has an empty entry: {text!r}")
+        name, *opts = raw.split(":")
+        options = {}
+        for item in opts:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"attention entry {raw!r}: options must be KEY=VALUE, got {item!r}")
+            options[key] = parse_value(value)
+        entries.append((raw, name, options))
+    labels = [e[0] for e in entries]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--attention lists an entry twice: {text!r}")
+    return entries
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must list distinct non-negative integers, got {text!r}")
+    return seeds
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+
+
+def _child_argv(args, name: str, options: dict, seed: int, out_dir: str) -> list[str]:
+    argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", name, "--seed", str(seed),
+            "--out-dir", out_dir, "--preset", args.preset, "--posenc", args.posenc, "--no-progress",
+            "--device", args.device]
+    for key, value in options.items():
+        argv += ["--attn-opt", f"{key}={json.dumps(value)}"]
+    for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += ["--" + flag.replace("_", "-"), str(value)]
+    for flag in ("attn_opt", "posenc_opt", "model_opt", "run_opt", "data_opt"):
+        for item in getattr(args, flag) or []:
+            argv += ["--" + flag.replace("_", "-"), item]
+    if args.no_plots:
+        argv.append("--no-plots")
+    return argv
+
+
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _table(rows: list[dict], metric: str, extra: list[str]) -> str:
+    head = ["attention", "seeds", f"{metric} (mean ± std)", *extra, "ms/step", "peak MiB", "params"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        if r["failed"]:
+            cells = [r["label"], f"{len(r['seeds'])}", f"FAILED: {r['failed']}", *["" for _ in extra], "", "", ""]
+        else:
+            mean, std = r["metric"]
+            cells = [r["label"], str(len(r["seeds"])), f"{mean:.4g}" + (f" ± {std:.2g}" if std is not None else ""),
+                     *[f"{r['extra'][k]:.4g}" for k in extra], f"{1000 * r['time_per_step_s']:.1f}",
+                     f"{r['peak_memory_mib']:.0f}", f"{r['parameters']:,}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from flt._checks import check_choice
+    from flt.layers import ATTENTION
+    from flt.train import TASK_CLASSES
+    from flt.train.metrics import read_metrics
+    from flt.train.plots import plot_comparison
+
+    entries = parse_entries(args.attention)
+    for _, name, _ in entries:
+        check_choice("attention", name, ATTENTION)
+    seeds = parse_seeds(args.seeds)
+    out = args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
+    task_cls = TASK_CLASSES[args.task]
+    metric = task_cls.metric
+    extra = {"lm": ["bpb"], "image": ["loss"], "molecule": ["rmse"]}[args.task]
+    for label, _, _ in entries:
+        for seed in seeds:
+            path = os.path.join(out, _slug(label), f"seed-{seed}")
+            if os.path.exists(path):
+                raise ValueError(f"{path} already exists; choose another --out-dir")
+    os.makedirs(out, exist_ok=True)
+
+    rows, curves, total = [], {}, len(entries) * len(seeds)
+    done = 0
+    for label, name, options in entries:
+        summaries, curves[label], failed = [], [], ""
+        for seed in seeds:
+            done += 1
+            run_dir = os.path.join(out, _slug(label), f"seed-{seed}")
+            os.makedirs(run_dir)
+            t0 = time.perf_counter()
+            print(f"[{done}/{total}] {label} seed {seed} ...", end=" ", flush=True)
+            with open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8") as log:
+                proc = subprocess.run(_child_argv(args, name, options, seed, run_dir), stdout=log, stderr=subprocess.STDOUT, check=False)
+            if proc.returncode != 0:
+                with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
+                    lines = [ln for ln in log.read().splitlines() if ln.strip()]
+                failed = lines[-1] if lines else f"exit code {proc.returncode}"
+                print(f"failed ({failed}); log in {run_dir}/train.log")
+                break
+            with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+                summary = json.load(f)
+            summaries.append(summary)
+            curves[label].append([(r["step"], r[metric]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+                                  if r["split"] == "valid" and r.get(metric) is not None])
+            print(f"{metric} {summary['final'][metric]:.4g} in {time.perf_counter() - t0:.1f} s")
+        row = {"label": label, "attention": name, "options": options, "seeds": seeds, "failed": failed}
+        if not failed:
+            row.update(
+                metric=_mean_std([s["final"][metric] for s in summaries]),
+                extra={k: _mean_std([s["final"][k] for s in summaries])[0] for k in extra},
+                time_per_step_s=sorted(s["time_per_step_s"] for s in summaries)[len(summaries) // 2],
+                peak_memory_mib=max(s["peak_memory_mib"] for s in summaries),
+                memory_kind=summaries[0]["memory_kind"], parameters=summaries[0]["parameters"],
+                runs=summaries,
+            )
+        rows.append(row)
+
+    table = _table(rows, metric, extra)
+    better = "higher" if task_cls.higher_is_better else "lower"
+    note = (f"{args.task}, preset {args.preset}, seeds {','.join(map(str, seeds))}; {metric}: {better} is better; "
+            f"ms/step: median training step; peak MiB: {rows[0].get('memory_kind', 'peak memory')} of the training process")
+    print()
+    print(table)
+    print(note)
+    with open(os.path.join(out, "compare.md"), "w", encoding="utf-8") as f:
+        f.write(table + "\n\n" + note + "\n")
+    with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
+        json.dump({"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows}, f, indent=2)
+    if not args.no_plots:
+        plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})")
+    print(f"results in {out}")
+    return 1 if any(r["failed"] for r in rows) else 0

@@ -1,0 +1,52 @@
+"""``flt generate CHECKPOINT``: continue a prompt with a trained language model.
+
+``CHECKPOINT`` is a run directory (its latest checkpoint) or one checkpoint directory.
+Linear mechanisms decode with their constant-size recurrent state, so the text may be
+longer than the training context; ``--recompute`` recomputes the last ``max_len``
+tokens at every step instead (the only way for mechanisms without a state).
+
+Example::
+
+    flt generate runs/lm-flt-small-s0 --prompt "def " --max-new-tokens 300
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a language-model checkpoint",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="run directory or checkpoint directory of a language model")
+    p.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens; 0 = all (default: 40)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--recompute", action="store_true", help="recompute the context each step instead of the recurrent state")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from flt.train import generate_text, load_checkpoint_model, tokenizer_from_extra
+    from flt.train.distributed import resolve_device
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    device = resolve_device(args.device)
+    model, meta = load_checkpoint_model(args.checkpoint, device=device)
+    if meta["model"].get("task") != "lm":
+        raise ValueError(f"{args.checkpoint} holds a {meta['model'].get('task')!r} model; generation needs a language model")
+    tokenizer = tokenizer_from_extra(meta.get("extra", {}))
+    text = generate_text(
+        model, tokenizer, args.prompt, args.max_new_tokens, device=device, temperature=args.temperature,
+        top_k=args.top_k or None, seed=args.seed, recurrent=False if args.recompute else None,
+    )
+    print(text)
+    return 0

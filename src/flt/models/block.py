@@ -1,0 +1,115 @@
+"""The pre-norm Transformer block and trunk shared by the three models.
+
+The attention layer comes from :data:`flt.ATTENTION` by name, so every registered
+mechanism works in every model with no change here. Shapes: tokens ``x [B, N, dim]``,
+positions ``pos [B, N, P]``, ``key_padding_mask [B, N]`` (bool, True = padded).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from flt._checks import check_choice
+from flt.layers import ATTENTION
+from flt.posenc import POSENC
+
+
+def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
+    """``ATTENTION[name](dim, heads, pos_dim=, causal=, **options)`` with a clear error for a bad name."""
+    check_choice("attention", name, ATTENTION)
+    return ATTENTION[name](dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+
+
+class Block(nn.Module):
+    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, GELU MLP).
+
+    Args:
+        dim, heads: model width and attention heads.
+        attention: a name in :data:`flt.ATTENTION`; ``attention_options`` go to its constructor.
+        pos_dim: ``P``; causal: causal attention (enables :meth:`step` when the layer can decode).
+        mlp_ratio: hidden width of the MLP over ``dim``; dropout: after attention and MLP.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        attention: str,
+        attention_options: dict[str, Any],
+        pos_dim: int,
+        causal: bool,
+        mlp_ratio: float,
+        dropout: float,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.attention_name = attention
+        self.norm1 = nn.LayerNorm(dim, **fk)
+        self.attn = build_attention(attention, dim, heads, pos_dim=pos_dim, causal=causal, options=attention_options, **fk)
+        self.norm2 = nn.LayerNorm(dim, **fk)
+        hidden = max(1, int(round(dim * mlp_ratio)))
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden, **fk), nn.GELU(), nn.Linear(hidden, dim, **fk))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
+        """``[B, N, dim] -> [B, N, dim]``; ``exact=True`` uses the layer's O(N^2) ``exact`` method."""
+        h = self.norm1(x)
+        if exact:
+            exact_fn = getattr(self.attn, "exact", None)
+            if exact_fn is None:
+                raise ValueError(f"attention {self.attention_name!r} has no exact() reference; use exact=False")
+            a = exact_fn(h, pos, key_padding_mask)
+        else:
+            a = self.attn(h, pos, key_padding_mask)
+        x = x + self.drop(a)
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+    def step(self, x: torch.Tensor, state, pos: torch.Tensor | None = None):
+        """One token ``x [B, dim]`` with the layer's constant-size state: ``-> (y [B, dim], state)``."""
+        a, state = self.attn.step(self.norm1(x), state, pos)
+        x = x + self.drop(a)
+        return x + self.drop(self.mlp(self.norm2(x))), state
+
+
+class Trunk(nn.Module):
+    """``depth`` blocks and a final LayerNorm."""
+
+    def __init__(self, dim: int, depth: int, heads: int, *, norm_out: bool = True, device=None, dtype=None, **block_options) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads, device=device, dtype=dtype, **block_options) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim, device=device, dtype=dtype) if norm_out else nn.Identity()
+
+    @property
+    def supports_decoding(self) -> bool:
+        """True when every layer has a constant-size ``step`` (linear mechanisms)."""
+        return all(getattr(b.attn, "supports_decoding", False) for b in self.blocks)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, pos, key_padding_mask, exact=exact)
+        return self.norm(x)
+
+    def step(self, x: torch.Tensor, states: list | None, pos: torch.Tensor | None = None):
+        """``x [B, dim]``, per-layer states (``None`` to start) -> ``(y [B, dim], states)``."""
+        states = states if states is not None else [None] * len(self.blocks)
+        new = []
+        for block, state in zip(self.blocks, states):
+            x, state = block.step(x, state, pos)
+            new.append(state)
+        return self.norm(x), new
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention module of every block, in order."""
+        return [b.attn for b in self.blocks]
+
+
+def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
+    """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``."""
+    check_choice("posenc", name, POSENC)
+    return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)

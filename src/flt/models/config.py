@@ -1,0 +1,181 @@
+"""Model configurations: frozen dataclasses, one per task, and their JSON round trip.
+
+A config never reaches into a module: :func:`flt.models.build_model` turns it into the
+constructor arguments of the model class registered for its task. Fields that depend on
+the data (vocabulary size, number of classes, target statistics) are filled in by the
+training task with :func:`dataclasses.replace` before the model is built, so a saved
+config rebuilds the same model.
+
+Every config names its attention mechanism (a key of :data:`flt.ATTENTION`) and its
+absolute positional encoding (a key of :data:`flt.posenc.POSENC`), with free-form option
+dicts forwarded to their constructors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from flt._checks import check_choice, check_positive_int
+
+READOUTS = ("mean", "sum")
+POOLINGS = ("mean", "cls")
+
+
+def _check_trunk(cfg) -> None:
+    """Checks shared by every config: sizes, options as dicts, names as strings."""
+    for name in ("dim", "depth", "heads"):
+        check_positive_int(name, getattr(cfg, name))
+    if cfg.dim % cfg.heads:
+        raise ValueError(f"dim ({cfg.dim}) must be divisible by heads ({cfg.heads})")
+    if isinstance(cfg.mlp_ratio, bool) or not isinstance(cfg.mlp_ratio, (int, float)) or not cfg.mlp_ratio > 0:
+        raise ValueError(f"mlp_ratio must be a positive number, got {cfg.mlp_ratio!r}")
+    if isinstance(cfg.dropout, bool) or not isinstance(cfg.dropout, (int, float)) or not 0 <= cfg.dropout < 1:
+        raise ValueError(f"dropout must lie in [0, 1), got {cfg.dropout!r}")
+    for name in ("attention", "posenc"):
+        if not isinstance(getattr(cfg, name), str):
+            raise TypeError(f"{name} must be a registry name (str), got {getattr(cfg, name)!r}")
+    for name in ("attention_options", "posenc_options"):
+        if not isinstance(getattr(cfg, name), dict):
+            raise TypeError(f"{name} must be a dict of keyword arguments, got {type(getattr(cfg, name)).__name__}")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    """Causal language model (pre-norm Transformer, tied input/output embeddings).
+
+    Positions are token indices ``0 .. T-1`` (``P = 1``). ``max_len`` is the context the
+    model is trained on and the window of recompute-based generation; recurrent
+    generation (:meth:`flt.models.CausalLM.generate` with linear mechanisms) is not
+    limited by it. ``cape`` augments the token positions during training (global shift
+    and half-step local jitter, no mean-centring so that decoding sees the same positions).
+    """
+
+    task: ClassVar[str] = "lm"
+
+    vocab_size: int = 256
+    max_len: int = 256
+    dim: int = 128
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    attention: str = "flt"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    posenc: str = "none"
+    posenc_options: dict[str, Any] = field(default_factory=dict)
+    cape: bool = False
+
+    def __post_init__(self):
+        _check_trunk(self)
+        check_positive_int("vocab_size", self.vocab_size)
+        check_positive_int("max_len", self.max_len)
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """ViT-style classifier: square patches with 2-D patch-centre positions on ``[-1, 1]^2``.
+
+    ``pooling`` is ``"mean"`` (over patch tokens) or ``"cls"`` (a learned class token,
+    placed at the image centre ``(0, 0)`` for relative mechanisms). ``cape`` applies
+    :meth:`flt.posenc.CAPE.for_2d_patches` to the patch positions during training.
+    """
+
+    task: ClassVar[str] = "image"
+
+    image_size: int = 8
+    channels: int = 1
+    num_classes: int = 10
+    patch_size: int = 2
+    dim: int = 64
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    attention: str = "flt"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    posenc: str = "none"
+    posenc_options: dict[str, Any] = field(default_factory=dict)
+    pooling: str = "mean"
+    cape: bool = False
+
+    def __post_init__(self):
+        _check_trunk(self)
+        for name in ("image_size", "channels", "num_classes", "patch_size"):
+            check_positive_int(name, getattr(self, name))
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
+        check_choice("pooling", self.pooling, POOLINGS)
+
+
+@dataclass(frozen=True)
+class MoleculeConfig:
+    """Property regressor over atoms: element embeddings, 3-D coordinates as positions.
+
+    Coordinates are centred on each structure's mean atom position (so the model is
+    translation invariant whatever the encoding). ``readout`` pools atoms by ``"mean"``
+    or ``"sum"``. ``isotropic`` ties the per-axis length scales of radial spectra
+    (``gaussian``, ``matern``) so ``f`` stays a function of ``|Delta|`` while it learns;
+    with any other spectrum it raises. Predictions are ``target_mean + target_std * out``.
+    """
+
+    task: ClassVar[str] = "molecule"
+
+    num_elements: int = 119
+    dim: int = 64
+    depth: int = 3
+    heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    attention: str = "flt"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    posenc: str = "none"
+    posenc_options: dict[str, Any] = field(default_factory=dict)
+    readout: str = "mean"
+    isotropic: bool = True
+    target_mean: float = 0.0
+    target_std: float = 1.0
+
+    def __post_init__(self):
+        _check_trunk(self)
+        check_positive_int("num_elements", self.num_elements)
+        check_choice("readout", self.readout, READOUTS)
+        if not isinstance(self.isotropic, bool):
+            raise TypeError(f"isotropic must be a bool, got {self.isotropic!r}")
+        if not (isinstance(self.target_std, (int, float)) and math.isfinite(self.target_std) and self.target_std > 0):
+            raise ValueError(f"target_std must be a positive finite number, got {self.target_std!r}")
+        if not (isinstance(self.target_mean, (int, float)) and math.isfinite(self.target_mean)):
+            raise ValueError(f"target_mean must be a finite number, got {self.target_mean!r}")
+
+
+#: Config class per task.
+CONFIGS: dict[str, type] = {"lm": LMConfig, "image": ImageConfig, "molecule": MoleculeConfig}
+
+
+def config_to_dict(cfg) -> dict[str, Any]:
+    """``{"task": ..., **fields}``, JSON-serialisable when the option dicts are."""
+    return {"task": cfg.task, **dataclasses.asdict(cfg)}
+
+
+def config_from_dict(data: dict[str, Any]):
+    """Inverse of :func:`config_to_dict`; unknown or missing-task keys raise ``ValueError``."""
+    if not isinstance(data, dict) or "task" not in data:
+        raise ValueError("a model config dict needs a 'task' key")
+    check_choice("task", data["task"], CONFIGS)
+    cls = CONFIGS[data["task"]]
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names - {"task"})
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}; known fields: {sorted(names)}")
+    return cls(**{k: v for k, v in data.items() if k != "task"})
+
+
+def replace_fields(cfg, **changes):
+    """:func:`dataclasses.replace` with a clear error naming unknown fields."""
+    names = {f.name for f in dataclasses.fields(cfg)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise ValueError(f"unknown {type(cfg).__name__} fields {unknown}; known fields: {sorted(names)}")
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,161 @@
+"""Causal language model: token embeddings, pre-norm Transformer, tied output head.
+
+Positions are the token indices ``0 .. T-1`` as ``[B, T, 1]`` floats, fed both to the
+absolute encoding and to the attention layers (relative mechanisms such as FLT use only
+their differences). Generation with a linear mechanism carries each layer's
+constant-size recurrent state (``layer.step``), so its memory does not grow with the
+text; other mechanisms recompute the last ``max_len`` tokens at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flt.models.block import Trunk, build_posenc
+from flt.posenc import CAPE
+
+
+@dataclass
+class LMState:
+    """Recurrent decoding state: one state per layer and the next token's position."""
+
+    layers: list
+    position: int = 0
+
+
+class CausalLM(nn.Module):
+    """Decoder-only Transformer with tied embeddings (see :class:`flt.models.LMConfig`).
+
+    Shapes: ``forward(tokens [B, T] int64) -> logits [B, T, vocab_size]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        max_len: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: float,
+        dropout: float,
+        attention: str,
+        attention_options: dict[str, Any],
+        posenc: str,
+        posenc_options: dict[str, Any],
+        cape: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.vocab_size, self.max_len = vocab_size, max_len
+        self.embed = nn.Embedding(vocab_size, dim, **fk)
+        # Small init: the same matrix is the output head, and N(0, 1) rows would start
+        # the logits with a spread of sqrt(dim).
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)
+        # No mean-centring: decoding token by token cannot know the mean of future positions.
+        self.cape = CAPE.for_1d(mean_center=False) if cape else None
+        self.drop = nn.Dropout(dropout)
+        self.trunk = Trunk(
+            dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1, causal=True,
+            mlp_ratio=mlp_ratio, dropout=dropout, **fk,
+        )
+
+    @property
+    def supports_decoding(self) -> bool:
+        """True when every attention layer decodes with a constant-size state."""
+        return self.trunk.supports_decoding
+
+    def _pos_dtype(self) -> torch.dtype:
+        return torch.promote_types(self.embed.weight.dtype, torch.float32)
+
+    def positions(self, batch: int, length: int, offset: int = 0) -> torch.Tensor:
+        """Token indices ``offset .. offset + length - 1`` as ``[batch, length, 1]``."""
+        idx = torch.arange(offset, offset + length, device=self.embed.weight.device, dtype=self._pos_dtype())
+        return idx.view(1, length, 1).expand(batch, length, 1)
+
+    def forward(self, tokens: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        """``tokens [B, T]`` -> next-token logits ``[B, T, V]``; ``exact`` uses each layer's ``exact``."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        pos = self.positions(B, T)
+        if self.cape is not None:
+            pos = self.cape(pos)
+        x = self.embed(tokens) + self.posenc(pos).to(self.embed.weight.dtype)
+        x = self.trunk(self.drop(x), pos, exact=exact)
+        return F.linear(x, self.embed.weight)
+
+    def step(self, tokens: torch.Tensor, state: LMState | None = None) -> tuple[torch.Tensor, LMState]:
+        """Feed one token per sequence, ``tokens [B]``: ``-> (logits [B, V], state)``.
+
+        Feeding a sequence token by token gives the logits of :meth:`forward` (in eval mode).
+        """
+        if not self.supports_decoding:
+            raise ValueError("step() needs attention layers with a constant-size state (supports_decoding)")
+        state = state or LMState(layers=None, position=0)
+        B = tokens.shape[0]
+        pos = self.positions(B, 1, offset=state.position)  # [B, 1, 1]
+        x = self.embed(tokens) + self.posenc(pos)[:, 0].to(self.embed.weight.dtype)
+        x, layers = self.trunk.step(self.drop(x), state.layers, pos[:, 0])
+        return F.linear(x, self.embed.weight), LMState(layers, state.position + 1)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        recurrent: bool | None = None,
+    ) -> torch.Tensor:
+        """Continue ``prompt [B, T0]`` by ``max_new_tokens`` tokens: ``-> [B, T0 + new]``.
+
+        ``temperature = 0`` is greedy decoding; ``top_k`` keeps the k most likely tokens.
+        ``recurrent`` (default: whenever the layers support it) decodes with the
+        constant-size state; otherwise each step recomputes the last ``max_len`` tokens.
+        Call in eval mode for deterministic layers (no dropout, no CAPE).
+        """
+        if prompt.ndim != 2 or prompt.shape[1] < 1:
+            raise ValueError(f"prompt must be [B, T0] with T0 >= 1, got shape {tuple(prompt.shape)}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+        recurrent = self.supports_decoding if recurrent is None else recurrent
+        if recurrent and not self.supports_decoding:
+            raise ValueError("recurrent generation needs attention layers that support decoding")
+        out = prompt
+        if recurrent:
+            state = None
+            for t in range(prompt.shape[1]):
+                logits, state = self.step(prompt[:, t], state)
+            for _ in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, generator)
+                out = torch.cat([out, nxt[:, None]], dim=1)
+                logits, state = self.step(nxt, state)
+            return out
+        for _ in range(max_new_tokens):
+            logits = self(out[:, -self.max_len :])[:, -1]
+            out = torch.cat([out, sample_next(logits, temperature, top_k, generator)[:, None]], dim=1)
+        return out
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ``[B]`` from logits ``[B, V]`` (greedy when ``temperature == 0``)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        k = min(int(top_k), logits.shape[-1])
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

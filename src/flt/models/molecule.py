@@ -1,0 +1,128 @@
+"""Property regressor over atoms (``P = 3``): atoms are tokens, coordinates are positions.
+
+Symmetries. Coordinates are centred on each structure's mean atom position, the blocks
+act per token apart from attention, and the readout is a masked sum or mean, so:
+
+* permuting the atoms permutes nothing in the output (no token index is used);
+* translating a structure changes nothing (centring; relative mechanisms also see only
+  differences);
+* rotating it changes nothing when every attention layer's mask depends on ``|Delta|``
+  only, e.g. FLT with a radial spectrum (``gaussian`` or ``matern`` with tied per-axis
+  lengths, see ``isotropic``) and no absolute encoding. This holds exactly for
+  ``exact=True`` (the O(N^2) mask ``f`` from ``spectrum.mask``); the fast path uses ``R``
+  random frequencies whose estimate ``f^`` is radial only in expectation, so it is
+  rotation invariant up to an error that shrinks like ``R^(-1/2)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from flt._checks import check_choice
+from flt.models.block import Trunk, build_posenc
+from flt.models.config import READOUTS
+from flt.spectra import GaussianKernelSpectrum, MaternSpectrum, Spectrum
+
+#: Spectra whose mask is a function of ``|Delta / l|``: radial once the lengths are tied.
+RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum)
+
+
+class _SameOnEveryAxis(nn.Module):
+    """Parametrisation of log length scales ``[H, P]``: the mean over axes on every axis."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=-1, keepdim=True).expand_as(x)
+
+
+def tie_isotropic(module: nn.Module) -> int:
+    """Tie the per-axis length scales of every radial spectrum under ``module``.
+
+    The tied value is the mean of the per-axis raw parameters, so gradients reach all of
+    them equally and the lengths stay equal through training. Returns the number of
+    spectra tied; a spectrum that is not in :data:`RADIAL_SPECTRA` raises ``ValueError``.
+    """
+    tied = 0
+    for name, sub in module.named_modules():
+        if not isinstance(sub, Spectrum):
+            continue
+        if not isinstance(sub, RADIAL_SPECTRA):
+            raise ValueError(
+                f"isotropic=True needs radial spectra (gaussian or matern), but {name} is a "
+                f"{type(sub).__name__}; choose a radial spectrum or set isotropic=False"
+            )
+        if not parametrize.is_parametrized(sub, "log_length"):
+            with torch.no_grad():
+                sub.log_length.copy_(sub.log_length.mean(dim=-1, keepdim=True).expand_as(sub.log_length))
+            parametrize.register_parametrization(sub, "log_length", _SameOnEveryAxis())
+        tied += 1
+    return tied
+
+
+class MoleculeRegressor(nn.Module):
+    """Element embeddings, pre-norm Transformer over atoms, per-atom head, pooled readout.
+
+    Shapes: ``forward(z [B, N] int64, pos [B, N, 3], mask [B, N] bool) -> [B]`` where
+    ``mask`` is True for real atoms (padding: False, any ``z`` and ``pos``).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_elements: int,
+        dim: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: float,
+        dropout: float,
+        attention: str,
+        attention_options: dict[str, Any],
+        posenc: str,
+        posenc_options: dict[str, Any],
+        readout: str = "mean",
+        isotropic: bool = True,
+        target_mean: float = 0.0,
+        target_std: float = 1.0,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        check_choice("readout", readout, READOUTS)
+        fk = {"device": device, "dtype": dtype}
+        self.num_elements, self.readout = num_elements, readout
+        self.target_mean, self.target_std = float(target_mean), float(target_std)
+        self.embed = nn.Embedding(num_elements, dim, **fk)
+        self.posenc = build_posenc(posenc, dim, 3, posenc_options, **fk)
+        self.drop = nn.Dropout(dropout)
+        self.trunk = Trunk(
+            dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=3, causal=False,
+            mlp_ratio=mlp_ratio, dropout=dropout, **fk,
+        )
+        self.head = nn.Linear(dim, 1, **fk)
+        if isotropic:
+            tie_isotropic(self.trunk)
+
+    def forward(self, z: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        """Predicted property ``[B]`` in target units; ``exact`` uses each layer's ``exact``."""
+        if z.ndim != 2 or pos.shape != (*z.shape, 3) or mask.shape != z.shape or mask.dtype != torch.bool:
+            raise ValueError(
+                f"expected z [B, N], pos [B, N, 3] and a bool mask [B, N], got {tuple(z.shape)}, "
+                f"{tuple(pos.shape)} and {tuple(mask.shape)} {mask.dtype}"
+            )
+        if bool((z[mask] < 0).any()) or bool((z[mask] >= self.num_elements).any()):
+            raise ValueError(f"atomic numbers must lie in [0, {self.num_elements}) for real atoms")
+        keep = mask.unsqueeze(-1).to(pos.dtype)
+        count = keep.sum(dim=1, keepdim=True).clamp_min(1)
+        centre = (pos * keep).sum(dim=1, keepdim=True) / count
+        # Padding sits at the centre; it is never attended to and never read out.
+        pos = (pos - centre) * keep
+        x = self.embed(z.masked_fill(~mask, 0)) + self.posenc(pos).to(self.embed.weight.dtype)
+        x = self.trunk(self.drop(x), pos, key_padding_mask=~mask, exact=exact)
+        per_atom = self.head(x).squeeze(-1) * mask.to(x.dtype)  # [B, N]
+        out = per_atom.sum(dim=1)
+        if self.readout == "mean":
+            out = out / count.view(-1).to(out.dtype)
+        return self.target_mean + self.target_std * out

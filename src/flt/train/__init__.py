@@ -1,0 +1,42 @@
+"""Training: one loop for the three tasks, atomic checkpoints, metrics, plots, presets.
+
+``train(get_preset("lm", "small"), "runs/lm")`` is what ``flt train lm --preset small``
+runs. Optional dependencies: ``safetensors`` (checkpoints), ``tqdm`` (progress bar),
+``matplotlib`` (plots) and the data extras (``scikit-learn`` for digits, ``ase`` for
+molecules): ``pip install flt[train,mol]``.
+"""
+
+from flt.train.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint_model,
+    load_weights,
+    read_checkpoint_config,
+)
+from flt.train.config import Preset, RunConfig, preset_from_dict, preset_to_dict
+from flt.train.loop import evaluate, train
+from flt.train.presets import ATTENTION_DEFAULTS, POSENC_DEFAULTS, PRESETS, get_preset
+from flt.train.tasks import TASK_CLASSES, generate_text, load_task, tokenizer_from_extra
+
+__all__ = [
+    "ATTENTION_DEFAULTS",
+    "POSENC_DEFAULTS",
+    "PRESETS",
+    "TASK_CLASSES",
+    "CheckpointError",
+    "Preset",
+    "RunConfig",
+    "evaluate",
+    "find_checkpoint",
+    "generate_text",
+    "get_preset",
+    "load_task",
+    "load_weights",
+    "load_checkpoint_model",
+    "preset_from_dict",
+    "preset_to_dict",
+    "read_checkpoint_config",
+    "tokenizer_from_extra",
+    "train",
+]
+

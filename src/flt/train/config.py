@@ -1,0 +1,132 @@
+"""Training configuration: :class:`RunConfig` (optimisation and bookkeeping) and
+:class:`Preset` (a task's model config, run config and data options together).
+
+Both are frozen dataclasses saved in every checkpoint as JSON; ``--resume`` requires the
+same configuration, so a resumed run continues the identical computation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flt._checks import check_choice, check_positive_int
+from flt.models.config import CONFIGS, config_from_dict, config_to_dict
+
+TASKS = ("lm", "image", "molecule")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Optimisation and bookkeeping of one training run.
+
+    ``batch_size`` is the *global* batch: with ``W`` processes each takes ``batch_size / W``
+    samples of the same global batch, so the run computes the same thing for any ``W``.
+    The learning rate warms up linearly for ``warmup_steps`` then follows a cosine to
+    ``min_lr_ratio * lr`` at ``steps``. ``eval_batches`` caps the validation batches per
+    evaluation (``None``: the whole validation split). AdamW decays only the weights of
+    linear, convolution and embedding layers.
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float | None = 1.0
+    eval_every: int = 100
+    eval_batches: int | None = None
+    eval_batch_size: int | None = None
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
+            check_positive_int(name, getattr(self, name))
+        for name in ("eval_batches", "eval_batch_size"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be None or a positive number, got {self.grad_clip!r}")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of (1-based) ``step``: linear warm-up, then cosine decay."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.min_lr_ratio * self.lr
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Everything that defines a run: task, model config, run config, data options.
+
+    ``data`` are keyword arguments of the task's loader (:mod:`flt.train.tasks`).
+    """
+
+    task: str
+    model: Any
+    run: RunConfig = field(default_factory=RunConfig)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        check_choice("task", self.task, TASKS)
+        if not isinstance(self.model, CONFIGS[self.task]):
+            raise TypeError(f"a {self.task!r} preset needs a {CONFIGS[self.task].__name__}, got {type(self.model).__name__}")
+        if not isinstance(self.data, dict):
+            raise TypeError(f"data must be a dict of loader options, got {type(self.data).__name__}")
+
+
+def preset_to_dict(preset: Preset) -> dict[str, Any]:
+    """JSON-serialisable form of a preset (saved in checkpoints)."""
+    return {
+        "task": preset.task,
+        "model": config_to_dict(preset.model),
+        "run": dataclasses.asdict(preset.run),
+        "data": dict(preset.data),
+    }
+
+
+def preset_from_dict(data: dict[str, Any]) -> Preset:
+    """Inverse of :func:`preset_to_dict`."""
+    try:
+        task, model, run, options = data["task"], data["model"], data["run"], data["data"]
+    except (KeyError, TypeError):
+        raise ValueError("a saved run configuration needs 'task', 'model', 'run' and 'data' entries") from None
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(run) - names)
+    if unknown:
+        raise ValueError(f"unknown RunConfig fields {unknown}")
+    return Preset(task=task, model=config_from_dict(model), run=RunConfig(**run), data=dict(options))
+
+
+def preset_differences(a: Preset, b: Preset) -> list[str]:
+    """Dotted names of the fields that differ between two presets (after a JSON round trip)."""
+    # The JSON round trip makes tuples and lists (as a saved config holds them) compare equal.
+    da, db = json.loads(json.dumps(preset_to_dict(a))), json.loads(json.dumps(preset_to_dict(b)))
+    out = []
+    for section in ("task", "model", "run", "data"):
+        x, y = da[section], db[section]
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += [f"{section}.{k}" for k in sorted(set(x) | set(y)) if x.get(k, object()) != y.get(k, object())]
+        elif x != y:
+            out.append(section)
+    return out

@@ -1,0 +1,287 @@
+"""The three models with every registered attention mechanism: shapes, gradients, causality,
+decoding, symmetries, CAPE."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt import ATTENTION
+from flt.models import (
+    CausalLM,
+    ImageConfig,
+    LMConfig,
+    MoleculeConfig,
+    build_model,
+    config_from_dict,
+    config_to_dict,
+    replace_fields,
+    tie_isotropic,
+)
+from flt.spectra import GaussianKernelSpectrum
+from flt.train.presets import ATTENTION_DEFAULTS
+
+NAMES = sorted(ATTENTION)
+TRUNK = {"dim": 24, "depth": 2, "heads": 2}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models are fastest on one thread, and several OpenMP threads on a busy
+    # machine can be a hundred times slower.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def make(cls, attention: str, *, dtype=None, **fields):
+    """A small model of config ``cls`` with the task's default options for ``attention``.
+
+    Mechanisms other than FLT that reject a model's setting (e.g. a 1-D-only mechanism in
+    the image model) are skipped with the reason; FLT must support everything.
+    """
+    options = dict(ATTENTION_DEFAULTS[cls.task].get(attention, {}))
+    options.update(fields.pop("attention_options", {}))
+    cfg = cls(**TRUNK, attention=attention, attention_options=options, **fields)
+    try:
+        return build_model(cfg, dtype=dtype)
+    except (ValueError, NotImplementedError) as e:
+        if attention == "flt":
+            raise
+        pytest.skip(f"{attention} does not support this model: {e}")
+
+
+def molecules(B=3, N=7, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randint(1, 80, (B, N), generator=g)
+    pos = 3.0 * torch.randn(B, N, 3, generator=g, dtype=dtype)
+    mask = torch.ones(B, N, dtype=torch.bool)
+    mask[0, N - 2 :] = False  # a padded structure
+    return z, pos, mask
+
+
+def random_rotation(seed: int, dtype=torch.float64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))
+    if torch.det(q) < 0:
+        q[:, 0] = -q[:, 0]
+    return q.to(dtype)
+
+
+def _check_grads(model, out):
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+
+
+@pytest.mark.parametrize("posenc", ["none", "sinusoidal"])
+@pytest.mark.parametrize("attention", NAMES)
+def test_lm_forward_backward(attention, posenc):
+    model = make(LMConfig, attention, vocab_size=11, max_len=16, posenc=posenc)
+    logits = model(torch.randint(0, 11, (2, 9)))
+    assert logits.shape == (2, 9, 11) and torch.isfinite(logits).all()
+    _check_grads(model, logits)
+
+
+@pytest.mark.parametrize("posenc", ["none", "sinusoidal", "fourier"])
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("attention", NAMES)
+def test_vit_forward_backward(attention, pooling, posenc):
+    model = make(ImageConfig, attention, image_size=8, channels=3, num_classes=5, patch_size=2, pooling=pooling, posenc=posenc)
+    logits = model(torch.randn(2, 3, 8, 8))
+    assert logits.shape == (2, 5) and torch.isfinite(logits).all()
+    _check_grads(model, logits)
+
+
+@pytest.mark.parametrize("posenc", ["none", "sinusoidal", "fourier"])
+@pytest.mark.parametrize("readout", ["mean", "sum"])
+@pytest.mark.parametrize("attention", NAMES)
+def test_molecule_forward_backward(attention, readout, posenc):
+    model = make(MoleculeConfig, attention, readout=readout, posenc=posenc, target_mean=-3.0, target_std=2.0)
+    out = model(*molecules())
+    assert out.shape == (3,) and torch.isfinite(out).all()
+    _check_grads(model, out)
+
+
+@pytest.mark.parametrize("attention", NAMES)
+def test_lm_is_causal(attention):
+    model = make(LMConfig, attention, vocab_size=13, max_len=32, dtype=torch.float64).eval()
+    tokens = torch.randint(0, 13, (2, 21))
+    changed = tokens.clone()
+    changed[:, 12:] = torch.randint(0, 13, (2, 9))
+    a, b = model(tokens), model(changed)
+    assert_close(b[:, :12], a[:, :12])
+    assert not torch.allclose(b[:, 12:], a[:, 12:])
+
+
+DECODERS = [n for n in NAMES if getattr(ATTENTION[n], "supports_decoding", False)]
+
+
+@pytest.mark.parametrize("attention", DECODERS)
+def test_step_decoding_matches_forward_and_greedy_generation(attention):
+    model = make(LMConfig, attention, vocab_size=17, max_len=40, dtype=torch.float64, posenc="sinusoidal").eval()
+    assert model.supports_decoding
+    tokens = torch.randint(0, 17, (2, 19))
+    full = model(tokens)
+    state, steps = None, []
+    for t in range(tokens.shape[1]):
+        logits, state = model.step(tokens[:, t], state)
+        steps.append(logits)
+    assert_close(torch.stack(steps, dim=1), full, scale=100)
+    prompt = tokens[:, :5]
+    recurrent = model.generate(prompt, 25, temperature=0, recurrent=True)
+    recompute = model.generate(prompt, 25, temperature=0, recurrent=False)
+    assert recurrent.shape == (2, 30)
+    assert torch.equal(recurrent, recompute)
+    assert torch.equal(recurrent[:, :5], prompt)
+
+
+def test_generation_samples_valid_tokens_and_is_seeded():
+    model = make(LMConfig, "flt", vocab_size=9, max_len=16).eval()
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    a = model.generate(prompt, 30, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 30, temperature=1.0, top_k=4, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and a.min() >= 0 and a.max() < 9
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, 3, temperature=-1.0)
+
+
+@pytest.mark.parametrize("attention", NAMES)
+def test_molecule_permutation_and_translation_invariance(attention):
+    """Both hold on the fast path (any mechanism: centring and no token indices)."""
+    model = make(MoleculeConfig, attention, dtype=torch.float64).eval()
+    z, pos, mask = molecules(dtype=torch.float64)
+    out = model(z, pos, mask)
+    perm = torch.randperm(5)  # structure 0 has 5 real atoms then padding
+    z2, pos2 = z.clone(), pos.clone()
+    z2[0, :5], pos2[0, :5] = z[0, perm], pos[0, perm]
+    perm_all = torch.randperm(7)
+    z2[1:], pos2[1:] = z[1:, perm_all], pos[1:, perm_all]
+    assert_close(model(z2, pos2, mask), out, scale=100)
+    shifted = pos + torch.tensor([[[4.0, -7.5, 2.25]], [[0.5, 1.0, -3.0]], [[-10.0, 0.0, 6.0]]], dtype=torch.float64)
+    assert_close(model(z, shifted, mask), out, scale=1e3)
+    # Padding atoms' values are irrelevant.
+    junk = pos.clone()
+    junk[0, 5:] = 1e3
+    assert_close(model(z, junk, mask), out, scale=100)
+
+
+@torch.no_grad()
+def test_molecule_rotation_invariance_exact_and_approximate():
+    """Radial spectrum: exact O(N^2) path invariant to rounding; fast path up to O(R^-1/2)."""
+    def build(R, seed=0):
+        torch.manual_seed(seed)
+        return make(MoleculeConfig, "flt", dtype=torch.float64, attention_options={"num_frequencies": R, "seed": 7}).eval()
+
+    small, large = build(8), build(2048)
+    state = {k: v for k, v in small.state_dict().items() if not k.endswith("spectrum.eps")}
+    large.load_state_dict(state, strict=False)
+    z, pos, mask = molecules(B=4, N=9, dtype=torch.float64)
+    rotations = [random_rotation(s) for s in range(3)]
+    exact = small(z, pos, mask, exact=True)
+    assert_close(large(z, pos, mask, exact=True), exact)
+    for rot in rotations:
+        assert_close(small(z, pos @ rot.T, mask, exact=True), exact, scale=1e3)
+    errors = {}
+    for name, model in (("small", small), ("large", large)):
+        base = model(z, pos, mask)
+        errors[name] = max(float((model(z, pos @ rot.T, mask) - base).abs().max()) for rot in rotations)
+    assert errors["large"] < errors["small"] / 3, errors
+    assert errors["large"] < 0.05
+
+
+def test_isotropic_lengths_stay_tied_through_training():
+    model = make(MoleculeConfig, "flt", attention_options={"length_scale": [1.0, 2.0, 4.0]})
+    spectra = [m for m in model.modules() if isinstance(m, GaussianKernelSpectrum)]
+    assert spectra and all(torch.allclose(s.lengths(), s.lengths()[:, :1].expand(-1, 3)) for s in spectra)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(*molecules()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for s in spectra:
+        lengths = s.lengths()
+        assert torch.equal(lengths, lengths[:, :1].expand_as(lengths))
+    local = MoleculeConfig(**TRUNK, attention_options={"spectrum": "local", "coupling": "multiplicative", "num_frequencies": 16})
+    with pytest.raises(ValueError, match="radial"):
+        build_model(local)
+    build_model(replace_fields(local, isotropic=False))
+
+
+def test_tie_isotropic_rejects_non_radial_spectra():
+    from flt.layers import FLTAttention
+
+    layer = FLTAttention(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=8)
+    with pytest.raises(ValueError, match="radial"):
+        tie_isotropic(layer)
+    assert tie_isotropic(FLTAttention(16, 2, pos_dim=3, spectrum="matern", num_frequencies=8)) == 1
+
+
+@pytest.mark.parametrize("attention", NAMES)
+def test_vit_cape_random_in_training_identity_in_eval(attention):
+    torch.manual_seed(0)
+    with_cape = make(ImageConfig, attention, cape=True, posenc="sinusoidal", patch_size=2)
+    torch.manual_seed(0)
+    without = make(ImageConfig, attention, cape=False, posenc="sinusoidal", patch_size=2)
+    without.load_state_dict(with_cape.state_dict())
+    images = torch.randn(3, 1, 8, 8)
+    with_cape.eval(), without.eval()
+    assert torch.equal(with_cape.positions(3), without.positions(3))
+    assert_close(with_cape(images), without(images))
+    with_cape.train(), without.train()
+    assert not torch.equal(with_cape.positions(3), without.positions(3))
+    assert not torch.allclose(with_cape(images), with_cape(images))
+
+
+@torch.no_grad()
+def test_exact_mode_matches_fast_path_with_many_features():
+    """The exact path is what the fast path estimates (FLT, logit coupling with a nonzero bias)."""
+    torch.manual_seed(0)
+    opts = {"num_features": 4096, "num_frequencies": 512, "amplitude": 0.5, "seed": 3}
+    model = make(ImageConfig, "flt", dtype=torch.float64, attention_options=opts).eval()
+    images = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    fast, exact = model(images), model(images, exact=True)
+    assert float((fast - exact).abs().max()) < 0.1 * float(exact.abs().max())
+
+
+def test_exact_mode_needs_an_exact_method():
+    model = make(LMConfig, "flt", vocab_size=5, max_len=8)
+    model.trunk.blocks[0].attn.exact = None
+    with pytest.raises(ValueError, match="no exact"):
+        model(torch.zeros(1, 4, dtype=torch.long), exact=True)
+
+
+def test_configs_are_frozen_and_round_trip():
+    cfg = LMConfig(vocab_size=7, attention_options={"spectrum": "local"})
+    with pytest.raises(AttributeError):
+        cfg.dim = 3
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert replace_fields(cfg, depth=1).depth == 1
+    with pytest.raises(ValueError, match="unknown"):
+        replace_fields(cfg, depht=1)
+    with pytest.raises(ValueError, match="divisible"):
+        LMConfig(dim=10, heads=3)
+    with pytest.raises(ValueError, match="attention"):
+        build_model(LMConfig(attention="no-such-mechanism"))
+    with pytest.raises(ValueError, match="posenc"):
+        build_model(LMConfig(posenc="no-such-encoding"))
+    assert isinstance(build_model(LMConfig(dim=16, depth=1, heads=2, attention_options={"num_features": 8})), CausalLM)
+
+
+def test_model_input_errors():
+    model = make(MoleculeConfig, "flt")
+    z, pos, mask = molecules()
+    with pytest.raises(ValueError, match="bool mask"):
+        model(z, pos, mask.long())
+    with pytest.raises(ValueError, match="atomic numbers"):
+        model(z + 200, pos, mask)
+    vit = make(ImageConfig, "flt")
+    with pytest.raises(ValueError, match="images must be"):
+        vit(torch.randn(2, 3, 8, 8))
+    assert math.isfinite(float(vit(torch.randn(1, 1, 8, 8)).sum()))
