@@ -134,11 +134,13 @@ def kronecker_model(data: dict) -> list[dict]:
     Model FLOPs (multiply-adds counted as 2): the key-side state and the query-side read
     each contract ``N x 2R x m x (Dv + 1)`` per batch and head (the extra column is the
     denominator), ``4 B H N 2R m (Dv+1)``; causal adds the in-chunk products
-    ``2 B H N C (m + 2R + Dv + 1)`` with ``C`` the chunk size (128).
+    ``2 B H N C (m + 2R + Dv + 1)`` with ``C`` the chunk size (128). The fraction is of the
+    float32 matmul throughput measured just before these runs.
     """
     from flt.ops.linear import DEFAULT_CHUNK_SIZE
 
-    peak = data["matmul"].get("gflops") if data["matmul"]["status"] == "ok" else None
+    probe = data.get("matmul_kronecker") or data["matmul"]
+    peak = probe.get("gflops") if probe["status"] == "ok" else None
     rows = []
     for r in data["results"]:
         c = r["config"]
@@ -186,6 +188,9 @@ def markdown(data: dict, command: str = "") -> str:
     mm = data["matmul"]
     if mm["status"] == "ok":
         lines.append(f"float32 matmul ({preset['matmul_n']}^3): {mm['gflops']:.1f} GFLOP/s median, {mm['gflops_best']:.1f} best.")
+    mk = data.get("matmul_kronecker")
+    if mk and mk["status"] == "ok":
+        lines.append(f"Again before the Kronecker runs: {mk['gflops']:.1f} GFLOP/s median, {mk['gflops_best']:.1f} best.")
     peers = m.get("peers") or {}
     if peers:
         lines.append("Peers: " + "; ".join(f"{k} {v}" for k, v in peers.items()) + ".")
@@ -271,6 +276,8 @@ def plot(data: dict, path) -> None:
     shape = preset["shapes"][0]
     fits = exponents(data["results"], preset["fit_min_n"])
     modes = ("fwd", "fwd+bwd")
+    names = sorted({k[0] for k in series(data["results"])})
+    colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}  # one colour per variant
     fig, axes = plt.subplots(2, len(modes), figsize=(7 * len(modes), 10), squeeze=False)
     for col, mode in enumerate(modes):
         for key, by_n in series(data["results"]).items():
@@ -283,7 +290,7 @@ def plot(data: dict, path) -> None:
             for row, (field, what) in enumerate((("median_s", "time"), ("peak_mb", "memory"))):
                 fit = fits[key][what]
                 tag = f" ({fit[0]:.2f})" if fit else ""
-                axes[row][col].loglog(Ns, [by_n[n][field] for n in Ns], style, marker="o", ms=3, label=label + tag)
+                axes[row][col].loglog(Ns, [by_n[n][field] for n in Ns], style, color=colour[variant], marker="o", ms=3, label=label + tag)
         s = SHAPES[shape]
         axes[0][col].set_title(f"{mode}: median time (B={s.B}, H={s.H}, D={s.D})")
         axes[1][col].set_title(f"{mode}: peak memory above baseline")

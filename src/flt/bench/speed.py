@@ -521,7 +521,8 @@ def _predict(previous: dict | None, variant: Variant, N: int) -> tuple[float, fl
 
 
 def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: int | None = None, log=print) -> dict:
-    """Measure a preset; returns ``{"machine", "preset", "matmul", "results"}``."""
+    """Measure a preset; returns ``{"machine", "preset", "matmul", "matmul_kronecker", "results"}``
+    (the matmul probes: at the start, and just before the op-level Kronecker runs)."""
     from flt.bench.peers import peer_status
 
     threads = threads or os.cpu_count() or 1
@@ -552,16 +553,23 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         return result
 
     common = dict(threads=threads, warmup=preset.warmup, repeats=preset.repeats, min_repeats=preset.min_repeats, budget_s=preset.budget_s)
-    matmul = launch(Config("matmul", "-", preset.matmul_n, "matmul", False, **common), 600)
-    if matmul["status"] == "ok":
-        matmul["gflops"] = 2 * preset.matmul_n**3 / matmul["median_s"] / 1e9
-        matmul["gflops_best"] = 2 * preset.matmul_n**3 / matmul["min_s"] / 1e9
-        log(f"float32 matmul {preset.matmul_n}^3: {matmul['gflops']:.1f} GFLOP/s median ({matmul['gflops_best']:.1f} best)")
+    def probe() -> dict:
+        """This machine's float32 matmul throughput now (the machine may be shared)."""
+        r = launch(Config("matmul", "-", preset.matmul_n, "matmul", False, **common), 600)
+        if r["status"] == "ok":
+            r["gflops"] = 2 * preset.matmul_n**3 / r["median_s"] / 1e9
+            r["gflops_best"] = 2 * preset.matmul_n**3 / r["min_s"] / 1e9
+            log(f"float32 matmul {preset.matmul_n}^3: {r['gflops']:.1f} GFLOP/s median ({r['gflops_best']:.1f} best)")
+        return r
+
+    matmul, matmul_kronecker = probe(), None
     results, last = [], {}
     if shapes:
         preset = dataclasses.replace(preset, shapes=tuple(shapes))
     for variant, shape, causal, mode, N in plan(preset, variants, lengths):
         spec = VARIANTS[variant]
+        if spec.kind == "op" and matmul_kronecker is None:
+            matmul_kronecker = probe()  # measured next to the op-level runs it is compared with
         key = (variant, shape, causal, mode)
         cfg = Config(variant, shape, N, mode, causal, **common)
         previous = last.get(key)
@@ -596,7 +604,7 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         log(_log_line(result))
     machine["loadavg_end"] = os.getloadavg()
     machine["peers"] = {name: info for name, (_, info) in peers.items()}
-    return {"machine": machine, "preset": asdict(preset), "matmul": matmul, "results": results}
+    return {"machine": machine, "preset": asdict(preset), "matmul": matmul, "matmul_kronecker": matmul_kronecker, "results": results}
 
 
 def _log_line(r: dict) -> str:

@@ -158,7 +158,10 @@ def run(args) -> int:
             if proc.returncode != 0:
                 with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
                     lines = [ln for ln in log.read().splitlines() if ln.strip()]
-                failed = lines[-1] if lines else f"exit code {proc.returncode}"
+                if proc.returncode < 0:
+                    failed = f"seed {seed} killed by signal {-proc.returncode}"
+                else:
+                    failed = f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
                 print(f"failed ({failed}); log in {run_dir}/train.log")
                 break
             with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
@@ -167,7 +170,7 @@ def run(args) -> int:
             curves[label].append([(r["step"], r[metric]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
                                   if r["split"] == "valid" and r.get(metric) is not None])
             print(f"{metric} {summary['final'][metric]:.4g} in {time.perf_counter() - t0:.1f} s")
-        row = {"label": label, "attention": name, "options": options, "seeds": seeds, "failed": failed}
+        row = {"label": label, "attention": name, "options": options, "seeds": seeds[: len(summaries)], "failed": failed}
         if not failed:
             row.update(
                 metric=_mean_std([s["final"][metric] for s in summaries]),
