@@ -93,7 +93,7 @@ def lm_small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def lm_base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train lm --preset base``: 6 layers, width 192, context 256 bytes, 2000 steps
-    of 16 windows. Run time and metric not yet measured."""
+    of 16 windows. About: run time and metric not yet measured."""
     model = LMConfig(dim=192, depth=6, heads=6, max_len=256, **mechanism_options("lm", attention, posenc))
     run = RunConfig(steps=2000, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=250, eval_batches=16,
                     checkpoint_every=250, log_every=20)
@@ -121,7 +121,7 @@ def image_small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def image_base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train image --preset base``: 6 layers, width 128, 2x2 patches, class token,
-    3000 steps of 64 digits. Run time and metric not yet measured.
+    3000 steps of 64 digits. About: run time and metric not yet measured.
     With ``--data DIR`` it trains on CIFAR-10 or an image folder instead (and takes longer)."""
     model = ImageConfig(dim=128, depth=6, heads=4, patch_size=2, pooling="cls", **mechanism_options("image", attention, posenc))
     run = RunConfig(steps=3000, batch_size=64, lr=1e-3, warmup_steps=150, eval_every=500, checkpoint_every=500, log_every=20)
@@ -149,7 +149,7 @@ def molecule_small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def molecule_base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train molecule --preset base``: 4 layers, width 128, 2000 steps of 32 on the
-    default 2000 structures (about 2 min to generate once). Run time and
+    default 2000 structures (about 2 min to generate once). About: run time and
     metric not yet measured."""
     model = MoleculeConfig(dim=128, depth=4, heads=8, **mechanism_options("molecule", attention, posenc))
     run = RunConfig(steps=2000, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=250, checkpoint_every=250, log_every=20)
