@@ -181,9 +181,10 @@ PRESETS: dict[str, Preset] = {
         repeats=3, min_repeats=2, budget_s=1.0, matmul_n=256, target_n=256, fit_min_n=64,
         headline=("flt-logit/m64/R8", "softmax+t5", "performer/m64"),
     ),
-    # flt bench speed: the targets' shape (B=1, H=4, D=64) up to N = 16384, ~6 min on an idle
-    # 2-core machine (most of it the exact layers at N = 16384). Expect at N = 16384: FLT-logit
-    # fwd ~0.5-1 s against ~40 s for exact softmax with a materialised T5 bias.
+    # flt bench speed: the targets' shape (B=1, H=4, D=64) up to N = 16384; 10-11 min measured
+    # on a 2-core machine shared with other jobs, ~3 min of it the exact layers at N = 16384.
+    # Expect at N = 16384: FLT-logit fwd ~0.5-1 s against ~25-40 s for exact softmax with a
+    # materialised T5 bias (ratio ~35-50), fwd+bwd ~2 s.
     "default": Preset(
         shapes=("lm",),
         lengths=(256, 1024, 4096, 16384),
@@ -197,7 +198,7 @@ PRESETS: dict[str, Preset] = {
         kronecker_lengths=(16384,),
         max_call_s=60.0,
     ),
-    # flt bench speed --preset full: more variants, N up to 65536, a batched shape; ~1 h.
+    # flt bench speed --preset full: more variants, N up to 65536, a batched shape; over 1 h.
     "full": Preset(
         shapes=("lm", "batch"),
         lengths=(256, 1024, 4096, 16384, 65536),

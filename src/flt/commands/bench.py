@@ -2,9 +2,9 @@
 (approximation error against the exact layers), each writing JSON, markdown and a PNG.
 
     flt bench speed --preset quick     # CI smoke, ~20 s: checks the runner, not the timings
-    flt bench speed                    # targets' shape up to N = 16384, ~8 min on 2 cores
-    flt bench speed --preset full      # N up to 65536, more variants and a batched shape, ~1 h
-    flt bench approx [--quick]         # ~1 min (quick: ~10 s)
+    flt bench speed                    # targets' shape up to N = 16384, ~10 min on 2 cores
+    flt bench speed --preset full      # N up to 65536, more variants and a batched shape, > 1 h
+    flt bench approx [--quick]         # ~3 min (quick: ~30 s)
 """
 
 from __future__ import annotations
