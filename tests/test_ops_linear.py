@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def grads(fn, tensors, upstream):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+@pytest.mark.parametrize("chunk_size", [1, 7, 29, 64])  # N = 29: chunked, then one [N, N] block
 def test_flt_attention_equals_quadratic_formula_forward_and_backward(causal, chunk_size):
     qf, kf, v, a, c, kls = inputs()
     tensors = [t.requires_grad_() for t in (qf, kf, v, a, c, kls)]
@@ -101,16 +103,17 @@ def test_recurrent_decoding_with_key_log_scale_matches_chunked():
 
 def test_gradcheck_small():
     qf, kf, v, a, c, kls = inputs(B=1, H=1, N=5, m=2, Dv=2, R2=2)
-    for causal in (False, True):
-        fn = lambda *t: flt_attention(*t[:5], causal=causal, key_log_scale=t[5], chunk_size=2)  # noqa: E731
+    # chunk_size 2: chunks and the streamed Kronecker state; 8 > N: one block of [N, N] weights.
+    for causal, chunk_size in itertools.product((False, True), (2, 8)):
+        fn = lambda *t: flt_attention(*t[:5], causal=causal, key_log_scale=t[5], chunk_size=chunk_size)  # noqa: E731
         assert torch.autograd.gradcheck(fn, [t.clone().requires_grad_() for t in (qf, kf, v, a, c, kls)])
 
 
 def test_huge_key_log_scales_stay_finite_and_exact():
     qf, kf, v, a, c, kls = inputs(N=17)
     kls = kls * 300  # exp(kls) overflows float64 unless the ops rescale
-    for causal in (False, True):
-        out = flt_attention(qf, kf, v, a, c, causal=causal, key_log_scale=kls, chunk_size=4)
+    for causal, chunk_size in itertools.product((False, True), (4, 32)):
+        out = flt_attention(qf, kf, v, a, c, causal=causal, key_log_scale=kls, chunk_size=chunk_size)
         assert torch.isfinite(out).all()
         assert_close(out, flt_attention_reference(qf, kf, v, a, c, causal=causal, key_log_scale=kls))
 
@@ -123,13 +126,14 @@ def test_causal_outputs_ignore_future_keys_even_extreme_ones():
     k2 = k.clone()
     k2[:, :, 25:] *= 40.0  # future keys with enormous norms: a global max would wipe out the past
     cut = 25
-    outs = []
-    for keys in (k, k2):
-        qf, _ = favor_plus_features(q, proj)
-        kf, kls = favor_plus_features(keys, proj)
-        outs.append(linear_attention(qf, kf, v, causal=True, key_log_scale=kls, chunk_size=16))
-    torch.testing.assert_close(outs[0][:, :, :cut], outs[1][:, :, :cut], rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(outs[0][:, :, cut:], outs[1][:, :, cut:])
+    for chunk_size in (16, 64):  # chunks with a carried state; one chunk of N <= 64 tokens
+        outs = []
+        for keys in (k, k2):
+            qf, _ = favor_plus_features(q, proj)
+            kf, kls = favor_plus_features(keys, proj)
+            outs.append(linear_attention(qf, kf, v, causal=True, key_log_scale=kls, chunk_size=chunk_size))
+        torch.testing.assert_close(outs[0][:, :, :cut], outs[1][:, :, :cut], rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(outs[0][:, :, cut:], outs[1][:, :, cut:])
 
 
 def test_signed_mask_zero_row_sum_is_guarded():
