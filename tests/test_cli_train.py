@@ -89,19 +89,44 @@ def test_resume_through_the_cli_matches_an_uninterrupted_run(tmp_path):
 
 def test_compare_prints_a_table(tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main(["compare", "image", "--attention", "flt,flt:coupling=multiplicative", "--seeds", "0,1",
+    code = main(["compare", "image", "--attention", "flt:coupling=multiplicative", "--seeds", "0,1",
                  "--preset", "smoke", "--steps", "4", "--out-dir", str(out), "--threads", "1"])
     text = capsys.readouterr().out
     assert code == 0, text
     table = [line for line in text.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| attention | seeds | accuracy (mean ± std)")
-    rows = table[2:]
-    assert [r.split("|")[1].strip() for r in rows] == ["flt", "flt:coupling=multiplicative"]
-    assert all("±" in r for r in rows)
+    assert table[0] == "| attention | seeds | accuracy (mean ± std) | loss | ms/step | peak MiB | params |"
+    assert len(table) == 3 and table[2].startswith("| flt:coupling=multiplicative | 2 | ") and "±" in table[2]
     assert (out / "compare.png").exists() and (out / "compare.md").exists()
     data = json.loads((out / "compare.json").read_text())
-    assert len(data["rows"]) == 2 and all(len(r["runs"]) == 2 for r in data["rows"])
+    assert [len(r["runs"]) for r in data["rows"]] == [2]
     assert os.path.exists(out / "flt_coupling=multiplicative" / "seed-1" / "summary.json")
+    capsys.readouterr()
+    assert main(["compare", "image", "--attention", "flt:coupling=multiplicative", "--out-dir", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_compare_table_and_entries():
+    from flt.commands.compare import _mean_std, _table, parse_entries, parse_seeds
+
+    assert parse_entries("flt,softmax:relative_bias=alibi:max_distance=8") == [
+        ("flt", "flt", {}), ("softmax:relative_bias=alibi:max_distance=8", "softmax", {"relative_bias": "alibi", "max_distance": 8})
+    ]
+    with pytest.raises(ValueError, match="twice"):
+        parse_entries("flt,flt")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_entries("flt:coupling")
+    assert parse_seeds("0,1,2") == [0, 1, 2]
+    with pytest.raises(ValueError, match="seeds"):
+        parse_seeds("0,a")
+    mean, std = _mean_std([1.0, 2.0, 3.0])
+    assert mean == 2.0 and std == pytest.approx(1.0)
+    assert _mean_std([4.0]) == (4.0, None)
+    ok = {"label": "a", "seeds": [0, 1], "failed": "", "metric": (0.5, 0.1), "extra": {"bpb": 2.0},
+          "time_per_step_s": 0.012, "peak_memory_mib": 300.0, "parameters": 1234}
+    bad = {"label": "b", "seeds": [], "failed": "seed 0: boom"}
+    lines = _table([ok, bad], "ppl", ["bpb"]).splitlines()
+    assert lines[2] == "| a | 2 | 0.5 ± 0.1 | 2 | 12.0 | 300 | 1,234 |"
+    assert "FAILED: seed 0: boom" in lines[3]
 
 
 @pytest.mark.parametrize(

@@ -274,6 +274,7 @@ def test_configs_are_frozen_and_round_trip():
     assert isinstance(build_model(LMConfig(dim=16, depth=1, heads=2, attention_options={"num_features": 8})), CausalLM)
 
 
+@torch.no_grad()
 def test_model_input_errors():
     model = make(MoleculeConfig, "flt")
     z, pos, mask = molecules()

@@ -58,7 +58,11 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
-        """``[B, N, dim] -> [B, N, dim]``; ``exact=True`` uses the layer's O(N^2) ``exact`` method."""
+        """``[B, N, dim] -> [B, N, dim]``.
+
+        ``exact=True`` calls the layer's ``exact`` method: the O(N^2) attention its fast
+        path estimates (exact kernel, exact mask ``f``), for tests and analysis.
+        """
         h = self.norm1(x)
         if exact:
             exact_fn = getattr(self.attn, "exact", None)

@@ -12,6 +12,10 @@ act per token apart from attention, and the readout is a masked sum or mean, so:
   ``exact=True`` (the O(N^2) mask ``f`` from ``spectrum.mask``); the fast path uses ``R``
   random frequencies whose estimate ``f^`` is radial only in expectation, so it is
   rotation invariant up to an error that shrinks like ``R^(-1/2)``.
+
+``exact=True`` is an analysis tool, not a better inference mode: a model trained on the
+fast path adapts to its fixed random features. The ``small`` preset's model (validation
+MAE 0.23 eV, seed 0) scores 3.4 eV when evaluated with ``exact=True``.
 """
 
 from __future__ import annotations

@@ -122,9 +122,9 @@ def plot_comparison(curves: dict[str, list[list[tuple[int, float]]]], out_path: 
         if not steps:
             continue
         values = torch.tensor([[dict(r)[s] for s in steps] for r in runs], dtype=torch.float64)
-        ax.plot(steps, values.mean(0).numpy(), "o-", ms=3, color=f"C{i}", label=label)
         if len(runs) > 1:
-            ax.fill_between(steps, values.min(0).values.numpy(), values.max(0).values.numpy(), color=f"C{i}", alpha=0.2)
+            ax.fill_between(steps, values.min(0).values.numpy(), values.max(0).values.numpy(), color=f"C{i}", alpha=0.2, lw=0)
+        ax.plot(steps, values.mean(0).numpy(), "o-", ms=3, color=f"C{i}", label=label, zorder=3)
     ax.set(xlabel="step", ylabel=f"validation {metric}", title=title or f"validation {metric}")
     if metric == "ppl":
         ax.set_yscale("log")
