@@ -105,6 +105,19 @@ def test_compare_prints_a_table(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
+def test_compare_plot_with_log_axis_and_with_every_run_failed(tmp_path):
+    import warnings
+
+    from flt.train.plots import plot_comparison
+
+    curves = {"a": [[(10, 30.0), (20, 9.0)], [(10, 25.0), (20, 8.0)]], "b": [[(10, 12.0), (20, 7.0)]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_comparison(curves, str(tmp_path / "ppl.png"), metric="ppl")
+        plot_comparison({"a": []}, str(tmp_path / "none.png"), metric="accuracy")
+    assert (tmp_path / "ppl.png").stat().st_size > 0 and (tmp_path / "none.png").stat().st_size > 0
+
+
 def test_compare_table_and_entries():
     from flt.commands.compare import _mean_std, _table, parse_entries, parse_seeds
 

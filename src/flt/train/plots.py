@@ -21,6 +21,16 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
+def _log_y(ax) -> None:
+    """Log-scaled y axis with plain numbers (``7``, ``10``) rather than ``7 x 10^0`` on its ticks."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+
+
 def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title: str = "") -> None:
     """Training and validation loss, and the validation ``metric``, against the step."""
     records = read_metrics(metrics_path)
@@ -35,7 +45,7 @@ def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title
     ax2.plot([r["step"] for r in valid], [r.get(metric) for r in valid], "o-", ms=3, color="C1")
     ax2.set(xlabel="step", ylabel=metric, title=f"validation {metric}")
     if metric == "ppl":
-        ax2.set_yscale("log")
+        _log_y(ax2)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     if title:
@@ -127,7 +137,8 @@ def plot_comparison(curves: dict[str, list[list[tuple[int, float]]]], out_path: 
         ax.plot(steps, values.mean(0).numpy(), "o-", ms=3, color=f"C{i}", label=label, zorder=3)
     ax.set(xlabel="step", ylabel=f"validation {metric}", title=title or f"validation {metric}")
     if metric == "ppl":
-        ax.set_yscale("log")
+        _log_y(ax)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # every run may have failed
+        ax.legend(fontsize=8)
     fig.savefig(out_path)
