@@ -94,6 +94,28 @@ def test_softmax_with_spectrum_bias_is_the_exact_counterpart_of_flt():
         assert_close(soft(x), flt_layer.exact(x))
 
 
+@pytest.mark.parametrize("bias", ["spectrum", "alibi", "t5"])
+def test_shared_positions_give_one_term_and_the_same_outputs(bias):
+    """Positions equal across the batch: the bias is computed once, outputs and gradients unchanged."""
+    torch.manual_seed(0)
+    opts = {"amplitude": 0.5} if bias == "spectrum" else {}
+    layer = SoftmaxAttention(16, 2, relative_bias=bias, causal=True, **opts).double()
+    x = torch.randn(3, 9, 16, dtype=F64, requires_grad=True)
+    shared = torch.arange(9, dtype=F64).view(1, 9, 1)
+    for pos in (shared.expand(3, -1, -1), shared.repeat(3, 1, 1)):
+        assert layer.positional_term(pos, F64).shape[0] == 1
+        out = layer(x, pos)
+        rows = torch.cat([layer(x[b : b + 1], pos[b : b + 1]) for b in range(3)])
+        assert_close(out, rows)
+    distinct = shared.repeat(3, 1, 1) * torch.tensor([1.0, 2.0, 3.0], dtype=F64).view(3, 1, 1)  # integer, unequal
+    assert layer.positional_term(distinct, F64).shape[0] == 3
+    # Positions that need a gradient keep one term per sequence, so each gets its own gradient.
+    learned = shared.repeat(3, 1, 1).requires_grad_()
+    if bias != "t5":
+        layer(x, learned).pow(2).sum().backward()
+        assert learned.grad is not None and torch.count_nonzero(learned.grad[1:]) > 0
+
+
 def test_alibi_and_table_biases_against_hand_built_matrices():
     soft = SoftmaxAttention(16, 2, relative_bias="alibi").double()
     pos = torch.tensor([0.0, 1.0, 3.0], dtype=F64).view(1, 3, 1)

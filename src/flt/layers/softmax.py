@@ -93,7 +93,14 @@ class SoftmaxAttention(AttentionBase):
             self.spectrum = SPECTRA[spectrum](heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, **fk, **spectrum_options)
 
     def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
-        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions."""
+        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions.
+
+        When every sequence of the batch has the same positions (token indices, patch
+        grids) and they need no gradient, the ``N x N`` term is computed once, not ``B`` times.
+        """
+        if pos is not None and pos.shape[0] > 1 and not pos.requires_grad:
+            if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
+                pos = pos[:1]
         if self.table is not None:
             return self.table(pos).to(dtype)
         if self.relative_bias == "alibi":
