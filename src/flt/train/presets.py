@@ -93,7 +93,7 @@ def lm_small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def lm_base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train lm --preset base``: 6 layers, width 192, context 256 bytes, 2000 steps
-    of 16 windows. About: run time and metric not yet measured."""
+    of 16 windows. About 1 h (3689 s); validation ppl 3.23 (bpb 1.69)."""
     model = LMConfig(dim=192, depth=6, heads=6, max_len=256, **mechanism_options("lm", attention, posenc))
     run = RunConfig(steps=2000, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=250, eval_batches=16,
                     checkpoint_every=250, log_every=20)
