@@ -25,3 +25,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny models are fastest on one, and several OpenMP
+    threads on a busy machine can be a hundred times slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -102,11 +102,19 @@ def test_shared_positions_give_one_term_and_the_same_outputs(bias):
     layer = SoftmaxAttention(16, 2, relative_bias=bias, causal=True, **opts).double()
     x = torch.randn(3, 9, 16, dtype=F64, requires_grad=True)
     shared = torch.arange(9, dtype=F64).view(1, 9, 1)
+    params = [p for p in layer.parameters() if p.requires_grad]
     for pos in (shared.expand(3, -1, -1), shared.repeat(3, 1, 1)):
         assert layer.positional_term(pos, F64).shape[0] == 1
         out = layer(x, pos)
         rows = torch.cat([layer(x[b : b + 1], pos[b : b + 1]) for b in range(3)])
         assert_close(out, rows)
+        upstream = torch.randn_like(out)
+        g_once = torch.autograd.grad((out * upstream).sum(), [x, *params], allow_unused=True)
+        g_rows = torch.autograd.grad((rows * upstream).sum(), [x, *params], allow_unused=True)
+        for a, b in zip(g_once, g_rows):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert_close(a, b)
     distinct = shared.repeat(3, 1, 1) * torch.tensor([1.0, 2.0, 3.0], dtype=F64).view(3, 1, 1)  # integer, unequal
     assert layer.positional_term(distinct, F64).shape[0] == 3
     # Positions that need a gradient keep one term per sequence, so each gets its own gradient.

@@ -28,14 +28,7 @@ NAMES = sorted(ATTENTION)
 TRUNK = {"dim": 24, "depth": 2, "heads": 2}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models are fastest on one thread, and several OpenMP threads on a busy
-    # machine can be a hundred times slower.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(cls, attention: str, *, dtype=None, **fields):

@@ -34,14 +34,8 @@ IDS = [name + (f"-nu{opts['nu']}" if "nu" in opts else "") for name, opts in CAS
 OPTIONS = {name: opts for name, opts in CASES}  # one case per name (the last Matern) where nu does not matter
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run thousands of tiny tensor ops (quadrature, redraws): a second intra-op
-    thread cannot speed them up, and on a busy machine every op would wait for it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Thousands of tiny tensor ops (quadrature, redraws): a second thread cannot speed them up.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(name, options, *, P=1, R=16, H=2, perturb=0.15, **kwargs):

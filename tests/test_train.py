@@ -17,12 +17,7 @@ from flt.train.metrics import MetricsLogger, read_metrics
 from flt.train.presets import PRESETS
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_lm(steps=9, **run) -> Preset:

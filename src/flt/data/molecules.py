@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import sqlite3
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from flt._io import atomic_write
 
 from ._split import split_indices
 from .errors import DataError, require_file
@@ -330,23 +331,6 @@ def catalysis_cache_path(
     return os.path.join(folder, f"catalysis-v{FORMAT_VERSION}-n{num_samples}-{digest}.npz")
 
 
-def _save_npz_atomic(path: str, arrays: dict[str, np.ndarray]) -> None:
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    # Write a temporary file in the same folder and rename it: readers never see a
-    # half-written cache, even if this process is killed mid-write.
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _load_cache(path: str, params: str) -> MoleculeData:
     fix = "delete it or pass refresh=True to regenerate"
     try:
@@ -407,7 +391,8 @@ def load_catalysis(
             "offsets": data.offsets.numpy(), "y": data.y.numpy(),
             **{f"info_{k}": data.info[k] for k in _INFO_KEYS},
         }
-        _save_npz_atomic(path, arrays)
+        # Readers never see a half-written cache, even if this process is killed mid-write.
+        atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
     return split_molecules(data, valid_fraction, seed)
 
 

@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
+from flt._io import atomic_write, fsync_dir
 from flt.models import build_model, config_from_dict
 
 CHECKPOINTS = "checkpoints"
@@ -44,14 +45,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 class CheckpointError(ValueError):
     """A checkpoint exists but is corrupt, incomplete or does not fit the model; the message names the file."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: str) -> None:
@@ -68,19 +61,8 @@ def _sha256(path: str) -> str:
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    _fsync_dir(folder)
+    """Write ``text`` to ``path`` atomically (:func:`flt._io.atomic_write`)."""
+    atomic_write(path, lambda f: f.write(text))
 
 
 def step_dir_name(step: int) -> str:
@@ -107,7 +89,7 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
             json.dump(meta, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = os.path.join(root, name)
         if os.path.exists(final):
             # Left by a run that was killed after writing it but before updating `latest`.
@@ -116,7 +98,7 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
     _prune(root, keep, current=name)
     return final

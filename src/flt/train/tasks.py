@@ -77,6 +77,15 @@ def _epoch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tenso
     return perm[i * batch_size : (i + 1) * batch_size]
 
 
+def _eval_slices(n: int, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[slice]:
+    """This rank's share of the first ``max_batches`` consecutive batches of ``n`` items."""
+    for i, first in enumerate(range(0, n, batch_size)):
+        if max_batches is not None and i >= max_batches:
+            return
+        if i % world == rank:
+            yield slice(first, min(first + batch_size, n))
+
+
 class Task:
     """Interface of a task; see the module docstring."""
 
@@ -274,13 +283,8 @@ class ImageTask(Task):
         return F.cross_entropy(model(images).float(), labels)
 
     def eval_batches(self, batch_size, max_batches, rank, world):
-        n = len(self.valid)
-        for i, first in enumerate(range(0, n, batch_size)):
-            if max_batches is not None and i >= max_batches:
-                return
-            if i % world == rank:
-                sl = slice(first, min(first + batch_size, n))
-                yield self.valid.images[sl], self.valid.labels[sl]
+        for sl in _eval_slices(len(self.valid), batch_size, max_batches, rank, world):
+            yield self.valid.images[sl], self.valid.labels[sl]
 
     def eval_sums(self, model, batch):
         images, labels = batch
@@ -340,12 +344,8 @@ class MoleculeTask(Task):
         return F.mse_loss((pred.float() - self.target_mean) / self.target_std, (batch.y.float() - self.target_mean) / self.target_std)
 
     def eval_batches(self, batch_size, max_batches, rank, world):
-        n = len(self.valid)
-        for i, first in enumerate(range(0, n, batch_size)):
-            if max_batches is not None and i >= max_batches:
-                return
-            if i % world == rank:
-                yield self._collate(self.valid, range(first, min(first + batch_size, n)))
+        for sl in _eval_slices(len(self.valid), batch_size, max_batches, rank, world):
+            yield self._collate(self.valid, range(sl.start, sl.stop))
 
     def eval_sums(self, model, batch):
         err = model(batch.z, batch.pos, batch.mask).double() - batch.y.double()
