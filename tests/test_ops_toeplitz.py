@@ -1,4 +1,4 @@
-"""FFT Toeplitz attention (MATH.md section 6) against its dense O(N^2) formula."""
+"""FFT Toeplitz attention (docs/math.md section 6) against its dense O(N^2) formula."""
 
 from __future__ import annotations
 

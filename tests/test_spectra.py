@@ -1,4 +1,4 @@
-"""Spectral families (MATH.md sections 3, 3.1 and identity 10.2), parametrised over SPECTRA.
+"""Spectral families (docs/math.md sections 3, 3.1 and identity 10.2), parametrised over SPECTRA.
 
 Every family must satisfy: f == FT(g) by quadrature, a.c == f^ exactly, f^ unbiased with
 error ~ R^-1/2, amplitude semantics, reparameterised gradients, translation invariance,
@@ -384,7 +384,7 @@ def test_local_weights_are_the_bounded_importance_ratio():
 
 
 def test_unsmoothed_box_window_has_unbounded_variance():
-    """MATH.md vs the FLT paper: the paper's box window (tau -> 0) has g = a sin(2 pi w xi) / (pi xi)
+    """docs/math.md vs the FLT paper: the paper's box window (tau -> 0) has g = a sin(2 pi w xi) / (pi xi)
     and infinite importance-sampling variance; the second moment int g^2 / p grows like
     sqrt(2/pi) w / tau, which is why the library smooths the box."""
     w = 4.0

@@ -1,4 +1,4 @@
-"""Kernel feature maps for linear attention (MATH.md section 2).
+"""Kernel feature maps for linear attention (docs/math.md section 2).
 
 Pure functions: the random projection is an argument, drawn by
 :func:`gaussian_orthogonal_random_matrix` and kept as a buffer by the layer that owns it.

@@ -1,7 +1,7 @@
 """Linear attention and the multiplicative (Kronecker) FLT coupling, O(N).
 
 One engine serves both: plain linear attention is the Kronecker coupling with
-``a = c = 1`` (``2R = 1``). MATH.md sections 2 and 4.
+``a = c = 1`` (``2R = 1``). docs/math.md sections 2 and 4.
 
 Stabilisation. Key features arrive as ``k_feat * exp(key_log_scale)`` (see
 :func:`flt.ops.features.favor_plus_features`). Bidirectional attention rescales all keys
@@ -66,7 +66,7 @@ def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=N
 
 
 def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """FLT with the multiplicative coupling (MATH.md section 4), linear in N.
+    """FLT with the multiplicative coupling (docs/math.md section 4), linear in N.
 
     ``out_i = sum_j (a_i.c_j)(qf_i.kf_j) v_j / sum_j (a_i.c_j)(qf_i.kf_j)``: linear attention
     on the Kronecker features ``a_i (x) qf_i`` and ``c_j (x) kf_j``, which are never

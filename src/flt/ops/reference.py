@@ -32,7 +32,7 @@ def rpe_attention_reference(q, k, v, *, mask=None, bias=None, causal: bool = Fal
     """Exact attention with a relative positional mask and/or bias, O(N^2).
 
     Weights are proportional to ``mask_ij * exp(q_i.k_j * scale + bias_ij)`` and are
-    normalised over ``j``:  ``out_i = sum_j w_ij v_j / sum_j w_ij`` (MATH.md section 1).
+    normalised over ``j``:  ``out_i = sum_j w_ij v_j / sum_j w_ij`` (docs/math.md section 1).
     ``mask`` may be signed (an FLT mask ``f`` can be negative). A row whose weights are
     all zero (everything masked) returns zeros instead of NaN.
 

@@ -1,6 +1,6 @@
 """Exact softmax attention with an additive relative bias: SDPA, FlexAttention, reference.
 
-The logit coupling of MATH.md section 1 computed exactly, ``O(N * Nk)``:
+The logit coupling of docs/math.md section 1 computed exactly, ``O(N * Nk)``:
 
     out_i = sum_j w_ij v_j / sum_j w_ij,   w_ij = exp(scale * q_i.k_j + bias_ij) * keep_ij
 

@@ -1,6 +1,6 @@
 """Kernelized attention with a Toeplitz relative bias, by FFT (Luo et al. 2021).
 
-MATH.md section 6. Tokens sit on an integer grid ``0..N-1`` and every head has a bias
+docs/math.md section 6. Tokens sit on an integer grid ``0..N-1`` and every head has a bias
 table ``beta_t`` for the offsets ``t = i - j`` in ``[-(N-1), N-1]``, stored as
 ``bias[h, t + N - 1]``. The attention weights are
 
@@ -178,7 +178,7 @@ def _bias_to_coeffs(bias: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 def toeplitz_attention(q_feat, k_feat, v, bias, *, causal: bool = False, fft_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Linear attention with a Toeplitz logit bias, ``O(N log N * m * Dv)`` (MATH.md 6).
+    """Linear attention with a Toeplitz logit bias, ``O(N log N * m * Dv)`` (docs/math.md 6).
 
     ``out_i = sum_j exp(beta_(i-j)) (qf_i.kf_j) v_j / sum_j exp(beta_(i-j)) (qf_i.kf_j)``
     with ``beta_t = bias[h, t + N - 1]``. Tokens are the integer grid ``0..N-1``; the

@@ -1,4 +1,4 @@
-"""Positional encodings (MATH.md section 7).
+"""Positional encodings (docs/math.md section 7).
 
 Absolute encodings live in the registry ``POSENC``: every entry is built as
 ``POSENC[name](dim, pos_dim, **options)`` and maps positions ``[B, N, P]`` to

@@ -1,5 +1,5 @@
 """Learnable Fourier features (Li et al. 2021, "Learnable Fourier Features for
-Multi-Dimensional Spatial Positional Encoding"; MATH.md section 7).
+Multi-Dimensional Spatial Positional Encoding"; docs/math.md section 7).
 
 Positions ``x [B, N, P]`` are split into ``G`` groups of ``M = P / G`` coordinates. Per group
 
@@ -11,7 +11,7 @@ with the weights shared by all groups, and the ``G`` outputs concatenated to ``d
 Initialisation of ``W_r``: entries N(0, gamma^-2), i.e. standard deviation ``1/gamma``,
 so that at initialisation ``r_x.r_y -> 1/2 exp(-|x - y|^2 / (2 gamma^2))`` as ``F``
 grows (a Gaussian kernel of length scale ``gamma``). This follows the paper's text and
-MATH.md. Implementations derived from the authors' snippet (e.g. LightGlue's) draw
+docs/math.md. Implementations derived from the authors' snippet (e.g. LightGlue's) draw
 ``W_r`` with standard deviation ``gamma^-2`` instead, i.e. a kernel of length scale
 ``gamma^2``; the two agree only at ``gamma = 1``. The kernel test pins our convention.
 """

@@ -1,5 +1,5 @@
 """Shifted basis embeddings and their diagnostics (Zheng et al. 2021, "Rethinking
-Positional Encoding"; MATH.md section 7).
+Positional Encoding"; docs/math.md section 7).
 
 A coordinate ``x`` in a domain ``[a, b]`` is embedded as ``psi(x) = [phi(x - t_d)]_(d=1..D)``
 with ``D`` equispaced centres ``t_d = a + (d - 1/2) h``, ``h = (b - a)/D`` (cell centres,

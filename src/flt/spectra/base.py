@@ -1,4 +1,4 @@
-"""The common interface of every spectral family (MATH.md section 3).
+"""The common interface of every spectral family (docs/math.md section 3).
 
 A spectrum ``g`` on ``R^P`` defines the RPE mask ``f(Delta) = int g(xi) cos(2 pi xi.Delta) dxi``.
 Each family estimates ``f`` with ``R`` frequencies and weights,

@@ -1,4 +1,4 @@
-"""Gaussian-mixture spectra (MATH.md section 3.1).
+"""Gaussian-mixture spectra (docs/math.md section 3.1).
 
 ``g(xi) = sum_c alpha_c N(xi; mu_c, diag(s_c^2))`` per head, with the closed form
 ``f(Delta) = sum_c alpha_c cos(2 pi mu_c.Delta) exp(-2 pi^2 sum_p s_cp^2 Delta_p^2)``.

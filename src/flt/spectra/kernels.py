@@ -1,4 +1,4 @@
-"""Shift-invariant kernel spectra: Gaussian and Matern (MATH.md section 3.1).
+"""Shift-invariant kernel spectra: Gaussian and Matern (docs/math.md section 3.1).
 
 Both ``g`` are nonnegative, so frequencies are sampled from ``g`` itself (Bochner) with
 equal weights ``w_k = a / R``, reparameterised from the fixed base draws so gradients

@@ -1,10 +1,10 @@
-"""Neural spectra: an MLP shapes ``g`` under a Gaussian envelope (MATH.md section 3.1).
+"""Neural spectra: an MLP shapes ``g`` under a Gaussian envelope (docs/math.md section 3.1).
 
 ``g_theta(xi) = sym(h_theta)(xi) * N(xi; 0, diag(s_e^2))`` with ``sym(h)(xi) =
 (h(xi) + h(-xi)) / 2``, so ``g`` is even and ``f`` real and even. ``g`` is signed, so ``f``
-need not be positive definite. The normalised Gaussian envelope is MATH.md's
+need not be positive definite. The normalised Gaussian envelope is docs/math.md's
 ``exp(-|xi|^2 / (2 s_e^2))`` with its constant ``(2 pi)^(-P/2) / prod_p s_ep`` moved out of
-the MLP, and with one envelope width per axis (MATH.md's isotropic ``s_e`` is the case of
+the MLP, and with one envelope width per axis (docs/math.md's isotropic ``s_e`` is the case of
 equal widths). ``f`` has no closed form: :meth:`NeuralSpectrum.mask` integrates
 numerically (``P <= 2``).
 """

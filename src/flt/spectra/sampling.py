@@ -2,7 +2,7 @@
 
 Every spectrum turns fixed standard-normal draws ``eps`` into frequencies by a
 reparameterisation ``xi = T_theta(eps)``, so gradients reach the spectrum's parameters
-while the randomness stays a fixed buffer (MATH.md section 3). A spectrum asks for
+while the randomness stays a fixed buffer (docs/math.md section 3). A spectrum asks for
 ``dim = P + extra`` normals per frequency: the first ``P`` become the frequency
 direction, the ``extra`` ones feed auxiliary variables (e.g. the chi-square of a
 Matern spectrum is a sum of ``2 nu`` squared normals).
