@@ -34,8 +34,21 @@ def test_cli_approx_quick_writes_outputs(tmp_path, monkeypatch):
     masks, attention = approx.mask_errors, approx.attention_errors
     monkeypatch.setattr(approx, "mask_errors", lambda **kw: masks(**{**kw, "names": ["gaussian"], "Rs": (4, 8)}))
     monkeypatch.setattr(convergence, "attention_errors", lambda settings, **kw: attention(settings[:2], N=9, seeds=(0,)))
+    fidelity = approx.fidelity_errors
+    monkeypatch.setattr(approx, "fidelity_errors", lambda **kw: fidelity(**{**kw, "amplitudes": (0.0, 3.5), "N": 24, "dim": 32}))
     assert cli_main(["bench", "approx", "--quick", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "approx.json").read_text())
-    assert set(data) == {"masks", "vs_m", "vs_R"} and data["masks"] and data["vs_m"]
+    assert set(data) == {"masks", "fidelity", "vs_m", "vs_R"} and data["masks"] and data["vs_m"]
+    assert {r["estimator"] for r in data["fidelity"]} == set(approx.FIDELITY_ESTIMATORS)
     assert "## Mask error" in (tmp_path / "approx.md").read_text()
     assert (tmp_path / "approx.png").exists()
+
+
+def test_band_estimator_holds_a_strong_local_mask_where_concatenation_fails():
+    # The measurement behind the near_field option (docs/math.md section 5.1), small.
+    rows = approx.fidelity_errors(amplitudes=(0.0, 3.5), settings=((64, 16),), N=96, dim=64, seeds=(0,),
+                                  estimators=["concat (logit, no band)", "band w=16, mask in f_near"])
+    err = {(r.estimator, r.amplitude): r.rel_error for r in rows}
+    plain = err[("concat (logit, no band)", 0.0)]
+    assert err[("band w=16, mask in f_near", 3.5)] <= 2 * plain
+    assert err[("concat (logit, no band)", 3.5)] > 3 * err[("band w=16, mask in f_near", 3.5)]

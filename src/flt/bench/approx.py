@@ -94,6 +94,66 @@ def attention_errors(settings=((64, 8), (256, 32), (1024, 128)), *, N: int = 65,
     return rows
 
 
+@dataclass(frozen=True)
+class FidelityError:
+    estimator: str
+    amplitude: float  # f(0) of the local mask
+    m: int
+    R: int
+    rel_error: float  # |forward(x) - exact(x)| / |exact(x)|, mean over seeds
+
+
+#: Estimators of a strong local mask, as FLTAttention options. ``where`` says which spectrum
+#: carries the mask: the far-field ``spectrum`` (random features) or the ``near_spectrum``
+#: (exact inside the band).
+FIDELITY_ESTIMATORS = {
+    "concat (logit, no band)": ({"coupling": "logit"}, "spectrum"),
+    "band w=8, mask in f_near": ({"coupling": "logit", "near_field": 8}, "near_spectrum"),
+    "band w=16, mask in f_near": ({"coupling": "logit", "near_field": 16}, "near_spectrum"),
+    "band w=16, mask in f (far)": ({"coupling": "logit", "near_field": 16}, "spectrum"),
+    # The multiplicative mask is f itself (any amplitude cancels in the ratio): a local
+    # window's signed importance weights make row sums cancel.
+    "multiplicative, local f": ({"coupling": "multiplicative"}, "spectrum"),
+}
+
+
+def _set_local_amplitude(spectrum, amplitude: float) -> None:
+    """Make a local spectrum's ``f(0)`` equal ``amplitude`` in every head, split evenly over
+    its windows (window shapes unchanged)."""
+    with torch.no_grad():
+        spectrum.amplitude.fill_(1.0)
+        zero = torch.zeros(1, spectrum.pos_dim, dtype=spectrum.amplitude.dtype)
+        w, tau = spectrum.half_widths(), spectrum.smoothings()
+        peak = torch.erf(w / (math.sqrt(2) * tau)).prod(-1)  # f_c(0) / a_c, [H, W]
+        spectrum.amplitude.copy_(amplitude / spectrum.windows / peak)
+        assert torch.allclose(spectrum.mask(zero)[0], torch.full_like(spectrum.mask(zero)[0], amplitude))
+
+
+def fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((64, 16), (256, 32)), *, estimators=None, N: int = 256,
+                    dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[FidelityError]:
+    """Relative error of ``FLTAttention.forward`` against ``exact`` for a local mask of
+    growing ``f(0)`` (four smoothed windows of half-widths 1..16 tokens), default qk-norm,
+    random inputs, 1-D token positions. The multiplicative coupling's mask is the local
+    ``f`` itself; its amplitude cancels in the normalisation."""
+    rows = []
+    for label in estimators or FIDELITY_ESTIMATORS:
+        options, where = FIDELITY_ESTIMATORS[label]
+        for amplitude in amplitudes:
+            for m, R in settings:
+                errs = []
+                for seed in seeds:
+                    torch.manual_seed(seed)
+                    layer = FLTAttention(dim, heads, spectrum="local", num_features=m, num_frequencies=R, **options).double()
+                    if amplitude > 0 and options["coupling"] == "logit":
+                        _set_local_amplitude(getattr(layer, where), amplitude)
+                    x = torch.randn(2, N, dim, dtype=F64)
+                    with torch.no_grad():
+                        exact = layer.exact(x)
+                        errs.append(((layer(x) - exact).norm() / exact.norm()).item())
+                rows.append(FidelityError(label, amplitude, m, R, sum(errs) / len(errs)))
+    return rows
+
+
 def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=(1.0, 2.0, 4.0)) -> list[KernelScaleError]:
     """FAVOR+ error for raw unit-variance q, k (``|x|^2 = sqrt(D)``) and for L2-normalised
     q, k with temperature t (``|x|^2 = t``): why FAVOR+-based layers normalise by default."""

@@ -93,6 +93,10 @@ def run_approx(args) -> int:
         ms, (4, 16, 64) if quick else (4, 8, 16, 32, 64, 128, 256), fixed_R=32 if quick else 128, fixed_m=256 if quick else 2048,
         seeds=(0,) if quick else (0, 1),
     )
+    fidelity = approx.fidelity_errors(
+        amplitudes=(0.0, 1.0, 3.5) if quick else (0.0, 1.0, 2.0, 3.5, 5.0),
+        settings=((64, 16),) if quick else ((64, 16), (256, 32)), seeds=(0,) if quick else (0, 1),
+    )
     lines = [
         "# flt bench approx", "",
         f"Command: `flt bench approx{' --quick' if quick else ''}`. float64, live against the exact references.", "",
@@ -102,10 +106,12 @@ def run_approx(args) -> int:
         approx.markdown_table(sweeps["vs_m"]), "",
         f"## ... vs R (m = {sweeps['vs_R'][0].m})", "",
         approx.markdown_table(sweeps["vs_R"]), "",
+        "## Strong local masks: relative output error vs f(0), per estimator (N = 256, D = 64, default qk-norm)", "",
+        approx.markdown_table(fidelity), "",
     ]
     text = "\n".join(lines)
     (out / "approx.md").write_text(text)
-    (out / "approx.json").write_text(json.dumps({"masks": [asdict(r) for r in masks], **{k: [asdict(r) for r in v] for k, v in sweeps.items()}}, indent=1))
+    (out / "approx.json").write_text(json.dumps({"masks": [asdict(r) for r in masks], "fidelity": [asdict(r) for r in fidelity], **{k: [asdict(r) for r in v] for k, v in sweeps.items()}}, indent=1))
     convergence.plot_convergence(masks, sweeps, out / "approx.png")
     print(text)
     print(f"saved {out / 'approx.md'}, {out / 'approx.json'}, {out / 'approx.png'} ({time.perf_counter() - t0:.0f} s)")

@@ -2,7 +2,7 @@
 
 The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (see
 :mod:`flt.spectra`), estimated with random frequencies as ``a(r_i) . c(r_j)``. Two couplings
-(MATH.md sections 4 and 5):
+(docs/math.md sections 4 and 5):
 
 * ``"logit"`` (default): FAVOR+ on ``[x_q, a(r_i)]`` and ``[x_k, c(r_j)]`` estimates
   ``exp(x_q.x_k + f(r_i - r_j))``: softmax attention with a learned relative bias, at the
@@ -16,10 +16,12 @@ The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (se
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_choice
 from flt.layers.kernel import KernelAttention, KernelFeatures
+from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
 from flt.ops.reference import rpe_attention_reference
 from flt.spectra import SPECTRA
@@ -47,6 +49,18 @@ class FLTAttention(KernelAttention):
         orthogonal, redraw_interval, seed: passed to :class:`flt.layers.features.FeatureMap`.
         rope, rope_base: also rotate queries and keys by RoPE at the same positions.
         chunk_size: block size of the chunked computations.
+        near_field: ``w >= 1`` turns on the banded estimator (logit coupling only): pairs
+            with ``|i - j| <= w`` in token order get their exact weights
+            ``exp(x_q.x_k + f(r_i - r_j) + f_near(r_i - r_j))``, all other pairs the FAVOR+
+            estimate of ``exp(x_q.x_k + f)``. ``f_near`` is a second spectrum of the same
+            family (its own parameters, also starting at 0) that acts only inside the
+            band and is always evaluated exactly, so a strong local bias costs no
+            variance; ``f`` is the far-field bias, estimated by random features as
+            without ``near_field``. ``0`` (default) turns it off. The band follows token
+            order: for sequences, not for sets (atoms). Cost ``O(N T (D + m + Dv))``
+            with blocks of ``T = max(w, 32)`` tokens on top of the linear part; see
+            :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Layers with a near field do not decode
+            token by token (:meth:`step`).
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -74,6 +88,7 @@ class FLTAttention(KernelAttention):
         rope: bool = False,
         rope_base: float = 10000.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        near_field: int = 0,
         device=None,
         dtype=None,
         **spectrum_options,
@@ -97,6 +112,20 @@ class FLTAttention(KernelAttention):
         self.spectrum = SPECTRA[spectrum](
             heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
         )
+        if isinstance(near_field, bool) or not isinstance(near_field, int) or near_field < 0:
+            raise ValueError(f"near_field must be a nonnegative int (the band half-width w in tokens; 0 = off), got {near_field!r}")
+        self.near_field = near_field
+        if near_field:
+            if coupling != "logit":
+                raise ValueError("near_field needs coupling='logit' (the band holds exact softmax weights)")
+            # Only its exact f is used; its frequencies are never sampled.
+            near_options = {**spectrum_options, "amplitude": 0.0}
+            self.near_spectrum = SPECTRA[spectrum](
+                heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
+            )
+            self.supports_decoding = False
+        else:
+            self.near_spectrum = None
 
     def features(self, q, k, pos) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""
@@ -113,6 +142,32 @@ class FLTAttention(KernelAttention):
         kf, kls = self.feature_map(xk)
         return KernelFeatures(qf, kf, kls, a, c)
 
+    def attend(self, p, *, reference: bool = False) -> torch.Tensor:
+        if not self.near_field:
+            return super().attend(p, reference=reference)
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        a, c = self.spectrum.features(p.pos)
+        B, H, N, _ = xq.shape
+        cdt = torch.promote_types(xq.dtype, a.dtype)
+        xq, xk = xq.to(cdt), xk.to(cdt)
+        expand = (B, H, N, a.shape[-1])
+        qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
+        kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
+        bias = self.band_bias(p.pos.to(cdt))
+        key_mask = None if p.pad is None else ~p.pad
+        op = band_attention_reference if reference else band_attention
+        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)
+
+    def band_bias(self, pos: torch.Tensor) -> torch.Tensor:
+        """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
+        ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
+        band op ignores)."""
+        w = self.near_field
+        neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
+        delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
+        f = self.spectrum.mask(delta) + self.near_spectrum.mask(delta)  # [B, N, 2w+1, H]
+        return rearrange(f, "b n o h -> b h n o")
+
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention this layer approximates, with the same parameters.
 
@@ -126,6 +181,11 @@ class FLTAttention(KernelAttention):
         cdt = torch.promote_types(xq.dtype, torch.float32)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
         f = rearrange(self.spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+        if self.near_field:
+            idx = torch.arange(p.q.shape[2], device=x.device)
+            band = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field
+            near = rearrange(self.near_spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+            f = f + torch.where(band, near, torch.zeros_like(near))
         pad = self.padding_mask_matrix(p.pad, cdt)
         v = p.v.to(cdt)
         if self.coupling == "logit":

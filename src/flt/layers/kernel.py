@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flt._checks import check_tensor
-from flt.layers.base import AttentionBase, QKScaling
+from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.features import FeatureMap
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, linear_attention, recurrent_step
 from flt.ops.reference import flt_attention_reference, linear_attention_reference
@@ -106,22 +106,24 @@ class KernelAttention(AttentionBase):
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         p = self.prepare(x, pos, key_padding_mask)
         self.feature_map.step_schedule()
+        return self.finish(self.attend(p), x)
+
+    def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """``[B, H, N, Dv]`` from projected inputs, by the fast op or (``reference``) its
+        O(N^2) formula. Subclasses with another estimator override this."""
         f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
+        if reference:
+            if f.a is None:
+                return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
+            return flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
         if f.a is None:
-            out = linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
-        else:
-            out = flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
-        return self.finish(out, x)
+            return linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+        return flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
 
     def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same features through the O(N^2) quadratic formula (the fast path's reference)."""
         p = self.prepare(x, pos, key_padding_mask)
-        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
-        if f.a is None:
-            out = linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
-        else:
-            out = flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
-        return self.finish(out, x)
+        return self.finish(self.attend(p, reference=True), x)
 
     def step(self, x: torch.Tensor, state: DecodeState | None = None, pos: torch.Tensor | None = None):
         """Decode one token with constant memory (``causal=True`` only).

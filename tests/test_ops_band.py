@@ -1,0 +1,185 @@
+"""The banded estimator (exact near field, FAVOR+ far field) against its O(N^2) formula,
+and FLTAttention(near_field=w) against the attention it claims to be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt import FLTAttention
+from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
+from flt.ops.band import band_attention, band_attention_reference
+
+F64 = torch.float64
+
+
+def inputs(B=2, H=2, N=37, D=4, m=8, Dv=3, w=3, dtype=F64, scale=0.5):
+    xq = (torch.randn(B, H, N, D, dtype=dtype) * scale).requires_grad_()
+    xk = (torch.randn(B, H, N, D, dtype=dtype) * scale).requires_grad_()
+    v = torch.randn(B, H, N, Dv, dtype=dtype).requires_grad_()
+    bias = torch.randn(1, H, N, 2 * w + 1, dtype=dtype).requires_grad_()
+    return xq, xk, v, bias
+
+
+def run(fn, xq, xk, v, bias, proj, **kw):
+    qf, sq = favor_plus_features(xq, proj)
+    kf, sk = favor_plus_features(xk, proj)
+    return fn(xq, xk, v, qf, kf, sq, sk, bias, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("N, w, block", [(1, 1, None), (5, 3, None), (37, 3, 8), (37, 8, 8), (130, 5, 16), (130, 1, 64)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_band_attention_equals_reference_forward_and_backward(causal, N, w, block, padded):
+    xq, xk, v, bias = inputs(N=N, w=w)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    key_mask = (torch.rand(2, N) > 0.3) if padded else None
+    kw = dict(width=w, causal=causal, key_mask=key_mask)
+    out = run(band_attention, xq, xk, v, bias, proj, block_size=block, **kw)
+    ref = run(band_attention_reference, xq, xk, v, bias, proj, **kw)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    g_out = torch.autograd.grad((out * up).sum(), (xq, xk, v, bias), retain_graph=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), (xq, xk, v, bias))
+    for a, b in zip(g_out, g_ref):
+        assert_close(a, b)
+
+
+def test_reference_is_exact_on_the_band_and_the_favor_estimate_off_it():
+    # Width >= N: every pair is near, so the op is exact softmax with the bias.
+    N, w = 9, 9
+    xq, xk, v, bias = inputs(N=N, w=w)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    i = torch.arange(N)
+    full = bias.gather(-1, (i.view(1, -1) - i.view(-1, 1) + w).expand(1, 2, N, N))
+    expected = torch.softmax(xq @ xk.transpose(-1, -2) + full, dim=-1) @ v
+    assert_close(run(band_attention, xq, xk, v, bias, proj, width=w), expected)
+    # Width 1 with a huge m: off-band weights converge to exp(xq.xk).
+    xq, xk, v, bias = inputs(N=N, w=1)
+    proj = gaussian_orthogonal_random_matrix(200_000, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    near = (i.view(1, -1) - i.view(-1, 1)).abs() <= 1
+    full = torch.where(near, bias.gather(-1, (i.view(1, -1) - i.view(-1, 1)).clamp(-1, 1).add(1).expand(1, 2, N, N)), torch.zeros(()))
+    expected = torch.softmax(xq @ xk.transpose(-1, -2) + full, dim=-1) @ v
+    got = run(band_attention, xq, xk, v, bias, proj, width=1)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.02
+
+
+def test_causal_band_outputs_ignore_future_keys_even_extreme_ones():
+    N, w, t = 70, 4, 40
+    xq, xk, v, bias = inputs(N=N, w=w, dtype=torch.float32)
+    proj = gaussian_orthogonal_random_matrix(8, 4)
+    with torch.no_grad():
+        before = run(band_attention, xq, xk, v, bias, proj, width=w, causal=True, block_size=8)
+        xk2 = xk.clone()
+        xk2[:, :, t + 1:] *= 40.0
+        after = run(band_attention, xq, xk2, v, bias, proj, width=w, causal=True, block_size=8)
+    assert torch.isfinite(after).all()
+    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], rtol=1e-6, atol=1e-6)
+
+
+def test_band_row_sums_stay_positive_with_a_huge_bias():
+    # Exact near weights are positive and far weights are FAVOR+ (nonnegative): no cancellation.
+    xq, xk, v, bias = inputs(N=50, w=4, dtype=torch.float32)
+    proj = gaussian_orthogonal_random_matrix(8, 4)
+    with torch.no_grad():
+        out = run(band_attention, xq, xk, torch.ones_like(v), bias * 0 + 60.0, proj, width=4)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.ones_like(out))  # values of 1 average to 1: positive row sums
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(width=0), "width"),
+    (dict(block_size=2, width=3), "block_size"),
+    (dict(key_mask=torch.ones(2, 5)), "key_mask"),
+])
+def test_band_attention_rejects_bad_arguments(bad, match):
+    xq, xk, v, bias = inputs(N=5, w=3)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    kw = dict(width=3)
+    kw.update(bad)
+    if kw["width"] != 3:
+        bias = torch.randn(1, 2, 5, 2 * max(kw["width"], 0) + 1, dtype=F64)
+    with pytest.raises((ValueError, TypeError), match=match):
+        run(band_attention, xq, xk, v, bias, proj, **kw)
+
+
+# -- FLTAttention(near_field=w) ----------------------------------------------------------------
+
+
+def strong_layer(causal=False, near=16, amplitude=3.5, spectrum="local", **kw):
+    layer = FLTAttention(64, 2, spectrum=spectrum, num_features=32, num_frequencies=8, causal=causal, near_field=near, **kw).double()
+    with torch.no_grad():
+        for module in (layer.spectrum, layer.near_spectrum):
+            for name, p in module.named_parameters():
+                if name in ("amplitude", "alpha"):
+                    p.add_(torch.rand_like(p) * amplitude / p.shape[-1])
+    return layer
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("spectrum", ["local", "gaussian_mixture"])
+def test_near_field_layer_forward_equals_reference_forward_and_backward(causal, spectrum):
+    layer = strong_layer(causal, near=5, spectrum=spectrum)
+    x = torch.randn(2, 41, 64, dtype=F64, requires_grad=True)
+    pad = torch.zeros(2, 41, dtype=torch.bool)
+    pad[1, -6:] = True
+    out, ref = layer(x, key_padding_mask=pad), layer.reference(x, key_padding_mask=pad)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    params = [x] + [p for p in layer.parameters()]
+    g_out = torch.autograd.grad((out * up).sum(), params, retain_graph=True, allow_unused=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), params, allow_unused=True)
+    for a, b in zip(g_out, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close(a, b)
+    # The near spectrum learns through the band.
+    assert any(g is not None and g.abs().sum() > 0 for g in g_out[1:] if g is not None)
+
+
+def test_near_field_layer_converges_to_exact_and_is_exact_when_the_band_covers_everything():
+    layer = strong_layer(near=40)
+    x = torch.randn(1, 33, 64, dtype=F64)
+    with torch.no_grad():
+        assert_close(layer(x), layer.exact(x))  # every pair is in the band, so nothing is estimated
+    # A strong local mask held by the near spectrum: the error is FAVOR+'s on the far field.
+    torch.manual_seed(1)
+    strong = strong_layer(near=16, amplitude=0.0)
+    from flt.bench.approx import _set_local_amplitude
+
+    _set_local_amplitude(strong.near_spectrum, 3.5)
+    x = torch.randn(2, 128, 64, dtype=F64)
+    plain = FLTAttention(64, 2, spectrum="local", num_features=32, num_frequencies=8).double()
+    plain.load_state_dict({k: v for k, v in strong.state_dict().items() if not k.startswith("near_spectrum")})
+    _set_local_amplitude(plain.spectrum, 3.5)
+    with torch.no_grad():
+        band_err = ((strong(x) - strong.exact(x)).norm() / strong.exact(x).norm()).item()
+        concat_err = ((plain(x) - plain.exact(x)).norm() / plain.exact(x).norm()).item()
+    assert band_err < 0.15
+    assert concat_err > 2 * band_err
+
+
+def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
+    layer = strong_layer(near=2)
+    with torch.no_grad():
+        layer.spectrum.amplitude.zero_()
+    x = torch.randn(1, 12, 64, dtype=F64)
+    p = layer.prepare(x, None, None)
+    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    i = torch.arange(12, dtype=F64)
+    delta = (i.view(-1, 1) - i.view(1, -1)).unsqueeze(-1)
+    f = layer.near_spectrum.mask(delta).permute(2, 0, 1) * ((i.view(-1, 1) - i.view(1, -1)).abs() <= 2)
+    expected = torch.softmax(xq @ xk.transpose(-1, -2) + f, dim=-1) @ p.v
+    assert_close(layer.exact(x), layer.finish(expected, x))
+
+
+def test_near_field_option_errors():
+    with pytest.raises(ValueError, match="near_field"):
+        FLTAttention(64, 2, near_field=-1)
+    with pytest.raises(ValueError, match="near_field"):
+        FLTAttention(64, 2, near_field=2.5)
+    with pytest.raises(ValueError, match="coupling='logit'"):
+        FLTAttention(64, 2, near_field=4, coupling="multiplicative")
+    layer = FLTAttention(64, 2, near_field=4, causal=True)
+    assert layer.supports_decoding is False
