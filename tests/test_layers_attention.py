@@ -10,7 +10,12 @@ from flt.posenc.bias import alibi_slopes
 
 F64 = torch.float64
 NAMES = sorted(ATTENTION)
-RELATIVE = {"softmax": dict(relative_bias="spectrum", amplitude=0.5), "toeplitz": {}, "flt": dict(amplitude=0.5), "performer": dict(rope=True)}
+RELATIVE = {
+    "softmax": dict(relative_bias="spectrum", amplitude=0.5),
+    "toeplitz": dict(block_size=4),  # causal: dense 4-token blocks and FFT levels, not all dense
+    "flt": dict(amplitude=0.5),
+    "performer": dict(rope=True),
+}
 
 
 def build(name, causal=False, **kw):
@@ -78,8 +83,7 @@ def test_causal_outputs_do_not_see_the_future(name):
     x = torch.randn(1, 12, 16, dtype=F64)
     x2 = x.clone()
     x2[:, 8:] = torch.randn(1, 4, 16, dtype=F64) * 5
-    # FFT Toeplitz mixes all positions at the rounding level (documented in flt.ops.toeplitz).
-    assert_close(lay(x)[:, :8], lay(x2)[:, :8], scale=1e4 if name == "toeplitz" else 1)
+    assert_close(lay(x)[:, :8], lay(x2)[:, :8])
 
 
 def test_softmax_with_spectrum_bias_is_the_exact_counterpart_of_flt():
@@ -135,7 +139,111 @@ def test_alibi_and_table_biases_against_hand_built_matrices():
         t5.table.table.copy_(torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]], dtype=F64))  # offsets -1, 0, +1
     pos = torch.arange(3, dtype=F64).view(1, 3, 1)
     expected_h0 = torch.tensor([[2, 3, 3], [1, 2, 3], [1, 1, 2]], dtype=F64)  # offset = key - query, clipped
-    assert_close(t5.positional_term(pos, F64)[0, 0], expected_h0)
+    assert_close(t5.positional_term(pos, F64)[0, 0], 16.0 * expected_h0)  # default table_scale = 16
+    bare = SoftmaxAttention(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
+    bare.table.table.data.copy_(t5.table.table)
+    assert_close(bare.positional_term(pos, F64)[0, 0], expected_h0)
+    assert "table.scale" not in dict(bare.named_parameters()) and "table.scale" in dict(t5.named_parameters())
+
+
+@pytest.mark.parametrize("relative_bias", ["t5", "clipped"])
+def test_softmax_table_scale_multiplies_the_bias_and_learns(relative_bias):
+    torch.manual_seed(0)
+    layers = [
+        SoftmaxAttention(16, 2, relative_bias=relative_bias, max_distance=20, table_scale=s).double() for s in (1.0, 4.0)
+    ]
+    with torch.no_grad():
+        for lay in layers:
+            lay.table.table.copy_(torch.linspace(-1, 1, lay.table.table.numel(), dtype=F64).view_as(lay.table.table))
+    pos = torch.arange(12, dtype=F64).view(1, 12, 1)
+    assert_close(layers[1].positional_term(pos, F64), 4.0 * layers[0].positional_term(pos, F64))
+    x = torch.randn(2, 12, 16, dtype=F64)
+    layers[1](x, pos).square().sum().backward()
+    grad = layers[1].table.scale.grad
+    assert grad is not None and bool(torch.all(grad != 0))
+
+
+def test_softmax_alibi_distance_unit_and_learnable_slopes():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 16, dtype=F64)
+    grid = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).view(1, 16, 2).double()
+    patches = -0.75 + 0.5 * grid  # the 4 x 4 patch centres on [-1, 1]^2, spacing 0.5
+    per_token = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi").double()
+    per_patch = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5).double()
+    per_patch.load_state_dict(per_token.state_dict())
+    # Measured in patch spacings, the patch centres are the integer grid.
+    assert_close(per_patch.positional_term(patches, F64), per_token.positional_term(grid, F64))
+    assert_close(per_patch(x, patches), per_token(x, grid))
+    assert_close(per_patch(x, patches), per_patch(x, patches + 3.0))  # still relative
+    # Learnable slopes: start at ALiBi's, stored as logs, trained.
+    learned = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5, alibi_learnable=True).double()
+    learned.load_state_dict(per_patch.state_dict(), strict=False)
+    # (built in float32 and converted: the logs are float32-accurate)
+    assert_close(learned.log_slopes.exp(), alibi_slopes(2).double(), dtype=torch.float32)
+    assert_close(learned(x, patches), per_patch(x, patches), dtype=torch.float32)
+    learned(x, patches).square().sum().backward()
+    assert learned.log_slopes.grad is not None and bool(torch.all(learned.log_slopes.grad != 0))
+    with pytest.raises(ValueError, match="alibi_unit"):
+        SoftmaxAttention(16, 2, relative_bias="alibi", alibi_unit=0.0)
+
+
+def test_toeplitz_bias_is_the_shared_clipped_table():
+    torch.manual_seed(0)
+    for causal in (False, True):
+        lay = ToeplitzAttention(16, 2, causal=causal, max_distance=3, table_scale=2.0).double()
+        assert lay.table.mode == "clipped" and lay.table.bidirectional is (not causal)
+        with torch.no_grad():
+            lay.table.table.normal_()
+        n = 6
+        bias = lay.bias(n)  # [H, 2n - 1], entry t + n - 1 for t = i - j
+        for t in range(-(n - 1), n):
+            key_minus_query = max(-3, min(-t, 0 if causal else 3))
+            assert_close(bias[:, t + n - 1], 2.0 * lay.table.table[key_minus_query + 3])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_toeplitz_loads_state_dicts_from_before_the_shared_table(causal):
+    """The old layout ``bias_table [H, 2M + 1]`` (entry ``t + M`` for ``t = i - j``, no scale)
+    loads as the same function."""
+    torch.manual_seed(0)
+    m_dist, n = 3, 9
+    lay = ToeplitzAttention(16, 2, causal=causal, max_distance=m_dist).double()
+    old = {k: v for k, v in lay.state_dict().items() if not k.startswith("table.")}
+    old["bias_table"] = torch.randn(2, 2 * m_dist + 1, dtype=F64)
+    lay.load_state_dict(old)
+    t = torch.arange(-(n - 1), n).clamp(-m_dist, m_dist)
+    expected = old["bias_table"][:, t + m_dist]
+    live = slice(n - 1, None) if causal else slice(None)  # causal: only t >= 0 is ever read
+    assert_close(lay.bias(n)[:, live], expected[:, live])
+    assert_close(lay.table.scale, torch.ones(2, dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_toeplitz_causal_outputs_ignore_huge_future_keys(dtype):
+    """qk_norm=False: later tokens whose FAVOR+ key scale is the largest possible (the
+    scaled key equal to the longest projection row, log scale |w|^2 / 2, about 50 here,
+    against about 2 for the others) leave every earlier output unchanged. One key shift
+    shared by the whole sequence (the layer's old stabiliser) underflowed the earlier keys
+    and changed those outputs completely."""
+    torch.manual_seed(0)
+    dim, heads, n, past = 128, 2, 16, 10
+    lay = ToeplitzAttention(dim, heads, causal=True, qk_norm=False, num_features=32, block_size=4).to(dtype)
+    hd = dim // heads
+    with torch.no_grad():  # keys = the input itself (no bias), so the test can place a key anywhere
+        lay.to_qkv.weight[dim : 2 * dim] = torch.eye(dim, dtype=dtype)
+    proj = lay.feature_map.projection
+    longest = proj[proj.norm(dim=-1).argmax()]  # [head_dim]
+    x = torch.randn(1, n, dim, dtype=dtype)
+    x2 = x.clone()
+    x2[:, past:] = (hd**0.25 * longest).repeat(heads)  # scaled key = longest row in every head
+    prepared = lay.prepare(x2, None, None)
+    kls = lay.features(prepared.q, prepared.k, prepared.pos).key_log_scale
+    assert float(kls[..., past:].min()) > float(kls[..., :past].max()) + 30
+    out, out2 = lay(x), lay(x2)
+    tol = 1e-12 if dtype == F64 else 1e-6
+    assert (out2[:, :past] - out[:, :past]).abs().max() <= tol
+    assert_close(out, lay.reference(x), scale=100)
+    assert_close(out2, lay.reference(x2), scale=100)
 
 
 @pytest.mark.parametrize("name", ["softmax", "performer", "flt"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -35,10 +36,13 @@ def _bias_matrix(bias, n):
     return bias[:, i - j + n - 1]
 
 
-def _dense_attention(q_feat, k_feat, v, bias, causal):
-    """Weights ``exp(beta_(i-j)) * (qf_i . kf_j)``, normalised over ``j``."""
+def _dense_attention(q_feat, k_feat, v, bias, causal, key_log_scale=None):
+    """Weights ``exp(beta_(i-j) + s_j) * (qf_i . kf_j)``, normalised over ``j``."""
     n = q_feat.shape[2]
-    w = torch.exp(_bias_matrix(bias, n)) * (q_feat @ k_feat.transpose(-1, -2))
+    logits = _bias_matrix(bias, n)
+    if key_log_scale is not None:
+        logits = logits + key_log_scale.unsqueeze(-2)
+    w = torch.exp(logits) * (q_feat @ k_feat.transpose(-1, -2))
     if causal:
         w = w.tril()
     return (w @ v) / w.sum(dim=-1, keepdim=True)
@@ -97,21 +101,26 @@ def test_fft_matvec_equals_dense_forward_backward(n, part):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 13])
-def test_attention_equals_dense_formula_forward_backward(causal, n):
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_attention_equals_dense_formula_forward_backward(causal, n, with_scale):
+    """Fast path (causal: every block size from all-FFT to all-dense) and reference against
+    the formula, with and without per-key log scales, forward and backward."""
     q_feat, k_feat, v, bias = _inputs(N=n)
-    for t in (q_feat, k_feat, v, bias):
-        t.requires_grad_()
+    kls = 3 * torch.randn(q_feat.shape[:3], dtype=F64) if with_scale else None
+    inputs = tuple(t.requires_grad_() for t in (q_feat, k_feat, v, bias) + ((kls,) if with_scale else ()))
     g = torch.randn_like(v)
-    inputs = (q_feat, k_feat, v, bias)
 
-    expected = _dense_attention(q_feat, k_feat, v, bias, causal)
+    expected = _dense_attention(q_feat, k_feat, v, bias, causal, kls)
     grads_expected = torch.autograd.grad((expected * g).sum(), inputs)
-    for fn in (toeplitz_attention, toeplitz_attention_reference):
-        out = fn(q_feat, k_feat, v, bias, causal=causal)
+    fns = [toeplitz_attention_reference] + [
+        functools.partial(toeplitz_attention, block_size=b) for b in ((1, 2, 3, 4, 64) if causal else (64,))
+    ]
+    for fn in fns:
+        out = fn(q_feat, k_feat, v, bias, causal=causal, key_log_scale=kls)
         assert out.shape == v.shape and out.dtype == F64
-        assert_close(out, expected, msg=f"{fn.__name__} forward")
+        assert_close(out, expected, msg=f"{fn!r} forward")
         for a, b in zip(torch.autograd.grad((out * g).sum(), inputs), grads_expected):
-            assert_close(a, b, msg=f"{fn.__name__} backward")
+            assert_close(a, b, msg=f"{fn!r} backward")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -128,9 +137,40 @@ def test_attention_equals_rpe_reference(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradcheck_tiny(causal):
-    q_feat, k_feat, v, bias = _inputs(B=1, H=2, N=4, m=2, Dv=2)
-    inputs = tuple(t.requires_grad_() for t in (q_feat, k_feat, v, bias))
-    assert torch.autograd.gradcheck(lambda *a: toeplitz_attention(*a, causal=causal), inputs)
+    q_feat, k_feat, v, bias = _inputs(B=1, H=2, N=6, m=2, Dv=2)
+    kls = torch.randn(1, 2, 6, dtype=F64)
+    inputs = tuple(t.requires_grad_() for t in (q_feat, k_feat, v, bias, kls))
+    # block_size=2: the causal path goes through two FFT levels and the dense blocks.
+    fn = lambda q, k, v, b, s: toeplitz_attention(q, k, v, b, causal=causal, key_log_scale=s, block_size=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 4, 64])
+def test_causal_outputs_ignore_huge_future_keys(dtype, block_size):
+    """Past rows do not depend on later keys, values or key scales, not even by rounding.
+
+    A key shift shared by all keys (one max over the sequence) cancels in exact arithmetic,
+    but a later key 1e6 times larger with a log scale 300 above the rest underflows every
+    earlier key to zero in float32; and one FFT over the whole sequence would mix the
+    huge key into the early rows at the eps level. The blocked causal product does neither.
+    """
+    n, past = 21, 11
+    q_feat, k_feat, v, bias = _inputs(N=n, dtype=dtype)
+    kls = torch.randn(q_feat.shape[:3], dtype=dtype)
+    out = toeplitz_attention(q_feat, k_feat, v, bias, causal=True, key_log_scale=kls, block_size=block_size)
+    k2, v2, kls2 = k_feat.clone(), v.clone(), kls.clone()
+    k2[:, :, past:] *= 1e6
+    v2[:, :, past:] *= 1e6
+    kls2[:, :, past:] += 300.0
+    out2 = toeplitz_attention(q_feat, k2, v2, bias, causal=True, key_log_scale=kls2, block_size=block_size)
+    assert bool(torch.isfinite(out2).all())
+    tol = 1e-12 if dtype == F64 else 1e-6
+    assert (out2[:, :, :past] - out[:, :, :past]).abs().max() <= tol
+    # ... and the past is still right: against the float64 reference.
+    args64 = [t.double() for t in (q_feat, k_feat, v, bias)]
+    expected = toeplitz_attention_reference(*args64, causal=True, key_log_scale=kls.double())
+    assert_close(out[:, :, :past], expected[:, :, :past], dtype=dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -174,8 +214,8 @@ def test_causal_ignores_future_offsets_entirely():
     wild = bias.clone()
     wild[:, :8] = 1e4  # offsets t < 0
     wild.requires_grad_()
-    out = toeplitz_attention(q_feat, k_feat, v, wild, causal=True)
-    assert_close(out, toeplitz_attention(q_feat, k_feat, v, bias, causal=True))
+    out = toeplitz_attention(q_feat, k_feat, v, wild, causal=True, block_size=2)
+    assert_close(out, toeplitz_attention(q_feat, k_feat, v, bias, causal=True, block_size=2))
     (grad,) = torch.autograd.grad(out.sum(), wild)
     assert torch.equal(grad[:, :8], torch.zeros_like(grad[:, :8]))
     assert bool(torch.isfinite(grad).all())
@@ -188,7 +228,7 @@ def test_window_bias_with_minus_inf():
     bias = bias.masked_fill(offsets.abs() > w, -math.inf)
     for causal in (False, True):
         expected = _dense_attention(q_feat, k_feat, v, bias, causal)
-        assert_close(toeplitz_attention(q_feat, k_feat, v, bias, causal=causal), expected)
+        assert_close(toeplitz_attention(q_feat, k_feat, v, bias, causal=causal, block_size=2), expected)
 
 
 def test_empty_rows_return_zeros():
@@ -197,14 +237,27 @@ def test_empty_rows_return_zeros():
     out = toeplitz_attention(q_feat, k_feat, v, torch.full_like(bias, -math.inf))
     assert torch.equal(out, torch.zeros_like(out))
     # Causal with the first key featureless: row 0 is empty (exactly zero in the dense
-    # formula, rounding noise in the FFT); it must give zeros, the other rows stay exact.
+    # formula); it must give zeros, the other rows stay exact.
     k_feat[:, :, 0] = 0
     for dtype in (F64, torch.float32):
         args = [t.to(dtype) for t in (q_feat, k_feat, v, bias)]
-        out = toeplitz_attention(*args, causal=True)
         ref = toeplitz_attention_reference(*args, causal=True)
-        assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
-        assert_close(out, ref)
+        for block_size in (1, 3, 64):
+            out = toeplitz_attention(*args, causal=True, block_size=block_size)
+            assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+            assert_close(out, ref)
+    # Row 3 empty behind an FFT level: keys 2, 3 featureless and only offsets 0, 1 live.
+    # With block_size=1 the pair [0, 2) -> [2, 4) gives row 3 the key 1 through the
+    # coefficient of offset 2, exactly zero but rounding noise after the FFT; the rounding
+    # floor must recognise that noise as no weight.
+    k_feat[:, :, 2:4] = 0
+    offsets = torch.arange(-7, 8)
+    bias = bias.masked_fill((offsets < 0) | (offsets > 1), -math.inf)
+    for dtype in (F64, torch.float32):
+        args = [t.to(dtype) for t in (q_feat, k_feat, v, bias)]
+        out = toeplitz_attention(*args, causal=True, block_size=1)
+        assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+        assert_close(out, toeplitz_attention_reference(*args, causal=True))
 
 
 def test_float32_long_sequence_matches_float64_dense():
@@ -219,16 +272,14 @@ def test_float32_long_sequence_matches_float64_dense():
     assert out.dtype == torch.float32
     assert_close(out, expected, dtype=torch.float32)
 
-    # Causal: the FFT error is relative to the largest (latest) row sums, so the first
-    # rows, which sum over few keys, are the least accurate (measured about 3e-5 here).
+    # Causal: each row's FFT products cover key blocks next to it, so the first rows are
+    # as accurate as the last (one FFT over the whole sequence gave them errors of 3e-5,
+    # relative to the largest, latest row sums).
     expected = toeplitz_attention_reference(q_feat, k_feat, v, bias, causal=True)
-    out = toeplitz_attention(*args32, causal=True)
-    assert (out.double() - expected).abs().max() < 1e-3
-    assert_close(out[:, :, 100:], expected[:, :, 100:], dtype=torch.float32)
-    # A float64 FFT on float32 inputs removes that error.
-    out = toeplitz_attention(*args32, causal=True, fft_dtype=torch.float64)
-    assert out.dtype == torch.float32
-    assert_close(out, expected, dtype=torch.float32)
+    for fft_dtype in (None, torch.float64):
+        out = toeplitz_attention(*args32, causal=True, fft_dtype=fft_dtype)
+        assert out.dtype == torch.float32
+        assert_close(out, expected, dtype=torch.float32)
 
 
 def test_half_inputs_are_upcast():
@@ -263,3 +314,7 @@ def test_bad_inputs_rejected():
         toeplitz_matrix(bias, 5)
     with pytest.raises(ValueError, match=r"fft_dtype must be"):
         toeplitz_attention(q_feat, k_feat, v, bias, fft_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"key_log_scale must be \[B, H, N\]"):
+        toeplitz_attention(q_feat, k_feat, v, bias, key_log_scale=torch.zeros(2, 3, 5, dtype=F64))
+    with pytest.raises(ValueError, match=r"block_size"):
+        toeplitz_attention(q_feat, k_feat, v, bias, causal=True, block_size=0)

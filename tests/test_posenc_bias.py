@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import assert_close
 
-from flt.posenc import RelativeBiasTable, alibi_bias, alibi_slopes, clipped_relative_indices, t5_relative_buckets
+from flt.posenc import (
+    RelativeBiasTable,
+    alibi_bias,
+    alibi_slopes,
+    clipped_relative_indices,
+    patch_grid,
+    t5_relative_buckets,
+)
 
 
 def _t5_reference(offset: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:
@@ -112,8 +119,10 @@ def test_relative_bias_table_lookup(mode, bidirectional):
         heads, mode=mode, max_distance=max_distance, bidirectional=bidirectional, dtype=torch.float64, **kwargs
     )
     assert bool((layer(torch.arange(5.0).reshape(5, 1)) == 0).all())  # zero init: no bias
+    assert_close(layer.scale, torch.full((heads,), 16.0, dtype=torch.float64))  # the default table_scale
     with torch.no_grad():
         layer.table.copy_(torch.randn_like(layer.table))
+        layer.scale.copy_(torch.tensor([0.5, 3.0, -2.0]))
     pos_q = torch.tensor([[0.0, 3.0, 4.0, 20.0], [5.0, 6.0, 7.0, 8.0]]).unsqueeze(-1)
     pos_k = torch.tensor([[0.0, 1.0, 2.0], [9.0, 0.0, 30.0]]).unsqueeze(-1)
     bias = layer(pos_q, pos_k)
@@ -126,10 +135,77 @@ def test_relative_bias_table_lookup(mode, bidirectional):
                     row = _t5_reference(offset, bidirectional, 8, max_distance)
                 else:
                     row = max(-max_distance, min(offset, max_distance if bidirectional else 0)) + max_distance
-                assert_close(bias[b, :, i, j], layer.table[row])
+                assert_close(bias[b, :, i, j], layer.scale * layer.table[row])
     assert_close(layer(pos_q + 17, pos_k + 17), bias)  # relative: integer translations change nothing
     bias.sum().backward()
     assert layer.table.grad is not None and bool(layer.table.grad.abs().sum() > 0)
+    assert layer.scale.grad is not None and bool(layer.scale.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("mode", ["t5", "clipped"])
+def test_relative_bias_table_scale_semantics(mode):
+    """``bias = scale * table``: the scale multiplies the bias and the table's gradient (the
+    effective learning rate), and receives ``sum(grad_bias * table)`` itself."""
+    pos = torch.arange(40.0).reshape(1, 40, 1)
+    bare = RelativeBiasTable(3, mode=mode, max_distance=20, table_scale=1.0, learn_scale=False, dtype=torch.float64)
+    scaled = RelativeBiasTable(3, mode=mode, max_distance=20, table_scale=16.0, dtype=torch.float64)
+    assert [n for n, _ in bare.named_parameters()] == ["table"] and "scale" in dict(bare.named_buffers())
+    assert sorted(n for n, _ in scaled.named_parameters()) == ["scale", "table"]
+    with torch.no_grad():
+        bare.table.normal_()
+        scaled.table.copy_(bare.table)
+    upstream = torch.randn(1, 3, 40, 40, dtype=torch.float64)
+    b_bare, b_scaled = bare(pos), scaled(pos)
+    assert_close(b_scaled, 16.0 * b_bare)
+    (b_bare * upstream).sum().backward()
+    (b_scaled * upstream).sum().backward()
+    assert_close(scaled.table.grad, 16.0 * bare.table.grad)
+    # d bias[h] / d scale[h] = table[:, h] gathered: the scale's gradient is <upstream, bias / scale>.
+    assert_close(scaled.scale.grad, (upstream * b_bare).sum(dim=(0, 2, 3)))
+    # lookup() is the same function of offsets.
+    offsets = torch.tensor([-30, -2, 0, 5, 30])
+    assert_close(scaled.lookup(offsets), 16.0 * bare.table[bare.indices(offsets)])
+
+
+def test_relative_bias_table_loads_state_dicts_without_scale():
+    """A state dict saved before the scale existed holds ``bias = table``: it loads with scale 1."""
+    old = RelativeBiasTable(2, mode="clipped", max_distance=4, table_scale=1.0, learn_scale=False)
+    with torch.no_grad():
+        old.table.normal_()
+    new = RelativeBiasTable(2, mode="clipped", max_distance=4)
+    new.load_state_dict({"table": old.table.detach().clone()})
+    pos = torch.arange(7.0).reshape(7, 1)
+    assert_close(new(pos), old(pos))
+    assert isinstance(new.scale, torch.nn.Parameter) and new.scale.tolist() == [1.0, 1.0]
+    # A current state dict keeps its scale.
+    again = RelativeBiasTable(2, mode="clipped", max_distance=4, table_scale=3.0)
+    again.load_state_dict(new.state_dict() | {"scale": torch.tensor([5.0, 6.0])})
+    assert again.scale.tolist() == [5.0, 6.0]
+
+
+def test_alibi_distance_unit():
+    """``-slope |r_i - r_j| / unit``: scaling positions and unit together changes nothing, and
+    the patch spacing as unit makes patch centres the integer grid ALiBi was designed for."""
+    slopes = alibi_slopes(4, dtype=torch.float64)
+    pos = torch.randn(2, 7, 2, dtype=torch.float64)
+    bias = alibi_bias(pos, pos, slopes, unit=0.3)
+    assert_close(bias, alibi_bias(pos, pos, slopes) / 0.3)
+    for a in (1e-3, 0.5, 7.0, 1e4):
+        assert_close(alibi_bias(a * pos, a * pos, slopes, unit=0.3 * a), bias)
+    n = 4
+    ij = torch.stack(torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij"), -1).reshape(1, n * n, 2).double()
+    centres = patch_grid(n, dtype=torch.float64).unsqueeze(0)  # spacing 2 / n = 0.5, same order as ij
+    assert_close(centres, -1 + (2 * ij + 1) / n)
+    assert_close(alibi_bias(centres, centres, slopes, unit=2 / n), alibi_bias(ij, ij, slopes))
+    # Neighbouring patches get -slope (with unit 1: -slope / 2, and the far corners -2.12 slope).
+    assert_close(alibi_bias(centres[:, :2], centres[:, :2], slopes, unit=0.5)[0, :, 0, 1], -slopes)
+    # Learnable slopes: the gradient reaches them.
+    log_slopes = slopes.log().requires_grad_()
+    alibi_bias(centres, centres, log_slopes.exp(), unit=0.5).sum().backward()
+    assert bool((log_slopes.grad < 0).all())
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="unit"):
+            alibi_bias(pos, pos, slopes, unit=bad)
 
 
 def test_relative_bias_table_bad_inputs():
@@ -148,6 +224,10 @@ def test_relative_bias_table_bad_inputs():
         RelativeBiasTable(2, num_buckets=32, max_distance=8)
     with pytest.raises(ValueError, match="mode"):
         RelativeBiasTable(2, mode="rotary")
+    with pytest.raises(ValueError, match="table_scale"):
+        RelativeBiasTable(2, table_scale=0.0)
+    with pytest.raises(TypeError, match="learn_scale"):
+        RelativeBiasTable(2, learn_scale=1)
     with pytest.raises(TypeError, match="bidirectional"):
         t5_relative_buckets(torch.zeros(3), bidirectional=1)
 

@@ -12,12 +12,14 @@ import math
 
 import torch
 from einops import rearrange
+from torch import nn
 
 from flt._checks import check_choice
 from flt.layers.base import AttentionBase
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
-from flt.posenc.bias import RelativeBiasTable, alibi_bias, alibi_slopes
+from flt.posenc._common import check_positive_float
+from flt.posenc.bias import DEFAULT_TABLE_SCALE, RelativeBiasTable, alibi_bias, alibi_slopes
 from flt.posenc.rope import apply_rope
 from flt.spectra import SPECTRA
 
@@ -30,9 +32,20 @@ class SoftmaxAttention(AttentionBase):
     Args:
         dim, heads, pos_dim, causal: as every attention layer.
         relative_bias: ``None``, ``"t5"`` / ``"clipped"`` (learned table over 1-D integer
-            offsets; ``max_distance``, ``num_buckets``), ``"alibi"`` (``-slope_h |r_i - r_j|``,
-            Euclidean for ``P > 1``) or ``"spectrum"`` (the exact mask ``f`` of
-            ``SPECTRA[spectrum]``, learned, any ``P``).
+            offsets; ``max_distance``, ``num_buckets``, ``table_scale``), ``"alibi"``
+            (``-slope_h |r_i - r_j| / alibi_unit``, Euclidean for ``P > 1``) or
+            ``"spectrum"`` (the exact mask ``f`` of ``SPECTRA[spectrum]``, learned, any ``P``).
+        table_scale, learn_table_scale: the tables' bias is ``scale_h * table`` with ``scale``
+            starting at ``table_scale`` (default 16) and learned unless
+            ``learn_table_scale=False``: it multiplies the bias's effective learning rate
+            (:class:`flt.posenc.RelativeBiasTable`). ``table_scale=1.0,
+            learn_table_scale=False`` is the bare table.
+        alibi_unit: the distance counted as one step by ALiBi (default 1: token indices).
+            For positions on another scale pass their typical spacing, e.g. ``2 / n`` for the
+            ``n x n`` patch centres on ``[-1, 1]^2`` (0.5 for the 8x8 digits in 2x2 patches).
+        alibi_learnable: learn the ALiBi slopes, stored as ``log slope_h`` (so they stay
+            positive) and initialised at :func:`flt.posenc.alibi_slopes`; fixed by default,
+            as in the paper.
         coupling: with ``relative_bias="spectrum"``: ``"logit"`` adds ``f`` to the logits,
             ``"multiplicative"`` multiplies the weights by ``f`` (computed by the reference
             backend, since it is not a softmax).
@@ -56,6 +69,10 @@ class SoftmaxAttention(AttentionBase):
         relative_bias: str | None = None,
         max_distance: int = 128,
         num_buckets: int | None = None,
+        table_scale: float = DEFAULT_TABLE_SCALE,
+        learn_table_scale: bool = True,
+        alibi_unit: float = 1.0,
+        alibi_learnable: bool = False,
         spectrum: str = "gaussian_mixture",
         coupling: str = "logit",
         num_frequencies: int = 32,
@@ -80,14 +97,25 @@ class SoftmaxAttention(AttentionBase):
             raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
         self.relative_bias, self.coupling, self.backend = relative_bias, coupling, backend
         self.rope, self.rope_base = bool(rope), rope_base
+        # Options of the other biases are accepted and unused (as max_distance is), so a
+        # preset's options survive an override of relative_bias.
+        self.alibi_unit = check_positive_float("alibi_unit", alibi_unit)
+        if not isinstance(alibi_learnable, bool):
+            raise TypeError(f"alibi_learnable must be a bool, got {type(alibi_learnable).__name__}")
+        self.alibi_learnable = alibi_learnable
         fk = {"device": device, "dtype": dtype}
         self.table = self.spectrum = None
         if relative_bias in ("t5", "clipped"):
             self.table = RelativeBiasTable(
-                heads, mode=relative_bias, max_distance=max_distance, num_buckets=num_buckets, bidirectional=not causal, **fk
+                heads, mode=relative_bias, max_distance=max_distance, num_buckets=num_buckets, bidirectional=not causal,
+                table_scale=table_scale, learn_scale=learn_table_scale, **fk,
             )
         elif relative_bias == "alibi":
-            self.register_buffer("slopes", alibi_slopes(heads, device=device, dtype=torch.float32), persistent=False)
+            if alibi_learnable:
+                log_slopes = alibi_slopes(heads, device=device, dtype=torch.float64).log()
+                self.log_slopes = nn.Parameter(log_slopes.to(dtype or torch.get_default_dtype()))
+            else:
+                self.register_buffer("slopes", alibi_slopes(heads, device=device, dtype=torch.float32), persistent=False)
         elif relative_bias == "spectrum":
             spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
             self.spectrum = SPECTRA[spectrum](heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, **fk, **spectrum_options)
@@ -104,7 +132,8 @@ class SoftmaxAttention(AttentionBase):
         if self.table is not None:
             return self.table(pos).to(dtype)
         if self.relative_bias == "alibi":
-            return alibi_bias(pos, pos, self.slopes).to(dtype)
+            slopes = self.log_slopes.exp() if self.alibi_learnable else self.slopes
+            return alibi_bias(pos, pos, slopes, unit=self.alibi_unit).to(dtype)
         if self.spectrum is not None:
             cdt = torch.promote_types(dtype, torch.float32)
             delta = (pos.unsqueeze(2) - pos.unsqueeze(1)).to(cdt)  # [B|1, N, N, P]

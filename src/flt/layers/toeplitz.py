@@ -1,17 +1,18 @@
 """ToeplitzAttention: kernelized attention with a learned relative bias by FFT (Luo et al. 2021).
 
 Weights ``exp(b_h(i - j)) * phi(q_i).phi(k_j)`` on a regular 1-D grid, computed with FFT
-Toeplitz products in ``O(N log N m Dv)`` (:func:`flt.ops.toeplitz_attention`).
+Toeplitz products in ``O(N log N m Dv)`` (:func:`flt.ops.toeplitz_attention`; causal:
+``O(N log N log(N / block_size) m Dv)``, blocked so that no output sees a later token).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from flt._checks import check_positive_int
 from flt.layers.kernel import KernelAttention, mask_padded_keys
-from flt.ops.toeplitz import toeplitz_attention
+from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, toeplitz_attention, toeplitz_attention_reference
+from flt.posenc.bias import DEFAULT_TABLE_SCALE, RelativeBiasTable
 
 
 class ToeplitzAttention(KernelAttention):
@@ -20,12 +21,25 @@ class ToeplitzAttention(KernelAttention):
     Args:
         dim, heads, causal: as every attention layer; ``pos_dim`` must be 1.
         max_distance: offsets beyond ``+-max_distance`` share the table's last entry.
+        table_scale, learn_table_scale: the bias table is a
+            :class:`flt.posenc.RelativeBiasTable` (``mode="clipped"``, unidirectional
+            when causal), ``b_h = scale_h * table``, ``scale`` starting at ``table_scale``
+            (default 16, which multiplies the table's effective learning rate; see there)
+            and learned unless ``learn_table_scale=False``.
         num_features, feature_map, qk_norm, temperature, orthogonal, redraw_interval, seed:
             the feature map, as in :class:`flt.layers.performer.PerformerAttention`. Luo et
             al.'s stabiliser is ``qk_norm=True`` (L2-normalised queries and keys, learned
             temperature), the default here.
-        fft_dtype: dtype of the FFT (float32 or better by default; float64 makes the first
-            rows of a long causal product exact to float32 rounding, see :mod:`flt.ops.toeplitz`).
+        fft_dtype: dtype of the FFT (float32 or better by default; float64 removes the FFT
+            rounding error of rows whose sums are small next to the largest ones, see
+            :mod:`flt.ops.toeplitz`).
+        block_size: causal only: diagonal blocks of this many tokens are computed densely,
+            longer offsets by FFTs (:func:`flt.ops.toeplitz_attention`).
+
+    Key stabiliser: FAVOR+'s per-key log scales go to the op as ``key_log_scale``.
+    Bidirectional, the op shifts them by one maximum over all keys; causal, by maxima over
+    key blocks that precede each row, so a later key, however large, changes no earlier
+    output (``tests/test_layers_attention.py::test_toeplitz_causal_outputs_ignore_huge_future_keys``).
 
     Positions must be a regular grid with unit step, ``pos[:, i] = pos[:, 0] + i`` (any
     start: the bias depends only on offsets); anything else is rejected.
@@ -41,6 +55,8 @@ class ToeplitzAttention(KernelAttention):
         pos_dim: int = 1,
         causal: bool = False,
         max_distance: int = 512,
+        table_scale: float = DEFAULT_TABLE_SCALE,
+        learn_table_scale: bool = True,
         num_features: int = 256,
         feature_map: str = "favor+",
         qk_norm: bool | None = None,
@@ -49,23 +65,38 @@ class ToeplitzAttention(KernelAttention):
         redraw_interval: int | None = None,
         seed: int | None = None,
         fft_dtype: torch.dtype | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         device=None,
         dtype=None,
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
+        check_positive_int("block_size", block_size)
         super().__init__(
             dim, heads, pos_dim=1, causal=causal, num_features=num_features, feature_map=feature_map, qk_norm=qk_norm,
             temperature=temperature, orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, device=device, dtype=dtype,
         )
-        self.max_distance, self.fft_dtype = max_distance, fft_dtype
-        self.bias_table = nn.Parameter(torch.zeros(heads, 2 * max_distance + 1, device=device, dtype=dtype))
+        self.max_distance, self.fft_dtype, self.block_size = max_distance, fft_dtype, block_size
+        self.table = RelativeBiasTable(
+            heads, mode="clipped", max_distance=max_distance, bidirectional=not causal, table_scale=table_scale,
+            learn_scale=learn_table_scale, device=device, dtype=dtype,
+        )
 
     def bias(self, n: int) -> torch.Tensor:
         """``[H, 2n - 1]``: entry ``t + n - 1`` is the bias of offset ``t = i - j``."""
-        offsets = torch.arange(-(n - 1), n, device=self.bias_table.device).clamp(-self.max_distance, self.max_distance)
-        return self.bias_table[:, offsets + self.max_distance]
+        t = torch.arange(-(n - 1), n, device=self.table.table.device)
+        return self.table.lookup(-t).T  # the table's offsets are key - query = -t
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
+        # t + M for t = i - j, and no scale: the table's rows are that, reversed (the
+        # table indexes key - query), and only the past half when causal; scale 1.
+        old = state_dict.pop(prefix + "bias_table", None)
+        if old is not None and prefix + "table.table" not in state_dict:
+            state_dict[prefix + "table.table"] = old.flip(-1).T[: self.table.table.shape[0]].contiguous()
+            state_dict[prefix + "table.scale"] = torch.ones_like(self.table.scale)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @staticmethod
     def check_grid(pos: torch.Tensor) -> None:
@@ -77,32 +108,26 @@ class ToeplitzAttention(KernelAttention):
         p = self.prepare(x, pos, key_padding_mask)
         self.check_grid(p.pos)
         f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
-        kf = f.k
-        if f.key_log_scale is not None:
-            # The FFT product has no running state, so keys share one global shift; the
-            # shift cancels exactly, and with qk_norm the features are bounded anyway.
-            kls = f.key_log_scale
-            kf = kf * torch.exp(kls - kls.amax(dim=-1, keepdim=True)).unsqueeze(-1)
-        return p, f.q, kf
+        # The op stabilises the key scales itself (causally when causal).
+        return p, f.q, f.k, f.key_log_scale
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.training:
-            self.feature_map.step_schedule()
-        p, qf, kf = self._inputs(x, pos, key_padding_mask)
+        self.step_schedule()
+        p, qf, kf, kls = self._inputs(x, pos, key_padding_mask)
         bias = self.bias(x.shape[1]).to(qf.dtype)
-        out = toeplitz_attention(qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, fft_dtype=self.fft_dtype)
+        out = toeplitz_attention(
+            qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls, fft_dtype=self.fft_dtype,
+            block_size=self.block_size,
+        )
         return self.finish(out, x)
 
     def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same features and bias through the dense O(N^2) formula."""
-        p, qf, kf = self._inputs(x, pos, key_padding_mask)
-        n = x.shape[1]
-        idx = torch.arange(n, device=x.device)
-        bias = self.bias(n).to(qf.dtype)[:, idx.view(-1, 1) - idx.view(1, -1) + n - 1]  # [H, N, N]
-        w = torch.exp(bias - bias.amax()) * (qf @ kf.transpose(-1, -2))
-        if self.causal:
-            w = w.tril()
-        out = (w @ p.v.to(qf.dtype)) / w.sum(-1, keepdim=True)
+        """The same features and bias through the dense O(N^2) formula
+        (:func:`flt.ops.toeplitz_attention_reference`: per-row stabiliser over the keys the
+        row sees, empty rows give zeros)."""
+        p, qf, kf, kls = self._inputs(x, pos, key_padding_mask)
+        bias = self.bias(x.shape[1]).to(qf.dtype)
+        out = toeplitz_attention_reference(qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls)
         return self.finish(out, x)
 
     def step(self, *args, **kwargs):
