@@ -78,25 +78,18 @@ def test_deterministic_maps_are_nonnegative_and_shaped():
     assert (elu_features(x) > 0).all() and elu_features(x).shape == x.shape
 
 
-def test_feature_map_redraw_schedule_and_fixed_default():
-    fixed = FeatureMap(4, 8, seed=0)
-    before = fixed.projection.clone()
-    fixed.train()
-    for _ in range(5):
-        fixed.step_schedule()
-    assert torch.equal(fixed.projection, before)
-    redrawn = FeatureMap(4, 8, redraw_interval=2, seed=0)
-    redrawn.train()
-    first = redrawn.projection.clone()
-    redrawn.step_schedule()
-    assert torch.equal(redrawn.projection, first)
-    redrawn.step_schedule()
-    redrawn.step_schedule()
-    assert not torch.equal(redrawn.projection, first)
-    redrawn.eval()
-    second = redrawn.projection.clone()
-    redrawn.step_schedule()
-    assert torch.equal(redrawn.projection, second)
+def test_feature_map_projection_is_fixed_until_redrawn():
+    """No forward call redraws the projection; only ``redraw_random_features`` (the
+    protocol of flt.layers.draws) does, and it is saved with the module."""
+    fm = FeatureMap(4, 8, seed=0)
+    before = fm.projection.clone()
+    fm.train()
+    for _ in range(3):
+        fm(torch.randn(2, 4))
+    assert torch.equal(fm.projection, before)
+    fm.redraw_random_features(torch.Generator().manual_seed(1))
+    assert not torch.equal(fm.projection, before) and fm.projection.shape == before.shape
+    assert "projection" in fm.state_dict() and "calls" not in fm.state_dict()
 
 
 def test_feature_map_projection_stays_float32_in_half_modules():
@@ -113,7 +106,6 @@ def test_feature_map_projection_stays_float32_in_half_modules():
         (lambda: favor_plus_features(torch.ones(2, 3, dtype=torch.long), torch.randn(4, 3)), TypeError, "x must have a floating-point"),
         (lambda: gaussian_orthogonal_random_matrix(0, 3), ValueError, "num_features"),
         (lambda: FeatureMap(4, 8, kind="cosine"), ValueError, "feature_map must be one of"),
-        (lambda: FeatureMap(4, 8, redraw_interval=0), ValueError, "redraw_interval"),
     ],
 )
 def test_bad_input_is_rejected(call, err, match):

@@ -185,13 +185,13 @@ def _unbiased(spec, deltas, draws=400):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_estimate_is_unbiased(case):
     name, options = case
-    spec = build(name, options, P=1, R=4, redraw=True)
+    spec = build(name, options, P=1, R=4)
     _unbiased(spec, torch.tensor([[0.0], [1.3], [4.0]], dtype=F64))
 
 
 @pytest.mark.parametrize("sampler", ["iid", "qmc", "orthogonal"])
 def test_every_sampler_is_unbiased(sampler):
-    spec = build("gaussian", OPTIONS["gaussian"], P=2, R=4, redraw=True, sampler=sampler)
+    spec = build("gaussian", OPTIONS["gaussian"], P=2, R=4, sampler=sampler)
     _unbiased(spec, torch.tensor([[0.0, 0.0], [1.3, -2.0], [4.0, 1.0]], dtype=F64))
 
 
@@ -319,8 +319,6 @@ def test_frequencies_are_a_fixed_buffer_unless_redrawn(name):
         first, again = fixed.features(pos), fixed.features(pos)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     assert torch.equal(fixed.eps, build(name, options, seed=11).eps)
-    with pytest.raises(RuntimeError, match="redraw=True"):
-        fixed.redraw_frequencies()
     # The buffer is saved: a spectrum with other draws reproduces the features after loading.
     other = build(name, options, seed=12)
     assert not torch.equal(other.eps, fixed.eps)
@@ -328,10 +326,14 @@ def test_frequencies_are_a_fixed_buffer_unless_redrawn(name):
     with torch.no_grad():
         assert torch.equal(other.features(pos)[0], first[0])
 
-    redrawn = build(name, options, seed=11, redraw=True)
+    # Every spectrum can be redrawn (the old redraw=True flag is accepted and ignored).
+    redrawn = build(name, options, seed=11)
     eps, mask = redrawn.eps.clone(), redrawn.mask(pos)
-    redrawn.redraw_frequencies(torch.Generator().manual_seed(3))
+    redrawn.redraw_random_features(torch.Generator().manual_seed(3))
     assert not torch.equal(redrawn.eps, eps) and redrawn.eps.shape == eps.shape
+    again = build(name, options, seed=11, redraw=True)
+    again.redraw_frequencies(torch.Generator().manual_seed(3))
+    assert torch.equal(again.eps, redrawn.eps)  # a function of the generator
     with torch.no_grad():
         assert not torch.equal(redrawn.features(pos)[0], first[0])
         assert torch.equal(redrawn.mask(pos), mask)  # f itself does not depend on the draws

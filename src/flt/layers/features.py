@@ -23,10 +23,15 @@ class FeatureMap(nn.Module):
         num_features: ``m`` (ignored by ``"elu"``).
         kind: one of :data:`FEATURE_MAPS`.
         orthogonal: orthogonal random blocks (lower variance).
-        redraw_interval: in training mode, draw a new projection every this many forward
-            calls (``None``: a fixed buffer, the default).
         seed: seeds the projection; ``None`` uses torch's global generator.
+
+    The projection is a persistent buffer. It changes only through
+    :meth:`redraw_random_features`, the protocol of :mod:`flt.layers.draws` (which the
+    trainer's ``redraw_interval`` and a layer's ``redraw_interval`` both go through).
     """
+
+    #: Names of the buffers that hold the draws (:mod:`flt.layers.draws`).
+    random_feature_buffers = ("projection",)
 
     def __init__(
         self,
@@ -35,7 +40,6 @@ class FeatureMap(nn.Module):
         *,
         kind: str = "favor+",
         orthogonal: bool = True,
-        redraw_interval: int | None = None,
         seed: int | None = None,
         device=None,
         dtype=None,
@@ -44,11 +48,8 @@ class FeatureMap(nn.Module):
         check_positive_int("dim", dim)
         check_positive_int("num_features", num_features)
         check_choice("feature_map", kind, FEATURE_MAPS)
-        if redraw_interval is not None:
-            check_positive_int("redraw_interval", redraw_interval)
         self.dim, self.kind, self.orthogonal = dim, kind, orthogonal
         self.num_features = dim if kind == "elu" else num_features
-        self.redraw_interval = redraw_interval
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
         if kind == "elu":
             self.register_buffer("projection", None)
@@ -58,7 +59,16 @@ class FeatureMap(nn.Module):
             )
             # Kept in float32 or better whatever the module dtype: it feeds an exponential.
             self.register_buffer("projection", proj if dtype != torch.float64 else proj.double())
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long), persistent=True)
+
+    @property
+    def has_random_features(self) -> bool:
+        """False for the deterministic ``elu`` map (no projection)."""
+        return self.projection is not None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Checkpoints written before the redraw protocol hold a forward-call counter here.
+        state_dict.pop(prefix + "calls", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # The projection stays in float32 or float64 when the module is cast to half types.
@@ -68,12 +78,17 @@ class FeatureMap(nn.Module):
         return self
 
     @torch.no_grad()
-    def redraw(self) -> None:
-        """Draw a new random projection in place."""
+    def redraw_random_features(self, generator: torch.Generator | None = None) -> None:
+        """Draw a new random projection in place (float64 on the CPU, then copied).
+
+        ``generator``: a CPU generator; ``None`` uses the module's own (from ``seed``) or
+        torch's global generator. Nothing to do for ``"elu"``.
+        """
         if self.projection is None:
             return
         new = gaussian_orthogonal_random_matrix(
-            self.num_features, self.dim, orthogonal=self.orthogonal, generator=self._generator, dtype=torch.float64
+            self.num_features, self.dim, orthogonal=self.orthogonal,
+            generator=self._generator if generator is None else generator, dtype=torch.float64,
         )
         self.projection.copy_(new)
 
@@ -84,12 +99,5 @@ class FeatureMap(nn.Module):
             return relu_features(x, self.projection), None
         return elu_features(x), None
 
-    def step_schedule(self) -> None:
-        """Count a training forward call and redraw on schedule."""
-        if self.training and self.redraw_interval is not None:
-            if int(self.calls) > 0 and int(self.calls) % self.redraw_interval == 0:
-                self.redraw()
-            self.calls += 1
-
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, num_features={self.num_features}, kind={self.kind!r}, redraw_interval={self.redraw_interval}"
+        return f"dim={self.dim}, num_features={self.num_features}, kind={self.kind!r}"

@@ -46,7 +46,10 @@ class FLTAttention(KernelAttention):
         qk_norm: L2-normalise queries and keys with a learned temperature (default on for
             FAVOR+, whose error grows exponentially with ``|q|^2``).
         temperature: initial temperature for ``qk_norm``.
-        orthogonal, redraw_interval, seed: passed to :class:`flt.layers.features.FeatureMap`.
+        orthogonal, seed: passed to :class:`flt.layers.features.FeatureMap`.
+        redraw_interval: a layer-level redraw schedule of the projection and the spectrum's
+            draws (:class:`flt.layers.kernel.KernelAttention`; ``flt train`` redraws by
+            ``RunConfig.redraw_interval`` instead, see :mod:`flt.layers.draws`).
         rope, rope_base: also rotate queries and keys by RoPE at the same positions.
         chunk_size: block size of the chunked computations.
         near_field: ``w >= 1`` turns on the banded estimator (logit coupling only): pairs
@@ -123,6 +126,7 @@ class FLTAttention(KernelAttention):
             self.near_spectrum = SPECTRA[spectrum](
                 heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
             )
+            self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
             self.supports_decoding = False
         else:
             self.near_spectrum = None

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flt._checks import check_tensor
+from flt._checks import check_positive_int, check_tensor
 from flt.layers.base import AttentionBase, Prepared, QKScaling
+from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, linear_attention, recurrent_step
 from flt.ops.reference import flt_attention_reference, linear_attention_reference
@@ -54,7 +55,14 @@ def mask_padded_keys(feats: KernelFeatures, pad: torch.Tensor | None) -> KernelF
 class KernelAttention(AttentionBase):
     """Base of the linear layers; see :class:`flt.layers.performer.PerformerAttention` for
     the arguments they share (``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
-    ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``, ``chunk_size``)."""
+    ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``, ``chunk_size``).
+
+    ``redraw_interval=k`` (default ``None``: off) is for training loops of one's own: in
+    training mode every ``k``-th forward call (counted by the persistent buffer
+    ``redraw_calls``) first calls :func:`flt.layers.draws.redraw` on the layer, which
+    redraws all its draws (projection and spectrum). ``flt train`` does not need it: it
+    redraws the whole model every ``RunConfig.redraw_interval`` steps through the same
+    function."""
 
     supports_decoding = True
 
@@ -86,9 +94,28 @@ class KernelAttention(AttentionBase):
         qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
         self.scaling = QKScaling(heads, self.head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
         self.feature_map = FeatureMap(
-            feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal,
-            redraw_interval=redraw_interval, seed=seed, device=device, dtype=dtype,
+            feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
         )
+        if redraw_interval is not None:
+            check_positive_int("redraw_interval", redraw_interval)
+            self.register_buffer("redraw_calls", torch.zeros((), dtype=torch.long, device=device), persistent=True)
+        self.redraw_interval = redraw_interval
+
+    def step_schedule(self) -> None:
+        """Count a training forward call and, every ``redraw_interval`` calls, redraw the
+        layer's draws with :func:`flt.layers.draws.redraw` (from the feature map's seeded
+        generator, or torch's global one)."""
+        if self.training and self.redraw_interval is not None:
+            if int(self.redraw_calls) > 0 and int(self.redraw_calls) % self.redraw_interval == 0:
+                redraw(self, self.feature_map._generator)
+            self.redraw_calls += 1
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Before the redraw protocol the counter was the feature map's ``calls``.
+        legacy = state_dict.get(prefix + "feature_map.calls")
+        if legacy is not None and self.redraw_interval is not None:
+            state_dict.setdefault(prefix + "redraw_calls", legacy)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def scaled_qk(self, q, k, pos):
         """``(x_q, x_k)`` with the kernel ``exp(x_q.x_k)``; RoPE rotates before scaling."""
@@ -105,7 +132,7 @@ class KernelAttention(AttentionBase):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         p = self.prepare(x, pos, key_padding_mask)
-        self.feature_map.step_schedule()
+        self.step_schedule()
         return self.finish(self.attend(p), x)
 
     def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:

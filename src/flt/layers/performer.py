@@ -18,7 +18,9 @@ class PerformerAttention(KernelAttention):
             FAVOR+: its variance grows exponentially with ``|q|^2``).
         temperature: initial temperature for ``qk_norm``.
         orthogonal: orthogonal random blocks.
-        redraw_interval: redraw the projection every this many training calls (``None``: fixed).
+        redraw_interval: redraw the projection every this many training forward calls
+            (``None``: fixed; :class:`flt.layers.kernel.KernelAttention`). ``flt train``
+            redraws by ``RunConfig.redraw_interval`` instead (:mod:`flt.layers.draws`).
         seed: seeds the projection.
         rope, rope_base: rotate queries and keys by RoPE (1-D or axial) at ``pos``.
         chunk_size: chunk length of the causal computation.

@@ -35,12 +35,22 @@ class Spectrum(nn.Module):
         num_frequencies: ``R``; features have ``2R`` entries.
         sampler: ``"iid"``, ``"qmc"`` (Sobol) or ``"orthogonal"`` base draws.
         seed: seeds the base draws; ``None`` draws from torch's global generator.
-        redraw: if True, :meth:`redraw_frequencies` is allowed (layers call it on a
-            schedule during training); the default keeps one fixed buffer.
+        redraw: deprecated and ignored (kept so that configs which set it still load).
+            Every spectrum's base draws can be replaced, by
+            :meth:`redraw_random_features` through :mod:`flt.layers.draws`; nothing
+            replaces them unless asked (the trainer does, every ``redraw_interval`` steps).
+
+    Redraws. ``eps`` is a persistent buffer (saved with the weights) and the only random
+    state: :meth:`redraw_random_features` replaces it in place and leaves the parameters
+    alone, so the estimate stays differentiable in them. :attr:`has_random_features` is
+    True unless the owner uses only the exact :meth:`mask` (e.g. FLT's near-field
+    spectrum), in which case :mod:`flt.layers.draws` leaves the spectrum alone.
     """
 
     #: Auxiliary standard normals per frequency beyond the ``P`` spatial ones.
     extra_normals: int = 0
+    #: Names of the buffers that hold the draws (:mod:`flt.layers.draws`).
+    random_feature_buffers = ("eps",)
 
     def __init__(
         self,
@@ -60,7 +70,9 @@ class Spectrum(nn.Module):
         check_positive_int("num_frequencies", num_frequencies)
         check_choice("sampler", sampler, SAMPLERS)
         self.heads, self.pos_dim, self.num_frequencies = heads, pos_dim, num_frequencies
-        self.sampler, self.seed, self.redraw = sampler, seed, redraw
+        self.sampler, self.seed = sampler, seed
+        #: Whether the layer that owns this spectrum samples its frequencies.
+        self.has_random_features = True
         self._factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
 
@@ -96,12 +108,18 @@ class Spectrum(nn.Module):
         return draws.to(**self._factory)
 
     @torch.no_grad()
-    def redraw_frequencies(self, generator: torch.Generator | None = None) -> None:
-        """Replace the base draws (only for spectra built with ``redraw=True``)."""
-        if not self.redraw:
-            raise RuntimeError("this spectrum keeps fixed frequencies; build it with redraw=True to redraw them")
-        seed = None if generator is None else int(torch.randint(0, 2**62, (1,), generator=generator))
+    def redraw_random_features(self, generator: torch.Generator | None = None) -> None:
+        """Replace the base draws ``eps`` in place, with the spectrum's sampler.
+
+        The new draws are a function of one number taken from ``generator`` (a CPU
+        generator; ``None``: torch's global generator), drawn on the CPU whatever the
+        device. Parameters are untouched: gradients still reach them.
+        """
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         self.eps.copy_(self._draw(seed))
+
+    #: The historical name of :meth:`redraw_random_features`.
+    redraw_frequencies = redraw_random_features
 
     def _check_points(self, name: str, x: torch.Tensor) -> None:
         check_tensor(name, x)
@@ -157,7 +175,7 @@ class Spectrum(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, pos_dim={self.pos_dim}, num_frequencies={self.num_frequencies}, "
-            f"sampler={self.sampler!r}, redraw={self.redraw}"
+            f"sampler={self.sampler!r}"
         )
 
 
