@@ -114,8 +114,8 @@ def test_compare_plot_with_log_axis_and_with_every_run_failed(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plot_comparison(curves, str(tmp_path / "ppl.png"), metric="ppl")
-        plot_comparison({"a": []}, str(tmp_path / "none.png"), metric="accuracy")
-    assert (tmp_path / "ppl.png").stat().st_size > 0 and (tmp_path / "none.png").stat().st_size > 0
+        assert plot_comparison({"a": []}, str(tmp_path / "none.png"), metric="accuracy") is None
+    assert (tmp_path / "ppl.png").stat().st_size > 0 and not (tmp_path / "none.png").exists()
 
 
 def test_compare_table_and_entries():

@@ -118,7 +118,13 @@ DECODERS = [n for n in NAMES if getattr(ATTENTION[n], "supports_decoding", False
 
 @pytest.mark.parametrize("attention", DECODERS)
 def test_step_decoding_matches_forward_and_greedy_generation(attention):
-    model = make(LMConfig, attention, vocab_size=17, max_len=40, dtype=torch.float64, posenc="sinusoidal").eval()
+    # The LM preset's banded FLT (near_field > 0) has no constant-size state; the plain
+    # estimator does, and is the one decoded here (the banded one is tested below).
+    options = {"near_field": 0} if attention == "flt" else {}
+    model = make(
+        LMConfig, attention, vocab_size=17, max_len=40, dtype=torch.float64, posenc="sinusoidal",
+        attention_options=options,
+    ).eval()
     assert model.supports_decoding
     tokens = torch.randint(0, 17, (2, 19))
     full = model(tokens)
@@ -133,6 +139,18 @@ def test_step_decoding_matches_forward_and_greedy_generation(attention):
     assert recurrent.shape == (2, 30)
     assert torch.equal(recurrent, recompute)
     assert torch.equal(recurrent[:, :5], prompt)
+
+
+def test_banded_flt_lm_generates_by_recomputation_only():
+    model = make(LMConfig, "flt", vocab_size=11, max_len=24, attention_options={"near_field": 4}).eval()
+    assert not model.supports_decoding
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    out = model.generate(prompt, 6, temperature=0)
+    assert out.shape == (1, 9) and torch.equal(out[:, :3], prompt)
+    with pytest.raises(ValueError, match="support decoding"):
+        model.generate(prompt, 2, temperature=0, recurrent=True)
+    with pytest.raises(ValueError, match="supports_decoding"):
+        model.step(prompt[:, 0], None)
 
 
 def test_generation_samples_valid_tokens_and_is_seeded():

@@ -177,7 +177,7 @@ def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
 def test_near_field_option_errors():
     with pytest.raises(ValueError, match="near_field"):
         FLTAttention(64, 2, near_field=-1)
-    with pytest.raises(ValueError, match="near_field"):
+    with pytest.raises(TypeError, match="near_field.*must be an int"):
         FLTAttention(64, 2, near_field=2.5)
     with pytest.raises(ValueError, match="coupling='logit'"):
         FLTAttention(64, 2, near_field=4, coupling="multiplicative")

@@ -1,11 +1,60 @@
-"""Atomic file writes shared by checkpoints, metrics and dataset caches."""
+"""Atomic file writes shared by checkpoints, metrics and dataset caches.
+
+Files and directories written here get the permissions a plain ``open()`` or
+``os.makedirs`` would give them (``0o666 & ~umask`` and ``0o777 & ~umask``: 0644 and 0755
+under the usual umask 022), not the private 0600 / 0700 of ``tempfile``'s temporaries:
+run directories and caches are meant to be shared like any other output.
+"""
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import IO
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's file mode creation mask, left unchanged.
+
+    ``os.umask`` only sets the mask (returning the old one), so it is read from the
+    ``Umask:`` line of ``/proc/self/status`` (Linux 4.7 and later), which changes nothing.
+    Elsewhere the mask is set to 0o077 and put back at once, under a lock so that two
+    callers cannot restore each other's value; a file that another thread creates in that
+    instant gets fewer permissions than it should, never more.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass  # no /proc (macOS, Windows, a chroot): set and restore below
+    with _UMASK_LOCK:
+        mask = os.umask(0o077)
+        os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The permission bits ``open(path, "w")`` gives a new file: ``0o666 & ~umask``."""
+    return 0o666 & ~current_umask()
+
+
+def dir_mode() -> int:
+    """The permission bits ``os.makedirs`` gives a new directory: ``0o777 & ~umask``."""
+    return 0o777 & ~current_umask()
+
+
+def make_temp_dir(folder: str, prefix: str, suffix: str) -> str:
+    """``tempfile.mkdtemp`` in ``folder``, with the permissions of ``os.makedirs``
+    (:func:`dir_mode`) instead of 0700, for a directory that is renamed into place."""
+    path = tempfile.mkdtemp(dir=folder, prefix=prefix, suffix=suffix)
+    os.chmod(path, dir_mode())
+    return path
 
 
 def fsync_dir(path: str) -> None:
@@ -20,12 +69,15 @@ def fsync_dir(path: str) -> None:
 def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, fsync it and ``os.replace``
     it onto ``path``: readers see the old file or the whole new one, even if the process is
-    killed mid-write. The temporary file never outlives a failure."""
+    killed mid-write. The temporary file never outlives a failure. ``path`` gets the
+    permissions of a plain ``open()`` (:func:`file_mode`), whatever it had before."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            # mkstemp creates the file 0600; give it the mode open() would have.
+            os.chmod(tmp, file_mode())
             write(f)
             f.flush()
             os.fsync(f.fileno())

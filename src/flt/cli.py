@@ -25,7 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    # The arguments as given, for commands that print how to run them again (flt train
+    # after Ctrl-C prints its command with --resume).
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as err:

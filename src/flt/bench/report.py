@@ -2,6 +2,12 @@
 
 Pure functions of the result dictionary :func:`flt.bench.speed.run` returns (and that
 ``speed.json`` stores), so a saved run can be re-rendered.
+
+Unreliable timings (a busy machine; see :func:`flt.bench.speed.timing_flags`) are flagged,
+never silently used: their cells say so, exponents are fitted without them (or omitted,
+as is a time exponent below :data:`MIN_TIME_EXPONENT`), a target ratio built on one is
+neither met nor missed, and a throughput above the matmul ceiling is not printed as a
+fraction of it.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from flt.bench.speed import SHAPES, VARIANTS
+from flt.bench.speed import SHAPES, VARIANTS, timing_flags
 
 #: Targets of the project's issue 4 (CPU, 2 cores, float32, B=1, H=4, D=64, N=16384).
 TARGETS = {
@@ -21,6 +27,16 @@ TARGETS = {
     "causal_overhead": 2.0,  # causal / bidirectional FLT-logit time, at most
     "memory_exponent": 1.1,  # fitted exponent of peak memory in N, every linear mechanism, at most
 }
+
+#: A fitted time exponent below this means more work took less time: the machine's load
+#: changed between the sizes, and the exponent is omitted as unreliable.
+MIN_TIME_EXPONENT = -0.1
+
+
+def reliability(r: dict) -> tuple[bool, str]:
+    """``(reliable, why not)`` of a successful result, from the spread of its repeats."""
+    flags = timing_flags(r.get("wall_s") or [])
+    return flags["reliable"], flags["unreliable"]
 
 
 def series(results: list[dict]) -> dict[tuple, dict[int, dict]]:
@@ -44,12 +60,34 @@ def fit_exponent(points: dict[int, float], min_n: int) -> tuple[float, int] | No
     return sum((x - mx) * (y - my) for x, y in xs) / sxx, len(xs)
 
 
+def fit_time_exponent(by_n: dict[int, dict], min_n: int) -> tuple[tuple[float, int] | None, str]:
+    """Time exponent of one series from its reliable sizes only: ``(fit or None, note)``.
+
+    ``note`` is empty for a clean fit, ``"without unreliable N=..."`` when sizes were left
+    out, and starts with ``"unreliable"`` when the exponent is omitted (fewer than two
+    reliable sizes, or a slope below :data:`MIN_TIME_EXPONENT`).
+    """
+    in_range = {n: r for n, r in by_n.items() if n >= min_n}
+    if fit_exponent({n: r["median_s"] for n, r in in_range.items()}, min_n) is None:
+        return None, ""
+    bad = sorted(n for n, r in in_range.items() if not reliability(r)[0])
+    fit = fit_exponent({n: r["median_s"] for n, r in in_range.items() if n not in bad}, min_n)
+    sizes = ", ".join(map(str, bad))
+    if fit is None:
+        return None, f"unreliable: fewer than 2 sizes with reliable timings (unreliable N = {sizes})"
+    if fit[0] < MIN_TIME_EXPONENT:
+        return None, f"unreliable: fitted {fit[0]:.2f}, time falling as N grows (the load changed between sizes)"
+    return fit, f"without unreliable N = {sizes}" if bad else ""
+
+
 def exponents(results: list[dict], min_n: int) -> dict[tuple, dict]:
-    """Fitted time and peak-memory exponents per series."""
+    """Fitted time and peak-memory exponents per series (``time_note``: see :func:`fit_time_exponent`)."""
     out = {}
     for key, by_n in series(results).items():
+        time_fit, note = fit_time_exponent(by_n, min_n)
         out[key] = {
-            "time": fit_exponent({n: r["median_s"] for n, r in by_n.items()}, min_n),
+            "time": time_fit,
+            "time_note": note,
             "memory": fit_exponent({n: r["peak_mb"] for n, r in by_n.items()}, min_n),
         }
     return out
@@ -72,8 +110,8 @@ def targets(data: dict) -> list[dict]:
 
     Each row: ``name, target, measured`` (median-based; ``measured_min`` from the fastest
     repeats, ``measured_cpu`` from process CPU time, which a busy machine inflates less),
-    ``passed`` (None when not measurable, with the reason in ``note``). ``passed`` uses the
-    medians of wall time.
+    ``passed`` (None when not measurable, or when a time ratio rests on an unreliable
+    timing, with the reason in ``note``). ``passed`` uses the medians of wall time.
     """
     results, preset = data["results"], data["preset"]
     flt, exact, favor = preset["headline"]
@@ -89,6 +127,10 @@ def targets(data: dict) -> list[dict]:
             return
         value = num[field] / den[field]
         row = {"name": name, "target": target, "measured": value, "passed": value >= target if larger_is_better else value <= target, "note": note}
+        shaky = [f"{r['config']['variant']}{' causal' if r['config']['causal'] else ''} {r['config']['mode']}: {reliability(r)[1]}"
+                 for r in (num, den) if field == "median_s" and not reliability(r)[0]]
+        if shaky:
+            row.update(passed=None, note="; ".join(filter(None, [note, "unreliable timing: " + "; ".join(shaky)])))
         if field == "median_s":
             row["measured_min"] = num["min_s"] / den["min_s"]
             row["measured_cpu"] = statistics.median(num["cpu_s"]) / statistics.median(den["cpu_s"])
@@ -135,12 +177,14 @@ def kronecker_model(data: dict) -> list[dict]:
     each contract ``N x 2R x m x (Dv + 1)`` per batch and head (the extra column is the
     denominator), ``4 B H N 2R m (Dv+1)``; causal adds the in-chunk products
     ``2 B H N C (m + 2R + Dv + 1)`` with ``C`` the chunk size (128). The fraction is of the
-    float32 matmul throughput measured just before these runs.
+    float32 matmul ceiling: the best throughput of the matmuls timed in the same process
+    just before and just after the run, and of the runner's probes. A run whose repeats
+    spread too widely, or that exceeds the ceiling, is unreliable and gets no fraction.
     """
     from flt.ops.linear import DEFAULT_CHUNK_SIZE
 
-    probe = data.get("matmul_kronecker") or data["matmul"]
-    peak = probe.get("gflops") if probe["status"] == "ok" else None
+    probes = [p for p in (data.get("matmul"), data.get("matmul_kronecker")) if p and p["status"] == "ok"]
+    probe_best = max((p.get("gflops_best") or p["gflops"] for p in probes), default=None)
     rows = []
     for r in data["results"]:
         c = r["config"]
@@ -153,9 +197,15 @@ def kronecker_model(data: dict) -> list[dict]:
         if c["causal"]:
             flops += 2 * s.B * s.H * c["N"] * DEFAULT_CHUNK_SIZE * (m + 2 * R + s.D + 1)
         achieved = flops / r["median_s"] / 1e9
+        ceiling = max((g for g in (r.get("ceiling_gflops"), probe_best) if g), default=None)
+        fraction = None if ceiling is None else achieved / ceiling
+        ok, why = reliability(r)
+        if ok and fraction is not None and fraction > 1:
+            ok, why = False, f"above the matmul ceiling ({ceiling:.3g} GFLOP/s), which is impossible: the machine's load changed"
         rows.append({
             "m": m, "R": R, "N": c["N"], "causal": c["causal"], "mode": c["mode"], "median_s": r["median_s"],
-            "model_gflop": flops / 1e9, "achieved_gflops": achieved, "fraction_of_matmul": None if peak is None else achieved / peak,
+            "model_gflop": flops / 1e9, "achieved_gflops": achieved, "ceiling_gflops": ceiling, "fraction_of_matmul": fraction,
+            "reliable": ok, "unreliable": why,
         })
     return rows
 
@@ -170,7 +220,8 @@ def _cell(r: dict | None) -> str:
     if r["status"] != "ok":
         return r["status"] + (": memory" if r["note"].startswith("memory") else ": time" if r["note"].startswith("time") else "")
     spread = (r["q3_s"] - r["q1_s"]) / r["median_s"] * 100
-    return f"{_fmt_time(r['median_s'])} ±{spread:.0f}% / {r['peak_mb']:.0f} MB"
+    flag = "" if reliability(r)[0] else " (unreliable)"
+    return f"{_fmt_time(r['median_s'])} ±{spread:.0f}% / {r['peak_mb']:.0f} MB{flag}"
 
 
 def markdown(data: dict, command: str = "") -> str:
@@ -227,11 +278,13 @@ def markdown(data: dict, command: str = "") -> str:
             for key in keys:
                 variant, _, causal, _ = key
                 cells = [_cell(_get(results, variant, shape_name, causal, mode, n)) for n in Ns]
-                fit = fits.get(key, {"time": None, "memory": None})
+                fit = fits.get(key, {"time": None, "memory": None, "time_note": ""})
                 fmt = lambda f: "" if f is None else f"{f[0]:.2f}"  # noqa: E731
-                lines.append(f"| {variant} | {'yes' if causal else 'no'} | " + " | ".join(cells) + f" | {fmt(fit['time'])} | {fmt(fit['memory'])} |")
+                time_exp = "unreliable" if fit["time_note"].startswith("unreliable") else fmt(fit["time"]) + ("*" if fit["time_note"] else "")
+                lines.append(f"| {variant} | {'yes' if causal else 'no'} | " + " | ".join(cells) + f" | {time_exp} | {fmt(fit['memory'])} |")
             lines.append("")
-    lines.append(f"Exponents: least-squares slope of log(median time) and log(peak memory) on log N over N >= {preset['fit_min_n']}.")
+    lines.append(f"Exponents: least-squares slope of log(median time) and log(peak memory) on log N over N >= {preset['fit_min_n']}. "
+                 f"Time exponents use only sizes with reliable timings (*: some left out; 'unreliable': omitted, see below).")
     lines.append("")
     kron = kronecker_model(data)
     if kron:
@@ -239,8 +292,22 @@ def markdown(data: dict, command: str = "") -> str:
         lines += [kronecker_model.__doc__.split("\n\n")[1].replace("\n    ", " ").strip(), ""]
         lines += ["| m | R | N | causal | time | model GFLOP | achieved GFLOP/s | fraction of matmul |", "|---|---|---|---|---|---|---|---|"]
         for k in kron:
-            frac = "" if k["fraction_of_matmul"] is None else f"{k['fraction_of_matmul'] * 100:.0f}%"
-            lines.append(f"| {k['m']} | {k['R']} | {k['N']} | {'yes' if k['causal'] else 'no'} | {_fmt_time(k['median_s'])} | {k['model_gflop']:.3g} | {k['achieved_gflops']:.3g} | {frac} |")
+            if not k["reliable"]:
+                achieved, frac = "unreliable", "unreliable: " + k["unreliable"]
+            else:
+                achieved = f"{k['achieved_gflops']:.3g}"
+                frac = "" if k["fraction_of_matmul"] is None else f"{k['fraction_of_matmul'] * 100:.2g}% of {k['ceiling_gflops']:.3g}"
+            lines.append(f"| {k['m']} | {k['R']} | {k['N']} | {'yes' if k['causal'] else 'no'} | {_fmt_time(k['median_s'])} | {k['model_gflop']:.3g} | {achieved} | {frac} |")
+        lines.append("")
+    shaky = [r for r in results if r["status"] == "ok" and r["config"]["mode"] != "matmul" and not reliability(r)[0]]
+    omitted = [(key, fit["time_note"]) for key, fit in sorted(fits.items()) if fit["time_note"]]
+    if shaky or omitted:
+        lines += ["## Unreliable timings", "", "Measured while the machine was too busy for the figures to mean much; rerun on a quiet machine.", ""]
+        for r in shaky:
+            c = r["config"]
+            lines.append(f"- {c['variant']} {c['shape']} N={c['N']} {c['mode']} {'causal' if c['causal'] else 'bidirectional'}: {reliability(r)[1]}")
+        for (variant, shp, causal, mode), note in omitted:
+            lines.append(f"- time exponent of {variant} {shp} {mode} {'causal' if causal else 'bidirectional'}: {note}")
         lines.append("")
     notes = [r for r in results if r["status"] != "ok"]
     if notes:
@@ -287,19 +354,25 @@ def plot(data: dict, path) -> None:
             Ns = sorted(by_n)
             label = f"{variant}{' causal' if causal else ''}"
             style = "--" if causal else "-"
+            shaky = [n for n in Ns if not reliability(by_n[n])[0]]
             for row, (field, what) in enumerate((("median_s", "time"), ("peak_mb", "memory"))):
                 fit = fits[key][what]
-                tag = f" ({fit[0]:.2f})" if fit else ""
+                tag = f" ({fit[0]:.2f}{'*' if what == 'time' and fits[key]['time_note'] else ''})" if fit else ""
+                if what == "time" and fits[key]["time_note"].startswith("unreliable"):
+                    tag = " (unreliable)"
                 axes[row][col].loglog(Ns, [by_n[n][field] for n in Ns], style, color=colour[variant], marker="o", ms=3, label=label + tag)
+                if shaky and what == "time":  # unreliable timings: a cross over the point
+                    axes[row][col].plot(shaky, [by_n[n][field] for n in shaky], "x", color="red", ms=8, zorder=4)
         s = SHAPES[shape]
         axes[0][col].set_title(f"{mode}: median time (B={s.B}, H={s.H}, D={s.D})")
         axes[1][col].set_title(f"{mode}: peak memory above baseline")
-        axes[0][col].set_ylabel("seconds")
-        axes[1][col].set_ylabel("MB")
+        axes[0][col].set_ylabel("median time per call (s)")
+        axes[1][col].set_ylabel("peak memory (MB)")
         for row in (0, 1):
-            axes[row][col].set_xlabel("N")
+            axes[row][col].set_xlabel("sequence length N (tokens)")
             axes[row][col].grid(True, which="both", alpha=0.3)
-            axes[row][col].legend(fontsize=6, title="fitted exponent in ()", title_fontsize=6)
+            if axes[row][col].get_legend_handles_labels()[0]:  # a mode may have no series
+                axes[row][col].legend(fontsize=6, title="fitted exponent in (); red x: unreliable timing", title_fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,6 +25,13 @@ Registry x named shapes, one runner (STYLE.md item 11). Every configuration
    layers at large N) get no extra call: their peak is the high-water mark over the timed
    calls, whose tensors are far above any ``mmap`` threshold anyway. ``peak_method`` in
    the JSON says which; the timed calls' own peak is kept as ``peak_timed_mb``.
+4. **Reliability.** A busy machine makes timings wrong, not just noisy. Every result
+   carries ``spread = (max - min) / median`` of its repeats and ``reliable``: False (with
+   the reason in ``unreliable``) when the spread exceeds ``SPREAD_LIMIT``. Op-level runs
+   also time the float32 matmul ceiling in the same process just before and just after
+   their timed calls (``ceiling_gflops``: the best of those); :mod:`flt.bench.report`
+   flags a throughput above that ceiling, leaves unreliable sizes out of the fitted
+   exponents and does not call a target met or missed from unreliable timings.
 
 Processes are forked from a ``multiprocessing`` forkserver that has imported only torch
 and flt (imports paid once, fresh address space per configuration);
@@ -64,6 +71,8 @@ import torch
 #: Relative error (max abs difference / max abs reference) above which a fast path is refused.
 CHECK_TOLERANCE = 1e-8
 CHECK_SIZE = {"B": 2, "N": 300, "dim": 32, "heads": 2}
+#: ``(max - min) / median`` of a configuration's repeats above which its timing is unreliable.
+SPREAD_LIMIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -231,6 +240,23 @@ class Config:
     budget_s: float
     mem_limit_bytes: int = 0
     memory_call: bool = True  # measure peak memory in one extra call (see measure)
+    ceiling_n: int = 0  # > 0: time an n x n float32 matmul before and after the timed calls
+
+
+def timing_flags(wall: list[float], limit: float = SPREAD_LIMIT) -> dict:
+    """``{"spread", "reliable", "unreliable"}`` of one configuration's repeated wall times.
+
+    ``spread = (max - min) / median``; above ``limit`` the repeats disagree too much for
+    their median to mean anything (the machine was busy), and ``unreliable`` says so.
+    """
+    if not wall:
+        return {"spread": None, "reliable": False, "unreliable": "no timed calls"}
+    median = statistics.median(wall)
+    spread = (max(wall) - min(wall)) / median if median > 0 else math.inf
+    if spread > limit:
+        return {"spread": spread, "reliable": False,
+                "unreliable": f"repeats spread {spread:.0%} of their median (> {limit:.0%}): machine busy"}
+    return {"spread": spread, "reliable": True, "unreliable": ""}
 
 
 # -- worker side -------------------------------------------------------------------------
@@ -391,6 +417,23 @@ def _matmul_step(n: int):
     return lambda: torch.mm(a, b)
 
 
+def _matmul_best_s(n: int, calls: int = 3, clock=time.perf_counter) -> float:
+    """Fastest of ``calls`` timed ``n x n`` float32 matmuls after one warm-up call."""
+    step = _matmul_step(n)
+    step()
+    best = math.inf
+    for _ in range(calls):
+        t0 = clock()
+        step()
+        best = min(best, clock() - t0)
+    return best
+
+
+def ceiling_gflops(n: int, seconds: list[float]) -> float:
+    """float32 matmul throughput from the fastest of several ``n x n`` timings (GFLOP/s)."""
+    return 2 * n**3 / min(seconds) / 1e9
+
+
 def measure(cfg: Config) -> dict:
     """Run one configuration in this process (a fresh one): check, then time and measure."""
     torch.set_num_threads(cfg.threads)
@@ -399,7 +442,10 @@ def measure(cfg: Config) -> dict:
         limit = int(_status_mb()["VmSize"] * 2**20) + cfg.mem_limit_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, soft_hard[1]))
     result = {"config": asdict(cfg), "status": "ok", "note": ""}
+    ceiling = []
     try:
+        if cfg.ceiling_n:
+            ceiling.append(_matmul_best_s(cfg.ceiling_n))
         if cfg.mode == "matmul":
             step = _matmul_step(cfg.N)
         else:
@@ -432,6 +478,8 @@ def measure(cfg: Config) -> dict:
             method = "RSS high-water mark of one extra call after the timed ones, glibc mmap threshold fixed at 128 KiB, above the RSS before it"
         elif not exact_peak:
             method += " (high-water mark could not be reset: includes setup)"
+        if cfg.ceiling_n:
+            ceiling.append(_matmul_best_s(cfg.ceiling_n))
     except (RuntimeError, MemoryError) as err:  # allocation refused under the address-space limit, or a kernel error
         result.update(status="error", note=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
         return result
@@ -439,7 +487,10 @@ def measure(cfg: Config) -> dict:
     result.update(
         wall_s=wall, cpu_s=cpu, median_s=statistics.median(wall), q1_s=q1, q3_s=q3, min_s=min(wall),
         involuntary_switches=switches, peak_mb=peak, peak_timed_mb=timed_peak, baseline_rss_mb=base, peak_method=method,
+        **timing_flags(wall),
     )
+    if ceiling:
+        result.update(ceiling_n=cfg.ceiling_n, ceiling_s=ceiling, ceiling_gflops=ceiling_gflops(cfg.ceiling_n, ceiling))
     return result
 
 
@@ -572,7 +623,8 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         if spec.kind == "op" and matmul_kronecker is None:
             matmul_kronecker = probe()  # measured next to the op-level runs it is compared with
         key = (variant, shape, causal, mode)
-        cfg = Config(variant, shape, N, mode, causal, **common)
+        # Op-level runs are compared with the matmul ceiling: measured in the same process, around them.
+        cfg = Config(variant, shape, N, mode, causal, **common, ceiling_n=preset.matmul_n if spec.kind == "op" else 0)
         previous = last.get(key)
         note = ""
         if spec.kind == "peer":
@@ -613,7 +665,8 @@ def _log_line(r: dict) -> str:
     head = f"{c['variant']:<24} {c['shape']:<6} N={c['N']:<6} {c['mode']:<7} {'causal' if c['causal'] else 'bidir ':<6}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['note']}"
-    return f"{head} {r['median_s'] * 1e3:10.2f} ms (IQR {r['q1_s'] * 1e3:.2f}-{r['q3_s'] * 1e3:.2f}) peak {r['peak_mb']:8.1f} MB"
+    flag = "" if r.get("reliable", True) else f"  UNRELIABLE: {r['unreliable']}"
+    return f"{head} {r['median_s'] * 1e3:10.2f} ms (IQR {r['q1_s'] * 1e3:.2f}-{r['q3_s'] * 1e3:.2f}) peak {r['peak_mb']:8.1f} MB{flag}"
 
 
 def main(argv: list[str] | None = None) -> int:

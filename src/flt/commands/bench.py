@@ -9,19 +9,40 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 
+SPEED_DESCRIPTION = """\
+Time and peak memory of every attention variant of a preset, over named shapes and
+sequence lengths N. Each configuration runs in its own process after a float64 check of
+its fast path against its O(N^2) reference; a run whose repeats spread too widely, or
+whose op-level throughput exceeds the float32 matmul ceiling measured next to it, is
+flagged "unreliable" (a busy machine) rather than reported as a plain figure. Writes
+speed.json, speed.md and speed.png to --out-dir.
+
+    flt bench speed --quick            # CI smoke, ~20 s: checks the runner, not the timings
+    flt bench speed --variants flt-logit/m256/R32 softmax+t5 --lengths 1024 4096
+"""
+
+APPROX_DESCRIPTION = """\
+Approximation error against the exact layers, in float64: the random-feature mask error
+against R per spectrum and sampler, FLT's output error against m and R per coupling, and
+strong local masks per estimator. Writes approx.md, approx.json and approx.png to --out-dir.
+"""
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="speed/memory and approximation benchmarks", description=__doc__)
+    p = sub.add_parser("bench", help="speed/memory and approximation benchmarks", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     # Choices are checked in run_speed: importing the registries here would import torch
     # and slow down `flt --help`.
-    s = bench.add_parser("speed", help="time and peak memory of every attention variant over named shapes")
+    s = bench.add_parser("speed", help="time and peak memory of every attention variant over named shapes",
+                         description=SPEED_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--preset", default="default", help="quick, default or full (default: %(default)s)")
     s.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
     s.add_argument("--variants", nargs="+", metavar="VARIANT", help="only these variants of the preset (names as in speed.md)")
@@ -31,7 +52,8 @@ def add_parser(sub) -> None:
     s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")
     s.set_defaults(func=run_speed)
 
-    a = bench.add_parser("approx", help="mask error vs R per spectrum and sampler, FLT error vs m and R per coupling")
+    a = bench.add_parser("approx", help="mask error vs R per spectrum and sampler, FLT error vs m and R per coupling",
+                         description=APPROX_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--quick", action="store_true", help="fewer sizes and seeds")
     a.add_argument("--out-dir", default="flt-out/bench", help="where approx.json/.md/.png go (default: %(default)s)")
     a.set_defaults(func=run_approx)

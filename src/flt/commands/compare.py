@@ -1,7 +1,10 @@
 """``flt compare TASK --attention a,b,c``: train mechanisms with the same budget and seeds.
 
 Each entry of ``--attention`` is a name in ``flt.ATTENTION``, optionally followed by its
-own options: ``flt:coupling=multiplicative:spectrum=gaussian``. Every (entry, seed) pair
+own options: ``flt:coupling=multiplicative:spectrum=gaussian``, the syntax of ``flt train
+--attention`` (:mod:`flt.options`); ``--attn-opt`` applies to every entry, and a key that
+both set to different values is an error. Every entry's options are checked before the
+first run starts. Every (entry, seed) pair
 is one ``flt train`` run in a fresh Python process, one after the other, with the same
 preset, steps, batch and seed, in ``OUT/ENTRY/seed-S``. Then a table is printed (and
 saved as ``OUT/compare.md`` and ``compare.json``) with the final validation metric
@@ -29,7 +32,8 @@ import subprocess
 import sys
 import time
 
-from flt.commands.train import add_config_arguments, add_runtime_arguments, parse_value
+from flt.commands.train import add_config_arguments, add_runtime_arguments, preset_from_args
+from flt.options import parse_attention_list
 
 
 def add_parser(subparsers) -> None:
@@ -47,24 +51,9 @@ def add_parser(subparsers) -> None:
 
 
 def parse_entries(text: str) -> list[tuple[str, str, dict]]:
-    """``"a,b:k=v"`` -> ``[(label, name, options)]``; labels must be distinct."""
-    entries = []
-    for raw in text.split(","):
-        raw = raw.strip()
-        if not raw:
-            raise ValueError(f"--attention has an empty entry: {text!r}")
-        name, *opts = raw.split(":")
-        options = {}
-        for item in opts:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise ValueError(f"attention entry {raw!r}: options must be KEY=VALUE, got {item!r}")
-            options[key] = parse_value(value)
-        entries.append((raw, name, options))
-    labels = [e[0] for e in entries]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--attention lists an entry twice: {text!r}")
-    return entries
+    """``"a,b:k=v"`` -> ``[(label, name, options)]``; labels must be distinct
+    (:func:`flt.options.parse_attention_list`, the parser of ``flt train --attention`` too)."""
+    return parse_attention_list(text)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -82,11 +71,11 @@ def _slug(label: str) -> str:
 
 
 def _child_argv(args, name: str, options: dict, seed: int, out_dir: str) -> list[str]:
-    argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", name, "--seed", str(seed),
+    # The entry in the one --attention syntax (flt.options), so that the child checks it as flt train does.
+    entry = name + "".join(f":{key}={json.dumps(value)}" for key, value in options.items())
+    argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", entry, "--seed", str(seed),
             "--out-dir", out_dir, "--preset", args.preset, "--posenc", args.posenc, "--no-progress",
             "--device", args.device]
-    for key, value in options.items():
-        argv += ["--attn-opt", f"{key}={json.dumps(value)}"]
     for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data"):
         value = getattr(args, flag)
         if value is not None:
@@ -122,15 +111,14 @@ def _table(rows: list[dict], metric: str, extra: list[str]) -> str:
 
 
 def run(args) -> int:
-    from flt._checks import check_choice
-    from flt.layers import ATTENTION
     from flt.train import TASK_CLASSES
     from flt.train.metrics import read_metrics
     from flt.train.plots import plot_comparison
 
     entries = parse_entries(args.attention)
-    for _, name, _ in entries:
-        check_choice("attention", name, ATTENTION)
+    for label, name, options in entries:
+        # Every entry's options (with --attn-opt, the preset's and the encoding's) before the first run.
+        preset_from_args(args, name, options, options_source=f"--attention entry {label!r}")
     seeds = parse_seeds(args.seeds)
     out = args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
     task_cls = TASK_CLASSES[args.task]
@@ -194,6 +182,9 @@ def run(args) -> int:
     with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
         json.dump({"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows}, f, indent=2)
     if not args.no_plots:
-        plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})")
+        # None (nothing written) when no run reached a validation: an empty plot says nothing.
+        if plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:
+            why = "every run failed" if all(r["failed"] for r in rows) else "no run logged a validation"
+            print(f"no compare.png: {why} (see the table and each run's train.log)")
     print(f"results in {out}")
     return 1 if any(r["failed"] for r in rows) else 0

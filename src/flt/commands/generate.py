@@ -41,8 +41,10 @@ def run(args) -> int:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
     device = resolve_device(args.device)
     model, meta = load_checkpoint_model(args.checkpoint, device=device)
-    if meta["model"].get("task") != "lm":
-        raise ValueError(f"{args.checkpoint} holds a {meta['model'].get('task')!r} model; generation needs a language model")
+    task = meta["model"].get("task")
+    if task != "lm":
+        article = "an" if str(task)[:1] in "aeiou" else "a"  # 'image' -> "an 'image' model"
+        raise ValueError(f"{args.checkpoint} holds {article} {task!r} model; generation needs a language model ('lm')")
     tokenizer = tokenizer_from_extra(meta.get("extra", {}))
     text = generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, device=device, temperature=args.temperature,

@@ -6,41 +6,45 @@ Examples::
     flt train image --attention flt --posenc none --preset smoke
     flt train molecule --preset small --attn-opt spectrum=matern --out-dir runs/mol
     flt train lm --out-dir runs/lm --resume           # continue a stopped run bit for bit
+    flt train lm --out-dir runs/lm --resume --steps 2000   # extend it to 2000 steps
     torchrun --nproc_per_node 2 -m flt.cli train lm --preset small   # 2 processes (DDP)
 
 ``KEY=VALUE`` options take JSON values (numbers, true/false, null, lists); anything that
-is not valid JSON is a string.
+is not valid JSON is a string. Attention options go with the mechanism, as in ``flt
+compare``: ``--attention flt:num_frequencies=16:spectrum=local``, or by ``--attn-opt
+KEY=VALUE``; a key set by both must have the same value (otherwise it is an error, not a
+silent override). Options are checked against the mechanism's (and its spectrum's, and
+the encoding's) constructor before anything is loaded: a misspelt name or a value of the
+wrong type is named in the error (:mod:`flt.options`).
+
+``--resume`` needs the options the run was started with, except that ``--steps`` may grow:
+that extends the run, a finished one too. The learning rate of a step always follows the
+schedule of the step budget in force when it runs (``RunConfig.lr_at``): the steps left
+follow the new budget's warm-up and cosine, so a finished run's rate rises from its final
+value to the new schedule's and decays again to the floor at the new last step. The result
+equals a run started with the larger budget, bit for bit, when the schedule does not depend
+on the budget (``--run-opt min_lr_ratio=1``: constant after warm-up), and otherwise only if
+the run stopped within its warm-up.
+
+Ctrl-C stops training with one line: the step reached, the last checkpoint and the command
+that resumes the run; the exit status is 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
+import shutil
+import sys
+
+# The one option syntax of every command (re-exported: flt compare and tests import them here).
+from flt.options import parse_assignments, parse_value  # noqa: F401
 
 TASK_NAMES = ("lm", "image", "molecule")
 PRESET_NAMES = ("smoke", "small", "base")
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int}
-
-
-def parse_value(text: str):
-    """A JSON value, or the text itself when it is not valid JSON (``local`` -> ``"local"``)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_assignments(items: list[str] | None, flag: str) -> dict:
-    """``["a=1", "b=x"] -> {"a": 1, "b": "x"}``."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        out[key.strip()] = parse_value(value)
-    return out
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,21 +78,31 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("task", choices=TASK_NAMES)
-    p.add_argument("--attention", default="flt", help="attention mechanism, a name in flt.ATTENTION (default: flt)")
+    p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
+                   help="attention mechanism, a name in flt.ATTENTION, optionally with options as in flt compare "
+                   "(flt:num_frequencies=16; default: flt)")
     add_config_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and noise (default: 0)")
     p.add_argument("--out-dir", help="run directory (default: runs/TASK-ATTENTION-PRESET-sSEED)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint, "
+                   "with the same options; a larger --steps extends it (the remaining steps follow the learning-rate "
+                   "schedule of the new budget)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms (for CUDA)")
     add_runtime_arguments(p)
     p.set_defaults(func=run)
 
 
-def preset_from_args(args, attention: str, attention_options: dict | None = None):
-    """The :class:`flt.train.Preset` the options describe."""
+def preset_from_args(args, attention: str, attention_options: dict | None = None, *, options_source: str = "--attention"):
+    """The :class:`flt.train.Preset` the options describe.
+
+    ``attention_options`` (those of an ``--attention NAME:KEY=VALUE`` entry, named
+    ``options_source`` in errors) and ``--attn-opt`` override the preset's; a key both set
+    to different values is an error. The options are validated here, before any data loads.
+    """
     from flt._checks import check_choice
     from flt.layers import ATTENTION
     from flt.models import replace_fields
+    from flt.options import ATTENTION_ARGUMENTS, POSENC_ARGUMENTS, check_attention_options, check_posenc_options, merge_options
     from flt.posenc import POSENC
     from flt.train import Preset, get_preset
 
@@ -99,12 +113,12 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     for reserved in ("attention", "attention_options", "posenc", "posenc_options"):
         if reserved in model_changes:
             raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt, not --model-opt")
-    model = replace_fields(
-        preset.model,
-        attention_options={**preset.model.attention_options, **(attention_options or {}), **parse_assignments(args.attn_opt, "--attn-opt")},
-        posenc_options={**preset.model.posenc_options, **parse_assignments(args.posenc_opt, "--posenc-opt")},
-        **model_changes,
-    )
+    chosen = merge_options(attention_options or {}, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=options_source)
+    attn_options = {**preset.model.attention_options, **chosen}
+    posenc_options = {**preset.model.posenc_options, **parse_assignments(args.posenc_opt, "--posenc-opt")}
+    check_attention_options(attention, attn_options, reserved=ATTENTION_ARGUMENTS)
+    check_posenc_options(args.posenc, posenc_options, reserved=POSENC_ARGUMENTS)
+    model = replace_fields(preset.model, attention_options=attn_options, posenc_options=posenc_options, **model_changes)
     run_changes = parse_assignments(args.run_opt, "--run-opt")
     for name in RUN_FLAGS:
         if getattr(args, name) is not None:
@@ -120,19 +134,74 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     return Preset(preset.task, model, run_cfg, data)
 
 
+def launcher() -> list[str] | None:
+    """The words that started this process, before flt's own arguments: ``flt``,
+    ``python -m flt``, ``python -m flt.cli`` or, under ``torchrun`` on one node,
+    ``torchrun --nproc_per_node=W -m flt.cli``. None under a multi-node ``torchrun``, whose
+    rendezvous options a worker cannot know."""
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.dirname(script) == package and os.path.basename(script) in ("__main__.py", "cli.py"):
+        # python -m flt / python -m flt.cli: the interpreter as it was typed.
+        interpreter = sys.orig_argv[0]
+        target = ["-m", "flt" if script.endswith("__main__.py") else "flt.cli"]
+    elif os.path.basename(script) == "flt":
+        # The console script; its short name when that is the one on PATH.
+        found = shutil.which("flt")
+        interpreter, target = None, ["flt" if found and os.path.samefile(found, script) else script]
+    else:
+        # main() called from Python (a notebook, a test): the module runs the same code.
+        interpreter, target = sys.executable, ["-m", "flt"]
+    if "LOCAL_WORLD_SIZE" in os.environ and "GROUP_WORLD_SIZE" in os.environ:
+        # Set by torchrun in every worker: relaunch through torchrun, which runs Python itself.
+        if os.environ["GROUP_WORLD_SIZE"] != "1":
+            return None
+        return ["torchrun", f"--nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}", *(target if interpreter else [script])]
+    return [interpreter, *target] if interpreter else target
+
+
+def interrupted_message(stop, argv: list[str] | None) -> str:
+    """The one line ``flt train`` prints on Ctrl-C for ``stop``, a
+    :class:`flt.train.loop.TrainingInterrupted`: the step reached, the last checkpoint and
+    the command to resume (``argv`` with ``--resume`` added, shell-quoted)."""
+    where = "interrupted " + (f"after step {stop.step}" if stop.step else "before step 1") + f" of {stop.steps}"
+    if stop.checkpoint is None:
+        # Without a checkpoint --resume would fail; the same command starts the run again.
+        head, verb, command = f"{where}, before the first checkpoint; nothing to resume", "start again", argv
+    else:
+        head, verb = f"{where}; last checkpoint {stop.checkpoint}", "resume"
+        command = None if argv is None else [*argv, *([] if "--resume" in argv else ["--resume"])]
+    if command is None:
+        return f"flt train: {head}; {verb} with the same command" + (" and --resume" if stop.checkpoint else "")
+    prefix = launcher()
+    if prefix is None:
+        return f"flt train: {head}; {verb} with the same torchrun launch and the arguments {shlex.join(command)}"
+    return f"flt train: {head}; {verb} with: {shlex.join([*prefix, *command])}"
+
+
 def run(args) -> int:
     import torch
 
     from flt.train import train
+    from flt.train.loop import TrainingInterrupted
 
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
-    preset = preset_from_args(args, args.attention)
-    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{args.attention}-{args.preset}-s{args.seed}")
-    train(
-        preset, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
-        plots=not args.no_plots, deterministic=args.deterministic,
-    )
+    from flt.options import parse_attention, run_label
+
+    name, options = parse_attention(args.attention)
+    preset = preset_from_args(args, name, options, options_source=f"--attention {args.attention.strip()}")
+    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{run_label(args.attention)}-{args.preset}-s{args.seed}")
+    try:
+        train(
+            preset, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
+            plots=not args.no_plots, deterministic=args.deterministic,
+        )
+    except TrainingInterrupted as stop:
+        # Ctrl-C: one line instead of a traceback; only the main process speaks.
+        if stop.is_main:
+            print(interrupted_message(stop, getattr(args, "argv", None)), file=sys.stderr, flush=True)
+        return 130
     return 0

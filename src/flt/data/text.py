@@ -129,7 +129,8 @@ def _read_bytes(path: str, what: str, require_utf8: bool) -> bytes:
         except UnicodeDecodeError as e:
             raise DataError(
                 f"{what} {path} is not valid UTF-8 text (bad byte at offset {e.start}); "
-                "pass require_utf8=False to load it as raw bytes"
+                "to load it as raw bytes, pass --data-opt require_utf8=false to flt train / flt compare "
+                "(require_utf8=False in Python)"
             ) from None
     return data
 

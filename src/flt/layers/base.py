@@ -3,6 +3,13 @@
 All layers take ``x [B, N, dim]``, positions ``pos [B, N, P]`` (or ``[N, P]``; token indices
 by default when ``P = 1``) and ``key_padding_mask [B, N]`` (bool, True marks a padded key
 that no query may attend to, the convention of ``torch.nn.MultiheadAttention``).
+
+Every subclass gets two checks from here. Its constructor's keyword arguments are checked
+against its signature (and, for ``**spectrum_options``, the spectrum's) before its
+``__init__`` runs (:func:`flt.options.check_attention_options`), so a misspelt option or a
+value of the wrong type is reported by name. :meth:`AttentionBase.prepare` checks the input
+of every forward call: rank, feature size, at least one token, and the dtype and device of
+the layer's parameters (metadata only: no host synchronisation).
 """
 
 from __future__ import annotations
@@ -16,6 +23,21 @@ from einops import rearrange
 from torch import nn
 
 from flt._checks import check_dim, check_positions, check_positive_int, check_tensor
+from flt.options import check_attention_options
+
+#: ``layer.double()`` etc.: how to cast a layer to a dtype, for the dtype error.
+_CASTS = {torch.float64: "double", torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16"}
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -31,6 +53,14 @@ class Prepared:
 
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers."""
+
+    def __new__(cls, *args, **kwargs):
+        # Before any __init__ runs (a subclass may compute with its options first): check the
+        # keyword arguments against the signature of the class being built. Copies and
+        # unpickling call __new__ without arguments.
+        if kwargs:
+            check_attention_options(cls, kwargs)
+        return super().__new__(cls)
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device=None, dtype=None) -> None:
         super().__init__()
@@ -54,6 +84,9 @@ class AttentionBase(nn.Module):
         check_tensor("x", x, ndim=3, layout="[B, N, dim]")
         check_dim("x", x, -1, self.dim, "feature size")
         B, N, _ = x.shape
+        if N == 0:
+            raise ValueError(f"x has no tokens (N = 0, shape {tuple(x.shape)}); attention needs at least one token per sequence")
+        self.check_input_dtype_and_device(x)
         if pos is None:
             pos = self.default_positions(N, x)
         else:
@@ -67,6 +100,23 @@ class AttentionBase(nn.Module):
             pad = key_padding_mask
         q, k, v = rearrange(self.to_qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         return Prepared(q, k, v, pos, pad)
+
+    def check_input_dtype_and_device(self, x: torch.Tensor) -> None:
+        """Require ``x`` on the device and (outside autocast) in the dtype of the layer's
+        parameters, with a message that says how to fix it."""
+        weight = self.to_qkv.weight
+        if x.device != weight.device and weight.device.type != "meta":
+            raise ValueError(
+                f"x is on {x.device} but the layer's parameters are on {weight.device}; move the input (x.to({str(weight.device)!r})) "
+                f"or the layer (layer.to({str(x.device)!r}))"
+            )
+        if x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+            cast = _CASTS.get(x.dtype)
+            layer = f"layer.{cast}()" if cast else f"layer.to(torch.{_dtype_name(x.dtype)})"
+            raise TypeError(
+                f"x has dtype {_dtype_name(x.dtype)} but the layer's parameters are {_dtype_name(weight.dtype)}; "
+                f"cast the input (x.to(torch.{_dtype_name(weight.dtype)})) or the layer ({layer})"
+            )
 
     def finish(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""

@@ -6,6 +6,13 @@ and ``reference(...)``, the same computation by the O(N^2) reference (what bench
 before timing). Layers that decode token by token with a constant-size state have
 ``supports_decoding = True`` and ``step(x [B, dim], state=None, pos=None) -> (y, state)``.
 The same dict drives the CLI choices, the benchmarks and the test parametrisation.
+
+Options are checked against the constructor's signature whenever an entry is built
+(:class:`flt.layers.base.AttentionBase`, :func:`flt.options.check_attention_options`): an
+unknown name is reported against the registry name with the valid options (the layer's
+and, for ``**spectrum_options``, its spectrum's) and the closest match; a value of the
+wrong type names the option and the expected type. A new entry needs nothing more than
+annotated keyword parameters.
 """
 
 from __future__ import annotations

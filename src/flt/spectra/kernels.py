@@ -10,6 +10,7 @@ negative (the estimator stays unbiased: ``f`` is then ``a`` times a kernel).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -77,7 +78,7 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         num_frequencies: int,
         *,
         amplitude: float = 1.0,
-        length_scale=8.0,
+        length_scale: float | Sequence[float] = 8.0,
         **kwargs,
     ) -> None:
         amplitude = check_amplitude(amplitude)
@@ -146,7 +147,7 @@ class MaternSpectrum(_KernelSpectrum):
         *,
         nu: float = 1.5,
         amplitude: float = 1.0,
-        length_scale=8.0,
+        length_scale: float | Sequence[float] = 8.0,
         **kwargs,
     ) -> None:
         if isinstance(nu, bool) or not isinstance(nu, (int, float)) or float(nu) not in MATERN_NU:

@@ -12,6 +12,7 @@ from that factor makes ``g / p`` bounded.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ class LocalSpectrum(Spectrum):
         num_frequencies: int,
         *,
         windows: int = 4,
-        window_sizes=None,
+        window_sizes: Sequence[float] | None = None,
         smoothing: float = 1.0,
         amplitude: float = 1.0,
         **kwargs,

@@ -12,6 +12,7 @@ numerically (``P <= 2``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class NeuralSpectrum(Spectrum):
         *,
         hidden: int = 32,
         amplitude: float = 1.0,
-        length_scale=8.0,
+        length_scale: float | Sequence[float] = 8.0,
         proposal_ratio: float = 1.0,
         quadrature_points: int = 201,
         **kwargs,

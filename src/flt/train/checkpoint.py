@@ -14,6 +14,12 @@ directory is renamed into place with ``os.replace``; ``latest`` is then replaced
 way (temporary file, fsync, ``os.replace``). A process killed at any moment leaves the
 previous checkpoint and ``latest`` intact. Loading verifies the hashes, so truncated or
 altered files raise :class:`CheckpointError` naming the file instead of loading garbage.
+If ``latest`` is missing (a run killed between renaming its first checkpoint into place
+and writing ``latest``, or a deleted file), :func:`find_checkpoint` takes the newest
+``step-*`` directory whose files verify and says which one it took.
+
+Files and directories get the permissions of a plain ``open()`` / ``os.makedirs`` under
+the process's umask (:mod:`flt._io`), not the 0600 / 0700 of temporary files.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from flt._io import atomic_write, fsync_dir
+from flt._io import atomic_write, file_mode, fsync_dir, make_temp_dir
 from flt.models import build_model, config_from_dict
 
 CHECKPOINTS = "checkpoints"
@@ -74,10 +81,12 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     root = os.path.join(run_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     name = step_dir_name(step)
-    tmp = tempfile.mkdtemp(dir=root, prefix=f".{name}.", suffix=".tmp")
+    tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
     try:
         model_path = os.path.join(tmp, MODEL_FILE)
         save_model(model, model_path, metadata={"format": FORMAT, "step": str(step)})
+        # safetensors writes through a private temporary file of its own: mode 0600.
+        os.chmod(model_path, file_mode())
         state_path = os.path.join(tmp, STATE_FILE)
         torch.save(trainer_state, state_path)
         files = {}
@@ -116,12 +125,32 @@ def _prune(root: str, keep: int, current: str) -> None:
 
 
 def has_checkpoint(run_dir: str) -> bool:
-    """True if ``run_dir`` holds a ``checkpoints/latest`` pointer."""
-    return os.path.exists(os.path.join(run_dir, CHECKPOINTS, LATEST))
+    """True if ``run_dir`` holds a ``checkpoints/latest`` pointer or a ``step-*`` checkpoint directory."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    return os.path.exists(os.path.join(root, LATEST)) or bool(_step_dirs(root))
 
 
-def find_checkpoint(path: str) -> str:
-    """Resolve a run directory (its latest checkpoint) or a checkpoint directory."""
+def _step_dirs(root: str) -> list[str]:
+    """Names of the ``step-*`` directories in ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.isdir(os.path.join(root, n)))
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=2)
+
+
+def find_checkpoint(path: str, *, report: Callable[[str], None] = _warn) -> str:
+    """Resolve a run directory (its latest checkpoint) or a checkpoint directory.
+
+    A run directory's checkpoint is the one ``checkpoints/latest`` names. Without
+    ``latest``, it is the newest ``step-*`` directory whose ``config.json`` reads and whose
+    files match their hashes (:func:`read_checkpoint_config`); every directory skipped on
+    the way, and the one taken, is described in a message passed to ``report`` (default:
+    :func:`warnings.warn`). Raises ``FileNotFoundError`` when there is no checkpoint and
+    :class:`CheckpointError` when ``latest`` is corrupt or no ``step-*`` directory verifies.
+    """
     if os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isdir(os.path.join(path, CHECKPOINTS)):
         return path
     root = os.path.join(path, CHECKPOINTS)
@@ -129,7 +158,7 @@ def find_checkpoint(path: str) -> str:
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     latest = os.path.join(root, LATEST)
     if not os.path.isfile(latest):
-        raise FileNotFoundError(f"no checkpoint in {path} (expected {latest} or a {CONFIG_FILE})")
+        return _newest_valid(path, root, report)
     with open(latest, encoding="utf-8") as f:
         name = f.read().strip()
     if not _STEP_DIR.match(name):
@@ -138,6 +167,24 @@ def find_checkpoint(path: str) -> str:
     if not os.path.isdir(found):
         raise CheckpointError(f"{latest} points to {found}, which does not exist")
     return found
+
+
+def _newest_valid(path: str, root: str, report: Callable[[str], None]) -> str:
+    """The newest ``step-*`` checkpoint in ``root`` that verifies, when ``latest`` is missing."""
+    latest = os.path.join(root, LATEST)
+    names = _step_dirs(root)
+    if not names:
+        raise FileNotFoundError(f"no checkpoint in {path} (expected {latest} or a {CONFIG_FILE})")
+    for name in reversed(names):
+        ckpt = os.path.join(root, name)
+        try:
+            read_checkpoint_config(ckpt)
+        except (CheckpointError, FileNotFoundError) as e:
+            report(f"{latest} is missing; skipping {ckpt}: {e}")
+            continue
+        report(f"{latest} is missing; using {ckpt}, the newest complete checkpoint")
+        return ckpt
+    raise CheckpointError(f"no usable checkpoint in {path}: {latest} is missing and none of {', '.join(names)} is complete")
 
 
 def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
@@ -185,10 +232,11 @@ def load_trainer_state(ckpt: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {e}") from None
 
 
-def load_checkpoint_model(path: str, *, device="cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_checkpoint_model(path: str, *, device="cpu", report: Callable[[str], None] = _warn) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``(model, meta)`` from a run or checkpoint directory: the model rebuilt from its saved
-    config with the saved weights, in eval mode; ``meta`` is the checkpoint's ``config.json``."""
-    ckpt = find_checkpoint(path)
+    config with the saved weights, in eval mode; ``meta`` is the checkpoint's ``config.json``.
+    ``report`` receives :func:`find_checkpoint`'s messages."""
+    ckpt = find_checkpoint(path, report=report)
     meta = read_checkpoint_config(ckpt)
     try:
         cfg = config_from_dict(meta["model"])

@@ -2,7 +2,8 @@
 :class:`Preset` (a task's model config, run config and data options together).
 
 Both are frozen dataclasses saved in every checkpoint as JSON; ``--resume`` requires the
-same configuration, so a resumed run continues the identical computation.
+same configuration, so a resumed run continues the identical computation, except that a
+larger ``RunConfig.steps`` extends the run (see :class:`RunConfig` for its learning rate).
 """
 
 from __future__ import annotations
@@ -26,9 +27,26 @@ class RunConfig:
     ``batch_size`` is the *global* batch: with ``W`` processes each takes ``batch_size / W``
     samples of the same global batch, so the run computes the same thing for any ``W``.
     The learning rate warms up linearly for ``warmup_steps`` then follows a cosine to
-    ``min_lr_ratio * lr`` at ``steps``. ``eval_batches`` caps the validation batches per
-    evaluation (``None``: the whole validation split). AdamW decays only the weights of
-    linear, convolution and embedding layers.
+    ``min_lr_ratio * lr`` at ``steps`` (:meth:`lr_at`), so the schedule is a function of
+    the step and of ``steps``. Resuming with a larger ``steps`` extends a run (``flt train
+    --resume --steps M``): the steps already trained keep the rates of the old budget and
+    the remaining ones follow the schedule of the new one: step ``s > N`` of a run of ``N``
+    steps extended to ``M`` trains at ``RunConfig(steps=M).lr_at(s)``, so a finished run
+    goes from its floor back up to the new schedule's rate and decays again to the floor at
+    ``M`` (a warm restart). The extended run equals a run started with ``steps=M``, bit for
+    bit, exactly when both budgets give every step up to ``N`` the same rate: always with
+    ``min_lr_ratio=1`` (constant after warm-up), otherwise only if ``N <= warmup_steps``.
+    ``eval_batches`` caps the validation batches per evaluation (``None``: the whole
+    validation split). AdamW decays only the weights of linear, convolution and embedding
+    layers.
+
+    Random features (:mod:`flt.train.drawgap`). For models with random features (FLT,
+    Performer, Toeplitz with FAVOR+) every random draw is redrawn before every
+    ``redraw_interval``-th step (default 1: every step; ``0`` or ``None``: never, the
+    model trains on its initial draw), from a generator determined by ``(seed, step)``.
+    Validation then uses one fixed draw, the same at every evaluation, and the run ends
+    with the draw gap (``draw_gap``: own draw, 3 fresh draws, exact attention). Models
+    without random features ignore both fields.
     """
 
     steps: int = 1000
@@ -45,6 +63,8 @@ class RunConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
+    redraw_interval: int | None = 1
+    draw_gap: bool = True
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
@@ -52,6 +72,12 @@ class RunConfig:
         for name in ("eval_batches", "eval_batch_size"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
+        if self.redraw_interval is not None and (
+            isinstance(self.redraw_interval, bool) or not isinstance(self.redraw_interval, int) or self.redraw_interval < 0
+        ):
+            raise ValueError(f"redraw_interval must be None or a non-negative integer (0: no redraws), got {self.redraw_interval!r}")
+        if not isinstance(self.draw_gap, bool):
+            raise TypeError(f"draw_gap must be a bool, got {self.draw_gap!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -66,7 +92,8 @@ class RunConfig:
             raise ValueError(f"grad_clip must be None or a positive number, got {self.grad_clip!r}")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of (1-based) ``step``: linear warm-up, then cosine decay."""
+        """Learning rate of (1-based) ``step``: linear warm-up, then cosine decay to the
+        floor at ``self.steps`` (a function of ``step`` and ``self.steps`` alone)."""
         if self.warmup_steps and step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps
         span = max(1, self.steps - self.warmup_steps)
@@ -90,7 +117,7 @@ class Preset:
     def __post_init__(self):
         check_choice("task", self.task, TASKS)
         if not isinstance(self.model, CONFIGS[self.task]):
-            raise TypeError(f"a {self.task!r} preset needs a {CONFIGS[self.task].__name__}, got {type(self.model).__name__}")
+            raise TypeError(f"the preset of task {self.task!r} needs model={CONFIGS[self.task].__name__}(...), got {type(self.model).__name__}")
         if not isinstance(self.data, dict):
             raise TypeError(f"data must be a dict of loader options, got {type(self.data).__name__}")
 
@@ -115,6 +142,9 @@ def preset_from_dict(data: dict[str, Any]) -> Preset:
     unknown = sorted(set(run) - names)
     if unknown:
         raise ValueError(f"unknown RunConfig fields {unknown}")
+    if isinstance(run, dict) and "redraw_interval" not in run:
+        # Saved before redraws existed: such runs trained on one fixed draw.
+        run = {**run, "redraw_interval": 0}
     return Preset(task=task, model=config_from_dict(model), run=RunConfig(**run), data=dict(options))
 
 

@@ -9,7 +9,10 @@ One function, :func:`train`, runs a :class:`flt.train.Preset` in a run directory
 * a tqdm progress bar with the live loss and throughput, ``metrics.jsonl``, periodic
   validation, atomic checkpoints (:mod:`flt.train.checkpoint`), PNG plots;
 * ``resume=True`` restores weights, optimizer, every RNG (per process) and the step, and
-  continues bit for bit where the last checkpoint of a stopped or killed run left off.
+  continues bit for bit where the last checkpoint of a stopped or killed run left off;
+  with a larger ``run.steps`` it extends the run (see :func:`train` for the learning rate);
+* Ctrl-C raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt``) carrying the step
+  reached and the checkpoint a resume would start from.
 
 Files in the run directory: ``run.json`` (configuration and environment),
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json``, ``learning_curves.png``,
@@ -27,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,7 +41,9 @@ from torch.nn.parallel import DistributedDataParallel
 from flt.models import build_model
 from flt.models.config import config_to_dict
 from flt.train import distributed as D
+from flt.train import drawgap as DG
 from flt.train.checkpoint import (
+    CheckpointError,
     atomic_write_text,
     find_checkpoint,
     has_checkpoint,
@@ -49,6 +55,29 @@ from flt.train.checkpoint import (
 from flt.train.config import Preset, preset_differences, preset_from_dict, preset_to_dict
 from flt.train.metrics import MetricsLogger
 from flt.train.tasks import Task, load_task
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (``KeyboardInterrupt``) during :func:`train`.
+
+    Attributes:
+        out_dir: the run directory.
+        step: the last step completed (the checkpoint's step if none was trained yet).
+        steps: the run's step budget.
+        checkpoint: the checkpoint ``resume=True`` would start from, or None if there is none.
+        is_main: whether this is the main process (the one that reports).
+    """
+
+    def __init__(self, out_dir: str, step: int, steps: int, checkpoint: str | None, is_main: bool):
+        super().__init__(f"training in {out_dir} interrupted after step {step} of {steps}")
+        self.out_dir, self.step, self.steps, self.checkpoint, self.is_main = out_dir, step, steps, checkpoint, is_main
+
+
+@dataclass
+class _Progress:
+    """How far :func:`_train` got, for :class:`TrainingInterrupted`."""
+
+    step: int = 0
 
 
 def seed_everything(seed: int) -> None:
@@ -189,35 +218,79 @@ def train(
     """Train ``preset`` in ``out_dir`` and return the summary (also in ``summary.json``).
 
     Args:
-        resume: continue from the latest checkpoint in ``out_dir``; the configuration must
-            be the one saved there. Without it, ``out_dir`` must not hold a run yet.
+        resume: continue from the latest checkpoint in ``out_dir`` (without
+            ``checkpoints/latest``: the newest complete ``step-*`` checkpoint, with a
+            message). The configuration must be the one saved there, except that
+            ``run.steps`` may grow: that extends the run (a finished one too) to the new
+            budget. The learning rate of every step is ``run.lr_at(step)`` for the
+            configuration in force when the step runs, i.e. a function of the step and the
+            *current* step budget: steps up to the checkpoint keep the rate they were
+            trained with, and the remaining ones follow the schedule of the new budget
+            (with the default cosine decay, a finished run restarts from its final rate at
+            the new schedule's rate for the next step, then decays to the floor at the new
+            last step). An extended run therefore equals, bit for bit, a run started with
+            the larger budget exactly when both budgets give every step up to the
+            checkpoint the same rate: always with ``min_lr_ratio=1`` (constant after
+            warm-up), otherwise only while the checkpoint is inside the warm-up. A smaller
+            ``run.steps`` is refused. Without ``resume``, ``out_dir`` must not hold a run yet.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``; under ``torchrun`` each process takes
             ``cuda:LOCAL_RANK``.
         progress, plots: show the tqdm bar; write the PNG plots.
         deterministic: ``torch.use_deterministic_algorithms(True)`` (needed for bitwise
             reproducibility on CUDA; CPU kernels used here are deterministic already).
         on_step: called with the step number after each step (and its checkpoint).
+
+    Raises:
+        TrainingInterrupted: on Ctrl-C (``KeyboardInterrupt``), in every process; the
+            checkpoints written so far are intact and ``resume=True`` continues the run.
     """
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ctx = D.setup(device)
+    reached = _Progress()
     try:
-        return _train(preset, out_dir, ctx, resume=resume, progress=progress, plots=plots, on_step=on_step)
+        return _train(preset, out_dir, ctx, resume=resume, progress=progress, plots=plots, on_step=on_step, reached=reached)
+    except KeyboardInterrupt as e:
+        raise TrainingInterrupted(out_dir, reached.step, preset.run.steps, _resumable(out_dir), ctx.is_main) from e
     finally:
         D.teardown(ctx)
 
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, plots, on_step) -> dict[str, Any]:
+def _resumable(out_dir: str) -> str | None:
+    """The checkpoint ``resume=True`` would start from, or None."""
+    try:
+        return find_checkpoint(out_dir, report=lambda message: None)
+    except (FileNotFoundError, CheckpointError):
+        return None
+
+
+def _check_resume(saved: Preset, preset: Preset, step: int, out_dir: str) -> None:
+    """Refuse to resume the run ``saved`` (checkpoint at ``step``) with ``preset`` unless
+    they differ at most by a larger step budget."""
+    diffs = [d for d in preset_differences(saved, preset) if d != "run.steps"]
+    if diffs:
+        raise ValueError(f"--resume needs the configuration of the run in {out_dir}; these differ: {', '.join(diffs)}"
+                         " (only --steps may change, to extend the run)")
+    if preset.run.steps < saved.run.steps:
+        raise ValueError(f"--steps {preset.run.steps} is below the budget of the run in {out_dir} "
+                         f"({saved.run.steps} steps, checkpoint at step {step}); --resume can extend a run, not shorten it: "
+                         f"pass --steps {saved.run.steps} to continue it, or more to extend it")
+
+
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, plots, on_step, reached: _Progress) -> dict[str, Any]:
     wall_start = time.perf_counter()
     run = preset.run
-    ckpt = None
+    ckpt = meta = saved = None
+    notes: list[str] = []
     if resume:
-        ckpt = find_checkpoint(out_dir)
-        saved = preset_from_dict(read_checkpoint_config(ckpt)["preset"])
-        diffs = preset_differences(saved, preset)
-        if diffs:
-            raise ValueError(f"--resume needs the configuration of the run in {out_dir}; these differ: {', '.join(diffs)}")
+        ckpt = find_checkpoint(out_dir, report=notes.append)
+        meta = read_checkpoint_config(ckpt)
+        saved = preset_from_dict(meta["preset"])
+        reached.step = int(meta["step"])
+        _check_resume(saved, preset, reached.step, out_dir)
+        if not D.all_equal(ctx, os.path.abspath(ckpt)):
+            raise ValueError(f"the processes found different checkpoints to resume from in {out_dir}")
     elif has_checkpoint(out_dir):
         raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
     if not D.all_equal(ctx, json.dumps(preset_to_dict(preset), sort_keys=True)):
@@ -237,7 +310,6 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
     start = 0
     if ckpt is not None:
-        meta = read_checkpoint_config(ckpt)
         load_weights(ckpt, model)
         state = load_trainer_state(ckpt)
         if state["world_size"] != ctx.world:
@@ -245,6 +317,8 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
         optimizer.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"][ctx.rank], model)
         start = int(meta["step"])
+        if start == saved.run.steps < run.steps:
+            _restore_training_draw(model, run, start)
     else:
         # Dropout and other training noise differ between processes, as they would
         # between the samples of one big batch.
@@ -263,14 +337,45 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
         logger = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), resume_step=start if ckpt is not None else None)
 
     bar = None
-    if ctx.is_main and progress:
-        # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
-        from tqdm.auto import tqdm
+    try:
+        if ctx.is_main and progress:
+            # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=run.steps, initial=start, desc=f"{preset.task} {model_cfg.attention}", dynamic_ncols=True, unit="step")
-    say = _Printer(ctx, bar)
-    say(f"{preset.task}: {model_cfg.attention} + {model_cfg.posenc}, {n_params:,} parameters, "
-        f"{ctx.world} process(es) on {ctx.device}, steps {start + 1}..{run.steps}")
+            bar = tqdm(total=run.steps, initial=start, desc=f"{preset.task} {model_cfg.attention}", dynamic_ncols=True, unit="step")
+        say = _Printer(ctx, bar)
+        for note in notes:
+            say(note)
+        if saved is not None and run.steps > saved.run.steps:
+            say(f"extending the run from {saved.run.steps} to {run.steps} steps; the learning rate of steps "
+                f"{start + 1}..{run.steps} follows the {run.steps}-step schedule")
+        say(f"{preset.task}: {model_cfg.attention} + {model_cfg.posenc}, {n_params:,} parameters, "
+            f"{ctx.world} process(es) on {ctx.device}, steps {start + 1}..{run.steps}")
+        last_valid, step_times = _loop(preset, out_dir, ctx, task, model, ddp, optimizer, model_cfg, logger, bar, say, start, on_step, reached)
+    finally:
+        # A Ctrl-C must not leave the bar's line unfinished under the message that follows,
+        # nor the last metrics unflushed.
+        if bar is not None:
+            bar.close()
+        if logger is not None:
+            logger.close()
+    return _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_times, n_params, plots, wall_start)
+
+
+def _restore_training_draw(model: nn.Module, run, start: int) -> None:
+    """Before extending a run from its final checkpoint (step ``start``): put the model back
+    on the training draw of step ``start``. The final checkpoint holds the evaluation draw
+    (:func:`flt.train.drawgap.evaluation_draw` with ``keep=True``); an uninterrupted longer
+    run would still be on the draw of the last redraw step, which :func:`DG.redraw_for_step`
+    recomputes from ``(seed, step)``. Nothing to do when step ``start + 1`` redraws anyway."""
+    if DG.redraws_enabled(model, run) and start % run.redraw_interval:
+        last_redraw = 1 + (start - 1) // run.redraw_interval * run.redraw_interval
+        DG.redraw_for_step(model, run, last_redraw)
+
+
+def _loop(preset, out_dir, ctx, task, model, ddp, optimizer, model_cfg, logger, bar, say, start, on_step, reached):
+    """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
+    run = preset.run
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
 
@@ -285,6 +390,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = _to_device(task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
+        DG.redraw_for_step(model, run, step)  # draw-robust training (flt.train.drawgap)
         loss = task.loss(ddp, batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the training loss is {float(loss)} at step {step}; lower --lr or check the data")
@@ -313,22 +419,31 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
 
         if step % run.eval_every == 0 or step == run.steps:
             # The final evaluation covers the whole validation split; periodic ones may be capped.
-            last_valid = evaluate(task, model, ctx, eval_bs, None if step == run.steps else run.eval_batches)
+            # All on one fixed draw; the final checkpoint keeps it (flt.train.drawgap).
+            with DG.evaluation_draw(model, run, keep=step == run.steps):
+                last_valid = evaluate(task, model, ctx, eval_bs, None if step == run.steps else run.eval_batches)
             if logger is not None:
                 logger.log(step, "valid", **last_valid)
             say(f"step {step}: valid {_format(last_valid)}")
         if step % run.checkpoint_every == 0 or step == run.steps:
             _checkpoint(out_dir, step, model, optimizer, preset, model_cfg, task, ctx, run.keep_checkpoints)
+        reached.step = step
         if on_step is not None:
             on_step(step)
-    if bar is not None:
-        bar.close()
-    if logger is not None:
-        logger.close()
+    return last_valid, step_times
 
+
+def _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_times, n_params, plots, wall_start) -> dict[str, Any]:
+    """Final evaluation if none ran, draw gap, ``summary.json``, plots and the last lines."""
+    run = preset.run
+    eval_bs = run.eval_batch_size or run.batch_size
     if not last_valid:
         # Resumed at the final step: nothing left to train, report the final weights.
-        last_valid = evaluate(task, model, ctx, eval_bs, None)
+        with DG.evaluation_draw(model, run):
+            last_valid = evaluate(task, model, ctx, eval_bs, None)
+    # --- draw gap (flt.train.drawgap): own draw vs fresh draws vs exact attention --------
+    gap = DG.draw_gap(task, model, model_cfg, run, lambda m, bs: evaluate(task, m, ctx, bs, None), eval_bs, own=last_valid)
+    # ------------------------------------------------------------------------------------
     memory, memory_kind = peak_memory_mib(ctx.device)
     summary = {
         "task": preset.task, "attention": model_cfg.attention, "posenc": model_cfg.posenc, "seed": run.seed,
@@ -339,6 +454,9 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
     }
     peaks = D.all_gather(ctx, memory)
     summary["peak_memory_mib"] = max(peaks)
+    if gap is not None:
+        summary["draw_gap"] = gap
+        say(DG.format_draw_gap(gap, task.metric))
     if ctx.is_main:
         atomic_write_text(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
         saved = _plots(out_dir, task, model, model_cfg) if plots else []
@@ -368,9 +486,9 @@ def _plots(out_dir: str, task: Task, model: nn.Module, model_cfg) -> list[str]:
     from flt.train.plots import plot_learning_curves, plot_rpe_functions
 
     title = f"{task.name}: {model_cfg.attention} + {model_cfg.posenc}"
-    plot_learning_curves(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "learning_curves.png"), metric=task.metric, title=title)
+    plot_learning_curves(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "learning_curves.png"), metric=task.metric, title=title, task=task.name)
     saved = ["learning_curves.png"]
     extent, causal = task.rpe_extent(model_cfg)
-    if plot_rpe_functions(model, os.path.join(out_dir, "rpe_functions.png"), extent=extent, causal=causal):
+    if plot_rpe_functions(model, os.path.join(out_dir, "rpe_functions.png"), extent=extent, causal=causal, task=task.name) is not None:
         saved.append("rpe_functions.png")
     return saved
