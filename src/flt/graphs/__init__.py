@@ -1,0 +1,53 @@
+"""Graphs as position spaces: anchor distances, anchor indication and GIR path encodings.
+
+Nothing is generated or read at import time; the generators need ``networkx``
+(``pip install flt[graph]``). See ``docs/graphs.md`` for the design and measured numbers.
+
+* :mod:`~flt.graphs.data`: :class:`Graph`, :func:`grid_graph`, :func:`communities`,
+  :func:`load_edge_list`.
+* :mod:`~flt.graphs.split`: :func:`split_links` (80/10/10 with fixed negatives),
+  :func:`sample_node_pairs` (same community or not).
+* :mod:`~flt.graphs.anchors`: :func:`select_anchors`, :func:`anchor_distances` (BFS),
+  :func:`anchor_indicators`.
+* :mod:`~flt.graphs.gir`: shortest-path DAGs, :func:`dag_propagate`,
+  :class:`GIRPathEncoder`.
+* :mod:`~flt.graphs.link`: link-prediction models, :func:`roc_auc`,
+  :func:`run_link_prediction`.
+"""
+
+from .anchors import UNREACHABLE, anchor_distances, anchor_indicators, degrees, distance_features, indicate, select_anchors
+from .data import Graph, canonical_edges, communities, grid_graph, load_edge_list
+from .gir import GIRPathEncoder, ShortestPathDAG, count_shortest_paths, dag_propagate, shortest_path_dag
+from .link import GCN, MODEL_KINDS, LinkModel, LinkResult, build_link_model, roc_auc, run_link_prediction, train_link_model
+from .split import LinkSplit, sample_node_pairs, split_links
+
+__all__ = [
+    "GCN",
+    "MODEL_KINDS",
+    "UNREACHABLE",
+    "GIRPathEncoder",
+    "Graph",
+    "LinkModel",
+    "LinkResult",
+    "LinkSplit",
+    "ShortestPathDAG",
+    "anchor_distances",
+    "anchor_indicators",
+    "build_link_model",
+    "canonical_edges",
+    "communities",
+    "count_shortest_paths",
+    "dag_propagate",
+    "degrees",
+    "distance_features",
+    "grid_graph",
+    "indicate",
+    "load_edge_list",
+    "roc_auc",
+    "run_link_prediction",
+    "sample_node_pairs",
+    "select_anchors",
+    "shortest_path_dag",
+    "split_links",
+    "train_link_model",
+]

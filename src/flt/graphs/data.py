@@ -1,0 +1,193 @@
+"""Graphs for the position-aware tasks: the generated Grid and Communities sets and a loader
+for local edge-list files.
+
+A :class:`Graph` is undirected and featureless: ``num_nodes`` nodes numbered ``0 .. N-1``,
+``edges [E, 2]`` (int64, each edge once with ``u < v``, sorted, no self-loops) and optional
+integer node ``labels [N]`` (the community of each node on Communities). Its node features
+are one constant channel (:meth:`Graph.features`), as in the featureless setting of P-GNN
+(You et al. 2019), so that nothing but the structure tells nodes apart.
+
+The generators need ``networkx`` (``pip install flt[graph]``); the loader does not.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flt._checks import check_positive_int
+from flt.data.errors import DataError, require_file
+
+
+def _import_networkx():
+    try:
+        import networkx
+    except ImportError as e:
+        raise ImportError("the graph generators need networkx: pip install flt[graph]") from e
+    return networkx
+
+
+def canonical_edges(edges, num_nodes: int) -> torch.Tensor:
+    """Undirected edges as ``[E, 2]`` int64 with ``u < v``, unique, sorted; self-loops dropped.
+
+    ``edges`` is anything ``torch.as_tensor`` turns into ``[E, 2]`` integers; every id must
+    lie in ``[0, num_nodes)``.
+    """
+    e = torch.as_tensor(edges)
+    if e.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    if e.ndim != 2 or e.shape[1] != 2:
+        raise ValueError(f"edges must have shape [E, 2], got {tuple(e.shape)}")
+    if e.is_floating_point() or e.dtype == torch.bool or e.is_complex():
+        raise TypeError(f"edges must hold integer node ids, got dtype {e.dtype}")
+    e = e.to(torch.int64)
+    lo, hi = int(e.min()), int(e.max())
+    if lo < 0 or hi >= num_nodes:
+        raise ValueError(f"edges must hold node ids in [0, num_nodes = {num_nodes}), got ids in [{lo}, {hi}]")
+    e = torch.sort(e, dim=1).values
+    e = e[e[:, 0] != e[:, 1]]
+    return torch.unique(e, dim=0)  # unique() also sorts rows lexicographically
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """An undirected graph; see the module docstring for the layout.
+
+    Args:
+        num_nodes: ``N``.
+        edges: ``[E, 2]`` node-id pairs; canonicalised on construction (direction,
+            duplicates and self-loops are dropped).
+        labels: optional ``[N]`` integer class per node (the community on Communities).
+        name: a short name for messages and reports.
+    """
+
+    num_nodes: int
+    edges: torch.Tensor
+    labels: torch.Tensor | None = None
+    name: str = "graph"
+
+    def __post_init__(self):
+        check_positive_int("num_nodes", self.num_nodes)
+        object.__setattr__(self, "edges", canonical_edges(self.edges, self.num_nodes))
+        if self.labels is not None:
+            labels = torch.as_tensor(self.labels)
+            if labels.shape != (self.num_nodes,) or labels.is_floating_point() or labels.dtype == torch.bool:
+                raise ValueError(
+                    f"labels must be an integer tensor of shape [num_nodes] = [{self.num_nodes}], "
+                    f"got {labels.dtype} of shape {tuple(labels.shape)}"
+                )
+            object.__setattr__(self, "labels", labels.to(torch.int64))
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edges.shape[0])
+
+    def features(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The constant node feature: ``[N, 1]`` ones."""
+        return torch.ones(self.num_nodes, 1, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"Graph(name={self.name!r}, num_nodes={self.num_nodes}, num_edges={self.num_edges})"
+
+
+def grid_graph(side: int = 20) -> Graph:
+    """The ``side x side`` grid: node ``i * side + j`` sits at row ``i``, column ``j``.
+
+    ``grid_graph(20)`` has 400 nodes and ``2 * 20 * 19 = 760`` edges.
+    """
+    check_positive_int("side", side)
+    nx = _import_networkx()
+    g = nx.grid_2d_graph(side, side)
+    edges = [(i * side + j, k * side + m) for (i, j), (k, m) in g.edges()]
+    return Graph(side * side, torch.tensor(edges, dtype=torch.int64).reshape(-1, 2), name=f"grid{side}")
+
+
+def communities(num_cliques: int = 20, clique_size: int = 20, *, p: float = 0.01, seed: int = 0) -> Graph:
+    """Connected caveman graph with random rewiring; ``labels`` are the clique of each node.
+
+    ``networkx.connected_caveman_graph(num_cliques, clique_size)`` joins ``num_cliques``
+    cliques of ``clique_size`` nodes into a ring (node ``v`` is in clique
+    ``v // clique_size``). Then every edge ``(u, v)``, visited in sorted order, is with
+    probability ``p`` replaced by ``(u, w)`` for a node ``w`` drawn uniformly among those
+    not yet adjacent to ``u`` (the edge count is kept). The draws come from
+    ``numpy.random.default_rng(seed)`` only, so the graph is a function of the arguments.
+    """
+    check_positive_int("num_cliques", num_cliques)
+    check_positive_int("clique_size", clique_size)
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be a probability in [0, 1], got {p!r}")
+    if num_cliques < 2 or clique_size < 2:
+        raise ValueError(
+            f"communities needs at least 2 cliques of at least 2 nodes, got num_cliques = {num_cliques}, "
+            f"clique_size = {clique_size}"
+        )
+    nx = _import_networkx()
+    g = nx.connected_caveman_graph(num_cliques, clique_size)
+    n = num_cliques * clique_size
+    rng = np.random.default_rng(seed)
+    adj = {v: set(g.neighbors(v)) for v in range(n)}
+    for u, v in sorted((min(a, b), max(a, b)) for a, b in g.edges()):
+        if v not in adj[u] or rng.random() >= p:
+            continue
+        candidates = [w for w in range(n) if w != u and w not in adj[u]]
+        if not candidates:
+            continue
+        w = candidates[int(rng.integers(len(candidates)))]
+        adj[u].discard(v)
+        adj[v].discard(u)
+        adj[u].add(w)
+        adj[w].add(u)
+    edges = [(u, v) for u in range(n) for v in adj[u] if u < v]
+    labels = torch.arange(n, dtype=torch.int64) // clique_size
+    return Graph(n, torch.tensor(edges, dtype=torch.int64), labels=labels, name=f"communities{num_cliques}x{clique_size}")
+
+
+def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, name: str | None = None) -> Graph:
+    """Read an undirected graph from a text edge list.
+
+    Each non-blank line holds two non-negative integer node ids ``u v`` separated by
+    whitespace; further fields on the line (a weight, a timestamp) are ignored, and a
+    ``#`` starts a comment that runs to the end of the line. Edge direction, duplicates
+    and self-loops are dropped (:func:`canonical_edges`). Ids are kept as they are:
+    ``num_nodes`` defaults to the largest id plus one, so ids missing from the file are
+    isolated nodes.
+
+    Raises :class:`flt.data.MissingDataError` if the file does not exist and
+    :class:`flt.data.DataError`, naming the file and the line, if a line cannot be read
+    or the file holds no edge.
+    """
+    path = require_file(path, "edge-list file")
+    rows: list[tuple[int, int]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                fields = line.split("#", 1)[0].split()
+                if not fields:
+                    continue
+                if len(fields) < 2:
+                    raise DataError(f"{path}, line {lineno}: expected two node ids 'u v', got {line.strip()!r}")
+                try:
+                    u, v = int(fields[0]), int(fields[1])
+                except ValueError:
+                    raise DataError(
+                        f"{path}, line {lineno}: node ids must be non-negative integers, got {line.strip()!r}"
+                    ) from None
+                if u < 0 or v < 0:
+                    raise DataError(f"{path}, line {lineno}: node ids must be non-negative integers, got {line.strip()!r}")
+                rows.append((u, v))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not a UTF-8 text edge list ({e.reason} at byte {e.start})") from None
+    if not rows:
+        raise DataError(f"{path} holds no edge (only blank or comment lines)")
+    edges = torch.tensor(rows, dtype=torch.int64)
+    largest = int(edges.max())
+    if num_nodes is None:
+        num_nodes = largest + 1
+    else:
+        check_positive_int("num_nodes", num_nodes)
+        if largest >= num_nodes:
+            raise DataError(f"{path} names node {largest}, but num_nodes = {num_nodes} allows ids up to {num_nodes - 1}")
+    return Graph(num_nodes, edges, name=name or os.path.basename(path))
