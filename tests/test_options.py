@@ -80,6 +80,8 @@ def test_numbers_accept_ints_and_sequences_accept_tuples_and_tensors():
 def test_cli_values_arrive_parsed_as_json():
     assert [parse_value(t) for t in ("3", "3.5", "true", "null", "[1,2]", "local", '"3"')] == [3, 3.5, True, None, [1, 2], "local", "3"]
     check_attention_options("flt", {"num_frequencies": parse_value("16")})
+    # Python spellings of the constants, e.g. --data-opt require_utf8=False
+    assert [parse_value(t) for t in ("False", "TRUE", "None", '"False"')] == [False, True, None, "False"]
     with pytest.raises(TypeError, match=r"'num_frequencies' must be an int, got '16' \(str\)"):
         check_attention_options("flt", {"num_frequencies": parse_value('"16"')})
 

@@ -142,6 +142,28 @@ def test_draw_gap_report_is_well_formed(tmp_path, task, capsys, monkeypatch):
     assert f"draw gap ({summary['metric']}): own draw" in capsys.readouterr().out
 
 
+def test_draw_gap_batches_caps_every_draw_gap_evaluation_and_reevaluates_own(tmp_path, monkeypatch):
+    import flt.train.loop as loop
+
+    calls = []
+    real = loop.evaluate
+
+    def spy(task, model, ctx, batch_size, max_batches):
+        metrics = real(task, model, ctx, batch_size, max_batches)
+        calls.append((max_batches, metrics["ppl"]))
+        return metrics
+
+    monkeypatch.setattr(loop, "evaluate", spy)
+    summary = train(tiny(steps=3, draw_gap_batches=1), str(tmp_path / "r"), progress=False, plots=False)
+    gap = summary["draw_gap"]
+    # final validation (whole split), then own + 3 fresh + exact on the first batch only
+    assert [c[0] for c in calls[-6:]] == [None, 1, 1, 1, 1, 1]
+    assert gap["own"] == calls[-5][1] and gap["exact"] == calls[-1][1]
+    assert gap["own"] != summary["final"]["ppl"]  # one batch, not the whole split
+    with pytest.raises(ValueError, match="draw_gap_batches"):
+        RunConfig(draw_gap_batches=0)
+
+
 def test_models_without_random_features_have_no_draw_gap_and_toeplitz_no_exact(tmp_path):
     softmax = train(tiny(attention="softmax", steps=2), str(tmp_path / "s"), progress=False, plots=False)
     assert "draw_gap" not in softmax

@@ -61,11 +61,20 @@ class UnknownOptionError(TypeError, ValueError):
 
 
 def parse_value(text: str):
-    """A JSON value, or the text itself when it is not valid JSON (``local`` -> ``"local"``)."""
+    """A JSON value, or the text itself when it is not valid JSON (``local`` -> ``"local"``).
+
+    Python's spellings ``True``/``False``/``None`` (any case) are read as the booleans and
+    null: a flag typed the Python way must not become the always-true string ``"False"``."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
+        word = text.strip().lower()
+        if word in _WORDS:
+            return _WORDS[word]
         return text
+
+
+_WORDS = {"true": True, "false": False, "none": None, "null": None}
 
 
 def _assignment(item: str, where: str) -> tuple[str, Any]:

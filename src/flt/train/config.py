@@ -45,8 +45,10 @@ class RunConfig:
     ``redraw_interval``-th step (default 1: every step; ``0`` or ``None``: never, the
     model trains on its initial draw), from a generator determined by ``(seed, step)``.
     Validation then uses one fixed draw, the same at every evaluation, and the run ends
-    with the draw gap (``draw_gap``: own draw, 3 fresh draws, exact attention). Models
-    without random features ignore both fields.
+    with the draw gap (``draw_gap``: own draw, 3 fresh draws, exact attention), each on
+    the first ``draw_gap_batches`` validation batches (``None``: the whole split; when set,
+    the own draw is evaluated again on those batches so that all numbers share them).
+    Models without random features ignore these fields.
     """
 
     steps: int = 1000
@@ -65,11 +67,12 @@ class RunConfig:
     seed: int = 0
     redraw_interval: int | None = 1
     draw_gap: bool = True
+    draw_gap_batches: int | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
             check_positive_int(name, getattr(self, name))
-        for name in ("eval_batches", "eval_batch_size"):
+        for name in ("eval_batches", "eval_batch_size", "draw_gap_batches"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
         if self.redraw_interval is not None and (

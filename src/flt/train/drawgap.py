@@ -132,10 +132,12 @@ def draw_gap(
     """The draw gap of ``model`` in ``task.metric``, or None without random features.
 
     Args:
-        evaluate: ``(model, batch_size) -> metrics`` over the whole validation split (every
+        evaluate: ``(model, batch_size) -> metrics`` over the validation batches of the
+            draw gap (the whole split, or the first ``run.draw_gap_batches``; every
             process must call it: it reduces across processes).
-        own: the metrics already measured on the model's own draw (the final validation),
-            to avoid evaluating them again.
+        own: the metrics already measured on the model's own draw over the same batches
+            (the final validation when the draw gap uses the whole split), to avoid
+            evaluating them again; None evaluates them.
         fresh: number of fresh draws (seeds ``draw_seed(run.seed, "fresh-i")``).
 
     Returns ``{"own", "fresh_mean", "fresh_std", "exact"}``: floats (``fresh_std`` the

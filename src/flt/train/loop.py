@@ -442,7 +442,8 @@ def _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_
         with DG.evaluation_draw(model, run):
             last_valid = evaluate(task, model, ctx, eval_bs, None)
     # --- draw gap (flt.train.drawgap): own draw vs fresh draws vs exact attention --------
-    gap = DG.draw_gap(task, model, model_cfg, run, lambda m, bs: evaluate(task, m, ctx, bs, None), eval_bs, own=last_valid)
+    gap = DG.draw_gap(task, model, model_cfg, run, lambda m, bs: evaluate(task, m, ctx, bs, run.draw_gap_batches), eval_bs,
+                      own=last_valid if run.draw_gap_batches is None else None)
     # ------------------------------------------------------------------------------------
     memory, memory_kind = peak_memory_mib(ctx.device)
     summary = {
