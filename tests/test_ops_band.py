@@ -8,6 +8,7 @@ import torch
 
 from conftest import assert_close
 from flt import FLTAttention
+from flt.layers.base import batch_shared
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
 from flt.ops.band import band_attention, band_attention_reference
 
@@ -183,3 +184,22 @@ def test_near_field_option_errors():
         FLTAttention(64, 2, near_field=4, coupling="multiplicative")
     layer = FLTAttention(64, 2, near_field=4, causal=True)
     assert layer.supports_decoding is False
+
+
+def test_band_bias_of_batch_shared_positions_is_computed_once_and_equals_the_full_one():
+    layer = FLTAttention(16, 2, near_field=3, spectrum="local", amplitude=1.0).double()
+    with torch.no_grad():
+        for p in layer.near_spectrum.parameters():
+            p.add_(0.3)
+    grid = torch.arange(10, dtype=torch.float64).view(1, 10, 1)
+    shared = grid.expand(4, 10, 1)
+    assert batch_shared(shared).shape[0] == 1
+    full = layer.band_bias(shared.contiguous())
+    assert full.shape[0] == 4
+    assert torch.equal(layer.band_bias(batch_shared(shared)).expand_as(full), full)
+    distinct = shared + torch.arange(4, dtype=torch.float64).view(4, 1, 1) * torch.linspace(0, 1, 10, dtype=torch.float64).view(1, 10, 1)
+    assert batch_shared(distinct) is distinct
+    x = torch.randn(4, 10, 16, dtype=torch.float64)
+    # each sample attended alone gives the rows of the batch
+    alone = torch.cat([layer(x[i : i + 1], grid) for i in range(4)])
+    assert_close(layer(x, shared), alone)

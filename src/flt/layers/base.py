@@ -36,6 +36,16 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
 
 
+def batch_shared(pos: torch.Tensor | None) -> torch.Tensor | None:
+    """``pos [B, N, P]`` as ``[1, N, P]`` when every sequence of the batch has the same
+    positions (token indices, patch grids) and they need no gradient, so that a term of
+    positions alone is computed once, not ``B`` times; otherwise ``pos`` unchanged."""
+    if pos is not None and pos.shape[0] > 1 and not pos.requires_grad:
+        if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
+            return pos[:1]
+    return pos
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_choice
+from flt.layers.base import batch_shared
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
@@ -157,7 +158,7 @@ class FLTAttention(KernelAttention):
         expand = (B, H, N, a.shape[-1])
         qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
         kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
-        bias = self.band_bias(p.pos.to(cdt))
+        bias = self.band_bias(batch_shared(p.pos).to(cdt))  # [B|1, H, N, 2w + 1]
         key_mask = None if p.pad is None else ~p.pad
         op = band_attention_reference if reference else band_attention
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)

@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from flt._checks import check_choice
-from flt.layers.base import AttentionBase
+from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
 from flt.posenc._common import check_positive_float
@@ -126,9 +126,7 @@ class SoftmaxAttention(AttentionBase):
         When every sequence of the batch has the same positions (token indices, patch
         grids) and they need no gradient, the ``N x N`` term is computed once, not ``B`` times.
         """
-        if pos is not None and pos.shape[0] > 1 and not pos.requires_grad:
-            if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
-                pos = pos[:1]
+        pos = batch_shared(pos)
         if self.table is not None:
             return self.table(pos).to(dtype)
         if self.relative_bias == "alibi":
