@@ -13,13 +13,29 @@ Nothing is generated or read at import time; the generators need ``networkx``
   :class:`GIRPathEncoder`.
 * :mod:`~flt.graphs.link`: link-prediction models, :func:`roc_auc`,
   :func:`run_link_prediction`.
+* :mod:`~flt.graphs.transformer`: :func:`anchor_coordinates`, :class:`GraphTransformer`
+  (FLT or exact softmax attention over nodes at anchor coordinates), :class:`LaplacianPE`.
+* :mod:`~flt.graphs.pairs`: :func:`run_pair_classification` (same community or not).
 """
 
 from .anchors import UNREACHABLE, anchor_distances, anchor_indicators, degrees, distance_features, indicate, select_anchors
 from .data import Graph, canonical_edges, communities, grid_graph, load_edge_list
 from .gir import GIRPathEncoder, ShortestPathDAG, count_shortest_paths, dag_propagate, shortest_path_dag
-from .link import GCN, MODEL_KINDS, LinkModel, LinkResult, build_link_model, roc_auc, run_link_prediction, train_link_model
+from .link import (
+    GCN,
+    MODEL_KINDS,
+    LinkModel,
+    LinkResult,
+    build_link_model,
+    build_pair_model,
+    roc_auc,
+    run_link_prediction,
+    train_link_model,
+    train_pair_model,
+)
+from .pairs import run_pair_classification, split_node_pairs
 from .split import LinkSplit, sample_node_pairs, split_links
+from .transformer import GraphTransformer, LaplacianPE, anchor_coordinates, laplacian_eigenvectors
 
 __all__ = [
     "GCN",
@@ -27,13 +43,17 @@ __all__ = [
     "UNREACHABLE",
     "GIRPathEncoder",
     "Graph",
+    "GraphTransformer",
+    "LaplacianPE",
     "LinkModel",
     "LinkResult",
     "LinkSplit",
     "ShortestPathDAG",
+    "anchor_coordinates",
     "anchor_distances",
     "anchor_indicators",
     "build_link_model",
+    "build_pair_model",
     "canonical_edges",
     "communities",
     "count_shortest_paths",
@@ -42,12 +62,16 @@ __all__ = [
     "distance_features",
     "grid_graph",
     "indicate",
+    "laplacian_eigenvectors",
     "load_edge_list",
     "roc_auc",
     "run_link_prediction",
+    "run_pair_classification",
     "sample_node_pairs",
     "select_anchors",
     "shortest_path_dag",
     "split_links",
+    "split_node_pairs",
     "train_link_model",
+    "train_pair_model",
 ]

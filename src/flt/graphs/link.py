@@ -10,11 +10,19 @@ the logit of ``(u, v)`` is ``MLP([z_u * z_v, |z_u - z_v|])``. Encoders (:data:`M
   ``A_hat = D^-1/2 (A + I) D^-1/2``, on the constant node feature.
 * ``gcn+indication``: the same GCN with the ``K`` anchor-indicator channels appended to
   the constant feature.
+* ``flt``: :class:`~flt.graphs.transformer.GraphTransformer`, FLT attention over all nodes
+  with the anchor coordinates as positions in ``R^K`` (linear in ``N``).
+* ``softmax-spectrum``: the same transformer with its exact ``O(N^2)`` counterpart,
+  softmax attention with the spectrum's exact ``f`` as relative bias.
+* ``lap-pe``: :class:`~flt.graphs.transformer.LaplacianPE`, an MLP on Laplacian
+  eigenvectors of the training edges (random sign flips in training).
 
 :func:`train_link_model` minimises binary cross-entropy on the training positives and
 their fixed negatives with Adam, full batch, and reports the test ROC AUC at the step of
 best validation AUC; :func:`run_link_prediction` does split, model and training from a
-graph, a model kind and a seed.
+graph, a model kind and a seed. :func:`build_pair_model` and :func:`train_pair_model` are
+the same for any structure and any labelled pairs (the pairwise node classification of
+:mod:`flt.graphs.pairs` uses them).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ from .anchors import anchor_distances, distance_features, indicate, select_ancho
 from .data import Graph, communities, grid_graph
 from .gir import GIRPathEncoder, shortest_path_dag
 from .split import LinkSplit, split_links
+from .transformer import GraphTransformer, LaplacianPE, anchor_coordinates
 
-MODEL_KINDS = ("gir", "anchor-distance", "gcn", "gcn+indication")
+MODEL_KINDS = ("gir", "anchor-distance", "gcn", "gcn+indication", "flt", "softmax-spectrum", "lap-pe")
 GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
 
 
@@ -104,7 +113,7 @@ class GCN(nn.Module):
 class _Encoder(nn.Module):
     """Node embeddings ``[N, dim]`` from structure fixed at construction; ``forward()`` takes no input."""
 
-    def __init__(self, kind: str, num_nodes: int, train_edges: torch.Tensor, anchors: torch.Tensor, dim: int, options: dict):
+    def __init__(self, kind: str, num_nodes: int, train_edges: torch.Tensor, anchors: torch.Tensor, dim: int, options: dict, seed: int = 0):
         super().__init__()
         self.kind = kind
         x = torch.ones(num_nodes, 1)
@@ -114,6 +123,12 @@ class _Encoder(nn.Module):
             if "gir_steps" in options:  # "steps" is taken by the training steps
                 options["steps"] = options.pop("gir_steps")
             self.net = GIRPathEncoder(1, len(anchors), out_dim=dim, **options)
+        elif kind in ("flt", "softmax-spectrum"):
+            dist = anchor_distances(num_nodes, train_edges, anchors)
+            self.x, self.pos = distance_features(dist), anchor_coordinates(dist)
+            self.net = GraphTransformer(len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
+        elif kind == "lap-pe":
+            self.net = LaplacianPE(num_nodes, train_edges, out_dim=dim, seed=seed, **options)
         elif kind == "anchor-distance":
             self.x = distance_features(anchor_distances(num_nodes, train_edges, anchors))
             hidden = options.pop("hidden", 64)
@@ -127,7 +142,21 @@ class _Encoder(nn.Module):
     def forward(self) -> torch.Tensor:
         if self.kind == "gir":
             return self.net(self.x, self.dag)
+        if self.kind in ("flt", "softmax-spectrum"):
+            return self.net(self.x, self.pos)
+        if self.kind == "lap-pe":
+            return self.net()
         return self.net(self.x)
+
+    def _apply(self, fn, *args, **kwargs):
+        # The fixed inputs are plain attributes; cast them along with the parameters
+        # (model.double() must give a float64 model end to end).
+        out = super()._apply(fn, *args, **kwargs)
+        for name in ("x", "pos"):
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                setattr(self, name, fn(t))
+        return out
 
 
 class LinkModel(nn.Module):
@@ -149,24 +178,33 @@ class LinkModel(nn.Module):
         return self.score(self.embeddings(), pairs)
 
 
-def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
-    """A :class:`LinkModel` of the given kind whose structure comes from ``split.train_pos`` only.
+def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+    """A :class:`LinkModel` of the given kind over ``num_nodes`` nodes whose structure is ``edges`` and nothing else.
 
     Anchors (``num_anchors`` of them, capped at ``N``) and the initial weights are drawn
     from ``seed``; the global torch generator is left as it was. ``options`` go to the
     encoder (``hidden``, ``gir_steps`` (the propagation depth ``T``), ``combine``, ``aggregation`` for ``gir``; ``hidden``,
-    ``layers`` for the GCNs; ``hidden`` for ``anchor-distance``).
+    ``layers`` for the GCNs; ``hidden`` for ``anchor-distance``; the arguments of
+    :class:`~flt.graphs.transformer.GraphTransformer` for ``flt`` and ``softmax-spectrum``;
+    ``k``, ``hidden``, ``sign_flip`` for ``lap-pe``, which ignores the anchors).
     """
+    check_choice("kind", kind, MODEL_KINDS)
+    check_positive_int("num_anchors", num_anchors)
+    n = num_nodes
+    anchors = select_anchors(n, min(num_anchors, n), seed=seed, edges=edges, stratified=stratified)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = _Encoder(kind, n, edges, anchors, dim, dict(options), seed=seed)
+        return LinkModel(encoder, dim)
+
+
+def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+    """A :class:`LinkModel` of the given kind whose structure comes from ``split.train_pos`` only
+    (:func:`build_pair_model` with ``edges = split.train_pos``)."""
     check_choice("kind", kind, MODEL_KINDS)
     if not isinstance(split, LinkSplit):
         raise TypeError(f"split must be a flt.graphs.LinkSplit, got {type(split).__name__}")
-    check_positive_int("num_anchors", num_anchors)
-    n = split.num_nodes
-    anchors = select_anchors(n, min(num_anchors, n), seed=seed, edges=split.train_pos, stratified=stratified)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        encoder = _Encoder(kind, n, split.train_pos, anchors, dim, dict(options))
-        return LinkModel(encoder, dim)
+    return build_pair_model(kind, split.num_nodes, split.train_pos, seed=seed, num_anchors=num_anchors, dim=dim, stratified=stratified, **options)
 
 
 @dataclass
@@ -183,18 +221,18 @@ def _pairs_and_labels(pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tenso
     return torch.cat([pos, neg]), torch.cat([torch.ones(len(pos)), torch.zeros(len(neg))])
 
 
-def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
-    """Full-batch BCE training with Adam; evaluate every ``eval_every`` steps and at the end.
+def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
+    """Full-batch BCE training with Adam on ``train = (pairs [M, 2], labels [M])``;
+    evaluate the ROC AUC on ``valid`` and ``test`` every ``eval_every`` steps and at the end.
 
     Returns the test AUC at the evaluation with the highest validation AUC (the first one on
-    ties). ``seed`` fixes any randomness in training (none at present); the global torch
-    generator is left as it was.
+    ties). ``seed`` fixes any randomness in training (none at present: the sign flips of
+    ``lap-pe`` come from the model's own generator); the global torch generator is left as
+    it was.
     """
     check_positive_int("steps", steps)
     check_positive_int("eval_every", eval_every)
-    train_pairs, train_y = _pairs_and_labels(split.train_pos, split.train_neg)
-    valid_pairs, valid_y = _pairs_and_labels(split.valid_pos, split.valid_neg)
-    test_pairs, test_y = _pairs_and_labels(split.test_pos, split.test_neg)
+    (train_pairs, train_y), (valid_pairs, valid_y), (test_pairs, test_y) = train, valid, test
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     best = LinkResult(test_auc=float("nan"), valid_auc=-1.0, best_step=0)
     with torch.random.fork_rng(devices=[]):
@@ -215,6 +253,18 @@ def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr
                 if valid_auc > best.valid_auc:
                     best.test_auc, best.valid_auc, best.best_step = test_auc, valid_auc, step
     return best
+
+
+def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
+    """:func:`train_pair_model` on the training positives and their fixed negatives,
+    validated and tested on the held-out pairs of ``split``."""
+    return train_pair_model(
+        model,
+        _pairs_and_labels(split.train_pos, split.train_neg),
+        _pairs_and_labels(split.valid_pos, split.valid_neg),
+        _pairs_and_labels(split.test_pos, split.test_neg),
+        steps=steps, lr=lr, eval_every=eval_every, seed=seed,
+    )
 
 
 def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10, **model_options) -> LinkResult:

@@ -1,0 +1,226 @@
+"""Graph transformers over anchor coordinates, and a Laplacian-eigenvector baseline.
+
+Anchor coordinates make a graph a point set in ``R^K``: node ``v`` sits at
+``r_v = d(v, .) / sqrt(K)``, its hop distances to the ``K`` anchors (:func:`anchor_coordinates`).
+A node that an anchor cannot reach gets the coordinate ``(d_max + 1) / sqrt(K)`` on that
+axis, ``d_max`` the largest finite distance of the matrix: "farther than every reachable
+node", a finite value the spectrum can work with. On a bipartite graph such as the grid,
+neighbours differ by exactly one hop on every axis, so ``|r_u - r_v| = 1``; the
+``1 / sqrt(K)`` keeps that unit independent of ``K``.
+
+:class:`GraphTransformer` embeds every node from its distance features ``1 / (1 + d)``
+(:func:`flt.graphs.anchors.distance_features`, as the ``anchor-distance`` MLP does) and
+runs a few pre-norm layers of attention over *all* nodes with these coordinates as
+positions:
+
+* ``attention="flt"``: :class:`flt.FLTAttention` with ``pos_dim = K``, a Gaussian spectrum
+  ``f(Delta) = a exp(-|Delta / l|^2 / 2)`` (per head and per axis ``l``, learned) and the
+  logit coupling, i.e. softmax attention with a learned relative bias in anchor space,
+  estimated with random features in time linear in ``N``.
+* ``attention="softmax-spectrum"``: its exact ``O(N^2)`` counterpart,
+  :class:`flt.layers.SoftmaxAttention` with ``relative_bias="spectrum"`` and the same
+  spectrum options (the pairing ``flt`` / ``softmax:relative_bias=spectrum`` of the
+  training presets), its Gaussian bias computed by :class:`GraphSoftmaxAttention`.
+
+:class:`LaplacianPE` is the positional baseline: the first ``k`` nontrivial eigenvectors of
+the normalised Laplacian of the training edges, fed to an MLP. An eigenvector is defined
+only up to its sign, so in training mode every forward call flips each eigenvector's sign
+at random (the same flip for all nodes, drawn from the encoder's own seeded generator);
+in eval mode the signs are those ``torch.linalg.eigh`` returned. Repeated eigenvalues (the
+grid has many) leave a whole basis of the eigenspace arbitrary; the sign flips do not
+address that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flt._checks import check_choice, check_positive_int
+from flt.layers.flt import FLTAttention
+from flt.layers.softmax import SoftmaxAttention
+from flt.spectra import GaussianKernelSpectrum
+
+from .anchors import UNREACHABLE, _check_edges
+
+#: ``attention=`` choices of :class:`GraphTransformer`.
+GRAPH_ATTENTIONS = ("flt", "softmax-spectrum")
+#: How a :class:`GraphTransformer` evaluates its attention: the layer's forward (``"fast"``:
+#: linear time for FLT), the same random features through the ``O(N^2)`` formula
+#: (``"reference"``), or the exact attention the features estimate (``"exact"``).
+ATTENTION_MODES = ("fast", "reference", "exact")
+
+
+def anchor_coordinates(dist: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Node positions ``[N, K]`` in ``R^K`` from anchor distances ``dist [N, K]``: ``d / sqrt(K)``,
+    with :data:`UNREACHABLE` entries replaced by ``d_max + 1`` (``d_max`` the largest finite
+    distance) before scaling."""
+    if dist.ndim != 2 or dist.is_floating_point():
+        raise ValueError(f"dist must be an integer [N, K] tensor of hop distances, got {dist.dtype} of shape {tuple(dist.shape)}")
+    far = int(dist.max()) + 1
+    d = torch.where(dist == UNREACHABLE, torch.full_like(dist, far), dist)
+    return d.to(dtype) / math.sqrt(dist.shape[1])
+
+
+class GraphSoftmaxAttention(SoftmaxAttention):
+    """:class:`flt.layers.SoftmaxAttention` with ``relative_bias="spectrum"`` whose Gaussian
+    bias is computed without the ``[N, N, K]`` difference tensor.
+
+    For the Gaussian spectrum ``|(r_i - r_j) / l_h|^2 = |s_i|^2 + |s_j|^2 - 2 s_i . s_j``
+    with ``s = r / l_h``: the same exact ``f`` in ``O(N^2 H + N K H)`` memory instead of
+    ``O(N^2 K H)`` (with ``K = 64`` anchors and ``N = 400`` nodes the library's generic
+    path spends over a second per training step on it). Other spectra use the generic path.
+    """
+
+    def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
+        if not isinstance(self.spectrum, GaussianKernelSpectrum):
+            return super().positional_term(pos, dtype)
+        if pos.shape[0] > 1 and not pos.requires_grad and torch.equal(pos, pos[:1].expand_as(pos)):
+            pos = pos[:1]
+        cdt = torch.promote_types(torch.promote_types(dtype, torch.float32), self.spectrum.log_length.dtype)
+        s = pos.to(cdt).unsqueeze(1) / self.spectrum.lengths().to(cdt)[None, :, None, :]  # [B, H, N, P]
+        sq = (s * s).sum(-1)
+        d2 = (sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * s @ s.transpose(-1, -2)).clamp(min=0)
+        return self.spectrum.amplitude.to(cdt).view(1, -1, 1, 1) * torch.exp(-0.5 * d2)
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
+
+    def __init__(self, attention: nn.Module, dim: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = attention
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor, mode: str) -> torch.Tensor:
+        x = self.norm1(h)
+        if mode == "fast":
+            a = self.attention(x, pos)
+        elif mode == "reference":
+            a = self.attention.reference(x, pos)
+        else:
+            a = self.attention.exact(x, pos)
+        h = h + a
+        return h + self.mlp(self.norm2(h))
+
+
+class GraphTransformer(nn.Module):
+    """Attention over all nodes with anchor coordinates as positions (module docstring).
+
+    ``forward(features [N, K], pos [N, K]) -> [N, out_dim]``: the node features (distance
+    features) are embedded by a linear map, pass ``layers`` transformer layers that attend
+    over all ``N`` nodes at positions ``pos``, and a final linear map. :attr:`mode`
+    (:data:`ATTENTION_MODES`) chooses how the attention is evaluated.
+
+    Args:
+        in_dim, pos_dim: ``K`` for both with anchor features and coordinates.
+        attention: ``"flt"`` or ``"softmax-spectrum"``.
+        dim, heads, layers, out_dim: width, heads per layer, depth, output size.
+        spectrum, length_scale, amplitude: the spectrum of both kinds (Gaussian, ``l = 2``
+            coordinate units, i.e. about two hops on the grid, ``f(0) = 1`` at start).
+        num_features, num_frequencies, coupling: FLT's ``m``, ``R`` and coupling
+            (``num_frequencies`` is kept but unused by the exact counterpart).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        pos_dim: int,
+        *,
+        attention: str = "flt",
+        dim: int = 32,
+        heads: int = 2,
+        layers: int = 2,
+        out_dim: int = 32,
+        spectrum: str = "gaussian",
+        length_scale: float = 2.0,
+        amplitude: float = 1.0,
+        num_features: int = 64,
+        num_frequencies: int = 32,
+        coupling: str = "logit",
+    ):
+        super().__init__()
+        check_choice("attention", attention, GRAPH_ATTENTIONS)
+        check_positive_int("layers", layers)
+        self.attention_kind = attention
+        self.mode = "fast"
+        spec = dict(pos_dim=pos_dim, spectrum=spectrum, coupling=coupling, num_frequencies=num_frequencies,
+                    length_scale=length_scale, amplitude=amplitude)
+        if attention == "flt":
+            make = lambda: FLTAttention(dim, heads, num_features=num_features, **spec)  # noqa: E731
+        else:
+            make = lambda: GraphSoftmaxAttention(dim, heads, relative_bias="spectrum", **spec)  # noqa: E731
+        self.embed = nn.Linear(in_dim, dim)
+        self.blocks = nn.ModuleList(_Block(make(), dim) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, out_dim)
+
+    def forward(self, features: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        check_choice("mode", self.mode, ATTENTION_MODES)
+        h = self.embed(features).unsqueeze(0)  # one "sequence" of N nodes
+        pos = pos.unsqueeze(0).to(h.dtype)
+        for block in self.blocks:
+            h = block(h, pos, self.mode)
+        return self.out(self.norm(h)).squeeze(0)
+
+
+def laplacian_eigenvectors(num_nodes: int, edges: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``k`` nontrivial eigenpairs of ``L = I - D^-1/2 A D^-1/2`` of ``edges``.
+
+    Returns ``(values [k], vectors [N, k])`` in float64, eigenvalues ascending, skipping the
+    smallest one (``0``, eigenvector ``D^1/2 1`` on a connected graph); isolated nodes get
+    ``D^-1/2 = 0``. ``k`` is capped at ``N - 1``. Dense ``eigh``: for graphs of a few
+    thousand nodes.
+    """
+    check_positive_int("k", k)
+    edges = _check_edges(edges, num_nodes)
+    adj = torch.zeros(num_nodes, num_nodes, dtype=torch.float64)
+    adj[edges[:, 0], edges[:, 1]] = 1.0
+    adj[edges[:, 1], edges[:, 0]] = 1.0
+    deg = adj.sum(1)
+    inv_sqrt = torch.where(deg > 0, deg.clamp(min=1).rsqrt(), torch.zeros_like(deg))
+    lap = torch.eye(num_nodes, dtype=torch.float64) - inv_sqrt[:, None] * adj * inv_sqrt[None, :]
+    values, vectors = torch.linalg.eigh(lap)
+    k = min(k, num_nodes - 1)
+    return values[1 : k + 1], vectors[:, 1 : k + 1]
+
+
+class LaplacianPE(nn.Module):
+    """An MLP on Laplacian eigenvectors with random sign flips in training (module docstring).
+
+    ``forward() -> [N, out_dim]``. The eigenvectors (unit norm) are scaled by ``sqrt(N)`` so
+    that their entries are of order one. The flips come from a generator seeded with
+    ``seed``, so training is reproducible and the global generator is not touched.
+    """
+
+    def __init__(self, num_nodes: int, edges: torch.Tensor, *, k: int = 32, hidden: int = 64, out_dim: int = 32, sign_flip: bool = True, seed: int = 0):
+        super().__init__()
+        _, vectors = laplacian_eigenvectors(num_nodes, edges, k)
+        self.register_buffer("pe", (vectors * math.sqrt(num_nodes)).to(torch.get_default_dtype()), persistent=False)
+        self.sign_flip = bool(sign_flip)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(self.pe.shape[1], hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
+
+    def features(self) -> torch.Tensor:
+        """The eigenvector features ``[N, k]``, sign-flipped per column in training mode."""
+        if not (self.training and self.sign_flip):
+            return self.pe
+        signs = torch.randint(0, 2, (self.pe.shape[1],), generator=self.generator).to(self.pe.dtype) * 2 - 1
+        return self.pe * signs
+
+    def forward(self) -> torch.Tensor:
+        return self.net(self.features())
+
+
+__all__ = [
+    "ATTENTION_MODES",
+    "GRAPH_ATTENTIONS",
+    "GraphSoftmaxAttention",
+    "GraphTransformer",
+    "LaplacianPE",
+    "anchor_coordinates",
+    "laplacian_eigenvectors",
+]
