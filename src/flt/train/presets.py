@@ -96,7 +96,7 @@ def lm_small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train lm --preset small``: 4 layers, width 128, context 128 bytes, 800 steps
     of 16 windows on the Python docs corpus (1.9 MB train, 0.29 MB valid). FLT with
     ``near_field=16`` and redraws every step (seed 0, 2 threads, a 2-core VM partly shared
-    with another job): 13 min 25 s, 0.62 s/step; validation ppl 4.135 (bpb 2.048) on the
+    with another job): About 13 min (13 min 25 s), 0.62 s/step; validation ppl 4.135 (bpb 2.048) on the
     whole validation split; draw gap on all of it: fresh draws 4.145 +- 0.012, exact 4.105.
     The draw gap now runs on the first 32 validation batches (it took 3.5 of those minutes
     on the whole split). Plain FLT (one fixed draw, no near field): about 5 min, ppl 6.55."""
