@@ -196,3 +196,15 @@ def test_without_redraws_own_is_the_training_draw_and_exact_is_skipped_when_too_
     assert exact_batch_size(Task(), model, preset.model, 8, max_elements=2047) is None
     gap = draw_gap(Task(), model, preset.model, preset.run, evaluate, 8, max_elements=2047)
     assert gap["exact"] is None
+
+
+def test_softmax_with_an_exact_spectrum_bias_has_no_random_features():
+    from flt.layers.draws import has_random_features
+    from flt.layers.softmax import SoftmaxAttention
+
+    layer = SoftmaxAttention(16, 2, relative_bias="spectrum", spectrum="gaussian", amplitude=0.5)
+    assert not has_random_features(layer)
+    before = layer.spectrum.eps.clone()
+    from flt.layers.draws import redraw
+    redraw(layer, torch.Generator().manual_seed(3))
+    assert torch.equal(layer.spectrum.eps, before)

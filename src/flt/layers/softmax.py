@@ -119,6 +119,7 @@ class SoftmaxAttention(AttentionBase):
         elif relative_bias == "spectrum":
             spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
             self.spectrum = SPECTRA[spectrum](heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, **fk, **spectrum_options)
+            self.spectrum.has_random_features = False  # only its exact mask is used: nothing to redraw
 
     def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
         """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions.
