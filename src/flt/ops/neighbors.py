@@ -1,0 +1,204 @@
+"""Exact weights on each query's k nearest keys in position space, FAVOR+ on the rest.
+
+The banded estimator (:mod:`flt.ops.band`) keeps a strong local bias exact inside a window
+of the token order. Sets of atoms or patches have no meaningful order: their near field is
+a neighbourhood in space. Here the near set ``K(i)`` of query ``i`` is the ``k`` keys
+nearest to ``r_i`` (Euclidean, in ``P`` dimensions):
+
+    w_ij = exp(x_i.y_j + b_ij)             if j in K(i)       (exact)
+    w_ij = qf_i.kf_j exp(s_j)              otherwise          (FAVOR+ estimate)
+    out_i = sum_j w_ij v_j / sum_j w_ij
+
+Every weight is nonnegative and the near ones are exact, so row sums stay positive.
+
+The near set (:func:`nearest_keys`): the query's own key first whatever the positions,
+then the keys in increasing distance, ties broken by the lower key index; padded keys are
+never chosen unless fewer than ``k`` valid keys exist (the op then ignores those slots). It
+is an integer index, so no gradient flows through the choice; gradients reach the positions
+through the bias ``b_ij`` only.
+
+Cost. The search compares every query with every key: ``O(N^2 P)`` time, done in chunks
+of queries so memory is ``O(chunk N)``; a batch whose positions are shared (one ``[1, N, P]``
+tensor, no padding) is searched once. For sets of tens to a few thousand points it is a
+small part of a layer; for very long sequences a spatial index would be needed and is not
+implemented. The attention itself (:func:`neighbor_attention`) is linear: the estimate over
+all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the near set, plus the exact
+near weights, ``O(N k (D + m + Dv) + N m Dv)`` time and ``O(N k (D + m + Dv))`` memory for the
+gathered near keys.
+
+Stabilisation (as in :mod:`flt.ops.band`): weights of row ``i`` are taken relative to
+``exp(sq_i + L + c_i)``, ``sq_i`` the query's feature shift, ``L`` the largest valid key log
+scale and ``c_i >= 0`` the largest exact near exponent of the row above that level; every
+exponent is then ``<= 0`` and the common factor cancels. Bidirectional only: sets have no
+causal order, and ``causal=True`` is rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flt._checks import check_positive_int, check_tensor
+from flt.ops._common import safe_divide
+
+#: Queries per chunk of the neighbour search: the distances of one chunk take ``chunk x N``.
+SEARCH_CHUNK = 256
+
+
+def _check_key_mask(key_mask, B, N):
+    if key_mask is not None:
+        if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, N):
+            shape = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+            dtype = key_mask.dtype if isinstance(key_mask, torch.Tensor) else ""
+            raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {dtype} {shape}")
+
+
+def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = None, chunk_size: int = SEARCH_CHUNK) -> torch.Tensor:
+    """Indices of the ``k`` keys nearest to each query, self first (module docstring).
+
+    Args:
+        pos: ``[B or 1, N, P]`` positions of the tokens (queries and keys alike).
+        k: ``1 <= k <= N``.
+        key_mask: optional ``[B, N]`` bool, True marks a valid key; padded keys come after
+            every valid one.
+        chunk_size: queries per chunk of the ``O(N^2)`` search.
+
+    Returns:
+        ``[B or 1, N, k]`` int64 (batch 1 only when ``pos`` has batch 1 and there is no
+        ``key_mask``), distinct keys per row, sorted by distance.
+    """
+    check_tensor("pos", pos, ndim=3, layout="[B, N, P]")
+    check_positive_int("k", k)
+    check_positive_int("chunk_size", chunk_size)
+    N = pos.shape[1]
+    if k > N:
+        raise ValueError(f"k ({k}) must be at most the number of keys N = {N}")
+    if key_mask is not None:
+        _check_key_mask(key_mask, key_mask.shape[0] if isinstance(key_mask, torch.Tensor) else 1, N)
+        if pos.shape[0] not in (1, key_mask.shape[0]):
+            raise ValueError(f"pos has batch {pos.shape[0]} but key_mask has batch {key_mask.shape[0]}")
+        pos = pos.expand(key_mask.shape[0], -1, -1)
+    with torch.no_grad():
+        pos = pos.detach().to(torch.promote_types(pos.dtype, torch.float32))
+        keys = torch.arange(N, device=pos.device)
+        out = []
+        for start in range(0, N, chunk_size):
+            q = pos[:, start:start + chunk_size]  # [B, C, P]
+            d = (q.unsqueeze(2) - pos.unsqueeze(1)).square().sum(-1)  # [B, C, N], exact for equal offsets
+            rows = keys[start:start + chunk_size]
+            d = torch.where(rows.view(-1, 1) == keys.view(1, -1), torch.full_like(d, -1.0), d)  # self first
+            if key_mask is not None:
+                d = d.masked_fill(~key_mask[:, None, :], float("inf"))
+            # A stable sort breaks ties by the lower key index, on every device.
+            out.append(torch.sort(d, dim=-1, stable=True).indices[..., :k])
+        return torch.cat(out, dim=1)
+
+
+def near_offsets(pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``r_i - r_j`` for the near keys ``j = idx[i, t]``: ``pos [B|1, N, P]``, ``idx
+    [B|1, N, k] -> [B', N, k, P]`` (differentiable in ``pos``)."""
+    B = max(pos.shape[0], idx.shape[0])
+    pos = pos.expand(B, -1, -1)
+    nb = torch.gather(pos.unsqueeze(1).expand(B, idx.shape[1], -1, -1), 2,
+                      idx.expand(B, -1, -1).unsqueeze(-1).expand(-1, -1, -1, pos.shape[-1]))
+    return pos.unsqueeze(2) - nb
+
+
+def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal):
+    check_tensor("xq", xq, ndim=4, layout="[B, H, N, D]")
+    check_tensor("xk", xk, ndim=4, layout="[B, H, N, D]")
+    check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
+    check_tensor("q_feat", qf, ndim=4, layout="[B, H, N, m]")
+    check_tensor("k_feat", kf, ndim=4, layout="[B, H, N, m]")
+    if causal:
+        raise ValueError("neighbor_attention is bidirectional (a set has no causal order); causal=True is not supported")
+    B, H, N, _ = xq.shape
+    for name, t in (("xk", xk), ("v", v), ("q_feat", qf), ("k_feat", kf)):
+        if t.shape[:3] != (B, H, N):
+            raise ValueError(f"{name} must share [B, H, N] = {(B, H, N)} with xq, got {tuple(t.shape)}")
+    if xk.shape[-1] != xq.shape[-1] or kf.shape[-1] != qf.shape[-1]:
+        raise ValueError(f"xq/xk and q_feat/k_feat must have equal last sizes, got {xq.shape[-1]}/{xk.shape[-1]} and {qf.shape[-1]}/{kf.shape[-1]}")
+    for name, t in (("q_shift", q_shift), ("key_log_scale", key_log_scale)):
+        check_tensor(name, t, ndim=3, layout="[B, H, N]")
+        if t.shape != (B, H, N):
+            raise ValueError(f"{name} must be [B, H, N] = {(B, H, N)}, got {tuple(t.shape)}")
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int64 or idx.ndim != 3:
+        got = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+        raise TypeError(f"idx must be an int64 tensor [B or 1, N, k] (from nearest_keys), got {got}")
+    k = idx.shape[-1]
+    if idx.shape[0] not in (1, B) or idx.shape[1] != N or not 1 <= k <= N:
+        raise ValueError(f"idx must be [B or 1, N, k] = [{B} or 1, {N}, k] with 1 <= k <= N, got {tuple(idx.shape)}")
+    check_tensor("near_bias", near_bias, ndim=4, layout="[B or 1, H, N, k]")
+    if near_bias.shape[0] not in (1, B) or near_bias.shape[1:] != (H, N, k):
+        raise ValueError(f"near_bias must be [B or 1, H, N, k] = [{B} or 1, {H}, {N}, {k}], got {tuple(near_bias.shape)}")
+    _check_key_mask(key_mask, B, N)
+
+
+def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False):
+    """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
+    B, H, N, _ = xq.shape
+    cdt = torch.promote_types(torch.promote_types(xq.dtype, qf.dtype), torch.promote_types(v.dtype, torch.float32))
+    Bi = idx.shape[0]
+    near = torch.zeros(Bi, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx, True)[:, None]  # [B|1, 1, N, N]
+    full = torch.zeros(max(Bi, near_bias.shape[0]), H, N, N, dtype=cdt, device=xq.device)
+    full = full.scatter(-1, idx[:, None].expand(full.shape[0], H, N, -1), near_bias.to(cdt).expand(full.shape[0], H, N, -1))
+    exact = torch.exp(xq.to(cdt) @ xk.to(cdt).transpose(-1, -2) + full)
+    est = (qf.to(cdt) @ kf.to(cdt).transpose(-1, -2)) * torch.exp(q_shift.to(cdt)).unsqueeze(-1) * torch.exp(key_log_scale.to(cdt)).unsqueeze(-2)
+    w = torch.where(near, exact, est)
+    if key_mask is not None:
+        w = torch.where(key_mask[:, None, None, :], w, torch.zeros_like(w))
+    return safe_divide(w @ v.to(cdt), w.sum(-1, keepdim=True))
+
+
+def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False):
+    """Attention with exact weights on each query's near set and FAVOR+ estimates on every
+    other pair (module docstring), linear in ``N`` for a fixed ``k``.
+
+    Args:
+        xq, xk: ``[B, H, N, D]`` scaled queries and keys: the exact kernel is ``exp(xq.xk)``.
+        v: ``[B, H, N, Dv]``.
+        qf, kf: ``[B, H, N, m]`` kernel features, with true features ``qf * exp(q_shift)``
+            and ``kf * exp(key_log_scale)``.
+        q_shift, key_log_scale: ``[B, H, N]``, the features' log scales (detached).
+        idx: ``[B or 1, N, k]`` int64, the near keys of every query, distinct per row
+            (:func:`nearest_keys`).
+        near_bias: ``[B or 1, H, N, k]``, the exact logit bias ``b_ij`` for ``j = idx[i, t]``.
+        key_mask: optional ``[B, N]`` bool, True marks a valid key; padded keys get no
+            weight, near or far.
+        causal: must be False (module docstring).
+
+    Returns:
+        ``[B, H, N, Dv]`` in the promoted dtype (float32 or better). Rows without any valid
+        key return zeros.
+    """
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
+    B, H, N, _ = xq.shape
+    k = idx.shape[-1]
+    cdt = torch.promote_types(torch.promote_types(xq.dtype, qf.dtype), torch.promote_types(v.dtype, torch.float32))
+    xq, xk, qf, kf = (t.to(cdt) for t in (xq, xk, qf, kf))
+    vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1)
+    sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)
+    valid = torch.ones(B, N, dtype=torch.bool, device=xq.device) if key_mask is None else key_mask
+    # The level: the largest valid key log scale (a padded key never sets it).
+    level = sk.detach().masked_fill(~valid[:, None, :], -float("inf")).amax(-1, keepdim=True)
+    level = torch.where(torch.isinf(level), torch.zeros_like(level), level)  # no valid key at all
+    kw = torch.exp((sk - level).masked_fill(~valid[:, None, :], -float("inf")))  # [B, H, N], <= 1, 0 if padded
+    kfw = kf * kw.unsqueeze(-1)
+    vaug = vaug * valid[:, None, :, None].to(cdt)
+
+    def gather(t):  # [B, H, N, E] -> [B, H, N, k, E]: the rows of the near keys of every query
+        index = idx.expand(B, N, k).reshape(B, 1, N * k, 1).expand(B, H, N * k, t.shape[-1])
+        return torch.gather(t, 2, index).unflatten(2, (N, k))
+
+    xk_n, kf_n, v_n = gather(xk), gather(kfw), gather(vaug)
+    near_valid = torch.gather(valid, 1, idx.expand(B, N, k).reshape(B, N * k)).view(B, 1, N, k)
+    row = (sq + level).unsqueeze(-1)  # [B, H, N, 1]
+    expo = torch.einsum("bhnd,bhnkd->bhnk", xq, xk_n) + near_bias.to(cdt) - row
+    expo = expo.masked_fill(~near_valid, -float("inf"))
+    c = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
+    est = torch.einsum("bhnm,bhnkm->bhnk", qf, kf_n)  # zero for padded keys (kfw is)
+    weights = torch.exp(expo - c) - est * torch.exp(-c)
+    # Far field = the estimate over all keys minus its near part; near weights replace it.
+    total = kfw.transpose(-1, -2) @ vaug  # [B, H, m, Dv + 1]
+    out = torch.einsum("bhnk,bhnke->bhne", weights, v_n) + (qf @ total) * torch.exp(-c)
+    return safe_divide(out[..., :-1], out[..., -1:])

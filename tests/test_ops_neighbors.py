@@ -1,0 +1,217 @@
+"""The nearest-neighbour estimator (exact weights on each query's k nearest keys in
+position space, FAVOR+ elsewhere) against its O(N^2) formula, the banded op and exact
+softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
+from flt.ops.band import band_attention
+from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
+
+F64 = torch.float64
+
+
+def inputs(B=2, H=2, N=29, D=4, Dv=3, dtype=F64, scale=0.5):
+    xq = (torch.randn(B, H, N, D, dtype=dtype) * scale).requires_grad_()
+    xk = (torch.randn(B, H, N, D, dtype=dtype) * scale).requires_grad_()
+    v = torch.randn(B, H, N, Dv, dtype=dtype).requires_grad_()
+    return xq, xk, v
+
+
+def run(fn, xq, xk, v, idx, bias, proj, **kw):
+    qf, sq = favor_plus_features(xq, proj)
+    kf, sk = favor_plus_features(xk, proj)
+    return fn(xq, xk, v, qf, kf, sq, sk, idx, bias, **kw)
+
+
+def brute_force_near(pos, k, key_mask=None):
+    """Near sets by an argsort of (padded, not self, distance, index) per row, in Python."""
+    B, N, _ = pos.shape
+    out = torch.empty(B, N, k, dtype=torch.long)
+    for b in range(B):
+        for i in range(N):
+            d = (pos[b, i] - pos[b]).square().sum(-1).tolist()
+            padded = [False] * N if key_mask is None else (~key_mask[b]).tolist()
+            order = sorted(range(N), key=lambda j: (padded[j], j != i, d[j], j))
+            out[b, i] = torch.tensor(order[:k])
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("N, k", [(1, 1), (7, 7), (29, 1), (29, 5), (37, 12)])
+def test_neighbor_attention_equals_reference_forward_and_backward(P, padded, N, k):
+    B, H = 3, 2
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    pos = torch.randn(B, N, P, dtype=F64)  # different positions per item
+    key_mask = (torch.rand(B, N) > 0.3) if padded else None
+    if padded:
+        key_mask[:, 0] = True
+    idx = nearest_keys(pos, k, key_mask=key_mask, chunk_size=5)
+    bias = (torch.randn(B, H, N, k, dtype=F64) * 2).requires_grad_()
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    out = run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask)
+    ref = run(neighbor_attention_reference, xq, xk, v, idx, bias, proj, key_mask=key_mask)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    g_out = torch.autograd.grad((out * up).sum(), (xq, xk, v, bias), retain_graph=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), (xq, xk, v, bias))
+    for a, b in zip(g_out, g_ref):
+        assert_close(a, b)
+
+
+def test_gradcheck_small():
+    xq, xk, v = inputs(B=2, N=6)
+    pos = torch.randn(2, 6, 3, dtype=F64)
+    key_mask = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    idx = nearest_keys(pos, 3, key_mask=key_mask)
+    bias = torch.randn(2, 2, 6, 3, dtype=F64, requires_grad=True)
+    proj = gaussian_orthogonal_random_matrix(5, 4, dtype=F64)
+    assert torch.autograd.gradcheck(lambda *t: run(neighbor_attention, *t[:3], idx, t[3], proj, key_mask=key_mask), (xq, xk, v, bias))
+
+
+def test_batch_shared_near_sets_and_bias_broadcast():
+    xq, xk, v = inputs(B=3, N=16)
+    grid = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(1, 16, 2).to(F64)
+    idx = nearest_keys(grid, 5)
+    assert idx.shape == (1, 16, 5)  # searched once for the whole batch
+    bias = torch.randn(1, 2, 16, 5, dtype=F64)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    out = run(neighbor_attention, xq, xk, v, idx, bias, proj)
+    per_item = run(neighbor_attention, xq, xk, v, idx.expand(3, -1, -1), bias.expand(3, -1, -1, -1), proj)
+    assert_close(out, per_item)
+    assert_close(out, run(neighbor_attention_reference, xq, xk, v, idx, bias, proj))
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("padded", [False, True])
+def test_near_sets_match_a_brute_force_argsort(P, padded):
+    B, N, k = 2, 41, 9
+    pos = torch.randint(0, 4, (B, N, P)).to(F64)  # many exact ties
+    key_mask = (torch.rand(B, N) > 0.5) if padded else None
+    idx = nearest_keys(pos, k, key_mask=key_mask, chunk_size=7)
+    assert torch.equal(idx, brute_force_near(pos, k, key_mask))
+    own = torch.arange(N).expand(B, N)
+    valid = torch.ones(B, N, dtype=torch.bool) if key_mask is None else key_mask
+    assert torch.equal(idx[..., 0][valid], own[valid])  # self first, even among equal positions
+    assert torch.equal(nearest_keys(pos, k, key_mask=key_mask, chunk_size=1000), idx)
+    # float32 positions search in float32 and give the same sets for these integer positions
+    assert torch.equal(nearest_keys(pos.float(), k, key_mask=key_mask), idx)
+
+
+def test_near_offsets_are_differentiable_position_differences():
+    pos = torch.randn(2, 7, 3, dtype=F64, requires_grad=True)
+    idx = nearest_keys(pos, 4)
+    delta = near_offsets(pos, idx)
+    assert delta.shape == (2, 7, 4, 3)
+    for b in range(2):
+        for i in range(7):
+            for t in range(4):
+                assert torch.equal(delta[b, i, t], pos[b, i] - pos[b, idx[b, i, t]])
+    delta.sum().backward()
+    assert pos.grad is not None
+
+
+def test_token_positions_with_k_2w_plus_1_equal_the_band_op_away_from_the_ends():
+    # On positions 0..N-1 the 2w + 1 nearest keys of a query at least w from both ends are
+    # exactly its band |i - j| <= w; near the ends the k nearest reach further on one side.
+    N, w = 40, 3
+    xq, xk, v = inputs(N=N)
+    pos = torch.arange(N, dtype=F64).view(1, N, 1)
+    idx = nearest_keys(pos, 2 * w + 1)
+    band_bias = torch.randn(1, 2, N, 2 * w + 1, dtype=F64)
+    offsets = idx - torch.arange(N).view(1, N, 1)  # j - i
+    interior = slice(w, N - w)
+    assert (offsets[:, interior].abs() <= w).all()
+    near_bias = band_bias.gather(-1, (offsets.clamp(-w, w) + w).unsqueeze(1).expand(1, 2, N, 2 * w + 1))
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    qf, sq = favor_plus_features(xq, proj)
+    kf, sk = favor_plus_features(xk, proj)
+    ours = neighbor_attention(xq, xk, v, qf, kf, sq, sk, idx, near_bias)
+    band = band_attention(xq, xk, v, qf, kf, sq, sk, band_bias, width=w)
+    assert_close(ours[:, :, interior], band[:, :, interior])
+    assert not torch.allclose(ours[:, :, 0], band[:, :, 0])
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_k_equal_to_n_is_exact_softmax_with_the_bias(padded):
+    B, H, N, P = 2, 2, 13, 3
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    pos = torch.randn(B, N, P, dtype=F64)
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    if padded:
+        key_mask[1, -4:] = False
+    idx = nearest_keys(pos, N, key_mask=key_mask if padded else None)
+    full = torch.randn(B, H, N, N, dtype=F64)
+    bias = full.gather(-1, idx.unsqueeze(1).expand(B, H, N, N))
+    logits = (xq @ xk.transpose(-1, -2) + full).masked_fill(~key_mask[:, None, None, :], -float("inf"))
+    expected = torch.softmax(logits, dim=-1) @ v
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    assert_close(run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask if padded else None), expected)
+
+
+def test_row_sums_stay_positive_with_a_huge_bias():
+    # Exact near weights are positive and far weights are FAVOR+ (nonnegative): no cancellation.
+    xq, xk, v = inputs(N=50, dtype=torch.float32)
+    pos = torch.randn(2, 50, 3)
+    idx = nearest_keys(pos, 6)
+    proj = gaussian_orthogonal_random_matrix(8, 4)
+    with torch.no_grad():
+        for value in (60.0, -60.0):
+            bias = torch.full((2, 2, 50, 6), value)
+            out = run(neighbor_attention, xq, xk, torch.ones_like(v), idx, bias, proj)
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, torch.ones_like(out))  # values of 1 average to 1
+
+
+def test_far_field_converges_to_exact_softmax_with_many_features():
+    B, H, N = 1, 2, 11
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    pos = torch.randn(B, N, 2, dtype=F64)
+    idx = nearest_keys(pos, 3)
+    bias = torch.randn(B, H, N, 3, dtype=F64)
+    near = torch.zeros(B, N, N, dtype=torch.bool).scatter(-1, idx, True)[:, None]
+    full = torch.zeros(B, H, N, N, dtype=F64).scatter(-1, idx[:, None].expand(B, H, N, 3), bias)
+    expected = torch.softmax(xq @ xk.transpose(-1, -2) + torch.where(near, full, torch.zeros(())), dim=-1) @ v
+    # FAVOR+'s own error on exp(xq.xk) at this m and seed is about 0.05; the near set adds none.
+    proj = gaussian_orthogonal_random_matrix(200_000, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+    got = run(neighbor_attention, xq, xk, v, idx, bias, proj)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.05
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(k=0), "k must be a positive integer"),
+    (dict(k=6), r"k \(6\) must be at most"),
+    (dict(pos=torch.zeros(2, 5, 2, dtype=torch.long)), "pos must have a floating-point dtype"),
+    (dict(pos=torch.zeros(5, 2)), "pos must have rank 3"),
+    (dict(key_mask=torch.ones(2, 5)), "key_mask"),
+])
+def test_nearest_keys_rejects_bad_arguments(bad, match):
+    kw = dict(pos=torch.zeros(2, 5, 2), k=2)
+    kw.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        nearest_keys(kw.pop("pos"), kw.pop("k"), **kw)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(idx=torch.zeros(2, 5, 2, dtype=torch.int32)), "idx must be an int64"),
+    (dict(idx=torch.zeros(2, 4, 2, dtype=torch.long)), r"idx must be \[B or 1, N, k\]"),
+    (dict(bias=torch.zeros(2, 2, 5, 3, dtype=F64)), "near_bias must be"),
+    (dict(key_mask=torch.ones(2, 5)), "key_mask"),
+    (dict(causal=True), "causal=True is not supported"),
+    (dict(xq=torch.zeros(2, 2, 5, 4, dtype=torch.long)), "xq must have a floating-point dtype"),
+])
+def test_neighbor_attention_rejects_bad_arguments(bad, match):
+    xq, xk, v = inputs(N=5)
+    kw = dict(xq=xq, idx=nearest_keys(torch.randn(2, 5, 2), 2), bias=torch.zeros(2, 2, 5, 2, dtype=F64))
+    kw.update(bad)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    qf, sq = favor_plus_features(xq, proj)
+    kf, sk = favor_plus_features(xk, proj)
+    extra = {k: kw[k] for k in ("key_mask", "causal") if k in kw}
+    with pytest.raises((ValueError, TypeError), match=match):
+        neighbor_attention(kw["xq"], xk, v, qf, kf, sq, sk, kw["idx"], kw["bias"], **extra)
