@@ -24,6 +24,7 @@ from flt.layers.base import batch_shared
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
+from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
 from flt.ops.reference import rpe_attention_reference
 from flt.spectra import SPECTRA
 
@@ -65,6 +66,14 @@ class FLTAttention(KernelAttention):
             with blocks of ``T = max(w, 32)`` tokens on top of the linear part; see
             :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Layers with a near field do not decode
             token by token (:meth:`step`).
+        near_neighbors: ``k >= 1`` turns on the spatial near field instead (logit coupling,
+            ``causal=False``; exclusive with ``near_field``): each query's ``k`` nearest keys
+            in position space (itself included, padded keys excluded, ``min(k, N)`` for
+            shorter sets) get their exact weights with ``f + f_near``, all other pairs the
+            FAVOR+ estimate, as for the band. For sets of atoms or image patches, whose
+            token order means nothing. The search is ``O(N^2 P)`` in chunks (once per
+            batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
+            top of the linear part; see :mod:`flt.ops.neighbors` and docs/math.md section 5.1.1.
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -93,6 +102,7 @@ class FLTAttention(KernelAttention):
         rope_base: float = 10000.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         near_field: int = 0,
+        near_neighbors: int = 0,
         device=None,
         dtype=None,
         **spectrum_options,
@@ -119,9 +129,17 @@ class FLTAttention(KernelAttention):
         if isinstance(near_field, bool) or not isinstance(near_field, int) or near_field < 0:
             raise ValueError(f"near_field must be a nonnegative int (the band half-width w in tokens; 0 = off), got {near_field!r}")
         self.near_field = near_field
-        if near_field:
+        if isinstance(near_neighbors, bool) or not isinstance(near_neighbors, int) or near_neighbors < 0:
+            raise ValueError(f"near_neighbors must be a nonnegative int (k nearest keys in position space; 0 = off), got {near_neighbors!r}")
+        self.near_neighbors = near_neighbors
+        if near_field and near_neighbors:
+            raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")
+        if near_neighbors and causal:
+            raise ValueError("near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, or near_field for causal sequences")
+        if near_field or near_neighbors:
             if coupling != "logit":
-                raise ValueError("near_field needs coupling='logit' (the band holds exact softmax weights)")
+                name = "near_field" if near_field else "near_neighbors"
+                raise ValueError(f"{name} needs coupling='logit' (the near set holds exact softmax weights)")
             # Only its exact f is used; its frequencies are never sampled.
             near_options = {**spectrum_options, "amplitude": 0.0}
             self.near_spectrum = SPECTRA[spectrum](
@@ -148,6 +166,8 @@ class FLTAttention(KernelAttention):
         return KernelFeatures(qf, kf, kls, a, c)
 
     def attend(self, p, *, reference: bool = False) -> torch.Tensor:
+        if self.near_neighbors:
+            return self._attend_neighbors(p, reference)
         if not self.near_field:
             return super().attend(p, reference=reference)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
@@ -162,6 +182,32 @@ class FLTAttention(KernelAttention):
         key_mask = None if p.pad is None else ~p.pad
         op = band_attention_reference if reference else band_attention
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)
+
+    def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        a, c = self.spectrum.features(p.pos)
+        B, H, N, _ = xq.shape
+        cdt = torch.promote_types(xq.dtype, a.dtype)
+        xq, xk = xq.to(cdt), xk.to(cdt)
+        expand = (B, H, N, a.shape[-1])
+        qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
+        kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
+        key_mask = None if p.pad is None else ~p.pad
+        pos = batch_shared(p.pos).to(cdt)
+        idx = self.near_keys(pos, key_mask)
+        op = neighbor_attention_reference if reference else neighbor_attention
+        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
+
+    def near_keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
+        (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
+        return nearest_keys(pos, min(self.near_neighbors, pos.shape[1]), key_mask=key_mask)
+
+    def neighbor_bias(self, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
+        ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
+        delta = near_offsets(pos, idx)
+        return rearrange(self.spectrum.mask(delta) + self.near_spectrum.mask(delta), "b n k h -> b h n k")
 
     def band_bias(self, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
@@ -191,6 +237,12 @@ class FLTAttention(KernelAttention):
             band = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field
             near = rearrange(self.near_spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
             f = f + torch.where(band, near, torch.zeros_like(near))
+        if self.near_neighbors:
+            idx = self.near_keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
+            n = idx.shape[1]
+            in_set = torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=x.device).scatter(-1, idx.unsqueeze(1), True)
+            near = rearrange(self.near_spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+            f = f + torch.where(in_set, near, torch.zeros_like(near))
         pad = self.padding_mask_matrix(p.pad, cdt)
         v = p.v.to(cdt)
         if self.coupling == "logit":

@@ -1,0 +1,142 @@
+"""FLTAttention(near_neighbors=k): the spatial near field (exact weights on each query's k
+nearest keys in position space) against its reference and a direct O(N^2) computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt import FLTAttention
+from flt.ops.neighbors import nearest_keys
+
+F64 = torch.float64
+
+
+def strong_layer(k=6, P=3, spectrum="gaussian", amplitude=2.0, **kw):
+    options = {"length_scale": 1.0} if spectrum == "gaussian" else {}
+    layer = FLTAttention(32, 2, pos_dim=P, spectrum=spectrum, num_features=16, num_frequencies=8, near_neighbors=k,
+                         **options, **kw).double()
+    with torch.no_grad():
+        for module in (layer.spectrum, layer.near_spectrum):
+            for name, p in module.named_parameters():
+                if name in ("amplitude", "alpha"):
+                    p.add_(torch.rand_like(p) * amplitude / p.shape[-1])
+    return layer
+
+
+def direct(layer, x, pos, pad=None):
+    """``softmax(x_q.x_k + f + f_near 1[j in K(i)])`` written out pair by pair."""
+    p = layer.prepare(x, pos, pad)
+    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    B, H, N, _ = xq.shape
+    pos = p.pos.expand(B, -1, -1)
+    valid = torch.ones(B, N, dtype=torch.bool) if pad is None else ~pad
+    out = torch.zeros_like(p.v)
+    for b in range(B):
+        d = (pos[b, :, None] - pos[b, None]).square().sum(-1)
+        logits = xq[b] @ xk[b].transpose(-1, -2) + layer.spectrum.mask(pos[b, :, None] - pos[b, None]).permute(2, 0, 1)
+        near = layer.near_spectrum.mask(pos[b, :, None] - pos[b, None]).permute(2, 0, 1)
+        k = min(layer.near_neighbors, N)
+        for i in range(N):
+            order = sorted(range(N), key=lambda j: (not valid[b, j], j != i, d[i, j].item(), j))[:k]
+            for j in order:
+                logits[:, i, j] = logits[:, i, j] + near[:, i, j]
+        logits = logits.masked_fill(~valid[b], -float("inf"))
+        out[b] = torch.softmax(logits, -1) @ p.v[b]
+    return layer.finish(out, x)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("spectrum", ["gaussian", "gaussian_mixture"])
+def test_forward_equals_reference_forward_and_backward(P, spectrum):
+    layer = strong_layer(k=5, P=P, spectrum=spectrum)
+    x = torch.randn(3, 23, 32, dtype=F64, requires_grad=True)
+    pos = torch.randn(3, 23, P, dtype=F64) * 2
+    pad = torch.zeros(3, 23, dtype=torch.bool)
+    pad[1, -6:] = True
+    out, ref = layer(x, pos, key_padding_mask=pad), layer.reference(x, pos, key_padding_mask=pad)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    params = [x] + list(layer.parameters())
+    g_out = torch.autograd.grad((out * up).sum(), params, retain_graph=True, allow_unused=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), params, allow_unused=True)
+    for a, b in zip(g_out, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close(a, b)
+    near = dict(zip([n for n, _ in [("x", x)] + list(layer.named_parameters())], g_out))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in near.items() if n.startswith("near_spectrum"))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_exact_is_the_direct_quadratic_formula(padded):
+    layer = strong_layer(k=4, P=3)
+    x = torch.randn(2, 11, 32, dtype=F64)
+    pos = torch.randint(0, 3, (2, 11, 3)).to(F64)  # ties between distances
+    pad = None
+    if padded:
+        pad = torch.zeros(2, 11, dtype=torch.bool)
+        pad[0, 7:] = True
+    with torch.no_grad():
+        assert_close(layer.exact(x, pos, pad), direct(layer, x, pos, pad))
+
+
+def test_k_at_least_n_is_exact_attention_and_converges_with_m():
+    layer = strong_layer(k=40, P=2)
+    x = torch.randn(2, 17, 32, dtype=F64)
+    pos = torch.rand(2, 17, 2, dtype=F64)
+    with torch.no_grad():
+        assert_close(layer(x, pos), layer.exact(x, pos))  # every key is near: nothing estimated
+        assert_close(layer.exact(x, pos), direct(layer, x, pos))
+
+
+def test_batch_shared_positions_give_the_rows_of_each_sample():
+    layer = strong_layer(k=5, P=2)
+    grid = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(16, 2).to(F64)
+    x = torch.randn(3, 16, 32, dtype=F64)
+    with torch.no_grad():
+        together = layer(x, grid.expand(3, 16, 2))
+        alone = torch.cat([layer(x[i : i + 1], grid) for i in range(3)])
+    assert_close(together, alone)
+
+
+def test_strong_local_mask_in_the_near_spectrum_costs_no_variance():
+    # A Gaussian bump of f(0) = 3.5 on 3-D points: in f (concatenated into FAVOR+) the
+    # estimate is poor; in f_near on the 16 nearest keys it is FAVOR+'s error with f = 0.
+    torch.manual_seed(0)
+    N = 96
+    pos = torch.rand(2, N, 3, dtype=F64) * N ** (1 / 3)  # unit density
+    x = torch.randn(2, N, 32, dtype=F64)
+    errs = {}
+    for name, k in (("plain", 0), ("near", 16)):
+        layer = FLTAttention(32, 2, pos_dim=3, spectrum="gaussian", length_scale=1.0, num_features=64, num_frequencies=16,
+                             near_neighbors=k).double()
+        with torch.no_grad():
+            (layer.near_spectrum if k else layer.spectrum).amplitude.fill_(3.5)
+            errs[name] = ((layer(x, pos) - layer.exact(x, pos)).norm() / layer.exact(x, pos).norm()).item()
+    assert errs["near"] < 0.15 and errs["plain"] > 2 * errs["near"], errs
+
+
+def test_near_set_is_the_k_nearest_valid_keys():
+    layer = strong_layer(k=3, P=2)
+    pos = torch.tensor([[[0.0, 0.0], [5.0, 0.0], [0.1, 0.0], [0.0, 0.2], [0.05, 0.0]]], dtype=F64)
+    pad = torch.tensor([[False, False, False, False, True]])
+    idx = layer.near_keys(pos, ~pad)
+    assert idx[0, 0].tolist() == [0, 2, 3]
+    assert torch.equal(idx, nearest_keys(pos, 3, key_mask=~pad))
+
+
+def test_option_errors():
+    with pytest.raises(ValueError, match="near_neighbors must be a nonnegative int"):
+        FLTAttention(32, 2, near_neighbors=-1)
+    with pytest.raises((TypeError, ValueError), match="near_neighbors"):
+        FLTAttention(32, 2, near_neighbors=2.5)
+    with pytest.raises(ValueError, match="exclusive"):
+        FLTAttention(32, 2, near_neighbors=4, near_field=4)
+    with pytest.raises(ValueError, match="near_neighbors needs coupling='logit'"):
+        FLTAttention(32, 2, near_neighbors=4, coupling="multiplicative")
+    with pytest.raises(ValueError, match="causal=False"):
+        FLTAttention(32, 2, near_neighbors=4, causal=True)
+    layer = FLTAttention(32, 2, near_neighbors=4)
+    assert layer.near_spectrum is not None and layer.near_spectrum.has_random_features is False
