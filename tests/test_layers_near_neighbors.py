@@ -140,3 +140,25 @@ def test_option_errors():
         FLTAttention(32, 2, near_neighbors=4, causal=True)
     layer = FLTAttention(32, 2, near_neighbors=4)
     assert layer.near_spectrum is not None and layer.near_spectrum.has_random_features is False
+
+
+def test_spatial_fidelity_sweep_and_cli(tmp_path, monkeypatch):
+    # The measurement behind near_neighbors (flt approx --spatial), small.
+    from flt.bench import approx
+    from flt.cli import main as cli_main
+
+    rows = approx.spatial_fidelity_errors((0.0, 3.5), ((64, 16),), point_sets=["3-D random, N=64"], seeds=(0,), dim=64,
+                                          estimators=["concat (logit, no near set)", "k=16 nearest, mask in f_near"])
+    err = {(r.estimator, r.amplitude): r for r in rows}
+    plain, near = err[("concat (logit, no near set)", 3.5)], err[("k=16 nearest, mask in f_near", 3.5)]
+    assert plain.rel_error == plain.full_mask_error
+    assert near.rel_error <= 2 * err[("concat (logit, no near set)", 0.0)].rel_error
+    assert plain.rel_error > 3 * near.rel_error
+    assert near.rel_error <= near.full_mask_error < plain.rel_error  # truncating the bump costs less than estimating it
+    sweep = approx.spatial_fidelity_errors
+    monkeypatch.setattr(approx, "spatial_fidelity_errors", lambda a, s, **kw: sweep(a, s, point_sets=["2-D grid 16x16"], dim=32, estimators=["k=8 nearest, mask in f_near"], **kw))
+    assert cli_main(["approx", "--spatial", "--quick", "--out-dir", str(tmp_path)]) == 0
+    import json
+
+    data = json.loads((tmp_path / "spatial.json").read_text())["spatial"]
+    assert {r["estimator"] for r in data} == {"k=8 nearest, mask in f_near"} and len(data) == 2

@@ -154,6 +154,87 @@ def fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((64, 16), (2
     return rows
 
 
+@dataclass(frozen=True)
+class SpatialFidelityError:
+    positions: str  # the point set (POINT_SETS)
+    estimator: str  # a key of SPATIAL_ESTIMATORS
+    amplitude: float  # f(0) of the Gaussian bump
+    m: int
+    R: int
+    rel_error: float  # |forward(x) - exact(x)| / |exact(x)|, mean over seeds
+    full_mask_error: float | None  # the same against softmax(x_q.x_k + f) with f on every pair (logit only)
+
+
+def _random_cube(n: int, pos_dim: int, generator) -> torch.Tensor:
+    """``n`` uniform points at unit density (a cube of side ``n^(1/P)``)."""
+    return torch.rand(n, pos_dim, generator=generator, dtype=F64) * n ** (1 / pos_dim)
+
+
+def _grid(side: int) -> torch.Tensor:
+    """A ``side x side`` grid of unit spacing: image patches."""
+    axis = torch.arange(side, dtype=F64)
+    return torch.stack(torch.meshgrid(axis, axis, indexing="ij"), dim=-1).reshape(-1, 2)
+
+
+#: Point sets of the spatial sweep, ``name -> (P, fn(generator) -> [N, P])``, all at unit
+#: spacing, so a bump of length 1 reaches a few neighbours on every axis.
+POINT_SETS = {
+    "3-D random, N=64": (3, lambda g: _random_cube(64, 3, g)),
+    "3-D random, N=256": (3, lambda g: _random_cube(256, 3, g)),
+    "2-D grid 16x16": (2, lambda g: _grid(16)),
+}
+
+#: Estimators of a strong Gaussian bump on point sets, as FLTAttention options, and the
+#: spectrum that carries the bump (as in FIDELITY_ESTIMATORS).
+SPATIAL_ESTIMATORS = {
+    "concat (logit, no near set)": ({"coupling": "logit"}, "spectrum"),
+    "multiplicative, gaussian f": ({"coupling": "multiplicative"}, "spectrum"),
+    "k=8 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 8}, "near_spectrum"),
+    "k=16 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 16}, "near_spectrum"),
+    "k=32 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 32}, "near_spectrum"),
+    "k=16 nearest, mask in f (far)": ({"coupling": "logit", "near_neighbors": 16}, "spectrum"),
+}
+
+
+def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256, 32),), *, point_sets=None, estimators=None,
+                            length_scale: float = 1.0, dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[SpatialFidelityError]:
+    """Relative error of ``FLTAttention.forward`` against ``exact`` for a Gaussian bump
+    ``f(Delta) = f(0) exp(-|Delta|^2 / 2 l^2)`` on 2-D and 3-D point sets (default qk-norm,
+    random inputs, batch 2 on the same points).
+
+    ``full_mask_error`` compares with the bump on every pair, which a near set holds only
+    on its k nearest keys: it adds the truncation of the mask to the estimation error (for
+    the concatenation it equals ``rel_error``; None for the multiplicative coupling, whose
+    target is another attention)."""
+    rows = []
+    for set_name in point_sets or POINT_SETS:
+        pos_dim, make = POINT_SETS[set_name]
+        for label in estimators or SPATIAL_ESTIMATORS:
+            options, where = SPATIAL_ESTIMATORS[label]
+            for amplitude in amplitudes:
+                for m, R in settings:
+                    errs, full_errs = [], []
+                    for seed in seeds:
+                        torch.manual_seed(seed)
+                        pos = make(torch.Generator().manual_seed(seed))
+                        layer = FLTAttention(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
+                                             num_features=m, num_frequencies=R, **options).double()
+                        with torch.no_grad():
+                            getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
+                        x = torch.randn(2, pos.shape[0], dim, dtype=F64)
+                        with torch.no_grad():
+                            out, exact = layer(x, pos), layer.exact(x, pos)
+                            errs.append(((out - exact).norm() / exact.norm()).item())
+                            if options["coupling"] == "logit":
+                                k, layer.near_neighbors = getattr(layer, "near_neighbors", 0), pos.shape[0] if where == "near_spectrum" else 0
+                                full = layer.exact(x, pos)  # the near spectrum on every pair when it holds the bump
+                                layer.near_neighbors = k
+                                full_errs.append(((out - full).norm() / full.norm()).item())
+                    full_error = sum(full_errs) / len(full_errs) if full_errs else None
+                    rows.append(SpatialFidelityError(set_name, label, amplitude, m, R, sum(errs) / len(errs), full_error))
+    return rows
+
+
 def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=(1.0, 2.0, 4.0)) -> list[KernelScaleError]:
     """FAVOR+ error for raw unit-variance q, k (``|x|^2 = sqrt(D)``) and for L2-normalised
     q, k with temperature t (``|x|^2 = t``): why FAVOR+-based layers normalise by default."""
