@@ -24,7 +24,6 @@ from flt.graphs import (
     split_links,
     split_node_pairs,
 )
-from flt.graphs.transformer import GraphSoftmaxAttention
 from flt.layers import FLTAttention, SoftmaxAttention
 
 F64 = torch.float64
@@ -88,19 +87,18 @@ def test_flt_converges_to_the_exact_attention_on_graph_coordinates(one_thread):
 def test_flt_exact_attention_is_the_softmax_spectrum_counterpart(one_thread):
     """With the same weights (and plain 1/sqrt(D) scaling) FLTAttention.exact on anchor
     coordinates is SoftmaxAttention(relative_bias='spectrum'), the softmax-spectrum kind's
-    layer, whose fast Gaussian bias equals the library's generic one."""
+    layer, whose Gaussian bias on K > 3 coordinates (a matmul) equals the offsets' formula."""
     x, pos = graph_inputs(grid(5), 6)
     h = torch.randn(1, 25, 8, dtype=F64)
     opts = dict(pos_dim=6, spectrum="gaussian", num_frequencies=8, length_scale=[1.0, 2.0, 0.5, 1.5, 1.0, 3.0], amplitude=0.8)
     flt = FLTAttention(8, 2, num_features=16, qk_norm=False, **opts).double()
-    soft = GraphSoftmaxAttention(8, 2, relative_bias="spectrum", **opts).double()
-    generic = SoftmaxAttention(8, 2, relative_bias="spectrum", **opts).double()
+    soft = SoftmaxAttention(8, 2, relative_bias="spectrum", **opts).double()
     soft.load_state_dict(flt.state_dict(), strict=False)
-    generic.load_state_dict(soft.state_dict())
     p = pos.unsqueeze(0)
-    assert_close(soft.positional_term(p, F64), generic.positional_term(p, F64))
+    offsets = soft.spectrum.of_offsets(p.unsqueeze(2) - p.unsqueeze(1)).permute(0, 3, 1, 2)
+    assert_close(soft.positional_term(p, F64), offsets)
     assert_close(soft(h, p), flt.exact(h, p))
-    assert_close(soft(h, p), generic.reference(h, p))
+    assert_close(soft(h, p), soft.reference(h, p))
 
 
 @pytest.mark.parametrize("kind", ["flt", "softmax-spectrum"])

@@ -143,7 +143,7 @@ def test_alibi_and_table_biases_against_hand_built_matrices():
     bare = SoftmaxAttention(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
     bare.table.table.data.copy_(t5.table.table)
     assert_close(bare.positional_term(pos, F64)[0, 0], expected_h0)
-    assert "table.scale" not in dict(bare.named_parameters()) and "table.scale" in dict(t5.named_parameters())
+    assert "relative.scale" not in dict(bare.named_parameters()) and "relative.scale" in dict(t5.named_parameters())
 
 
 @pytest.mark.parametrize("relative_bias", ["t5", "clipped"])
@@ -179,10 +179,10 @@ def test_softmax_alibi_distance_unit_and_learnable_slopes():
     learned = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5, alibi_learnable=True).double()
     learned.load_state_dict(per_patch.state_dict(), strict=False)
     # (built in float32 and converted: the logs are float32-accurate)
-    assert_close(learned.log_slopes.exp(), alibi_slopes(2).double(), dtype=torch.float32)
+    assert_close(learned.relative.log_slopes.exp(), alibi_slopes(2).double(), dtype=torch.float32)
     assert_close(learned(x, patches), per_patch(x, patches), dtype=torch.float32)
     learned(x, patches).square().sum().backward()
-    assert learned.log_slopes.grad is not None and bool(torch.all(learned.log_slopes.grad != 0))
+    assert learned.relative.log_slopes.grad is not None and bool(torch.all(learned.relative.log_slopes.grad != 0))
     with pytest.raises(ValueError, match="alibi_unit"):
         SoftmaxAttention(16, 2, relative_bias="alibi", alibi_unit=0.0)
 

@@ -26,11 +26,68 @@ def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None, layou
             raise ValueError(f"{name} must have rank {want}{shape_hint}, got shape {tuple(x.shape)}")
 
 
+def compiling() -> bool:
+    """True while ``torch.compile`` traces the caller: data-dependent checks then become
+    in-graph assertions instead of host synchronisations (which would break the graph)."""
+    return torch.compiler.is_compiling()
+
+
+def _checked(x: torch.Tensor, tag: str) -> bool:
+    """Whether ``x`` (this very tensor, unmodified since) already passed check ``tag``."""
+    marks = getattr(x, "_flt_checked", None)
+    if not marks or tag not in marks:
+        return False
+    try:
+        return marks[tag] == x._version
+    except RuntimeError:  # inference tensors have no version counter
+        return False
+
+
+def _remember(x: torch.Tensor, tag: str) -> None:
+    try:
+        version = x._version
+    except RuntimeError:
+        return
+    marks = getattr(x, "_flt_checked", None)
+    if marks is None:
+        marks = {}
+        try:
+            x._flt_checked = marks
+        except AttributeError:  # tensor subclasses without a __dict__
+            return
+    marks[tag] = version
+
+
+def check_values(name: str, x: torch.Tensor, ok, message: str, *, tag: str, error: type[Exception] = ValueError) -> None:
+    """Require ``ok(x)`` (a bool tensor) to hold everywhere; raise ``error(message)``.
+
+    A data-dependent check costs a host synchronisation, so it runs once per tensor: a
+    tensor that passed (the same object, not modified in place since) is not checked
+    again, which is what a model passing one ``pos`` to all its layers needs. Under
+    ``torch.compile`` the check is an in-graph assertion (``torch._assert_async``:
+    a ``RuntimeError`` with the same message), so it adds no graph break.
+    """
+    if compiling():
+        torch._assert_async(ok(x).all(), message)
+        return
+    if _checked(x, tag):
+        return
+    if not bool(ok(x).all()):
+        raise error(message)
+    _remember(x, tag)
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
-    """Reject NaN and infinite entries (positions, masks)."""
+    """Reject NaN and infinite entries (positions, masks); see :func:`check_values`."""
+    if compiling():
+        torch._assert_async(torch.isfinite(x).all(), f"{name} contains non-finite values (NaN or inf)")
+        return
+    if _checked(x, "finite"):
+        return
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or inf)")
+    _remember(x, "finite")
 
 
 def check_dim(name: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:

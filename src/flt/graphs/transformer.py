@@ -20,7 +20,9 @@ positions:
 * ``attention="softmax-spectrum"``: its exact ``O(N^2)`` counterpart,
   :class:`flt.layers.SoftmaxAttention` with ``relative_bias="spectrum"`` and the same
   spectrum options (the pairing ``flt`` / ``softmax:relative_bias=spectrum`` of the
-  training presets), its Gaussian bias computed by :class:`GraphSoftmaxAttention`.
+  training presets). The Gaussian spectrum computes its exact bias on ``K > 3``
+  coordinates by a matmul (:meth:`flt.spectra.GaussianKernelSpectrum.pairwise`), without
+  the ``[N, N, K]`` tensor of differences.
 
 :class:`LaplacianPE` is the positional baseline: the first ``k`` nontrivial eigenvectors of
 the normalised Laplacian of the training edges, fed to an MLP. An eigenvector is defined
@@ -41,7 +43,6 @@ from torch import nn
 from flt._checks import check_choice, check_positive_int
 from flt.layers.flt import FLTAttention
 from flt.layers.softmax import SoftmaxAttention
-from flt.spectra import GaussianKernelSpectrum
 
 from .anchors import UNREACHABLE, _check_edges
 
@@ -62,28 +63,6 @@ def anchor_coordinates(dist: torch.Tensor, dtype: torch.dtype = torch.float32) -
     far = int(dist.max()) + 1
     d = torch.where(dist == UNREACHABLE, torch.full_like(dist, far), dist)
     return d.to(dtype) / math.sqrt(dist.shape[1])
-
-
-class GraphSoftmaxAttention(SoftmaxAttention):
-    """:class:`flt.layers.SoftmaxAttention` with ``relative_bias="spectrum"`` whose Gaussian
-    bias is computed without the ``[N, N, K]`` difference tensor.
-
-    For the Gaussian spectrum ``|(r_i - r_j) / l_h|^2 = |s_i|^2 + |s_j|^2 - 2 s_i . s_j``
-    with ``s = r / l_h``: the same exact ``f`` in ``O(N^2 H + N K H)`` memory instead of
-    ``O(N^2 K H)`` (with ``K = 64`` anchors and ``N = 400`` nodes the library's generic
-    path spends over a second per training step on it). Other spectra use the generic path.
-    """
-
-    def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
-        if not isinstance(self.spectrum, GaussianKernelSpectrum):
-            return super().positional_term(pos, dtype)
-        if pos.shape[0] > 1 and not pos.requires_grad and torch.equal(pos, pos[:1].expand_as(pos)):
-            pos = pos[:1]
-        cdt = torch.promote_types(torch.promote_types(dtype, torch.float32), self.spectrum.log_length.dtype)
-        s = pos.to(cdt).unsqueeze(1) / self.spectrum.lengths().to(cdt)[None, :, None, :]  # [B, H, N, P]
-        sq = (s * s).sum(-1)
-        d2 = (sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * s @ s.transpose(-1, -2)).clamp(min=0)
-        return self.spectrum.amplitude.to(cdt).view(1, -1, 1, 1) * torch.exp(-0.5 * d2)
 
 
 class _Block(nn.Module):
@@ -152,7 +131,7 @@ class GraphTransformer(nn.Module):
         if attention == "flt":
             make = lambda: FLTAttention(dim, heads, num_features=num_features, **spec)  # noqa: E731
         else:
-            make = lambda: GraphSoftmaxAttention(dim, heads, relative_bias="spectrum", **spec)  # noqa: E731
+            make = lambda: SoftmaxAttention(dim, heads, relative_bias="spectrum", **spec)  # noqa: E731
         self.embed = nn.Linear(in_dim, dim)
         self.blocks = nn.ModuleList(_Block(make(), dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -218,7 +197,6 @@ class LaplacianPE(nn.Module):
 __all__ = [
     "ATTENTION_MODES",
     "GRAPH_ATTENTIONS",
-    "GraphSoftmaxAttention",
     "GraphTransformer",
     "LaplacianPE",
     "anchor_coordinates",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_dim, check_positions, check_positive_int, check_tensor
+from flt._checks import compiling, check_dim, check_positions, check_positive_int, check_tensor
 from flt.options import check_attention_options
 
 #: ``layer.double()`` etc.: how to cast a layer to a dtype, for the dtype error.
@@ -39,8 +39,9 @@ def _autocast_enabled(device_type: str) -> bool:
 def batch_shared(pos: torch.Tensor | None) -> torch.Tensor | None:
     """``pos [B, N, P]`` as ``[1, N, P]`` when every sequence of the batch has the same
     positions (token indices, patch grids) and they need no gradient, so that a term of
-    positions alone is computed once, not ``B`` times; otherwise ``pos`` unchanged."""
-    if pos is not None and pos.shape[0] > 1 and not pos.requires_grad:
+    positions alone is computed once, not ``B`` times; otherwise ``pos`` unchanged. Under
+    ``torch.compile`` (where comparing the rows would break the graph) ``pos`` unchanged."""
+    if pos is not None and pos.shape[0] > 1 and not pos.requires_grad and not compiling():
         if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
             return pos[:1]
     return pos

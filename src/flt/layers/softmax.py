@@ -11,19 +11,21 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
-from torch import nn
 
 from flt._checks import check_choice
 from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
 from flt.posenc._common import check_positive_float
-from flt.posenc.bias import DEFAULT_TABLE_SCALE, RelativeBiasTable, alibi_bias, alibi_slopes
+from flt.posenc.bias import DEFAULT_TABLE_SCALE
 from flt.posenc.rope import apply_rope
-from flt.spectra import SPECTRA
+from flt.relative.base import RelativeTerm
+from flt.spectra import SPECTRA, Spectrum
 
-RELATIVE_BIASES = (None, "t5", "clipped", "alibi", "spectrum")
+#: The relative terms whose options are the layer's own keywords; other entries of
+#: :data:`flt.relative.RELATIVE` take theirs as ``relative_options``.
+BUILT_IN = ("t5", "clipped", "alibi", "spectrum")
+RELATIVE_BIASES = (None, *BUILT_IN)
 
 
 class SoftmaxAttention(AttentionBase):
@@ -34,7 +36,10 @@ class SoftmaxAttention(AttentionBase):
         relative_bias: ``None``, ``"t5"`` / ``"clipped"`` (learned table over 1-D integer
             offsets; ``max_distance``, ``num_buckets``, ``table_scale``), ``"alibi"``
             (``-slope_h |r_i - r_j| / alibi_unit``, Euclidean for ``P > 1``) or
-            ``"spectrum"`` (the exact mask ``f`` of ``SPECTRA[spectrum]``, learned, any ``P``).
+            ``"spectrum"`` (the exact mask ``f`` of ``SPECTRA[spectrum]``, learned, any ``P``),
+            another name of :data:`flt.relative.RELATIVE` (its options in
+            ``relative_options``), or a :class:`flt.relative.RelativeTerm` module. The term
+            is ``layer.relative``; its ``bias(pos_q, pos_k)`` is what the layer adds.
         table_scale, learn_table_scale: the tables' bias is ``scale_h * table`` with ``scale``
             starting at ``table_scale`` (default 16) and learned unless
             ``learn_table_scale=False``: it multiplies the bias's effective learning rate
@@ -66,7 +71,7 @@ class SoftmaxAttention(AttentionBase):
         *,
         pos_dim: int = 1,
         causal: bool = False,
-        relative_bias: str | None = None,
+        relative_bias: str | RelativeTerm | None = None,
         max_distance: int = 128,
         num_buckets: int | None = None,
         table_scale: float = DEFAULT_TABLE_SCALE,
@@ -76,6 +81,7 @@ class SoftmaxAttention(AttentionBase):
         spectrum: str = "gaussian_mixture",
         coupling: str = "logit",
         num_frequencies: int = 32,
+        relative_options: dict | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
         backend: str = "sdpa",
@@ -84,18 +90,24 @@ class SoftmaxAttention(AttentionBase):
         **spectrum_options,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        check_choice("relative_bias", relative_bias, RELATIVE_BIASES)
+        from flt.relative import RELATIVE, build_relative
+
+        if not isinstance(relative_bias, RelativeTerm):
+            check_choice("relative_bias", relative_bias, (None, "spectrum", *(n for n in RELATIVE if n not in SPECTRA)))
         check_choice("backend", backend, BACKENDS)
         check_choice("coupling", coupling, ("logit", "multiplicative"))
-        if coupling == "multiplicative" and relative_bias != "spectrum":
+        is_spectrum = relative_bias == "spectrum" or isinstance(relative_bias, Spectrum)
+        if coupling == "multiplicative" and not is_spectrum:
             raise ValueError("coupling='multiplicative' applies to relative_bias='spectrum' only")
         if relative_bias in ("t5", "clipped") and pos_dim != 1:
             raise ValueError(f"relative_bias={relative_bias!r} is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
         if spectrum_options and relative_bias != "spectrum":
             raise ValueError(f"unexpected options {sorted(spectrum_options)} (spectrum options need relative_bias='spectrum')")
+        if relative_options is not None and (not isinstance(relative_bias, str) or relative_bias in BUILT_IN):
+            raise ValueError("relative_options are for relative terms registered beyond t5, clipped, alibi and spectrum (whose options are keywords)")
         if rope and self.head_dim % (2 * pos_dim):
             raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
-        self.relative_bias, self.coupling, self.backend = relative_bias, coupling, backend
+        self.coupling, self.backend = coupling, backend
         self.rope, self.rope_base = bool(rope), rope_base
         # Options of the other biases are accepted and unused (as max_distance is), so a
         # preset's options survive an override of relative_bias.
@@ -103,41 +115,58 @@ class SoftmaxAttention(AttentionBase):
         if not isinstance(alibi_learnable, bool):
             raise TypeError(f"alibi_learnable must be a bool, got {type(alibi_learnable).__name__}")
         self.alibi_learnable = alibi_learnable
-        fk = {"device": device, "dtype": dtype}
-        self.table = self.spectrum = None
-        if relative_bias in ("t5", "clipped"):
-            self.table = RelativeBiasTable(
-                heads, mode=relative_bias, max_distance=max_distance, num_buckets=num_buckets, bidirectional=not causal,
-                table_scale=table_scale, learn_scale=learn_table_scale, **fk,
-            )
+        fk = {"heads": heads, "pos_dim": pos_dim, "causal": causal, "device": device, "dtype": dtype}
+        if isinstance(relative_bias, RelativeTerm):
+            self.relative_bias, self.relative = type(relative_bias).__name__, relative_bias
+        elif relative_bias is None:
+            self.relative_bias, self.relative = None, None
+        elif relative_bias in ("t5", "clipped"):
+            options = {"max_distance": max_distance, "table_scale": table_scale, "learn_scale": learn_table_scale}
+            if relative_bias == "t5":
+                options["num_buckets"] = num_buckets
+            self.relative_bias, self.relative = relative_bias, build_relative(relative_bias, **fk, **options)
         elif relative_bias == "alibi":
-            if alibi_learnable:
-                log_slopes = alibi_slopes(heads, device=device, dtype=torch.float64).log()
-                self.log_slopes = nn.Parameter(log_slopes.to(dtype or torch.get_default_dtype()))
-            else:
-                self.register_buffer("slopes", alibi_slopes(heads, device=device, dtype=torch.float32), persistent=False)
+            self.relative_bias, self.relative = relative_bias, build_relative("alibi", **fk, unit=alibi_unit, learnable=alibi_learnable)
         elif relative_bias == "spectrum":
             spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
-            self.spectrum = SPECTRA[spectrum](heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, **fk, **spectrum_options)
-            self.spectrum.has_random_features = False  # only its exact mask is used: nothing to redraw
+            check_choice("spectrum", spectrum, SPECTRA)
+            term = build_relative(spectrum, **fk, num_frequencies=num_frequencies, **spectrum_options)
+            term.has_random_features = False  # only its exact mask is used: nothing to redraw
+            self.relative_bias, self.relative = relative_bias, term
+        else:
+            self.relative_bias, self.relative = relative_bias, build_relative(relative_bias, **fk, **(relative_options or {}))
+
+    @property
+    def spectrum(self) -> Spectrum | None:
+        """The relative term when it is a spectrum (``relative_bias="spectrum"``), else None."""
+        return self.relative if isinstance(self.relative, Spectrum) else None
+
+    @property
+    def table(self) -> RelativeTerm | None:
+        """The relative term when it is a T5 or clipped table, else None."""
+        return self.relative if self.relative_bias in ("t5", "clipped") else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Before the relative-term registry the term sat under its kind's name.
+        for old in ("table.", "spectrum."):
+            for key in [k for k in state_dict if k.startswith(prefix + old)]:
+                state_dict.setdefault(prefix + "relative." + key[len(prefix + old):], state_dict.pop(key))
+        if prefix + "log_slopes" in state_dict:
+            state_dict.setdefault(prefix + "relative.log_slopes", state_dict.pop(prefix + "log_slopes"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
-        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions.
+        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions:
+        :meth:`flt.relative.RelativeTerm.bias` of the layer's term.
 
         When every sequence of the batch has the same positions (token indices, patch
         grids) and they need no gradient, the ``N x N`` term is computed once, not ``B`` times.
         """
-        pos = batch_shared(pos)
-        if self.table is not None:
-            return self.table(pos).to(dtype)
-        if self.relative_bias == "alibi":
-            slopes = self.log_slopes.exp() if self.alibi_learnable else self.slopes
-            return alibi_bias(pos, pos, slopes, unit=self.alibi_unit).to(dtype)
-        if self.spectrum is not None:
-            cdt = torch.promote_types(dtype, torch.float32)
-            delta = (pos.unsqueeze(2) - pos.unsqueeze(1)).to(cdt)  # [B|1, N, N, P]
-            return rearrange(self.spectrum.mask(delta), "b i j h -> b h i j")
-        return None
+        if self.relative is None:
+            return None
+        term = self.relative.bias(batch_shared(pos))
+        # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
+        return term if isinstance(self.relative, Spectrum) else term.to(dtype)
 
     def _attend(self, x, pos, key_padding_mask, backend):
         p = self.prepare(x, pos, key_padding_mask)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from flt._checks import check_positive_int
+from flt._checks import check_positive_int, check_values
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, toeplitz_attention, toeplitz_attention_reference
-from flt.posenc.bias import DEFAULT_TABLE_SCALE, RelativeBiasTable
+from flt.ops.reference import rpe_attention_reference
+from flt.posenc.bias import DEFAULT_TABLE_SCALE
+from flt.relative import build_relative
 
 
 class ToeplitzAttention(KernelAttention):
@@ -78,15 +80,15 @@ class ToeplitzAttention(KernelAttention):
             temperature=temperature, orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, device=device, dtype=dtype,
         )
         self.max_distance, self.fft_dtype, self.block_size = max_distance, fft_dtype, block_size
-        self.table = RelativeBiasTable(
-            heads, mode="clipped", max_distance=max_distance, bidirectional=not causal, table_scale=table_scale,
+        self.table = build_relative(
+            "clipped", heads=heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
             learn_scale=learn_table_scale, device=device, dtype=dtype,
         )
 
     def bias(self, n: int) -> torch.Tensor:
         """``[H, 2n - 1]``: entry ``t + n - 1`` is the bias of offset ``t = i - j``."""
         t = torch.arange(-(n - 1), n, device=self.table.table.device)
-        return self.table.lookup(-t).T  # the table's offsets are key - query = -t
+        return self.table.of_offsets(t.view(-1, 1)).T
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
@@ -100,9 +102,10 @@ class ToeplitzAttention(KernelAttention):
 
     @staticmethod
     def check_grid(pos: torch.Tensor) -> None:
-        steps = pos[:, 1:, 0] - pos[:, :-1, 0]
-        if steps.numel() and not bool(torch.all(steps == 1)):
-            raise ValueError("toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)")
+        check_values(
+            "pos", pos, lambda p: p[:, 1:, 0] - p[:, :-1, 0] == 1,
+            "toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)", tag="unit-grid",
+        )
 
     def _inputs(self, x, pos, key_padding_mask):
         p = self.prepare(x, pos, key_padding_mask)
@@ -128,6 +131,19 @@ class ToeplitzAttention(KernelAttention):
         p, qf, kf, kls = self._inputs(x, pos, key_padding_mask)
         bias = self.bias(x.shape[1]).to(qf.dtype)
         out = toeplitz_attention_reference(qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls)
+        return self.finish(out, x)
+
+    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The O(N^2) attention this layer estimates: ``exp(b(i - j)) exp(x_q.x_k)``
+        normalised, i.e. softmax of ``x_q.x_k + b(i - j)`` with the exact kernel in place of
+        the random features (float32 or better)."""
+        p = self.prepare(x, pos, key_padding_mask)
+        self.check_grid(p.pos)
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        cdt = torch.promote_types(xq.dtype, torch.float32)
+        bias = self.table.bias(p.pos[:1] - p.pos[:1, :1]).to(cdt)  # offsets only: one row of positions serves the batch
+        pad = self.padding_mask_matrix(p.pad, cdt)
+        out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), p.v.to(cdt), bias=bias, mask=pad, causal=self.causal, scale=1.0)
         return self.finish(out, x)
 
     def step(self, *args, **kwargs):

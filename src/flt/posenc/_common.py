@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flt._checks import check_dim, check_finite, check_tensor
+from flt._checks import check_dim, check_finite, check_tensor, check_values
 
 
 def check_abs_positions(name: str, pos, pos_dim: int) -> None:
@@ -28,8 +28,7 @@ def integer_positions(name: str, pos) -> torch.Tensor:
         raise TypeError(f"{name} must have an integer or floating-point dtype, got {pos.dtype}")
     if pos.is_floating_point():
         check_finite(name, pos)
-        if not bool((pos == pos.round()).all()):
-            raise ValueError(f"{name} must hold integer-valued positions, got fractional values")
+        check_values(name, pos, lambda p: p == p.round(), f"{name} must hold integer-valued positions, got fractional values", tag="integer")
     return pos.long()
 
 

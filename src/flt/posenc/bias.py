@@ -15,8 +15,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_choice, check_dim, check_finite, check_positive_int, check_tensor
+from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
 from flt.posenc._common import check_positive_float, compute_dtype, integer_positions
+from flt.relative.base import RelativeTerm, pair_positions
 
 
 def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
@@ -36,20 +37,6 @@ def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
     low = 2 ** int(math.floor(math.log2(heads)))
     slopes = power_of_two(low) + power_of_two(2 * low)[0::2][: heads - low]
     return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype or torch.get_default_dtype())
-
-
-def _pair_positions(pos_q, pos_k) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate query/key positions; return them as ``[B or 1, N, P]`` and ``[B or 1, Nk, P]``."""
-    check_tensor("pos_q", pos_q, ndim=(2, 3), layout="[B, N, P] or [N, P]")
-    check_tensor("pos_k", pos_k, ndim=(2, 3), layout="[B, Nk, P] or [Nk, P]")
-    pos_q = pos_q if pos_q.ndim == 3 else pos_q.unsqueeze(0)
-    pos_k = pos_k if pos_k.ndim == 3 else pos_k.unsqueeze(0)
-    check_dim("pos_k", pos_k, 2, pos_q.shape[2], "position dimension P (must match pos_q)")
-    if pos_q.shape[0] != pos_k.shape[0] and 1 not in (pos_q.shape[0], pos_k.shape[0]):
-        raise ValueError(f"pos_q and pos_k have batch sizes {pos_q.shape[0]} and {pos_k.shape[0]}; they must match or be 1")
-    check_finite("pos_q", pos_q)
-    check_finite("pos_k", pos_k)
-    return pos_q, pos_k
 
 
 def alibi_bias(pos_q: torch.Tensor, pos_k: torch.Tensor, slopes: torch.Tensor, *, unit: float = 1.0) -> torch.Tensor:
@@ -78,7 +65,7 @@ def alibi_bias(pos_q: torch.Tensor, pos_k: torch.Tensor, slopes: torch.Tensor, *
     Returns:
         ``[B or 1, H, N, Nk]`` in float32 or better.
     """
-    pos_q, pos_k = _pair_positions(pos_q, pos_k)
+    pos_q, pos_k = pair_positions(pos_q, pos_k)
     check_tensor("slopes", slopes, ndim=1, layout="[H]")
     check_finite("slopes", slopes)
     unit = check_positive_float("unit", unit)
@@ -172,7 +159,7 @@ def clipped_relative_indices(offsets: torch.Tensor, *, max_distance: int, bidire
 DEFAULT_TABLE_SCALE = 16.0
 
 
-class RelativeBiasTable(nn.Module):
+class RelativeBiasTable(RelativeTerm):
     """Learned per-head bias of 1-D integer offsets: ``[B, H, N, Nk]``.
 
     Modes:
@@ -202,7 +189,11 @@ class RelativeBiasTable(nn.Module):
     Shapes: ``forward(pos_q [B, N, 1], pos_k [B, Nk, 1] = pos_q) -> [B, H, N, Nk]`` in the
     table's dtype. Positions are integer-valued (float or integer tensors; ``[N, 1]``
     is accepted and gives batch 1). :meth:`lookup` gives the bias of a tensor of offsets.
+    As a :class:`flt.relative.RelativeTerm`: ``bias(pos_q, pos_k)`` is ``forward`` and
+    ``of_offsets(delta)`` the bias at offsets ``delta = r_q - r_k`` (integer-valued).
     """
+
+    pos_dims = (1,)
 
     def __init__(
         self,
@@ -262,6 +253,13 @@ class RelativeBiasTable(nn.Module):
         """Bias of integer offsets ``key - query`` (any shape ``S``): ``[*S, H]``."""
         return self.scaled_table()[self.indices(offsets)]
 
+    def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        """Bias at integer offsets ``delta = r_q - r_k`` ``[..., 1]``: ``[..., H]``."""
+        return self.lookup(-integer_positions("delta", delta)[..., 0])
+
+    def bias(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
+        return self(pos_q, pos_k)
+
     def forward(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
         pos_k = pos_q if pos_k is None else pos_k
         q, k = (integer_positions(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k)))
@@ -289,3 +287,78 @@ class RelativeBiasTable(nn.Module):
             f"heads={self.heads}, mode={self.mode!r}, max_distance={self.max_distance}{extra}, "
             f"bidirectional={self.bidirectional}, table_scale={self.table_scale}, learn_scale={self.learn_scale}"
         )
+
+
+class T5Bias(RelativeBiasTable):
+    """The T5-bucketed table as a registered relative term (``RELATIVE["t5"]``): one side
+    of the offsets when ``causal``."""
+
+    def __init__(
+        self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128, num_buckets: int | None = None,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+    ):
+        if pos_dim != 1:
+            raise ValueError(f"relative term 't5' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
+        super().__init__(
+            heads, mode="t5", max_distance=max_distance, num_buckets=num_buckets, bidirectional=not causal,
+            table_scale=table_scale, learn_scale=learn_scale, device=device, dtype=dtype,
+        )
+
+
+class ClippedBias(RelativeBiasTable):
+    """The clipped-offset table as a registered relative term (``RELATIVE["clipped"]``)."""
+
+    def __init__(
+        self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+    ):
+        if pos_dim != 1:
+            raise ValueError(f"relative term 'clipped' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
+        super().__init__(
+            heads, mode="clipped", max_distance=max_distance, bidirectional=not causal,
+            table_scale=table_scale, learn_scale=learn_scale, device=device, dtype=dtype,
+        )
+
+
+class AlibiBias(RelativeTerm):
+    """ALiBi as a relative term (``RELATIVE["alibi"]``): ``-slope_h |r_q - r_k| / unit``
+    (:func:`alibi_bias`, Euclidean for ``P > 1``).
+
+    Args:
+        heads: ``H``; the slopes start at :func:`alibi_slopes`.
+        pos_dim: any ``P``.
+        unit: the distance that counts as one step (see :func:`alibi_bias`).
+        learnable: learn the slopes, stored as ``log_slopes`` so they stay positive;
+            otherwise they are a fixed (non-persistent) buffer ``slopes``, as in the paper.
+    """
+
+    def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, learnable: bool = False, device=None, dtype=None):
+        super().__init__()
+        check_positive_int("heads", heads)
+        check_positive_int("pos_dim", pos_dim)
+        self.heads, self.pos_dim = heads, pos_dim
+        self.unit = check_positive_float("alibi_unit", unit)
+        if not isinstance(learnable, bool):
+            raise TypeError(f"alibi_learnable must be a bool, got {type(learnable).__name__}")
+        self.learnable = learnable
+        slopes = alibi_slopes(heads, device=device, dtype=torch.float64)
+        if learnable:
+            self.log_slopes = nn.Parameter(slopes.log().to(dtype or torch.get_default_dtype()))
+        else:
+            self.register_buffer("slopes", slopes.to(torch.float32), persistent=False)
+
+    def current_slopes(self) -> torch.Tensor:
+        return self.log_slopes.exp() if self.learnable else self.slopes
+
+    def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+        return alibi_bias(pos_q, pos_k, self.current_slopes(), unit=self.unit)
+
+    def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        slopes = self.current_slopes()
+        cdt = compute_dtype(delta, slopes)
+        delta = delta.to(cdt)
+        dist = delta.abs()[..., 0] if delta.shape[-1] == 1 else torch.linalg.vector_norm(delta, dim=-1)
+        return -slopes.to(cdt) * (dist / self.unit).unsqueeze(-1)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, unit={self.unit}, learnable={self.learnable}"

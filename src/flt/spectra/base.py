@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
+from flt.relative.base import RelativeTerm
 from flt.spectra.sampling import SAMPLERS, standard_normal_draws
 
 # Times 1 / R: weights smaller than this are split unevenly between the query and key
@@ -21,7 +22,7 @@ from flt.spectra.sampling import SAMPLERS, standard_normal_draws
 _WEIGHT_FLOOR = 1e-4
 
 
-class Spectrum(nn.Module):
+class Spectrum(RelativeTerm):
     """Base class of the spectral families.
 
     Subclasses implement :meth:`density` (``g``), :meth:`mask` (the exact ``f``) and
@@ -45,7 +46,13 @@ class Spectrum(nn.Module):
     alone, so the estimate stays differentiable in them. :attr:`has_random_features` is
     True unless the owner uses only the exact :meth:`mask` (e.g. FLT's near-field
     spectrum), in which case :mod:`flt.layers.draws` leaves the spectrum alone.
+
+    As a :class:`flt.relative.RelativeTerm`: ``of_offsets`` is :meth:`mask`, ``bias(pos_q,
+    pos_k)`` the exact ``f(r_q - r_k)`` ``[B|1, H, N, Nk]``, and :meth:`features` the
+    linear-time factorisation (``linear = True``).
     """
+
+    linear = True
 
     #: Auxiliary standard normals per frequency beyond the ``P`` spatial ones.
     extra_normals: int = 0
@@ -84,6 +91,9 @@ class Spectrum(nn.Module):
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
         """The exact mask ``f(Delta)``: ``[..., P] -> [..., H]``."""
         raise NotImplementedError
+
+    def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        return self.mask(delta)
 
     def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xi [H, R, P], w [H, R])`` with ``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``."""

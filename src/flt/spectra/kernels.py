@@ -102,6 +102,20 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         d = delta.to(cdt).unsqueeze(-2) / self.lengths().to(cdt)  # [..., H, P]
         return self.amplitude.to(cdt) * torch.exp(-0.5 * (d * d).sum(-1))
 
+    def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+        """The exact ``f`` of every pair; for ``P > 3`` (graph anchor coordinates) without
+        the ``[B, N, Nk, P]`` offsets: with ``s = r / l_h``,
+        ``|s_q - s_k|^2 = |s_q|^2 + |s_k|^2 - 2 s_q . s_k`` (a matmul), memory
+        ``O(N Nk H + (N + Nk) P H)`` instead of ``O(N Nk P H)``. The expansion loses digits
+        to cancellation when ``|s|`` is large, so short positions keep the direct form."""
+        if pos_q.shape[-1] <= 3:
+            return super().pairwise(pos_q, pos_k)
+        cdt = torch.promote_types(self._cdt(pos_q), pos_k.dtype)
+        lengths = self.lengths().to(cdt)[None, :, None, :]  # [1, H, 1, P]
+        sq, sk = pos_q.to(cdt).unsqueeze(1) / lengths, pos_k.to(cdt).unsqueeze(1) / lengths  # [B, H, N, P]
+        d2 = (sq * sq).sum(-1).unsqueeze(-1) + (sk * sk).sum(-1).unsqueeze(-2) - 2 * sq @ sk.transpose(-1, -2)
+        return self.amplitude.to(cdt).view(1, -1, 1, 1) * torch.exp(-0.5 * d2.clamp(min=0))
+
     def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = eps / (2 pi l)`` ``[H, R, P]``, ``w = a / R`` ``[H, R]``."""
         P, R = self.pos_dim, self.num_frequencies

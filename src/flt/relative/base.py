@@ -1,0 +1,86 @@
+"""The interface every relative positional term implements.
+
+A relative term is a learned function of two positions, one value per head, that an
+attention layer adds to its logits (or, multiplicatively coupled, multiplies its weights
+by). Every term gives the exact value for all pairs; terms that factorise also give
+linear-time features:
+
+* :meth:`RelativeTerm.bias` ``(pos_q [B|1, N, P], pos_k [B|1, Nk, P]) -> [B|1, H, N, Nk]``,
+  the exact term (what ``SoftmaxAttention`` adds, what every layer's ``exact()`` uses);
+* :meth:`RelativeTerm.of_offsets` ``(delta [..., P]) -> [..., H]``: the value at offsets
+  ``delta = r_q - r_k`` (translation-invariant terms; what banded and Toeplitz layers
+  evaluate on their offsets);
+* :meth:`RelativeTerm.features` ``(pos [B|1, N, P]) -> (a, c)``, each ``[B|1, H, N, F]``
+  with ``a_i . c_j`` an estimate of the term: only where :attr:`linear` is True (the
+  spectra). FLT needs such a term.
+
+:data:`flt.relative.RELATIVE` maps names to classes built as
+``cls(heads=H, pos_dim=P, causal=..., device=..., dtype=..., **options)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from flt._checks import check_dim, check_finite, check_tensor
+
+
+def pair_positions(pos_q, pos_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate query and key positions; return them as ``[B|1, N, P]`` and ``[B|1, Nk, P]``."""
+    check_tensor("pos_q", pos_q, ndim=(2, 3), layout="[B, N, P] or [N, P]")
+    pos_q = pos_q if pos_q.ndim == 3 else pos_q.unsqueeze(0)
+    if pos_k is None:
+        pos_k = pos_q
+    else:
+        check_tensor("pos_k", pos_k, ndim=(2, 3), layout="[B, Nk, P] or [Nk, P]")
+        pos_k = pos_k if pos_k.ndim == 3 else pos_k.unsqueeze(0)
+        check_dim("pos_k", pos_k, 2, pos_q.shape[2], "position dimension P (must match pos_q)")
+    if pos_q.shape[0] != pos_k.shape[0] and 1 not in (pos_q.shape[0], pos_k.shape[0]):
+        raise ValueError(f"pos_q and pos_k have batch sizes {pos_q.shape[0]} and {pos_k.shape[0]}; they must match or be 1")
+    check_finite("pos_q", pos_q)
+    check_finite("pos_k", pos_k)
+    return pos_q, pos_k
+
+
+class RelativeTerm(nn.Module):
+    """Base class of the relative positional terms (module docstring).
+
+    A subclass implements :meth:`of_offsets` (or overrides :meth:`pairwise` when the term
+    is not a function of ``r_q - r_k`` alone, or has a cheaper pairwise form), and
+    :meth:`features` when it factorises (then sets ``linear = True``).
+    """
+
+    #: Position dimensions the term accepts; ``None``: any.
+    pos_dims: tuple[int, ...] | None = None
+    #: Whether :meth:`features` gives a linear-time factorisation.
+    linear: bool = False
+    #: Random draws that :mod:`flt.layers.draws` redraws (none by default).
+    has_random_features: bool = False
+
+    def bias(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact term of every query-key pair: ``[B|1, H, N, Nk]`` in float32 or better
+        (``pos_k`` defaults to ``pos_q``)."""
+        pos_q, pos_k = pair_positions(pos_q, pos_k)
+        P = pos_q.shape[-1]
+        own = getattr(self, "pos_dim", None)
+        if self.pos_dims is not None and P not in self.pos_dims or isinstance(own, int) and P != own:
+            want = own if isinstance(own, int) else " or ".join(map(str, self.pos_dims))
+            raise ValueError(f"{type(self).__name__} takes positions of dimension P = {want}, got P = {P}")
+        return self.pairwise(pos_q, pos_k)
+
+    def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+        """:meth:`bias` on checked positions. Default: :meth:`of_offsets` of ``r_q - r_k``."""
+        delta = pos_q.unsqueeze(2) - pos_k.unsqueeze(1)  # [B|1, N, Nk, P]
+        return rearrange(self.of_offsets(delta), "b i j h -> b h i j")
+
+    def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        """The term at offsets ``delta = r_q - r_k``: ``[..., P] -> [..., H]``."""
+        raise NotImplementedError(f"{type(self).__name__} is not a function of the offset r_q - r_k alone")
+
+    def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, c)``, each ``[B|1, H, N, F]``, with ``a_i . c_j`` estimating the term."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no linear-time features (linear = False); FLT needs a term that has, e.g. a spectrum"
+        )

@@ -1,0 +1,33 @@
+"""The registry of relative positional terms: one line per term.
+
+``RELATIVE[name]`` is a :class:`flt.relative.RelativeTerm` subclass whose constructor takes
+``heads`` first and, as keywords, ``pos_dim``, ``device``, ``dtype`` and (if it cares)
+``causal``, then its own options. Adding a term: one file with the class, one line here;
+the tests in ``tests/test_relative.py`` are parametrised from this dict.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from flt._checks import check_choice
+from flt.posenc.bias import AlibiBias, ClippedBias, T5Bias
+from flt.relative.base import RelativeTerm
+from flt.spectra import SPECTRA
+
+RELATIVE: dict[str, type[RelativeTerm]] = {
+    "t5": T5Bias,
+    "clipped": ClippedBias,
+    "alibi": AlibiBias,
+    **SPECTRA,
+}
+
+
+def build_relative(name: str, *, heads: int, pos_dim: int = 1, causal: bool = False, device=None, dtype=None, **options) -> RelativeTerm:
+    """``RELATIVE[name]`` built for a layer with ``heads`` heads on ``pos_dim``-dimensional
+    positions; ``causal`` reaches the terms that take it (the tables keep one side)."""
+    check_choice("relative term", name, RELATIVE)
+    cls = RELATIVE[name]
+    if "causal" in inspect.signature(cls.__init__).parameters:
+        options["causal"] = causal
+    return cls(heads, pos_dim=pos_dim, device=device, dtype=dtype, **options)

@@ -1,0 +1,69 @@
+"""The layers trace under torch.compile without graph breaks, and the data-dependent
+input checks (finite, integer-valued, unit grid) run once per tensor in eager mode and as
+in-graph assertions when compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+from flt._checks import check_finite
+from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4),
+        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4, spectrum="local", near_field=3),
+        lambda: SoftmaxAttention(16, 2, relative_bias="t5"),
+        lambda: ToeplitzAttention(16, 2, num_features=8),
+    ],
+    ids=["flt", "flt-banded", "softmax-t5", "toeplitz"],
+)
+def test_layer_forward_has_no_graph_break(make):
+    torch.manual_seed(0)
+    layer = make()
+    x = torch.randn(2, 12, 16)
+    pos = torch.arange(12.0).view(1, 12, 1).expand(2, 12, 1)
+    dynamo.reset()
+    explained = dynamo.explain(layer)(x, pos)
+    assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_finite_check_runs_once_per_tensor_and_again_after_an_in_place_change(monkeypatch):
+    pos = torch.arange(6.0).view(1, 6, 1)
+    calls = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    check_finite("pos", pos)
+    check_finite("pos", pos)
+    assert len(calls) == 1  # the second call trusts the mark
+    pos[0, 2, 0] = float("nan")  # bumps the version counter: checked again, and caught
+    with pytest.raises(ValueError, match="pos contains 1 non-finite"):
+        check_finite("pos", pos)
+
+
+def test_model_checks_positions_once_per_forward(monkeypatch):
+    from flt import _checks
+
+    layers = torch.nn.ModuleList(FLTAttention(8, 2, num_features=4, num_frequencies=4) for _ in range(3))
+    x, pos = torch.randn(1, 5, 8), torch.arange(5.0).view(1, 5, 1)
+    seen = []
+    real = _checks._remember
+    monkeypatch.setattr(_checks, "_remember", lambda t, tag: seen.append(tag) or real(t, tag))
+    for layer in layers:
+        x = x + layer(x, pos)
+    assert seen.count("finite") == 1
+
+
+def test_compiled_layer_rejects_nan_positions_by_name():
+    layer = FLTAttention(8, 2, num_features=4, num_frequencies=4)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    x = torch.randn(1, 5, 8)
+    assert torch.allclose(compiled(x, torch.arange(5.0).view(1, 5, 1)), layer(x, torch.arange(5.0).view(1, 5, 1)), atol=1e-6)
+    bad = torch.tensor([0.0, 1.0, float("nan"), 3.0, 4.0]).view(1, 5, 1)
+    with pytest.raises(RuntimeError, match="pos contains non-finite"):
+        compiled(x, bad)
