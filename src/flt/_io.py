@@ -1,4 +1,5 @@
-"""Atomic file writes shared by checkpoints, metrics and dataset caches.
+"""File I/O shared by checkpoints, metrics, run files and dataset caches: atomic writes,
+fsync and hashes.
 
 Files and directories written here get the permissions a plain ``open()`` or
 ``os.makedirs`` would give them (``0o666 & ~umask`` and ``0o777 & ~umask``: 0644 and 0755
@@ -8,6 +9,7 @@ run directories and caches are meant to be shared like any other output.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
@@ -66,6 +68,21 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """Flush a file's contents to disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, fsync it and ``os.replace``
     it onto ``path``: readers see the old file or the whole new one, even if the process is
@@ -86,3 +103,8 @@ def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False
         if os.path.exists(tmp):
             os.unlink(tmp)
     fsync_dir(folder)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(text))
