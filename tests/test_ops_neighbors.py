@@ -4,6 +4,8 @@ softmax."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,7 +46,8 @@ def brute_force_near(pos, k, key_mask=None):
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("N, k", [(1, 1), (7, 7), (29, 1), (29, 5), (37, 12)])
-def test_neighbor_attention_equals_reference_forward_and_backward(P, padded, N, k):
+@pytest.mark.parametrize("dense_below", [0, 128])  # gathered near rows; [N, N] weights
+def test_neighbor_attention_equals_reference_forward_and_backward(P, padded, N, k, dense_below):
     B, H = 3, 2
     xq, xk, v = inputs(B=B, H=H, N=N)
     pos = torch.randn(B, N, P, dtype=F64)  # different positions per item
@@ -54,7 +57,7 @@ def test_neighbor_attention_equals_reference_forward_and_backward(P, padded, N, 
     idx = nearest_keys(pos, k, key_mask=key_mask, chunk_size=5)
     bias = (torch.randn(B, H, N, k, dtype=F64) * 2).requires_grad_()
     proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
-    out = run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask)
+    out = run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask, dense_below=dense_below)
     ref = run(neighbor_attention_reference, xq, xk, v, idx, bias, proj, key_mask=key_mask)
     assert_close(out, ref)
     up = torch.randn_like(out)
@@ -71,7 +74,9 @@ def test_gradcheck_small():
     idx = nearest_keys(pos, 3, key_mask=key_mask)
     bias = torch.randn(2, 2, 6, 3, dtype=F64, requires_grad=True)
     proj = gaussian_orthogonal_random_matrix(5, 4, dtype=F64)
-    assert torch.autograd.gradcheck(lambda *t: run(neighbor_attention, *t[:3], idx, t[3], proj, key_mask=key_mask), (xq, xk, v, bias))
+    for dense_below in (0, 128):
+        fn = lambda *t: run(neighbor_attention, *t[:3], idx, t[3], proj, key_mask=key_mask, dense_below=dense_below)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (xq, xk, v, bias))
 
 
 def test_batch_shared_near_sets_and_bias_broadcast():
@@ -82,7 +87,7 @@ def test_batch_shared_near_sets_and_bias_broadcast():
     bias = torch.randn(1, 2, 16, 5, dtype=F64)
     proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
     out = run(neighbor_attention, xq, xk, v, idx, bias, proj)
-    per_item = run(neighbor_attention, xq, xk, v, idx.expand(3, -1, -1), bias.expand(3, -1, -1, -1), proj)
+    per_item = run(neighbor_attention, xq, xk, v, idx.expand(3, -1, -1), bias.expand(3, -1, -1, -1), proj, dense_below=0)
     assert_close(out, per_item)
     assert_close(out, run(neighbor_attention_reference, xq, xk, v, idx, bias, proj))
 
@@ -131,10 +136,11 @@ def test_token_positions_with_k_2w_plus_1_equal_the_band_op_away_from_the_ends()
     proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
     qf, sq = favor_plus_features(xq, proj)
     kf, sk = favor_plus_features(xk, proj)
-    ours = neighbor_attention(xq, xk, v, qf, kf, sq, sk, idx, near_bias)
     band = band_attention(xq, xk, v, qf, kf, sq, sk, band_bias, width=w)
-    assert_close(ours[:, :, interior], band[:, :, interior])
-    assert not torch.allclose(ours[:, :, 0], band[:, :, 0])
+    for dense_below in (0, 128):
+        ours = neighbor_attention(xq, xk, v, qf, kf, sq, sk, idx, near_bias, dense_below=dense_below)
+        assert_close(ours[:, :, interior], band[:, :, interior])
+        assert not torch.allclose(ours[:, :, 0], band[:, :, 0])
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -151,7 +157,9 @@ def test_k_equal_to_n_is_exact_softmax_with_the_bias(padded):
     logits = (xq @ xk.transpose(-1, -2) + full).masked_fill(~key_mask[:, None, None, :], -float("inf"))
     expected = torch.softmax(logits, dim=-1) @ v
     proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
-    assert_close(run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask if padded else None), expected)
+    for dense_below in (0, 128):
+        got = run(neighbor_attention, xq, xk, v, idx, bias, proj, key_mask=key_mask if padded else None, dense_below=dense_below)
+        assert_close(got, expected)
 
 
 def test_row_sums_stay_positive_with_a_huge_bias():
@@ -161,9 +169,9 @@ def test_row_sums_stay_positive_with_a_huge_bias():
     idx = nearest_keys(pos, 6)
     proj = gaussian_orthogonal_random_matrix(8, 4)
     with torch.no_grad():
-        for value in (60.0, -60.0):
+        for value, dense_below in itertools.product((60.0, -60.0), (0, 128)):
             bias = torch.full((2, 2, 50, 6), value)
-            out = run(neighbor_attention, xq, xk, torch.ones_like(v), idx, bias, proj)
+            out = run(neighbor_attention, xq, xk, torch.ones_like(v), idx, bias, proj, dense_below=dense_below)
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out, torch.ones_like(out))  # values of 1 average to 1
 

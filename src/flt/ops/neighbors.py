@@ -24,7 +24,9 @@ small part of a layer; for very long sequences a spatial index would be needed a
 implemented. The attention itself (:func:`neighbor_attention`) is linear: the estimate over
 all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the near set, plus the exact
 near weights, ``O(N k (D + m + Dv) + N m Dv)`` time and ``O(N k (D + m + Dv))`` memory for the
-gathered near keys.
+gathered near keys. Short sets (``N <= dense_below``, default 128: molecules, small patch
+grids) use their ``[N, N]`` weights instead, ``O(N^2 (D + m + Dv))``: the same sums, but
+matrix products beat gathering ``k`` rows per query there.
 
 Stabilisation (as in :mod:`flt.ops.band`): weights of row ``i`` are taken relative to
 ``exp(sq_i + L + c_i)``, ``sq_i`` the query's feature shift, ``L`` the largest valid key log
@@ -39,6 +41,7 @@ import torch
 
 from flt._checks import check_positive_int, check_tensor
 from flt.ops._common import safe_divide
+from flt.ops.linear import DEFAULT_CHUNK_SIZE
 
 #: Queries per chunk of the neighbour search: the distances of one chunk take ``chunk x N``.
 SEARCH_CHUNK = 256
@@ -150,7 +153,8 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     return safe_divide(w @ v.to(cdt), w.sum(-1, keepdim=True))
 
 
-def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False):
+def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
+                       dense_below: int = DEFAULT_CHUNK_SIZE):
     """Attention with exact weights on each query's near set and FAVOR+ estimates on every
     other pair (module docstring), linear in ``N`` for a fixed ``k``.
 
@@ -166,6 +170,9 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
         key_mask: optional ``[B, N]`` bool, True marks a valid key; padded keys get no
             weight, near or far.
         causal: must be False (module docstring).
+        dense_below: sets of at most this many tokens (molecules, small patch grids) are
+            computed from their ``[N, N]`` weights, ``O(N^2 (D + m + Dv))``: the same sums,
+            cheaper there than gathering ``k`` rows per query. ``0`` always gathers.
 
     Returns:
         ``[B, H, N, Dv]`` in the promoted dtype (float32 or better). Rows without any valid
@@ -185,20 +192,32 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
     kw = torch.exp((sk - level).masked_fill(~valid[:, None, :], -float("inf")))  # [B, H, N], <= 1, 0 if padded
     kfw = kf * kw.unsqueeze(-1)
     vaug = vaug * valid[:, None, :, None].to(cdt)
+    row = (sq + level).unsqueeze(-1)  # [B, H, N, 1]
+    if N <= dense_below:
+        near = torch.zeros(idx.shape[0], 1, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx.unsqueeze(1), True)
+        near = near & valid[:, None, None, :]
+        bias = torch.zeros(max(idx.shape[0], near_bias.shape[0]), H, N, N, dtype=cdt, device=xq.device)
+        bias = bias.scatter(-1, idx.unsqueeze(1).expand(bias.shape[0], H, N, k), near_bias.to(cdt).expand(bias.shape[0], H, N, k))
+        expo = (xq @ xk.transpose(-1, -2) + bias - row).masked_fill(~near, -float("inf"))
+        c = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
+        w = torch.where(near, torch.exp(expo - c), (qf @ kfw.transpose(-1, -2)) * torch.exp(-c))
+        out = w @ vaug
+        return safe_divide(out[..., :-1], out[..., -1:])
+    # Gather the near keys' rows in a [B, N, H, E] layout: whole rows of H * E numbers per key.
+    flat = (idx.expand(B, N, k) + N * torch.arange(B, device=xq.device).view(B, 1, 1)).reshape(-1)
 
-    def gather(t):  # [B, H, N, E] -> [B, H, N, k, E]: the rows of the near keys of every query
-        index = idx.expand(B, N, k).reshape(B, 1, N * k, 1).expand(B, H, N * k, t.shape[-1])
-        return torch.gather(t, 2, index).unflatten(2, (N, k))
+    def gather(t):  # [B, H, N, E] -> [B, H, N, k, E]
+        rows = t.transpose(1, 2).reshape(B * N, -1)[flat]  # [B N k, H E]
+        return rows.view(B, N, k, H, -1).permute(0, 3, 1, 2, 4)
 
     xk_n, kf_n, v_n = gather(xk), gather(kfw), gather(vaug)
-    near_valid = torch.gather(valid, 1, idx.expand(B, N, k).reshape(B, N * k)).view(B, 1, N, k)
-    row = (sq + level).unsqueeze(-1)  # [B, H, N, 1]
-    expo = torch.einsum("bhnd,bhnkd->bhnk", xq, xk_n) + near_bias.to(cdt) - row
+    near_valid = valid.reshape(-1)[flat].view(B, 1, N, k)
+    expo = (xq.unsqueeze(-2) * xk_n).sum(-1) + near_bias.to(cdt) - row
     expo = expo.masked_fill(~near_valid, -float("inf"))
     c = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
-    est = torch.einsum("bhnm,bhnkm->bhnk", qf, kf_n)  # zero for padded keys (kfw is)
+    est = (qf.unsqueeze(-2) * kf_n).sum(-1)  # zero for padded keys (kfw is)
     weights = torch.exp(expo - c) - est * torch.exp(-c)
     # Far field = the estimate over all keys minus its near part; near weights replace it.
     total = kfw.transpose(-1, -2) @ vaug  # [B, H, m, Dv + 1]
-    out = torch.einsum("bhnk,bhnke->bhne", weights, v_n) + (qf @ total) * torch.exp(-c)
+    out = (weights.unsqueeze(-1) * v_n).sum(-2) + (qf @ total) * torch.exp(-c)
     return safe_divide(out[..., :-1], out[..., -1:])
