@@ -402,7 +402,8 @@ def check_attention_options(mechanism, options: dict, *, reserved: tuple[str, ..
     from flt.layers.registry import ATTENTION
 
     cls, owner = _resolve(mechanism, ATTENTION, "attention")
-    _check(owner, cls, options, arguments=ATTENTION_ARGUMENTS, reserved=reserved)
+    # feature_dim: how a kernel layer subclass sizes its feature map's input; not listed.
+    _check(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
 
 
 def check_posenc_options(encoding, options: dict, *, reserved: tuple[str, ...] = ()) -> None:

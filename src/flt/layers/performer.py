@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from flt.layers.kernel import KernelAttention
-from flt.ops.linear import DEFAULT_CHUNK_SIZE
 from flt.ops.reference import rpe_attention_reference
 
 
@@ -26,34 +25,9 @@ class PerformerAttention(KernelAttention):
         chunk_size: chunk length of the causal computation.
 
     ``forward(x [B, N, dim], pos, key_padding_mask) -> [B, N, dim]``; positions only matter
-    with ``rope=True``.
+    with ``rope=True``. The constructor is :class:`flt.layers.kernel.KernelAttention`'s, where
+    these options are declared once for every kernel layer.
     """
-
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        num_features: int = 256,
-        feature_map: str = "favor+",
-        qk_norm: bool | None = None,
-        temperature: float = 1.0,
-        orthogonal: bool = True,
-        redraw_interval: int | None = None,
-        seed: int | None = None,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(
-            dim, heads, pos_dim=pos_dim, causal=causal, num_features=num_features, feature_map=feature_map,
-            qk_norm=qk_norm, temperature=temperature, orthogonal=orthogonal, redraw_interval=redraw_interval,
-            seed=seed, rope=rope, rope_base=rope_base, chunk_size=chunk_size, device=device, dtype=dtype,
-        )
 
     def exact(self, x, pos=None, key_padding_mask=None):
         """Exact softmax attention ``softmax(x_q.x_k)`` with the same parameters (FAVOR+'s target)."""

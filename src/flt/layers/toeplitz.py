@@ -28,8 +28,9 @@ class ToeplitzAttention(KernelAttention):
             when causal), ``b_h = scale_h * table``, ``scale`` starting at ``table_scale``
             (default 16, which multiplies the table's effective learning rate; see there)
             and learned unless ``learn_table_scale=False``.
-        num_features, feature_map, qk_norm, temperature, orthogonal, redraw_interval, seed:
-            the feature map, as in :class:`flt.layers.performer.PerformerAttention`. Luo et
+        **kernel_options: ``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
+            ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``: the
+            feature map, as in :class:`flt.layers.performer.PerformerAttention`. Luo et
             al.'s stabiliser is ``qk_norm=True`` (L2-normalised queries and keys, learned
             temperature), the default here.
         fft_dtype: dtype of the FFT (float32 or better by default; float64 removes the FFT
@@ -59,26 +60,17 @@ class ToeplitzAttention(KernelAttention):
         max_distance: int = 512,
         table_scale: float = DEFAULT_TABLE_SCALE,
         learn_table_scale: bool = True,
-        num_features: int = 256,
-        feature_map: str = "favor+",
-        qk_norm: bool | None = None,
-        temperature: float = 1.0,
-        orthogonal: bool = True,
-        redraw_interval: int | None = None,
-        seed: int | None = None,
         fft_dtype: torch.dtype | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         device=None,
         dtype=None,
+        **kernel_options,
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
-        super().__init__(
-            dim, heads, pos_dim=1, causal=causal, num_features=num_features, feature_map=feature_map, qk_norm=qk_norm,
-            temperature=temperature, orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, device=device, dtype=dtype,
-        )
+        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
         self.max_distance, self.fft_dtype, self.block_size = max_distance, fft_dtype, block_size
         self.table = build_relative(
             "clipped", heads=heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
