@@ -1,4 +1,4 @@
-"""The task -> default dataset registry, and that importing the data package does no work."""
+"""Every task's bundled dataset (``TASKS[name].dataset``), and that importing the data package does no work."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flt.data import DATASETS
+from flt.tasks import TASKS
 
 
 def _small_kwargs(task, tmp_path):
@@ -18,15 +18,15 @@ def _small_kwargs(task, tmp_path):
     }[task]
 
 
-@pytest.mark.parametrize("task", sorted(DATASETS))
+@pytest.mark.parametrize("task", sorted(TASKS))
 def test_default_datasets_have_train_and_valid(task, tmp_path):
     pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase"}[task])
-    splits = DATASETS[task](**_small_kwargs(task, tmp_path))
+    splits = TASKS[task].dataset(**_small_kwargs(task, tmp_path))
     assert len(splits.train) > 0 and len(splits.valid) > 0
 
 
 def test_registry_names():
-    assert set(DATASETS) == {"lm", "image", "molecule"}
+    assert set(TASKS) == {"lm", "image", "molecule"}
 
 
 def test_import_loads_no_optional_dependency():

@@ -186,6 +186,9 @@ def test_without_redraws_own_is_the_training_draw_and_exact_is_skipped_when_too_
     class Task:
         name, metric = "lm", "ppl"
 
+        def longest_sequence(self, cfg):
+            return cfg.max_len
+
     gap = draw_gap(Task(), model, preset.model, preset.run, evaluate, 8)
     assert gap["own"] == pytest.approx(2.1)  # evaluated on the model's own (only) draw
     assert gap["fresh_mean"] == pytest.approx(2.3) and gap["exact"] == pytest.approx(2.5)

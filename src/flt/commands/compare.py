@@ -32,16 +32,17 @@ import subprocess
 import sys
 import time
 
-from flt.commands.train import add_config_arguments, add_runtime_arguments, preset_from_args
+from flt.commands.train import add_config_arguments, add_runtime_arguments, preset_from_args, task_list
 from flt.options import parse_attention_list
+from flt.tasks import TASKS, get_task
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "compare", help="train several attention mechanisms with the same budget and compare",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("task", choices=("lm", "image", "molecule"))
+    p.add_argument("task", choices=list(TASKS))
     p.add_argument("--attention", required=True, help="comma-separated entries NAME[:KEY=VALUE...]")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     p.add_argument("--out-dir", help="directory for the runs and the table (default: runs/compare-TASK-PRESET)")
@@ -111,7 +112,6 @@ def _table(rows: list[dict], metric: str, extra: list[str]) -> str:
 
 
 def run(args) -> int:
-    from flt.train import TASK_CLASSES
     from flt.train.metrics import read_metrics
     from flt.train.plots import plot_comparison
 
@@ -121,9 +121,8 @@ def run(args) -> int:
         preset_from_args(args, name, options, options_source=f"--attention entry {label!r}")
     seeds = parse_seeds(args.seeds)
     out = args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
-    task_cls = TASK_CLASSES[args.task]
-    metric = task_cls.metric
-    extra = {"lm": ["bpb"], "image": ["loss"], "molecule": ["rmse"]}[args.task]
+    task_cls = get_task(args.task)
+    metric, extra = task_cls.metric, list(task_cls.compare_metrics)
     for label, _, _ in entries:
         for seed in seeds:
             path = os.path.join(out, _slug(label), f"seed-{seed}")

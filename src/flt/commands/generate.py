@@ -32,7 +32,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from flt.train import generate_text, load_checkpoint_model, tokenizer_from_extra
+    from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
+    from flt.train import load_checkpoint_model
     from flt.train.distributed import resolve_device
 
     if args.max_new_tokens < 0:
@@ -42,9 +43,9 @@ def run(args) -> int:
     device = resolve_device(args.device)
     model, meta = load_checkpoint_model(args.checkpoint, device=device)
     task = meta["model"].get("task")
-    if task != "lm":
+    if task != LMTask.name:
         article = "an" if str(task)[:1] in "aeiou" else "a"  # 'image' -> "an 'image' model"
-        raise ValueError(f"{args.checkpoint} holds {article} {task!r} model; generation needs a language model ('lm')")
+        raise ValueError(f"{args.checkpoint} holds {article} {task!r} model; generation needs a language model ({LMTask.name!r})")
     tokenizer = tokenizer_from_extra(meta.get("extra", {}))
     text = generate_text(
         model, tokenizer, args.prompt, args.max_new_tokens, device=device, temperature=args.temperature,

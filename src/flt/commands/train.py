@@ -1,4 +1,5 @@
-"""``flt train {lm,image,molecule}``: train a model with any attention mechanism and encoding.
+"""``flt train TASK``: train a model of a task in ``flt.tasks.TASKS`` with any attention
+mechanism and encoding.
 
 Examples::
 
@@ -41,8 +42,8 @@ import sys
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value  # noqa: F401
 
-TASK_NAMES = ("lm", "image", "molecule")
-PRESET_NAMES = ("smoke", "small", "base")
+from flt.tasks import TASKS, get_task, preset_names
+
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int}
 
@@ -50,7 +51,7 @@ RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "c
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Options that define the run's configuration (shared with ``flt compare``)."""
     p.add_argument("--posenc", default="none", help="absolute encoding, a name in flt.posenc.POSENC (default: none)")
-    p.add_argument("--preset", default="small", help=f"one of {', '.join(PRESET_NAMES)} (default: small)")
+    p.add_argument("--preset", default="small", help=f"one of {', '.join(preset_names())} (default: small)")
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--batch-size", type=int, help="global batch size (split over processes)")
     p.add_argument("--lr", type=float, help="peak learning rate")
@@ -60,7 +61,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--posenc-opt", action="append", metavar="KEY=VALUE", help="encoding option (repeatable)")
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field, e.g. depth=6 (repeatable)")
     p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help="RunConfig field, e.g. warmup_steps=10 (repeatable)")
-    p.add_argument("--data", metavar="PATH", help="a real dataset instead of the bundled one (see flt.train.tasks)")
+    p.add_argument("--data", metavar="PATH", help="a real dataset instead of the bundled one (see the task's file in flt.tasks)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="data loader option (repeatable)")
 
 
@@ -74,10 +75,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="train a language model, image classifier or molecule regressor",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "train", help=f"train a model of one of the tasks ({', '.join(TASKS)})",
+        description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("task", choices=TASK_NAMES)
+    p.add_argument("task", choices=list(TASKS))
     p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
                    help="attention mechanism, a name in flt.ATTENTION, optionally with options as in flt compare "
                    "(flt:num_frequencies=16; default: flt)")
@@ -90,6 +91,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms (for CUDA)")
     add_runtime_arguments(p)
     p.set_defaults(func=run)
+
+
+def task_list() -> str:
+    """The registered tasks, one line each, for the end of ``--help``."""
+    return "tasks:\n" + "\n".join(f"  {name:<10} {task.description}" for name, task in TASKS.items())
 
 
 def preset_from_args(args, attention: str, attention_options: dict | None = None, *, options_source: str = "--attention"):
@@ -129,7 +135,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     data = {**preset.data, **parse_assignments(args.data_opt, "--data-opt")}
     if args.data is not None:
         # A real dataset replaces the bundled one and its size options.
-        data = {k: v for k, v in data.items() if k not in ("max_bytes", "num_samples", "relax_steps")}
+        data = {k: v for k, v in data.items() if k not in get_task(args.task).bundled_options}
         data["path"] = args.data
     return Preset(preset.task, model, run_cfg, data)
 

@@ -1,10 +1,10 @@
-"""Datasets for the three tasks: text (causal LM), images (classifier), atoms (regressor).
+"""Datasets for the built-in tasks: text (causal LM), images (classifier), atoms (regressor).
 
 Nothing is built or read at import time; every loader works on local files or on data
 that ships with Python or an installed package, and never downloads anything.
 
-:data:`DATASETS` maps a task to its default loader. Each takes keyword arguments only
-(all with defaults) and returns an object with ``.train`` and ``.valid`` splits.
+Each task names its bundled loader (``flt.tasks.TASKS[name].dataset``: keyword arguments
+only, all with defaults, returning an object with ``.train`` and ``.valid`` splits).
 """
 
 from .errors import DataError, MissingDataError
@@ -32,15 +32,8 @@ from .text import (
 )
 from ._split import split_indices
 
-#: Default dataset per task: ``DATASETS[task](**kwargs) -> object with .train and .valid``.
-DATASETS = {
-    "lm": load_python_docs,
-    "image": load_digits,
-    "molecule": load_catalysis,
-}
-
 __all__ = [
-    "DATASETS", "TOKENIZERS", "DataError", "MissingDataError",
+    "TOKENIZERS", "DataError", "MissingDataError",
     "TextSplits", "ByteTokenizer", "CharTokenizer", "LMDataset", "load_python_docs", "load_text_files",
     "ImageData", "ImageSplits", "load_digits", "load_cifar10", "load_image_folder", "safe_unpickle",
     "MoleculeData", "MoleculeSplits", "MoleculeBatch", "collate_molecules", "generate_catalysis",

@@ -1,8 +1,10 @@
-"""Models for the three tasks, each taking any :data:`flt.ATTENTION` mechanism and any
+"""Models for the built-in tasks, each taking any :data:`flt.ATTENTION` mechanism and any
 :data:`flt.posenc.POSENC` encoding by name.
 
-``MODELS[task]`` is the model class; ``build_model(config)`` builds it from its frozen
-config (:mod:`flt.models.config`).
+``MODELS[config.task]`` is the model class of a config of :data:`CONFIGS`;
+``build_model(config)`` builds it from its frozen config (:mod:`flt.models.config`). Tasks
+name their config and model class in their own file (:mod:`flt.tasks`); a task with a
+model of its own does not need to be listed here.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from flt.models.vit import ViTClassifier
 MODELS: dict[str, type] = {"lm": CausalLM, "image": ViTClassifier, "molecule": MoleculeRegressor}
 
 
-def build_model(config, *, device=None, dtype=None):
-    """Build the model of ``config``'s task; the config's fields become constructor arguments.
+def config_kwargs(config) -> dict:
+    """A config's fields as constructor arguments; the option dicts are copied, so the model
+    never holds (or mutates) the config's own."""
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
 
-    The option dicts are copied, so the model never holds (or mutates) the config's own.
-    """
+
+def build_model(config, *, device=None, dtype=None):
+    """Build the model of ``config`` (one of :data:`CONFIGS`); the config's fields become
+    constructor arguments (:func:`config_kwargs`)."""
     if type(config) not in CONFIGS.values():
         raise TypeError(f"expected one of {[c.__name__ for c in CONFIGS.values()]}, got {type(config).__name__}")
-    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    kwargs = {k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
-    return MODELS[config.task](**kwargs, device=device, dtype=dtype)
+    return MODELS[config.task](**config_kwargs(config), device=device, dtype=dtype)
 
 
 __all__ = [
@@ -54,6 +59,7 @@ __all__ = [
     "ViTClassifier",
     "build_attention",
     "build_model",
+    "config_kwargs",
     "build_posenc",
     "config_from_dict",
     "config_to_dict",

@@ -150,7 +150,8 @@ class MoleculeConfig:
             raise ValueError(f"target_mean must be a finite number, got {self.target_mean!r}")
 
 
-#: Config class per task.
+#: Config class of each model of this package, by its ``task`` name. Tasks are registered
+#: in :data:`flt.tasks.TASKS`, which may add configs of their own; this is not that list.
 CONFIGS: dict[str, type] = {"lm": LMConfig, "image": ImageConfig, "molecule": MoleculeConfig}
 
 
@@ -159,12 +160,14 @@ def config_to_dict(cfg) -> dict[str, Any]:
     return {"task": cfg.task, **dataclasses.asdict(cfg)}
 
 
-def config_from_dict(data: dict[str, Any]):
-    """Inverse of :func:`config_to_dict`; unknown or missing-task keys raise ``ValueError``."""
+def config_from_dict(data: dict[str, Any], configs: dict[str, type] = CONFIGS):
+    """Inverse of :func:`config_to_dict`, with the class ``configs[data["task"]]`` (default:
+    the models of this package; :func:`flt.tasks.config_from_dict` passes every registered
+    task's); unknown or missing-task keys raise ``ValueError``."""
     if not isinstance(data, dict) or "task" not in data:
         raise ValueError("a model config dict needs a 'task' key")
-    check_choice("task", data["task"], CONFIGS)
-    cls = CONFIGS[data["task"]]
+    check_choice("task", data["task"], configs)
+    cls = configs[data["task"]]
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names - {"task"})
     if unknown:

@@ -1,4 +1,5 @@
-"""Training: one loop for the three tasks, atomic checkpoints, metrics, plots, presets.
+"""Training: one loop for every task of :data:`flt.tasks.TASKS`, atomic checkpoints,
+metrics, plots; the presets and task adapters are re-exported from :mod:`flt.tasks`.
 
 ``train(get_preset("lm", "small"), "runs/lm")`` is what ``flt train lm --preset small``
 runs. Optional dependencies: ``safetensors`` (checkpoints), ``tqdm`` (progress bar),
@@ -16,12 +17,16 @@ from flt.train.checkpoint import (
 from flt.train.config import Preset, RunConfig, preset_from_dict, preset_to_dict
 from flt.train.loop import evaluate, train
 from flt.train.presets import ATTENTION_DEFAULTS, POSENC_DEFAULTS, PRESETS, get_preset
-from flt.train.tasks import TASK_CLASSES, generate_text, load_task, tokenizer_from_extra
+from flt.tasks import TASKS, generate_text, load_task, tokenizer_from_extra
+
+#: The task registry under its former name.
+TASK_CLASSES = TASKS
 
 __all__ = [
     "ATTENTION_DEFAULTS",
     "POSENC_DEFAULTS",
     "PRESETS",
+    "TASKS",
     "TASK_CLASSES",
     "CheckpointError",
     "Preset",

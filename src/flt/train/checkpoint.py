@@ -24,7 +24,6 @@ the process's umask (:mod:`flt._io`), not the 0600 / 0700 of temporary files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -38,8 +37,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from flt._io import atomic_write, file_mode, fsync_dir, make_temp_dir
-from flt.models import build_model, config_from_dict
+from flt._io import atomic_write_text, file_mode, fsync_dir, fsync_file, make_temp_dir, sha256_file
+from flt.tasks import config_from_dict, get_task
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -52,24 +51,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 class CheckpointError(ValueError):
     """A checkpoint exists but is corrupt, incomplete or does not fit the model; the message names the file."""
-
-
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (:func:`flt._io.atomic_write`)."""
-    atomic_write(path, lambda f: f.write(text))
 
 
 def step_dir_name(step: int) -> str:
@@ -91,8 +72,8 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
         torch.save(trainer_state, state_path)
         files = {}
         for fname, path in ((MODEL_FILE, model_path), (STATE_FILE, state_path)):
-            _fsync_file(path)
-            files[fname] = {"sha256": _sha256(path), "bytes": os.path.getsize(path)}
+            fsync_file(path)
+            files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
         meta = {"format": FORMAT, "step": step, "files": files, **config}
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
@@ -203,7 +184,7 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
         fpath = os.path.join(ckpt, fname)
         if not os.path.isfile(fpath):
             raise FileNotFoundError(f"checkpoint file missing: {fpath}")
-        if not isinstance(info, dict) or os.path.getsize(fpath) != info.get("bytes") or _sha256(fpath) != info.get("sha256"):
+        if not isinstance(info, dict) or os.path.getsize(fpath) != info.get("bytes") or sha256_file(fpath) != info.get("sha256"):
             raise CheckpointError(f"checkpoint file {fpath} is corrupt or truncated (its size or SHA-256 does not match {path})")
     return meta
 
@@ -239,9 +220,9 @@ def load_checkpoint_model(path: str, *, device="cpu", report: Callable[[str], No
     ckpt = find_checkpoint(path, report=report)
     meta = read_checkpoint_config(ckpt)
     try:
-        cfg = config_from_dict(meta["model"])
+        task, cfg = get_task(meta["preset"]["task"]), config_from_dict(meta["model"])
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FILE)} has no valid model config: {e}") from None
-    model = build_model(cfg, device=device)
+    model = task.build_model(cfg, device=device)
     load_weights(ckpt, model)
     return model.eval(), meta

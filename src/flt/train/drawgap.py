@@ -35,7 +35,7 @@ from torch import nn
 
 from flt.layers.base import AttentionBase
 from flt.layers.draws import fixed_draw, has_random_features, redraw
-from flt.train.tasks import step_generator
+from flt.tasks.base import step_generator
 
 #: ``step_generator`` stream of the training redraws (0: LM batches, 1: epoch permutations).
 REDRAW_STREAM = 2
@@ -87,24 +87,13 @@ class ExactForward(nn.Module):
         return self.model(*args, exact=True, **kwargs)
 
 
-def longest_sequence(task, model_cfg) -> int | None:
-    """The most tokens one validation sample gives the attention layers (None if unknown)."""
-    if task.name == "lm":
-        return int(model_cfg.max_len)
-    if task.name == "image":
-        return (model_cfg.image_size // model_cfg.patch_size) ** 2 + (model_cfg.pooling == "cls")
-    if task.name == "molecule" and hasattr(task, "valid"):
-        return int(task.valid.num_atoms().max()) if len(task.valid) else 0
-    return None
-
-
 def exact_batch_size(task, model: nn.Module, model_cfg, batch_size: int, max_elements: int = EXACT_MAX_ELEMENTS) -> int | None:
     """Batch size for the exact evaluation, or None when it is not possible: some attention
     layer has no ``exact`` (e.g. Toeplitz), or one sample's weights exceed ``max_elements``."""
     layers = [m for m in model.modules() if isinstance(m, AttentionBase)]
     if not layers or not all(callable(getattr(m, "exact", None)) for m in layers):
         return None
-    n = longest_sequence(task, model_cfg)
+    n = task.longest_sequence(model_cfg)
     if n is None:
         return None
     per_sample = max(m.heads for m in layers) * max(n, 1) ** 2

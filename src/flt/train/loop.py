@@ -1,9 +1,9 @@
-"""The training loop shared by the three tasks.
+"""The training loop shared by every task of :data:`flt.tasks.TASKS`.
 
 One function, :func:`train`, runs a :class:`flt.train.Preset` in a run directory:
 
 * seeds Python, numpy and torch from ``run.seed``; batches are a function of
-  ``(seed, step)`` (:mod:`flt.train.tasks`), so nothing depends on a sampler's state;
+  ``(seed, step)`` (:mod:`flt.tasks.base`), so nothing depends on a sampler's state;
 * one or several processes (``torchrun``; DistributedDataParallel, ``gloo`` on CPU,
   ``nccl`` on CUDA), each taking its slice of the same global batch;
 * a tqdm progress bar with the live loss and throughput, ``metrics.jsonl``, periodic
@@ -38,13 +38,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from flt.models import build_model
+from flt._io import atomic_write_text
 from flt.models.config import config_to_dict
 from flt.train import distributed as D
 from flt.train import drawgap as DG
 from flt.train.checkpoint import (
     CheckpointError,
-    atomic_write_text,
     find_checkpoint,
     has_checkpoint,
     load_trainer_state,
@@ -54,7 +53,7 @@ from flt.train.checkpoint import (
 )
 from flt.train.config import Preset, preset_differences, preset_from_dict, preset_to_dict
 from flt.train.metrics import MetricsLogger
-from flt.train.tasks import Task, load_task
+from flt.tasks import Task, load_task
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -306,7 +305,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
     model_cfg = task.configure(preset.model)
     # Model initialisation depends on the seed alone, not on what data loading consumed.
     seed_everything(run.seed)
-    model = build_model(model_cfg, device=ctx.device)
+    model = task.build_model(model_cfg, device=ctx.device)
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
     start = 0
     if ckpt is not None:

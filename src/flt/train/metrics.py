@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from flt.train.checkpoint import atomic_write_text
+from flt._io import atomic_write_text
 
 
 def _clean(value):

@@ -11,28 +11,24 @@ from typing import Any
 
 import torch
 
+from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
 
 
-#: Axis labels with their units, per task: the training loss, the validation metrics and
-#: the unit of a relative position ``Delta`` (the x axis of the RPE plot).
-AXES: dict[str, dict[str, str]] = {
-    "lm": {"loss": "cross-entropy (nats/token)", "ppl": "perplexity (per token)", "bpb": "bits per byte",
-           "offset": "tokens"},
-    # Patch centres lie on [-1, 1]^2 (flt.posenc.patch_grid): one unit is half the image's width.
-    "image": {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
-              "offset": "half image widths"},
-    "molecule": {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
-                 "rmse": "RMSE (target units, eV by default)", "offset": "Å"},
-}
-_TASK_OF_METRIC = {"ppl": "lm", "bpb": "lm", "accuracy": "image", "mae": "molecule", "rmse": "molecule"}
 STEP_LABEL = "training step (optimizer updates)"
+
+
+def task_axes(task: str | None = None, *, metric: str | None = None) -> dict[str, str]:
+    """Axis labels with their units of ``task`` (the task's ``axes``; a task is found by
+    its ``metric`` when None), or none."""
+    if task is None and metric is not None:
+        task = next((name for name, t in TASKS.items() if metric in t.axes and metric not in ("loss", "offset")), None)
+    return dict(TASKS[task].axes) if task in TASKS else {}
 
 
 def axis_label(name: str, task: str | None = None, *, metric: str | None = None) -> str:
     """``name`` with its unit for ``task`` (inferred from ``metric`` when None), else ``name``."""
-    task = task or _TASK_OF_METRIC.get(metric or name)
-    return AXES.get(task or "", {}).get(name, name)
+    return task_axes(task, metric=metric or name).get(name, name)
 
 
 def _figure(width: float, height: float, dpi: int = 110):
@@ -111,7 +107,7 @@ def _log_y(ax, values) -> list[float] | None:
 def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title: str = "", task: str | None = None):
     """Training and validation loss, and the validation ``metric``, against the step.
 
-    Axis labels carry units (:data:`AXES`; ``task`` is inferred from ``metric`` when None).
+    Axis labels carry units (the task's ``axes``; ``task`` is inferred from ``metric`` when None).
     A perplexity axis is log-scaled with labelled ticks spanning its data (:func:`log_ticks`).
     Returns the ``matplotlib.figure.Figure`` (already saved to ``out_path``).
     """
@@ -202,14 +198,14 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
     second row shows the whole ``[0, extent]`` with the zoomed window shaded. ``P >= 2``:
     heat maps of the slice ``(Delta_1, Delta_2, 0, ...)`` on ``[-r, r]^2``, a row per layer
     (with a labelled colour bar) and a column per head. ``unit`` (default from ``task``,
-    :data:`AXES`; tokens when causal) labels the offsets. Returns the
+    the task's ``axes``; tokens when causal) labels the offsets. Returns the
     ``matplotlib.figure.Figure`` saved to ``out_path``, or None (and writes nothing) when
     no layer has a spectrum.
     """
     layers = spectra_of(model)
     if not layers:
         return None
-    unit = unit or AXES.get(task or ("lm" if causal else ""), {}).get("offset")
+    unit = unit or task_axes(task).get("offset") or ("tokens" if causal else None)
     in_unit = f" ({unit})" if unit else ""
     pos_dim = layers[0][1].pos_dim
     heads = max(s.heads for _, s in layers)

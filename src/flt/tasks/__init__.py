@@ -1,0 +1,132 @@
+"""Tasks: one file per task, one registry, :data:`TASKS`.
+
+A task file (``lm.py``, ``image.py``, ``molecule.py``) holds everything about its task: a
+:class:`~flt.tasks.base.Task` subclass that names its model config and model class (the
+model builder), loads its data, computes its loss and metrics and labels its plots, and the
+task's presets with their mechanism defaults. :data:`TASKS` is the only list of tasks: the
+CLI choices of ``flt train`` and ``flt compare``, the preset tables, checkpoint loading and
+the docs table (:func:`task_table`) read it. Adding a task is one file here and one entry
+in :data:`TASKS` (docs/extending.md).
+
+Presets: ``TASKS[task].presets[name](attention, posenc) -> Preset``. Every preset states
+its command, its run time and the metric it reaches with FLT (the default mechanism, seed
+0), measured with ``--threads 1`` on a 2-core VM that other jobs shared (torch 2.13 CPU;
+wall time of the whole command, data loading included). On that busy machine two torch
+threads were often many times slower than one (OpenMP threads waiting for a descheduled
+peer); on an idle 2-core laptop two threads are faster. Metrics are deterministic for a
+seed on one machine. ``smoke`` runs in seconds (tests, CI), ``small`` in a few minutes,
+``base`` is larger. Since training redraws the random features every step by default
+(``RunConfig.redraw_interval``, :mod:`flt.train.drawgap`), metrics are on the fixed
+evaluation draw; numbers that say "one fixed draw" were measured before that default
+(``--run-opt redraw_interval=0`` reproduces them) and hold on that draw only.
+
+Mechanism options: a mechanism is chosen by name; options that only make sense for a
+given mechanism and task live in the task's ``attention_defaults`` and
+``posenc_defaults``, keyed by name, and a user's ``--attn-opt`` / ``--posenc-opt``
+override them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flt._checks import check_choice
+from flt.models.config import config_from_dict as _config_from_dict
+from flt.tasks.base import Task, mechanism_options, step_generator
+from flt.tasks.image import ImageTask
+from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
+from flt.tasks.molecule import MoleculeTask
+from flt.tasks.preset import Preset, RunConfig, preset_differences, preset_to_dict, run_config_from_dict
+
+#: Every task, by name, in the order the CLI lists them.
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask)}
+
+
+def get_task(name: str) -> type[Task]:
+    """``TASKS[name]`` with a clear error for unknown names."""
+    check_choice("task", name, TASKS)
+    return TASKS[name]
+
+
+def load_task(name: str, options: dict[str, Any]) -> Task:
+    """Load the data of task ``name`` with loader ``options`` (the task's ``options``)."""
+    cls = get_task(name)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise ValueError(f"unknown data options for {name!r}: {unknown}; known: {sorted(cls.options)}")
+    return cls(**options)
+
+
+def get_preset(task: str, name: str, attention: str = "flt", posenc: str = "none") -> Preset:
+    """``TASKS[task].presets[name](attention, posenc)`` with clear errors for unknown names."""
+    presets = get_task(task).presets
+    if name not in presets:
+        raise ValueError(f"preset must be one of {sorted(presets)}, got {name!r}")
+    return presets[name](attention, posenc)
+
+
+def preset_names() -> list[str]:
+    """Every preset name of some task, in the order the tasks list them."""
+    return list(dict.fromkeys(name for task in TASKS.values() for name in task.presets))
+
+
+def check_preset(preset: Preset) -> type[Task]:
+    """The task of ``preset``, after checking that it is registered and that the model
+    config is that task's."""
+    task = get_task(preset.task)
+    if not isinstance(preset.model, task.config):
+        raise TypeError(f"the preset of task {preset.task!r} needs model={task.config.__name__}(...), got {type(preset.model).__name__}")
+    return task
+
+
+def config_from_dict(data: dict[str, Any]):
+    """The model config saved by :func:`flt.models.config_to_dict`, whose class is the
+    ``config`` of a registered task (found by the config's ``task`` name)."""
+    return _config_from_dict(data, {task.config.task: task.config for task in TASKS.values()})
+
+
+def preset_from_dict(data: dict[str, Any]) -> Preset:
+    """Inverse of :func:`flt.tasks.preset.preset_to_dict`."""
+    try:
+        task, model, run, options = data["task"], data["model"], data["run"], data["data"]
+    except (KeyError, TypeError):
+        raise ValueError("a saved run configuration needs 'task', 'model', 'run' and 'data' entries") from None
+    preset = Preset(task=task, model=config_from_dict(model), run=run_config_from_dict(run), data=dict(options))
+    check_preset(preset)
+    return preset
+
+
+def task_table() -> str:
+    """The Markdown table of the registered tasks (docs/extending.md shows it; a test keeps
+    the two equal)."""
+    lines = ["| task | what | metric | presets | model |", "|---|---|---|---|---|"]
+    for name, task in TASKS.items():
+        better = "higher" if task.higher_is_better else "lower"
+        lines.append(f"| `{name}` | {task.description} | {task.metric} ({better} is better) | "
+                     f"{', '.join(task.presets)} | `{task.model.__name__}` |")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "TASKS",
+    "ImageTask",
+    "LMTask",
+    "MoleculeTask",
+    "Preset",
+    "RunConfig",
+    "Task",
+    "check_preset",
+    "config_from_dict",
+    "generate_text",
+    "get_preset",
+    "get_task",
+    "load_task",
+    "mechanism_options",
+    "preset_differences",
+    "preset_from_dict",
+    "preset_names",
+    "preset_to_dict",
+    "step_generator",
+    "task_table",
+    "tokenizer_from_extra",
+]

@@ -1,0 +1,156 @@
+"""The task interface that the single training loop drives, and the batching helpers tasks share.
+
+A task class describes itself in class attributes (name, model config and class, metric,
+presets, plot labels) and, once constructed with its data options, loads its data, fills
+the data-dependent fields of the model config, draws the global batch of a step, computes
+the training loss and sums the validation metrics. Batches are a pure function of
+``(seed, step)``, never of a sampler's internal state, so a resumed run sees the same
+batches as an uninterrupted one and any number of processes splits the same global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from flt.models import config_kwargs
+from flt.tasks.preset import Preset
+
+
+def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator determined by ``(seed, step, stream)`` alone."""
+    state = np.random.SeedSequence([seed, step, stream]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def shard(batch_size: int, rank: int, world: int) -> slice:
+    """Process ``rank``'s slice of a global batch split over ``world`` processes."""
+    if batch_size % world:
+        raise ValueError(f"the global batch_size ({batch_size}) must be divisible by the number of processes ({world})")
+    local = batch_size // world
+    return slice(rank * local, (rank + 1) * local)
+
+
+def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """Global batch of (1-based) ``step``: a seeded permutation per epoch, last partial batch dropped."""
+    if n < batch_size:
+        raise ValueError(f"the training split has {n} samples, fewer than the batch size {batch_size}")
+    per_epoch = n // batch_size
+    epoch, i = divmod(step - 1, per_epoch)
+    perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=1))
+    return perm[i * batch_size : (i + 1) * batch_size]
+
+
+def eval_slices(n: int, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[slice]:
+    """This rank's share of the first ``max_batches`` consecutive batches of ``n`` items."""
+    for i, first in enumerate(range(0, n, batch_size)):
+        if max_batches is not None and i >= max_batches:
+            return
+        if i % world == rank:
+            yield slice(first, min(first + batch_size, n))
+
+
+class Task:
+    """Interface of a task: class attributes describe it, an instance holds its data.
+
+    ``cls(**options)`` loads the data; ``options`` are the names in :attr:`options`
+    (``Preset.data``, ``--data-opt KEY=VALUE``; ``--data PATH`` sets ``path``).
+    """
+
+    #: Registry name: ``flt train NAME``.
+    name: ClassVar[str] = ""
+    #: One line for ``flt train --help`` and the docs table.
+    description: ClassVar[str] = ""
+    #: Model config dataclass (its ``task`` class attribute names it in saved configs) and
+    #: model class, whose keyword arguments are the config's fields (:meth:`build_model`).
+    config: ClassVar[type]
+    model: ClassVar[type]
+    #: Headline validation metric and whether larger is better (tables, plots, docs).
+    metric: ClassVar[str] = ""
+    higher_is_better: ClassVar[bool] = False
+    #: Further validation metrics that ``flt compare`` tabulates.
+    compare_metrics: ClassVar[tuple[str, ...]] = ()
+    #: What throughput counts.
+    unit: ClassVar[str] = "samples"
+    #: Data options the constructor takes, and those that size the bundled data set (a
+    #: real data set given by ``--data`` drops them).
+    options: ClassVar[tuple[str, ...]] = ()
+    bundled_options: ClassVar[tuple[str, ...]] = ()
+    #: Loader of the bundled data set: keyword arguments only, returns ``.train`` and ``.valid``.
+    dataset: ClassVar[Callable[..., Any]]
+    #: ``presets[name](attention, posenc) -> Preset``; every task has ``smoke``.
+    presets: ClassVar[dict[str, Callable[..., Preset]]] = {}
+    #: Options for mechanisms and absolute encodings by name (:func:`mechanism_options`).
+    attention_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
+    posenc_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Axis labels with units: ``loss``, the validation metrics and ``offset`` (the unit of
+    #: a relative position, the x axis of the RPE plot).
+    axes: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def build_model(cls, config, *, device=None, dtype=None):
+        """The model of ``config`` (a :attr:`config` instance)."""
+        if not isinstance(config, cls.config):
+            raise TypeError(f"task {cls.name!r} builds from {cls.config.__name__}, got {type(config).__name__}")
+        return cls.model(**config_kwargs(config), device=device, dtype=dtype)
+
+    def configure(self, cfg):
+        """The model config with its data-dependent fields filled in."""
+        raise NotImplementedError
+
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int):
+        """This process's slice (``rank`` of ``world``) of the global batch of ``step``."""
+        raise NotImplementedError
+
+    def batch_items(self, batch) -> int:
+        """Number of :attr:`unit` in a (local) batch, for throughput."""
+        raise NotImplementedError
+
+    def loss(self, model, batch) -> torch.Tensor:
+        """Scalar training loss, the mean over the batch (so DDP's mean of gradients is exact)."""
+        raise NotImplementedError
+
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+        """This process's share of the validation batches (at most ``max_batches`` in all)."""
+        raise NotImplementedError
+
+    def eval_sums(self, model, batch) -> dict[str, float]:
+        """Sums over one batch (summed again over batches and processes)."""
+        raise NotImplementedError
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Validation metrics from the total sums; always includes ``loss`` and :attr:`metric`."""
+        raise NotImplementedError
+
+    def rpe_extent(self, cfg) -> tuple[float, bool]:
+        """``(L, causal)``: plot ``f`` on ``[0, L]`` (causal) or ``[-L, L]`` per axis."""
+        raise NotImplementedError
+
+    def longest_sequence(self, cfg) -> int | None:
+        """The most tokens one validation sample gives the attention layers (None if unknown);
+        sizes the batches of the exact evaluation (:mod:`flt.train.drawgap`)."""
+        return None
+
+    def extra(self) -> dict[str, Any]:
+        """JSON data a checkpoint needs besides the configs (e.g. the tokenizer)."""
+        return {}
+
+    def report(self, model, device) -> str | None:
+        """A line or two printed at the end of training (e.g. a generated sample)."""
+        return None
+
+
+def mechanism_options(task: type[Task], attention: str, posenc: str, **overrides) -> dict[str, Any]:
+    """``attention``, ``attention_options``, ``posenc`` and ``posenc_options`` of a model
+    config of ``task``: the task's defaults for these names (none for names without an
+    entry, so mechanisms added to :data:`flt.ATTENTION` later work with every preset)."""
+    return {
+        "attention": attention,
+        "attention_options": dict(task.attention_defaults.get(attention, {})),
+        "posenc": posenc,
+        "posenc_options": dict(task.posenc_defaults.get(posenc, {})),
+        **overrides,
+    }

@@ -1,0 +1,139 @@
+"""``molecule``: scalar property regression over atoms (MSE on standardised targets; MAE
+and RMSE in target units).
+
+Data options: ``path`` (an ASE database or any file ``ase.io.read`` reads; default: the
+generated catalysis set), ``target``, ``num_samples``, ``relax_steps``,
+``valid_fraction``, ``split_seed``, ``cache_dir``, ``progress``. Positions are 3-D atom
+coordinates (``P = 3``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+
+from flt.data import collate_molecules, load_ase, load_catalysis, split_molecules
+from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields
+from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.preset import Preset, RunConfig
+
+#: FLT: a radial Gaussian with the multiplicative coupling (rotation invariant with tied
+#: lengths, exactly translation invariant on the fast path). Performer gets FLT's number
+#: of random features; softmax gets ALiBi on Euclidean distances.
+ATTENTION_DEFAULTS = {
+    "flt": {"spectrum": "gaussian", "coupling": "multiplicative", "num_features": 64, "num_frequencies": 32,
+            "length_scale": 3.0},
+    "performer": {"num_features": 64},
+    "softmax": {"relative_bias": "alibi"},
+}
+POSENC_DEFAULTS = {"shifted_basis": {"domain": [-10.0, 10.0]}}
+
+
+def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train molecule --preset smoke``: 60 steps on 160 generated structures with
+    unrelaxed EMT energies (generated in about 3 s on first use, then cached).
+    About 9 s; validation MAE 1.9 eV (predicting the mean: 1.9 eV)."""
+    model = MoleculeConfig(dim=32, depth=2, heads=2, **mechanism_options(MoleculeTask, attention, posenc))
+    run = RunConfig(steps=60, batch_size=16, lr=3e-3, warmup_steps=5, eval_every=30, checkpoint_every=30, log_every=5)
+    return Preset(MoleculeTask.name, model, run, {"num_samples": 160, "relax_steps": 0, "valid_fraction": 0.2})
+
+
+def small(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train molecule --preset small``: 3 layers, width 64, 800 steps of 32 on 1000
+    generated catalysis structures (adsorption energies after at most 30 EMT relaxation
+    steps; generating them takes about 1 min on first use, then they are cached).
+    About 1 min; validation MAE 0.67 eV (draw gap: fresh draws 0.69 +- 0.06, exact 0.65;
+    predicting the mean: 1.96 eV). Trained on one fixed draw: 0.25 eV on that draw, 3.4 eV
+    on fresh draws and with exact attention."""
+    model = MoleculeConfig(dim=64, depth=3, heads=4, **mechanism_options(MoleculeTask, attention, posenc))
+    run = RunConfig(steps=800, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=100, checkpoint_every=100, log_every=10)
+    return Preset(MoleculeTask.name, model, run, {"num_samples": 1000})
+
+
+def base(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train molecule --preset base``: 4 layers, width 128, 2000 steps of 32 on the
+    default 2000 structures (about 2 min to generate once). About 6 min; validation
+    MAE 0.16 eV (predicting the training mean: 2.22 eV)."""
+    model = MoleculeConfig(dim=128, depth=4, heads=8, **mechanism_options(MoleculeTask, attention, posenc))
+    run = RunConfig(steps=2000, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=250, checkpoint_every=250, log_every=20)
+    return Preset(MoleculeTask.name, model, run, {})
+
+
+class MoleculeTask(Task):
+    """Scalar property regression (MSE on standardised targets; MAE and RMSE in target units)."""
+
+    name = "molecule"
+    description = "property regressor over atoms; bundled data: generated EMT catalysis structures"
+    config, model = MoleculeConfig, MoleculeRegressor
+    metric, higher_is_better, compare_metrics, unit = "mae", False, ("rmse",), "mol"
+    options = ("path", "target", "num_samples", "relax_steps", "valid_fraction", "split_seed", "cache_dir", "progress")
+    bundled_options = ("num_samples", "relax_steps")
+    dataset = staticmethod(load_catalysis)
+    presets = {"smoke": smoke, "small": small, "base": base}
+    attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    axes = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
+            "rmse": "RMSE (target units, eV by default)", "offset": "Å"}
+
+    def __init__(self, *, path=None, target: str = "energy", num_samples: int = 2000, relax_steps: int = 30,
+                 valid_fraction: float = 0.1, split_seed: int = 0, cache_dir=None, progress: bool = True):
+        if path is None:
+            splits = load_catalysis(
+                num_samples, seed=split_seed, relax_steps=relax_steps, valid_fraction=valid_fraction,
+                cache_dir=cache_dir, progress=progress,
+            )
+        else:
+            splits = split_molecules(load_ase(path, target), valid_fraction, split_seed)
+        self.train, self.valid = splits.train, splits.valid
+        y = self.train.y.double()
+        self.target_mean, self.target_std = float(y.mean()), float(y.std()) if len(y) > 1 else 1.0
+        if not self.target_std > 0:
+            self.target_std = 1.0
+
+    def configure(self, cfg):
+        zmax = int(max(self.train.z.max(), self.valid.z.max()))
+        if zmax >= cfg.num_elements:
+            raise ValueError(f"the data has atomic number {zmax}, beyond num_elements = {cfg.num_elements}")
+        return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
+
+    def _collate(self, data, idx):
+        return collate_molecules([data[int(i)] for i in idx])
+
+    def train_batch(self, step, batch_size, seed, rank, world):
+        idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
+        return self._collate(self.train, idx)
+
+    def batch_items(self, batch) -> int:
+        return batch.y.shape[0]
+
+    def loss(self, model, batch):
+        pred = model(batch.z, batch.pos, batch.mask)
+        return F.mse_loss((pred.float() - self.target_mean) / self.target_std, (batch.y.float() - self.target_mean) / self.target_std)
+
+    def eval_batches(self, batch_size, max_batches, rank, world):
+        for sl in eval_slices(len(self.valid), batch_size, max_batches, rank, world):
+            yield self._collate(self.valid, range(sl.start, sl.stop))
+
+    def eval_sums(self, model, batch):
+        err = model(batch.z, batch.pos, batch.mask).double() - batch.y.double()
+        return {
+            "sq_norm": float(((err / self.target_std) ** 2).sum()),
+            "abs": float(err.abs().sum()),
+            "sq": float((err**2).sum()),
+            "count": float(err.numel()),
+        }
+
+    def metrics(self, sums):
+        n = sums["count"]
+        return {"loss": sums["sq_norm"] / n, "mae": sums["abs"] / n, "rmse": math.sqrt(sums["sq"] / n)}
+
+    def rpe_extent(self, cfg):
+        # Twice the largest distance of an atom from its structure's centre covers every offset.
+        radius = 0.0
+        for i in range(min(len(self.train), 256)):
+            _, pos, _ = self.train[i]
+            radius = max(radius, float((pos - pos.mean(0)).norm(dim=-1).max()))
+        return max(1.0, 2 * radius), False
+
+    def longest_sequence(self, cfg):
+        return int(self.valid.num_atoms().max()) if len(self.valid) else 0
