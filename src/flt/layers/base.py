@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from flt._checks import compiling, check_dim, check_positions, check_positive_int, check_tensor
+from flt._checks import check_dim, check_positions, check_positive_int, check_tensor, compiling
+from flt._dtype import compute_dtype
 from flt.options import check_attention_options
 
 #: ``layer.double()`` etc.: how to cast a layer to a dtype, for the dtype error.
@@ -88,7 +89,7 @@ class AttentionBase(nn.Module):
     def default_positions(self, length: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if self.pos_dim != 1:
             raise ValueError(f"pos is required when pos_dim = {self.pos_dim} (token indices only serve P = 1)")
-        idx = torch.arange(offset, offset + length, device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
+        idx = torch.arange(offset, offset + length, device=like.device, dtype=compute_dtype(like))
         return idx.view(1, length, 1)
 
     def prepare(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> Prepared:
@@ -163,6 +164,6 @@ class QKScaling(nn.Module):
         if not self.qk_norm:
             s = self.head_dim**-0.25
             return q * s, k * s
-        cdt = torch.promote_types(q.dtype, torch.float32)
+        cdt = compute_dtype(q)
         root = torch.exp(0.5 * self.log_temperature.to(cdt)).view(1, -1, 1, 1)
         return F.normalize(q.to(cdt), dim=-1) * root, F.normalize(k.to(cdt), dim=-1) * root

@@ -13,6 +13,7 @@ import math
 import torch
 
 from flt._checks import check_choice
+from flt._dtype import compute_dtype
 from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
@@ -175,7 +176,7 @@ class SoftmaxAttention(AttentionBase):
             q, k = apply_rope(q, p.pos, base=self.rope_base), apply_rope(k, p.pos, base=self.rope_base)
         term = self.positional_term(p.pos, q.dtype)
         if self.coupling == "multiplicative":
-            cdt = torch.promote_types(q.dtype, torch.float32)
+            cdt = compute_dtype(q)
             mask = term if p.pad is None else term * (~p.pad).to(cdt)[:, None, None, :]
             out = rpe_attention_reference(q.to(cdt), k.to(cdt), p.v.to(cdt), mask=mask, causal=self.causal, scale=1 / math.sqrt(self.head_dim))
             return self.finish(out, x)

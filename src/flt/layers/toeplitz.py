@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from flt._checks import check_positive_int, check_values
+from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
-from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, toeplitz_attention, toeplitz_attention_reference
 from flt.ops.reference import rpe_attention_reference
+from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, toeplitz_attention, toeplitz_attention_reference
 from flt.posenc.bias import DEFAULT_TABLE_SCALE
 from flt.relative import build_relative
 
@@ -132,7 +133,7 @@ class ToeplitzAttention(KernelAttention):
         p = self.prepare(x, pos, key_padding_mask)
         self.check_grid(p.pos)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        cdt = torch.promote_types(xq.dtype, torch.float32)
+        cdt = compute_dtype(xq)
         bias = self.table.bias(p.pos[:1] - p.pos[:1, :1]).to(cdt)  # offsets only: one row of positions serves the batch
         pad = self.padding_mask_matrix(p.pad, cdt)
         out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), p.v.to(cdt), bias=bias, mask=pad, causal=self.causal, scale=1.0)

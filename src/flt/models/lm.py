@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flt._dtype import compute_dtype
 from flt.models.block import Trunk, build_posenc
 from flt.posenc import CAPE
 
@@ -74,7 +75,7 @@ class CausalLM(nn.Module):
         return self.trunk.supports_decoding
 
     def _pos_dtype(self) -> torch.dtype:
-        return torch.promote_types(self.embed.weight.dtype, torch.float32)
+        return compute_dtype(self.embed.weight)
 
     def positions(self, batch: int, length: int, offset: int = 0) -> torch.Tensor:
         """Token indices ``offset .. offset + length - 1`` as ``[batch, length, 1]``."""

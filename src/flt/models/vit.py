@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from flt._checks import check_choice
+from flt._dtype import compute_dtype
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import POOLINGS
 from flt.posenc import CAPE, patch_grid
@@ -58,7 +59,7 @@ class ViTClassifier(nn.Module):
         self.image_size, self.patch_size, self.channels, self.pooling = image_size, patch_size, channels, pooling
         self.grid = image_size // patch_size
         self.to_patch = nn.Linear(channels * patch_size * patch_size, dim, **fk)
-        pos_dtype = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)
+        pos_dtype = compute_dtype(dtype or torch.get_default_dtype())
         # Not saved: a function of the config.
         self.register_buffer("patch_pos", patch_grid(self.grid, device=device, dtype=pos_dtype), persistent=False)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim, **fk) * 0.02) if pooling == "cls" else None

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
 
 
@@ -71,7 +72,7 @@ def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bia
     """
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask)
     B, H, N, _ = xq.shape
-    cdt = torch.promote_types(xq.dtype, torch.float32)
+    cdt = compute_dtype(xq)
     i = torch.arange(N, device=xq.device)
     off = i.view(1, -1) - i.view(-1, 1)  # j - i
     near = off.abs() <= width
@@ -117,7 +118,7 @@ def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, widt
     if T < width:
         raise ValueError(f"block_size ({T}) must be at least width ({width})")
     B, H, N, _ = xq.shape
-    cdt = torch.promote_types(torch.promote_types(xq.dtype, qf.dtype), torch.promote_types(v.dtype, torch.float32))
+    cdt = compute_dtype(xq, qf, v)
     xq, xk, qf, kf = (t.to(cdt) for t in (xq, xk, qf, kf))
     vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1)
     sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)

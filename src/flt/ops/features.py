@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import compute_dtype
 
 
 def gaussian_orthogonal_random_matrix(
@@ -46,10 +47,6 @@ def gaussian_orthogonal_random_matrix(
     return (rows * norms).to(device=device, dtype=dtype)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FAVOR+ positive random features with a per-token stabiliser.
 
@@ -79,7 +76,7 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
     check_tensor("projection", projection, ndim=2, layout="[m, D]")
     if projection.shape[1] != x.shape[-1]:
         raise ValueError(f"projection has D = {projection.shape[1]} but x has last dimension {x.shape[-1]}")
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     x = x.to(cdt)
     logits = x @ projection.to(cdt).T - 0.5 * (x * x).sum(dim=-1, keepdim=True)
     shift = logits.amax(dim=-1).detach()
@@ -94,11 +91,11 @@ def relu_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("x", x)
     check_tensor("projection", projection, ndim=2, layout="[m, D]")
-    cdt = _compute_dtype(x)
+    cdt = compute_dtype(x)
     return F.relu(x.to(cdt) @ projection.to(cdt).T) * (projection.shape[0] ** -0.5)
 
 
 def elu_features(x: torch.Tensor) -> torch.Tensor:
     """``elu(x) + 1`` (Katharopoulos et al.): ``[..., N, D] -> [..., N, D]``, strictly positive."""
     check_tensor("x", x)
-    return F.elu(x.to(_compute_dtype(x))) + 1.0
+    return F.elu(x.to(compute_dtype(x))) + 1.0

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from flt._checks import check_broadcast, check_choice, check_tensor
+from flt._dtype import compute_dtype
 from flt.ops.reference import rpe_attention_reference
 
 BACKENDS = ("sdpa", "flex", "reference")
@@ -199,7 +200,7 @@ def _flex(q, k, v, bias, causal, scale, key_padding_mask, user_mod):
     full_bias = None
     if bias is not None:
         # A broadcast view, so score_mod can index [b, h, i, j] without copying.
-        full_bias = bias.to(torch.promote_types(q.dtype, torch.float32)).expand(B, H, N, Nk)
+        full_bias = bias.to(compute_dtype(q)).expand(B, H, N, Nk)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if user_mod is not None:

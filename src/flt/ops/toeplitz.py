@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import compute_dtype
 from flt.ops._common import causal_mask_like, safe_divide
 
 #: Rows whose FFT denominator is below this many ``eps * log2(L)`` units of the row's
@@ -147,13 +148,6 @@ def _toeplitz_fft(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y[..., :n]
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
 def toeplitz_matvec(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Toeplitz product ``y_i = sum_j coeffs[:, i - j + N - 1] x_j`` by FFT, per head.
 
@@ -168,7 +162,7 @@ def toeplitz_matvec(coeffs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     check_tensor("x", x, ndim=4, layout="[B, H, N, C]")
     check_tensor("coeffs", coeffs, ndim=2, layout="[H, 2N - 1]")
     _check_table("coeffs", coeffs, heads=x.shape[1], n=x.shape[2])
-    cdt = _compute_dtype(coeffs, x)
+    cdt = compute_dtype(coeffs, x)
     y = _toeplitz_fft(coeffs.to(cdt), rearrange(x.to(cdt), "b h n c -> b h c n"))
     return rearrange(y, "b h c n -> b h n c").to(x.dtype)
 
@@ -278,7 +272,7 @@ def toeplitz_attention(
     check_positive_int("block_size", block_size)
     out_dtype = torch.promote_types(torch.promote_types(q_feat.dtype, k_feat.dtype), v.dtype)
     if fft_dtype is None:
-        cdt = _compute_dtype(q_feat, k_feat, v, bias)
+        cdt = compute_dtype(q_feat, k_feat, v, bias)
     elif fft_dtype in (torch.float32, torch.float64):
         cdt = fft_dtype
     else:
@@ -456,7 +450,7 @@ def toeplitz_attention_reference(q_feat, k_feat, v, bias, *, causal: bool = Fals
     _check_inputs(q_feat, k_feat, v, bias, key_log_scale)
     N = q_feat.shape[2]
     out_dtype = torch.promote_types(torch.promote_types(q_feat.dtype, k_feat.dtype), v.dtype)
-    cdt = _compute_dtype(q_feat, k_feat, v, bias)
+    cdt = compute_dtype(q_feat, k_feat, v, bias)
     logits = toeplitz_matrix(bias.to(cdt), N).unsqueeze(0)  # [1, H, N, N]
     if key_log_scale is not None:
         logits = logits + key_log_scale.to(cdt).unsqueeze(-2)

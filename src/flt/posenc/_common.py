@@ -7,6 +7,7 @@ import math
 import torch
 
 from flt._checks import check_dim, check_finite, check_tensor, check_values
+from flt._dtype import compute_dtype  # noqa: F401 (the posenc modules import it from here)
 
 
 def check_abs_positions(name: str, pos, pos_dim: int) -> None:
@@ -30,14 +31,6 @@ def integer_positions(name: str, pos) -> torch.Tensor:
         check_finite(name, pos)
         check_values(name, pos, lambda p: p == p.round(), f"{name} must hold integer-valued positions, got fractional values", tag="integer")
     return pos.long()
-
-
-def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """Float32 or better: the promotion of the inputs' dtypes with float32."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def check_positive_float(name: str, value) -> float:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
+from flt._dtype import compute_dtype
 from flt.relative.base import RelativeTerm
 from flt.spectra.sampling import SAMPLERS, standard_normal_draws
 
@@ -141,7 +142,7 @@ class Spectrum(RelativeTerm):
         """The random-feature estimate ``f^(Delta)``: ``[..., P] -> [..., H]``."""
         self._check_points("delta", delta)
         xi, w = self.frequencies()
-        cdt = torch.promote_types(delta.dtype, torch.float32)
+        cdt = compute_dtype(delta)
         phase = 2 * math.pi * torch.einsum("...p,hrp->...hr", delta.to(cdt), xi.to(cdt))
         return (torch.cos(phase) * w.to(cdt)).sum(dim=-1)
 
@@ -173,7 +174,7 @@ class Spectrum(RelativeTerm):
             pos = pos.unsqueeze(0)
         self._check_points("pos", pos)
         xi, w = self.frequencies()
-        cdt = torch.promote_types(pos.dtype, torch.float32)
+        cdt = compute_dtype(pos)
         phase = 2 * math.pi * torch.einsum("bnp,hrp->bhnr", pos.to(cdt), xi.to(cdt))
         w = w.to(cdt).unsqueeze(-2)  # [H, 1, R]
         root = w.abs().clamp_min(_WEIGHT_FLOOR / self.num_frequencies).sqrt()

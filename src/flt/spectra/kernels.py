@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, inverse_positive, positive
 
 #: Smoothness parameters with closed-form Matern kernels; ``2 nu`` must be an integer
@@ -55,7 +56,7 @@ class _KernelSpectrum(Spectrum):
 
     def _cdt(self, x: torch.Tensor) -> torch.dtype:
         # Exponentials and frequencies in float32 or better, whatever the parameter dtype.
-        return torch.promote_types(torch.promote_types(x.dtype, self.log_length.dtype), torch.float32)
+        return compute_dtype(x, self.log_length)
 
 
 class GaussianKernelSpectrum(_KernelSpectrum):
@@ -110,7 +111,7 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         to cancellation when ``|s|`` is large, so short positions keep the direct form."""
         if pos_q.shape[-1] <= 3:
             return super().pairwise(pos_q, pos_k)
-        cdt = torch.promote_types(self._cdt(pos_q), pos_k.dtype)
+        cdt = compute_dtype(self._cdt(pos_q), pos_k)
         lengths = self.lengths().to(cdt)[None, :, None, :]  # [1, H, 1, P]
         sq, sk = pos_q.to(cdt).unsqueeze(1) / lengths, pos_k.to(cdt).unsqueeze(1) / lengths  # [B, H, N, P]
         d2 = (sq * sq).sum(-1).unsqueeze(-1) + (sk * sk).sum(-1).unsqueeze(-2) - 2 * sq @ sk.transpose(-1, -2)

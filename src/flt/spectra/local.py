@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, inverse_positive, positive
 from flt.spectra.kernels import check_amplitude, per_axis
 
@@ -102,7 +103,7 @@ class LocalSpectrum(Spectrum):
         return positive(self.log_smoothing)
 
     def _cdt(self, x: torch.Tensor) -> torch.dtype:
-        return torch.promote_types(torch.promote_types(x.dtype, self.log_smoothing.dtype), torch.float32)
+        return compute_dtype(x, self.log_smoothing)
 
     def density(self, xi: torch.Tensor) -> torch.Tensor:
         """``g(xi) = sum_c g_c(xi)``: ``[..., P] -> [..., H]``."""

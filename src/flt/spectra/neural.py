@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, inverse_positive, positive
 from flt.spectra.kernels import check_amplitude, per_axis
 
@@ -113,7 +114,7 @@ class NeuralSpectrum(Spectrum):
         return positive(self.log_length)
 
     def _cdt(self, x: torch.Tensor) -> torch.dtype:
-        return torch.promote_types(torch.promote_types(x.dtype, self.log_length.dtype), torch.float32)
+        return compute_dtype(x, self.log_length)
 
     def mlp(self, u: torch.Tensor) -> torch.Tensor:
         """``h(u)`` per head: ``[..., H, P] -> [..., H]`` (``u`` in envelope units)."""
@@ -177,7 +178,7 @@ class NeuralSpectrum(Spectrum):
                 f"got pos_dim = {self.pos_dim}; use estimate() (random features) instead"
             )
         self._check_points("delta", delta)
-        cdt = torch.promote_types(self._cdt(delta), torch.float64)  # a reference: integrate in float64
+        cdt = compute_dtype(self._cdt(delta), torch.float64)  # a reference: integrate in float64
         n, P, H = self.quadrature_points, self.pos_dim, self.heads
         lengths = self.lengths().to(cdt)
         scaled = delta.to(cdt).unsqueeze(-2) / lengths  # Delta / l, [..., H, P]
