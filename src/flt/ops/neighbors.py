@@ -91,8 +91,15 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
             d = torch.where(rows.view(-1, 1) == keys.view(1, -1), torch.full_like(d, -1.0), d)  # self first
             if key_mask is not None:
                 d = d.masked_fill(~key_mask[:, None, :], float("inf"))
-            # A stable sort breaks ties by the lower key index, on every device.
-            out.append(torch.sort(d, dim=-1, stable=True).indices[..., :k])
+            # The k-th smallest distance t; keys below it are in, keys at it fill the rest by
+            # lower index (ties are common on grids). Then order the k chosen keys by
+            # (distance, index) with a stable sort of k entries, on every device alike.
+            t = torch.kthvalue(d, k, dim=-1, keepdim=True).values
+            at = d == t
+            chosen = (d < t) | (at & (at.cumsum(-1) <= k - (d < t).sum(-1, keepdim=True)))
+            ind = chosen.nonzero()[:, -1].view(*d.shape[:2], k)  # ascending key index per row
+            order = torch.sort(d.gather(-1, ind), dim=-1, stable=True).indices
+            out.append(ind.gather(-1, order))
         return torch.cat(out, dim=1)
 
 
