@@ -29,9 +29,9 @@ def _toy(sizes=(3, 1, 4, 2, 5)):
 def test_collate_pads_and_masks():
     data, zs, ps = _toy()
     batch = collate_molecules([data[i] for i in range(len(data))])
-    assert batch.z.shape == (5, 5) and batch.pos.shape == (5, 5, 3) and batch.mask.shape == (5, 5)
-    assert batch.z.dtype == torch.int64 and batch.mask.dtype == torch.bool and batch.pos.dtype == torch.float32
-    assert batch.mask.sum(1).tolist() == [3, 1, 4, 2, 5]
+    assert batch.z.shape == (5, 5) and batch.pos.shape == (5, 5, 3) and batch.key_padding_mask.shape == (5, 5)
+    assert batch.z.dtype == torch.int64 and batch.key_padding_mask.dtype == torch.bool and batch.pos.dtype == torch.float32
+    assert (~batch.key_padding_mask).sum(1).tolist() == [3, 1, 4, 2, 5]
     for i, (z, p) in enumerate(zip(zs, ps)):
         n = len(z)
         assert batch.z[i, :n].tolist() == z.tolist() and (batch.z[i, n:] == 0).all()

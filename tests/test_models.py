@@ -52,9 +52,10 @@ def molecules(B=3, N=7, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     z = torch.randint(1, 80, (B, N), generator=g)
     pos = 3.0 * torch.randn(B, N, 3, generator=g, dtype=dtype)
-    mask = torch.ones(B, N, dtype=torch.bool)
-    mask[0, N - 2 :] = False  # a padded structure
-    return z, pos, mask
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[0, N - 2 :] = True  # a padded structure
+    z[pad] = 0  # the padding element
+    return z, pos, pad
 
 
 def random_rotation(seed: int, dtype=torch.float64) -> torch.Tensor:
@@ -289,10 +290,12 @@ def test_configs_are_frozen_and_round_trip():
 def test_model_input_errors():
     model = make(MoleculeConfig, "flt")
     z, pos, mask = molecules()
-    with pytest.raises(ValueError, match="bool mask"):
+    with pytest.raises(ValueError, match="bool key_padding_mask"):
         model(z, pos, mask.long())
     with pytest.raises(ValueError, match="atomic numbers"):
         model(z + 200, pos, mask)
+    with pytest.raises(ValueError, match="True for padding"):  # the real-atom polarity is refused
+        model(z, pos, ~mask)
     vit = make(ImageConfig, "flt")
     with pytest.raises(ValueError, match="images must be"):
         vit(torch.randn(2, 3, 8, 8))

@@ -74,16 +74,16 @@ def _import_ase():
 
 class MoleculeBatch(NamedTuple):
     """Padded batch: ``z [B, Nmax]`` int64 (0 = padding), ``pos [B, Nmax, 3]``,
-    ``mask [B, Nmax]`` bool (True = real atom), ``y [B]``."""
+    ``key_padding_mask [B, Nmax]`` bool (True = padding, as in every attention layer), ``y [B]``."""
 
     z: torch.Tensor
     pos: torch.Tensor
-    mask: torch.Tensor
+    key_padding_mask: torch.Tensor
     y: torch.Tensor
 
     def to(self, device=None, dtype=None) -> MoleculeBatch:
         """Move to ``device``; ``dtype`` applies to the floating tensors ``pos`` and ``y``."""
-        return MoleculeBatch(self.z.to(device), self.pos.to(device, dtype), self.mask.to(device), self.y.to(device, dtype))
+        return MoleculeBatch(self.z.to(device), self.pos.to(device, dtype), self.key_padding_mask.to(device), self.y.to(device, dtype))
 
 
 def collate_molecules(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> MoleculeBatch:
@@ -95,14 +95,14 @@ def collate_molecules(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.
     pos_dtype = samples[0][1].dtype
     z = torch.zeros(b, n_max, dtype=torch.int64)
     pos = torch.zeros(b, n_max, 3, dtype=pos_dtype)
-    mask = torch.zeros(b, n_max, dtype=torch.bool)
+    pad = torch.ones(b, n_max, dtype=torch.bool)
     for i, (zi, pi, _) in enumerate(samples):
         n = zi.shape[0]
         z[i, :n] = zi
         pos[i, :n] = pi
-        mask[i, :n] = True
+        pad[i, :n] = False
     y = torch.stack([torch.as_tensor(yi) for _, _, yi in samples])
-    return MoleculeBatch(z, pos, mask, y)
+    return MoleculeBatch(z, pos, pad, y)
 
 
 class MoleculeData(torch.utils.data.Dataset):

@@ -69,8 +69,9 @@ def tie_isotropic(module: nn.Module) -> int:
 class MoleculeRegressor(nn.Module):
     """Element embeddings, pre-norm Transformer over atoms, per-atom head, pooled readout.
 
-    Shapes: ``forward(z [B, N] int64, pos [B, N, 3], mask [B, N] bool) -> [B]`` where
-    ``mask`` is True for real atoms (padding: False, any ``z`` and ``pos``).
+    Shapes: ``forward(z [B, N] int64, pos [B, N, 3], key_padding_mask [B, N] bool) -> [B]``
+    where ``key_padding_mask`` is True for padding (any ``pos``; ``z = 0``, the padding
+    element, is refused for a real atom), the polarity of every attention layer.
     """
 
     def __init__(
@@ -109,15 +110,26 @@ class MoleculeRegressor(nn.Module):
         if isotropic:
             tie_isotropic(self.trunk)
 
-    def forward(self, z: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    def forward(
+        self, z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False
+    ) -> torch.Tensor:
         """Predicted property ``[B]`` in target units; ``exact`` uses each layer's ``exact``."""
-        if z.ndim != 2 or pos.shape != (*z.shape, 3) or mask.shape != z.shape or mask.dtype != torch.bool:
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
+        pad = key_padding_mask
+        if z.ndim != 2 or pos.shape != (*z.shape, 3) or pad.shape != z.shape or pad.dtype != torch.bool:
             raise ValueError(
-                f"expected z [B, N], pos [B, N, 3] and a bool mask [B, N], got {tuple(z.shape)}, "
-                f"{tuple(pos.shape)} and {tuple(mask.shape)} {mask.dtype}"
+                f"expected z [B, N], pos [B, N, 3] and a bool key_padding_mask [B, N] (True = padding), got {tuple(z.shape)}, "
+                f"{tuple(pos.shape)} and {tuple(pad.shape)} {pad.dtype}"
             )
+        mask = ~pad  # real atoms
         if bool((z[mask] < 0).any()) or bool((z[mask] >= self.num_elements).any()):
             raise ValueError(f"atomic numbers must lie in [0, {self.num_elements}) for real atoms")
+        if bool((z[mask] == 0).any()) or not bool(mask.any(dim=1).all()):
+            raise ValueError(
+                "key_padding_mask marks an atom with z = 0 (the padding element) as real, or a structure with no real atom; "
+                "key_padding_mask is True for padding, as in every attention layer (an inverted mask gives this error)"
+            )
         keep = mask.unsqueeze(-1).to(pos.dtype)
         count = keep.sum(dim=1, keepdim=True).clamp_min(1)
         centre = (pos * keep).sum(dim=1, keepdim=True) / count

@@ -107,7 +107,7 @@ class MoleculeTask(Task):
         return batch.y.shape[0]
 
     def loss(self, model, batch):
-        pred = model(batch.z, batch.pos, batch.mask)
+        pred = model(batch.z, batch.pos, batch.key_padding_mask)
         return F.mse_loss((pred.float() - self.target_mean) / self.target_std, (batch.y.float() - self.target_mean) / self.target_std)
 
     def eval_batches(self, batch_size, max_batches, rank, world):
@@ -115,7 +115,7 @@ class MoleculeTask(Task):
             yield self._collate(self.valid, range(sl.start, sl.stop))
 
     def eval_sums(self, model, batch):
-        err = model(batch.z, batch.pos, batch.mask).double() - batch.y.double()
+        err = model(batch.z, batch.pos, batch.key_padding_mask).double() - batch.y.double()
         return {
             "sq_norm": float(((err / self.target_std) ** 2).sum()),
             "abs": float(err.abs().sum()),
