@@ -300,3 +300,17 @@ def test_half_precision_matches_float32(name, dtype):
     out = lay.to(dtype)(x.to(dtype))
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()) < 0.05
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_entry_has_reference_and_exact_and_exact_is_what_the_fast_path_estimates(name):
+    """``reference``: the same computation by the O(N^2) formula; ``exact``: the attention
+    it estimates. Toeplitz and the kernel layers approximate theirs, the softmax layer is it."""
+    torch.manual_seed(0)
+    lay = build(name, **RELATIVE[name])
+    x = torch.randn(2, 6, 16, dtype=F64)
+    assert_close(lay.reference(x), lay(x))
+    exact = lay.exact(x)
+    assert exact.shape == x.shape and bool(torch.isfinite(exact).all())
+    if name == "softmax":
+        assert_close(exact, lay(x))
