@@ -17,29 +17,36 @@ One function, :func:`train`, runs a :class:`flt.train.Preset` in a run directory
 Files in the run directory: ``run.json`` (configuration and environment),
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json``, ``learning_curves.png``,
 ``rpe_functions.png`` (models with a spectrum).
+
+:func:`_train` reads top to bottom: find where the run starts (:func:`_find_origin`),
+load the task's data (:func:`_load_task`), build the model (:func:`_build_model`), restore
+a checkpoint (:func:`_restore`), open the run directory, loop over the steps
+(:func:`_loop`: :func:`_train_step`, :func:`_log_training`, :func:`_validate`,
+:func:`_checkpoint`) and finish (:func:`_finish`: draw gap, summary, plots).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
-import random
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flt._io import atomic_write_text
 from flt.models.config import config_to_dict
+from flt.tasks import Task, check_preset, load_task, preset_from_dict
+from flt.tasks.preset import Preset, RunConfig, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train import drawgap as DG
 from flt.train.checkpoint import (
@@ -51,9 +58,8 @@ from flt.train.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
-from flt.train.config import Preset, preset_differences, preset_from_dict, preset_to_dict
 from flt.train.metrics import MetricsLogger
-from flt.tasks import Task, load_task
+from flt.train.rng import rng_state, seed_everything, set_rng_state
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -79,13 +85,6 @@ class _Progress:
     step: int = 0
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's ``random``, numpy's global generator and torch (CPU and CUDA)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decay the weights of linear, convolution and embedding layers; nothing else.
 
@@ -101,50 +100,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
         {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
     ]
-
-
-def _module_generators(model: nn.Module) -> dict[str, torch.Generator]:
-    """Private ``torch.Generator`` attributes of submodules (e.g. feature redraws)."""
-    found = {}
-    for name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if isinstance(value, torch.Generator):
-                found[f"{name}.{attr}" if name else attr] = value
-    return found
-
-
-def rng_state(model: nn.Module) -> dict[str, Any]:
-    """Every random state the run depends on, as tensors and plain containers."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-        "modules": {k: g.get_state() for k, g in _module_generators(model).items()},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any], model: nn.Module) -> None:
-    """Inverse of :func:`rng_state`."""
-    random.setstate(_to_tuple(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    gens = _module_generators(model)
-    if set(gens) != set(state["modules"]):
-        raise ValueError(f"the checkpoint's module generators {sorted(state['modules'])} differ from the model's {sorted(gens)}")
-    for k, g in gens.items():
-        g.set_state(state["modules"][k])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _to_tuple(x):
-    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, str]:
@@ -264,10 +219,100 @@ def _resumable(out_dir: str) -> str | None:
         return None
 
 
-def _check_resume(saved: Preset, preset: Preset, step: int, out_dir: str) -> None:
-    """Refuse to resume the run ``saved`` (checkpoint at ``step``) with ``preset`` unless
-    they differ at most by a larger step budget."""
-    diffs = [d for d in preset_differences(saved, preset) if d != "run.steps"]
+@dataclass
+class _Origin:
+    """Where a run starts: a fresh run (no checkpoint) or the checkpoint it resumes from."""
+
+    checkpoint: str | None = None
+    step: int = 0
+    #: Step budget of the resumed run (its saved configuration), and what finding its
+    #: checkpoint had to say.
+    saved_steps: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    """What a run holds while it trains, built once by :func:`_train`."""
+
+    preset: Preset
+    out_dir: str
+    ctx: D.Context
+    task: Task
+    model_cfg: Any
+    model: nn.Module
+    ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    #: Configuration saved in ``run.json`` and in every checkpoint: preset, filled-in
+    #: model config and the task's extra data, serialised once.
+    record: dict[str, Any]
+    start: int
+    parameters: int
+
+
+@dataclass
+class _Window:
+    """Training loss and throughput since the last ``train`` record."""
+
+    loss: float = 0.0
+    steps: int = 0
+    items: int = 0
+    seconds: float = 0.0
+
+    def add(self, loss: float, items: int, seconds: float) -> None:
+        self.loss, self.steps, self.items, self.seconds = self.loss + loss, self.steps + 1, self.items + items, self.seconds + seconds
+
+
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, plots, on_step, reached: _Progress) -> dict[str, Any]:
+    wall_start = time.perf_counter()
+    check_preset(preset)
+    preset_record = preset_to_dict(preset)
+    origin = _find_origin(preset, preset_record, out_dir, ctx, resume)
+    reached.step = origin.step
+    if not D.all_equal(ctx, json.dumps(preset_record, sort_keys=True)):
+        raise ValueError("the processes were given different configurations")
+    task, model_cfg = _load_task(preset, ctx)
+    model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
+    start = _restore(origin, model, optimizer, preset.run, ctx)
+    r = _Run(
+        preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
+        ddp=DistributedDataParallel(model) if ctx.world > 1 else model, optimizer=optimizer,
+        record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra()},
+        start=start, parameters=sum(p.numel() for p in model.parameters()),
+    )
+    # A Ctrl-C must not leave the bar's line unfinished under the message that follows,
+    # nor the last metrics unflushed: both close on the way out.
+    with contextlib.ExitStack() as stack:
+        logger = stack.enter_context(contextlib.closing(_open_run_dir(r, origin))) if ctx.is_main else None
+        bar = stack.enter_context(_progress_bar(r)) if ctx.is_main and progress else None
+        say = _Printer(ctx, bar)
+        _announce(r, origin, say)
+        last_valid, step_times = _loop(r, logger, bar, say, on_step, reached)
+    return _finish(r, say, last_valid, step_times, plots, wall_start)
+
+
+def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ctx: D.Context, resume: bool) -> _Origin:
+    """The checkpoint to resume from (checked against ``preset``), or a fresh start in an
+    ``out_dir`` that holds no run yet."""
+    if not resume:
+        if has_checkpoint(out_dir):
+            raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+        return _Origin()
+    notes: list[str] = []
+    ckpt = find_checkpoint(out_dir, report=notes.append)
+    meta = read_checkpoint_config(ckpt)
+    saved = preset_from_dict(meta["preset"])
+    step = int(meta["step"])
+    _check_resume(saved, preset_record, preset, step, out_dir)
+    if not D.all_equal(ctx, os.path.abspath(ckpt)):
+        raise ValueError(f"the processes found different checkpoints to resume from in {out_dir}")
+    return _Origin(ckpt, step, saved.run.steps, notes)
+
+
+def _check_resume(saved: Preset, preset_record: dict[str, Any], preset: Preset, step: int, out_dir: str) -> None:
+    """Refuse to resume the run ``saved`` (checkpoint at ``step``) with ``preset`` (whose
+    record is ``preset_record``) unless they differ at most by a larger step budget."""
+    diffs = [d for d in record_differences(preset_to_dict(saved), preset_record) if d != "run.steps"]
     if diffs:
         raise ValueError(f"--resume needs the configuration of the run in {out_dir}; these differ: {', '.join(diffs)}"
                          " (only --steps may change, to extend the run)")
@@ -277,88 +322,44 @@ def _check_resume(saved: Preset, preset: Preset, step: int, out_dir: str) -> Non
                          f"pass --steps {saved.run.steps} to continue it, or more to extend it")
 
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, plots, on_step, reached: _Progress) -> dict[str, Any]:
-    wall_start = time.perf_counter()
-    run = preset.run
-    ckpt = meta = saved = None
-    notes: list[str] = []
-    if resume:
-        ckpt = find_checkpoint(out_dir, report=notes.append)
-        meta = read_checkpoint_config(ckpt)
-        saved = preset_from_dict(meta["preset"])
-        reached.step = int(meta["step"])
-        _check_resume(saved, preset, reached.step, out_dir)
-        if not D.all_equal(ctx, os.path.abspath(ckpt)):
-            raise ValueError(f"the processes found different checkpoints to resume from in {out_dir}")
-    elif has_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-    if not D.all_equal(ctx, json.dumps(preset_to_dict(preset), sort_keys=True)):
-        raise ValueError("the processes were given different configurations")
-
-    seed_everything(run.seed)
+def _load_task(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
+    """The task with its data loaded, and the model config with its data-dependent fields."""
+    seed_everything(preset.run.seed)
     # The main process loads first so that a generated dataset is cached once.
     if not ctx.is_main:
         D.barrier(ctx)
     task = load_task(preset.task, preset.data)
     if ctx.is_main:
         D.barrier(ctx)
-    model_cfg = task.configure(preset.model)
-    # Model initialisation depends on the seed alone, not on what data loading consumed.
+    return task, task.configure(preset.model)
+
+
+def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its AdamW optimizer; initialisation depends on the seed alone, not on
+    what data loading consumed."""
     seed_everything(run.seed)
     model = task.build_model(model_cfg, device=ctx.device)
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
-    start = 0
-    if ckpt is not None:
-        load_weights(ckpt, model)
-        state = load_trainer_state(ckpt)
-        if state["world_size"] != ctx.world:
-            raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
-        optimizer.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"][ctx.rank], model)
-        start = int(meta["step"])
-        if start == saved.run.steps < run.steps:
-            _restore_training_draw(model, run, start)
-    else:
+    return model, optimizer
+
+
+def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig, ctx: D.Context) -> int:
+    """Load the checkpoint's weights, optimizer and random states (or seed this process's
+    training noise for a fresh run); returns the last step already trained."""
+    if origin.checkpoint is None:
         # Dropout and other training noise differ between processes, as they would
         # between the samples of one big batch.
         torch.manual_seed(run.seed + 7919 * ctx.rank)
-    ddp = DistributedDataParallel(model) if ctx.world > 1 else model
-    n_params = sum(p.numel() for p in model.parameters())
-
-    logger = None
-    if ctx.is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        atomic_write_text(os.path.join(out_dir, "run.json"), json.dumps({
-            "preset": preset_to_dict(preset), "model": config_to_dict(model_cfg), "extra": task.extra(),
-            "parameters": n_params, "world_size": ctx.world, "device": str(ctx.device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-        }, indent=2, sort_keys=True))
-        logger = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), resume_step=start if ckpt is not None else None)
-
-    bar = None
-    try:
-        if ctx.is_main and progress:
-            # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=run.steps, initial=start, desc=f"{preset.task} {model_cfg.attention}", dynamic_ncols=True, unit="step")
-        say = _Printer(ctx, bar)
-        for note in notes:
-            say(note)
-        if saved is not None and run.steps > saved.run.steps:
-            say(f"extending the run from {saved.run.steps} to {run.steps} steps; the learning rate of steps "
-                f"{start + 1}..{run.steps} follows the {run.steps}-step schedule")
-        say(f"{preset.task}: {model_cfg.attention} + {model_cfg.posenc}, {n_params:,} parameters, "
-            f"{ctx.world} process(es) on {ctx.device}, steps {start + 1}..{run.steps}")
-        last_valid, step_times = _loop(preset, out_dir, ctx, task, model, ddp, optimizer, model_cfg, logger, bar, say, start, on_step, reached)
-    finally:
-        # A Ctrl-C must not leave the bar's line unfinished under the message that follows,
-        # nor the last metrics unflushed.
-        if bar is not None:
-            bar.close()
-        if logger is not None:
-            logger.close()
-    return _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_times, n_params, plots, wall_start)
+        return 0
+    load_weights(origin.checkpoint, model)
+    state = load_trainer_state(origin.checkpoint)
+    if state["world_size"] != ctx.world:
+        raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"][ctx.rank], model)
+    if origin.step == origin.saved_steps < run.steps:
+        _restore_training_draw(model, run, origin.step)
+    return origin.step
 
 
 def _restore_training_draw(model: nn.Module, run, start: int) -> None:
@@ -372,98 +373,136 @@ def _restore_training_draw(model: nn.Module, run, start: int) -> None:
         DG.redraw_for_step(model, run, last_redraw)
 
 
-def _loop(preset, out_dir, ctx, task, model, ddp, optimizer, model_cfg, logger, bar, say, start, on_step, reached):
+def _open_run_dir(r: _Run, origin: _Origin) -> MetricsLogger:
+    """Write ``run.json`` (configuration and environment) and open ``metrics.jsonl``."""
+    os.makedirs(r.out_dir, exist_ok=True)
+    atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps({
+        **r.record, "parameters": r.parameters, "world_size": r.ctx.world, "device": str(r.ctx.device),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
+    }, indent=2, sort_keys=True))
+    return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
+
+
+def _progress_bar(r: _Run):
+    # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
+    from tqdm.auto import tqdm
+
+    return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
+
+
+def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
+    """The first lines: notes about the checkpoint, an extension, what trains where."""
+    run = r.preset.run
+    for note in origin.notes:
+        say(note)
+    if origin.checkpoint is not None and run.steps > origin.saved_steps:
+        say(f"extending the run from {origin.saved_steps} to {run.steps} steps; the learning rate of steps "
+            f"{r.start + 1}..{run.steps} follows the {run.steps}-step schedule")
+    say(f"{r.preset.task}: {r.model_cfg.attention} + {r.model_cfg.posenc}, {r.parameters:,} parameters, "
+        f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
+
+
+def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, reached: _Progress) -> tuple[dict[str, float], list[float]]:
     """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
-    run = preset.run
+    run, ctx = r.preset.run, r.ctx
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-
-    eval_bs = run.eval_batch_size or run.batch_size
     step_times: list[float] = []
-    window, window_steps, window_items, window_time = 0.0, 0, 0, 0.0
+    window = _Window()
     last_valid: dict[str, float] = {}
-    model.train()
-    for step in range(start + 1, run.steps + 1):
+    r.model.train()
+    for step in range(r.start + 1, run.steps + 1):
         t0 = time.perf_counter()
-        lr = run.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = _to_device(task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
-        DG.redraw_for_step(model, run, step)  # draw-robust training (flt.train.drawgap)
-        loss = task.loss(ddp, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the training loss is {float(loss)} at step {step}; lower --lr or check the data")
-        loss.backward()
-        if run.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), run.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss.detach())
+        loss, items = _train_step(r, step)
         dt = time.perf_counter() - t0
         step_times.append(dt)
-        window += loss_value
-        window_steps += 1
-        window_items += task.batch_items(batch) * ctx.world
-        window_time += dt
-
-        if step % run.log_every == 0 or step == run.steps:
-            mean_loss = D.all_reduce_sum(ctx, [window / window_steps])[0] / ctx.world
-            rate = window_items / max(window_time, 1e-9)
-            if logger is not None:
-                logger.log(step, "train", loss=mean_loss, lr=lr, **{f"{task.unit}_per_s": rate})
-            window, window_steps, window_items, window_time = 0.0, 0, 0, 0.0
+        window.add(loss, items, dt)
+        last = step == run.steps
+        if step % run.log_every == 0 or last:
+            _log_training(r, logger, window, step)
+            window = _Window()
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss_value:.4f}  {task.batch_items(batch) * ctx.world / dt:,.0f} {task.unit}/s")
-
-        if step % run.eval_every == 0 or step == run.steps:
-            # The final evaluation covers the whole validation split; periodic ones may be capped.
-            # All on one fixed draw; the final checkpoint keeps it (flt.train.drawgap).
-            with DG.evaluation_draw(model, run, keep=step == run.steps):
-                last_valid = evaluate(task, model, ctx, eval_bs, None if step == run.steps else run.eval_batches)
-            if logger is not None:
-                logger.log(step, "valid", **last_valid)
-            say(f"step {step}: valid {_format(last_valid)}")
-        if step % run.checkpoint_every == 0 or step == run.steps:
-            _checkpoint(out_dir, step, model, optimizer, preset, model_cfg, task, ctx, run.keep_checkpoints)
+            bar.set_postfix_str(f"loss {loss:.4f}  {items / dt:,.0f} {r.task.unit}/s")
+        if step % run.eval_every == 0 or last:
+            last_valid = _validate(r, step, logger, say)
+        if step % run.checkpoint_every == 0 or last:
+            _checkpoint(r, step)
         reached.step = step
         if on_step is not None:
             on_step(step)
     return last_valid, step_times
 
 
-def _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_times, n_params, plots, wall_start) -> dict[str, Any]:
+def _train_step(r: _Run, step: int) -> tuple[float, int]:
+    """One optimizer step; returns the loss and the number of ``task.unit`` in the global batch."""
+    run, ctx = r.preset.run, r.ctx
+    for group in r.optimizer.param_groups:
+        group["lr"] = run.lr_at(step)
+    batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
+    DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
+    loss = r.task.loss(r.ddp, batch)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"the training loss is {float(loss)} at step {step}; lower --lr or check the data")
+    loss.backward()
+    if run.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(r.model.parameters(), run.grad_clip)
+    r.optimizer.step()
+    r.optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach()), r.task.batch_items(batch) * ctx.world
+
+
+def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
+    """A ``train`` record: the mean loss over the window and processes, the learning rate, the throughput."""
+    mean_loss = D.all_reduce_sum(r.ctx, [window.loss / window.steps])[0] / r.ctx.world
+    if logger is not None:
+        rate = window.items / max(window.seconds, 1e-9)
+        logger.log(step, "train", loss=mean_loss, lr=r.preset.run.lr_at(step), **{f"{r.task.unit}_per_s": rate})
+
+
+def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
+    """Validation metrics of ``step``, logged and printed. All on one fixed draw, which the
+    final checkpoint keeps (flt.train.drawgap); the final evaluation covers the whole
+    validation split, periodic ones may be capped."""
+    run = r.preset.run
+    last = step == run.steps
+    with DG.evaluation_draw(r.model, run, keep=last):
+        metrics = evaluate(r.task, r.model, r.ctx, run.eval_batch_size or run.batch_size, None if last else run.eval_batches)
+    if logger is not None:
+        logger.log(step, "valid", **metrics)
+    say(f"step {step}: valid {_format(metrics)}")
+    return metrics
+
+
+def _checkpoint(r: _Run, step: int) -> None:
+    rngs = D.all_gather(r.ctx, rng_state(r.model))
+    if r.ctx.is_main:
+        state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world}
+        save_checkpoint(r.out_dir, step, r.model, config=r.record, trainer_state=state, keep=r.preset.run.keep_checkpoints)
+    D.barrier(r.ctx)
+
+
+def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
     """Final evaluation if none ran, draw gap, ``summary.json``, plots and the last lines."""
-    run = preset.run
+    run, ctx = r.preset.run, r.ctx
     eval_bs = run.eval_batch_size or run.batch_size
     if not last_valid:
         # Resumed at the final step: nothing left to train, report the final weights.
-        with DG.evaluation_draw(model, run):
-            last_valid = evaluate(task, model, ctx, eval_bs, None)
-    # --- draw gap (flt.train.drawgap): own draw vs fresh draws vs exact attention --------
-    gap = DG.draw_gap(task, model, model_cfg, run, lambda m, bs: evaluate(task, m, ctx, bs, run.draw_gap_batches), eval_bs,
+        with DG.evaluation_draw(r.model, run):
+            last_valid = evaluate(r.task, r.model, ctx, eval_bs, None)
+    # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
+    gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
                       own=last_valid if run.draw_gap_batches is None else None)
-    # ------------------------------------------------------------------------------------
-    memory, memory_kind = peak_memory_mib(ctx.device)
-    summary = {
-        "task": preset.task, "attention": model_cfg.attention, "posenc": model_cfg.posenc, "seed": run.seed,
-        "steps": run.steps, "metric": task.metric, "final": last_valid, "parameters": n_params,
-        "time_per_step_s": statistics.median(step_times[1:] or step_times) if step_times else None,
-        "train_time_s": sum(step_times), "wall_time_s": time.perf_counter() - wall_start,
-        "peak_memory_mib": memory, "memory_kind": memory_kind, "world_size": ctx.world, "device": str(ctx.device),
-    }
-    peaks = D.all_gather(ctx, memory)
-    summary["peak_memory_mib"] = max(peaks)
+    summary = _summary(r, last_valid, step_times, gap, wall_start)
     if gap is not None:
-        summary["draw_gap"] = gap
-        say(DG.format_draw_gap(gap, task.metric))
+        say(DG.format_draw_gap(gap, r.task.metric))
     if ctx.is_main:
-        atomic_write_text(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
-        saved = _plots(out_dir, task, model, model_cfg) if plots else []
-        report = task.report(model, ctx.device)
+        atomic_write_text(os.path.join(r.out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
+        saved = _plots(r) if plots else []
+        report = r.task.report(r.model, ctx.device)
         if report:
             say(report)
-        say(f"done: {_format(last_valid)}; {summary['time_per_step_s'] or 0:.3f} s/step; run directory {out_dir}"
+        say(f"done: {_format(last_valid)}; {summary['time_per_step_s'] or 0:.3f} s/step; run directory {r.out_dir}"
             + (f" (plots: {', '.join(saved)})" if saved else ""))
     # Leave together: a process that tears the group down while another still writes its
     # plots can abort inside gloo.
@@ -471,24 +510,34 @@ def _finish(preset, out_dir, ctx, task, model, model_cfg, say, last_valid, step_
     return summary
 
 
-def _checkpoint(out_dir, step, model, optimizer, preset, model_cfg, task, ctx, keep) -> None:
-    rngs = D.all_gather(ctx, rng_state(model))
-    if ctx.is_main:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "rng": rngs, "world_size": ctx.world}
-        config = {"preset": preset_to_dict(preset), "model": config_to_dict(model_cfg), "extra": task.extra()}
-        save_checkpoint(out_dir, step, model, config=config, trainer_state=state, keep=keep)
-    D.barrier(ctx)
+def _summary(r: _Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
+    """The contents of ``summary.json``; the peak memory is the largest over processes."""
+    run, ctx = r.preset.run, r.ctx
+    memory, memory_kind = peak_memory_mib(ctx.device)
+    summary = {
+        "task": r.preset.task, "attention": r.model_cfg.attention, "posenc": r.model_cfg.posenc, "seed": run.seed,
+        "steps": run.steps, "metric": r.task.metric, "final": last_valid, "parameters": r.parameters,
+        "time_per_step_s": statistics.median(step_times[1:] or step_times) if step_times else None,
+        "train_time_s": sum(step_times), "wall_time_s": time.perf_counter() - wall_start,
+        "peak_memory_mib": max(D.all_gather(ctx, memory)), "memory_kind": memory_kind, "world_size": ctx.world,
+        "device": str(ctx.device),
+    }
+    if gap is not None:
+        summary["draw_gap"] = gap
+    return summary
 
 
-def _plots(out_dir: str, task: Task, model: nn.Module, model_cfg) -> list[str]:
+def _plots(r: _Run) -> list[str]:
     """Write the PNG plots; returns their file names."""
     # matplotlib is an optional dependency, imported only when plots are wanted.
     from flt.train.plots import plot_learning_curves, plot_rpe_functions
 
-    title = f"{task.name}: {model_cfg.attention} + {model_cfg.posenc}"
-    plot_learning_curves(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "learning_curves.png"), metric=task.metric, title=title, task=task.name)
+    task, cfg = r.task, r.model_cfg
+    title = f"{task.name}: {cfg.attention} + {cfg.posenc}"
+    plot_learning_curves(os.path.join(r.out_dir, "metrics.jsonl"), os.path.join(r.out_dir, "learning_curves.png"),
+                         metric=task.metric, title=title, task=task.name)
     saved = ["learning_curves.png"]
-    extent, causal = task.rpe_extent(model_cfg)
-    if plot_rpe_functions(model, os.path.join(out_dir, "rpe_functions.png"), extent=extent, causal=causal, task=task.name) is not None:
+    extent, causal = task.rpe_extent(cfg)
+    if plot_rpe_functions(r.model, os.path.join(r.out_dir, "rpe_functions.png"), extent=extent, causal=causal, task=task.name) is not None:
         saved.append("rpe_functions.png")
     return saved
