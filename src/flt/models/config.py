@@ -43,7 +43,28 @@ def _check_trunk(cfg) -> None:
 
 
 @dataclass(frozen=True)
-class LMConfig:
+class TrunkConfig:
+    """The fields every model config shares: the Transformer trunk (width, depth, heads,
+    MLP ratio, dropout) and its mechanisms, an attention of :data:`flt.ATTENTION` and an
+    absolute encoding of :data:`flt.posenc.POSENC` with their option dicts. A task's config
+    subclasses it, adds its own fields and may redeclare a default (``dim``, ...)."""
+
+    dim: int = 64
+    depth: int = 4
+    heads: int = 4
+    mlp_ratio: float = 2.0
+    dropout: float = 0.0
+    attention: str = "flt"
+    attention_options: dict[str, Any] = field(default_factory=dict)
+    posenc: str = "none"
+    posenc_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check_trunk(self)
+
+
+@dataclass(frozen=True)
+class LMConfig(TrunkConfig):
     """Causal language model (pre-norm Transformer, tied input/output embeddings).
 
     Positions are token indices ``0 .. T-1`` (``P = 1``). ``max_len`` is the context the
@@ -58,24 +79,17 @@ class LMConfig:
     vocab_size: int = 256
     max_len: int = 256
     dim: int = 128
-    depth: int = 4
-    heads: int = 4
     mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    attention: str = "flt"
-    attention_options: dict[str, Any] = field(default_factory=dict)
-    posenc: str = "none"
-    posenc_options: dict[str, Any] = field(default_factory=dict)
     cape: bool = False
 
     def __post_init__(self):
-        _check_trunk(self)
+        super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("max_len", self.max_len)
 
 
 @dataclass(frozen=True)
-class ImageConfig:
+class ImageConfig(TrunkConfig):
     """ViT-style classifier: square patches with 2-D patch-centre positions on ``[-1, 1]^2``.
 
     ``pooling`` is ``"mean"`` (over patch tokens) or ``"cls"`` (a learned class token,
@@ -89,20 +103,11 @@ class ImageConfig:
     channels: int = 1
     num_classes: int = 10
     patch_size: int = 2
-    dim: int = 64
-    depth: int = 4
-    heads: int = 4
-    mlp_ratio: float = 2.0
-    dropout: float = 0.0
-    attention: str = "flt"
-    attention_options: dict[str, Any] = field(default_factory=dict)
-    posenc: str = "none"
-    posenc_options: dict[str, Any] = field(default_factory=dict)
     pooling: str = "mean"
     cape: bool = False
 
     def __post_init__(self):
-        _check_trunk(self)
+        super().__post_init__()
         for name in ("image_size", "channels", "num_classes", "patch_size"):
             check_positive_int(name, getattr(self, name))
         if self.image_size % self.patch_size:
@@ -111,7 +116,7 @@ class ImageConfig:
 
 
 @dataclass(frozen=True)
-class MoleculeConfig:
+class MoleculeConfig(TrunkConfig):
     """Property regressor over atoms: element embeddings, 3-D coordinates as positions.
 
     Coordinates are centred on each structure's mean atom position (so the model is
@@ -124,22 +129,14 @@ class MoleculeConfig:
     task: ClassVar[str] = "molecule"
 
     num_elements: int = 119
-    dim: int = 64
     depth: int = 3
-    heads: int = 4
-    mlp_ratio: float = 2.0
-    dropout: float = 0.0
-    attention: str = "flt"
-    attention_options: dict[str, Any] = field(default_factory=dict)
-    posenc: str = "none"
-    posenc_options: dict[str, Any] = field(default_factory=dict)
     readout: str = "mean"
     isotropic: bool = True
     target_mean: float = 0.0
     target_std: float = 1.0
 
     def __post_init__(self):
-        _check_trunk(self)
+        super().__post_init__()
         check_positive_int("num_elements", self.num_elements)
         check_choice("readout", self.readout, READOUTS)
         if not isinstance(self.isotropic, bool):
