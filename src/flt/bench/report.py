@@ -16,7 +16,8 @@ import math
 import statistics
 from collections import defaultdict
 
-from flt.bench.speed import SHAPES, VARIANTS, timing_flags
+from flt.bench.measure import timing_flags
+from flt.bench.variants import SHAPES, VARIANTS
 
 #: Targets of the project's issue 4 (CPU, 2 cores, float32, B=1, H=4, D=64, N=16384).
 TARGETS = {

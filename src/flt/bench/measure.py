@@ -1,0 +1,309 @@
+"""One measured configuration of ``flt bench speed``, in its own process: the float64
+reference check, the timed calls, the peak memory and the reliability flags
+(:mod:`flt.bench.speed` describes the protocol; the runner and the CLI live there)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from flt.bench.variants import SHAPES, VARIANTS, Shape
+
+
+#: Relative error (max abs difference / max abs reference) above which a fast path is refused.
+CHECK_TOLERANCE = 1e-8
+CHECK_SIZE = {"B": 2, "N": 300, "dim": 32, "heads": 2}
+#: ``(max - min) / median`` of a configuration's repeats above which its timing is unreliable.
+SPREAD_LIMIT = 0.5
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration, passed to a worker as JSON."""
+
+    variant: str
+    shape: str
+    N: int
+    mode: str  # "fwd" or "fwd+bwd"; "matmul" for the throughput probe
+    causal: bool
+    threads: int
+    warmup: int
+    repeats: int
+    min_repeats: int
+    budget_s: float
+    mem_limit_bytes: int = 0
+    memory_call: bool = True  # measure peak memory in one extra call (see measure)
+    ceiling_n: int = 0  # > 0: time an n x n float32 matmul before and after the timed calls
+
+
+def timing_flags(wall: list[float], limit: float = SPREAD_LIMIT) -> dict:
+    """``{"spread", "reliable", "unreliable"}`` of one configuration's repeated wall times.
+
+    ``spread = (max - min) / median``; above ``limit`` the repeats disagree too much for
+    their median to mean anything (the machine was busy), and ``unreliable`` says so.
+    """
+    if not wall:
+        return {"spread": None, "reliable": False, "unreliable": "no timed calls"}
+    median = statistics.median(wall)
+    spread = (max(wall) - min(wall)) / median if median > 0 else math.inf
+    if spread > limit:
+        return {"spread": spread, "reliable": False,
+                "unreliable": f"repeats spread {spread:.0%} of their median (> {limit:.0%}): machine busy"}
+    return {"spread": spread, "reliable": True, "unreliable": ""}
+
+
+# -- worker side -------------------------------------------------------------------------
+
+
+def _status_mb() -> dict[str, float]:
+    text = Path("/proc/self/status").read_text()
+    return {key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) / 1024 for key in ("VmRSS", "VmHWM", "VmSize")}
+
+
+def _reset_peak() -> bool:
+    """Reset the resident high-water mark (Linux >= 4.0); False where that is refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _fix_mmap_threshold() -> bool:
+    """glibc only: serve every allocation of 128 KiB or more by ``mmap`` from now on and
+    return freed heap memory, so that resident memory follows the live tensors. (By default
+    glibc raises its ``mmap`` threshold up to 32 MiB as large blocks are freed and keeps
+    freed blocks below it for reuse: fast, but the resident peak then includes retained
+    memory that depends on the order of allocations.) False where that is unavailable."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_MMAP_THRESHOLD = -3
+    ok = libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
+    libc.malloc_trim(0)
+    return ok
+
+
+def _randomise_zeros(module: torch.nn.Module) -> None:
+    """Give all-zero parameters (fresh biases, zero-amplitude spectra) something to do."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.abs().sum() == 0:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+
+
+def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
+    """The module a variant names, at a shape: ``forward(x [B, N, H*D]) -> [B, N, H*D]``."""
+    from flt.bench.peers import build_peer
+    from flt.layers import ATTENTION
+
+    v = VARIANTS[variant]
+    dim = shape.H * shape.D
+    if v.kind == "peer":
+        return build_peer(v.mechanism, dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
+    return ATTENTION[v.mechanism](dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
+
+
+def _kronecker_inputs(shape: Shape, N: int, m: int, R: int, dtype, gen):
+    B, H, D = shape.B, shape.H, shape.D
+    qf = torch.rand(B, H, N, m, generator=gen, dtype=dtype) + 0.05
+    kf = torch.rand(B, H, N, m, generator=gen, dtype=dtype) + 0.05
+    v = torch.randn(B, H, N, D, generator=gen, dtype=dtype)
+    a = torch.rand(1, H, N, 2 * R, generator=gen, dtype=dtype)
+    c = torch.rand(1, H, N, 2 * R, generator=gen, dtype=dtype)
+    kls = torch.randn(B, H, N, generator=gen, dtype=dtype)
+    return [qf, kf, v, a, c, kls]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+
+
+def reference_check(variant: str, causal: bool) -> dict:
+    """Fast path against its O(N^2) reference in float64 at a small size, forward and grad."""
+    from flt.bench.peers import peer_reference
+    from flt.ops import flt_attention, flt_attention_reference
+
+    v = VARIANTS[variant]
+    gen = torch.Generator().manual_seed(0)
+    B, N = CHECK_SIZE["B"], CHECK_SIZE["N"]
+    if v.kind == "op":
+        shape = Shape(B, CHECK_SIZE["heads"], CHECK_SIZE["dim"] // CHECK_SIZE["heads"])
+        tensors = [t.requires_grad_() for t in _kronecker_inputs(shape, N, v.kwargs["num_features"], v.kwargs["num_frequencies"], torch.float64, gen)]
+        fast_fn = lambda: flt_attention(*tensors[:5], causal=causal, key_log_scale=tensors[5])  # noqa: E731
+        ref_fn = lambda: flt_attention_reference(*tensors[:5], causal=causal, key_log_scale=tensors[5])  # noqa: E731
+        wrt = tensors
+        against = "flt_attention_reference"
+    else:
+        shape = Shape(B, CHECK_SIZE["heads"], CHECK_SIZE["dim"] // CHECK_SIZE["heads"])
+        torch.manual_seed(0)
+        module = build_module(variant, shape, causal, dtype=torch.float64)
+        _randomise_zeros(module)
+        x = torch.randn(B, N, CHECK_SIZE["dim"], generator=gen, dtype=torch.float64, requires_grad=True)
+        fast_fn = lambda: module(x)  # noqa: E731
+        ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: module.reference(x))
+        wrt = [x]
+        against = "quadratic formula of its own features" if v.kind == "peer" else "layer.reference"
+    fast = fast_fn()
+    up = torch.randn(fast.shape, generator=gen, dtype=torch.float64)
+    g_fast = torch.autograd.grad((fast * up).sum(), wrt)
+    ref = ref_fn()
+    g_ref = torch.autograd.grad((ref * up).sum(), wrt)
+    out_err = _relative(fast.detach(), ref.detach())
+    grad_err = max(_relative(a, b) for a, b in zip(g_fast, g_ref))
+    ok = math.isfinite(out_err) and math.isfinite(grad_err) and max(out_err, grad_err) <= CHECK_TOLERANCE
+    return {"passed": ok, "output_rel_error": out_err, "grad_rel_error": grad_err, "tolerance": CHECK_TOLERANCE, "against": against, "N": N}
+
+
+def _timed_step(cfg: Config):
+    """A closure running one timed call of the configuration, and what it computes."""
+    from flt.ops import flt_attention
+
+    v = VARIANTS[cfg.variant]
+    shape = SHAPES[cfg.shape]
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    backward = cfg.mode == "fwd+bwd"
+    if v.kind == "op":
+        tensors = _kronecker_inputs(shape, cfg.N, v.kwargs["num_features"], v.kwargs["num_frequencies"], torch.float32, gen)
+        if not backward:
+            def step():
+                with torch.no_grad():
+                    flt_attention(*tensors[:5], causal=cfg.causal, key_log_scale=tensors[5])
+            return step
+        for t in tensors[:5]:
+            t.requires_grad_()
+        up = torch.randn(shape.B, shape.H, cfg.N, shape.D, generator=gen)
+
+        def step():
+            flt_attention(*tensors[:5], causal=cfg.causal, key_log_scale=tensors[5]).backward(up)
+            for t in tensors[:5]:
+                t.grad = None
+        return step
+    module = build_module(cfg.variant, shape, cfg.causal)
+    x = torch.randn(shape.B, cfg.N, shape.H * shape.D, generator=gen)
+    if not backward:
+        module.eval()
+
+        def step():
+            with torch.no_grad():
+                module(x)
+        return step
+    module.train()
+    x.requires_grad_()
+    up = torch.randn(x.shape, generator=gen)
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step():
+        module(x).backward(up)
+        x.grad = None
+        for p in params:
+            p.grad = None
+    return step
+
+
+def _matmul_step(n: int):
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    return lambda: torch.mm(a, b)
+
+
+def _matmul_best_s(n: int, calls: int = 3, clock=time.perf_counter) -> float:
+    """Fastest of ``calls`` timed ``n x n`` float32 matmuls after one warm-up call."""
+    step = _matmul_step(n)
+    step()
+    best = math.inf
+    for _ in range(calls):
+        t0 = clock()
+        step()
+        best = min(best, clock() - t0)
+    return best
+
+
+def ceiling_gflops(n: int, seconds: list[float]) -> float:
+    """float32 matmul throughput from the fastest of several ``n x n`` timings (GFLOP/s)."""
+    return 2 * n**3 / min(seconds) / 1e9
+
+
+def measure(cfg: Config) -> dict:
+    """Run one configuration in this process (a fresh one): check, then time and measure."""
+    torch.set_num_threads(cfg.threads)
+    if cfg.mem_limit_bytes:
+        soft_hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = int(_status_mb()["VmSize"] * 2**20) + cfg.mem_limit_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, soft_hard[1]))
+    result = {"config": asdict(cfg), "status": "ok", "note": ""}
+    ceiling = []
+    try:
+        if cfg.ceiling_n:
+            ceiling.append(_matmul_best_s(cfg.ceiling_n))
+        if cfg.mode == "matmul":
+            step = _matmul_step(cfg.N)
+        else:
+            check = reference_check(cfg.variant, cfg.causal)
+            result["check"] = check
+            if not check["passed"]:
+                result.update(status="refused", note=f"reference check failed: {check}")
+                return result
+            step = _timed_step(cfg)
+        base = _status_mb()["VmRSS"]
+        exact_peak = _reset_peak()
+        for _ in range(cfg.warmup):
+            step()
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+        wall, cpu = [], []
+        while len(wall) < cfg.repeats and (len(wall) < cfg.min_repeats or sum(wall) < cfg.budget_s):
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switches
+        timed_peak = _status_mb()["VmHWM"] - base
+        method = "RSS high-water mark over warm-up and timed calls, default allocator, above the RSS before them"
+        peak = timed_peak
+        if cfg.memory_call and cfg.mode != "matmul" and exact_peak and _fix_mmap_threshold():
+            base = _status_mb()["VmRSS"]
+            _reset_peak()
+            step()
+            peak = _status_mb()["VmHWM"] - base
+            method = "RSS high-water mark of one extra call after the timed ones, glibc mmap threshold fixed at 128 KiB, above the RSS before it"
+        elif not exact_peak:
+            method += " (high-water mark could not be reset: includes setup)"
+        if cfg.ceiling_n:
+            ceiling.append(_matmul_best_s(cfg.ceiling_n))
+    except (RuntimeError, MemoryError) as err:  # allocation refused under the address-space limit, or a kernel error
+        result.update(status="error", note=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        return result
+    q1, _, q3 = statistics.quantiles(wall, n=4, method="inclusive") if len(wall) > 1 else (wall[0],) * 3
+    result.update(
+        wall_s=wall, cpu_s=cpu, median_s=statistics.median(wall), q1_s=q1, q3_s=q3, min_s=min(wall),
+        involuntary_switches=switches, peak_mb=peak, peak_timed_mb=timed_peak, baseline_rss_mb=base, peak_method=method,
+        **timing_flags(wall),
+    )
+    if ceiling:
+        result.update(ceiling_n=cfg.ceiling_n, ceiling_s=ceiling, ceiling_gflops=ceiling_gflops(cfg.ceiling_n, ceiling))
+    return result
+
+
+def _child(cfg_json: str, conn) -> None:
+    # Anything printed goes to stderr; the result goes through the pipe.
+    sys.stdout = sys.stderr
+    cfg = Config(**json.loads(cfg_json))
+    try:
+        result = measure(cfg)
+    except Exception as err:  # reported as this configuration's error row, with the message
+        result = {"config": asdict(cfg), "status": "error", "note": f"{type(err).__name__}: {err}"}
+    conn.send(result)
+    conn.close()
