@@ -111,3 +111,24 @@ def test_feature_map_projection_stays_float32_in_half_modules():
 def test_bad_input_is_rejected(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_favor_plus_fused_features_equal_the_plain_formula_with_gradients(requires_grad):
+    """The in-place fused computation equals ``m^(-1/2) exp(W x - |x|^2 / 2 - s)`` with the
+    shift ``s`` a constant, in value and in the gradient of ``x`` (float64)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=requires_grad)
+    w = torch.randn(11, 5, dtype=torch.float64)
+    feat, shift = favor_plus_features(x, w)
+    logits = x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True)
+    expected_shift = logits.amax(-1).detach()
+    expected = torch.exp(logits - expected_shift.unsqueeze(-1)) / 11**0.5
+    torch.testing.assert_close(shift, expected_shift, rtol=0, atol=1e-13)
+    torch.testing.assert_close(feat, expected, rtol=1e-13, atol=1e-15)
+    assert not shift.requires_grad
+    if requires_grad:
+        g = torch.randn_like(feat)
+        (got,) = torch.autograd.grad(feat, x, g)
+        (want,) = torch.autograd.grad(expected, x, g)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

@@ -78,9 +78,17 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
         raise ValueError(f"projection has D = {projection.shape[1]} but x has last dimension {x.shape[-1]}")
     cdt = compute_dtype(x)
     x = x.to(cdt)
-    logits = x @ projection.to(cdt).T - 0.5 * (x * x).sum(dim=-1, keepdim=True)
-    shift = logits.amax(dim=-1).detach()
-    feat = torch.exp(logits - shift.unsqueeze(-1)) * (projection.shape[0] ** -0.5)
+    # One [..., N, m] tensor, written by the matmul and exponentiated in place: the
+    # per-token terms (|x|^2 / 2, the shift, log m^(1/2)) are folded into one [..., N, 1]
+    # offset, so the large tensor sees three passes and no temporaries. The offset's value
+    # is max_k (W x)_k + log m^(1/2); its gradient is that of |x|^2 / 2 (the shift is a
+    # constant, as before), so d feat / dx = feat (W - x) as for the unfused formula.
+    half_sq = 0.5 * (x * x).sum(dim=-1, keepdim=True)
+    proj = x @ projection.to(cdt).T
+    top = proj.detach().amax(dim=-1, keepdim=True)
+    shift = (top - half_sq.detach()).squeeze(-1)
+    offset = half_sq + (shift.unsqueeze(-1) + 0.5 * math.log(projection.shape[0]))
+    feat = proj.sub_(offset).exp_()
     return feat, shift
 
 
