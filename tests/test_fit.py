@@ -14,7 +14,7 @@ from conftest import assert_close
 
 from flt.cli import main
 from flt.fit import ENCODINGS, FitConfig, build_encoding, fit_problem, grid_coords, psnr
-from flt.fit.core import Problem, diagnostics, even_mask
+from flt.fit.core import Problem, StackedNetwork, build_net, diagnostics, even_mask
 from flt.fit.encodings import AxisEncoding, default_dim
 
 GAUSSIAN_PRODUCT = math.sqrt(math.log(10) / math.pi)  # 0.856, docs/math.md section 7
@@ -174,6 +174,31 @@ def test_stacked_fit_equals_separate_fits_in_float64(posenc, options):
     assert_close(ab.prediction[1], cb.prediction[1], scale=1e3)
     assert ab.per_signal["psnr_test"][0] == pytest.approx(a_alone.final["psnr_test"], rel=1e-9)
     assert not torch.allclose(ab.prediction[0], cb.prediction[0])  # the networks did learn their signal
+
+
+@pytest.mark.parametrize("model,output", [("mlp", "sigmoid"), ("linear", "linear")])
+def test_stacked_network_equals_its_modules_forward_and_backward(model, output):
+    # The fast path (stacked weights; one product for inputs shared by every network)
+    # against the S nn.Sequential it was built from, in float64, with random upstream
+    # gradients: outputs, and gradients of every weight and bias.
+    cfg = FitConfig(model=model, depth=3, width=5)
+    nets = [build_net(cfg, 7, 2, dtype=torch.float64) for _ in range(3)]
+    stacked = StackedNetwork(nets, output)
+    act = torch.sigmoid if output == "sigmoid" else (lambda y: y)
+    for x in (torch.randn(11, 7, dtype=torch.float64), torch.randn(3, 11, 7, dtype=torch.float64)):
+        expected = torch.stack([act(net(x if x.ndim == 2 else x[s])) for s, net in enumerate(nets)])
+        got = stacked(x)
+        assert_close(got, expected)
+        upstream = torch.randn_like(got)
+        grads = torch.autograd.grad((got * upstream).sum(), list(stacked.parameters()))
+        linears = [[m for m in net if isinstance(m, torch.nn.Linear)] for net in nets]
+        params = [p for ls in linears for layer in ls for p in (layer.weight, layer.bias)]
+        ref = torch.autograd.grad((expected * upstream).sum(), params)
+        layers = len(linears[0])
+        for i in range(layers):
+            for s in range(3):
+                assert_close(grads[i][s], ref[(s * layers + i) * 2].T)  # weights [S, in, out]
+                assert_close(grads[layers + i][s, 0], ref[(s * layers + i) * 2 + 1])  # biases [S, 1, out]
 
 
 def test_gaussian_diagnostics_product_is_sqrt_ln10_over_pi():

@@ -1,13 +1,13 @@
 """The configuration of a fit and its presets.
 
-Presets (``flt fit TASK --preset NAME``; measured on a shared 2-core CPU with one thread,
-``camera``, the default ``basic`` encoding unless said otherwise; docs/fit.md):
+Presets (``flt fit TASK --preset NAME``; ``camera``, the default ``basic`` encoding; times
+measured on a 2-core CPU shared with other jobs, one thread, so only indicative; docs/fit.md):
 
-    signal smoke   4 rows, 4 x 64 MLP, 200 epochs          about 2 s; test PSNR ~20 dB
-    signal paper   8 rows, 4 x 256 MLP, 2000 epochs         about 2 min; test PSNR ~23 dB
+    signal smoke   4 rows, 4 x 64 MLP, 200 epochs          fit 2 s; test PSNR 22.8 dB
+    signal paper   8 rows, 4 x 256 MLP, 2000 epochs         about 4 min; test PSNR 30.3 dB
                    (the paper's setting on 8 of the 512 rows; --rows 512 for all of them)
-    image smoke    32 x 32, 4 x 64 MLP, 200 epochs          about 2 s; test PSNR ~16 dB
-    image paper    128 x 128, 4 x 256 MLP, 1000 epochs      about 4 min; test PSNR ~19 dB
+    image smoke    32 x 32, 4 x 64 MLP, 200 epochs          fit 8 s; test PSNR 22.5 dB
+    image paper    128 x 128, 4 x 256 MLP, 1000 epochs      about 2 min; test PSNR 24.6 dB
 
 Every field can be changed from the command line (``--epochs``, ``--rows``, ...).
 """

@@ -3,9 +3,10 @@
 A *problem* is ``S`` signals sampled at the same ``N`` coordinates in ``[0, 1)^P``:
 coordinates ``[N, P]``, targets ``[S, N, C]`` and a training mask ``[N]`` (the even
 samples; the odd ones are never seen). Every signal gets its own network (and its own
-copy of a learnable encoding); the ``S`` networks are stacked and trained together with
-``torch.func.vmap``, which, since the loss is the sum of the per-signal losses and Adam
-acts elementwise, is the same as ``S`` separate fits (tested in float64).
+copy of a learnable encoding); the ``S`` networks are trained together, their weights
+stacked (:class:`StackedNetwork`; learnable encodings through ``torch.func.vmap``), which,
+since the loss is the sum of the per-signal losses and Adam acts elementwise, is the same
+as ``S`` separate fits (tested in float64).
 
 An encoding without parameters is evaluated once, before training, and shared by every
 signal: the same draw of random frequencies for all of them.
@@ -81,20 +82,40 @@ def psnr(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return 10.0 * torch.log10(1.0 / mse)
 
 
-class CoordinateNetwork(nn.Module):
-    """``encoder`` (optional) then ``net``, then the output activation.
+class StackedNetwork(nn.Module):
+    """``S`` networks of one architecture (linear layers with ReLU between them), their
+    weights stacked: layer ``l`` holds ``weight [S, in, out]`` and ``bias [S, 1, out]``.
 
-    Shapes: ``forward(x [N, P] coordinates, or [N, D] features when encoder is None) -> [N, C]``.
+    Built from ``S`` ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU`` (whose initial
+    values it copies), so network ``s`` is exactly the ``s``-th module, evaluated side by side.
+
+    Shapes: ``forward(h [N, D] shared by every network, or [S, N, D]) -> [S, N, C]``.
     """
 
-    def __init__(self, encoder: nn.Module | None, net: nn.Module, output: str):
+    def __init__(self, nets: list[nn.Sequential], output: str):
         super().__init__()
-        self.encoder, self.net, self.output = encoder, net, output
+        layers = [[m for m in net if isinstance(m, nn.Linear)] for net in nets]
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.stack([ls[i].weight.detach().T for ls in layers]).contiguous()) for i in range(len(layers[0]))
+        )
+        self.biases = nn.ParameterList(
+            nn.Parameter(torch.stack([ls[i].bias.detach() for ls in layers]).unsqueeze(1)) for i in range(len(layers[0]))
+        )
+        self.output = output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(x.unsqueeze(0))[0] if self.encoder is not None else x
-        y = self.net(h)
-        return torch.sigmoid(y) if self.output == "sigmoid" else y
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if h.ndim == 2:
+                # Inputs shared by the S networks: one [N, D] x [D, S out] product rather
+                # than S products with copies of the inputs (and the same for the gradient).
+                num, size = w.shape[0], w.shape[2]
+                h = (h @ w.permute(1, 0, 2).reshape(w.shape[1], num * size)).reshape(h.shape[0], num, size).transpose(0, 1) + b
+            else:
+                h = torch.baddbmm(b, h, w)
+            if i < last:
+                h = torch.relu(h)
+        return torch.sigmoid(h) if self.output == "sigmoid" else h
 
 
 def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype=None) -> nn.Sequential:
@@ -176,29 +197,33 @@ def fit_problem(problem: Problem, config: FitConfig, *, device: str | torch.devi
     else:
         with torch.no_grad():
             inputs = encoder(coords.unsqueeze(0))[0].to(dtype)  # [N, D], once for every signal
-    in_dim = inputs.shape[-1] if not learnable else encoder.dim
-    models = []
+    nets = []
     for s in range(num_signals):
         torch.manual_seed(config.seed + s)
-        net = build_net(config, in_dim, channels, dtype=dtype)
-        models.append(CoordinateNetwork(copy.deepcopy(encoder) if learnable else None, net, config.resolved_output).to(device))
-    params, buffers = stack_module_state(models)
-    base = copy.deepcopy(models[0]).to("meta")
-    del models
+        nets.append(build_net(config, encoder.dim if learnable else inputs.shape[-1], channels, dtype=dtype))
+    network = StackedNetwork(nets, config.resolved_output).to(device)
+    trained = list(network.parameters())
+    if learnable:
+        # One copy of the encoding per signal (all start from the same draw), evaluated
+        # side by side: features [S, N, D].
+        enc_params, enc_buffers = stack_module_state([copy.deepcopy(encoder) for _ in range(num_signals)])
+        base = copy.deepcopy(encoder).to("meta")
+        encode = vmap(lambda p, b, x: functional_call(base, (p, b), (x.unsqueeze(0),))[0], in_dims=(0, 0, None))
+        trained += list(enc_params.values())
 
-    def forward_one(p, b, x):
-        return functional_call(base, (p, b), (x,))
-
-    forward = vmap(forward_one, in_dims=(0, 0, None))
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return network(encode(enc_params, enc_buffers, x))
+    else:
+        forward = network
     targets = problem.targets.to(device=device, dtype=dtype)
     train = problem.train.to(device)
     train_inputs, train_targets = inputs[train], targets[:, train]
-    optimizer = torch.optim.Adam(list(params.values()), lr=config.lr)
+    optimizer = torch.optim.Adam(trained, lr=config.lr)
     history: list[dict[str, float]] = []
 
     def evaluate(epoch: int) -> tuple[torch.Tensor, dict[str, float]]:
         with torch.no_grad():
-            pred = forward(params, buffers, inputs).double().cpu()
+            pred = forward(inputs).double().cpu()
         values = {k: float(v.mean()) for k, v in _metrics(pred, problem).items()}
         history.append({"epoch": epoch, **values})
         return pred, values
@@ -210,7 +235,7 @@ def fit_problem(problem: Problem, config: FitConfig, *, device: str | torch.devi
         bar = tqdm(total=config.epochs, desc=desc, dynamic_ncols=True, unit="epoch", leave=False)
     try:
         for epoch in range(1, config.epochs + 1):
-            pred = forward(params, buffers, train_inputs)
+            pred = forward(train_inputs)
             loss = (pred - train_targets).pow(2).flatten(1).mean(1).sum()
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"the training loss is {float(loss)} at epoch {epoch}; lower --lr")
@@ -229,5 +254,5 @@ def fit_problem(problem: Problem, config: FitConfig, *, device: str | torch.devi
     pred, final = evaluate(config.epochs)
     per_signal = {k: [float(x) for x in v] for k, v in _metrics(pred, problem).items()}
     final["loss"] = float(loss.detach()) / num_signals
-    n_params = sum(p[0].numel() for p in params.values())
+    n_params = sum(p.numel() for p in trained) // num_signals
     return FitResult(final, per_signal, pred, history, diag, n_params, dim)
