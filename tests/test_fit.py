@@ -312,6 +312,18 @@ def test_fit_image_and_sweep_write_their_figures(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_ctrl_c_leaves_no_run(tmp_path, capsys, monkeypatch):
+    import flt.fit.run as run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "fit_problem", interrupted)
+    out = tmp_path / "stopped"
+    assert main(["fit", "signal", "--preset", "smoke", "--out-dir", str(out), *FAST]) == 130
+    assert "interrupted; nothing was written" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--posenc", "gausian"], "--posenc must be one of"),
     (["--posenc", "shifted_basis:widht=0.1"], "did you mean 'width'"),

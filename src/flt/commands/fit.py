@@ -16,6 +16,8 @@ every name in ``flt.POSENC`` plus ``raw`` (the coordinates) and ``basic``
 (``[sin 2 pi x, cos 2 pi x]``); their options go after the name or in ``--posenc-opt``, as in
 ``flt train``. ``--sweep KEY=V1,V2,...`` fits once per value of an encoding option (or of
 ``dim``) and draws test PSNR against it with the stable rank and distance preservation.
+Results are written when the fit (or the whole sweep) ends; Ctrl-C leaves nothing behind
+and exits with status 130.
 """
 
 from __future__ import annotations
@@ -111,8 +113,13 @@ def run(args) -> int:
     out_dir = args.out_dir or os.path.join("runs", f"fit-{args.task}-{label}")
     kwargs = {"device": args.device, "progress": not args.no_progress, "plots": not args.no_plots,
               "say": lambda text: print(text, file=sys.stdout, flush=True)}
-    if sweep is None:
-        run_fit(config, out_dir, **kwargs)
-    else:
-        run_sweep(config, *sweep, out_dir, **kwargs)
+    try:
+        if sweep is None:
+            run_fit(config, out_dir, **kwargs)
+        else:
+            run_sweep(config, *sweep, out_dir, **kwargs)
+    except KeyboardInterrupt:
+        # Results are written only at the end: an interrupted fit leaves no partial run.
+        print(f"flt fit: interrupted; nothing was written to {out_dir}", file=sys.stderr, flush=True)
+        return 130
     return 0
