@@ -164,20 +164,24 @@ def test_draw_gap_batches_caps_every_draw_gap_evaluation_and_reevaluates_own(tmp
         RunConfig(draw_gap_batches=0)
 
 
-def test_models_without_random_features_have_no_draw_gap_and_layers_without_exact_no_exact(tmp_path, monkeypatch):
-    softmax = train(tiny(attention="softmax", steps=2), str(tmp_path / "s"), progress=False, plots=False)
-    assert "draw_gap" not in softmax
-    toeplitz = train(tiny(attention="toeplitz", steps=2), str(tmp_path / "t"), progress=False, plots=False)
-    assert math.isfinite(toeplitz["draw_gap"]["exact"]) and math.isfinite(toeplitz["draw_gap"]["fresh_mean"])
-    # A layer without an exact form (as Toeplitz once was) gets no exact number, not an error.
+def test_models_without_random_features_have_no_draw_gap_and_toeplitz_no_exact(tmp_path, monkeypatch):
+    """A layer without an exact form (Toeplitz before it had ``exact()``; here with it
+    removed) gets no exact number in the draw gap, not an error."""
     from flt.layers.toeplitz import ToeplitzAttention
 
+    softmax = train(tiny(attention="softmax", steps=2), str(tmp_path / "s"), progress=False, plots=False)
+    assert "draw_gap" not in softmax
     monkeypatch.setattr(ToeplitzAttention, "exact", None)
-    toeplitz = train(tiny(attention="toeplitz", steps=2), str(tmp_path / "t2"), progress=False, plots=False)
+    toeplitz = train(tiny(attention="toeplitz", steps=2), str(tmp_path / "t"), progress=False, plots=False)
     assert toeplitz["draw_gap"]["exact"] is None and math.isfinite(toeplitz["draw_gap"]["fresh_mean"])
     monkeypatch.undo()
     off = train(tiny(steps=2, draw_gap=False), str(tmp_path / "o"), progress=False, plots=False)
     assert "draw_gap" not in off
+
+
+def test_toeplitz_draw_gap_has_an_exact_number(tmp_path):
+    toeplitz = train(tiny(attention="toeplitz", steps=2), str(tmp_path / "t"), progress=False, plots=False)
+    assert math.isfinite(toeplitz["draw_gap"]["exact"]) and math.isfinite(toeplitz["draw_gap"]["fresh_mean"])
 
 
 def test_without_redraws_own_is_the_training_draw_and_exact_is_skipped_when_too_large():
