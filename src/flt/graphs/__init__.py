@@ -12,9 +12,10 @@ Nothing is generated or read at import time; the generators need ``networkx``
 * :mod:`~flt.graphs.gir`: shortest-path DAGs, :func:`dag_propagate`,
   :class:`GIRPathEncoder`.
 * :mod:`~flt.graphs.link`: link-prediction models, :func:`roc_auc`,
-  :func:`run_link_prediction`.
-* :mod:`~flt.graphs.transformer`: :func:`anchor_coordinates`, :class:`GraphTransformer`
-  (FLT or exact softmax attention over nodes at anchor coordinates), :class:`LaplacianPE`.
+  :func:`run_link_prediction`, :class:`LinkTransformer` (the model of ``flt train graph``).
+* :mod:`~flt.graphs.transformer`: :func:`anchor_coordinates`, :class:`NodeTransformer`
+  (any attention over nodes at anchor coordinates), :class:`GraphTransformer` (its FLT and
+  exact softmax kinds), :class:`LaplacianPE`.
 * :mod:`~flt.graphs.pairs`: :func:`run_pair_classification` (same community or not).
 """
 
@@ -26,8 +27,11 @@ from .link import (
     MODEL_KINDS,
     LinkModel,
     LinkResult,
+    LinkTransformer,
+    PairHead,
     build_link_model,
     build_pair_model,
+    generated_split,
     roc_auc,
     run_link_prediction,
     train_link_model,
@@ -35,7 +39,7 @@ from .link import (
 )
 from .pairs import run_pair_classification, split_node_pairs
 from .split import LinkSplit, sample_node_pairs, split_links
-from .transformer import GraphTransformer, LaplacianPE, anchor_coordinates, laplacian_eigenvectors
+from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_coordinates, anchor_inputs, laplacian_eigenvectors
 
 __all__ = [
     "GCN",
@@ -48,9 +52,13 @@ __all__ = [
     "LinkModel",
     "LinkResult",
     "LinkSplit",
+    "LinkTransformer",
+    "NodeTransformer",
+    "PairHead",
     "ShortestPathDAG",
     "anchor_coordinates",
     "anchor_distances",
+    "anchor_inputs",
     "anchor_indicators",
     "build_link_model",
     "build_pair_model",
@@ -60,6 +68,7 @@ __all__ = [
     "dag_propagate",
     "degrees",
     "distance_features",
+    "generated_split",
     "grid_graph",
     "indicate",
     "laplacian_eigenvectors",

@@ -23,6 +23,10 @@ best validation AUC; :func:`run_link_prediction` does split, model and training 
 graph, a model kind and a seed. :func:`build_pair_model` and :func:`train_pair_model` are
 the same for any structure and any labelled pairs (the pairwise node classification of
 :mod:`flt.graphs.pairs` uses them).
+
+:class:`LinkTransformer` is the model of ``flt train graph`` (:mod:`flt.tasks.graph`): the
+same pair head on a transformer over all nodes with any :data:`flt.ATTENTION` mechanism,
+taking the node inputs as arguments so that the task's trainer can run it.
 """
 
 from __future__ import annotations
@@ -39,10 +43,17 @@ from .anchors import anchor_distances, distance_features, indicate, select_ancho
 from .data import Graph, communities, grid_graph
 from .gir import GIRPathEncoder, shortest_path_dag
 from .split import LinkSplit, split_links
-from .transformer import GraphTransformer, LaplacianPE, anchor_coordinates
+from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_inputs
 
 MODEL_KINDS = ("gir", "anchor-distance", "gcn", "gcn+indication", "flt", "softmax-spectrum", "lap-pe")
 GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
+
+
+def generated_split(graph: str = "grid", *, seed: int = 0) -> LinkSplit:
+    """The link split (:func:`~flt.graphs.split.split_links`, seeded by ``seed``) of the
+    generated graph ``graph`` of :data:`GRAPHS` (Communities is generated from ``seed`` too)."""
+    check_choice("graph", graph, GRAPHS)
+    return split_links(GRAPHS[graph](seed), seed=seed)
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -124,8 +135,7 @@ class _Encoder(nn.Module):
                 options["steps"] = options.pop("gir_steps")
             self.net = GIRPathEncoder(1, len(anchors), out_dim=dim, **options)
         elif kind in ("flt", "softmax-spectrum"):
-            dist = anchor_distances(num_nodes, train_edges, anchors)
-            self.x, self.pos = distance_features(dist), anchor_coordinates(dist)
+            self.x, self.pos = anchor_inputs(num_nodes, train_edges, anchors)
             self.net = GraphTransformer(len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
         elif kind == "lap-pe":
             self.net = LaplacianPE(num_nodes, train_edges, out_dim=dim, seed=seed, **options)
@@ -159,23 +169,67 @@ class _Encoder(nn.Module):
         return out
 
 
+class PairHead(nn.Sequential):
+    """The symmetric pair scorer: ``forward(z [N, D], pairs [M, 2]) -> logits [M]``, the
+    logit of ``(u, v)`` being ``MLP([z_u * z_v, |z_u - z_v|])`` (hidden width ``D``)."""
+
+    def __init__(self, dim: int, *, device=None, dtype=None):
+        fk = {"device": device, "dtype": dtype}
+        super().__init__(nn.Linear(2 * dim, dim, **fk), nn.ReLU(), nn.Linear(dim, 1, **fk))
+
+    def forward(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        zu, zv = z[pairs[:, 0]], z[pairs[:, 1]]
+        return super().forward(torch.cat([zu * zv, (zu - zv).abs()], dim=-1)).squeeze(-1)
+
+
 class LinkModel(nn.Module):
     """A node encoder and a symmetric pair head; ``forward(pairs [M, 2]) -> logits [M]``."""
 
     def __init__(self, encoder: nn.Module, dim: int):
         super().__init__()
         self.encoder = encoder
-        self.head = nn.Sequential(nn.Linear(2 * dim, dim), nn.ReLU(), nn.Linear(dim, 1))
+        self.head = PairHead(dim)
 
     def embeddings(self) -> torch.Tensor:
         return self.encoder()
 
     def score(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-        zu, zv = z[pairs[:, 0]], z[pairs[:, 1]]
-        return self.head(torch.cat([zu * zv, (zu - zv).abs()], dim=-1)).squeeze(-1)
+        return self.head(z, pairs)
 
     def forward(self, pairs: torch.Tensor) -> torch.Tensor:
         return self.score(self.embeddings(), pairs)
+
+
+class LinkTransformer(nn.Module):
+    """Link prediction by attention over all nodes in anchor space (the model of ``flt train graph``).
+
+    ``forward(features [N, K], pos [N, K], pairs [M, 2], *, exact=False) -> logits [M]``:
+    :class:`~flt.graphs.transformer.NodeTransformer` embeddings ``[N, out_dim]`` of every
+    node (``depth`` layers of the mechanism ``attention`` of :data:`flt.ATTENTION`, with
+    ``attention_options``, over the ``N`` nodes at positions ``pos``) scored by the
+    :class:`PairHead`. ``features`` and ``pos`` are the distance features and anchor
+    coordinates of :func:`~flt.graphs.transformer.anchor_inputs` from the training edges;
+    ``exact=True`` uses every layer's exact attention. The keyword arguments are the fields
+    of :class:`flt.tasks.graph.GraphConfig`.
+    """
+
+    def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
+                 attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
+                 device=None, dtype=None):
+        super().__init__()
+        self.encoder = NodeTransformer(
+            num_anchors, num_anchors, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
+            layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
+            posenc_options=posenc_options, device=device, dtype=dtype,
+        )
+        self.head = PairHead(out_dim, device=device, dtype=dtype)
+
+    def embeddings(self, features: torch.Tensor, pos: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        """Node embeddings ``[N, out_dim]``."""
+        return self.encoder(features, pos, exact=exact)
+
+    def forward(self, features: torch.Tensor, pos: torch.Tensor, pairs: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        return self.head(self.embeddings(features, pos, exact=exact), pairs)
 
 
 def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
@@ -217,10 +271,6 @@ class LinkResult:
     history: list = field(default_factory=list)  # (step, valid_auc, test_auc)
 
 
-def _pairs_and_labels(pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([pos, neg]), torch.cat([torch.ones(len(pos)), torch.zeros(len(neg))])
-
-
 def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
     """Full-batch BCE training with Adam on ``train = (pairs [M, 2], labels [M])``;
     evaluate the ROC AUC on ``valid`` and ``test`` every ``eval_every`` steps and at the end.
@@ -258,13 +308,7 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
 def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
     """:func:`train_pair_model` on the training positives and their fixed negatives,
     validated and tested on the held-out pairs of ``split``."""
-    return train_pair_model(
-        model,
-        _pairs_and_labels(split.train_pos, split.train_neg),
-        _pairs_and_labels(split.valid_pos, split.valid_neg),
-        _pairs_and_labels(split.test_pos, split.test_neg),
-        steps=steps, lr=lr, eval_every=eval_every, seed=seed,
-    )
+    return train_pair_model(model, split.train, split.valid, split.test, steps=steps, lr=lr, eval_every=eval_every, seed=seed)
 
 
 def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10, **model_options) -> LinkResult:
@@ -274,9 +318,6 @@ def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, step
 
     A graph given by name is generated with :data:`GRAPHS` (Communities from ``seed``).
     """
-    if isinstance(graph, str):
-        check_choice("graph", graph, GRAPHS)
-        graph = GRAPHS[graph](seed)
-    split = split_links(graph, seed=seed)
+    split = generated_split(graph, seed=seed) if isinstance(graph, str) else split_links(graph, seed=seed)
     model = build_link_model(model_kind, split, seed=seed, **model_options)
     return train_link_model(model, split, steps=steps, lr=lr, eval_every=eval_every, seed=seed)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flt._checks import check_positive_int
+from flt._checks import check_choice, check_positive_int
 
 from .data import Graph
 
@@ -39,6 +39,28 @@ class LinkSplit:
     @property
     def num_nodes(self) -> int:
         return self.graph.num_nodes
+
+    def labelled(self, part: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pairs [M, 2], labels [M])`` of ``part`` (``"train"``, ``"valid"`` or ``"test"``):
+        its positives (label 1) followed by its negatives (label 0), float32 labels."""
+        check_choice("part", part, ("train", "valid", "test"))
+        pos, neg = getattr(self, f"{part}_pos"), getattr(self, f"{part}_neg")
+        return torch.cat([pos, neg]), torch.cat([torch.ones(len(pos)), torch.zeros(len(neg))])
+
+    @property
+    def train(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``labelled("train")``."""
+        return self.labelled("train")
+
+    @property
+    def valid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``labelled("valid")``."""
+        return self.labelled("valid")
+
+    @property
+    def test(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``labelled("test")``."""
+        return self.labelled("test")
 
 
 def _pair_keys(pairs: np.ndarray, n: int) -> np.ndarray:

@@ -8,10 +8,13 @@ node", a finite value the spectrum can work with. On a bipartite graph such as t
 neighbours differ by exactly one hop on every axis, so ``|r_u - r_v| = 1``; the
 ``1 / sqrt(K)`` keeps that unit independent of ``K``.
 
-:class:`GraphTransformer` embeds every node from its distance features ``1 / (1 + d)``
-(:func:`flt.graphs.anchors.distance_features`, as the ``anchor-distance`` MLP does) and
-runs a few pre-norm layers of attention over *all* nodes with these coordinates as
-positions:
+:class:`NodeTransformer` embeds every node from its features, for anchor coordinates the
+distance features ``1 / (1 + d)`` (:func:`flt.graphs.anchors.distance_features`, as the
+``anchor-distance`` MLP does; :func:`anchor_inputs` gives both), and runs a few pre-norm
+layers of attention over *all* nodes with these coordinates as positions; the attention is
+any :data:`flt.ATTENTION` mechanism with its options (``flt train graph``,
+:class:`flt.graphs.link.LinkTransformer`). :class:`GraphTransformer` builds it with the
+attention of one of the link benchmarks' two kinds:
 
 * ``attention="flt"``: :class:`flt.FLTAttention` with ``pos_dim = K``, a Gaussian spectrum
   ``f(Delta) = a exp(-|Delta / l|^2 / 2)`` (per head and per axis ``l``, learned) and the
@@ -36,15 +39,15 @@ address that.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
-from flt.layers.flt import FLTAttention
-from flt.layers.softmax import SoftmaxAttention
+from flt.models.block import build_attention, build_posenc
 
-from .anchors import UNREACHABLE, _check_edges
+from .anchors import UNREACHABLE, _check_edges, anchor_distances, distance_features
 
 #: ``attention=`` choices of :class:`GraphTransformer`.
 GRAPH_ATTENTIONS = ("flt", "softmax-spectrum")
@@ -65,14 +68,25 @@ def anchor_coordinates(dist: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return d.to(dtype) / math.sqrt(dist.shape[1])
 
 
+def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features [N, K], pos [N, K])`` of a :class:`NodeTransformer` over anchor space: the
+    distance features ``1 / (1 + d)`` and the coordinates :func:`anchor_coordinates` of the
+    hop distances ``d`` to ``anchors`` along ``edges`` (pass the training edges only)."""
+    dist = anchor_distances(num_nodes, edges, anchors)
+    return distance_features(dist, dtype), anchor_coordinates(dist, dtype)
+
+
 class _Block(nn.Module):
     """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
 
-    def __init__(self, attention: nn.Module, dim: int):
+    def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device=None, dtype=None):
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        fk = {"device": device, "dtype": dtype}
+        self.norm1, self.norm2 = nn.LayerNorm(dim, **fk), nn.LayerNorm(dim, **fk)
         self.attention = attention
-        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        hidden = max(1, int(round(dim * mlp_ratio)))
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden, **fk), nn.GELU(), nn.Linear(hidden, dim, **fk))
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, mode: str) -> torch.Tensor:
         x = self.norm1(h)
@@ -82,21 +96,92 @@ class _Block(nn.Module):
             a = self.attention.reference(x, pos)
         else:
             a = self.attention.exact(x, pos)
-        h = h + a
-        return h + self.mlp(self.norm2(h))
+        h = h + self.drop(a)
+        return h + self.drop(self.mlp(self.norm2(h)))
 
 
-class GraphTransformer(nn.Module):
-    """Attention over all nodes with anchor coordinates as positions (module docstring).
+class NodeTransformer(nn.Module):
+    """Attention over all nodes of a graph at given positions, with any :data:`flt.ATTENTION` mechanism.
 
-    ``forward(features [N, K], pos [N, K]) -> [N, out_dim]``: the node features (distance
-    features) are embedded by a linear map, pass ``layers`` transformer layers that attend
-    over all ``N`` nodes at positions ``pos``, and a final linear map. :attr:`mode`
-    (:data:`ATTENTION_MODES`) chooses how the attention is evaluated.
+    ``forward(features [N, F], pos [N, P], *, exact=False) -> [N, out_dim]``: the node
+    features are embedded by a linear map (plus the absolute encoding ``posenc`` of
+    ``pos``, :data:`flt.posenc.POSENC`; ``"none"`` adds nothing), pass ``layers`` pre-norm
+    transformer layers whose attention ``ATTENTION[attention](dim, heads, pos_dim=P,
+    **attention_options)`` spans all ``N`` nodes at positions ``pos``, and a final
+    LayerNorm and linear map. :attr:`mode` (:data:`ATTENTION_MODES`) chooses how the
+    attention is evaluated; ``exact=True`` evaluates this call in ``"exact"`` mode whatever
+    :attr:`mode` is (what the trainer's draw gap asks for).
+
+    Args:
+        in_dim, pos_dim: ``F`` and ``P`` (``K`` for both with anchor features and coordinates).
+        attention, attention_options: a mechanism name and its constructor options.
+        dim, heads, layers, out_dim: width, heads per layer, depth, output size.
+        mlp_ratio, dropout: hidden width of each MLP over ``dim``; dropout after attention and MLP.
+        posenc, posenc_options: an absolute encoding of the positions, added to the embedding.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        pos_dim: int,
+        *,
+        attention: str,
+        attention_options: dict[str, Any] | None = None,
+        dim: int = 32,
+        heads: int = 2,
+        layers: int = 2,
+        out_dim: int = 32,
+        mlp_ratio: float = 2.0,
+        dropout: float = 0.0,
+        posenc: str = "none",
+        posenc_options: dict[str, Any] | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_positive_int("layers", layers)
+        fk = {"device": device, "dtype": dtype}
+        self.mode = "fast"
+        self.embed = nn.Linear(in_dim, dim, **fk)
+        self.posenc = build_posenc(posenc, dim, pos_dim, dict(posenc_options or {}), **fk)
+        self.blocks = nn.ModuleList(
+            _Block(build_attention(attention, dim, heads, pos_dim=pos_dim, causal=False, options=dict(attention_options or {}), **fk),
+                   dim, mlp_ratio=mlp_ratio, dropout=dropout, **fk)
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(dim, **fk)
+        self.out = nn.Linear(dim, out_dim, **fk)
+
+    def forward(self, features: torch.Tensor, pos: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        mode = "exact" if exact else self.mode
+        check_choice("mode", mode, ATTENTION_MODES)
+        h = self.embed(features).unsqueeze(0)  # one "sequence" of N nodes
+        pos = pos.unsqueeze(0).to(h.dtype)
+        h = h + self.posenc(pos).to(h.dtype)
+        for block in self.blocks:
+            h = block(h, pos, mode)
+        return self.out(self.norm(h)).squeeze(0)
+
+
+def graph_attention(kind: str, *, spectrum: str = "gaussian", length_scale: float = 2.0, amplitude: float = 1.0,
+                    num_features: int = 64, num_frequencies: int = 32, coupling: str = "logit") -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` in :data:`flt.ATTENTION` of a :data:`GRAPH_ATTENTIONS` kind: ``"flt"``
+    is FLT with the given spectrum, ``"softmax-spectrum"`` softmax with the same spectrum's
+    exact ``f`` as relative bias (``num_features`` is FLT's only)."""
+    check_choice("attention", kind, GRAPH_ATTENTIONS)
+    spec = dict(spectrum=spectrum, coupling=coupling, num_frequencies=num_frequencies, length_scale=length_scale, amplitude=amplitude)
+    if kind == "flt":
+        return "flt", {"num_features": num_features, **spec}
+    return "softmax", {"relative_bias": "spectrum", **spec}
+
+
+class GraphTransformer(NodeTransformer):
+    """The :class:`NodeTransformer` of the link benchmarks' ``flt`` and ``softmax-spectrum``
+    kinds (module docstring): ``forward(features [N, K], pos [N, K]) -> [N, out_dim]``.
 
     Args:
         in_dim, pos_dim: ``K`` for both with anchor features and coordinates.
-        attention: ``"flt"`` or ``"softmax-spectrum"``.
+        attention: ``"flt"`` or ``"softmax-spectrum"`` (:func:`graph_attention`).
         dim, heads, layers, out_dim: width, heads per layer, depth, output size.
         spectrum, length_scale, amplitude: the spectrum of both kinds (Gaussian, ``l = 2``
             coordinate units, i.e. about two hops on the grid, ``f(0) = 1`` at start).
@@ -121,29 +206,10 @@ class GraphTransformer(nn.Module):
         num_frequencies: int = 32,
         coupling: str = "logit",
     ):
-        super().__init__()
-        check_choice("attention", attention, GRAPH_ATTENTIONS)
-        check_positive_int("layers", layers)
+        name, options = graph_attention(attention, spectrum=spectrum, length_scale=length_scale, amplitude=amplitude,
+                                        num_features=num_features, num_frequencies=num_frequencies, coupling=coupling)
+        super().__init__(in_dim, pos_dim, attention=name, attention_options=options, dim=dim, heads=heads, layers=layers, out_dim=out_dim)
         self.attention_kind = attention
-        self.mode = "fast"
-        spec = dict(pos_dim=pos_dim, spectrum=spectrum, coupling=coupling, num_frequencies=num_frequencies,
-                    length_scale=length_scale, amplitude=amplitude)
-        if attention == "flt":
-            make = lambda: FLTAttention(dim, heads, num_features=num_features, **spec)  # noqa: E731
-        else:
-            make = lambda: SoftmaxAttention(dim, heads, relative_bias="spectrum", **spec)  # noqa: E731
-        self.embed = nn.Linear(in_dim, dim)
-        self.blocks = nn.ModuleList(_Block(make(), dim) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.out = nn.Linear(dim, out_dim)
-
-    def forward(self, features: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        check_choice("mode", self.mode, ATTENTION_MODES)
-        h = self.embed(features).unsqueeze(0)  # one "sequence" of N nodes
-        pos = pos.unsqueeze(0).to(h.dtype)
-        for block in self.blocks:
-            h = block(h, pos, self.mode)
-        return self.out(self.norm(h)).squeeze(0)
 
 
 def laplacian_eigenvectors(num_nodes: int, edges: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,6 +265,9 @@ __all__ = [
     "GRAPH_ATTENTIONS",
     "GraphTransformer",
     "LaplacianPE",
+    "NodeTransformer",
     "anchor_coordinates",
+    "anchor_inputs",
+    "graph_attention",
     "laplacian_eigenvectors",
 ]
