@@ -15,18 +15,19 @@ def _small_kwargs(task, tmp_path):
         "lm": {"max_bytes": 50_000},
         "image": {},
         "molecule": {"num_samples": 3, "relax_steps": 1, "cache_dir": tmp_path, "progress": False},
+        "graph": {},
     }[task]
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_default_datasets_have_train_and_valid(task, tmp_path):
-    pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase"}[task])
+    pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase", "graph": "networkx"}[task])
     splits = TASKS[task].dataset(**_small_kwargs(task, tmp_path))
     assert len(splits.train) > 0 and len(splits.valid) > 0
 
 
 def test_registry_names():
-    assert set(TASKS) == {"lm", "image", "molecule"}
+    assert set(TASKS) == {"lm", "image", "molecule", "graph"}
 
 
 def test_import_loads_no_optional_dependency():
