@@ -89,19 +89,19 @@ def test_resume_through_the_cli_matches_an_uninterrupted_run(tmp_path):
 
 def test_compare_prints_a_table(tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main(["compare", "image", "--attention", "flt:coupling=multiplicative", "--seeds", "0,1",
+    code = main(["compare", "image", "--attention", "flt:coupling=multiplicative:near_neighbors=0", "--seeds", "0,1",
                  "--preset", "smoke", "--steps", "4", "--out-dir", str(out), "--threads", "1"])
     text = capsys.readouterr().out
     assert code == 0, text
     table = [line for line in text.splitlines() if line.startswith("|")]
     assert table[0] == "| attention | seeds | accuracy (mean ± std) | loss | ms/step | peak MiB | params |"
-    assert len(table) == 3 and table[2].startswith("| flt:coupling=multiplicative | 2 | ") and "±" in table[2]
+    assert len(table) == 3 and table[2].startswith("| flt:coupling=multiplicative:near_neighbors=0 | 2 | ") and "±" in table[2]
     assert (out / "compare.png").exists() and (out / "compare.md").exists()
     data = json.loads((out / "compare.json").read_text())
     assert [len(r["runs"]) for r in data["rows"]] == [2]
-    assert os.path.exists(out / "flt_coupling=multiplicative" / "seed-1" / "summary.json")
+    assert os.path.exists(out / "flt_coupling=multiplicative_near_neighbors=0" / "seed-1" / "summary.json")
     capsys.readouterr()
-    assert main(["compare", "image", "--attention", "flt:coupling=multiplicative", "--out-dir", str(out)]) == 2
+    assert main(["compare", "image", "--attention", "flt:coupling=multiplicative:near_neighbors=0", "--out-dir", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
 
 

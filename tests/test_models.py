@@ -186,10 +186,12 @@ def test_molecule_permutation_and_translation_invariance(attention):
 
 @torch.no_grad()
 def test_molecule_rotation_invariance_exact_and_approximate():
-    """Radial spectrum: exact O(N^2) path invariant to rounding; fast path up to O(R^-1/2)."""
+    """Radial spectrum, multiplicative coupling (the FLT paper's form): exact O(N^2) path
+    invariant to rounding; fast path up to O(R^-1/2)."""
     def build(R, seed=0):
         torch.manual_seed(seed)
-        return make(MoleculeConfig, "flt", dtype=torch.float64, attention_options={"num_frequencies": R, "seed": 7}).eval()
+        options = {"num_frequencies": R, "seed": 7, "coupling": "multiplicative", "near_neighbors": 0}
+        return make(MoleculeConfig, "flt", dtype=torch.float64, attention_options=options).eval()
 
     small, large = build(8), build(2048)
     state = {k: v for k, v in small.state_dict().items() if not k.endswith("spectrum.eps")}
@@ -206,6 +208,18 @@ def test_molecule_rotation_invariance_exact_and_approximate():
         errors[name] = max(float((model(z, pos @ rot.T, mask) - base).abs().max()) for rot in rotations)
     assert errors["large"] < errors["small"] / 3, errors
     assert errors["large"] < 0.05
+
+
+@torch.no_grad()
+def test_molecule_default_flt_exact_path_is_rotation_invariant():
+    """The task's default FLT (logit, nearest-keys near set): the near sets and a radial f
+    depend on distances only, so the exact path is invariant to rounding."""
+    torch.manual_seed(0)
+    model = make(MoleculeConfig, "flt", dtype=torch.float64).eval()
+    z, pos, mask = molecules(B=4, N=9, dtype=torch.float64)
+    exact = model(z, pos, mask, exact=True)
+    for s in range(3):
+        assert_close(model(z, pos @ random_rotation(s).T, mask, exact=True), exact, scale=1e3)
 
 
 def test_isotropic_lengths_stay_tied_through_training():

@@ -139,7 +139,7 @@ class FLTAttention(KernelAttention):
         if near_field or near_neighbors:
             if coupling != "logit":
                 name = "near_field" if near_field else "near_neighbors"
-                raise ValueError(f"{name} needs coupling='logit' (the near set holds exact softmax weights)")
+                raise ValueError(f"{name} needs coupling='logit' (the near set holds exact softmax weights); pass {name}=0 to turn it off")
             # Only its exact f is used; its frequencies are never sampled.
             near_options = {**spectrum_options, "amplitude": 0.0}
             self.near_spectrum = SPECTRA[spectrum](
