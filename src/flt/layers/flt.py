@@ -170,20 +170,16 @@ class FLTAttention(KernelAttention):
             return self._attend_neighbors(p, reference)
         if not self.near_field:
             return super().attend(p, reference=reference)
-        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        a, c = self.spectrum.features(p.pos)
-        B, H, N, _ = xq.shape
-        cdt = torch.promote_types(xq.dtype, a.dtype)
-        xq, xk = xq.to(cdt), xk.to(cdt)
-        expand = (B, H, N, a.shape[-1])
-        qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
-        kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
-        bias = self.band_bias(batch_shared(p.pos).to(cdt))  # [B|1, H, N, 2w + 1]
+        xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
+        bias = self.band_bias(batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
         key_mask = None if p.pad is None else ~p.pad
         op = band_attention_reference if reference else band_attention
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)
 
-    def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
+    def _near_set_features(self, p):
+        """What both near-set estimators need: the scaled ``x_q, x_k`` (exact weights on the
+        near set) and the FAVOR+ features of ``[x_q, a(r)]``, ``[x_k, c(r)]`` with their
+        shifts (the far field), all in one compute dtype."""
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         a, c = self.spectrum.features(p.pos)
         B, H, N, _ = xq.shape
@@ -192,8 +188,12 @@ class FLTAttention(KernelAttention):
         expand = (B, H, N, a.shape[-1])
         qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
         kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
+        return xq, xk, qf, kf, q_shift, k_shift
+
+    def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
+        xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
         key_mask = None if p.pad is None else ~p.pad
-        pos = batch_shared(p.pos).to(cdt)
+        pos = batch_shared(p.pos).to(xq.dtype)
         idx = self.near_keys(pos, key_mask)
         op = neighbor_attention_reference if reference else neighbor_attention
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
