@@ -17,10 +17,11 @@ from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
     [
         lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4),
         lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4, spectrum="local", near_field=3),
+        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4, near_neighbors=4),
         lambda: SoftmaxAttention(16, 2, relative_bias="t5"),
         lambda: ToeplitzAttention(16, 2, num_features=8),
     ],
-    ids=["flt", "flt-banded", "softmax-t5", "toeplitz"],
+    ids=["flt", "flt-banded", "flt-near-neighbors", "softmax-t5", "toeplitz"],
 )
 def test_layer_forward_has_no_graph_break(make):
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_choice
+from flt._dtype import compute_dtype
 from flt.layers.base import batch_shared
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
@@ -229,7 +230,7 @@ class FLTAttention(KernelAttention):
         """
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        cdt = torch.promote_types(xq.dtype, torch.float32)
+        cdt = compute_dtype(xq)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
         f = rearrange(self.spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
         if self.near_field:

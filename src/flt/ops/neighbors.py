@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
 
@@ -81,7 +82,7 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
             raise ValueError(f"pos has batch {pos.shape[0]} but key_mask has batch {key_mask.shape[0]}")
         pos = pos.expand(key_mask.shape[0], -1, -1)
     with torch.no_grad():
-        pos = pos.detach().to(torch.promote_types(pos.dtype, torch.float32))
+        pos = pos.detach().to(compute_dtype(pos))
         keys = torch.arange(N, device=pos.device)
         out = []
         for start in range(0, N, chunk_size):
@@ -97,7 +98,10 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
             t = torch.kthvalue(d, k, dim=-1, keepdim=True).values
             at = d == t
             chosen = (d < t) | (at & (at.cumsum(-1) <= k - (d < t).sum(-1, keepdim=True)))
-            ind = chosen.nonzero()[:, -1].view(*d.shape[:2], k)  # ascending key index per row
+            # The chosen keys in ascending index order, without a host synchronisation
+            # (nonzero would need one): the k smallest of distinct scores.
+            score = torch.where(chosen, keys, keys + N)
+            ind = torch.topk(score, k, dim=-1, largest=False, sorted=True).indices
             order = torch.sort(d.gather(-1, ind), dim=-1, stable=True).indices
             out.append(ind.gather(-1, order))
         return torch.cat(out, dim=1)
@@ -147,7 +151,7 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
     B, H, N, _ = xq.shape
-    cdt = torch.promote_types(torch.promote_types(xq.dtype, qf.dtype), torch.promote_types(v.dtype, torch.float32))
+    cdt = compute_dtype(xq, qf, v)
     Bi = idx.shape[0]
     near = torch.zeros(Bi, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx, True)[:, None]  # [B|1, 1, N, N]
     full = torch.zeros(max(Bi, near_bias.shape[0]), H, N, N, dtype=cdt, device=xq.device)
@@ -188,7 +192,7 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
     B, H, N, _ = xq.shape
     k = idx.shape[-1]
-    cdt = torch.promote_types(torch.promote_types(xq.dtype, qf.dtype), torch.promote_types(v.dtype, torch.float32))
+    cdt = compute_dtype(xq, qf, v)
     xq, xk, qf, kf = (t.to(cdt) for t in (xq, xk, qf, kf))
     vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1)
     sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from flt._dtype import compute_dtype
 from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
 
@@ -284,7 +285,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
 
 def _dtype(module: torch.nn.Module) -> torch.dtype:
     p = next(module.parameters(), None)
-    return torch.promote_types(p.dtype, torch.float32) if p is not None else torch.float32
+    return compute_dtype(p) if p is not None else torch.float32
 
 
 def comparison_curves(curves: dict[str, list[list[tuple[int, float]]]]) -> dict[str, tuple[list[int], torch.Tensor]]:
