@@ -112,30 +112,28 @@ class SoftmaxAttention(AttentionBase):
         self.rope, self.rope_base = bool(rope), rope_base
         # Options of the other biases are accepted and unused (as max_distance is), so a
         # preset's options survive an override of relative_bias.
-        self.alibi_unit = check_positive_float("alibi_unit", alibi_unit)
+        check_positive_float("alibi_unit", alibi_unit)
         if not isinstance(alibi_learnable, bool):
             raise TypeError(f"alibi_learnable must be a bool, got {type(alibi_learnable).__name__}")
-        self.alibi_learnable = alibi_learnable
         fk = {"heads": heads, "pos_dim": pos_dim, "causal": causal, "device": device, "dtype": dtype}
+        term = None
         if isinstance(relative_bias, RelativeTerm):
-            self.relative_bias, self.relative = type(relative_bias).__name__, relative_bias
-        elif relative_bias is None:
-            self.relative_bias, self.relative = None, None
+            term, relative_bias = relative_bias, type(relative_bias).__name__
         elif relative_bias in ("t5", "clipped"):
             options = {"max_distance": max_distance, "table_scale": table_scale, "learn_scale": learn_table_scale}
             if relative_bias == "t5":
                 options["num_buckets"] = num_buckets
-            self.relative_bias, self.relative = relative_bias, build_relative(relative_bias, **fk, **options)
+            term = build_relative(relative_bias, **fk, **options)
         elif relative_bias == "alibi":
-            self.relative_bias, self.relative = relative_bias, build_relative("alibi", **fk, unit=alibi_unit, learnable=alibi_learnable)
+            term = build_relative("alibi", **fk, unit=alibi_unit, learnable=alibi_learnable)
         elif relative_bias == "spectrum":
             spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
             check_choice("spectrum", spectrum, SPECTRA)
             term = build_relative(spectrum, **fk, num_frequencies=num_frequencies, **spectrum_options)
             term.has_random_features = False  # only its exact mask is used: nothing to redraw
-            self.relative_bias, self.relative = relative_bias, term
-        else:
-            self.relative_bias, self.relative = relative_bias, build_relative(relative_bias, **fk, **(relative_options or {}))
+        elif relative_bias is not None:
+            term = build_relative(relative_bias, **fk, **(relative_options or {}))
+        self.relative_bias, self.relative = relative_bias, term
 
     @property
     def spectrum(self) -> Spectrum | None:
@@ -165,7 +163,8 @@ class SoftmaxAttention(AttentionBase):
         """
         if self.relative is None:
             return None
-        term = self.relative.bias(batch_shared(pos))
+        pos = batch_shared(pos)  # checked by prepare(): the term's unchecked pairwise form
+        term = self.relative.pairwise(pos, pos)
         # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
         return term if isinstance(self.relative, Spectrum) else term.to(dtype)
 

@@ -260,6 +260,10 @@ class RelativeBiasTable(RelativeTerm):
     def bias(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
         return self(pos_q, pos_k)
 
+    def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+        # From the positions (integer check on N values), not from the N x N offsets.
+        return self(pos_q, pos_k)
+
     def forward(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
         pos_k = pos_q if pos_k is None else pos_k
         q, k = (integer_positions(name, p) for name, p in (("pos_q", pos_q), ("pos_k", pos_k)))
