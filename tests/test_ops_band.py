@@ -175,6 +175,42 @@ def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
     assert_close(layer.exact(x), layer.finish(expected, x))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causal):
+    # f_near may be any offset term of flt.relative: a clipped table, one entry per offset.
+    layer = FLTAttention(64, 2, spectrum="local", num_features=32, num_frequencies=8, causal=causal, near_field=3,
+                         near_relative="clipped").double()
+    assert type(layer.near_spectrum).__name__ == "ClippedBias" and layer.near_spectrum.max_distance == 3
+    with torch.no_grad():
+        for p in layer.near_spectrum.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    x = torch.randn(2, 19, 64, dtype=F64, requires_grad=True)
+    out, ref = layer(x), layer.reference(x)
+    assert_close(out, ref)
+    params = [x] + list(layer.parameters())
+    up = torch.randn_like(out)
+    g_out = torch.autograd.grad((out * up).sum(), params, retain_graph=True, allow_unused=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), params, allow_unused=True)
+    for a, b in zip(g_out, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert_close(a, b)
+    table = dict(zip([n for n, _ in layer.named_parameters()], g_out[1:]))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in table.items() if n.startswith("near_spectrum"))
+    with torch.no_grad():
+        p = layer.prepare(x, None, None)
+        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+        i = torch.arange(19, dtype=F64)
+        d = i.view(-1, 1) - i.view(1, -1)
+        f = layer.spectrum.mask(d.unsqueeze(-1)).permute(2, 0, 1)
+        near = layer.near_spectrum.of_offsets(d.unsqueeze(-1)).permute(2, 0, 1) * (d.abs() <= 3)
+        logits = xq @ xk.transpose(-1, -2) + f + near
+        if causal:
+            logits = logits.masked_fill(d < 0, -float("inf"))
+        expected = torch.softmax(logits, dim=-1) @ p.v
+        assert_close(layer.exact(x), layer.finish(expected, x))
+
+
 def test_near_field_option_errors():
     with pytest.raises(ValueError, match="near_field"):
         FLTAttention(64, 2, near_field=-1)
@@ -182,6 +218,12 @@ def test_near_field_option_errors():
         FLTAttention(64, 2, near_field=2.5)
     with pytest.raises(ValueError, match="coupling='logit'"):
         FLTAttention(64, 2, near_field=4, coupling="multiplicative")
+    with pytest.raises(ValueError, match="near_relative .* needs near_field or near_neighbors"):
+        FLTAttention(64, 2, near_relative="clipped")
+    with pytest.raises(ValueError, match="near_relative_options need near_relative"):
+        FLTAttention(64, 2, near_field=2, near_relative_options={"max_distance": 2})
+    with pytest.raises(ValueError, match="relative term"):
+        FLTAttention(64, 2, near_field=2, near_relative="nope")
     layer = FLTAttention(64, 2, near_field=4, causal=True)
     assert layer.supports_decoding is False
 

@@ -67,6 +67,91 @@ def test_neighbor_attention_equals_reference_forward_and_backward(P, padded, N, 
         assert_close(a, b)
 
 
+def spectral(B, H, N, R2=6, dtype=F64):
+    a = (torch.randn(B, H, N, R2, dtype=dtype) * 0.7).requires_grad_()
+    c = (torch.randn(B, H, N, R2, dtype=dtype) * 0.7).requires_grad_()
+    return a, c
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("N, k", [(1, 1), (7, 7), (29, 5), (37, 12)])
+@pytest.mark.parametrize("dense_below", [0, 128])
+@pytest.mark.parametrize("shared", [False, True])  # a, c, near mask per item or shared by the batch
+def test_multiplicative_form_equals_reference_forward_and_backward(padded, N, k, dense_below, shared):
+    B, H = 3, 2
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    pos = torch.randn(B, N, 3, dtype=F64)
+    key_mask = (torch.rand(B, N) > 0.3) if padded else None
+    if padded:
+        key_mask[:, 0] = True
+    idx = nearest_keys(pos, k, key_mask=key_mask)
+    a, c = spectral(1 if shared else B, H, N)
+    mask = torch.randn(1 if shared else B, H, N, k, dtype=F64).requires_grad_()  # any sign
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    kw = dict(key_mask=key_mask, a=a, c=c, near_mask=mask)
+    out = run(neighbor_attention, xq, xk, v, idx, None, proj, dense_below=dense_below, **kw)
+    ref = run(neighbor_attention_reference, xq, xk, v, idx, None, proj, **kw)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    leaves = (xq, xk, v, a, c, mask)
+    g_out = torch.autograd.grad((out * up).sum(), leaves, retain_graph=True)
+    g_ref = torch.autograd.grad((ref * up).sum(), leaves)
+    for x, y in zip(g_out, g_ref):
+        assert_close(x, y)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_multiplicative_form_with_k_equal_to_n_is_the_exact_masked_attention(padded):
+    B, H, N = 2, 2, 13
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    pos = torch.randn(B, N, 3, dtype=F64)
+    key_mask = torch.ones(B, N, dtype=torch.bool)
+    if padded:
+        key_mask[1, -4:] = False
+    idx = nearest_keys(pos, N, key_mask=key_mask if padded else None)
+    full = torch.rand(B, H, N, N, dtype=F64) + 0.1
+    mask = full.gather(-1, idx.unsqueeze(1).expand(B, H, N, N))
+    w = (full * torch.exp(xq @ xk.transpose(-1, -2))).masked_fill(~key_mask[:, None, None, :], 0.0)
+    expected = (w @ v) / w.sum(-1, keepdim=True)
+    a, c = spectral(B, H, N)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    for dense_below in (0, 128):
+        got = run(neighbor_attention, xq, xk, v, idx, None, proj, key_mask=key_mask if padded else None,
+                  a=a, c=c, near_mask=mask, dense_below=dense_below)
+        assert_close(got, expected)
+
+
+def test_multiplicative_far_weights_are_unbiased():
+    # A far pair's weight is FAVOR+'s estimate of exp(xq.xk) times the random-frequency
+    # estimate a.c of the mask f, from independent draws: its mean over draws is f exp(xq.xk).
+    from flt.spectra import SPECTRA
+
+    torch.manual_seed(0)
+    H, N, D = 2, 6, 4
+    xq, xk, _ = inputs(B=1, H=H, N=N, D=D, scale=0.4)
+    xq, xk = xq.detach(), xk.detach()
+    pos = torch.randn(1, N, 3, dtype=F64)
+    spectrum = SPECTRA["gaussian"](heads=H, pos_dim=3, num_frequencies=4, amplitude=1.5, length_scale=1.0).double()
+    gen = torch.Generator().manual_seed(1)
+    draws = []
+    for _ in range(3000):
+        proj = gaussian_orthogonal_random_matrix(4, D, dtype=F64, generator=gen)
+        spectrum.redraw_frequencies(gen)
+        qf, sq = favor_plus_features(xq, proj)
+        kf, sk = favor_plus_features(xk, proj)
+        a, c = spectrum.features(pos)
+        with torch.no_grad():
+            w = (qf @ kf.transpose(-1, -2)) * torch.exp(sq).unsqueeze(-1) * torch.exp(sk).unsqueeze(-2)
+            draws.append(w * (a @ c.transpose(-1, -2)))
+    draws = torch.stack(draws)
+    delta = pos.unsqueeze(2) - pos.unsqueeze(1)
+    with torch.no_grad():
+        exact = spectrum.mask(delta).permute(0, 3, 1, 2) * torch.exp(xq @ xk.transpose(-1, -2))
+    z = (draws.mean(0) - exact) / (draws.std(0) / len(draws) ** 0.5)
+    assert z.abs().max() < 5.0, z.abs().max()
+    assert (draws.std(0) > 0).all()  # the estimate does vary: the check can fail
+
+
 def test_gradcheck_small():
     xq, xk, v = inputs(B=2, N=6)
     pos = torch.randn(2, 6, 3, dtype=F64)
@@ -211,6 +296,7 @@ def test_nearest_keys_rejects_bad_arguments(bad, match):
     (dict(bias=torch.zeros(2, 2, 5, 3, dtype=F64)), "near_bias must be"),
     (dict(key_mask=torch.ones(2, 5)), "key_mask"),
     (dict(causal=True), "causal=True is not supported"),
+    (dict(near_mask=torch.zeros(2, 2, 5, 2, dtype=F64)), "takes a, c and near_mask together"),
     (dict(xq=torch.zeros(2, 2, 5, 4, dtype=torch.long)), "xq must have a floating-point dtype"),
 ])
 def test_neighbor_attention_rejects_bad_arguments(bad, match):
@@ -220,6 +306,6 @@ def test_neighbor_attention_rejects_bad_arguments(bad, match):
     proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
     qf, sq = favor_plus_features(xq, proj)
     kf, sk = favor_plus_features(xk, proj)
-    extra = {k: kw[k] for k in ("key_mask", "causal") if k in kw}
+    extra = {k: kw[k] for k in ("key_mask", "causal", "near_mask") if k in kw}
     with pytest.raises((ValueError, TypeError), match=match):
         neighbor_attention(kw["xq"], xk, v, qf, kf, sq, sk, kw["idx"], kw["bias"], **extra)

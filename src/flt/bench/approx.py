@@ -193,6 +193,11 @@ SPATIAL_ESTIMATORS = {
     "k=16 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 16}, "near_spectrum"),
     "k=32 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 32}, "near_spectrum"),
     "k=16 nearest, mask in f (far)": ({"coupling": "logit", "near_neighbors": 16}, "spectrum"),
+    # The multiplicative coupling's far field estimates f (amplitude 1, the bump's length
+    # or three times it); the bump is added in f_near on the 16 nearest keys.
+    "multiplicative k=16, bump in f_near": ({"coupling": "multiplicative", "near_neighbors": 16}, "near_spectrum"),
+    "multiplicative k=16, bump in f_near, f 3x broader": ({"coupling": "multiplicative", "near_neighbors": 16, "far_length": 3.0},
+                                                          "near_spectrum"),
 }
 
 
@@ -211,6 +216,8 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
         pos_dim, make = POINT_SETS[set_name]
         for label in estimators or SPATIAL_ESTIMATORS:
             options, where = SPATIAL_ESTIMATORS[label]
+            options = dict(options)
+            far_length = options.pop("far_length", 1.0)
             for amplitude in amplitudes:
                 for m, R in settings:
                     errs, full_errs = [], []
@@ -221,6 +228,7 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
                             getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
+                            layer.spectrum.log_length.add_(math.log(far_length))
                         x = torch.randn(2, pos.shape[0], dim, dtype=F64)
                         with torch.no_grad():
                             out, exact = layer(x, pos), layer.exact(x, pos)

@@ -67,14 +67,22 @@ class FLTAttention(KernelAttention):
             with blocks of ``T = max(w, 32)`` tokens on top of the linear part; see
             :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Layers with a near field do not decode
             token by token (:meth:`step`).
-        near_neighbors: ``k >= 1`` turns on the spatial near field instead (logit coupling,
+        near_neighbors: ``k >= 1`` turns on the spatial near field instead (either coupling,
             ``causal=False``; exclusive with ``near_field``): each query's ``k`` nearest keys
             in position space (itself included, padded keys excluded, ``min(k, N)`` for
-            shorter sets) get their exact weights with ``f + f_near``, all other pairs the
-            FAVOR+ estimate, as for the band. For sets of atoms or image patches, whose
+            shorter sets) get their exact weights with the mask ``f + f_near`` (logit:
+            ``exp(x_q.x_k + f + f_near)``; multiplicative: ``(f + f_near) exp(x_q.x_k)``),
+            all other pairs the random-feature estimate, as for the band. For sets of atoms or image patches, whose
             token order means nothing. The search is ``O(N^2 P)`` in chunks (once per
             batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
             top of the linear part; see :mod:`flt.ops.neighbors` and docs/math.md section 5.1.1.
+        near_relative: the near set's term ``f_near``: ``None`` (default) a second spectrum
+            of the same family starting at 0; or the name of any term in
+            :data:`flt.relative.RELATIVE` that is a function of the offset, e.g.
+            ``"clipped"``, a learned table with one entry per offset of the band
+            (``max_distance`` defaults to ``near_field``; its output scale is learned, as
+            for softmax's tables). Only its exact values are used, so it needs no features.
+        near_relative_options: keyword options of that term.
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -104,6 +112,8 @@ class FLTAttention(KernelAttention):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         near_field: int = 0,
         near_neighbors: int = 0,
+        near_relative: str | None = None,
+        near_relative_options: dict | None = None,
         device=None,
         dtype=None,
         **spectrum_options,
@@ -137,15 +147,29 @@ class FLTAttention(KernelAttention):
             raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")
         if near_neighbors and causal:
             raise ValueError("near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, or near_field for causal sequences")
+        if near_field and coupling != "logit":
+            raise ValueError("near_field needs coupling='logit' (the band op holds exact softmax weights); pass near_field=0 "
+                             "to turn it off, or use near_neighbors, which takes both couplings")
+        if near_relative is not None and not (near_field or near_neighbors):
+            raise ValueError(f"near_relative ({near_relative!r}) is the near set's term: it needs near_field or near_neighbors")
+        if near_relative_options is not None and near_relative is None:
+            raise ValueError("near_relative_options need near_relative (the name of a term in flt.relative.RELATIVE)")
         if near_field or near_neighbors:
-            if coupling != "logit":
-                name = "near_field" if near_field else "near_neighbors"
-                raise ValueError(f"{name} needs coupling='logit' (the near set holds exact softmax weights); pass {name}=0 to turn it off")
-            # Only its exact f is used; its frequencies are never sampled.
-            near_options = {**spectrum_options, "amplitude": 0.0}
-            self.near_spectrum = SPECTRA[spectrum](
-                heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
-            )
+            if near_relative is None:
+                # Only its exact f is used; its frequencies are never sampled. It starts at 0
+                # in both couplings: the near set's mask starts as the far one's.
+                near_options = {**spectrum_options, "amplitude": 0.0}
+                self.near_spectrum = SPECTRA[spectrum](
+                    heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
+                )
+            else:
+                from flt.relative import build_relative
+
+                options = dict(near_relative_options or {})
+                if near_relative == "clipped":
+                    options.setdefault("max_distance", max(near_field, 1))  # one entry per offset of the band
+                self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
+                                                    device=device, dtype=dtype, **options)
             self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
             self.supports_decoding = False
         else:
@@ -192,12 +216,24 @@ class FLTAttention(KernelAttention):
         return xq, xk, qf, kf, q_shift, k_shift
 
     def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
-        xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
         key_mask = None if p.pad is None else ~p.pad
-        pos = batch_shared(p.pos).to(xq.dtype)
-        idx = self.near_keys(pos, key_mask)
         op = neighbor_attention_reference if reference else neighbor_attention
-        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
+        if self.coupling == "logit":
+            xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
+            pos = batch_shared(p.pos).to(xq.dtype)
+            idx = self.near_keys(pos, key_mask)
+            return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
+        # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        a, c = self.spectrum.features(p.pos)
+        cdt = torch.promote_types(xq.dtype, a.dtype)
+        xq, xk = xq.to(cdt), xk.to(cdt)
+        qf, q_shift = self.feature_map(xq)
+        kf, k_shift = self.feature_map(xk)
+        pos = batch_shared(p.pos).to(cdt)
+        idx = self.near_keys(pos, key_mask)
+        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
+                  near_mask=self.neighbor_bias(pos, idx))
 
     def near_keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
@@ -208,7 +244,7 @@ class FLTAttention(KernelAttention):
         """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
         ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
         delta = near_offsets(pos, idx)
-        return rearrange(self.spectrum.mask(delta) + self.near_spectrum.mask(delta), "b n k h -> b h n k")
+        return rearrange(self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta), "b n k h -> b h n k")
 
     def band_bias(self, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
@@ -217,7 +253,7 @@ class FLTAttention(KernelAttention):
         w = self.near_field
         neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
         delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
-        f = self.spectrum.mask(delta) + self.near_spectrum.mask(delta)  # [B, N, 2w+1, H]
+        f = self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta)  # [B, N, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o")
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,13 +272,13 @@ class FLTAttention(KernelAttention):
         if self.near_field:
             idx = torch.arange(p.q.shape[2], device=x.device)
             band = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field
-            near = rearrange(self.near_spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+            near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
             f = f + torch.where(band, near, torch.zeros_like(near))
         if self.near_neighbors:
             idx = self.near_keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
             n = idx.shape[1]
             in_set = torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=x.device).scatter(-1, idx.unsqueeze(1), True)
-            near = rearrange(self.near_spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+            near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
             f = f + torch.where(in_set, near, torch.zeros_like(near))
         pad = self.padding_mask_matrix(p.pad, cdt)
         v = p.v.to(cdt)

@@ -11,6 +11,17 @@ nearest to ``r_i`` (Euclidean, in ``P`` dimensions):
 
 Every weight is nonnegative and the near ones are exact, so row sums stay positive.
 
+The multiplicative coupling (the FLT paper's mask ``f(r_i - r_j) exp(x_i.y_j)``, given by
+``a``, ``c`` and ``near_mask``) uses the same split:
+
+    w_ij = m_ij exp(x_i.y_j)                           if j in K(i)       (exact)
+    w_ij = qf_i.kf_j exp(s_j) a_i.c_j                  otherwise          (Kronecker estimate)
+
+with ``m_ij`` the exact mask on the near pairs. A local mask is large only on the near set,
+which is now exact; the far estimate is signed, but it is an estimate of a mask close to 0
+there, so it no longer cancels the row's mass (without the near set the estimate of a
+strong local mask is signed where the mass is, and row sums can vanish).
+
 The near set (:func:`nearest_keys`): the query's own key first whatever the positions,
 then the keys in increasing distance, ties broken by the lower key index; padded keys are
 never chosen unless fewer than ``k`` valid keys exist (the op then ignores those slots). It
@@ -42,7 +53,7 @@ import torch
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
-from flt.ops.linear import DEFAULT_CHUNK_SIZE
+from flt.ops.linear import DEFAULT_CHUNK_SIZE, _read, _write
 
 #: Queries per chunk of the neighbour search: the distances of one chunk take ``chunk x N``.
 SEARCH_CHUNK = 256
@@ -117,7 +128,7 @@ def near_offsets(pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return pos.unsqueeze(2) - nb
 
 
-def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal):
+def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a=None, c=None, near_mask=None):
     check_tensor("xq", xq, ndim=4, layout="[B, H, N, D]")
     check_tensor("xk", xk, ndim=4, layout="[B, H, N, D]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -141,23 +152,38 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, 
     k = idx.shape[-1]
     if idx.shape[0] not in (1, B) or idx.shape[1] != N or not 1 <= k <= N:
         raise ValueError(f"idx must be [B or 1, N, k] = [{B} or 1, {N}, k] with 1 <= k <= N, got {tuple(idx.shape)}")
-    check_tensor("near_bias", near_bias, ndim=4, layout="[B or 1, H, N, k]")
-    if near_bias.shape[0] not in (1, B) or near_bias.shape[1:] != (H, N, k):
-        raise ValueError(f"near_bias must be [B or 1, H, N, k] = [{B} or 1, {H}, {N}, {k}], got {tuple(near_bias.shape)}")
+    multiplicative = a is not None or c is not None or near_mask is not None
+    if multiplicative:
+        if a is None or c is None or near_mask is None or near_bias is not None:
+            raise ValueError("the multiplicative form takes a, c and near_mask together and near_bias=None; "
+                             "the logit form takes near_bias and none of a, c, near_mask")
+        for name, t in (("a", a), ("c", c)):
+            check_tensor(name, t, ndim=4, layout="[B or 1, H, N, 2R]")
+            if t.shape[0] not in (1, B) or t.shape[1:3] != (H, N) or t.shape[-1] != a.shape[-1]:
+                raise ValueError(f"{name} must be [B or 1, H, N, 2R] = [{B} or 1, {H}, {N}, {a.shape[-1]}], got {tuple(t.shape)}")
+    name, bias = ("near_mask", near_mask) if multiplicative else ("near_bias", near_bias)
+    check_tensor(name, bias, ndim=4, layout="[B or 1, H, N, k]")
+    if bias.shape[0] not in (1, B) or bias.shape[1:] != (H, N, k):
+        raise ValueError(f"{name} must be [B or 1, H, N, k] = [{B} or 1, {H}, {N}, {k}], got {tuple(bias.shape)}")
     _check_key_mask(key_mask, B, N)
 
 
-def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False):
+def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
+                                 a=None, c=None, near_mask=None):
     """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
-    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask)
     B, H, N, _ = xq.shape
     cdt = compute_dtype(xq, qf, v)
     Bi = idx.shape[0]
     near = torch.zeros(Bi, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx, True)[:, None]  # [B|1, 1, N, N]
-    full = torch.zeros(max(Bi, near_bias.shape[0]), H, N, N, dtype=cdt, device=xq.device)
-    full = full.scatter(-1, idx[:, None].expand(full.shape[0], H, N, -1), near_bias.to(cdt).expand(full.shape[0], H, N, -1))
-    exact = torch.exp(xq.to(cdt) @ xk.to(cdt).transpose(-1, -2) + full)
+    given = near_bias if near_mask is None else near_mask
+    full = torch.zeros(max(Bi, given.shape[0]), H, N, N, dtype=cdt, device=xq.device)
+    full = full.scatter(-1, idx[:, None].expand(full.shape[0], H, N, -1), given.to(cdt).expand(full.shape[0], H, N, -1))
+    logits = xq.to(cdt) @ xk.to(cdt).transpose(-1, -2)
+    exact = torch.exp(logits + full) if near_mask is None else full * torch.exp(logits)
     est = (qf.to(cdt) @ kf.to(cdt).transpose(-1, -2)) * torch.exp(q_shift.to(cdt)).unsqueeze(-1) * torch.exp(key_log_scale.to(cdt)).unsqueeze(-2)
+    if a is not None:
+        est = est * (a.to(cdt) @ c.to(cdt).transpose(-1, -2))
     w = torch.where(near, exact, est)
     if key_mask is not None:
         w = torch.where(key_mask[:, None, None, :], w, torch.zeros_like(w))
@@ -165,9 +191,9 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
 
 
 def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
-                       dense_below: int = DEFAULT_CHUNK_SIZE):
-    """Attention with exact weights on each query's near set and FAVOR+ estimates on every
-    other pair (module docstring), linear in ``N`` for a fixed ``k``.
+                       a=None, c=None, near_mask=None, dense_below: int = DEFAULT_CHUNK_SIZE):
+    """Attention with exact weights on each query's near set and random-feature estimates on
+    every other pair (module docstring), linear in ``N`` for a fixed ``k``.
 
     Args:
         xq, xk: ``[B, H, N, D]`` scaled queries and keys: the exact kernel is ``exp(xq.xk)``.
@@ -177,10 +203,15 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
         q_shift, key_log_scale: ``[B, H, N]``, the features' log scales (detached).
         idx: ``[B or 1, N, k]`` int64, the near keys of every query, distinct per row
             (:func:`nearest_keys`).
-        near_bias: ``[B or 1, H, N, k]``, the exact logit bias ``b_ij`` for ``j = idx[i, t]``.
+        near_bias: ``[B or 1, H, N, k]``, the exact logit bias ``b_ij`` for ``j = idx[i, t]``
+            (logit form), or ``None`` for the multiplicative form.
         key_mask: optional ``[B, N]`` bool, True marks a valid key; padded keys get no
             weight, near or far.
         causal: must be False (module docstring).
+        a, c: multiplicative form only: ``[B or 1, H, N, 2R]`` spectral features, the far
+            estimate is ``qf_i.kf_j a_i.c_j`` (Kronecker, ``O(N m 2R Dv)``).
+        near_mask: multiplicative form only: ``[B or 1, H, N, k]``, the exact mask ``m_ij``
+            (any sign) of the near pairs.
         dense_below: sets of at most this many tokens (molecules, small patch grids) are
             computed from their ``[N, N]`` weights, ``O(N^2 (D + m + Dv))``: the same sums,
             cheaper there than gathering ``k`` rows per query. ``0`` always gathers.
@@ -189,11 +220,15 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
         ``[B, H, N, Dv]`` in the promoted dtype (float32 or better). Rows without any valid
         key return zeros.
     """
-    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal)
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask)
     B, H, N, _ = xq.shape
     k = idx.shape[-1]
     cdt = compute_dtype(xq, qf, v)
     xq, xk, qf, kf = (t.to(cdt) for t in (xq, xk, qf, kf))
+    multiplicative = near_mask is not None
+    given = (near_mask if multiplicative else near_bias).to(cdt)
+    if multiplicative:
+        a, c = a.to(cdt).expand(B, -1, -1, -1), c.to(cdt).expand(B, -1, -1, -1)
     vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1)
     sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)
     valid = torch.ones(B, N, dtype=torch.bool, device=xq.device) if key_mask is None else key_mask
@@ -204,14 +239,23 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
     kfw = kf * kw.unsqueeze(-1)
     vaug = vaug * valid[:, None, :, None].to(cdt)
     row = (sq + level).unsqueeze(-1)  # [B, H, N, 1]
+
+    def near_weights(expo, top, given):
+        # Exact near weights relative to the row's common factor exp(row + top).
+        return torch.exp(expo - top) if not multiplicative else given * torch.exp(expo - top)
+
     if N <= dense_below:
         near = torch.zeros(idx.shape[0], 1, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx.unsqueeze(1), True)
         near = near & valid[:, None, None, :]
-        bias = torch.zeros(max(idx.shape[0], near_bias.shape[0]), H, N, N, dtype=cdt, device=xq.device)
-        bias = bias.scatter(-1, idx.unsqueeze(1).expand(bias.shape[0], H, N, k), near_bias.to(cdt).expand(bias.shape[0], H, N, k))
-        expo = (xq @ xk.transpose(-1, -2) + bias - row).masked_fill(~near, -float("inf"))
-        c = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
-        w = torch.where(near, torch.exp(expo - c), (qf @ kfw.transpose(-1, -2)) * torch.exp(-c))
+        full = torch.zeros(max(idx.shape[0], given.shape[0]), H, N, N, dtype=cdt, device=xq.device)
+        full = full.scatter(-1, idx.unsqueeze(1).expand(full.shape[0], H, N, k), given.expand(full.shape[0], H, N, k))
+        expo = xq @ xk.transpose(-1, -2) - row + (0.0 if multiplicative else full)
+        expo = expo.masked_fill(~near, -float("inf"))
+        top = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
+        est = qf @ kfw.transpose(-1, -2)
+        if multiplicative:
+            est = est * (a @ c.transpose(-1, -2))
+        w = torch.where(near, near_weights(expo, top, full), est * torch.exp(-top))
         out = w @ vaug
         return safe_divide(out[..., :-1], out[..., -1:])
     # Gather the near keys' rows in a [B, N, H, E] layout: whole rows of H * E numbers per key.
@@ -223,12 +267,14 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
 
     xk_n, kf_n, v_n = gather(xk), gather(kfw), gather(vaug)
     near_valid = valid.reshape(-1)[flat].view(B, 1, N, k)
-    expo = (xq.unsqueeze(-2) * xk_n).sum(-1) + near_bias.to(cdt) - row
+    expo = (xq.unsqueeze(-2) * xk_n).sum(-1) - row + (0.0 if multiplicative else given)
     expo = expo.masked_fill(~near_valid, -float("inf"))
-    c = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
+    top = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
     est = (qf.unsqueeze(-2) * kf_n).sum(-1)  # zero for padded keys (kfw is)
-    weights = torch.exp(expo - c) - est * torch.exp(-c)
+    if multiplicative:
+        est = est * (a.unsqueeze(-2) * gather(c)).sum(-1)
+    weights = near_weights(expo, top, given) - est * torch.exp(-top)
     # Far field = the estimate over all keys minus its near part; near weights replace it.
-    total = kfw.transpose(-1, -2) @ vaug  # [B, H, m, Dv + 1]
-    out = (weights.unsqueeze(-1) * v_n).sum(-2) + (qf @ total) * torch.exp(-c)
+    total = _write(kfw, c, vaug)  # [B, H, m, Dv + 1], or its Kronecker form
+    out = (weights.unsqueeze(-1) * v_n).sum(-2) + _read(qf, a, total) * torch.exp(-top)
     return safe_divide(out[..., :-1], out[..., -1:])
