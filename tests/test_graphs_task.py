@@ -59,10 +59,10 @@ def test_validation_is_one_batch_on_one_process_and_its_auc_is_the_rank_formula(
     assert list(task.eval_batches(8, 1, rank=1, world=2)) == []
     (batch,) = task.eval_batches(8, 1, rank=0, world=2)
     pairs, labels = task.valid
-    assert torch.equal(batch[2], pairs) and len(pairs) == 2 * 76  # 10% of the grid's 760 edges and as many non-edges
+    assert torch.equal(batch[4], pairs) and len(pairs) == 2 * 76  # 10% of the grid's 760 edges and as many non-edges
     with torch.no_grad():
         metrics = task.metrics(task.eval_sums(model, batch))
-        assert metrics["auc"] == pytest.approx(roc_auc(model(*batch[:3]), labels), abs=1e-12)
+        assert metrics["auc"] == pytest.approx(roc_auc(model(*batch[:5]), labels), abs=1e-12)
 
 
 def test_positions_come_from_the_training_edges_of_the_seeded_split():

@@ -4,13 +4,16 @@ Nothing is generated or read at import time; the generators need ``networkx``
 (``pip install flt[graph]``). See ``docs/graphs.md`` for the design and measured numbers.
 
 * :mod:`~flt.graphs.data`: :class:`Graph`, :func:`grid_graph`, :func:`communities`,
-  :func:`load_edge_list`.
+  :func:`load_edge_list`, :func:`load_pyg` (PyTorch Geometric files), :func:`load_graph`.
 * :mod:`~flt.graphs.split`: :func:`split_links` (80/10/10 with fixed negatives),
   :func:`sample_node_pairs` (same community or not).
 * :mod:`~flt.graphs.anchors`: :func:`select_anchors`, :func:`anchor_distances` (BFS),
   :func:`anchor_indicators`.
 * :mod:`~flt.graphs.gir`: shortest-path DAGs, :func:`dag_propagate`,
   :class:`GIRPathEncoder`.
+* :mod:`~flt.graphs.gnn`: :class:`GNN` (GCN / GraphSAGE / GAT / GIN through
+  ``torch_geometric``), :class:`StructuralEncoder` (GIR, anchor distances, GNNs with anchor
+  indication and GIR fusion, reading the structure at call time).
 * :mod:`~flt.graphs.link`: link-prediction models, :func:`roc_auc`,
   :func:`run_link_prediction`, :class:`LinkTransformer` (the model of ``flt train graph``).
 * :mod:`~flt.graphs.transformer`: :func:`anchor_coordinates`, :class:`NodeTransformer`
@@ -20,7 +23,8 @@ Nothing is generated or read at import time; the generators need ``networkx``
 """
 
 from .anchors import UNREACHABLE, anchor_distances, anchor_indicators, degrees, distance_features, indicate, select_anchors
-from .data import Graph, canonical_edges, communities, grid_graph, load_edge_list
+from .data import Graph, canonical_edges, communities, grid_graph, load_edge_list, load_graph, load_pyg
+from .gnn import GNN, GNN_KINDS, StructuralEncoder
 from .gir import GIRPathEncoder, ShortestPathDAG, count_shortest_paths, dag_propagate, shortest_path_dag
 from .link import (
     GCN,
@@ -43,6 +47,9 @@ from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_
 
 __all__ = [
     "GCN",
+    "GNN",
+    "GNN_KINDS",
+    "StructuralEncoder",
     "MODEL_KINDS",
     "UNREACHABLE",
     "GIRPathEncoder",
@@ -73,6 +80,8 @@ __all__ = [
     "indicate",
     "laplacian_eigenvectors",
     "load_edge_list",
+    "load_graph",
+    "load_pyg",
     "roc_auc",
     "run_link_prediction",
     "run_pair_classification",

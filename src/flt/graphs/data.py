@@ -191,3 +191,61 @@ def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, nam
         if largest >= num_nodes:
             raise DataError(f"{path} names node {largest}, but num_nodes = {num_nodes} allows ids up to {num_nodes - 1}")
     return Graph(num_nodes, edges, name=name or os.path.basename(path))
+
+
+def _pyg_safe_globals() -> list:
+    """The PyG classes a pickled ``Data`` object holds, allowlisted for ``weights_only`` loading."""
+    try:
+        from torch_geometric.data.data import Data, DataEdgeAttr, DataTensorAttr
+        from torch_geometric.data.storage import BaseStorage, EdgeStorage, GlobalStorage, NodeStorage
+    except ImportError:
+        return []
+    return [Data, DataEdgeAttr, DataTensorAttr, BaseStorage, EdgeStorage, GlobalStorage, NodeStorage]
+
+
+def load_pyg(path, *, name: str | None = None) -> Graph:
+    """Read a graph saved with ``torch.save`` in PyTorch Geometric's layout.
+
+    The file holds a ``torch_geometric.data.Data`` object or a plain dict (what
+    ``data.to_dict()`` returns) with ``edge_index`` ``[2, E]`` integer node ids and
+    optionally ``num_nodes`` and an integer node label vector ``y`` ``[N]`` (kept as
+    :attr:`Graph.labels`; other fields such as ``x`` are ignored: the benchmarks are
+    featureless). Loaded with ``weights_only=True``, the PyG data classes allowlisted, so
+    the file cannot run code. Raises :class:`flt.data.MissingDataError` for a missing file
+    and :class:`flt.data.DataError`, naming the file, for anything else it cannot use.
+    """
+    path = require_file(path, "PyTorch Geometric file")
+    try:
+        with torch.serialization.safe_globals(_pyg_safe_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (pickle raises many types; all mean "not a usable file")
+        raise DataError(f"{path} is not a torch.save file of a PyG Data object or dict that loads with weights_only=True: "
+                        f"{str(e).splitlines()[0]}") from None
+    fields = obj.to_dict() if hasattr(obj, "to_dict") and not isinstance(obj, dict) else obj
+    if not isinstance(fields, dict) or "edge_index" not in fields:
+        raise DataError(f"{path} holds a {type(obj).__name__} without 'edge_index'; expected a PyG Data object or a dict with edge_index [2, E]")
+    ei = fields["edge_index"]
+    if not isinstance(ei, torch.Tensor) or ei.ndim != 2 or ei.shape[0] != 2 or ei.is_floating_point() or ei.dtype == torch.bool:
+        raise DataError(f"{path}: edge_index must be an integer tensor of shape [2, E], got {getattr(ei, 'dtype', type(ei).__name__)} "
+                        f"of shape {tuple(getattr(ei, 'shape', ()))}")
+    if ei.numel() == 0:
+        raise DataError(f"{path} holds no edge")
+    if int(ei.min()) < 0:
+        raise DataError(f"{path}: edge_index holds negative node ids")
+    num_nodes = fields.get("num_nodes")
+    y = fields.get("y")
+    if num_nodes is None:
+        num_nodes = max(int(ei.max()) + 1, len(y) if isinstance(y, torch.Tensor) and y.ndim == 1 else 0)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes <= int(ei.max()):
+        raise DataError(f"{path}: num_nodes = {num_nodes!r} does not cover node id {int(ei.max())} of edge_index")
+    labels = None
+    if isinstance(y, torch.Tensor) and y.ndim == 1 and len(y) == num_nodes and not y.is_floating_point() and y.dtype != torch.bool:
+        labels = y
+    return Graph(num_nodes, ei.T, labels=labels, name=name or os.path.basename(path))
+
+
+def load_graph(path, *, name: str | None = None) -> Graph:
+    """:func:`load_pyg` for ``.pt`` / ``.pth`` files, :func:`load_edge_list` for any other."""
+    if str(path).endswith((".pt", ".pth")):
+        return load_pyg(path, name=name)
+    return load_edge_list(path, name=name)

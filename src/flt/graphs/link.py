@@ -6,10 +6,10 @@ the logit of ``(u, v)`` is ``MLP([z_u * z_v, |z_u - z_v|])``. Encoders (:data:`M
 
 * ``gir``: :class:`~flt.graphs.gir.GIRPathEncoder` over ``K`` random anchors.
 * ``anchor-distance``: an MLP on the distance features ``1 / (1 + d(v, a_k))``.
-* ``gcn``: a featureless GCN (Kipf and Welling 2017), ``H' = A_hat H W`` with
-  ``A_hat = D^-1/2 (A + I) D^-1/2``, on the constant node feature.
-* ``gcn+indication``: the same GCN with the ``K`` anchor-indicator channels appended to
-  the constant feature.
+* ``gcn``, ``sage``, ``gat``, ``gin``: featureless message passing (:class:`~flt.graphs.gnn.GNN`,
+  ``torch_geometric`` convolutions) on the constant node feature; ``+indication`` appends
+  the ``K`` anchor-indicator channels to that feature, ``+gir`` fuses the GNN embedding
+  with a GIR embedding (concatenation, then a linear map), e.g. ``sage+indication+gir``.
 * ``flt``: :class:`~flt.graphs.transformer.GraphTransformer`, FLT attention over all nodes
   with the anchor coordinates as positions in ``R^K`` (linear in ``N``).
 * ``softmax-spectrum``: the same transformer with its exact ``O(N^2)`` counterpart,
@@ -18,15 +18,17 @@ the logit of ``(u, v)`` is ``MLP([z_u * z_v, |z_u - z_v|])``. Encoders (:data:`M
   eigenvectors of the training edges (random sign flips in training).
 
 :func:`train_link_model` minimises binary cross-entropy on the training positives and
-their fixed negatives with Adam, full batch, and reports the test ROC AUC at the step of
+their fixed negatives with Adam, full batch (FLT's random features redrawn every step,
+anchors optionally resampled every step), and reports the test ROC AUC at the step of
 best validation AUC; :func:`run_link_prediction` does split, model and training from a
 graph, a model kind and a seed. :func:`build_pair_model` and :func:`train_pair_model` are
 the same for any structure and any labelled pairs (the pairwise node classification of
 :mod:`flt.graphs.pairs` uses them).
 
 :class:`LinkTransformer` is the model of ``flt train graph`` (:mod:`flt.tasks.graph`): the
-same pair head on a transformer over all nodes with any :data:`flt.ATTENTION` mechanism,
-taking the node inputs as arguments so that the task's trainer can run it.
+same pair head on a transformer over all nodes with any :data:`flt.ATTENTION` mechanism
+or on a structural encoder (GIR, distances, GNNs), taking the node inputs and the
+structure as arguments so that the task's trainer can run it.
 """
 
 from __future__ import annotations
@@ -38,14 +40,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
+from flt.layers.draws import fixed_draw, has_random_features, redraw
 
-from .anchors import anchor_distances, distance_features, indicate, select_anchors
+from .anchors import select_anchors
 from .data import Graph, communities, grid_graph
-from .gir import GIRPathEncoder, shortest_path_dag
+from .gnn import GNN_KINDS, StructuralEncoder, parse_kind
 from .split import LinkSplit, split_links
 from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_inputs
 
-MODEL_KINDS = ("gir", "anchor-distance", "gcn", "gcn+indication", "flt", "softmax-spectrum", "lap-pe")
+#: Model kinds of :func:`build_pair_model`: the structural encoders (GIR, the distance MLP
+#: and every GNN of :data:`~flt.graphs.gnn.GNN_KINDS`, featureless, with anchor indication,
+#: fused with GIR, or both), the graph transformers and the Laplacian baseline.
+MODEL_KINDS = (
+    "gir",
+    "anchor-distance",
+    *(g + mod for g in GNN_KINDS for mod in ("", "+indication", "+gir", "+indication+gir")),
+    "flt",
+    "softmax-spectrum",
+    "lap-pe",
+)
 GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
 
 
@@ -122,41 +135,54 @@ class GCN(nn.Module):
 
 
 class _Encoder(nn.Module):
-    """Node embeddings ``[N, dim]`` from structure fixed at construction; ``forward()`` takes no input."""
+    """Node embeddings ``[N, dim]`` from structure fixed at construction; ``forward()`` takes no input.
+
+    The anchors of the structural kinds (:class:`~flt.graphs.gnn.StructuralEncoder`) can be
+    redrawn in training (:meth:`resample_anchors`); evaluation uses the anchors drawn at
+    construction (:meth:`fixed_anchors`).
+    """
 
     def __init__(self, kind: str, num_nodes: int, train_edges: torch.Tensor, anchors: torch.Tensor, dim: int, options: dict, seed: int = 0):
         super().__init__()
-        self.kind = kind
-        x = torch.ones(num_nodes, 1)
-        if kind == "gir":
-            self.dag = shortest_path_dag(num_nodes, train_edges, anchors)
-            self.x = x
-            if "gir_steps" in options:  # "steps" is taken by the training steps
-                options["steps"] = options.pop("gir_steps")
-            self.net = GIRPathEncoder(1, len(anchors), out_dim=dim, **options)
-        elif kind in ("flt", "softmax-spectrum"):
+        self.kind, self.num_nodes = kind, num_nodes
+        self.edges, self.anchors, self.initial_anchors = train_edges, anchors, anchors
+        if kind in ("flt", "softmax-spectrum"):
             self.x, self.pos = anchor_inputs(num_nodes, train_edges, anchors)
             self.net = GraphTransformer(len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
         elif kind == "lap-pe":
             self.net = LaplacianPE(num_nodes, train_edges, out_dim=dim, seed=seed, **options)
-        elif kind == "anchor-distance":
-            self.x = distance_features(anchor_distances(num_nodes, train_edges, anchors))
-            hidden = options.pop("hidden", 64)
-            if options:
-                raise ValueError(f"unknown option(s) for model kind 'anchor-distance': {sorted(options)}")
-            self.net = nn.Sequential(nn.Linear(len(anchors), hidden), nn.ReLU(), nn.Linear(hidden, dim))
         else:
-            self.x = indicate(x, anchors) if kind == "gcn+indication" else x
-            self.net = GCN(num_nodes, train_edges, self.x.shape[1], out_dim=dim, **options)
+            base, flags = parse_kind(kind)
+            if base == "gir":  # the GIR encoder's own option names
+                for key in ("hidden", "combine", "aggregation"):
+                    if key in options:
+                        options["gir_" + key] = options.pop(key)
+            gir_options = {"gir_hidden", "gir_steps", "gir_combine", "gir_aggregation"}
+            allowed = {"gir": gir_options, "anchor-distance": {"hidden"}}.get(
+                base, {"hidden", "layers", "heads"} | (gir_options if flags["fusion"] else set()))
+            if set(options) - allowed:
+                raise ValueError(f"unknown option(s) for model kind {kind!r}: {sorted(set(options) - allowed)}")
+            self.net = StructuralEncoder(base, len(anchors), dim=dim, **flags, **options)
+
+    @property
+    def structural(self) -> bool:
+        return isinstance(self.net, StructuralEncoder)
+
+    def resample_anchors(self, seed: int) -> None:
+        """Draw ``K`` new anchors from ``seed`` (uniformly) for the next calls."""
+        if self.structural:
+            self.anchors = select_anchors(self.num_nodes, len(self.initial_anchors), seed=seed)
+
+    def fixed_anchors(self) -> None:
+        """Go back to the anchors drawn at construction."""
+        self.anchors = self.initial_anchors
 
     def forward(self) -> torch.Tensor:
-        if self.kind == "gir":
-            return self.net(self.x, self.dag)
         if self.kind in ("flt", "softmax-spectrum"):
             return self.net(self.x, self.pos)
         if self.kind == "lap-pe":
             return self.net()
-        return self.net(self.x)
+        return self.net(self.num_nodes, self.edges, self.anchors)
 
     def _apply(self, fn, *args, **kwargs):
         # The fixed inputs are plain attributes; cast them along with the parameters
@@ -200,36 +226,68 @@ class LinkModel(nn.Module):
         return self.score(self.embeddings(), pairs)
 
 
-class LinkTransformer(nn.Module):
-    """Link prediction by attention over all nodes in anchor space (the model of ``flt train graph``).
+#: ``encoder`` choices of :class:`LinkTransformer` (``flt train graph --model-opt encoder=...``).
+TASK_ENCODERS = ("transformer", "gir", "indicator", "anchor-distance", *GNN_KINDS)
 
-    ``forward(features [N, K], pos [N, K], pairs [M, 2], *, exact=False) -> logits [M]``:
-    :class:`~flt.graphs.transformer.NodeTransformer` embeddings ``[N, out_dim]`` of every
-    node (``depth`` layers of the mechanism ``attention`` of :data:`flt.ATTENTION`, with
-    ``attention_options``, over the ``N`` nodes at positions ``pos``) scored by the
-    :class:`PairHead`. ``features`` and ``pos`` are the distance features and anchor
-    coordinates of :func:`~flt.graphs.transformer.anchor_inputs` from the training edges;
-    ``exact=True`` uses every layer's exact attention. The keyword arguments are the fields
-    of :class:`flt.tasks.graph.GraphConfig`.
+
+class LinkTransformer(nn.Module):
+    """The pair model of ``flt train graph``: node embeddings of any encoder and the :class:`PairHead`.
+
+    ``forward(features [N, K], pos [N, K], edges [E, 2], anchors [K], pairs [M, 2], *,
+    exact=False) -> logits [M]``. ``features`` and ``pos`` are the distance features and
+    anchor coordinates of :func:`~flt.graphs.transformer.anchor_inputs`, ``edges`` the
+    structure (the training edges) and ``anchors`` the anchor ids they were computed from.
+    The node embeddings ``[N, out_dim]`` come from ``encoder`` (:data:`TASK_ENCODERS`):
+
+    * ``"transformer"`` (the default): a :class:`~flt.graphs.transformer.NodeTransformer`
+      on ``features`` at positions ``pos``, ``depth`` layers of the mechanism
+      ``attention`` of :data:`flt.ATTENTION` with ``attention_options``, over all ``N``
+      nodes; ``exact=True`` uses every layer's exact attention;
+    * ``"gir"``, ``"anchor-distance"``, ``"gcn"``, ``"sage"``, ``"gat"``, ``"gin"``: a
+      :class:`~flt.graphs.gnn.StructuralEncoder` of ``(edges, anchors)`` (``exact`` has no
+      effect), the GNNs with ``gnn_layers`` layers, anchor indication if ``indication`` and
+      fused with GIR if ``fusion``; ``"indicator"`` is ``"gcn"`` with anchor indication.
+      GIR has per-anchor states of size ``gir_hidden`` and reach ``gir_steps`` (0: every
+      level).
+
+    The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
     """
 
     def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
-                 device=None, dtype=None):
+                 encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
+                 gir_hidden: int = 16, gir_steps: int = 0, device=None, dtype=None):
         super().__init__()
-        self.encoder = NodeTransformer(
-            num_anchors, num_anchors, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
-            layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
-            posenc_options=posenc_options, device=device, dtype=dtype,
-        )
+        check_choice("encoder", encoder, TASK_ENCODERS)
+        self.encoder_kind = encoder
+        if encoder == "transformer":
+            if indication or fusion:
+                raise ValueError("indication and fusion apply to the GNN encoders, not to encoder='transformer'")
+            self.encoder = NodeTransformer(
+                num_anchors, num_anchors, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
+                layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
+                posenc_options=posenc_options, device=device, dtype=dtype,
+            )
+        else:
+            base = "gcn" if encoder == "indicator" else encoder
+            if gir_steps < 0:
+                raise ValueError(f"gir_steps must be 0 (every level) or a positive integer, got {gir_steps}")
+            self.encoder = StructuralEncoder(
+                base, num_anchors, dim=out_dim, hidden=dim, layers=gnn_layers, heads=heads,
+                indication=indication or encoder == "indicator", fusion=fusion, gir_hidden=gir_hidden,
+                gir_steps=gir_steps or None,
+            ).to(device=device, dtype=dtype)
         self.head = PairHead(out_dim, device=device, dtype=dtype)
 
-    def embeddings(self, features: torch.Tensor, pos: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+    def embeddings(self, features: torch.Tensor, pos: torch.Tensor, edges: torch.Tensor, anchors: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         """Node embeddings ``[N, out_dim]``."""
-        return self.encoder(features, pos, exact=exact)
+        if self.encoder_kind == "transformer":
+            return self.encoder(features, pos, exact=exact)
+        return self.encoder(features.shape[0], edges, anchors)
 
-    def forward(self, features: torch.Tensor, pos: torch.Tensor, pairs: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
-        return self.head(self.embeddings(features, pos, exact=exact), pairs)
+    def forward(self, features: torch.Tensor, pos: torch.Tensor, edges: torch.Tensor, anchors: torch.Tensor, pairs: torch.Tensor,
+                *, exact: bool = False) -> torch.Tensor:
+        return self.head(self.embeddings(features, pos, edges, anchors, exact=exact), pairs)
 
 
 def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
@@ -238,7 +296,7 @@ def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: in
     Anchors (``num_anchors`` of them, capped at ``N``) and the initial weights are drawn
     from ``seed``; the global torch generator is left as it was. ``options`` go to the
     encoder (``hidden``, ``gir_steps`` (the propagation depth ``T``), ``combine``, ``aggregation`` for ``gir``; ``hidden``,
-    ``layers`` for the GCNs; ``hidden`` for ``anchor-distance``; the arguments of
+    ``layers``, ``heads`` (GAT) and, with ``+gir``, ``gir_hidden``, ``gir_steps``, ``gir_combine`` for the GNNs; ``hidden`` for ``anchor-distance``; the arguments of
     :class:`~flt.graphs.transformer.GraphTransformer` for ``flt`` and ``softmax-spectrum``;
     ``k``, ``hidden``, ``sign_flip`` for ``lap-pe``, which ignores the anchors).
     """
@@ -271,31 +329,48 @@ class LinkResult:
     history: list = field(default_factory=list)  # (step, valid_auc, test_auc)
 
 
-def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
+def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0,
+                     resample_anchors: bool = False, redraw_features: bool = True) -> LinkResult:
     """Full-batch BCE training with Adam on ``train = (pairs [M, 2], labels [M])``;
     evaluate the ROC AUC on ``valid`` and ``test`` every ``eval_every`` steps and at the end.
 
     Returns the test AUC at the evaluation with the highest validation AUC (the first one on
-    ties). ``seed`` fixes any randomness in training (none at present: the sign flips of
-    ``lap-pe`` come from the model's own generator); the global torch generator is left as
-    it was.
+    ties). Random draws in training, all from generators seeded by ``seed`` (the global
+    torch generator is left as it was):
+
+    * ``redraw_features``: a model with random features (FLT, Performer) gets a new draw
+      before every step (:func:`flt.layers.draws.redraw`, as ``flt train`` does) and is
+      evaluated on the fixed draw of ``seed`` (:func:`flt.layers.draws.fixed_draw`);
+    * ``resample_anchors``: every step (one step is one epoch, full batch) draws ``K`` new
+      anchors for the structural encoders; evaluation uses the anchors of construction.
     """
     check_positive_int("steps", steps)
     check_positive_int("eval_every", eval_every)
     (train_pairs, train_y), (valid_pairs, valid_y), (test_pairs, test_y) = train, valid, test
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     best = LinkResult(test_auc=float("nan"), valid_auc=-1.0, best_step=0)
+    draws = redraw_features and has_random_features(model)
+    draw_gen = torch.Generator().manual_seed(seed)
+    encoder = model.encoder if isinstance(getattr(model, "encoder", None), _Encoder) else None
+    if resample_anchors and (encoder is None or not encoder.structural):
+        raise ValueError("resample_anchors=True needs a structural model kind (gir, anchor-distance or a GNN)")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for step in range(1, steps + 1):
             model.train()
+            if draws:
+                redraw(model, draw_gen)
+            if resample_anchors:
+                encoder.resample_anchors(seed * 1_000_003 + step)
             loss = F.binary_cross_entropy_with_logits(model(train_pairs), train_y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             if step % eval_every == 0 or step == steps:
                 model.eval()
-                with torch.no_grad():
+                if encoder is not None:
+                    encoder.fixed_anchors()
+                with torch.no_grad(), fixed_draw(model, seed):
                     z = model.embeddings()
                     valid_auc = roc_auc(model.score(z, valid_pairs), valid_y)
                     test_auc = roc_auc(model.score(z, test_pairs), test_y)
@@ -305,13 +380,14 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
     return best
 
 
-def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0) -> LinkResult:
+def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0, **training) -> LinkResult:
     """:func:`train_pair_model` on the training positives and their fixed negatives,
     validated and tested on the held-out pairs of ``split``."""
-    return train_pair_model(model, split.train, split.valid, split.test, steps=steps, lr=lr, eval_every=eval_every, seed=seed)
+    return train_pair_model(model, split.train, split.valid, split.test, steps=steps, lr=lr, eval_every=eval_every, seed=seed, **training)
 
 
-def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10, **model_options) -> LinkResult:
+def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10,
+                        resample_anchors: bool = False, redraw_features: bool = True, **model_options) -> LinkResult:
     """Split ``graph`` (a :class:`Graph`, ``"grid"`` or ``"communities"``) with ``seed``, build
     a ``model_kind`` model (:data:`MODEL_KINDS`) with ``seed`` and train it for ``steps``
     steps; ``result.test_auc`` is the ROC AUC at the best validation step.
@@ -320,4 +396,5 @@ def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, step
     """
     split = generated_split(graph, seed=seed) if isinstance(graph, str) else split_links(graph, seed=seed)
     model = build_link_model(model_kind, split, seed=seed, **model_options)
-    return train_link_model(model, split, steps=steps, lr=lr, eval_every=eval_every, seed=seed)
+    return train_link_model(model, split, steps=steps, lr=lr, eval_every=eval_every, seed=seed,
+                            resample_anchors=resample_anchors, redraw_features=redraw_features)

@@ -44,6 +44,8 @@ def run_pair_classification(
     num_pairs: int = 2000,
     lr: float = 0.01,
     eval_every: int = 10,
+    resample_anchors: bool = False,
+    redraw_features: bool = True,
     **model_options,
 ) -> LinkResult:
     """Sample ``num_pairs`` labelled pairs of ``graph`` with ``seed``, build a
@@ -61,4 +63,5 @@ def run_pair_classification(
         raise TypeError(f"graph must be a flt.graphs.Graph or a name, got {type(graph).__name__}")
     train, valid, test = split_node_pairs(graph, num_pairs, seed=seed)
     model = build_pair_model(model_kind, graph.num_nodes, graph.edges, seed=seed, **model_options)
-    return train_pair_model(model, train, valid, test, steps=steps, lr=lr, eval_every=eval_every, seed=seed)
+    return train_pair_model(model, train, valid, test, steps=steps, lr=lr, eval_every=eval_every, seed=seed,
+                            resample_anchors=resample_anchors, redraw_features=redraw_features)

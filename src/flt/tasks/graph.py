@@ -1,20 +1,27 @@
-"""``graph``: link prediction by attention over all nodes at anchor coordinates (binary
-cross-entropy; ROC AUC on the validation edges against as many non-edges).
+"""``graph``: link prediction or pairwise node classification from node embeddings of any
+graph encoder (binary cross-entropy; ROC AUC on the validation pairs).
 
 Data options: ``graph`` (``"grid"``, the 20 x 20 grid, the default, or ``"communities"``,
 20 cliques of 20 nodes with rewired edges; both generated, :mod:`flt.graphs.data`),
-``path`` (a text edge list ``u v`` per line instead, :func:`flt.graphs.load_edge_list`),
-``seed`` (generates Communities, draws the 80/10/10 edge split with its negatives and the
-anchors; the run's ``--seed`` is separate) and ``num_anchors`` (``K``, default 64, capped at
-the number of nodes). Distances, anchors and positions use the training edges only.
+``path`` (a graph file instead: a text edge list ``u v`` per line or a PyTorch Geometric
+``.pt`` file, :func:`flt.graphs.load_graph`), ``task`` (``"link"``, the default: held-out
+edges against as many non-edges; ``"pair"``: are two nodes in the same community, on a
+graph with node labels, with every edge as structure), ``num_pairs`` (labelled pairs of
+``task=pair``, default 2000), ``seed`` (generates Communities, draws the split with its
+negatives or the labelled pairs, and the anchors; the run's ``--seed`` is separate),
+``num_anchors`` (``K``, default 64, capped at the number of nodes) and
+``resample_anchors`` (``true``: new anchors every epoch of training pairs, drawn from
+``seed`` and the epoch; validation keeps the anchors of ``seed``). Distances, anchors and
+positions use the structure edges only (for links, the training edges).
 
 Every node ``v`` is a token at position ``r_v = d(v, .) / sqrt(K)`` in ``R^K`` (``P = K``),
-its hop distances to the anchors (:func:`flt.graphs.anchor_coordinates`), embedded from its
-distance features ``1 / (1 + d)``; the model (:class:`flt.graphs.LinkTransformer`) attends
-over all ``N`` nodes at once and scores a pair ``(u, v)`` from the two embeddings. A
-training batch is ``batch_size`` labelled pairs (training edges and their fixed non-edges);
-every step embeds all nodes. ROC AUC is not a sum over batches, so validation is one batch
-holding every validation pair. See docs/graphs.md for the design and the benchmarks.
+its hop distances to the anchors (:func:`flt.graphs.anchor_coordinates`), with distance
+features ``1 / (1 + d)``. The model (:class:`flt.graphs.LinkTransformer`) embeds all ``N``
+nodes, by default by attention over all of them at these positions (``--model-opt
+encoder=...`` picks GIR, the distance MLP or a GNN instead), and scores a pair ``(u, v)``
+from the two embeddings. A training batch is ``batch_size`` labelled pairs; every step
+embeds all nodes. ROC AUC is not a sum over batches, so validation is one batch holding
+every validation pair. See docs/graphs.md for the design and the benchmarks.
 """
 
 from __future__ import annotations
@@ -26,8 +33,20 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from flt._checks import check_positive_int
-from flt.graphs import LinkTransformer, anchor_inputs, generated_split, load_edge_list, roc_auc, select_anchors, split_links
+from flt._checks import check_choice, check_positive_int
+from flt.graphs import (
+    LinkTransformer,
+    anchor_inputs,
+    communities,
+    generated_split,
+    grid_graph,
+    load_graph,
+    roc_auc,
+    select_anchors,
+    split_links,
+    split_node_pairs,
+)
+from flt.graphs.link import TASK_ENCODERS
 from flt.models import replace_fields
 from flt.models.config import TrunkConfig
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
@@ -48,10 +67,14 @@ POSENC_DEFAULTS: dict = {}
 
 @dataclass(frozen=True)
 class GraphConfig(TrunkConfig):
-    """Link predictor over all nodes at anchor coordinates (:class:`flt.graphs.LinkTransformer`).
+    """Pair model over all nodes (:class:`flt.graphs.LinkTransformer`).
 
     ``num_anchors`` is ``K``, the size of the node features and positions (filled in from
-    the data); ``out_dim`` the node embedding the pair head scores.
+    the data); ``out_dim`` the node embedding the pair head scores. ``encoder``
+    (:data:`flt.graphs.link.TASK_ENCODERS`) picks the node encoder: ``"transformer"``
+    (``depth`` layers of ``attention``, width ``dim``), or GIR, the distance MLP and the
+    GNNs (width ``dim``, ``gnn_layers`` layers, ``indication`` and ``fusion`` with GIR;
+    GIR's state size ``gir_hidden`` and reach ``gir_steps``, 0 for every level).
     """
 
     task: ClassVar[str] = "graph"
@@ -61,11 +84,27 @@ class GraphConfig(TrunkConfig):
     dim: int = 32
     depth: int = 2
     heads: int = 2
+    encoder: str = "transformer"
+    gnn_layers: int = 3
+    indication: bool = False
+    fusion: bool = False
+    gir_hidden: int = 16
+    gir_steps: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         check_positive_int("num_anchors", self.num_anchors)
         check_positive_int("out_dim", self.out_dim)
+        check_choice("encoder", self.encoder, TASK_ENCODERS)
+        check_positive_int("gnn_layers", self.gnn_layers)
+        check_positive_int("gir_hidden", self.gir_hidden)
+        if isinstance(self.gir_steps, bool) or not isinstance(self.gir_steps, int) or self.gir_steps < 0:
+            raise ValueError(f"gir_steps must be 0 (every level) or a positive integer, got {self.gir_steps!r}")
+        for name in ("indication", "fusion"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.encoder == "transformer" and (self.indication or self.fusion):
+            raise ValueError("indication and fusion apply to the GNN encoders (gcn, sage, gat, gin), not to encoder='transformer'")
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -89,59 +128,88 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(GraphTask.name, model, run, {})
 
 
+#: Generated graphs of the task by name (Communities is generated from the data seed).
+GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
+
+
 class GraphTask(Task):
-    """Link prediction over all nodes at anchor coordinates (BCE, ROC AUC)."""
+    """Link prediction or pairwise node classification from node embeddings (BCE, ROC AUC)."""
 
     name = "graph"
-    description = "link predictor attending over all nodes at anchor-distance coordinates; bundled data: generated Grid / Communities"
+    description = "pair prediction (links, same community) from graph encoders: attention at anchor coordinates, GIR, GNNs; bundled data: generated Grid / Communities"
     config, model = GraphConfig, LinkTransformer
     metric, higher_is_better, compare_metrics, unit = "auc", True, ("loss",), "pair"
-    options = ("path", "graph", "seed", "num_anchors")
+    options = ("path", "graph", "task", "num_pairs", "seed", "num_anchors", "resample_anchors")
     dataset = staticmethod(generated_split)
     presets = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
-    axes = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation edges vs non-edges",
+    axes = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
             "offset": "hops / √K"}
 
-    def __init__(self, *, path=None, graph: str | None = None, seed: int = 0, num_anchors: int = 64):
+    def __init__(self, *, path=None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,
+                 num_anchors: int = 64, resample_anchors: bool = False):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         check_positive_int("num_anchors", num_anchors)
+        check_choice("task", task, ("link", "pair"))
+        if not isinstance(resample_anchors, bool):
+            raise ValueError(f"resample_anchors must be true or false, got {resample_anchors!r}")
         if path is None:
-            split = generated_split("grid" if graph is None else graph, seed=seed)
+            check_choice("graph", "grid" if graph is None else graph, GRAPHS)
+            g = GRAPHS["grid" if graph is None else graph](seed)
         elif graph is not None:
-            raise ValueError(f"graph={graph!r} names a generated graph; --data PATH reads an edge list instead")
+            raise ValueError(f"graph={graph!r} names a generated graph; --data PATH reads a graph file instead")
         else:
-            split = split_links(load_edge_list(path), seed=seed)
-        n = split.num_nodes
-        anchors = select_anchors(n, min(num_anchors, n), seed=seed, edges=split.train_pos)
-        self.num_nodes = n
-        self.features, self.pos = anchor_inputs(n, split.train_pos, anchors)
-        self.train, self.valid, self.test = split.train, split.valid, split.test
+            g = load_graph(path)
+        if task == "link":
+            split = split_links(g, seed=seed)
+            self.edges = split.train_pos
+            self.train, self.valid, self.test = split.train, split.valid, split.test
+        else:
+            if g.labels is None:
+                raise ValueError(f"task='pair' needs node labels (communities); {g.name} has none")
+            self.edges = g.edges
+            self.train, self.valid, self.test = split_node_pairs(g, num_pairs, seed=seed)
+        n = g.num_nodes
+        self.num_nodes, self.seed, self.resample = n, seed, resample_anchors
+        self.num_anchors = min(num_anchors, n)
+        self.anchors = select_anchors(n, self.num_anchors, seed=seed, edges=self.edges)
+        self.features, self.pos = anchor_inputs(n, self.edges, self.anchors)
+        self._epoch_inputs: tuple | None = None
 
     def configure(self, cfg):
         return replace_fields(cfg, num_anchors=self.pos.shape[1])
 
+    def inputs(self, epoch: int | None = None) -> tuple:
+        """``(features, pos, edges, anchors)`` of the anchors of ``seed`` (``epoch=None``) or,
+        with ``resample_anchors``, of the training epoch ``epoch``."""
+        if epoch is None or not self.resample:
+            return self.features, self.pos, self.edges, self.anchors
+        if self._epoch_inputs is None or self._epoch_inputs[0] != epoch:
+            anchors = select_anchors(self.num_nodes, self.num_anchors, seed=self.seed * 1_000_003 + epoch + 1)
+            self._epoch_inputs = (epoch, (*anchor_inputs(self.num_nodes, self.edges, anchors), self.edges, anchors))
+        return self._epoch_inputs[1]
+
     def train_batch(self, step, batch_size, seed, rank, world):
         pairs, labels = self.train
         idx = epoch_indices(len(pairs), batch_size, seed, step)[shard(batch_size, rank, world)]
-        return self.features, self.pos, pairs[idx], labels[idx]
+        return (*self.inputs(step * batch_size // len(pairs)), pairs[idx], labels[idx])
 
     def batch_items(self, batch) -> int:
-        return batch[2].shape[0]
+        return batch[4].shape[0]
 
     def loss(self, model, batch):
-        features, pos, pairs, labels = batch
-        return F.binary_cross_entropy_with_logits(model(features, pos, pairs).float(), labels.float())
+        *inputs, labels = batch
+        return F.binary_cross_entropy_with_logits(model(*inputs).float(), labels.float())
 
     def eval_batches(self, batch_size, max_batches, rank, world):
         # One batch, on one process: the AUC needs every validation score at once.
         for _ in eval_slices(1, 1, max_batches, rank, world):
-            yield (self.features, self.pos, *self.valid)
+            yield (*self.inputs(), *self.valid)
 
     def eval_sums(self, model, batch):
-        features, pos, pairs, labels = batch
-        return _auc_sums(model(features, pos, pairs), labels)
+        *inputs, labels = batch
+        return _auc_sums(model(*inputs), labels)
 
     def metrics(self, sums):
         return {"loss": sums["nll"] / sums["count"], "auc": sums["auc_pairs"] / sums["pos_neg_pairs"]}
@@ -160,12 +228,13 @@ class GraphTask(Task):
         model.eval()
         try:
             pairs, labels = self.test
-            logits = model(self.features.to(device), self.pos.to(device), pairs.to(device))
+            inputs = [t.to(device) for t in self.inputs()]
+            logits = model(*inputs, pairs.to(device))
             sums = _auc_sums(logits, labels.to(device))
         finally:
             model.train(was_training)
         auc = sums["auc_pairs"] / sums["pos_neg_pairs"]
-        return f"test ROC AUC {auc:.4f} (final weights; {int(labels.sum())} test edges, as many non-edges)"
+        return f"test ROC AUC {auc:.4f} (final weights; {int(labels.sum())} positive and {len(labels) - int(labels.sum())} negative test pairs)"
 
 
 def _auc_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
