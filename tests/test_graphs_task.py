@@ -99,3 +99,76 @@ def test_an_edge_list_replaces_the_generated_graph(tmp_path, capsys):
     both = ["--data", str(edges), "--data-opt", "graph=grid"]
     assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "both"), *both]) == 2
     assert "names a generated graph" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--model-opt", "encoder=gir", "--model-opt", "gir_steps=3"],
+        ["--model-opt", "encoder=sage", "--model-opt", "indication=true", "--model-opt", "fusion=true", "--data-opt", "resample_anchors=true"],
+        ["--model-opt", "encoder=indicator", "--data-opt", "task=pair", "--data-opt", "graph=communities"],
+    ],
+    ids=["gir", "sage-indication-gir-resampled", "indicator-pair"],
+)
+def test_structural_encoders_train_and_reload(options, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "graph", *TINY, "--out-dir", str(out), "--data-opt", "num_anchors=16", *options]) == 0
+    summary = _summary(out)
+    assert math.isfinite(summary["final"]["auc"]) and summary.get("draw_gap") is None
+    model, _ = load_checkpoint_model(str(out))
+    assert isinstance(model, LinkTransformer) and model.encoder_kind != "transformer"
+
+
+def test_pair_task_reads_labelled_pairs_and_every_edge():
+    from flt.graphs import communities, split_node_pairs
+
+    task = load_task("graph", {"graph": "communities", "task": "pair", "seed": 2, "num_pairs": 200, "num_anchors": 8})
+    g = communities(20, 20, p=0.01, seed=2)
+    train, valid, test = split_node_pairs(g, 200, seed=2)
+    assert torch.equal(task.edges, g.edges) and torch.equal(task.valid[0], valid[0]) and torch.equal(task.test[1], test[1])
+    assert len(task.train[0]) == 160
+    with pytest.raises(ValueError, match="task='pair' needs node labels"):
+        load_task("graph", {"task": "pair"})
+
+
+def test_resampled_anchors_change_per_epoch_and_validation_keeps_the_seeded_ones():
+    task = load_task("graph", {"num_anchors": 8, "resample_anchors": True})
+    n_train = len(task.train[0])  # 1216 pairs: 4 batches of 304 make an epoch
+    first = task.train_batch(1, 304, 0, 0, 1)  # steps are 1-based
+    same_epoch = task.train_batch(4, 304, 0, 0, 1)
+    next_epoch = task.train_batch(5, 304, 0, 0, 1)
+    assert n_train == 1216 and torch.equal(first[3], same_epoch[3]) and not torch.equal(first[3], next_epoch[3])
+    assert not torch.equal(first[1], next_epoch[1])  # positions follow the anchors
+    (valid,) = task.eval_batches(8, 1, 0, 1)
+    assert torch.equal(valid[3], task.anchors) and torch.equal(valid[1], task.pos)
+    fixed = load_task("graph", {"num_anchors": 8})
+    assert torch.equal(fixed.train_batch(5, 304, 0, 0, 1)[3], fixed.anchors)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("encoder=mlp", "encoder must be one of"),
+        ("gir_steps=-1", "gir_steps must be 0 (every level) or a positive integer"),
+        ("indication=true", "indication and fusion apply to the GNN encoders"),
+    ],
+)
+def test_a_bad_encoder_option_is_named_in_one_line(option, message, tmp_path, capsys):
+    assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "bad"), "--model-opt", option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_pyg_file_with_labels_feeds_the_pair_task(tmp_path):
+    from torch_geometric.data import Data
+
+    from flt.graphs import communities
+
+    g = communities(4, 6, p=0.0, seed=0)
+    path = tmp_path / "caves.pt"
+    torch.save(Data(edge_index=g.edges.T.contiguous(), y=g.labels, num_nodes=g.num_nodes), path)
+    out = tmp_path / "run"
+    args = ["--data", str(path), "--data-opt", "task=pair", "--data-opt", "num_pairs=100", "--model-opt", "encoder=anchor-distance",
+            "--batch-size", "32"]
+    assert main(["train", "graph", *TINY, "--out-dir", str(out), *args]) == 0
+    assert math.isfinite(_summary(out)["final"]["auc"])

@@ -193,7 +193,8 @@ class GraphTask(Task):
     def train_batch(self, step, batch_size, seed, rank, world):
         pairs, labels = self.train
         idx = epoch_indices(len(pairs), batch_size, seed, step)[shard(batch_size, rank, world)]
-        return (*self.inputs(step * batch_size // len(pairs)), pairs[idx], labels[idx])
+        epoch = (step - 1) // max(1, len(pairs) // batch_size)  # the epoch of epoch_indices (1-based steps)
+        return (*self.inputs(epoch), pairs[idx], labels[idx])
 
     def batch_items(self, batch) -> int:
         return batch[4].shape[0]
