@@ -82,11 +82,20 @@ class Block(nn.Module):
 
 
 class Trunk(nn.Module):
-    """``depth`` blocks and a final LayerNorm."""
+    """``depth`` blocks and a final LayerNorm; ``layer_attention`` (one
+    ``{"attention": NAME, "attention_options": {...}}`` per block) gives each block its own mechanism."""
 
-    def __init__(self, dim: int, depth: int, heads: int, *, norm_out: bool = True, device=None, dtype=None, **block_options) -> None:
+    def __init__(self, dim: int, depth: int, heads: int, *, norm_out: bool = True, layer_attention: list | None = None,
+                 device=None, dtype=None, **block_options) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, heads, device=device, dtype=dtype, **block_options) for _ in range(depth))
+        if layer_attention is None:
+            layers = [{} for _ in range(depth)]
+        elif len(layer_attention) == depth:
+            # Per-layer mechanisms (LayeredConfig.layer_attention): they replace attention and its options.
+            layers = [{"attention": e["attention"], "attention_options": dict(e["attention_options"])} for e in layer_attention]
+        else:
+            raise ValueError(f"layer_attention must list one mechanism per layer ({depth}), got {len(layer_attention)}")
+        self.blocks = nn.ModuleList(Block(dim, heads, device=device, dtype=dtype, **{**block_options, **layer}) for layer in layers)
         self.norm = nn.LayerNorm(dim, device=device, dtype=dtype) if norm_out else nn.Identity()
 
     @property

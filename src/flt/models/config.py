@@ -63,8 +63,36 @@ class TrunkConfig:
         _check_trunk(self)
 
 
+def check_layer_attention(value, depth: int) -> None:
+    """``layer_attention``: None, or one ``{"attention": NAME, "attention_options": {...}}``
+    per layer (``depth`` of them), the per-layer mechanisms ``flt train --arch`` builds."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or len(value) != depth:
+        raise ValueError(f"layer_attention must list one mechanism per layer ({depth}), got {value!r}")
+    for i, entry in enumerate(value):
+        if (not isinstance(entry, dict) or set(entry) != {"attention", "attention_options"}
+                or not isinstance(entry["attention"], str) or not isinstance(entry["attention_options"], dict)):
+            raise ValueError(f"layer_attention[{i}] must be {{'attention': NAME, 'attention_options': {{...}}}}, got {entry!r}")
+
+
 @dataclass(frozen=True)
-class LMConfig(TrunkConfig):
+class LayeredConfig(TrunkConfig):
+    """A trunk whose layers may each have their own mechanism: ``layer_attention`` (None:
+    every layer is ``attention`` with ``attention_options``) lists one
+    ``{"attention": NAME, "attention_options": {...}}`` per layer and then replaces
+    ``attention`` and ``attention_options`` in every layer (``flt search`` selects it,
+    ``flt train --arch`` trains it)."""
+
+    layer_attention: list[dict[str, Any]] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_layer_attention(self.layer_attention, self.depth)
+
+
+@dataclass(frozen=True)
+class LMConfig(LayeredConfig):
     """Causal language model (pre-norm Transformer, tied input/output embeddings).
 
     Positions are token indices ``0 .. T-1`` (``P = 1``). ``max_len`` is the context the
@@ -89,7 +117,7 @@ class LMConfig(TrunkConfig):
 
 
 @dataclass(frozen=True)
-class ImageConfig(TrunkConfig):
+class ImageConfig(LayeredConfig):
     """ViT-style classifier: square patches with 2-D patch-centre positions on ``[-1, 1]^2``.
 
     ``pooling`` is ``"mean"`` (over patch tokens) or ``"cls"`` (a learned class token,
@@ -116,7 +144,7 @@ class ImageConfig(TrunkConfig):
 
 
 @dataclass(frozen=True)
-class MoleculeConfig(TrunkConfig):
+class MoleculeConfig(LayeredConfig):
     """Property regressor over atoms: element embeddings, 3-D coordinates as positions.
 
     Coordinates are centred on each structure's mean atom position (so the model is

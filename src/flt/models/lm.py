@@ -50,6 +50,7 @@ class CausalLM(nn.Module):
         posenc: str,
         posenc_options: dict[str, Any],
         cape: bool = False,
+        layer_attention: list | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -66,7 +67,7 @@ class CausalLM(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.trunk = Trunk(
             dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1, causal=True,
-            mlp_ratio=mlp_ratio, dropout=dropout, **fk,
+            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
         )
 
     @property

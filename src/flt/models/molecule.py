@@ -91,6 +91,7 @@ class MoleculeRegressor(nn.Module):
         isotropic: bool = True,
         target_mean: float = 0.0,
         target_std: float = 1.0,
+        layer_attention: list | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -104,7 +105,7 @@ class MoleculeRegressor(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.trunk = Trunk(
             dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=3, causal=False,
-            mlp_ratio=mlp_ratio, dropout=dropout, **fk,
+            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
         )
         self.head = nn.Linear(dim, 1, **fk)
         if isotropic:

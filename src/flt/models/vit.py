@@ -48,6 +48,7 @@ class ViTClassifier(nn.Module):
         posenc_options: dict[str, Any],
         pooling: str = "mean",
         cape: bool = False,
+        layer_attention: list | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -68,7 +69,7 @@ class ViTClassifier(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.trunk = Trunk(
             dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=2, causal=False,
-            mlp_ratio=mlp_ratio, dropout=dropout, **fk,
+            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
         )
         self.head = nn.Linear(dim, num_classes, **fk)
 
