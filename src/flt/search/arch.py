@@ -1,0 +1,44 @@
+"""Reading ``search.json`` back: the per-layer mechanisms ``flt train --arch`` builds."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+#: Which selection of ``search.json`` to train.
+SELECTIONS = ("perturbation", "magnitude")
+
+
+def read_search(path: str) -> dict[str, Any]:
+    """The contents of a ``search.json`` (a file, or the search directory holding one)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "search.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--arch: no search result at {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--arch: {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != "flt-search-1":
+        raise ValueError(f"--arch: {path} is not a search.json written by flt search")
+    if not data.get("complete"):
+        raise ValueError(f"--arch: the search in {path} has not decided every layer yet; finish it with flt search --resume")
+    return data
+
+
+def arch_layers(data: dict[str, Any], selection: str = "perturbation") -> list[dict[str, Any]]:
+    """``[{"attention": NAME, "attention_options": {...}}]`` per layer, for
+    ``LayeredConfig.layer_attention``: the candidates ``selection`` chose."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"--arch-select must be one of {list(SELECTIONS)}, got {selection!r}")
+    chosen = data.get(selection)
+    if chosen is None:
+        raise ValueError(f"--arch: the search has no {selection} choice (alpha was frozen uniform: magnitude says nothing)")
+    by_label = {c["label"]: c for c in data["candidates"]}
+    missing = sorted(set(chosen) - set(by_label))
+    if missing:
+        raise ValueError(f"--arch: the search chose {missing}, which are not among its candidates")
+    return [{"attention": by_label[label]["attention"], "attention_options": dict(by_label[label]["attention_options"])}
+            for label in chosen]

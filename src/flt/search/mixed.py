@@ -1,0 +1,175 @@
+"""Candidates and the mixed op: one layer's attention as a weighted sum of named mechanisms.
+
+A *slot* is the attention of one Transformer block. In the supernet it is a
+:class:`MixedAttention` over the same candidates in every slot, each an entry of
+:data:`flt.ATTENTION` written as on the command line (``flt``, ``flt:spectrum=local``,
+``softmax:relative_bias=t5``). Its output is ``y = sum_o w_o * o(x)`` with
+``w = softmax(alpha) * keep``: ``alpha`` is the slot's architecture parameter and ``keep``
+marks the candidates still in (0 removes one, as perturbation selection does while it
+measures). A *decided* slot computes its chosen candidate alone (``w`` one-hot) and never
+changes again.
+
+The candidates are ordinary submodules, so everything that finds layers by module
+traversal (random-feature redraws and fixed evaluation draws of :mod:`flt.layers.draws`,
+weight decay groups, checkpoints) sees them as it sees the layers of a plain model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flt._checks import check_choice
+from flt.layers import ATTENTION
+from flt.models.block import build_attention
+from flt.options import check_attention_options, parse_attention_list
+
+__all__ = ["Candidate", "MixedAttention", "build_supernet", "check_candidates", "mixed_slots", "parse_candidates"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate mechanism: ``label`` as the user wrote it, the registry ``name`` and the
+    constructor ``options`` (the task's defaults for ``name`` with the entry's own on top)."""
+
+    label: str
+    name: str
+    options: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "attention": self.name, "attention_options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Candidate":
+        return cls(data["label"], data["attention"], dict(data["attention_options"]))
+
+
+def parse_candidates(text: str, task) -> list[Candidate]:
+    """``"a,b:k=v,..."`` (``--candidates``) -> candidates with ``task``'s default options for
+    each name (``task.attention_defaults``) under the entry's own. At least two, distinct."""
+    entries = parse_attention_list(text, "--candidates")
+    if len(entries) < 2:
+        raise ValueError(f"--candidates needs at least two mechanisms to choose from, got {text!r}")
+    out = []
+    for label, name, options in entries:
+        check_choice(f"--candidates entry {label!r}: attention", name, ATTENTION)
+        out.append(Candidate(label, name, {**task.attention_defaults.get(name, {}), **options}))
+    return out
+
+
+def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_dim: int, causal: bool) -> None:
+    """Build every candidate once at the model's width and geometry, so that an entry that
+    does not construct (unknown option, wrong type, a mechanism that cannot serve these
+    positions) is a ``ValueError`` naming it before any data loads or training starts."""
+    for c in candidates:
+        try:
+            check_attention_options(c.name, c.options)
+            build_attention(c.name, dim, heads, pos_dim=pos_dim, causal=causal, options=c.options)
+        except (ValueError, TypeError, NotImplementedError) as err:
+            raise ValueError(f"--candidates entry {c.label!r} does not construct for this model "
+                             f"(dim {dim}, heads {heads}, pos_dim {pos_dim}, causal {causal}): {err}") from None
+
+
+class MixedAttention(nn.Module):
+    """``y = sum_o w_o * op_o(x, pos, key_padding_mask)`` over candidate layers ``ops``.
+
+    Buffers (saved with the weights): ``keep [K]`` (1 = the candidate is in, 0 = removed)
+    and ``decided`` (-1 while undecided, else the chosen index). Parameter ``alpha [K]``
+    (zeros: uniform weights); ``frozen=True`` keeps it there (no gradient).
+    """
+
+    supports_decoding = False
+
+    def __init__(self, ops: list[nn.Module], labels: list[str], *, frozen: bool = False) -> None:
+        super().__init__()
+        if len(ops) != len(labels) or len(ops) < 2:
+            raise ValueError(f"a mixed op needs at least two candidates and one label each, got {len(ops)} and {len(labels)}")
+        self.ops = nn.ModuleList(ops)
+        self.labels = list(labels)
+        ref = next(ops[0].parameters(), None)
+        fk = {"device": ref.device if ref is not None else None}
+        self.alpha = nn.Parameter(torch.zeros(len(ops), dtype=torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32, **fk),
+                                  requires_grad=not frozen)
+        self.register_buffer("keep", torch.ones(len(ops), **fk))
+        self.register_buffer("decided", torch.tensor(-1, dtype=torch.long, device=fk["device"]))
+
+    @property
+    def is_decided(self) -> bool:
+        return int(self.decided) >= 0
+
+    @property
+    def choice(self) -> str | None:
+        """The chosen candidate's label, or None while undecided."""
+        return self.labels[int(self.decided)] if self.is_decided else None
+
+    def probabilities(self) -> torch.Tensor:
+        """``softmax(alpha)`` (detached, float64): what magnitude selection reads."""
+        return torch.softmax(self.alpha.detach().double(), dim=0)
+
+    def weights(self) -> torch.Tensor:
+        """The mixing weights ``w [K]``: one-hot once decided, else ``softmax(alpha) * keep``."""
+        if self.is_decided:
+            return nn.functional.one_hot(self.decided, len(self.ops)).to(self.alpha.dtype)
+        return torch.softmax(self.alpha, dim=0) * self.keep.to(self.alpha.dtype)
+
+    def decide(self, index: int) -> None:
+        """Make the slot one-hot on candidate ``index``, for good."""
+        if self.is_decided:
+            raise ValueError(f"this slot is decided already (on {self.choice!r})")
+        if not 0 <= index < len(self.ops):
+            raise ValueError(f"candidate index must lie in [0, {len(self.ops)}), got {index}")
+        with torch.no_grad():
+            self.decided.fill_(index)
+            self.keep.zero_()[index] = 1.0
+        self.alpha.requires_grad_(False)
+
+    def _mix(self, method: str, x: torch.Tensor, pos, key_padding_mask) -> torch.Tensor:
+        w = self.weights()
+        active = [self.decided.item()] if self.is_decided else [k for k, kept in enumerate(self.keep.tolist()) if kept]
+        out = None
+        for k in active:
+            op = self.ops[k]
+            fn = getattr(op, method, None)
+            if fn is None:
+                raise ValueError(f"candidate {self.labels[k]!r} has no {method}() method")
+            y = fn(x, pos, key_padding_mask) * w[k].to(x.dtype)
+            out = y if out is None else out + y
+        return out if out is not None else torch.zeros_like(x)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, N, dim] -> [B, N, dim]``, the weighted sum of the candidates still in."""
+        return self._mix("forward", x, pos, key_padding_mask)
+
+    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same sum of the candidates' O(N^2) ``exact`` attention."""
+        return self._mix("exact", x, pos, key_padding_mask)
+
+    def extra_repr(self) -> str:
+        return f"labels={self.labels}, decided={self.choice}"
+
+
+def mixed_slots(model: nn.Module) -> list[MixedAttention]:
+    """The mixed ops of a supernet, in block order."""
+    return [m for m in model.modules() if isinstance(m, MixedAttention)]
+
+
+def build_supernet(model: nn.Module, candidates: list[Candidate], *, frozen: bool = False) -> nn.Module:
+    """Replace the attention of every block of ``model`` (a model of :mod:`flt.models`, whose
+    ``trunk.blocks`` hold ``attn``) by a :class:`MixedAttention` over ``candidates`` built at
+    that layer's width, heads, position dimension and causality. Returns ``model``."""
+    trunk = getattr(model, "trunk", None)
+    blocks = getattr(trunk, "blocks", None)
+    if blocks is None:
+        raise TypeError(f"{type(model).__name__} has no trunk.blocks; flt search needs a model of flt.models")
+    ref = next(model.parameters())
+    fk = {"device": ref.device, "dtype": ref.dtype}
+    for block in blocks:
+        old = block.attn
+        ops = [build_attention(c.name, old.dim, old.heads, pos_dim=old.pos_dim, causal=old.causal, options=c.options, **fk)
+               for c in candidates]
+        block.attn = MixedAttention(ops, [c.label for c in candidates], frozen=frozen)
+        block.attention_name = "mixed"
+    return model

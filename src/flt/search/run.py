@@ -1,0 +1,347 @@
+"""The search: train a supernet, then decide its slots one by one by perturbation.
+
+:func:`search` runs a :class:`flt.train.Preset` (the model and budget of one training run)
+with every block's attention replaced by a mixed op over the candidates
+(:mod:`flt.search.mixed`), in a run directory:
+
+1. **Supernet**, ``run.steps`` steps (``preset.run``'s learning-rate schedule, batches,
+   redraws, gradient clipping): each step first updates the architecture weights
+   ``alpha`` on a batch of the held-out part of the training split
+   (:mod:`flt.search.holdout`; first order: the gradient at the current weights), then the
+   network weights on a training batch. ``SearchConfig.fixed_alpha`` keeps ``alpha`` at
+   zero (uniform mixing) and skips its update.
+2. **Selection**: the slots are visited in a random order drawn from the seed; each is
+   measured by perturbation and decided (:func:`flt.search.select.select_slot`, on the
+   held-out part, the model on its fixed evaluation draw), then the supernet is fine-tuned
+   for ``tune_steps`` steps (weights, and ``alpha`` of the slots still undecided) at the
+   schedule's final learning rate. The magnitude choice (``argmax alpha`` at the end of the
+   supernet phase) is recorded for every slot alongside.
+
+Files: ``search.json`` (the result, rewritten after every decision), ``search.png``,
+``checkpoints/`` (:mod:`flt.train.checkpoint`: atomic, hashed, trainer state loaded with
+``weights_only=True``). ``resume=True`` continues from the latest checkpoint (during the
+supernet phase, or after the last decided slot) and ends with the result of an
+uninterrupted search, bit for bit on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from flt._io import atomic_write_text
+from flt.models.config import config_to_dict
+from flt.search.holdout import split_task
+from flt.search.mixed import Candidate, build_supernet, check_candidates, mixed_slots
+from flt.search.select import magnitude_choice, select_slot
+from flt.tasks import check_preset, load_task, step_generator
+from flt.tasks.preset import Preset, preset_to_dict, record_differences
+from flt.train import distributed as D
+from flt.train import drawgap as DG
+from flt.train.checkpoint import (
+    find_checkpoint,
+    has_checkpoint,
+    load_trainer_state,
+    load_weights,
+    read_checkpoint_config,
+    save_checkpoint,
+)
+from flt.train.loop import _to_device, evaluate, parameter_groups
+from flt.train.rng import rng_state, seed_everything, set_rng_state
+
+__all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search"]
+
+#: ``step_generator`` stream of the order in which slots are decided.
+ORDER_STREAM = 11
+#: Seed offset of the held-out batches (they must not repeat the training batches' order).
+ALPHA_SEED_OFFSET = 104729
+RESULT = "search.json"
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """What the search does besides the preset's training run.
+
+    Args:
+        candidates: the mechanisms every slot chooses from (:func:`flt.search.mixed.parse_candidates`).
+        tune_steps: fine-tuning steps after each decision.
+        alpha_lr, alpha_weight_decay: Adam on ``alpha`` (betas 0.5, 0.999).
+        fixed_alpha: keep ``alpha`` uniform (no architecture updates).
+        holdout: fraction of the training split held out for ``alpha`` and selection.
+    """
+
+    candidates: tuple[Candidate, ...]
+    tune_steps: int = 20
+    alpha_lr: float = 3e-3
+    alpha_weight_decay: float = 1e-3
+    fixed_alpha: bool = False
+    holdout: float = 0.2
+
+    def __post_init__(self):
+        if len(self.candidates) < 2:
+            raise ValueError(f"a search needs at least two candidates, got {len(self.candidates)}")
+        if isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0:
+            raise ValueError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
+        if not self.alpha_lr > 0:
+            raise ValueError(f"alpha_lr must be positive, got {self.alpha_lr!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["candidates"] = [c.to_dict() for c in self.candidates]
+        return out
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`search`; ``checkpoint`` is where ``resume=True`` starts (or None)."""
+
+    def __init__(self, out_dir: str, step: int, checkpoint: str | None):
+        super().__init__(f"search in {out_dir} interrupted after step {step}")
+        self.out_dir, self.step, self.checkpoint = out_dir, step, checkpoint
+
+
+def check_search(preset: Preset, config: SearchConfig) -> None:
+    """Everything that can be checked before data loads: the preset, the task, and that
+    every candidate constructs at the model's width and position geometry."""
+    task_cls = check_preset(preset)
+    if task_cls.name not in ("image", "lm"):
+        raise ValueError(f"flt search supports the tasks image, lm; got {task_cls.name!r}")
+    # The preset's model with its default data-dependent fields: cheap, and it tells the
+    # position dimension and causality of its attention layers.
+    probe = task_cls.build_model(preset.model)
+    attn = probe.trunk.blocks[0].attn
+    check_candidates(list(config.candidates), dim=attn.dim, heads=attn.heads, pos_dim=attn.pos_dim, causal=attn.causal)
+
+
+def _record(preset: Preset, config: SearchConfig) -> dict[str, Any]:
+    return {"preset": preset_to_dict(preset), "search": config.to_dict()}
+
+
+def search(
+    preset: Preset,
+    config: SearchConfig,
+    out_dir: str,
+    *,
+    resume: bool = False,
+    device: str = "cpu",
+    progress: bool = True,
+    plots: bool = True,
+    say: Callable[[str], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Run the search of ``preset`` with ``config`` in ``out_dir``; returns the result (also
+    in ``search.json``). ``say`` receives the progress lines (default: print when
+    ``progress``); ``on_step`` is called with the step number after every step.
+
+    Raises:
+        SearchInterrupted: on Ctrl-C; ``resume=True`` continues from the last checkpoint.
+    """
+    say = say or ((lambda text: print(text, flush=True)) if progress else (lambda text: None))
+    check_search(preset, config)
+    ctx = D.setup(device)
+    if ctx.world > 1:
+        D.teardown(ctx)
+        raise ValueError("flt search runs in one process")
+    state = {"step": 0}
+    try:
+        return _search(preset, config, out_dir, ctx, resume=resume, plots=plots, say=say, on_step=on_step, state=state)
+    except KeyboardInterrupt as e:
+        try:
+            ckpt = find_checkpoint(out_dir, report=lambda m: None)
+        except (FileNotFoundError, ValueError):
+            ckpt = None
+        raise SearchInterrupted(out_dir, state["step"], ckpt) from e
+    finally:
+        D.teardown(ctx)
+
+
+def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state) -> dict[str, Any]:
+    wall = time.perf_counter()
+    run = preset.run
+    record = _record(preset, config)
+    progress_record: dict[str, Any] = {"slots": [], "magnitude": None, "alpha_end": None, "history": [],
+                                       "seconds": {"supernet": 0.0, "selection": 0.0}}
+    ckpt = None
+    if resume:
+        ckpt = find_checkpoint(out_dir, report=say)
+        meta = read_checkpoint_config(ckpt)
+        diffs = record_differences({"preset": meta.get("preset"), "search": meta.get("search")}, record)
+        if diffs:
+            raise ValueError(f"--resume needs the configuration of the search in {out_dir}; these differ: {', '.join(diffs)}")
+        progress_record = meta["progress"]
+    elif has_checkpoint(out_dir):
+        raise ValueError(f"{out_dir} already holds a search; pass --resume to continue it or choose another --out-dir")
+
+    # Data, then the model from the seed alone (as flt train does).
+    seed_everything(run.seed)
+    task = load_task(preset.task, preset.data)
+    model_cfg = task.configure(preset.model)
+    weights_task, alpha_task = split_task(task, config.holdout)
+    seed_everything(run.seed)
+    model = task.build_model(model_cfg, device=ctx.device)
+    build_supernet(model, list(config.candidates), frozen=config.fixed_alpha)
+    slots = mixed_slots(model)
+    alphas = [s.alpha for s in slots]
+    alpha_ids = {id(a) for a in alphas}
+    groups = [{**g, "params": [p for p in g["params"] if id(p) not in alpha_ids]} for g in parameter_groups(model, run.weight_decay)]
+    w_opt = torch.optim.AdamW(groups, lr=run.lr, betas=(0.9, 0.95))
+    a_opt = torch.optim.Adam(alphas, lr=config.alpha_lr, betas=(0.5, 0.999), weight_decay=config.alpha_weight_decay)
+    full = {"preset": record["preset"], "search": record["search"], "model": config_to_dict(model_cfg)}
+
+    step = 0
+    if ckpt is not None:
+        load_weights(ckpt, model)
+        trainer = load_trainer_state(ckpt)
+        w_opt.load_state_dict(trainer["weights_optimizer"])
+        a_opt.load_state_dict(trainer["alpha_optimizer"])
+        set_rng_state(trainer["rng"], model)
+        step = int(trainer["step"])
+        for s in slots:
+            if s.is_decided:
+                s.alpha.requires_grad_(False)
+        say(f"resuming the search in {out_dir} from step {step} ({len(progress_record['slots'])} of {len(slots)} slots decided)")
+    else:
+        torch.manual_seed(run.seed + 7919)
+    state["step"] = step
+    labels = [c.label for c in config.candidates]
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"{preset.task} search over {', '.join(labels)}: {len(slots)} slots, {n_params:,} parameters in the supernet, "
+        f"{run.steps} supernet steps, {config.tune_steps} fine-tuning steps per decision"
+        + (", alpha frozen uniform" if config.fixed_alpha else ""))
+
+    def checkpoint(at: int) -> None:
+        trainer = {"step": at, "weights_optimizer": w_opt.state_dict(), "alpha_optimizer": a_opt.state_dict(),
+                   "rng": rng_state(model)}
+        save_checkpoint(out_dir, at, model, config={**full, "progress": progress_record}, trainer_state=trainer,
+                        keep=run.keep_checkpoints)
+
+    def holdout_metric() -> float:
+        with DG.evaluation_draw(model, run):
+            return evaluate(alpha_task, model, ctx, run.eval_batch_size or run.batch_size, run.eval_batches)[task.metric]
+
+    def train_step(at: int, lr: float) -> float:
+        DG.redraw_for_step(model, run, at)
+        if not config.fixed_alpha and any(a.requires_grad for a in alphas):
+            a_opt.zero_grad(set_to_none=True)
+            batch = _to_device(alpha_task.train_batch(at, run.batch_size, run.seed + ALPHA_SEED_OFFSET, 0, 1), ctx.device)
+            alpha_task.loss(model, batch).backward()
+            a_opt.step()
+        a_opt.zero_grad(set_to_none=True)
+        for g in w_opt.param_groups:
+            g["lr"] = lr
+        batch = _to_device(weights_task.train_batch(at, run.batch_size, run.seed, 0, 1), ctx.device)
+        loss = weights_task.loss(model, batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the supernet's training loss is {float(loss)} at step {at}; lower --lr")
+        loss.backward()
+        if run.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for g in w_opt.param_groups for p in g["params"]], run.grad_clip)
+        w_opt.step()
+        w_opt.zero_grad(set_to_none=True)
+        a_opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    model.train()
+    # 1. Supernet.
+    t0 = time.perf_counter()
+    while step < run.steps:
+        step += 1
+        loss = train_step(step, run.lr_at(step))
+        state["step"] = step
+        if step % run.eval_every == 0 or step == run.steps:
+            metric = holdout_metric()
+            mix = {label: p for label, p in zip(labels, _mean_probabilities(slots))}
+            progress_record["history"].append({"step": step, "loss": loss, task.metric: metric,
+                                               "alpha": [s.probabilities().tolist() for s in slots]})
+            say(f"supernet step {step}/{run.steps}: loss {loss:.4g}, held-out {task.metric} {metric:.4g}; mean softmax(alpha) "
+                + "  ".join(f"{k} {v:.3f}" for k, v in mix.items()))
+        if step % run.checkpoint_every == 0 or step == run.steps:
+            if step == run.steps:
+                progress_record["magnitude"] = [s.labels[magnitude_choice(s)] for s in slots]
+                progress_record["alpha_end"] = [s.probabilities().tolist() for s in slots]
+            progress_record["seconds"]["supernet"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            checkpoint(step)
+        if on_step is not None:
+            on_step(step)
+    progress_record["seconds"]["supernet"] += time.perf_counter() - t0
+
+    # 2. Selection, one slot at a time in a seeded order.
+    order = torch.randperm(len(slots), generator=step_generator(run.seed, 0, ORDER_STREAM)).tolist()
+    tune_lr = run.lr_at(run.steps)
+    for index in order:
+        if slots[index].is_decided:
+            continue
+        t0 = time.perf_counter()
+        model.eval()
+        entry = select_slot(slots[index], holdout_metric, task.higher_is_better)
+        model.train()
+        entry = {"layer": index, **entry, "magnitude": progress_record["magnitude"][index] if not config.fixed_alpha else None}
+        removed = "  ".join(f"{k} {v:.4g}" for k, v in entry["removed"].items())
+        say(f"slot {len(progress_record['slots']) + 1}/{len(slots)} (layer {index}): held-out {task.metric} {entry['metric']:.4g}; "
+            f"without each candidate: {removed}; chosen {entry['chosen']}"
+            + (f" (magnitude: {entry['magnitude']})" if entry["magnitude"] is not None else ""))
+        for _ in range(config.tune_steps):
+            step += 1
+            train_step(step, tune_lr)
+            state["step"] = step
+            if on_step is not None:
+                on_step(step)
+        entry["tuned_metric"] = holdout_metric() if config.tune_steps else entry["metric"]
+        progress_record["slots"].append(entry)
+        progress_record["seconds"]["selection"] += time.perf_counter() - t0
+        checkpoint(step)
+        result = _result(preset, config, model_cfg, progress_record, slots, task, step, done=False)
+        atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
+
+    if not progress_record["slots"]:
+        raise ValueError("the model has no slots to decide")
+    result = _result(preset, config, model_cfg, progress_record, slots, task, step, done=True)
+    result["final_metric"] = holdout_metric()
+    result["wall_time_s"] = time.perf_counter() - wall
+    atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
+    say(f"perturbation: {', '.join(result['perturbation'])}")
+    if result["magnitude"] is not None:
+        say(f"magnitude:    {', '.join(result['magnitude'])}")
+    if plots:
+        from flt.search.plots import plot_search
+
+        plot_search(result, os.path.join(out_dir, "search.png"))
+        say(f"done: {os.path.join(out_dir, RESULT)}, {os.path.join(out_dir, 'search.png')}")
+    else:
+        say(f"done: {os.path.join(out_dir, RESULT)}")
+    return result
+
+
+def _mean_probabilities(slots) -> list[float]:
+    probs = torch.stack([s.probabilities() for s in slots])
+    return probs.mean(0).tolist()
+
+
+def _result(preset, config, model_cfg, progress, slots, task, step, *, done: bool) -> dict[str, Any]:
+    """The contents of ``search.json``."""
+    by_layer = sorted(progress["slots"], key=lambda e: e["layer"])
+    return {
+        "format": "flt-search-1",
+        "task": preset.task,
+        "metric": task.metric,
+        "higher_is_better": task.higher_is_better,
+        "complete": done,
+        "preset": preset_to_dict(preset),
+        "model": config_to_dict(model_cfg),
+        "search": config.to_dict(),
+        "candidates": [c.to_dict() for c in config.candidates],
+        "order": [e["layer"] for e in progress["slots"]],
+        "slots": by_layer,
+        "perturbation": [e["chosen"] for e in by_layer] if done else None,
+        "magnitude": progress["magnitude"],
+        "alpha_end": progress["alpha_end"],
+        "history": progress["history"],
+        "steps": step,
+        "seconds": progress["seconds"],
+    }
