@@ -79,9 +79,13 @@ def add_parser(subparsers) -> None:
         description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("task", choices=list(TASKS))
-    p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
+    p.add_argument("--attention", metavar="NAME[:KEY=VALUE...]",
                    help="attention mechanism, a name in flt.ATTENTION, optionally with options as in flt compare "
                    "(flt:num_frequencies=16; default: flt)")
+    p.add_argument("--arch", metavar="SEARCH.JSON", help="per-layer mechanisms chosen by flt search (its search.json), "
+                   "trained from scratch; instead of --attention")
+    p.add_argument("--arch-select", default="perturbation", choices=("perturbation", "magnitude"),
+                   help="which choice of --arch to train (default: perturbation)")
     add_config_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and noise (default: 0)")
     p.add_argument("--out-dir", help="run directory (default: runs/TASK-ATTENTION-PRESET-sSEED)")
@@ -116,9 +120,9 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     check_choice("posenc", args.posenc, POSENC)
     preset = get_preset(args.task, args.preset, attention, args.posenc)
     model_changes = parse_assignments(args.model_opt, "--model-opt")
-    for reserved in ("attention", "attention_options", "posenc", "posenc_options"):
+    for reserved in ("attention", "attention_options", "posenc", "posenc_options", "layer_attention"):
         if reserved in model_changes:
-            raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt, not --model-opt")
+            raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt/--arch, not --model-opt")
     chosen = merge_options(attention_options or {}, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=options_source)
     attn_options = {**preset.model.attention_options, **chosen}
     posenc_options = {**preset.model.posenc_options, **parse_assignments(args.posenc_opt, "--posenc-opt")}
@@ -185,6 +189,30 @@ def interrupted_message(stop, argv: list[str] | None) -> str:
     return f"flt train: {head}; {verb} with: {shlex.join([*prefix, *command])}"
 
 
+def arch_preset(args):
+    """The preset of ``--arch SEARCH.JSON``: the task's preset with every layer's mechanism
+    (``layer_attention``) as the search chose it (:func:`flt.search.arch_layers`)."""
+    from flt.models import replace_fields
+    from flt.options import check_attention_options
+    from flt.search.arch import arch_layers, read_search
+
+    if args.attention is not None or args.attn_opt:
+        raise ValueError("--arch gives every layer its mechanism; leave out --attention and --attn-opt")
+    data = read_search(args.arch)
+    if data["task"] != args.task:
+        raise ValueError(f"--arch: the search was for task {data['task']!r}, not {args.task!r}")
+    layers = arch_layers(data, args.arch_select)
+    for i, layer in enumerate(layers):
+        check_attention_options(layer["attention"], layer["attention_options"])
+    preset = preset_from_args(args, layers[0]["attention"], {}, options_source="--arch")
+    if len(layers) != preset.model.depth:
+        raise ValueError(f"--arch: the search chose {len(layers)} layers, the model has depth {preset.model.depth}; "
+                         f"pass the preset the search used, or --model-opt depth={len(layers)}")
+    model = replace_fields(preset.model, attention=layers[0]["attention"], attention_options=layers[0]["attention_options"],
+                           layer_attention=layers)
+    return type(preset)(preset.task, model, preset.run, preset.data)
+
+
 def run(args) -> int:
     import torch
 
@@ -197,9 +225,14 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     from flt.options import parse_attention, run_label
 
-    name, options = parse_attention(args.attention)
-    preset = preset_from_args(args, name, options, options_source=f"--attention {args.attention.strip()}")
-    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{run_label(args.attention)}-{args.preset}-s{args.seed}")
+    if args.arch is not None:
+        preset, label = arch_preset(args), f"arch-{args.arch_select}"
+    else:
+        attention = args.attention or "flt"
+        name, options = parse_attention(attention)
+        preset = preset_from_args(args, name, options, options_source=f"--attention {attention.strip()}")
+        label = run_label(attention)
+    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{label}-{args.preset}-s{args.seed}")
     try:
         train(
             preset, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
