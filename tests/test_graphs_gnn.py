@@ -185,3 +185,22 @@ def test_a_pyg_file_that_is_not_a_torch_file_or_missing_is_named(tmp_path):
         load_pyg(path)
     with pytest.raises(MissingDataError):
         load_pyg(tmp_path / "absent.pt")
+
+
+def test_gir_states_stay_normalised_along_the_levels():
+    """With the LayerNorm (default) every updated state has norm sqrt(hidden) at
+    initialisation, however far the node; without it the residual updates accumulate."""
+    from flt.graphs import GIRPathEncoder, shortest_path_dag
+
+    g = grid(12)
+    dag = shortest_path_dag(g.num_nodes, g.edges, torch.tensor([0]))
+    x = torch.ones(g.num_nodes, 1)
+    torch.manual_seed(0)
+    normed, plain = GIRPathEncoder(1, 1, hidden=8), GIRPathEncoder(1, 1, hidden=8, norm=False)
+    with torch.no_grad():
+        far = dag.dist[:, 0] >= 15
+        h = normed.anchor_states(x, dag)[0]
+        torch.testing.assert_close(h[far].norm(dim=-1), torch.full((int(far.sum()),), 8**0.5), rtol=1e-3, atol=1e-3)
+        near = dag.dist[:, 0] == 1
+        hp = plain.anchor_states(x, dag)[0]
+        assert hp[far].norm(dim=-1).mean() > 2 * hp[near].norm(dim=-1).mean()

@@ -170,7 +170,9 @@ class GIRPathEncoder(nn.Module):
 
     Per anchor: ``p(v) = W_x x_v``; start states ``h(a) = s_anchor + p(a)`` and
     ``s_far + p(v)`` elsewhere (``s_anchor``, ``s_far`` learned vectors of size ``hidden``);
-    the update is residual, ``h(v) = m + MLP([m, p(v), l(v), c(v)])`` with ``m`` the mean
+    the update is residual and normalised, ``h(v) = LN(m + MLP([m, p(v), l(v), c(v)]))``
+    (``LN`` a LayerNorm over the state, shared by all levels; ``norm=False`` leaves it
+    out) with ``m`` the mean
     (or sum) of the predecessors' states, ``l(v) = 1 / (1 + d(v, a))`` the path length
     and ``c(v) = log(n_paths(v)) / d(v, a)`` the growth rate of the shortest-path count
     (:attr:`ShortestPathDAG.path_counts`). Both enter only through the update, so a node
@@ -190,6 +192,9 @@ class GIRPathEncoder(nn.Module):
         combine: ``"concat"``, ``"mean"`` or ``"sum"``.
         aggregation: ``"mean"`` (default; keeps states bounded on graphs with many
             shortest paths) or ``"sum"``.
+        norm: LayerNorm after every update (default). Without it the residual updates
+            accumulate along the levels: at initialisation on the 20 x 20 grid the state
+            norm grows from about 4 at the anchor to about 80 thirty hops away.
     """
 
     def __init__(
@@ -202,6 +207,7 @@ class GIRPathEncoder(nn.Module):
         steps: int | None = None,
         combine: str = "concat",
         aggregation: str = "mean",
+        norm: bool = True,
     ):
         super().__init__()
         for name, value in (("in_dim", in_dim), ("num_anchors", num_anchors), ("hidden", hidden), ("out_dim", out_dim)):
@@ -216,6 +222,7 @@ class GIRPathEncoder(nn.Module):
         self.s_anchor = nn.Parameter(torch.randn(hidden))
         self.s_far = nn.Parameter(torch.randn(hidden))
         self.mlp = nn.Sequential(nn.Linear(2 * hidden + 2, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+        self.norm = nn.LayerNorm(hidden) if norm else nn.Identity()
         if combine == "concat":
             self.head = nn.Linear(num_anchors * hidden, out_dim)
         else:
@@ -237,7 +244,7 @@ class GIRPathEncoder(nn.Module):
         paths = path_features(dag).to(p.dtype).reshape(k * n, 2)
 
         def update(msg, idx):
-            return msg + self.mlp(torch.cat([msg, p[idx % n], paths[idx]], dim=-1))
+            return self.norm(msg + self.mlp(torch.cat([msg, p[idx % n], paths[idx]], dim=-1)))
 
         return dag_propagate(start, dag, update, steps=self.steps, aggregation=self.aggregation)
 
@@ -249,4 +256,5 @@ class GIRPathEncoder(nn.Module):
         return self.head(pooled)
 
     def extra_repr(self) -> str:
-        return f"num_anchors={self.num_anchors}, hidden={self.hidden}, steps={self.steps}, combine={self.combine!r}, aggregation={self.aggregation!r}"
+        return (f"num_anchors={self.num_anchors}, hidden={self.hidden}, steps={self.steps}, combine={self.combine!r}, "
+                f"aggregation={self.aggregation!r}, norm={not isinstance(self.norm, nn.Identity)}")

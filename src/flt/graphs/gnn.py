@@ -106,8 +106,8 @@ class StructuralEncoder(nn.Module):
             hidden width of the ``anchor-distance`` MLP.
         indication, fusion: anchor-indicator channels on the GNN input; concatenation
             with GIR (GNN kinds only).
-        gir_hidden, gir_steps, gir_combine, gir_aggregation: :class:`GIRPathEncoder`'s
-            ``hidden``, ``steps`` (``None``: full reach), ``combine`` and ``aggregation``.
+        gir_hidden, gir_steps, gir_combine, gir_aggregation, gir_norm: :class:`GIRPathEncoder`'s
+            ``hidden``, ``steps`` (``None``: full reach), ``combine``, ``aggregation`` and ``norm``.
     """
 
     def __init__(
@@ -125,6 +125,7 @@ class StructuralEncoder(nn.Module):
         gir_steps: int | None = None,
         gir_combine: str = "concat",
         gir_aggregation: str = "mean",
+        gir_norm: bool = True,
     ):
         super().__init__()
         check_choice("kind", kind, ENCODER_KINDS)
@@ -137,7 +138,7 @@ class StructuralEncoder(nn.Module):
         self.gir = self.gnn = self.mlp = self.fuse = None
         if kind == "gir" or fusion:
             self.gir = GIRPathEncoder(1, num_anchors, hidden=gir_hidden, out_dim=dim, steps=gir_steps, combine=gir_combine,
-                                      aggregation=gir_aggregation)
+                                      aggregation=gir_aggregation, norm=gir_norm)
         if kind == "anchor-distance":
             check_positive_int("hidden", hidden)
             self.mlp = nn.Sequential(nn.Linear(num_anchors, hidden), nn.ReLU(), nn.Linear(hidden, dim))

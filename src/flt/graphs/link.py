@@ -154,10 +154,10 @@ class _Encoder(nn.Module):
         else:
             base, flags = parse_kind(kind)
             if base == "gir":  # the GIR encoder's own option names
-                for key in ("hidden", "combine", "aggregation"):
+                for key in ("hidden", "combine", "aggregation", "norm"):
                     if key in options:
                         options["gir_" + key] = options.pop(key)
-            gir_options = {"gir_hidden", "gir_steps", "gir_combine", "gir_aggregation"}
+            gir_options = {"gir_hidden", "gir_steps", "gir_combine", "gir_aggregation", "gir_norm"}
             allowed = {"gir": gir_options, "anchor-distance": {"hidden"}}.get(
                 base, {"hidden", "layers", "heads"} | (gir_options if flags["fusion"] else set()))
             if set(options) - allowed:
