@@ -170,7 +170,7 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
     if resume:
         ckpt = find_checkpoint(out_dir, report=say)
         meta = read_checkpoint_config(ckpt)
-        diffs = record_differences({"preset": meta.get("preset"), "search": meta.get("search")}, record)
+        diffs = _differences(meta, record)
         if diffs:
             raise ValueError(f"--resume needs the configuration of the search in {out_dir}; these differ: {', '.join(diffs)}")
         progress_record = meta["progress"]
@@ -262,7 +262,8 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
                 + "  ".join(f"{k} {v:.3f}" for k, v in mix.items()))
         if step % run.checkpoint_every == 0 or step == run.steps:
             if step == run.steps:
-                progress_record["magnitude"] = [s.labels[magnitude_choice(s)] for s in slots]
+                # With alpha frozen uniform the argmax says nothing: no magnitude choice.
+                progress_record["magnitude"] = None if config.fixed_alpha else [s.labels[magnitude_choice(s)] for s in slots]
                 progress_record["alpha_end"] = [s.probabilities().tolist() for s in slots]
             progress_record["seconds"]["supernet"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -316,6 +317,16 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
     else:
         say(f"done: {os.path.join(out_dir, RESULT)}")
     return result
+
+
+def _differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """Dotted names of what differs between a checkpoint's configuration and ``record``."""
+    if not isinstance(meta.get("preset"), dict) or not isinstance(meta.get("search"), dict):
+        return ["the checkpoint is not a search's"]
+    diffs = [f"preset.{d}" for d in record_differences(meta["preset"], record["preset"])]
+    saved, now = json.loads(json.dumps(meta["search"])), json.loads(json.dumps(record["search"]))
+    diffs += [f"search.{k}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return diffs
 
 
 def _mean_probabilities(slots) -> list[float]:
