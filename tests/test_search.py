@@ -215,6 +215,16 @@ def test_fixed_alpha_stays_uniform_and_has_no_magnitude_choice(tmp_path):
         assert all(p == pytest.approx(1 / 3, abs=1e-12) for p in entry["alpha"].values())
 
 
+def test_weights_learn_from_the_training_split_alone(tmp_path):
+    # With a negligible alpha learning rate the only trace of the held-out batches would be
+    # their gradients on the weights: the supernet must train as with alpha frozen.
+    torch.set_num_threads(1)
+    moving = search(_tiny(3), _config(alpha_lr=1e-12), str(tmp_path / "m"), progress=False, plots=False)
+    frozen = search(_tiny(3), _config(fixed_alpha=True), str(tmp_path / "f"), progress=False, plots=False)
+    assert [h["loss"] for h in moving["history"]] == pytest.approx([h["loss"] for h in frozen["history"]], rel=1e-5)
+    assert moving["slots"][0]["metric"] == pytest.approx(frozen["slots"][0]["metric"], abs=1e-9)
+
+
 @pytest.mark.parametrize("entry, match", [
     ("flt,softmax:no_such_option=1", "'softmax:no_such_option=1'"),
     ("flt,nosuchmechanism", "nosuchmechanism"),

@@ -231,7 +231,10 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
             batch = _to_device(alpha_task.train_batch(at, run.batch_size, run.seed + ALPHA_SEED_OFFSET, 0, 1), ctx.device)
             alpha_task.loss(model, batch).backward()
             a_opt.step()
+        # The held-out loss left gradients on the weights too: the weights learn from the
+        # training batch alone.
         a_opt.zero_grad(set_to_none=True)
+        w_opt.zero_grad(set_to_none=True)
         for g in w_opt.param_groups:
             g["lr"] = lr
         batch = _to_device(weights_task.train_batch(at, run.batch_size, run.seed, 0, 1), ctx.device)
