@@ -33,7 +33,7 @@ import os
 import shlex
 import sys
 
-from flt.commands.train import add_runtime_arguments, preset_from_args
+from flt.commands.train import preset_from_args
 
 #: Tasks flt search can cut a held-out part from (flt.search.holdout.SUPPORTED).
 SEARCH_TASKS = ("image", "lm")
@@ -63,7 +63,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order, noise and the order of decisions (default: 0)")
     p.add_argument("--out-dir", help="search directory (default: runs/search-TASK-PRESET-sSEED)")
     p.add_argument("--resume", action="store_true", help="continue the search in --out-dir from its latest checkpoint, with the same options")
-    add_runtime_arguments(p)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-plots", action="store_true", help="no search.png")
     p.set_defaults(func=run)
 
 
@@ -100,8 +102,8 @@ def run(args) -> int:
     preset, config = build(args)
     out_dir = args.out_dir or os.path.join("runs", f"search-{args.task}-{args.preset}-s{args.seed}")
     try:
-        search(preset, config, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
-               plots=not args.no_plots, say=lambda text: print(text, flush=True))
+        search(preset, config, out_dir, resume=args.resume, device=args.device, plots=not args.no_plots,
+               say=lambda text: print(text, flush=True))
     except SearchInterrupted as stop:
         argv = getattr(args, "argv", None)
         if stop.checkpoint is None:

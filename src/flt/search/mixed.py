@@ -90,9 +90,10 @@ class MixedAttention(nn.Module):
         self.ops = nn.ModuleList(ops)
         self.labels = list(labels)
         ref = next(ops[0].parameters(), None)
+        # alpha in the candidates' precision when that is float64, else float32.
+        dtype = torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32
         fk = {"device": ref.device if ref is not None else None}
-        self.alpha = nn.Parameter(torch.zeros(len(ops), dtype=torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32, **fk),
-                                  requires_grad=not frozen)
+        self.alpha = nn.Parameter(torch.zeros(len(ops), dtype=dtype, **fk), requires_grad=not frozen)
         self.register_buffer("keep", torch.ones(len(ops), **fk))
         self.register_buffer("decided", torch.tensor(-1, dtype=torch.long, device=fk["device"]))
 

@@ -90,6 +90,8 @@ class SearchConfig:
             raise ValueError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
         if not self.alpha_lr > 0:
             raise ValueError(f"alpha_lr must be positive, got {self.alpha_lr!r}")
+        if isinstance(self.holdout, bool) or not isinstance(self.holdout, (int, float)) or not 0 < self.holdout < 1:
+            raise ValueError(f"holdout must be a fraction in (0, 1), got {self.holdout!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
