@@ -272,3 +272,17 @@ def test_cli_search_then_train_arch_builds_the_chosen_layers(tmp_path, capsys):
     assert main(["train", "image", "--arch", str(tmp_path / "partial.json"), "--out-dir", str(tmp_path / "z")]) == 2
     assert "not decided every layer" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "z")
+
+
+def test_search_plot_draws_every_layer(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flt.search.plots import plot_search
+
+    cands = [{"label": k, "attention": k, "attention_options": {}} for k in ("flt", "softmax")]
+    slot = {"alpha": {"flt": 0.3, "softmax": 0.7}, "metric": 0.9, "removed": {"flt": 0.5, "softmax": 0.88},
+            "chosen": "flt", "magnitude": "softmax"}
+    result = {"task": "image", "metric": "accuracy", "candidates": cands, "alpha_end": [[0.3, 0.7], [0.6, 0.4]],
+              "slots": [{"layer": 0, **slot}, {"layer": 1, **slot, "magnitude": None}]}
+    path = plot_search(result, str(tmp_path / "search.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -26,7 +26,9 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
         pad = 0.1 * (hi - lo) or 0.05 * abs(hi) or 0.1
         top.set_ylim(lo - pad, hi + pad)
         top.set_title(f"layer {entry['layer']}: chose {entry['chosen']}", fontsize=8)
-        alpha = [entry["alpha"].get(label, float("nan")) for label in labels]
+        # The weights magnitude selection read (end of the supernet phase), not those at the decision.
+        ends = result.get("alpha_end")
+        alpha = ends[entry["layer"]] if ends else [entry["alpha"].get(label, float("nan")) for label in labels]
         bottom.bar(xs, alpha, color=["tab:blue" if label == entry.get("magnitude") else "tab:gray" for label in labels])
         bottom.set_ylim(0, 1)
         for ax in (top, bottom):
@@ -34,7 +36,7 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
             ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
         if i == 0:
             top.set_ylabel(f"{axis_label(metric, task)}\nwith the candidate removed", fontsize=8)
-            bottom.set_ylabel("softmax(alpha)", fontsize=8)
+            bottom.set_ylabel("softmax(alpha) after\nthe supernet phase", fontsize=8)
             top.legend(fontsize=7)
     fig.suptitle(f"{task}: perturbation choice (red) and magnitude choice (blue) per layer", fontsize=9)
     fig.savefig(out_path)
