@@ -22,14 +22,17 @@ from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: local windows (its natural spectrum: "attend to the last w tokens") with a locality
 #: bias at the start (``amplitude=1``), and the banded estimator (``near_field=16``,
-#: docs/math.md section 5.1): the strong local windows a language model learns are exact
-#: inside the band instead of inflating FAVOR+'s variance; on the small preset it took
-#: validation ppl from 6.55 to 4.09 (seed 0, one fixed draw), 4.135 with redraws every
-#: step. The other linear mechanisms get FLT's number of random features; softmax gets T5
+#: docs/math.md section 5.1) whose exact near-field term is a learned table, one entry per
+#: offset of the band (``near_relative="clipped"``): the strong local biases a language
+#: model learns are exact inside the band instead of inflating FAVOR+'s variance, and as
+#: free as T5's table. Small preset, 2 seeds (docs/results.md): ppl 3.70, against 4.20
+#: with a second local spectrum as the near term and 3.65 for softmax with T5's scaled
+#: table. The other linear mechanisms get FLT's number of random features; softmax gets T5
 #: buckets. FLT's exact counterpart is ``softmax`` with ``relative_bias=spectrum`` and
-#: FLT's spectrum options.
+#: FLT's spectrum options (without the band's table).
 ATTENTION_DEFAULTS = {
-    "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16},
+    "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16,
+            "near_relative": "clipped"},
     "performer": {"num_features": 64},
     "toeplitz": {"num_features": 64, "max_distance": 256},
     "softmax": {"relative_bias": "t5"},
@@ -49,11 +52,11 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train lm --preset small``: 4 layers, width 128, context 128 bytes, 800 steps
     of 16 windows on the Python docs corpus (1.9 MB train, 0.29 MB valid). FLT with
-    ``near_field=16`` and redraws every step (seed 0, 2 threads, a 2-core VM partly shared
-    with another job): About 13 min (13 min 25 s), 0.62 s/step; validation ppl 4.135 (bpb 2.048) on the
-    whole validation split; draw gap on all of it: fresh draws 4.145 +- 0.012, exact 4.105.
-    The draw gap now runs on the first 32 validation batches (it took 3.5 of those minutes
-    on the whole split). Plain FLT (one fixed draw, no near field): about 5 min, ppl 6.55."""
+    ``near_field=16``, the band's table as near term, redraws every step (seed 0,
+    ``--threads 1``, a 2-core VM loaded by other jobs): About 16 min (945 s; 0.58 s/step
+    median), validation ppl 3.71 (bpb 1.89); draw gap on the first 32 validation batches:
+    own draw 3.646, fresh draws 3.649 +- 0.009, exact 3.635. Plain FLT (one fixed draw, no
+    near field): about 5 min, ppl 6.55."""
     model = LMConfig(dim=128, depth=4, heads=4, max_len=128, **mechanism_options(LMTask, attention, posenc))
     run = RunConfig(steps=800, batch_size=16, lr=3e-3, warmup_steps=50, eval_every=100, eval_batches=16,
                     checkpoint_every=100, log_every=10, draw_gap_batches=32)
