@@ -211,3 +211,52 @@ def test_targets_are_not_judged_from_unreliable_timings(tmp_path):
     assert "(unreliable)" in text  # the cell itself says so
     report.plot(_data(results), tmp_path / "speed.png")
     assert (tmp_path / "speed.png").stat().st_size > 10_000
+
+
+def test_flop_model_matches_a_hand_count_for_the_targets_shape():
+    from flt.bench.flops import forward_parts, model_flops
+
+    # B = 1, H = 4, D = 64 (model width 256), N = 16384, m = 256, 2R = 64, counted by hand:
+    projections = 4 * (2 * 16384 * 256 * 256)  # q, k, v, out: 8.59 GFLOP
+    feature_maps = 2 * (2 * 4 * 16384 * 256 * (64 + 64))  # queries and keys, on [x, a(r)]: 8.59 GFLOP
+    state_and_read = 2 * (2 * 4 * 16384 * 256 * 65)  # kf^T [v, 1], then qf S: 4.36 GFLOP
+    assert forward_parts("flt-logit/m256/R32", "lm", 16384, False) == {
+        "projections": projections, "feature maps": feature_maps, "state and read-out": state_and_read}
+    assert model_flops("flt-logit/m256/R32", "lm", 16384, "fwd", False) == projections + feature_maps + state_and_read
+    # Backward: twice every product, except the feature maps (their projection is a buffer).
+    assert model_flops("flt-logit/m256/R32", "lm", 16384, "fwd+bwd", False) == 3 * projections + 2 * feature_maps + 3 * state_and_read
+    assert round(model_flops("flt-logit/m256/R32", "lm", 16384, "fwd", False) / 1e9, 1) == 21.5
+    # Multiplicative: features on x alone, 2R times the state and read-out.
+    mult = forward_parts("flt-mult/m64/R8", "lm", 16384, False)
+    assert mult["feature maps"] == 2 * 2 * 4 * 16384 * 64 * 64 and mult["state and read-out"] == 2 * 2 * 4 * 16384 * 16 * 64 * 65
+    # Compiled and bf16 variants share their layer's model; variants without one give None.
+    assert model_flops("flt-logit/m256/R32+compile+bf16", "lm", 4096, "fwd", True) == model_flops("flt-logit/m256/R32", "lm", 4096, "fwd", True)
+    assert model_flops("toeplitz/m64", "lm", 4096, "fwd", False) is None
+    with pytest.raises(ValueError, match="mode must be"):
+        model_flops("flt-logit/m256/R32", "lm", 4096, "backward", False)
+
+
+def test_x_floor_column_from_the_ceiling_of_the_same_run():
+    from flt.bench.flops import model_flops
+
+    N = speed.PRESETS["quick"].target_n
+    flops = model_flops("flt-logit/m64/R8", "tiny", N, "fwd", False)
+    at_3x = _result("flt-logit/m64/R8", N, [3 * flops / 20e9] * 3, ceiling_gflops=20.0)  # 3x the floor at 20 GFLOP/s
+    causal_flops = model_flops("flt-logit/m64/R8", "tiny", N, "fwd", True)
+    too_fast = _result("flt-logit/m64/R8", N, [0.5 * causal_flops / 20e9] * 3, causal=True, ceiling_gflops=20.0)
+    rows = {r["causal"]: r for r in report.floor_rows(_data([at_3x, too_fast], matmul_gflops=5.0))}
+    assert math.isclose(rows[False]["x_floor"], 3.0)  # the run's own ceiling, not the runner's probe
+    assert math.isclose(rows[False]["bytes_per_token"], (N / 64) * 2**20 / N)
+    assert rows[True]["x_floor"] is None and "faster than its floor" in rows[True]["unreliable"]
+    text = report.markdown(_data([at_3x, too_fast]))
+    assert "| 3.00 |" in text and "unreliable (0.50)" in text
+
+
+def test_bf16_variant_reports_its_accuracy_against_float64():
+    result = measure.measure(_config("flt-logit/m256/R32+bf16", N=64, mode="fwd+bwd"))
+    _well_formed(result)
+    acc = result["accuracy"]
+    assert acc["dtype"] == "bfloat16"
+    # bf16 rounding (2^-8) shows, and nothing worse than a few percent.
+    assert 1e-4 < acc["output_rel_error"] < 0.05 and 1e-4 < acc["grad_rel_error"] < 0.1
+    assert result["first_call_s"] > 0

@@ -132,3 +132,56 @@ def test_favor_plus_fused_features_equal_the_plain_formula_with_gradients(requir
         (got,) = torch.autograd.grad(feat, x, g)
         (want,) = torch.autograd.grad(expected, x, g)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("batch, extra_batch", [(1, 1), (3, 1), (3, 3)])
+def test_split_features_equal_the_features_of_the_concatenation(batch, extra_batch):
+    from flt.ops.features import favor_plus_features_split
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(batch, 2, 9, 4, generator=gen, dtype=F64).requires_grad_()
+    extra = torch.randn(extra_batch, 2, 9, 6, generator=gen, dtype=F64).requires_grad_()
+    w = gaussian_orthogonal_random_matrix(12, 10, generator=gen, dtype=F64).requires_grad_()
+    ref, ref_shift = favor_plus_features(torch.cat([x, extra.expand(batch, 2, 9, 6)], dim=-1), w)
+    up = torch.randn(ref.shape, generator=gen, dtype=F64)
+    ref_grads = torch.autograd.grad((ref * up).sum(), [x, extra, w])
+    feat, shift = favor_plus_features_split(x, extra, w)
+    grads = torch.autograd.grad((feat * up).sum(), [x, extra, w])
+    assert feat.shape == ref.shape and feat.dtype == F64
+    torch.testing.assert_close(feat, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(shift, ref_shift, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "x, extra, w, match",
+    [
+        ((1, 2, 5, 4), (1, 3, 5, 2), (8, 6), "extra must be"),
+        ((2, 2, 5, 4), (1, 2, 5, 2), (8, 7), "projection has 7 columns"),
+        ((2, 5, 4), (1, 2, 5, 2), (8, 6), "x must"),
+    ],
+)
+def test_split_features_reject_mismatched_shapes_by_name(x, extra, w, match):
+    from flt.ops.features import favor_plus_features_split
+
+    with pytest.raises(ValueError, match=match):
+        favor_plus_features_split(torch.randn(x), torch.randn(extra), torch.randn(w))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_features_under_bf16_autocast_exponentiate_in_float32(split):
+    from flt.ops.features import favor_plus_features_split
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 2, 64, 8, generator=gen) * 0.5
+    extra = torch.randn(1, 2, 64, 4, generator=gen) * 0.5
+    w = gaussian_orthogonal_random_matrix(32, 12, generator=gen)
+    ref, _ = favor_plus_features(torch.cat([x, extra.expand(2, 2, 64, 4)], -1).double(), w.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        feat, shift = favor_plus_features_split(x, extra, w) if split else favor_plus_features(torch.cat([x, extra.expand(2, 2, 64, 4)], -1), w)
+    assert feat.dtype == torch.float32 and shift.dtype == torch.float32
+    # The product is rounded to bfloat16 (8 bits), the exponential is not: a relative error
+    # of a few 2^-8 on features of order one, not the 2^-8 * |exponent| of a bf16 exp.
+    rel = ((feat.double() - ref).abs() / ref).max().item()
+    assert 1e-5 < rel < 0.05

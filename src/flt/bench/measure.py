@@ -116,6 +116,43 @@ def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
     return ATTENTION[v.mechanism](dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
 
 
+def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:
+    """``torch.compile(module)`` (inductor, default options) for a compiled variant."""
+    return torch.compile(module) if v.compile else module
+
+
+def _autocast(v):
+    """The autocast context of a variant (a no-op context for float32)."""
+    import contextlib
+
+    if not v.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=getattr(torch, v.autocast))
+
+
+def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v, x: torch.Tensor, backward: bool) -> dict:
+    """Relative error (max abs difference / max abs reference) of a variant under autocast
+    against a float64 copy of the same module, at the timed input: the output, and for
+    ``fwd+bwd`` the input gradient."""
+    import copy
+
+    gen = torch.Generator().manual_seed(2)
+    ref_module = copy.deepcopy(module).double()
+    x64 = x.detach().double().requires_grad_(backward)
+    xs = x.detach().clone().requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        with _autocast(v):
+            out = fast(xs)
+        ref = ref_module(x64)
+        result = {"dtype": v.autocast, "output_rel_error": _relative(out.detach().double(), ref.detach())}
+        if backward:
+            up = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+            out.backward(up.to(out.dtype))
+            ref.backward(up)
+            result["grad_rel_error"] = _relative(xs.grad.double(), x64.grad)
+    return result
+
+
 def _kronecker_inputs(shape: Shape, N: int, m: int, R: int, dtype, gen):
     B, H, D = shape.B, shape.H, shape.D
     qf = torch.rand(B, H, N, m, generator=gen, dtype=dtype) + 0.05
@@ -152,7 +189,10 @@ def reference_check(variant: str, causal: bool) -> dict:
         module = build_module(variant, shape, causal, dtype=torch.float64)
         _randomise_zeros(module)
         x = torch.randn(B, N, CHECK_SIZE["dim"], generator=gen, dtype=torch.float64, requires_grad=True)
-        fast_fn = lambda: module(x)  # noqa: E731
+        # A compiled variant is checked compiled (in float64); an autocast one without
+        # autocast (the same code; its bfloat16 accuracy is measured at the timed size).
+        fast = _maybe_compile(module, v)
+        fast_fn = lambda: fast(x)  # noqa: E731
         ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: module.reference(x))
         wrt = [x]
         against = "quadratic formula of its own features" if v.kind == "peer" else "layer.reference"
@@ -193,13 +233,15 @@ def _timed_step(cfg: Config):
                 t.grad = None
         return step
     module = build_module(cfg.variant, shape, cfg.causal)
+    fast = _maybe_compile(module, v)
     x = torch.randn(shape.B, cfg.N, shape.H * shape.D, generator=gen)
     if not backward:
         module.eval()
 
         def step():
-            with torch.no_grad():
-                module(x)
+            with torch.no_grad(), _autocast(v):
+                fast(x)
+        step.module, step.fast, step.x = module, fast, x
         return step
     module.train()
     x.requires_grad_()
@@ -207,10 +249,13 @@ def _timed_step(cfg: Config):
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step():
-        module(x).backward(up)
+        with _autocast(v):
+            out = fast(x)
+        out.backward(up.to(out.dtype))
         x.grad = None
         for p in params:
             p.grad = None
+    step.module, step.fast, step.x = module, fast, x
     return step
 
 
@@ -260,8 +305,11 @@ def measure(cfg: Config) -> dict:
             step = _timed_step(cfg)
         base = _status_mb()["VmRSS"]
         exact_peak = _reset_peak()
+        first = None
         for _ in range(cfg.warmup):
+            t0 = time.perf_counter()
             step()
+            first = time.perf_counter() - t0 if first is None else first
         switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
         wall, cpu = [], []
         while len(wall) < cfg.repeats and (len(wall) < cfg.min_repeats or sum(wall) < cfg.budget_s):
@@ -283,13 +331,16 @@ def measure(cfg: Config) -> dict:
             method += " (high-water mark could not be reset: includes setup)"
         if cfg.ceiling_n:
             ceiling.append(_matmul_best_s(cfg.ceiling_n))
+        v = VARIANTS.get(cfg.variant)
+        if v is not None and v.autocast and hasattr(step, "module"):
+            result["accuracy"] = autocast_accuracy(step.module, step.fast, v, step.x, cfg.mode == "fwd+bwd")
     except (RuntimeError, MemoryError) as err:  # allocation refused under the address-space limit, or a kernel error
         result.update(status="error", note=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
         return result
     q1, _, q3 = statistics.quantiles(wall, n=4, method="inclusive") if len(wall) > 1 else (wall[0],) * 3
     result.update(
         wall_s=wall, cpu_s=cpu, median_s=statistics.median(wall), q1_s=q1, q3_s=q3, min_s=min(wall),
-        involuntary_switches=switches, peak_mb=peak, peak_timed_mb=timed_peak, baseline_rss_mb=base, peak_method=method,
+        first_call_s=first, involuntary_switches=switches, peak_mb=peak, peak_timed_mb=timed_peak, baseline_rss_mb=base, peak_method=method,
         **timing_flags(wall),
     )
     if ceiling:

@@ -16,6 +16,7 @@ import math
 import statistics
 from collections import defaultdict
 
+from flt.bench.flops import floor_ratio, model_flops
 from flt.bench.measure import timing_flags
 from flt.bench.variants import SHAPES, VARIANTS
 
@@ -28,6 +29,14 @@ TARGETS = {
     "causal_overhead": 2.0,  # causal / bidirectional FLT-logit time, at most
     "memory_exponent": 1.1,  # fitted exponent of peak memory in N, every linear mechanism, at most
 }
+
+#: Targets of issue 12, against the float32 FLOP floor (:mod:`flt.bench.flops`) at N = target_n.
+FLOOR_TARGETS = {
+    "flt-logit/m256/R32+compile": 1.5,  # the logit coupling behind the compile switch, fwd and fwd+bwd
+    "flt-logit/m256/R32+compile+bf16": 1.2,  # bf16 against the float32 floor
+    "flt-mult/m64/R8": 2.0,  # the multiplicative (Kronecker) path
+}
+CAUSAL_OVER_BIDIRECTIONAL = 1.3  # issue 12: causal FLT-logit time / bidirectional, at most
 
 #: A fitted time exponent below this means more work took less time: the machine's load
 #: changed between the sizes, and the exponent is omitted as unreliable.
@@ -211,6 +220,68 @@ def kronecker_model(data: dict) -> list[dict]:
     return rows
 
 
+def floor_rows(data: dict, N: int | None = None) -> list[dict]:
+    """Every successful layer or op run (at ``N`` when given) against its FLOP floor.
+
+    ``x_floor`` = median time / (model FLOPs / matmul throughput), the throughput being the
+    best of the matmuls timed in the same process around the run (or the runner's probe
+    for results saved before every run timed its own). ``None`` where the variant has no
+    model, or the timing is unreliable. Also ``bytes_per_token`` (peak memory / (B N)),
+    ``first_call_s`` (the compile time of a ``+compile`` variant) and ``accuracy`` (a
+    ``+bf16`` variant's relative error against float64).
+    """
+    probe = data.get("matmul") or {}
+    probe_best = probe.get("gflops_best") if probe.get("status") == "ok" else None
+    rows = []
+    for r in data["results"]:
+        c = r["config"]
+        if r["status"] != "ok" or c["mode"] == "matmul" or (N is not None and c["N"] != N):
+            continue
+        flops = model_flops(c["variant"], c["shape"], c["N"], c["mode"], c["causal"])
+        ceiling = r.get("ceiling_gflops") or probe_best
+        ok, why = reliability(r)
+        ratio = floor_ratio(r["median_s"], flops, ceiling)
+        if ok and ratio is not None and ratio < 1:
+            ok, why = False, "faster than its floor at the measured matmul ceiling: the machine's load changed"
+        s = SHAPES[c["shape"]]
+        rows.append({
+            "variant": c["variant"], "shape": c["shape"], "N": c["N"], "mode": c["mode"], "causal": c["causal"],
+            "median_s": r["median_s"], "model_gflop": None if flops is None else flops / 1e9, "ceiling_gflops": ceiling,
+            "x_floor": ratio if ok else None, "x_floor_raw": ratio, "reliable": ok, "unreliable": why,
+            "bytes_per_token": r["peak_mb"] * 2**20 / (s.B * c["N"]),
+            "first_call_s": r.get("first_call_s") if VARIANTS[c["variant"]].compile else None,
+            "accuracy": r.get("accuracy"),
+        })
+    return rows
+
+
+def floor_targets(data: dict) -> list[dict]:
+    """Issue 12's targets at the preset's ``target_n``: x floor of the compiled logit coupling,
+    its bf16 path and the multiplicative path (bidirectional), and causal / bidirectional time."""
+    N = target_length(data)
+    shape = data["preset"]["shapes"][0]
+    rows = []
+    by_key = {(f["variant"], f["causal"], f["mode"]): f for f in floor_rows(data, N) if f["shape"] == shape}
+    for variant, target in FLOOR_TARGETS.items():
+        for mode in ("fwd", "fwd+bwd"):
+            f = by_key.get((variant, False, mode))
+            if f is None:
+                continue
+            measured = f["x_floor"]
+            rows.append({"name": f"{mode}: {variant} x floor (<=)", "target": target, "measured": measured,
+                         "passed": None if measured is None else measured <= target, "note": f["unreliable"]})
+    for variant in sorted({k[0] for k in by_key if VARIANTS[k[0]].mechanism == "flt"}):
+        for mode in ("fwd", "fwd+bwd"):
+            causal, bidir = _get(data["results"], variant, shape, True, mode, N), _get(data["results"], variant, shape, False, mode, N)
+            if not (_ok(causal) and _ok(bidir)):
+                continue
+            shaky = [reliability(r)[1] for r in (causal, bidir) if not reliability(r)[0]]
+            value = causal["median_s"] / bidir["median_s"]
+            rows.append({"name": f"{mode}: {variant} causal time / bidirectional time (<=)", "target": CAUSAL_OVER_BIDIRECTIONAL,
+                         "measured": value, "passed": None if shaky else value <= CAUSAL_OVER_BIDIRECTIONAL, "note": "; ".join(shaky)})
+    return rows
+
+
 def _fmt_time(s: float) -> str:
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
 
@@ -287,6 +358,32 @@ def markdown(data: dict, command: str = "") -> str:
     lines.append(f"Exponents: least-squares slope of log(median time) and log(peak memory) on log N over N >= {preset['fit_min_n']}. "
                  f"Time exponents use only sizes with reliable timings (*: some left out; 'unreliable': omitted, see below).")
     lines.append("")
+    fl = [f for f in floor_rows(data, target_length(data)) if f["model_gflop"] is not None or f["accuracy"] or f["first_call_s"]]
+    if fl:
+        lines += [f"## Against the FLOP floor at N = {target_length(data)}", "",
+                  "x floor = median time / (model FLOPs / float32 matmul FLOP/s measured in the same process, best of the "
+                  "matmuls just before and after the run); the model counts matrix products only (`flt.bench.flops`). "
+                  "Bytes per token: peak memory / (B N). First call: the compiling call of a `+compile` variant. "
+                  "bf16 error: max |bf16 - float64| / max |float64| of the output (and input gradient) at this size.", ""]
+        tr = floor_targets(data)
+        if tr:
+            lines += ["| target | required | measured | met | note |", "|---|---|---|---|---|"]
+            for r in tr:
+                meas = "—" if r["measured"] is None else f"{r['measured']:.3g}"
+                met = "n/a" if r["passed"] is None else ("yes" if r["passed"] else "**no**")
+                lines.append(f"| {r['name']} | {r['target']:g} | {meas} | {met} | {r['note']} |")
+            lines.append("")
+        lines += ["| variant | shape | mode | causal | time | model GFLOP | x floor | bytes/token | first call | bf16 error |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for f in fl:
+            gflop = "" if f["model_gflop"] is None else f"{f['model_gflop']:.3g}"
+            xf = f"{f['x_floor']:.2f}" if f["x_floor"] is not None else ("" if f["x_floor_raw"] is None else f"unreliable ({f['x_floor_raw']:.2f})")
+            first = "" if f["first_call_s"] is None else _fmt_time(f["first_call_s"])
+            acc = f["accuracy"] or {}
+            err = "" if not acc else f"{acc['output_rel_error']:.2g}" + (f" / grad {acc['grad_rel_error']:.2g}" if "grad_rel_error" in acc else "")
+            lines.append(f"| {f['variant']} | {f['shape']} | {f['mode']} | {'yes' if f['causal'] else 'no'} | {_fmt_time(f['median_s'])} | "
+                         f"{gflop} | {xf} | {f['bytes_per_token']:.3g} | {first} | {err} |")
+        lines.append("")
     kron = kronecker_model(data)
     if kron:
         lines += ["## Multiplicative (Kronecker) coupling against its cost model (op level, `flt_attention`)", ""]

@@ -27,9 +27,10 @@ Registry x named shapes, one runner (STYLE.md item 11). Every configuration
    the JSON says which; the timed calls' own peak is kept as ``peak_timed_mb``.
 4. **Reliability.** A busy machine makes timings wrong, not just noisy. Every result
    carries ``spread = (max - min) / median`` of its repeats and ``reliable``: False (with
-   the reason in ``unreliable``) when the spread exceeds ``SPREAD_LIMIT``. Op-level runs
-   also time the float32 matmul ceiling in the same process just before and just after
-   their timed calls (``ceiling_gflops``: the best of those); :mod:`flt.bench.report`
+   the reason in ``unreliable``) when the spread exceeds ``SPREAD_LIMIT``. Every run
+   also times the float32 matmul ceiling in the same process just before and just after
+   its timed calls (``ceiling_gflops``: the best of those), against which
+   :mod:`flt.bench.flops` turns its time into "x floor"; :mod:`flt.bench.report`
    flags a throughput above that ceiling, leaves unreliable sizes out of the fitted
    exponents and does not call a target met or missed from unreliable timings.
 
@@ -186,8 +187,8 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         if spec.kind == "op" and matmul_kronecker is None:
             matmul_kronecker = probe()  # measured next to the op-level runs it is compared with
         key = (variant, shape, causal, mode)
-        # Op-level runs are compared with the matmul ceiling: measured in the same process, around them.
-        cfg = Config(variant, shape, N, mode, causal, **common, ceiling_n=preset.matmul_n if spec.kind == "op" else 0)
+        # Every run is compared with the matmul ceiling ("x floor"): measured in the same process, around it.
+        cfg = Config(variant, shape, N, mode, causal, **common, ceiling_n=preset.matmul_n)
         previous = last.get(key)
         note = ""
         if spec.kind == "peer":
@@ -205,7 +206,7 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
                 note = f"memory (predicted peak {mem_mb / 1024:.1f} GB > 80% of available {budget / 2**30:.1f} GB)"
             elif call_s > preset.max_call_s:
                 note = f"time (predicted {call_s:.0f} s per call > {preset.max_call_s:.0f} s)"
-            elif call_s > preset.long_call_s:
+            elif call_s > preset.long_call_s and not spec.compile:  # a compiled variant's first call compiles
                 # Allocations this large are mmap-ed whatever the threshold: the timed calls' peak is clean.
                 cfg = dataclasses.replace(cfg, warmup=0, repeats=preset.min_repeats_long, min_repeats=preset.min_repeats_long, memory_call=False)
         if note:
@@ -213,7 +214,7 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         else:
             cfg = dataclasses.replace(cfg, mem_limit_bytes=int(budget))
             expected = 60 if guess is None else guess[1] * (cfg.warmup + cfg.repeats) * 3
-            result = launch(cfg, timeout=max(120.0, expected + 60))
+            result = launch(cfg, timeout=max(120.0, expected + 60) + (600.0 if spec.compile else 0.0))
         result["variant_note"] = spec.note
         results.append(result)
         last[key] = result

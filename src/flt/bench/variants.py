@@ -36,6 +36,8 @@ class Variant:
     memory_order: float = 1.0
     kind: str = "layer"  # "layer", "peer" or "op"
     note: str = ""
+    compile: bool = False  # wrap the module in torch.compile (inductor); the first call's time is reported
+    autocast: str = ""  # "bfloat16": timed under torch.autocast; accuracy against float64 reported
 
     @property
     def kwargs(self) -> dict:
@@ -67,6 +69,19 @@ VARIANTS: dict[str, Variant] = {
     "performer-pytorch/m32": Variant("performer-pytorch", (("num_features", 32),), kind="peer", note="peer: lucidrains FAVOR+"),
     "performer-pytorch/m256": Variant("performer-pytorch", (("num_features", 256),), kind="peer", note="peer: lucidrains FAVOR+"),
 }
+_HEAD = _flt("logit", 256, 32)
+VARIANTS["flt-logit/m256/R32+compile"] = Variant(_HEAD.mechanism, _HEAD.options, compile=True, note="torch.compile (inductor) of the layer")
+VARIANTS["flt-logit/m256/R32+bf16"] = Variant(_HEAD.mechanism, _HEAD.options, autocast="bfloat16",
+                                               note="bf16 autocast; exponentials and normalisers in float32")
+VARIANTS["flt-logit/m256/R32+compile+bf16"] = Variant(_HEAD.mechanism, _HEAD.options, compile=True, autocast="bfloat16",
+                                                      note="torch.compile and bf16 autocast")
+VARIANTS["flt-logit/m256/R32/near16"] = Variant(_HEAD.mechanism, _HEAD.options + (("near_neighbors", 16),),
+                                                note="nearest-keys estimator: exact on the 16 nearest keys")
+VARIANTS["flt-logit/m256/R32/band8"] = Variant(_HEAD.mechanism, _HEAD.options + (("near_field", 8),),
+                                               note="near field: exact on the band of offsets -8..8")
+VARIANTS["flt-mult/m64/R8/near16"] = Variant("flt", _flt("multiplicative", 64, 8).options + (("near_neighbors", 16),),
+                                             note="multiplicative coupling, exact on the 16 nearest keys")
+VARIANTS["performer/m256+compile"] = Variant("performer", (("num_features", 256),), compile=True, note="torch.compile (inductor) of the layer")
 for _m, _R in ((16, 4), (32, 4), (64, 8), (64, 32), (128, 16), (256, 32)):
     VARIANTS[f"op:kronecker/m{_m}/R{_R}"] = Variant(
         "kronecker", (("num_features", _m), ("num_frequencies", _R)), kind="op", note="flt_attention (multiplicative), op level"
@@ -115,6 +130,7 @@ PRESETS: dict[str, Preset] = {
         shapes=("tiny",),
         lengths=(64, 256),
         runs=(Run("softmax"), Run("softmax+t5"), Run("performer/m64"), *_both("flt-logit/m64/R8"), Run("flt-mult/m32/R4"),
+              Run("flt-logit/m256/R32+bf16", modes=("fwd+bwd",)),
               Run("toeplitz/m16"), Run("performer-pytorch/m32")),
         kronecker=("op:kronecker/m16/R4",),
         kronecker_lengths=(256,),
@@ -122,7 +138,9 @@ PRESETS: dict[str, Preset] = {
         headline=("flt-logit/m64/R8", "softmax+t5", "performer/m64"),
     ),
     # flt bench speed: the targets' shape (B=1, H=4, D=64) up to N = 16384; 10-11 min measured
-    # on a 2-core machine shared with other jobs, ~3 min of it the exact layers at N = 16384.
+    # on a 2-core machine shared with other jobs, ~3 min of it the exact layers at N = 16384,
+    # before the compiled, bf16 and near-set variants were added (each compiled
+    # configuration compiles in its own process: about a minute more per row).
     # Expect at N = 16384: FLT-logit fwd ~0.5-1 s against ~25-40 s for exact softmax with a
     # materialised T5 bias (ratio ~35-50), fwd+bwd ~2 s.
     "default": Preset(
@@ -133,6 +151,9 @@ PRESETS: dict[str, Preset] = {
             *_both("performer/m256", "flt-logit/m256/R32", "flt-mult/m64/R8"),
             Run("toeplitz/m64", modes=("fwd",)), Run("toeplitz/m64", modes=("fwd+bwd",), max_n=4096),
             Run("performer-pytorch/m256"), Run("performer-pytorch/m256", causal=True, max_n=4096),
+            *_both("flt-logit/m256/R32+compile"), Run("flt-logit/m256/R32+bf16"), Run("flt-logit/m256/R32+compile+bf16"),
+            Run("performer/m256+compile"),
+            Run("flt-logit/m256/R32/near16"), Run("flt-logit/m256/R32/band8"), Run("flt-mult/m64/R8/near16"),
         ),
         kronecker=("op:kronecker/m64/R8", "op:kronecker/m64/R32", "op:kronecker/m256/R32"),
         kronecker_lengths=(16384,),

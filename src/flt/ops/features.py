@@ -78,18 +78,68 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
         raise ValueError(f"projection has D = {projection.shape[1]} but x has last dimension {x.shape[-1]}")
     cdt = compute_dtype(x)
     x = x.to(cdt)
-    # One [..., N, m] tensor, written by the matmul and exponentiated in place: the
-    # per-token terms (|x|^2 / 2, the shift, log m^(1/2)) are folded into one [..., N, 1]
-    # offset, so the large tensor sees three passes and no temporaries. The offset's value
-    # is max_k (W x)_k + log m^(1/2); its gradient is that of |x|^2 / 2 (the shift is a
-    # constant, as before), so d feat / dx = feat (W - x) as for the unfused formula.
     half_sq = 0.5 * (x * x).sum(dim=-1, keepdim=True)
-    proj = x @ projection.to(cdt).T
+    return _exponentiate(x @ projection.to(cdt).T, half_sq, cdt)
+
+
+def _exponentiate(proj: torch.Tensor, half_sq: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m^(-1/2) exp(proj - half_sq - shift)`` in place, and the shift.
+
+    One ``[..., N, m]`` tensor, written by the matmul and exponentiated in place: the
+    per-token terms (``|x|^2 / 2``, the shift, ``log m^(1/2)``) are folded into one
+    ``[..., N, 1]`` offset, so the large tensor sees three passes and no temporaries. The
+    offset's value is ``max_k (W x)_k + log m^(1/2)``; its gradient is that of ``|x|^2 / 2``
+    (the shift is a constant), so ``d feat / dx = feat (W - x)`` as for the unfused formula.
+    Under autocast the product arrives in bfloat16 / float16 and is widened to ``cdt``
+    (float32) first: the exponential never runs in a half type.
+    """
+    if proj.dtype != cdt:
+        proj = proj.to(cdt)
     top = proj.detach().amax(dim=-1, keepdim=True)
     shift = (top - half_sq.detach()).squeeze(-1)
-    offset = half_sq + (shift.unsqueeze(-1) + 0.5 * math.log(projection.shape[0]))
+    offset = half_sq + (shift.unsqueeze(-1) + 0.5 * math.log(proj.shape[-1]))
     feat = proj.sub_(offset).exp_()
     return feat, shift
+
+
+def favor_plus_features_split(x: torch.Tensor, extra: torch.Tensor, projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`favor_plus_features` of ``[x, extra]`` (concatenated on the last dimension)
+    without forming the concatenation.
+
+    The projection splits into the block ``W_x`` acting on ``x`` and ``W_e`` acting on
+    ``extra``: ``W [x, e] = W_x x + W_e e`` and ``|[x, e]|^2 = |x|^2 + |e|^2``. ``W_e e`` is
+    computed once for the ``B or 1`` rows of ``extra`` (the positional features ``a(r)``
+    are shared by the batch), and ``W_x x`` is accumulated into it (in place when it
+    already has the batch's size), so the only ``[..., N, m]`` tensor is the result.
+
+    Args:
+        x: ``[B, H, N, D]``.
+        extra: ``[B or 1, H, N, E]``.
+        projection: ``[m, D + E]``.
+
+    Returns:
+        ``(feat [B, H, N, m], s [B, H, N])``, equal to
+        ``favor_plus_features(torch.cat([x, extra.expand(B, H, N, E)], -1), projection)``.
+    """
+    check_tensor("x", x, ndim=4, layout="[B, H, N, D]")
+    check_tensor("extra", extra, ndim=4, layout="[B or 1, H, N, E]")
+    check_tensor("projection", projection, ndim=2, layout="[m, D + E]")
+    B, H, N, D = x.shape
+    if extra.shape[0] not in (1, B) or extra.shape[1:3] != (H, N):
+        raise ValueError(f"extra must be [B or 1, H, N, E] = [{B} or 1, {H}, {N}, E], got {tuple(extra.shape)}")
+    if projection.shape[1] != D + extra.shape[-1]:
+        raise ValueError(f"projection has {projection.shape[1]} columns but x and extra have {D} + {extra.shape[-1]}")
+    cdt = compute_dtype(x, extra)
+    x, extra, w = x.to(cdt), extra.to(cdt), projection.to(cdt)
+    m = w.shape[0]
+    half_sq = 0.5 * ((x * x).sum(dim=-1, keepdim=True) + (extra * extra).sum(dim=-1, keepdim=True))
+    pe = extra @ w[:, D:].T  # [B or 1, H, N, m]
+    wx = w[:, :D].T
+    if pe.shape[0] == B and pe.is_contiguous() and not torch.is_autocast_enabled(x.device.type):
+        proj = pe.view(-1, m).addmm_(x.reshape(-1, D), wx).view(B, H, N, m)
+    else:  # pe broadcast over the batch (or an autocast dtype): one new tensor
+        proj = torch.baddbmm(pe.reshape(pe.shape[0], H * N, m), x.reshape(B, H * N, D), wx.expand(B, D, m)).view(B, H, N, m)
+    return _exponentiate(proj, half_sq, cdt)
 
 
 def relu_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,9 @@ def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
         out = _causal_chunked(qf, kf, v, a, c, kls, chunk_size)
     else:
         out = _bidirectional(qf, kf, v, a, c, kls, chunk_size)
+    # Under autocast the products come back in bfloat16 / float16 (accumulated in float32
+    # by the matmul kernels): the numerator and the normaliser are divided in ``dtype``.
+    out = out.to(dtype)
     return safe_divide(out[..., :-1], out[..., -1:])
 
 

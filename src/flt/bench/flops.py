@@ -1,0 +1,93 @@
+"""The FLOP model behind the "x floor" column of ``flt bench speed``.
+
+Only matrix products are counted (a multiply-add is 2 FLOPs); elementwise work
+(exponentials, scaling, the positional features ``a(r)``) is left out, so the floor is the
+time the products would take at the float32 matmul throughput measured in the same run.
+``x floor = median time / (model FLOPs / matmul FLOP/s)``: 1 means the layer ran as fast
+as its products alone could.
+
+Per batch element and head, with ``N`` tokens, head width ``D``, ``m`` random features,
+``2R`` spectral features and model width ``d = H * D``:
+
+* projections (q, k, v, out): ``4 * 2 N d^2`` per batch element;
+* FAVOR+ feature maps of queries and keys: ``2 * 2 N m D_in`` with ``D_in = D + 2R`` for the
+  logit coupling (``[x, a(r)]``) and ``D`` otherwise;
+* linear attention state and read-out (the value block carries one more column, the
+  denominator): ``2 * 2 N m (D + 1)``; the multiplicative (Kronecker) coupling contracts
+  ``2R`` times more, ``2 * 2 N 2R m (D + 1)``;
+* causal, chunked in blocks of ``C`` tokens: the in-block products
+  ``2 N C (m' + D + 1)`` with ``m' = m`` (logit) or ``m + 2R`` (multiplicative);
+* near sets of ``k`` keys per query (``near_neighbors = k``, or ``near_field = w`` with
+  ``k = 2w + 1``): exact scores ``2 N k D``, the features' estimate on the same pairs
+  ``2 N k m`` and both weighted sums of values ``2 * 2 N k (D + 1)``;
+* exact softmax: ``2 N^2 D`` for the scores and as much for the values (halved when causal).
+
+Backward: every product costs twice its forward FLOPs (gradients of both operands) except
+the feature maps, whose projection is a buffer: once. ``fwd+bwd`` is forward + backward.
+"""
+
+from __future__ import annotations
+
+from flt.bench.variants import SHAPES, VARIANTS
+
+
+def _chunk_size() -> int:
+    from flt.ops.linear import DEFAULT_CHUNK_SIZE
+
+    return DEFAULT_CHUNK_SIZE
+
+
+def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, float] | None:
+    """Forward FLOPs of one layer call by part, or None for a variant without a model."""
+    v = VARIANTS[variant]
+    s = SHAPES[shape]
+    B, H, D = s.B, s.H, s.D
+    d = H * D
+    opts = v.kwargs
+    bhn = B * H * N
+    parts = {"projections": 4 * 2 * B * N * d * d}
+    if v.mechanism == "softmax" and v.kind == "layer":
+        parts["scores and values"] = 2 * 2 * B * H * N * N * D * (0.5 if causal else 1.0)
+        return parts
+    if v.mechanism == "kronecker":  # op level: features are inputs, no projections
+        m, two_r = opts["num_features"], 2 * opts["num_frequencies"]
+        parts = {"state and read-out": 2 * 2 * bhn * two_r * m * (D + 1)}
+        if causal:
+            parts["in-chunk products"] = 2 * bhn * _chunk_size() * (m + two_r + D + 1)
+        return parts
+    if v.mechanism not in ("flt", "performer") or v.kind != "layer":
+        return None
+    m = opts.get("num_features", 256)
+    coupling = opts.get("coupling", "logit") if v.mechanism == "flt" else "none"
+    two_r = 2 * opts.get("num_frequencies", 32) if v.mechanism == "flt" else 0
+    d_in = D + two_r if coupling == "logit" else D
+    parts["feature maps"] = 2 * 2 * bhn * m * d_in
+    width = two_r * m if coupling == "multiplicative" else m
+    parts["state and read-out"] = 2 * 2 * bhn * width * (D + 1)
+    if causal:
+        parts["in-chunk products"] = 2 * bhn * _chunk_size() * (m + (two_r if coupling == "multiplicative" else 0) + D + 1)
+    k = opts.get("near_neighbors") or (2 * opts["near_field"] + 1 if opts.get("near_field") else 0)
+    if k:
+        parts["near set"] = 2 * bhn * k * (D + m + 2 * (D + 1))
+    return parts
+
+
+def model_flops(variant: str, shape: str, N: int, mode: str, causal: bool) -> float | None:
+    """Model FLOPs of one timed call (``mode`` ``"fwd"`` or ``"fwd+bwd"``), or None."""
+    parts = forward_parts(variant, shape, N, causal)
+    if parts is None:
+        return None
+    fwd = float(sum(parts.values()))
+    if mode == "fwd":
+        return fwd
+    if mode != "fwd+bwd":
+        raise ValueError(f"mode must be 'fwd' or 'fwd+bwd', got {mode!r}")
+    bwd = sum(f if name == "feature maps" else 2 * f for name, f in parts.items())
+    return fwd + bwd
+
+
+def floor_ratio(median_s: float, flops: float | None, ceiling_gflops: float | None) -> float | None:
+    """``median_s`` over the time the model's FLOPs take at the ceiling (None when unknown)."""
+    if not flops or not ceiling_gflops:
+        return None
+    return median_s / (flops / (ceiling_gflops * 1e9))
