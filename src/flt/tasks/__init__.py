@@ -35,12 +35,14 @@ from flt.models.config import config_from_dict as _config_from_dict
 from flt.tasks.base import Task, mechanism_options, step_generator
 from flt.tasks.graph import GraphTask
 from flt.tasks.image import ImageTask
+from flt.tasks.listops import ListOpsTask
 from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
+from flt.tasks.longlm import LongLMTask
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.preset import Preset, RunConfig, preset_differences, preset_to_dict, run_config_from_dict
 
 #: Every task, by name, in the order the CLI lists them.
-TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask)}
 
 
 def get_task(name: str) -> type[Task]:

@@ -1,0 +1,178 @@
+"""``listops``: ListOps of the Long Range Arena, a classifier over 500-2000 tokens.
+
+Data options: ``path`` (the LRA release: a directory with ``basic_train.tsv`` and
+``basic_val.tsv``, or a ``*_train.tsv`` file; default: a set generated from the benchmark's
+specification by :func:`flt.data.listops.load_listops`, cached), and for the generated set
+``num_train``, ``num_valid``, ``seed``, ``min_length``, ``max_length``, ``max_depth``,
+``max_args``. Positions are token indices (``P = 1``); batches are padded to their longest
+sequence and the padding is masked out of attention and pooling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flt.data.listops import NUM_CLASSES, VOCAB, load_listops, load_listops_tsv
+from flt.models import replace_fields
+from flt.models.block import Trunk, build_posenc
+from flt.models.config import LayeredConfig
+from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
+from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.preset import Preset, RunConfig
+
+#: FLT: the banded estimator (exact weights on the 16 nearest tokens in sequence order, a
+#: learned local spectrum far away), as for the language model, but bidirectional. The
+#: other linear mechanisms get FLT's number of random features; softmax gets T5 buckets
+#: (a relative bias, the exact counterpart); Toeplitz-FFT its relative table.
+ATTENTION_DEFAULTS = {
+    "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16},
+    "performer": {"num_features": 64},
+    "toeplitz": {"num_features": 64, "max_distance": 2048},
+    "softmax": {"relative_bias": "t5"},
+}
+POSENC_DEFAULTS = {"shifted_basis": {"domain": [0.0, 2048.0]}}
+
+
+@dataclass(frozen=True)
+class ListOpsConfig(LayeredConfig):
+    """Sequence classifier: token embedding, bidirectional trunk, mean over the valid tokens,
+    linear head. Positions are token indices."""
+
+    task: ClassVar[str] = "listops"
+
+    vocab_size: int = len(VOCAB)
+    num_classes: int = NUM_CLASSES
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive_int("vocab_size", self.vocab_size)
+        check_positive_int("num_classes", self.num_classes)
+
+
+class SequenceClassifier(nn.Module):
+    """``forward(tokens [B, N], key_padding_mask [B, N] | None) -> logits [B, num_classes]``
+    (``key_padding_mask`` True marks padding)."""
+
+    def __init__(self, *, vocab_size: int, num_classes: int, dim: int, depth: int, heads: int, mlp_ratio: float,
+                 dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
+                 posenc_options: dict[str, Any], layer_attention: list | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(vocab_size, dim, **fk)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)
+        self.drop = nn.Dropout(dropout)
+        self.trunk = Trunk(dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1,
+                           causal=False, mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk)
+        self.head = nn.Linear(dim, num_classes, **fk)
+
+    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, N], got shape {tuple(tokens.shape)}")
+        B, N = tokens.shape
+        pdt = compute_dtype(self.embed.weight)
+        pos = torch.arange(N, device=tokens.device, dtype=pdt).view(1, N, 1).expand(B, N, 1)
+        x = self.embed(tokens) + self.posenc(pos).to(self.embed.weight.dtype)
+        x = self.trunk(self.drop(x), pos, key_padding_mask, exact=exact)
+        if key_padding_mask is None:
+            pooled = x.mean(dim=1)
+        else:
+            keep = (~key_padding_mask).unsqueeze(-1).to(x.dtype)
+            pooled = (x * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
+        return self.head(pooled)
+
+
+def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train listops --preset smoke``: 30 steps of a 1-layer width-32 classifier on
+    256 generated expressions of 100-300 tokens (shorter than the benchmark's, so it runs
+    in seconds). About 10 s; validation accuracy about 0.2 (chance 0.1; the majority class
+    alone gives about 0.2)."""
+    model = ListOpsConfig(dim=32, depth=1, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
+    run = RunConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=15, eval_batches=4,
+                    checkpoint_every=15, log_every=5)
+    return Preset(ListOpsTask.name, model, run, {"num_train": 256, "num_valid": 64, "min_length": 100, "max_length": 300})
+
+
+def small(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train listops --preset small``: 2 layers, width 64, 400 steps of 16 expressions
+    of 500-2000 tokens (2000 generated for training, 200 for validation). About 15 min
+    with FLT on the loaded 2-core VM (generating the set: about 6 s, then cached); see
+    docs/long_context.md for the accuracies and times measured per mechanism."""
+    model = ListOpsConfig(dim=64, depth=2, heads=4, **mechanism_options(ListOpsTask, attention, posenc))
+    run = RunConfig(steps=400, batch_size=16, lr=1e-3, warmup_steps=40, eval_every=100, eval_batches=None,
+                    checkpoint_every=100, log_every=10, draw_gap=False)
+    return Preset(ListOpsTask.name, model, run, {})
+
+
+def base(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train listops --preset base``: 4 layers, width 128, 5000 steps of 32 expressions
+    from 20k generated ones (the LRA budget is 5000 steps of 32 on 96k). About a day or more on
+    the 2-core VM (an estimate from the small preset's time per step, not run)."""
+    model = ListOpsConfig(dim=128, depth=4, heads=4, **mechanism_options(ListOpsTask, attention, posenc))
+    run = RunConfig(steps=5000, batch_size=32, lr=5e-4, warmup_steps=500, eval_every=500, eval_batches=None,
+                    checkpoint_every=500, log_every=50, draw_gap=False)
+    return Preset(ListOpsTask.name, model, run, {"num_train": 20_000, "num_valid": 2000})
+
+
+class ListOpsTask(Task):
+    """ListOps classification (cross-entropy, accuracy)."""
+
+    name = "listops"
+    description = "ListOps (Long Range Arena) classifier over 500-2000 tokens; bundled data: generated from its specification"
+    config, model = ListOpsConfig, SequenceClassifier
+    metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "tok"
+    options = ("path", "num_train", "num_valid", "seed", "min_length", "max_length", "max_depth", "max_args")
+    bundled_options = ("num_train", "num_valid", "seed", "min_length", "max_length", "max_depth", "max_args")
+    dataset = staticmethod(load_listops)
+    presets = {"smoke": smoke, "small": small, "base": base}
+    attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    axes = {"loss": "cross-entropy (nats/expression)", "accuracy": "accuracy (fraction of expressions)",
+            "offset": "tokens"}
+
+    def __init__(self, *, path=None, num_train: int = 2000, num_valid: int = 200, seed: int = 0, min_length: int = 500,
+                 max_length: int = 2000, max_depth: int = 10, max_args: int = 10):
+        if path is None:
+            splits = load_listops(num_train=num_train, num_valid=num_valid, seed=seed, min_length=min_length,
+                                  max_length=max_length, max_depth=max_depth, max_args=max_args)
+        else:
+            splits = load_listops_tsv(path)
+        self.train, self.valid = splits.train, splits.valid
+
+    def configure(self, cfg):
+        return replace_fields(cfg, vocab_size=len(VOCAB), num_classes=NUM_CLASSES)
+
+    def train_batch(self, step, batch_size, seed, rank, world):
+        idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
+        return self.train.batch(idx)
+
+    def batch_items(self, batch) -> int:
+        return int((~batch[1]).sum())
+
+    def loss(self, model, batch):
+        tokens, pad, labels = batch
+        return F.cross_entropy(model(tokens, pad).float(), labels)
+
+    def eval_batches(self, batch_size, max_batches, rank, world):
+        for sl in eval_slices(len(self.valid), batch_size, max_batches, rank, world):
+            yield self.valid.batch(torch.arange(sl.start, sl.stop))
+
+    def eval_sums(self, model, batch):
+        tokens, pad, labels = batch
+        logits = model(tokens, pad).float()
+        return {"nll": float(F.cross_entropy(logits, labels, reduction="sum")),
+                "correct": float((logits.argmax(-1) == labels).sum()), "count": float(labels.numel())}
+
+    def metrics(self, sums):
+        return {"loss": sums["nll"] / sums["count"], "accuracy": sums["correct"] / sums["count"]}
+
+    def rpe_extent(self, cfg):
+        return 64.0, False
+
+    def longest_sequence(self, cfg):
+        return int(self.valid.lengths.max())

@@ -1,0 +1,86 @@
+"""``longlm``: a byte-level causal language model with contexts of 1024 to 8192 bytes.
+
+The corpus is the Python standard library's own source (:func:`flt.data.pysource.load_python_source`,
+12.1 MB in 734 files on CPython 3.11.7, train and validation split by file), so nothing is
+downloaded. Everything else (the model, the loss, bits per byte, generation) is the ``lm``
+task's; only the data and the presets differ. Data options: ``max_bytes`` (cap on the
+corpus), ``valid_fraction``, ``split_seed``. The context is the model config's ``max_len``
+(``--model-opt max_len=4096``).
+
+The presets turn the draw gap off (``--run-opt draw_gap=true`` turns it on): its exact
+attention evaluates the spectrum on all ``N^2`` offsets, 6 s per 1024-byte window on the
+2-core VM and gigabytes of memory at 4096.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flt.data import ByteTokenizer
+from flt.data.pysource import load_python_source
+from flt.models import LMConfig
+from flt.tasks.base import mechanism_options
+from flt.tasks.lm import LMTask
+from flt.tasks.preset import Preset, RunConfig
+
+#: As for ``lm``: FLT with the banded estimator (``near_field=16``: the last 16 bytes exact,
+#: a learned local spectrum beyond) and a local spectrum; Performer and Toeplitz-FFT with
+#: FLT's number of random features; softmax with T5 buckets (its relative bias).
+ATTENTION_DEFAULTS = {
+    "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16},
+    "performer": {"num_features": 64},
+    "toeplitz": {"num_features": 64, "max_distance": 8192},
+    "softmax": {"relative_bias": "t5"},
+}
+POSENC_DEFAULTS = {"shifted_basis": {"domain": [0.0, 8192.0]}}
+
+
+def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train longlm --preset smoke``: 10 steps of a 1-layer width-32 byte model with
+    a 1024-byte context on 300 kB of the stdlib source. About 10 s; validation bpb about 6
+    (untrained: 8)."""
+    model = LMConfig(dim=32, depth=1, heads=2, max_len=1024, mlp_ratio=2.0, **mechanism_options(LongLMTask, attention, posenc))
+    run = RunConfig(steps=10, batch_size=2, lr=3e-3, warmup_steps=2, eval_every=10, eval_batches=2,
+                    checkpoint_every=10, log_every=2, draw_gap=False)
+    return Preset(LongLMTask.name, model, run, {"max_bytes": 300_000})
+
+
+def small(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train longlm --preset small``: 2 layers, width 64, context 4096 bytes, 200 steps
+    of 4 windows on 4 MB of the stdlib source. About 10 min with FLT on the loaded 2-core VM;
+    the short-budget comparison of docs/long_context.md (validation bpb and time per step
+    of each mechanism)."""
+    model = LMConfig(dim=64, depth=2, heads=2, max_len=4096, mlp_ratio=2.0, **mechanism_options(LongLMTask, attention, posenc))
+    run = RunConfig(steps=200, batch_size=4, lr=3e-3, warmup_steps=20, eval_every=100, eval_batches=8,
+                    checkpoint_every=100, log_every=10, draw_gap=False)
+    return Preset(LongLMTask.name, model, run, {"max_bytes": 4_000_000})
+
+
+def base(attention: str = "flt", posenc: str = "none") -> Preset:
+    """``flt train longlm --preset base``: 4 layers, width 128, context 8192 bytes, 2000
+    steps of 4 windows on the whole corpus. About 5 h per mechanism on the 2-core VM (an
+    estimate from the small preset's time per step, not run)."""
+    model = LMConfig(dim=128, depth=4, heads=4, max_len=8192, **mechanism_options(LongLMTask, attention, posenc))
+    run = RunConfig(steps=2000, batch_size=4, lr=2e-3, warmup_steps=100, eval_every=250, eval_batches=16,
+                    checkpoint_every=250, log_every=20, draw_gap=False)
+    return Preset(LongLMTask.name, model, run, {})
+
+
+class LongLMTask(LMTask):
+    """Next-byte prediction over long contexts of Python source."""
+
+    name = "longlm"
+    description = "long-context byte LM (1k-8k bytes); bundled data: the Python standard library's source, split by file"
+    options = ("max_bytes", "valid_fraction", "split_seed")
+    bundled_options = ("max_bytes",)
+    dataset = staticmethod(load_python_source)
+    presets = {"smoke": smoke, "small": small, "base": base}
+    attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+
+    def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, split_seed: int = 0):
+        splits = load_python_source(max_bytes=max_bytes, valid_fraction=valid_fraction, seed=split_seed)
+        self.tokenizer_name = "byte"
+        self.tokenizer = ByteTokenizer()
+        self.train_tokens, self.valid_tokens = splits.train, splits.valid
+        self.token_bytes = torch.ones(256, dtype=torch.float64)
+        self.files = (len(splits.train_files), len(splits.valid_files))
