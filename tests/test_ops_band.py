@@ -224,6 +224,10 @@ def test_near_field_option_errors():
         FLTAttention(64, 2, near_field=2, near_relative_options={"max_distance": 2})
     with pytest.raises(ValueError, match="relative term"):
         FLTAttention(64, 2, near_field=2, near_relative="nope")
+    # A spectrum of its own options as the near term starts at f_near = 0 like the default one.
+    other = FLTAttention(64, 2, spectrum="local", near_field=2, near_relative="gaussian", near_relative_options={"length_scale": 3.0})
+    assert type(other.near_spectrum).__name__ == "GaussianKernelSpectrum"
+    assert float(other.near_spectrum.amplitude.abs().max()) == 0.0 and other.near_spectrum.has_random_features is False
     layer = FLTAttention(64, 2, near_field=4, causal=True)
     assert layer.supports_decoding is False
 

@@ -168,6 +168,9 @@ class FLTAttention(KernelAttention):
                 options = dict(near_relative_options or {})
                 if near_relative == "clipped":
                     options.setdefault("max_distance", max(near_field, 1))  # one entry per offset of the band
+                if near_relative in SPECTRA:  # a spectrum of another family or other options: starts at 0
+                    options.setdefault("num_frequencies", num_frequencies)
+                    options.setdefault("amplitude", 0.0)
                 self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
                                                     device=device, dtype=dtype, **options)
             self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
