@@ -119,9 +119,8 @@ DECODERS = [n for n in NAMES if getattr(ATTENTION[n], "supports_decoding", False
 
 @pytest.mark.parametrize("attention", DECODERS)
 def test_step_decoding_matches_forward_and_greedy_generation(attention):
-    # The LM preset's banded FLT (near_field > 0) has no constant-size state; the plain
-    # estimator does, and is the one decoded here (the banded one is tested below).
-    options = {"near_field": 0} if attention == "flt" else {}
+    # The plain estimator is decoded here (the LM preset's banded one is tested below).
+    options = {"near_field": 0, "near_relative": None} if attention == "flt" else {}
     model = make(
         LMConfig, attention, vocab_size=17, max_len=40, dtype=torch.float64, posenc="sinusoidal",
         attention_options=options,
@@ -142,16 +141,21 @@ def test_step_decoding_matches_forward_and_greedy_generation(attention):
     assert torch.equal(recurrent[:, :5], prompt)
 
 
-def test_banded_flt_lm_generates_by_recomputation_only():
-    model = make(LMConfig, "flt", vocab_size=11, max_len=24, attention_options={"near_field": 4}).eval()
-    assert not model.supports_decoding
-    prompt = torch.zeros(1, 3, dtype=torch.long)
-    out = model.generate(prompt, 6, temperature=0)
-    assert out.shape == (1, 9) and torch.equal(out[:, :3], prompt)
-    with pytest.raises(ValueError, match="support decoding"):
-        model.generate(prompt, 2, temperature=0, recurrent=True)
-    with pytest.raises(ValueError, match="supports_decoding"):
-        model.step(prompt[:, 0], None)
+def test_banded_flt_lm_decodes_with_constant_memory():
+    # The LM preset's banded FLT decodes from a ring buffer of the band and the far field's
+    # linear state (flt.layers.band_decode): the same logits as forward, the same greedy text.
+    model = make(LMConfig, "flt", vocab_size=11, max_len=24, dtype=torch.float64,
+                 attention_options={"near_field": 4, "spectrum": "local", "amplitude": 1.0}).eval()
+    assert model.supports_decoding
+    tokens = torch.randint(0, 11, (2, 15))
+    state, steps = None, []
+    for t in range(tokens.shape[1]):
+        logits, state = model.step(tokens[:, t], state)
+        steps.append(logits)
+    assert_close(torch.stack(steps, dim=1), model(tokens), scale=100)
+    prompt = tokens[:, :3]
+    recurrent = model.generate(prompt, 9, temperature=0, recurrent=True)
+    assert torch.equal(recurrent, model.generate(prompt, 9, temperature=0, recurrent=False))
 
 
 def test_generation_samples_valid_tokens_and_is_seeded():

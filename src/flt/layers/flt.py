@@ -21,6 +21,7 @@ from einops import rearrange
 
 from flt._checks import check_choice
 from flt._dtype import compute_dtype
+from flt.layers.band_decode import band_step
 from flt.layers.base import batch_shared
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
@@ -65,8 +66,9 @@ class FLTAttention(KernelAttention):
             without ``near_field``. ``0`` (default) turns it off. The band follows token
             order: for sequences, not for sets (atoms). Cost ``O(N T (D + m + Dv))``
             with blocks of ``T = max(w, 32)`` tokens on top of the linear part; see
-            :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Layers with a near field do not decode
-            token by token (:meth:`step`).
+            :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Causal layers
+            with a band decode token by token in constant memory (:meth:`step`,
+            :mod:`flt.layers.band_decode`: the last ``w + 1`` tokens and the far field's state).
         near_neighbors: ``k >= 1`` turns on the spatial near field instead (either coupling,
             ``causal=False``; exclusive with ``near_field``): each query's ``k`` nearest keys
             in position space (itself included, padded keys excluded, ``min(k, N)`` for
@@ -174,9 +176,17 @@ class FLTAttention(KernelAttention):
                 self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
                                                     device=device, dtype=dtype, **options)
             self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
-            self.supports_decoding = False
+            self.supports_decoding = bool(near_field)  # the band decodes (flt.layers.band_decode); near sets do not
         else:
             self.near_spectrum = None
+
+    def step(self, x: torch.Tensor, state=None, pos: torch.Tensor | None = None):
+        """Decode one token (``causal=True``); with ``near_field`` through
+        :func:`flt.layers.band_decode.band_step` (exact band from a ring buffer, far field
+        from the linear state), else :meth:`flt.layers.kernel.KernelAttention.step`."""
+        if self.near_field:
+            return band_step(self, x, state, pos)
+        return super().step(x, state, pos)
 
     def features(self, q, k, pos) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""
