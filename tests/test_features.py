@@ -185,3 +185,14 @@ def test_features_under_bf16_autocast_exponentiate_in_float32(split):
     # of a few 2^-8 on features of order one, not the 2^-8 * |exponent| of a bf16 exp.
     rel = ((feat.double() - ref).abs() / ref).max().item()
     assert 1e-5 < rel < 0.05
+
+
+def test_feature_map_forward_split_equals_forward_of_the_concatenation():
+    fmap = FeatureMap(10, 12, seed=3, dtype=F64)
+    x, extra = torch.randn(2, 2, 5, 4, dtype=F64), torch.randn(1, 2, 5, 6, dtype=F64)
+    feat, shift = fmap.forward_split(x, extra)
+    ref, ref_shift = fmap(torch.cat([x, extra.expand(2, 2, 5, 6)], dim=-1))
+    torch.testing.assert_close(feat, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(shift, ref_shift, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="forward_split needs feature_map='favor\\+'"):
+        FeatureMap(10, 12, kind="relu").forward_split(x.float(), extra.float())

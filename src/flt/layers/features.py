@@ -6,7 +6,13 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
-from flt.ops.features import elu_features, favor_plus_features, gaussian_orthogonal_random_matrix, relu_features
+from flt.ops.features import (
+    elu_features,
+    favor_plus_features,
+    favor_plus_features_split,
+    gaussian_orthogonal_random_matrix,
+    relu_features,
+)
 
 FEATURE_MAPS = ("favor+", "relu", "elu")
 
@@ -98,6 +104,14 @@ class FeatureMap(nn.Module):
         if self.kind == "relu":
             return relu_features(x, self.projection), None
         return elu_features(x), None
+
+    def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FAVOR+ features of ``[x, extra]`` without the concatenation:
+        ``x [B, H, N, D1], extra [B or 1, H, N, D2]`` with ``D1 + D2 = dim``
+        (:func:`flt.ops.features.favor_plus_features_split`). ``"favor+"`` only."""
+        if self.kind != "favor+":
+            raise ValueError(f"forward_split needs feature_map='favor+', this map is {self.kind!r}")
+        return favor_plus_features_split(x, extra, self.projection)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_features={self.num_features}, kind={self.kind!r}"

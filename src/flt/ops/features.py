@@ -133,13 +133,18 @@ def favor_plus_features_split(x: torch.Tensor, extra: torch.Tensor, projection: 
     x, extra, w = x.to(cdt), extra.to(cdt), projection.to(cdt)
     m = w.shape[0]
     half_sq = 0.5 * ((x * x).sum(dim=-1, keepdim=True) + (extra * extra).sum(dim=-1, keepdim=True))
-    pe = extra @ w[:, D:].T  # [B or 1, H, N, m]
-    wx = w[:, :D].T
-    if pe.shape[0] == B and pe.is_contiguous() and not torch.is_autocast_enabled(x.device.type):
-        proj = pe.view(-1, m).addmm_(x.reshape(-1, D), wx).view(B, H, N, m)
+    # Everything on [B or 1, H * N, ...] tensors that autograd sees as bases, not views:
+    # an in-place op on a view would make the backward copy the whole gradient through
+    # as_strided. The matmul of a 3-D tensor with a 2-D one returns a fresh tensor.
+    E, x3 = extra.shape[-1], x.reshape(B, H * N, D)
+    pe = extra.reshape(extra.shape[0], H * N, E) @ w[:, D:].T  # [B or 1, H N, m]
+    wx = w[:, :D].T.expand(B, D, m)
+    if pe.shape[0] == B and not torch.is_autocast_enabled(x.device.type):
+        proj = pe.baddbmm_(x3, wx)
     else:  # pe broadcast over the batch (or an autocast dtype): one new tensor
-        proj = torch.baddbmm(pe.reshape(pe.shape[0], H * N, m), x.reshape(B, H * N, D), wx.expand(B, D, m)).view(B, H, N, m)
-    return _exponentiate(proj, half_sq, cdt)
+        proj = torch.baddbmm(pe, x3, wx)
+    feat, shift = _exponentiate(proj, half_sq.reshape(B, H * N, 1), cdt)
+    return feat.view(B, H, N, m), shift.view(B, H, N)
 
 
 def relu_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
