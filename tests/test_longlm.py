@@ -131,3 +131,19 @@ def test_band_decoding_checks_its_inputs():
     bidirectional = FLTAttention(16, 2, near_field=2, dtype=torch.float64)
     with pytest.raises(ValueError, match="causal=True"):
         band_step(bidirectional, torch.randn(2, 16, dtype=torch.float64))
+
+
+def test_the_crossover_is_interpolated_between_measured_lengths():
+    from flt.bench.long import crossover, report
+
+    rows = [{"mechanism": "flt", "n": n, "ms_per_step": t, "spread": 0.1, "peak_mib": 10.0 * n / 1024}
+            for n, t in ((1024, 400.0), (2048, 800.0), (4096, 1600.0))]
+    rows += [{"mechanism": "softmax+t5", "n": n, "ms_per_step": t, "spread": 0.1, "peak_mib": 5.0 * (n / 1024) ** 2}
+             for n, t in ((1024, 100.0), (2048, 400.0), (4096, 1600.0))]
+    assert crossover(rows, "flt", "softmax+t5") == pytest.approx(4096.0)  # equal there, slower below
+    rows[-1]["ms_per_step"] = 3200.0  # ratio 2 at 2048, 1/2 at 4096: equal halfway in log N
+    assert crossover(rows, "flt", "softmax+t5") == pytest.approx(2048 * 2**0.5)
+    assert crossover(rows, "flt", "softmax+t5", "peak_mib") == pytest.approx(2048.0)
+    assert crossover(rows, "flt", "softmax+spectrum") is None
+    text = report(rows, "header")
+    assert "| flt | 400 (spread 10%) | 10 |" in text and "softmax+t5's from N = 2896" in text
