@@ -102,8 +102,8 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train listops --preset small``: 2 layers, width 32, 80 steps of 4 expressions
     of 500-2000 tokens (1000 generated for training, 100 for validation): the budget a
-    shared 2-core CPU affords for four mechanisms (FLT: about 10 s/step there, so about
-    15 min; generating the set: about 3 s, then cached). It does not train ListOps beyond
+    shared 2-core CPU affords for four mechanisms. About 15 min with FLT (about 10 s/step
+    there; generating the set: about 3 s, then cached). It does not train ListOps beyond
     the majority class; docs/long_context.md has the accuracies measured per mechanism."""
     model = ListOpsConfig(dim=32, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=80, batch_size=4, lr=2e-3, warmup_steps=10, eval_every=40, eval_batches=None,
