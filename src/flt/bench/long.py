@@ -157,7 +157,7 @@ def report(rows: list[dict], header: str) -> str:
         cells = []
         for n in ns:
             r = get.get((m, n))
-            cells += ["skipped", "-"] if r is None else [f"{r['ms_per_step']:.0f} (spread {r['spread']:.0%})", f"{r['peak_mib']:.0f}"]
+            cells += ["not run", "-"] if r is None else [f"{r['ms_per_step']:.0f} (spread {r['spread']:.0%})", f"{r['peak_mib']:.0f}"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
     for exact in ("softmax+spectrum", "softmax+t5"):
@@ -165,7 +165,10 @@ def report(rows: list[dict], header: str) -> str:
             continue
         for key, what in (("ms_per_step", "time"), ("peak_mib", "peak memory")):
             x = crossover(rows, "flt", exact, key)
-            lines.append(f"- FLT's {what} below {exact}'s from N = " + ("never (in the measured range)" if x is None else f"{x:.0f}"))
+            common = sorted({r["n"] for r in rows if r["mechanism"] == exact} & {r["n"] for r in rows if r["mechanism"] == "flt"})
+            where = ("never (in the measured range)" if x is None
+                     else f"{x:.0f} or less (already at the smallest N both measured)" if x == common[0] else f"{x:.0f}")
+            lines.append(f"- FLT's {what} below {exact}'s from N = {where}")
     return "\n".join(lines) + "\n"
 
 
@@ -181,9 +184,9 @@ def plot(rows: list[dict], path: str) -> None:
             pts = sorted((r["n"], r[key]) for r in rows if r["mechanism"] == m)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=m)
-        x = crossover(rows, "flt", "softmax+spectrum", key)
+        x = crossover(rows, "flt", "softmax+t5", key)
         if x is not None:
-            ax.axvline(x, color="grey", linestyle=":", label=f"FLT = exact (same f) at N = {x:.0f}")
+            ax.axvline(x, color="grey", linestyle=":", label=f"FLT = exact softmax+T5 at N = {x:.0f}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context N (bytes)")
