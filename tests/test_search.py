@@ -199,7 +199,6 @@ def _stop_and_resume(out, cfg, stop_at: int, expected: dict) -> None:
     assert _stable(resumed) == _stable(expected)
 
 
-@pytest.mark.slow
 def test_search_resumes_from_the_supernet_phase(tmp_path):
     torch.set_num_threads(1)
     cfg = _config()
