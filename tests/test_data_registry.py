@@ -16,18 +16,20 @@ def _small_kwargs(task, tmp_path):
         "image": {},
         "molecule": {"num_samples": 3, "relax_steps": 1, "cache_dir": tmp_path, "progress": False},
         "graph": {},
+        "listops": {"num_train": 3, "num_valid": 2, "cache_dir": tmp_path},
+        "longlm": {"max_bytes": 200_000},
     }[task]
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_default_datasets_have_train_and_valid(task, tmp_path):
-    pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase", "graph": "networkx"}[task])
+    pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase", "graph": "networkx", "listops": "flt", "longlm": "flt"}[task])
     splits = TASKS[task].dataset(**_small_kwargs(task, tmp_path))
     assert len(splits.train) > 0 and len(splits.valid) > 0
 
 
 def test_registry_names():
-    assert set(TASKS) == {"lm", "image", "molecule", "graph"}
+    assert set(TASKS) == {"lm", "image", "molecule", "graph", "listops", "longlm"}
 
 
 def test_import_loads_no_optional_dependency():
