@@ -117,8 +117,11 @@ def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
 
 
 def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:
-    """``torch.compile(module)`` (inductor, default options) for a compiled variant."""
-    return torch.compile(module) if v.compile else module
+    """``torch.compile(module, dynamic=False)`` (inductor) for a compiled variant: every
+    timed configuration has one shape, and the float64 check before it another; with
+    automatic dynamic shapes the second compile of the causal layer's backward failed in
+    inductor at N = 16384 (``ValueRangeError``)."""
+    return torch.compile(module, dynamic=False) if v.compile else module
 
 
 def _autocast(v):
