@@ -228,8 +228,8 @@ def test_near_field_option_errors():
     other = FLTAttention(64, 2, spectrum="local", near_field=2, near_relative="gaussian", near_relative_options={"length_scale": 3.0})
     assert type(other.near_spectrum).__name__ == "GaussianKernelSpectrum"
     assert float(other.near_spectrum.amplitude.abs().max()) == 0.0 and other.near_spectrum.has_random_features is False
-    layer = FLTAttention(64, 2, near_field=4, causal=True)
-    assert layer.supports_decoding is False
+    assert FLTAttention(64, 2, near_field=4, causal=True).supports_decoding is True  # flt.layers.band_decode
+    assert FLTAttention(64, 2, near_neighbors=4).supports_decoding is False
 
 
 def test_band_bias_of_batch_shared_positions_is_computed_once_and_equals_the_full_one():

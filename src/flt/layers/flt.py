@@ -193,12 +193,11 @@ class FLTAttention(KernelAttention):
         xq, xk = self.scaled_qk(q, k, pos)
         a, c = self.spectrum.features(pos)
         if self.coupling == "logit":
-            B, H, N, _ = xq.shape
+            # FAVOR+ of [x_q, a(r)] and [x_k, c(r)], without forming the concatenation.
             cdt = torch.promote_types(xq.dtype, a.dtype)
-            expand = (B, H, N, a.shape[-1])
-            xq = torch.cat([xq.to(cdt), a.to(cdt).expand(expand)], dim=-1)
-            xk = torch.cat([xk.to(cdt), c.to(cdt).expand(expand)], dim=-1)
-            a = c = None
+            qf, _ = self.feature_map.forward_split(xq.to(cdt), a.to(cdt))
+            kf, kls = self.feature_map.forward_split(xk.to(cdt), c.to(cdt))
+            return KernelFeatures(qf, kf, kls, None, None)
         qf, _ = self.feature_map(xq)
         kf, kls = self.feature_map(xk)
         return KernelFeatures(qf, kf, kls, a, c)
@@ -220,12 +219,10 @@ class FLTAttention(KernelAttention):
         shifts (the far field), all in one compute dtype."""
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         a, c = self.spectrum.features(p.pos)
-        B, H, N, _ = xq.shape
         cdt = torch.promote_types(xq.dtype, a.dtype)
         xq, xk = xq.to(cdt), xk.to(cdt)
-        expand = (B, H, N, a.shape[-1])
-        qf, q_shift = self.feature_map(torch.cat([xq, a.to(cdt).expand(expand)], dim=-1))
-        kf, k_shift = self.feature_map(torch.cat([xk, c.to(cdt).expand(expand)], dim=-1))
+        qf, q_shift = self.feature_map.forward_split(xq, a.to(cdt))
+        kf, k_shift = self.feature_map.forward_split(xk, c.to(cdt))
         return xq, xk, qf, kf, q_shift, k_shift
 
     def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
