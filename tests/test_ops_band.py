@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close
+from conftest import assert_close, assert_same_gradients
 from flt import FLTAttention
 from flt.layers.base import batch_shared
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
@@ -126,15 +126,7 @@ def test_near_field_layer_forward_equals_reference_forward_and_backward(causal, 
     pad = torch.zeros(2, 41, dtype=torch.bool)
     pad[1, -6:] = True
     out, ref = layer(x, key_padding_mask=pad), layer.reference(x, key_padding_mask=pad)
-    assert_close(out, ref)
-    up = torch.randn_like(out)
-    params = [x] + [p for p in layer.parameters()]
-    g_out = torch.autograd.grad((out * up).sum(), params, retain_graph=True, allow_unused=True)
-    g_ref = torch.autograd.grad((ref * up).sum(), params, allow_unused=True)
-    for a, b in zip(g_out, g_ref):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert_close(a, b)
+    g_out = assert_same_gradients(out, ref, [x] + list(layer.parameters()))
     # The near spectrum learns through the band.
     assert any(g is not None and g.abs().sum() > 0 for g in g_out[1:] if g is not None)
 
@@ -186,15 +178,7 @@ def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causa
             p.copy_(torch.randn_like(p) * 0.2)
     x = torch.randn(2, 19, 64, dtype=F64, requires_grad=True)
     out, ref = layer(x), layer.reference(x)
-    assert_close(out, ref)
-    params = [x] + list(layer.parameters())
-    up = torch.randn_like(out)
-    g_out = torch.autograd.grad((out * up).sum(), params, retain_graph=True, allow_unused=True)
-    g_ref = torch.autograd.grad((ref * up).sum(), params, allow_unused=True)
-    for a, b in zip(g_out, g_ref):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert_close(a, b)
+    g_out = assert_same_gradients(out, ref, [x] + list(layer.parameters()))
     table = dict(zip([n for n, _ in layer.named_parameters()], g_out[1:]))
     assert any(g is not None and g.abs().sum() > 0 for n, g in table.items() if n.startswith("near_spectrum"))
     with torch.no_grad():
