@@ -13,12 +13,14 @@ import inspect
 from flt._checks import check_choice
 from flt.posenc.bias import AlibiBias, ClippedBias, T5Bias
 from flt.relative.base import RelativeTerm
+from flt.relative.shortest_path import ShortestPathBias
 from flt.spectra import SPECTRA
 
 RELATIVE: dict[str, type[RelativeTerm]] = {
     "t5": T5Bias,
     "clipped": ClippedBias,
     "alibi": AlibiBias,
+    "spd": ShortestPathBias,
     **SPECTRA,
 }
 
