@@ -18,7 +18,8 @@ Nothing is generated or read at import time; the generators need ``networkx``
   :func:`run_link_prediction`, :class:`LinkTransformer` (the model of ``flt train graph``).
 * :mod:`~flt.graphs.transformer`: :func:`anchor_coordinates`, :class:`NodeTransformer`
   (any attention over nodes at anchor coordinates), :class:`GraphTransformer` (its FLT and
-  exact softmax kinds), :class:`LaplacianPE`.
+  exact softmax kinds), :class:`LaplacianPE`, :func:`laplacian_eigenvectors` and
+  :func:`random_walk_encoding` (positional baselines).
 * :mod:`~flt.graphs.pairs`: :func:`run_pair_classification` (same community or not).
 """
 
@@ -43,7 +44,16 @@ from .link import (
 )
 from .pairs import run_pair_classification, split_node_pairs
 from .split import LinkSplit, sample_node_pairs, split_links
-from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_coordinates, anchor_inputs, laplacian_eigenvectors
+from .transformer import (
+    GraphTransformer,
+    LaplacianPE,
+    NodeTransformer,
+    anchor_coordinates,
+    anchor_inputs,
+    laplacian_eigenvectors,
+    random_walk_encoding,
+    standardize_columns,
+)
 
 __all__ = [
     "GCN",
@@ -82,6 +92,7 @@ __all__ = [
     "load_edge_list",
     "load_graph",
     "load_pyg",
+    "random_walk_encoding",
     "roc_auc",
     "run_link_prediction",
     "run_pair_classification",
@@ -90,6 +101,7 @@ __all__ = [
     "shortest_path_dag",
     "split_links",
     "split_node_pairs",
+    "standardize_columns",
     "train_link_model",
     "train_pair_model",
 ]

@@ -226,6 +226,14 @@ class LinkModel(nn.Module):
         return self.score(self.embeddings(), pairs)
 
 
+def gir_positions(z: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Positions ``[N, P]`` from node embeddings ``z [N, D]``: ``LN(z) @ basis`` with ``LN`` the
+    LayerNorm without affine parameters and ``basis [D, P]`` (orthonormal columns)."""
+    if z.ndim != 2 or basis.ndim != 2 or basis.shape[0] != z.shape[1]:
+        raise ValueError(f"z must be [N, D] and basis [D, P] with the same D, got {tuple(z.shape)} and {tuple(basis.shape)}")
+    return F.layer_norm(z, (z.shape[1],)) @ basis.to(z.dtype)
+
+
 #: ``encoder`` choices of :class:`LinkTransformer` (``flt train graph --model-opt encoder=...``).
 TASK_ENCODERS = ("transformer", "gir", "indicator", "anchor-distance", *GNN_KINDS)
 
@@ -250,21 +258,42 @@ class LinkTransformer(nn.Module):
       GIR has per-anchor states of size ``gir_hidden`` and reach ``gir_steps`` (0: every
       level).
 
+    ``in_dim`` is the width of ``features`` and ``pos`` (0: ``num_anchors``). With
+    ``gir_positions = P > 0`` the transformer attends at learned positions instead of
+    ``pos``: a :class:`~flt.graphs.gir.GIRPathEncoder` of ``(edges, anchors)`` (state size
+    ``gir_hidden``, reach ``gir_steps``, embedding ``dim``), trained with the rest of the
+    model, gives ``z_v``, and ``r_v = LN(z_v) Pi`` with ``LN`` a LayerNorm without affine
+    parameters and ``Pi [dim, P]`` a fixed matrix with orthonormal columns drawn at
+    construction (a persistent buffer), so every axis has about unit variance and the
+    spectrum's length scales keep their meaning. The gradient of the attention reaches
+    GIR through the positions (:func:`gir_positions`).
+
     The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
     """
 
     def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
                  encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
-                 gir_hidden: int = 16, gir_steps: int = 0, device=None, dtype=None):
+                 gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0, device=None, dtype=None):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
+        self.position_encoder = None
+        if gir_positions and encoder != "transformer":
+            raise ValueError(f"gir_positions applies to encoder='transformer', got encoder={encoder!r}")
         if encoder == "transformer":
             if indication or fusion:
                 raise ValueError("indication and fusion apply to the GNN encoders, not to encoder='transformer'")
+            in_dim = in_dim or num_anchors
+            if gir_positions:
+                if gir_positions > dim:
+                    raise ValueError(f"gir_positions (P = {gir_positions}) must not exceed dim ({dim}): Pi has orthonormal columns")
+                self.position_encoder = StructuralEncoder("gir", num_anchors, dim=dim, gir_hidden=gir_hidden,
+                                                       gir_steps=gir_steps or None).to(device=device, dtype=dtype)
+                basis, _ = torch.linalg.qr(torch.randn(dim, gir_positions, dtype=torch.float64))
+                self.register_buffer("position_basis", basis.to(device=device, dtype=dtype or torch.get_default_dtype()))
             self.encoder = NodeTransformer(
-                num_anchors, num_anchors, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
+                in_dim, gir_positions or in_dim, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
                 layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
                 posenc_options=posenc_options, device=device, dtype=dtype,
             )
@@ -282,8 +311,16 @@ class LinkTransformer(nn.Module):
     def embeddings(self, features: torch.Tensor, pos: torch.Tensor, edges: torch.Tensor, anchors: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         """Node embeddings ``[N, out_dim]``."""
         if self.encoder_kind == "transformer":
+            if self.position_encoder is not None:
+                pos = self.learned_positions(features.shape[0], edges, anchors)
             return self.encoder(features, pos, exact=exact)
         return self.encoder(features.shape[0], edges, anchors)
+
+    def learned_positions(self, num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The GIR positions ``[N, P]`` of ``gir_positions = P``: ``LN(GIR(edges, anchors)) Pi``."""
+        if self.position_encoder is None:
+            raise ValueError("this model attends at the positions it is given (gir_positions = 0)")
+        return gir_positions(self.position_encoder(num_nodes, edges, anchors), self.position_basis)
 
     def forward(self, features: torch.Tensor, pos: torch.Tensor, edges: torch.Tensor, anchors: torch.Tensor, pairs: torch.Tensor,
                 *, exact: bool = False) -> torch.Tensor:

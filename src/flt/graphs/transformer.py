@@ -233,6 +233,37 @@ def laplacian_eigenvectors(num_nodes: int, edges: torch.Tensor, k: int) -> tuple
     return values[1 : k + 1], vectors[:, 1 : k + 1]
 
 
+def random_walk_encoding(num_nodes: int, edges: torch.Tensor, steps: int) -> torch.Tensor:
+    """Random-walk structural encodings: ``[N, steps]`` float64, entry ``(v, t - 1)`` the
+    probability that a simple random walk from ``v`` is back at ``v`` after ``t`` steps,
+    the diagonal of ``(D^-1 A)^t`` for ``t = 1 .. steps`` (Dwivedi et al. 2022, "Graph
+    Neural Networks with Learnable Structural and Positional Representations").
+
+    ``A`` is the adjacency of ``edges`` (pass the training edges only); an isolated node
+    has no walk and gets zeros. Dense ``N x N`` products: for graphs of a few thousand nodes.
+    """
+    check_positive_int("steps", steps)
+    edges = _check_edges(edges, num_nodes)
+    adj = torch.zeros(num_nodes, num_nodes, dtype=torch.float64)
+    adj[edges[:, 0], edges[:, 1]] = 1.0
+    adj[edges[:, 1], edges[:, 0]] = 1.0
+    deg = adj.sum(1, keepdim=True)
+    walk = torch.where(deg > 0, adj / deg.clamp(min=1), torch.zeros_like(adj))  # D^-1 A, row-stochastic
+    out, power = [], walk
+    for _ in range(steps):
+        out.append(power.diagonal())
+        power = power @ walk
+    return torch.stack(out, dim=1)
+
+
+def standardize_columns(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, C]`` with every column shifted to mean 0 and scaled to standard deviation 1
+    over the nodes; a constant column (e.g. odd walk lengths on a bipartite graph) becomes 0."""
+    centred = x - x.mean(0, keepdim=True)
+    std = centred.pow(2).mean(0, keepdim=True).sqrt()
+    return torch.where(std > 1e-12, centred / std.clamp(min=1e-12), torch.zeros_like(centred))
+
+
 class LaplacianPE(nn.Module):
     """An MLP on Laplacian eigenvectors with random sign flips in training (module docstring).
 
@@ -270,4 +301,6 @@ __all__ = [
     "anchor_inputs",
     "graph_attention",
     "laplacian_eigenvectors",
+    "random_walk_encoding",
+    "standardize_columns",
 ]

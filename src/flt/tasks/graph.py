@@ -11,12 +11,22 @@ graph with node labels, with every edge as structure), ``num_pairs`` (labelled p
 negatives or the labelled pairs, and the anchors; the run's ``--seed`` is separate),
 ``num_anchors`` (``K``, default 64, capped at the number of nodes) and
 ``resample_anchors`` (``true``: new anchors every epoch of training pairs, drawn from
-``seed`` and the epoch; validation keeps the anchors of ``seed``). Distances, anchors and
-positions use the structure edges only (for links, the training edges).
+``seed`` and the epoch; validation keeps the anchors of ``seed``), ``positions`` (the node
+inputs of the transformer, :data:`POSITIONS`, below), ``walk_steps`` (``S`` of
+``positions=rwse``, default 16) and ``eigenvectors`` (``k`` of ``positions=laplacian``,
+default 16). Distances, anchors, encodings and positions use the structure edges only
+(for links, the training edges).
 
-Every node ``v`` is a token at position ``r_v = d(v, .) / sqrt(K)`` in ``R^K`` (``P = K``),
-its hop distances to the anchors (:func:`flt.graphs.anchor_coordinates`), with distance
-features ``1 / (1 + d)``. The model (:class:`flt.graphs.LinkTransformer`) embeds all ``N``
+With ``positions=anchor`` (the default) every node ``v`` is a token at position
+``r_v = d(v, .) / sqrt(K)`` in ``R^K`` (``P = K``), its hop distances to the anchors
+(:func:`flt.graphs.anchor_coordinates`), with distance features ``1 / (1 + d)``. The
+baselines give the transformer one structural encoding as both its node features and its
+positions: ``rwse``, the random-walk return probabilities of ``S`` steps
+(:func:`flt.graphs.random_walk_encoding`), each column standardised over the nodes
+(``P = S``); ``laplacian``, the first ``k`` nontrivial eigenvectors of the normalised
+Laplacian scaled by ``sqrt(N)`` (``P = k``), each eigenvector's sign flipped at random in
+every training batch (drawn from the run seed and the step; validation and test use the
+signs ``eigh`` returned), since an eigenvector is defined up to its sign. The model (:class:`flt.graphs.LinkTransformer`) embeds all ``N``
 nodes, by default by attention over all of them at these positions (``--model-opt
 encoder=...`` picks GIR, the distance MLP or a GNN instead), and scores a pair ``(u, v)``
 from the two embeddings. A training batch is ``batch_size`` labelled pairs; every step
@@ -40,11 +50,14 @@ from flt.graphs import (
     communities,
     generated_split,
     grid_graph,
+    laplacian_eigenvectors,
     load_graph,
+    random_walk_encoding,
     roc_auc,
     select_anchors,
     split_links,
     split_node_pairs,
+    standardize_columns,
 )
 from flt.graphs.link import TASK_ENCODERS
 from flt.models import replace_fields
@@ -75,11 +88,18 @@ class GraphConfig(TrunkConfig):
     (``depth`` layers of ``attention``, width ``dim``), or GIR, the distance MLP and the
     GNNs (width ``dim``, ``gnn_layers`` layers, ``indication`` and ``fusion`` with GIR;
     GIR's state size ``gir_hidden`` and reach ``gir_steps``, 0 for every level).
+    ``in_dim`` is the width of the node features and positions the data gives (filled in
+    from the data; 0, in configs saved before it, means ``num_anchors``).
+    ``gir_positions`` (``P``, 0: off) makes the transformer attend at positions computed
+    by a GIR path encoder trained with it (:class:`flt.graphs.link.LinkTransformer`)
+    instead of the positions the data gives.
     """
 
     task: ClassVar[str] = "graph"
 
     num_anchors: int = 64
+    in_dim: int = 0
+    gir_positions: int = 0
     out_dim: int = 32
     dim: int = 32
     depth: int = 2
@@ -98,6 +118,12 @@ class GraphConfig(TrunkConfig):
         check_choice("encoder", self.encoder, TASK_ENCODERS)
         check_positive_int("gnn_layers", self.gnn_layers)
         check_positive_int("gir_hidden", self.gir_hidden)
+        for name in ("in_dim", "gir_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.gir_positions and self.encoder != "transformer":
+            raise ValueError(f"gir_positions applies to encoder='transformer' (positions of its attention), got encoder={self.encoder!r}")
         if isinstance(self.gir_steps, bool) or not isinstance(self.gir_steps, int) or self.gir_steps < 0:
             raise ValueError(f"gir_steps must be 0 (every level) or a positive integer, got {self.gir_steps!r}")
         for name in ("indication", "fusion"):
@@ -128,6 +154,13 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(GraphTask.name, model, run, {})
 
 
+#: ``positions`` choices of the task: the transformer's node features and positions
+#: (module docstring).
+POSITIONS = ("anchor", "rwse", "laplacian")
+#: Options of ``softmax``'s default relative bias (the spectrum) in :data:`ATTENTION_DEFAULTS`:
+#: they are left out when the run chooses another ``relative_bias``.
+SPECTRUM_DEFAULTS = ("spectrum", "length_scale", "amplitude")
+
 #: Generated graphs of the task by name (Communities is generated from the data seed).
 GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
 
@@ -139,7 +172,8 @@ class GraphTask(Task):
     description = "pair prediction (links, same community) from graph encoders: attention at anchor coordinates, GIR, GNNs; bundled data: generated Grid / Communities"
     config, model = GraphConfig, LinkTransformer
     metric, higher_is_better, compare_metrics, unit = "auc", True, ("loss",), "pair"
-    options = ("path", "graph", "task", "num_pairs", "seed", "num_anchors", "resample_anchors")
+    options = ("path", "graph", "task", "num_pairs", "seed", "num_anchors", "resample_anchors", "positions", "walk_steps",
+               "eigenvectors")
     dataset = staticmethod(generated_split)
     presets = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
@@ -147,11 +181,15 @@ class GraphTask(Task):
             "offset": "hops / √K"}
 
     def __init__(self, *, path=None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,
-                 num_anchors: int = 64, resample_anchors: bool = False):
+                 num_anchors: int = 64, resample_anchors: bool = False, positions: str = "anchor", walk_steps: int = 16,
+                 eigenvectors: int = 16):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         check_positive_int("num_anchors", num_anchors)
         check_choice("task", task, ("link", "pair"))
+        check_choice("positions", positions, POSITIONS)
+        check_positive_int("walk_steps", walk_steps)
+        check_positive_int("eigenvectors", eigenvectors)
         if not isinstance(resample_anchors, bool):
             raise ValueError(f"resample_anchors must be true or false, got {resample_anchors!r}")
         if path is None:
@@ -171,14 +209,35 @@ class GraphTask(Task):
             self.edges = g.edges
             self.train, self.valid, self.test = split_node_pairs(g, num_pairs, seed=seed)
         n = g.num_nodes
-        self.num_nodes, self.seed, self.resample = n, seed, resample_anchors
+        self.num_nodes, self.seed, self.resample, self.positions = n, seed, resample_anchors, positions
         self.num_anchors = min(num_anchors, n)
         self.anchors = select_anchors(n, self.num_anchors, seed=seed, edges=self.edges)
-        self.features, self.pos = anchor_inputs(n, self.edges, self.anchors)
+        if positions == "anchor":
+            self.features, self.pos = anchor_inputs(n, self.edges, self.anchors)
+        else:
+            if positions == "rwse":
+                enc = standardize_columns(random_walk_encoding(n, self.edges, walk_steps))
+            else:
+                enc = laplacian_eigenvectors(n, self.edges, eigenvectors)[1] * math.sqrt(n)
+            self.features = self.pos = enc.to(torch.get_default_dtype())
         self._epoch_inputs: tuple | None = None
 
     def configure(self, cfg):
-        return replace_fields(cfg, num_anchors=self.pos.shape[1])
+        """The config with ``num_anchors`` and ``in_dim`` of the data; a ``softmax`` run that
+        chooses another relative bias than the spectrum drops the spectrum's defaults, and
+        ``relative_bias=spd`` gets the hop length of the anchor coordinates, ``1 / sqrt(K)``,
+        as its ``unit`` unless one is given."""
+        if cfg.gir_positions and self.positions != "anchor":
+            raise ValueError(f"gir_positions replaces the positions of the data; it needs positions='anchor', got {self.positions!r}")
+        options = dict(cfg.attention_options)
+        if cfg.attention == "softmax" and options.get("relative_bias") != "spectrum":
+            defaults = ATTENTION_DEFAULTS["softmax"]
+            options = {k: v for k, v in options.items() if not (k in SPECTRUM_DEFAULTS and v == defaults[k])}
+        if cfg.attention == "softmax" and options.get("relative_bias") == "spd":
+            if self.positions != "anchor" or cfg.gir_positions:
+                raise ValueError("relative_bias='spd' reads hop distances from the positions: it needs positions='anchor' and no gir_positions")
+            options["relative_options"] = {"unit": 1.0 / math.sqrt(self.num_anchors), **(options.get("relative_options") or {})}
+        return replace_fields(cfg, num_anchors=len(self.anchors), in_dim=self.features.shape[1], attention_options=options)
 
     def inputs(self, epoch: int | None = None) -> tuple:
         """``(features, pos, edges, anchors)`` of the anchors of ``seed`` (``epoch=None``) or,
@@ -187,14 +246,21 @@ class GraphTask(Task):
             return self.features, self.pos, self.edges, self.anchors
         if self._epoch_inputs is None or self._epoch_inputs[0] != epoch:
             anchors = select_anchors(self.num_nodes, self.num_anchors, seed=self.seed * 1_000_003 + epoch + 1)
-            self._epoch_inputs = (epoch, (*anchor_inputs(self.num_nodes, self.edges, anchors), self.edges, anchors))
+            nodes = anchor_inputs(self.num_nodes, self.edges, anchors) if self.positions == "anchor" else (self.features, self.pos)
+            self._epoch_inputs = (epoch, (*nodes, self.edges, anchors))
         return self._epoch_inputs[1]
 
     def train_batch(self, step, batch_size, seed, rank, world):
         pairs, labels = self.train
         idx = epoch_indices(len(pairs), batch_size, seed, step)[shard(batch_size, rank, world)]
         epoch = (step - 1) // max(1, len(pairs) // batch_size)  # the epoch of epoch_indices (1-based steps)
-        return (*self.inputs(epoch), pairs[idx], labels[idx])
+        features, pos, edges, anchors = self.inputs(epoch)
+        if self.positions == "laplacian":
+            # One sign per eigenvector, the same on every process: it depends on the run seed and step only.
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            signs = (torch.randint(0, 2, (pos.shape[1],), generator=gen) * 2 - 1).to(pos.dtype)
+            features, pos = features * signs, pos * signs
+        return features, pos, edges, anchors, pairs[idx], labels[idx]
 
     def batch_items(self, batch) -> int:
         return batch[4].shape[0]
@@ -216,7 +282,11 @@ class GraphTask(Task):
         return {"loss": sums["nll"] / sums["count"], "auc": sums["auc_pairs"] / sums["pos_neg_pairs"]}
 
     def rpe_extent(self, cfg):
-        # Offsets on an axis of anchor space range over the coordinates' spread.
+        if cfg.gir_positions:
+            # Learned positions: a fixed orthonormal projection of a LayerNorm-ed embedding,
+            # about unit variance per axis.
+            return 4.0, False
+        # Offsets on an axis of the positions range over the coordinates' spread.
         spread = float(self.pos.max() - self.pos.min())
         return (spread if spread > 0 else 1.0), False
 
