@@ -40,7 +40,7 @@ from torch import nn
 from flt._checks import check_positive_int
 from flt.posenc._common import check_positive_float
 from flt.posenc.bias import DEFAULT_TABLE_SCALE
-from flt.relative.base import RelativeTerm
+from flt.relative.base import RelativeTerm, pair_positions
 
 #: Hop estimates at or above this count read as "no path" (:func:`hop_positions` writes an
 #: unreachable reference at twice this).
@@ -104,9 +104,11 @@ class ShortestPathBias(RelativeTerm):
         clipped = h.clamp(min=0, max=self.max_distance).long()
         return torch.where(h >= UNREACHABLE_HOPS, torch.full_like(clipped, self.max_distance + 1), clipped)
 
-    def hops(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+    def hops(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
         """The unrounded estimate ``max_x |r_q,x - r_k,x| / unit`` of every pair: ``[B|1, N, Nk]``,
-        in float64 (positions of a few thousand hops times ``1 / sqrt(K)`` must round right)."""
+        in float64 (positions of a few thousand hops times ``1 / sqrt(K)`` must round right).
+        Positions ``[B|1, N, P]`` or ``[N, P]``, as :meth:`bias` takes them."""
+        pos_q, pos_k = pair_positions(pos_q, pos_k)
         q, k = pos_q.detach().to(torch.float64), pos_k.detach().to(torch.float64)
         b = max(q.shape[0], k.shape[0])
         # cdist with p = inf is the Chebyshev distance without the [N, Nk, P] differences.
