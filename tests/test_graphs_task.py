@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from conftest import assert_close
 from flt.cli import main
 from flt.graphs import LinkTransformer, anchor_inputs, generated_split, roc_auc, select_anchors
 from flt.tasks import get_preset, load_task
@@ -172,3 +174,91 @@ def test_a_pyg_file_with_labels_feeds_the_pair_task(tmp_path):
             "--batch-size", "32"]
     assert main(["train", "graph", *TINY, "--out-dir", str(out), *args]) == 0
     assert math.isfinite(_summary(out)["final"]["auc"])
+
+
+def test_random_walk_and_laplacian_positions_come_from_the_training_edges():
+    from flt.graphs import grid_graph, laplacian_eigenvectors, random_walk_encoding, standardize_columns
+
+    split = generated_split("grid", seed=1)
+    rwse = load_task("graph", {"seed": 1, "positions": "rwse", "walk_steps": 6})
+    expected = standardize_columns(random_walk_encoding(400, split.train_pos, 6)).float()
+    assert rwse.features is rwse.pos and torch.equal(rwse.pos, expected)
+    assert rwse.configure(get_preset("graph", "smoke").model).in_dim == 6
+    lap = load_task("graph", {"seed": 1, "positions": "laplacian", "eigenvectors": 5})
+    vectors = laplacian_eigenvectors(400, split.train_pos, 5)[1] * 20.0  # sqrt(N) = 20
+    assert_close(lap.pos, vectors.float())
+    every_edge = standardize_columns(random_walk_encoding(400, grid_graph(20).edges, 6)).float()
+    assert not torch.allclose(rwse.pos, every_edge)  # the held-out edges would change them
+    with pytest.raises(ValueError, match="positions must be one of"):
+        load_task("graph", {"positions": "spectral"})
+
+
+def test_laplacian_signs_flip_per_training_step_reproducibly_and_not_in_evaluation():
+    task = load_task("graph", {"positions": "laplacian", "eigenvectors": 8})
+    a, b, again = task.train_batch(1, 64, 0, 0, 1), task.train_batch(2, 64, 0, 0, 1), task.train_batch(1, 64, 0, 0, 1)
+    assert torch.equal(a[1], again[1]) and not torch.equal(a[1], b[1])
+    for batch in (a, b):
+        signs = (batch[1] * task.pos).sum(0) / task.pos.square().sum(0)
+        assert torch.equal(signs.abs().round(), torch.ones(8)) and torch.equal(batch[0], batch[1])
+    (valid,) = task.eval_batches(8, 1, 0, 1)
+    assert torch.equal(valid[1], task.pos)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--data-opt", "positions=rwse"], ["--data-opt", "positions=laplacian"], ["--attention", "softmax:relative_bias=spd"]],
+    ids=["rwse", "laplacian", "spd"],
+)
+def test_position_baselines_and_the_hop_bias_train_and_reload(options, tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "graph", *TINY, "--out-dir", str(out), "--data-opt", "num_anchors=16", *options]) == 0
+    assert math.isfinite(_summary(out)["final"]["auc"])
+    model, meta = load_checkpoint_model(str(out))
+    assert isinstance(model, LinkTransformer) and meta["model"]["in_dim"] == (16 if "softmax" in options[1] else model.encoder.embed.in_features)
+
+
+def test_gir_positions_smoke_run_ends_with_an_auc(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "graph", "--preset", "smoke", "--no-progress", "--no-plots", "--out-dir", str(out), "--model-opt", "gir_positions=8"]) == 0
+    summary = _summary(out)
+    assert summary["final"]["auc"] > 0.7 and math.isfinite(summary["draw_gap"]["exact"])  # 0.895 measured
+    model, _ = load_checkpoint_model(str(out))
+    assert model.position_basis.shape == (32, 8)
+
+
+def test_gir_positions_are_orthonormal_projections_and_pass_the_gradient_to_gir():
+    torch.manual_seed(0)
+    task = load_task("graph", {"num_anchors": 8})
+    cfg = task.configure(get_preset("graph", "smoke").model)
+    cfg = type(cfg)(**{**cfg.__dict__, "gir_positions": 4, "depth": 1})
+    model = task.build_model(cfg).double()
+    features, pos, edges, anchors, pairs, labels = task.train_batch(1, 32, 0, 0, 1)
+    basis = model.position_basis
+    assert_close(basis.T @ basis, torch.eye(4, dtype=torch.float64), dtype=torch.float32)  # drawn in float32
+    r = model.learned_positions(400, edges, anchors)
+    assert r.shape == (400, 4) and bool((r.norm(dim=1) <= math.sqrt(32) + 1e-9).all())
+    # The fast FLT path equals its O(N^2) reference at these positions (float64, one draw).
+    fast = model.embeddings(features.double(), pos.double(), edges, anchors)
+    model.encoder.mode = "reference"
+    assert_close(model.embeddings(features.double(), pos.double(), edges, anchors), fast)
+    model.encoder.mode = "fast"
+    # The given positions are not used; the attention's gradient reaches GIR through its own.
+    assert torch.equal(model.embeddings(features.double(), torch.zeros_like(pos).double(), edges, anchors), fast)
+    F.binary_cross_entropy_with_logits(model(features.double(), pos.double(), edges, anchors, pairs), labels.double()).backward()
+    grads = [p.grad for p in model.position_encoder.parameters()]
+    assert all(g is not None for g in grads) and sum(float(g.abs().sum()) for g in grads) > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model-opt", "gir_positions=8", "--model-opt", "encoder=gir"], "gir_positions applies to encoder='transformer'"),
+        (["--model-opt", "gir_positions=8", "--data-opt", "positions=rwse"], "gir_positions replaces the positions of the data"),
+        (["--model-opt", "gir_positions=64"], "must not exceed dim (32)"),
+        (["--attention", "softmax:relative_bias=spd", "--data-opt", "positions=laplacian"], "relative_bias='spd' reads hop distances"),
+    ],
+)
+def test_bad_position_choices_are_named_in_one_line(args, message, tmp_path, capsys):
+    assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "bad"), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

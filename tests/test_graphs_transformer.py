@@ -19,10 +19,12 @@ from flt.graphs import (
     communities,
     distance_features,
     laplacian_eigenvectors,
+    random_walk_encoding,
     run_pair_classification,
     select_anchors,
     split_links,
     split_node_pairs,
+    standardize_columns,
 )
 from flt.layers import FLTAttention, SoftmaxAttention
 
@@ -133,6 +135,43 @@ def test_laplacian_eigenvectors_are_nontrivial_eigenpairs():
     assert_close(vectors.T @ vectors, torch.eye(6, dtype=F64))
     assert values.min() > 1e-6  # the trivial eigenvector D^1/2 1 (eigenvalue 0) is skipped
     assert_close(vectors.T @ adj.sum(1).sqrt(), torch.zeros(6, dtype=F64))
+
+
+def test_random_walk_encoding_on_a_cycle_and_a_path_by_hand():
+    # 6-cycle: a walk is back after 2 steps with probability 2 / 4 (left-right or right-left),
+    # after 4 with C(4, 2) / 16 = 3/8, after 6 with (C(6, 3) + 2) / 64 = 22/64 (twice round).
+    cycle = torch.tensor([[i, (i + 1) % 6] for i in range(6)])
+    rw = random_walk_encoding(6, cycle, 6)
+    assert rw.shape == (6, 6) and rw.dtype == F64
+    assert_close(rw, torch.tensor([0, 1 / 2, 0, 3 / 8, 0, 22 / 64], dtype=F64).expand(6, 6))
+    # Path 0-1-2 and an isolated node 3: the end nodes come back every two steps with
+    # probability 1/2, the middle one surely; the isolated node has no walk.
+    rw = random_walk_encoding(4, torch.tensor([[0, 1], [1, 2]]), 4)
+    half = torch.tensor([0, 1 / 2, 0, 1 / 2], dtype=F64)
+    assert_close(rw, torch.stack([half, torch.tensor([0, 1, 0, 1], dtype=F64), half, torch.zeros(4, dtype=F64)]))
+
+
+def test_random_walk_encoding_is_the_diagonal_of_the_walk_matrix_powers_of_the_given_edges():
+    g = grid(4)
+    split = split_links(g, seed=0)
+    rw = random_walk_encoding(16, split.train_pos, 5)
+    adj = torch.zeros(16, 16, dtype=F64)
+    adj[split.train_pos[:, 0], split.train_pos[:, 1]] = adj[split.train_pos[:, 1], split.train_pos[:, 0]] = 1
+    deg = adj.sum(1, keepdim=True)
+    walk = torch.where(deg > 0, adj / deg.clamp(min=1), 0.0)
+    expected = torch.stack([torch.linalg.matrix_power(walk, t).diagonal() for t in range(1, 6)], dim=1)
+    assert_close(rw, expected)
+    assert not torch.allclose(rw, random_walk_encoding(16, g.edges, 5))  # the held-out edges are not in it
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        random_walk_encoding(16, g.edges, 0)
+
+
+def test_standardized_columns_have_mean_zero_and_unit_spread_and_constant_columns_vanish():
+    x = torch.tensor([[1.0, 5.0, 0.0], [2.0, 5.0, 4.0], [6.0, 5.0, 2.0]], dtype=F64)
+    z = standardize_columns(x)
+    assert_close(z.mean(0), torch.zeros(3, dtype=F64))
+    assert_close(z[:, [0, 2]].pow(2).mean(0), torch.ones(2, dtype=F64))
+    assert torch.equal(z[:, 1], torch.zeros(3, dtype=F64))
 
 
 def test_lap_pe_flips_signs_only_in_training_and_reproducibly():
