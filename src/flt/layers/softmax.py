@@ -4,15 +4,22 @@ The exact baselines FLT is judged against: plain softmax, a learned per-offset t
 (clipped or T5-bucketed), ALiBi, RoPE, or the exact ``f`` of any FLT spectrum as the bias
 (the exact counterpart of ``FLTAttention(coupling="logit")``) or as a multiplicative mask
 (the counterpart of ``coupling="multiplicative"``).
+
+Causal layers decode token by token from a KV cache (:class:`KVCache`: the RoPE-rotated
+keys, the values and the positions of every token seen), the exact baseline of the linear
+layers' constant-size decoding: token ``t`` costs one row of attention, ``O(t)`` time and
+the cache ``O(t)`` memory. :meth:`SoftmaxAttention.prefill` fills the cache from a whole
+prompt in one forward pass.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
-from flt._checks import check_choice
+from flt._checks import check_choice, check_tensor
 from flt._dtype import compute_dtype
 from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
@@ -27,6 +34,78 @@ from flt.spectra import SPECTRA, Spectrum
 #: :data:`flt.relative.RELATIVE` take theirs as ``relative_options``.
 BUILT_IN = ("t5", "clipped", "alibi", "spectrum")
 RELATIVE_BIASES = (None, *BUILT_IN)
+
+
+@dataclass
+class KVCache:
+    """Decoding state of a causal :class:`SoftmaxAttention`: every token seen so far.
+
+    ``k [B, H, C, D]`` (rotated by RoPE when the layer has it), ``v [B, H, C, Dv]`` and
+    ``pos [B, C, P]`` hold ``length`` tokens in a buffer of capacity ``C >= length``
+    (entries past ``length`` are unused); :attr:`keys`, :attr:`values` and
+    :attr:`positions` are the filled part.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    length: int
+    # How many entries of this buffer any cache sharing it has written (one list per buffer).
+    tip: list = field(default_factory=list, repr=False)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.k[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.v[:, :, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.pos[:, : self.length]
+
+    @staticmethod
+    def start(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> KVCache:
+        """A cache holding ``k [B, H, N, D]``, ``v [B, H, N, Dv]`` at ``pos [B|1, N, P]``."""
+        n = k.shape[2]
+        return KVCache(k, v, pos.expand(k.shape[0], n, pos.shape[-1]), n, [n])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> KVCache:
+        """The cache with one more token (``k [B, H, 1, D]``, ``v [B, H, 1, Dv]``, ``pos
+        [B|1, 1, P]``); this one stays valid.
+
+        Without autograd the token is written into spare capacity (grown by a quarter when
+        full), so appending costs amortised ``O(1)`` copies; when another cache on the same
+        buffer has already written past ``length`` (decoding branched from this state), the
+        filled part is copied first. With autograd the buffers are concatenated, since an
+        in-place write would invalidate tensors saved for the backward pass.
+        """
+        n, B = self.length, self.k.shape[0]
+        if k.shape[0] != B or k.dtype != self.k.dtype:
+            raise ValueError(f"the cache holds batch {B} in {self.k.dtype}; this token has batch {k.shape[0]} in {k.dtype}")
+        pos = pos.to(self.pos.dtype).expand(B, 1, pos.shape[-1])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (self.k, self.v, k, v)):
+            return KVCache.start(torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2), torch.cat([self.positions, pos], 1))
+        kb, vb, pb, tip = self.k, self.v, self.pos, self.tip
+        if tip != [n] or n == kb.shape[2]:
+            cap = n + max(n // 4, 16) if n == kb.shape[2] else kb.shape[2]  # geometric growth: amortised O(1)
+            kb, vb, pb = _resized(self.keys, cap, 2), _resized(self.values, cap, 2), _resized(self.positions, cap, 1)
+            tip = [n]
+        kb[:, :, n] = k[:, :, 0]
+        vb[:, :, n] = v[:, :, 0]
+        pb[:, n] = pos[:, 0]
+        tip[0] = n + 1
+        return KVCache(kb, vb, pb, n + 1, tip)
+
+
+def _resized(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
+    """A new buffer of ``capacity`` entries along ``dim`` starting with ``t``."""
+    shape = list(t.shape)
+    shape[dim] = capacity
+    out = t.new_empty(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
 
 
 class SoftmaxAttention(AttentionBase):
@@ -57,13 +136,18 @@ class SoftmaxAttention(AttentionBase):
             backend, since it is not a softmax).
         rope, rope_base: rotate queries and keys by RoPE at ``pos`` (1-D or axial).
         backend: ``"sdpa"`` (default), ``"flex"`` (FlexAttention; raises where it cannot run,
-            e.g. backward on CPU) or ``"reference"``.
+            e.g. backward on CPU) or ``"reference"``. :meth:`step` attends one query with
+            SDPA, or with the reference backend when ``backend="reference"``.
         **spectrum_options: for ``relative_bias="spectrum"``: ``num_frequencies`` is unused
             by the exact mask but kept so the spectrum matches an FLT layer's; other options
             go to the spectrum (``amplitude`` defaults to 0 for logit, 1 for multiplicative).
+
+    Causal layers decode (``supports_decoding`` is True for them): :meth:`prefill` takes a
+    prompt in one pass and returns its :class:`KVCache`, :meth:`step` one token at a time.
     """
 
-    supports_decoding = False
+    #: Causal instances decode from a KV cache (set per instance in ``__init__``).
+    supports_decoding = True
 
     def __init__(
         self,
@@ -134,6 +218,7 @@ class SoftmaxAttention(AttentionBase):
         elif relative_bias is not None:
             term = build_relative(relative_bias, **fk, **(relative_options or {}))
         self.relative_bias, self.relative = relative_bias, term
+        self.supports_decoding = self.causal
 
     @property
     def spectrum(self) -> Spectrum | None:
@@ -168,19 +253,26 @@ class SoftmaxAttention(AttentionBase):
         # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
         return term if isinstance(self.relative, Spectrum) else term.to(dtype)
 
-    def _attend(self, x, pos, key_padding_mask, backend):
-        p = self.prepare(x, pos, key_padding_mask)
-        q, k = p.q, p.k
+    def _rotated_qk(self, q, k, pos):
         if self.rope:
-            q, k = apply_rope(q, p.pos, base=self.rope_base), apply_rope(k, p.pos, base=self.rope_base)
-        term = self.positional_term(p.pos, q.dtype)
+            return apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
+        return q, k
+
+    def _weights_times_values(self, q, k, v, term, pad, causal: bool, backend: str) -> torch.Tensor:
+        """``[B, H, N, Dv]``: the layer's attention of ``q [B, H, N, D]`` on ``k, v [B, H, Nk, *]``
+        with the positional term ``[B|1, H, N, Nk]`` (bias or multiplicative mask)."""
         if self.coupling == "multiplicative":
             cdt = compute_dtype(q)
-            mask = term if p.pad is None else term * (~p.pad).to(cdt)[:, None, None, :]
-            out = rpe_attention_reference(q.to(cdt), k.to(cdt), p.v.to(cdt), mask=mask, causal=self.causal, scale=1 / math.sqrt(self.head_dim))
-            return self.finish(out, x)
-        out = softmax_attention(q, k, p.v, bias=term, causal=self.causal, key_padding_mask=p.pad, backend=backend)
-        return self.finish(out, x)
+            mask = term if pad is None else term * (~pad).to(cdt)[:, None, None, :]
+            return rpe_attention_reference(q.to(cdt), k.to(cdt), v.to(cdt), mask=mask, causal=causal, scale=1 / math.sqrt(self.head_dim))
+        return softmax_attention(q, k, v, bias=term, causal=causal, key_padding_mask=pad, backend=backend)
+
+    def _attend(self, x, pos, key_padding_mask, backend, *, cache: bool = False):
+        p = self.prepare(x, pos, key_padding_mask)
+        q, k = self._rotated_qk(p.q, p.k, p.pos)
+        term = self.positional_term(p.pos, q.dtype)
+        y = self.finish(self._weights_times_values(q, k, p.v, term, p.pad, self.causal, backend), x)
+        return (y, KVCache.start(k, p.v, p.pos)) if cache else y
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self._attend(x, pos, key_padding_mask, self.backend)
@@ -190,3 +282,53 @@ class SoftmaxAttention(AttentionBase):
         return self._attend(x, pos, key_padding_mask, "reference")
 
     exact = reference
+
+    def _check_decoding(self, what: str) -> None:
+        if not self.causal:
+            raise ValueError(f"{what}() decodes causal attention; build the layer with causal=True")
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """The causal forward over a prompt that also returns its KV cache (``causal=True`` only).
+
+        Args:
+            x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+
+        Returns:
+            ``(y [B, N, dim], cache)``: ``y`` is ``forward(x, pos)``, and :meth:`step` from
+            ``cache`` continues the sequence as if it had been fed token by token.
+        """
+        self._check_decoding("prefill")
+        return self._attend(x, pos, None, self.backend, cache=True)
+
+    def step(self, x: torch.Tensor, state: KVCache | None = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Decode one token from the KV cache (``causal=True`` only).
+
+        Args:
+            x: ``[B, dim]``, the next token.
+            state: the cache returned by the previous call or by :meth:`prefill` (``None`` to start).
+            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
+
+        Returns:
+            ``(y [B, dim], cache)``: feeding a sequence token by token gives the outputs of
+            ``forward``. The token attends to every cached key and itself with the layer's
+            relative term ``relative.bias(pos_q, pos_k)`` (and RoPE), ``O(length)`` per token.
+        """
+        self._check_decoding("step")
+        check_tensor("x", x, ndim=2, layout="[B, dim]")
+        if state is not None and not isinstance(state, KVCache):
+            raise TypeError(f"state must be the KVCache of the previous step (or None), got {type(state).__name__}")
+        if pos is None:
+            pos_seq = self.default_positions(1, x, offset=0 if state is None else state.length)
+        else:
+            check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
+            pos_seq = pos.reshape(-1, 1, pos.shape[-1])
+        p = self.prepare(x.unsqueeze(1), pos_seq, None)
+        q, k = self._rotated_qk(p.q, p.k, p.pos)
+        cache = KVCache.start(k, p.v, p.pos) if state is None else state.append(k, p.v, p.pos)
+        term = None
+        if self.relative is not None:
+            term = self.relative.bias(p.pos, cache.positions)  # [B|1, H, 1, length]
+            term = term if isinstance(self.relative, Spectrum) else term.to(q.dtype)
+        backend = "reference" if self.backend == "reference" else "sdpa"
+        out = self._weights_times_values(q, cache.keys, cache.values, term, None, False, backend)
+        return self.finish(out, x.unsqueeze(1)).squeeze(1), cache
