@@ -16,6 +16,10 @@ At token ``i`` the slot about to be overwritten holds token ``i - w - 1``, the o
 leaves the band at this step: it is folded into the far state before the new token is
 written. The output combines the two parts relative to their largest exponent, so the
 result equals the full forward's row ``i`` (the common factor cancels) without overflow.
+
+:func:`band_prefill` takes a whole prompt in one forward pass and builds the same state
+directly: the ring buffer from the prompt's last ``w + 1`` tokens, the far field from the
+sum over the others.
 """
 
 from __future__ import annotations
@@ -123,6 +127,48 @@ def band_decode_step(layer, x: torch.Tensor, state: BandDecodeState | None, pos_
     out = num / den.unsqueeze(-1)  # den >= exp(0) from the largest exact weight or the far part
     state.position = t + 1
     return layer.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), state
+
+
+def band_prefill(layer, x: torch.Tensor, pos: torch.Tensor | None = None):
+    """The causal forward of a banded :class:`flt.layers.flt.FLTAttention` over a prompt,
+    with the state :func:`band_decode_step` would hold after it.
+
+    Args:
+        layer: the layer (causal, ``near_field = w >= 1``).
+        x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+
+    Returns:
+        ``(y [B, N, dim], state)``: ``y`` is ``layer.forward(x, pos)``; the ring buffer holds
+        tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot ``t % (w + 1)``) and the far
+        field tokens ``0 .. N - w - 2``, relative to their largest key log scale.
+    """
+    if not layer.causal:
+        raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
+    w = layer.near_field
+    p: Prepared = layer.prepare(x, pos, None)
+    y = layer.finish(layer.attend(p), x)
+    _, xk, _, kf, _, k_shift = layer._near_set_features(p)  # [B, H, N, *]
+    B, _, N, _ = xk.shape
+    cdt = xk.dtype
+    v = p.v.to(cdt)
+    pos = p.pos.to(cdt).expand(B, N, p.pos.shape[-1])
+    state = _empty_state(w, xk, v, kf, pos)
+    ring = torch.arange(max(0, N - w - 1), N, device=x.device)
+    slots = ring % (w + 1)
+    state.xk[:, :, slots] = xk[:, :, ring]
+    state.v[:, :, slots] = v[:, :, ring]
+    state.kf[:, :, slots] = kf[:, :, ring]
+    state.kls[:, :, slots] = k_shift[:, :, ring]
+    state.pos[:, slots] = pos[:, ring]
+    far = N - w - 1  # tokens 0 .. far - 1 have left the band
+    if far > 0:
+        kls = k_shift[:, :, :far]
+        state.level = kls.amax(dim=-1)  # [B, H]
+        kf_far = kf[:, :, :far] * torch.exp(kls - state.level.unsqueeze(-1)).unsqueeze(-1)
+        state.kv = kf_far.transpose(-1, -2) @ v[:, :, :far]  # [B, H, m, Dv]
+        state.z = kf_far.sum(dim=-2)
+    state.position = N
+    return y, state
 
 
 def band_step(layer, x: torch.Tensor, state: BandDecodeState | None = None, pos: torch.Tensor | None = None):

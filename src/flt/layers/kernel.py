@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flt._checks import check_positive_int, check_tensor
+from flt.layers.band_decode import band_prefill
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
@@ -138,7 +139,10 @@ class KernelAttention(AttentionBase):
     def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` from projected inputs, by the fast op or (``reference``) its
         O(N^2) formula. Subclasses with another estimator override this."""
-        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
+        return self.attend_features(mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad), p, reference=reference)
+
+    def attend_features(self, f: KernelFeatures, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """``[B, H, N, Dv]`` of the values ``p.v`` weighted by the features ``f``."""
         if reference:
             if f.a is None:
                 return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
@@ -180,3 +184,46 @@ class KernelAttention(AttentionBase):
             f.q[:, :, 0], f.k[:, :, 0], p.v[:, :, 0], state.inner, a=first(f.a), c=first(f.c), key_log_scale=first(f.key_log_scale)
         )
         return self.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), DecodeState(inner, state.position + 1)
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None):
+        """The causal forward over a prompt that also returns the decoding state (``causal=True`` only).
+
+        Args:
+            x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+
+        Returns:
+            ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos)`` and ``state`` the one
+            :meth:`step` would hold after the ``N`` tokens (the linear state of the whole
+            prompt; for a banded FLT layer the ring buffer and far field of
+            :func:`flt.layers.band_decode.band_prefill`), so :meth:`step` continues the sequence.
+        """
+        if not self.causal:
+            raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
+        if getattr(self, "near_field", 0):  # banded FLT (flt.layers.flt): its own state
+            return band_prefill(self, x, pos)
+        p = self.prepare(x, pos, None)
+        f = self.features(p.q, p.k, p.pos)
+        y = self.finish(self.attend_features(f, p), x)
+        return y, DecodeState(linear_state(f, p.v), x.shape[1])
+
+
+def linear_state(f: KernelFeatures, v: torch.Tensor) -> RecurrentState:
+    """The :class:`flt.ops.linear.RecurrentState` after keys ``f.k [B, H, N, m]`` (with
+    ``f.c``, ``f.key_log_scale``) and values ``v [B, H, N, Dv]``: what
+    :func:`flt.ops.linear.recurrent_step` accumulates token by token, in one sum over ``N``
+    relative to the largest key log scale."""
+    kf = f.k
+    B, H, N, m = kf.shape
+    dtype = torch.promote_types(torch.promote_types(f.q.dtype, kf.dtype), v.dtype)
+    kf, v = kf.to(dtype), v.to(dtype)
+    if f.key_log_scale is None:
+        level = kf.new_zeros(B, H)
+    else:
+        kls = f.key_log_scale.to(dtype)
+        level = kls.amax(dim=-1)
+        kf = kf * torch.exp(kls - level.unsqueeze(-1)).unsqueeze(-1)
+    c = kf.new_ones(1, H, N, 1) if f.c is None else f.c.to(dtype)  # plain linear attention: 2R = 1
+    c = c.expand(B, H, N, c.shape[-1])
+    kv = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v).flatten(-2)  # [B, H, 2R, m*Dv]
+    z = torch.einsum("bhnr,bhnm->bhrm", c, kf)
+    return RecurrentState(kv, z, level, N)

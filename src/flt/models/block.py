@@ -74,8 +74,15 @@ class Block(nn.Module):
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x)))
 
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor):
+        """The forward over a prompt ``x [B, N, dim]`` that also returns the attention layer's
+        decoding state (its ``prefill``): ``-> (y [B, N, dim], state)``."""
+        a, state = self.attn.prefill(self.norm1(x), pos)
+        x = x + self.drop(a)
+        return x + self.drop(self.mlp(self.norm2(x))), state
+
     def step(self, x: torch.Tensor, state, pos: torch.Tensor | None = None):
-        """One token ``x [B, dim]`` with the layer's constant-size state: ``-> (y [B, dim], state)``."""
+        """One token ``x [B, dim]`` with the layer's decoding state: ``-> (y [B, dim], state)``."""
         a, state = self.attn.step(self.norm1(x), state, pos)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x))), state
@@ -100,13 +107,23 @@ class Trunk(nn.Module):
 
     @property
     def supports_decoding(self) -> bool:
-        """True when every layer has a constant-size ``step`` (linear mechanisms)."""
+        """True when every layer decodes token by token (``prefill`` and ``step``): with a
+        constant-size state (linear mechanisms) or a KV cache (causal softmax)."""
         return all(getattr(b.attn, "supports_decoding", False) for b in self.blocks)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         for block in self.blocks:
             x = block(x, pos, key_padding_mask, exact=exact)
         return self.norm(x)
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor):
+        """``x [B, N, dim]`` at ``pos [B, N, P]`` in one pass -> ``(y [B, N, dim], states)``:
+        ``y`` is :meth:`forward`'s, ``states`` what :meth:`step` continues from."""
+        states = []
+        for block in self.blocks:
+            x, state = block.prefill(x, pos)
+            states.append(state)
+        return self.norm(x), states
 
     def step(self, x: torch.Tensor, states: list | None, pos: torch.Tensor | None = None):
         """``x [B, dim]``, per-layer states (``None`` to start) -> ``(y [B, dim], states)``."""

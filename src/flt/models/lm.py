@@ -2,9 +2,11 @@
 
 Positions are the token indices ``0 .. T-1`` as ``[B, T, 1]`` floats, fed both to the
 absolute encoding and to the attention layers (relative mechanisms such as FLT use only
-their differences). Generation with a linear mechanism carries each layer's
-constant-size recurrent state (``layer.step``), so its memory does not grow with the
-text; other mechanisms recompute the last ``max_len`` tokens at every step.
+their differences). Generation takes the prompt in one forward pass that also returns
+every layer's decoding state (:meth:`CausalLM.prefill`), then one token at a time from it
+(:meth:`CausalLM.step`): a constant-size state for the linear mechanisms, whose memory does
+not grow with the text, a KV cache for exact softmax. Mechanisms that cannot decode
+(Toeplitz) recompute the last ``max_len`` tokens at every step.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class CausalLM(nn.Module):
 
     @property
     def supports_decoding(self) -> bool:
-        """True when every attention layer decodes with a constant-size state."""
+        """True when every attention layer decodes token by token: with a constant-size
+        state (FLT, Performer) or a KV cache (causal softmax)."""
         return self.trunk.supports_decoding
 
     def _pos_dtype(self) -> torch.dtype:
@@ -83,8 +86,8 @@ class CausalLM(nn.Module):
         idx = torch.arange(offset, offset + length, device=self.embed.weight.device, dtype=self._pos_dtype())
         return idx.view(1, length, 1).expand(batch, length, 1)
 
-    def forward(self, tokens: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
-        """``tokens [B, T]`` -> next-token logits ``[B, T, V]``; ``exact`` uses each layer's ``exact``."""
+    def _inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedded ``tokens [B, T]`` and their positions: ``([B, T, dim], [B, T, 1])``."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T], got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -92,16 +95,36 @@ class CausalLM(nn.Module):
         if self.cape is not None:
             pos = self.cape(pos)
         x = self.embed(tokens) + self.posenc(pos).to(self.embed.weight.dtype)
-        x = self.trunk(self.drop(x), pos, exact=exact)
-        return F.linear(x, self.embed.weight)
+        return self.drop(x), pos
+
+    def forward(self, tokens: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        """``tokens [B, T]`` -> next-token logits ``[B, T, V]``; ``exact`` uses each layer's ``exact``."""
+        x, pos = self._inputs(tokens)
+        return F.linear(self.trunk(x, pos, exact=exact), self.embed.weight)
+
+    def prefill(self, tokens: torch.Tensor) -> tuple[torch.Tensor, LMState]:
+        """Take a prompt ``tokens [B, T]`` in one forward pass: ``-> (logits [B, T, V], state)``.
+
+        The logits are :meth:`forward`'s; :meth:`step` from ``state`` continues the text as
+        if the prompt had been fed token by token (in eval mode), at the cost of one
+        forward instead of ``T`` steps.
+        """
+        self._check_decoding("prefill")
+        x, pos = self._inputs(tokens)
+        x, layers = self.trunk.prefill(x, pos)
+        return F.linear(x, self.embed.weight), LMState(layers, tokens.shape[1])
+
+    def _check_decoding(self, what: str) -> None:
+        if not self.supports_decoding:
+            names = sorted({b.attention_name for b in self.trunk.blocks if not getattr(b.attn, "supports_decoding", False)})
+            raise ValueError(f"{what}() needs attention layers that decode token by token (supports_decoding); {names} do not")
 
     def step(self, tokens: torch.Tensor, state: LMState | None = None) -> tuple[torch.Tensor, LMState]:
         """Feed one token per sequence, ``tokens [B]``: ``-> (logits [B, V], state)``.
 
         Feeding a sequence token by token gives the logits of :meth:`forward` (in eval mode).
         """
-        if not self.supports_decoding:
-            raise ValueError("step() needs attention layers with a constant-size state (supports_decoding)")
+        self._check_decoding("step")
         state = state or LMState(layers=None, position=0)
         B = tokens.shape[0]
         pos = self.positions(B, 1, offset=state.position)  # [B, 1, 1]
@@ -123,8 +146,12 @@ class CausalLM(nn.Module):
         """Continue ``prompt [B, T0]`` by ``max_new_tokens`` tokens: ``-> [B, T0 + new]``.
 
         ``temperature = 0`` is greedy decoding; ``top_k`` keeps the k most likely tokens.
-        ``recurrent`` (default: whenever the layers support it) decodes with the
-        constant-size state; otherwise each step recomputes the last ``max_len`` tokens.
+        ``recurrent`` (default: whenever the layers support it, ``supports_decoding``) takes
+        the prompt in one pass (:meth:`prefill`) and then decodes token by token from each
+        layer's state (:meth:`step`: constant-size for FLT and Performer, a KV cache for
+        softmax); positions keep counting past ``max_len``. ``recurrent=False`` recomputes
+        the forward over the last ``max_len`` tokens at every step (positions restart at 0
+        in that window), so the two agree while ``T0 + max_new_tokens <= max_len``.
         Call in eval mode for deterministic layers (no dropout, no CAPE).
         """
         if prompt.ndim != 2 or prompt.shape[1] < 1:
@@ -136,13 +163,13 @@ class CausalLM(nn.Module):
             raise ValueError("recurrent generation needs attention layers that support decoding")
         out = prompt
         if recurrent:
-            state = None
-            for t in range(prompt.shape[1]):
-                logits, state = self.step(prompt[:, t], state)
-            for _ in range(max_new_tokens):
+            logits, state = self.prefill(prompt)
+            logits = logits[:, -1]
+            for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, generator)
                 out = torch.cat([out, nxt[:, None]], dim=1)
-                logits, state = self.step(nxt, state)
+                if i + 1 < max_new_tokens:  # the last token's logits are never used
+                    logits, state = self.step(nxt, state)
             return out
         for _ in range(max_new_tokens):
             logits = self(out[:, -self.max_len :])[:, -1]
