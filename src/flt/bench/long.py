@@ -18,6 +18,11 @@ spectrum, materialised as ``[B, H, N, N]`` and passed to SDPA), and exact softma
 buckets (the cheapest exact relative bias). A mechanism stops growing ``N`` once a step
 takes more than ``max_step_s``. Results: ``long.json``, ``long.md`` (table and crossover
 ``N``) and ``long.png`` (ms/step and peak MiB against ``N``, log-log, the crossover marked).
+
+``--decode`` measures generation instead (:func:`decode_speed`), in this process: at each
+``--lengths`` prompt, the prompt's prefill in seconds and the decoding speed in new tokens
+per second from each layer's state (constant-size for FLT and Performer, a KV cache for
+exact softmax), with the bytes the state holds. Results: ``decode.json``.
 """
 
 from __future__ import annotations
@@ -94,15 +99,23 @@ def worker(cfg: dict) -> dict:
 
 def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, threads: int = 1) -> dict:
     """Generation speed of the small model at a ``prompt_len``-byte prompt (untrained
-    weights: speed does not depend on them). Mechanisms that decode with a constant-size
-    state (FLT, Performer) take the prompt token by token and then generate from the state;
-    the others have no KV cache in flt, so each new token recomputes the last ``max_len =
-    prompt_len`` tokens (:meth:`flt.models.CausalLM.generate` with ``recurrent=False``)."""
+    weights: speed does not depend on them), greedy, batch 1.
+
+    Mechanisms that decode (:attr:`flt.models.CausalLM.supports_decoding`: FLT and
+    Performer with a constant-size state, exact softmax with a KV cache) take the prompt in
+    one forward pass (:meth:`flt.models.CausalLM.prefill`, ``prefill_s``), then generate
+    ``new_tokens`` one at a time from the state (``decode_s``, ``tokens_per_s``);
+    ``state_bytes`` is the memory the decoding state holds after them and ``state`` its
+    kind. The others (Toeplitz) recompute the last ``max_len = prompt_len`` tokens for
+    every new token (:meth:`flt.models.CausalLM.generate` with ``recurrent=False``).
+    """
     import torch
 
     from flt.data.pysource import load_python_source
     from flt.models.lm import sample_next
 
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens!r}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = build(mechanism, prompt_len).eval()
@@ -111,22 +124,45 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
     with torch.no_grad():
         if model.supports_decoding:
             t0 = time.perf_counter()
-            state = None
-            for t in range(prompt_len):
-                logits, state = model.step(prompt[:, t], state)
+            logits, state = model.prefill(prompt)
+            logits = logits[:, -1]
             out["prefill_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             for _ in range(new_tokens):
                 logits, state = model.step(sample_next(logits, 0, None, None), state)
             out["decode_s"] = time.perf_counter() - t0
-            tensors = [v for layer in state.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
-            out["state_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
+            out["state"] = sorted({type(layer).__name__ for layer in state.layers})
+            out["state_bytes"] = state_bytes(state.layers)
         else:
             t0 = time.perf_counter()
             model.generate(prompt, new_tokens, temperature=0, recurrent=False)
             out["decode_s"] = time.perf_counter() - t0
     out["tokens_per_s"] = new_tokens / out["decode_s"]
     return out
+
+
+def state_bytes(state) -> int:
+    """Bytes of the distinct tensor storages reachable from a decoding state (dataclasses,
+    lists and tuples of them): the memory it holds, spare capacity of a KV cache included."""
+    import dataclasses
+
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name))
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+
+    walk(state)
+    return sum(seen.values())
 
 
 def crossover(rows: list[dict], fast: str, exact: str, key: str = "ms_per_step") -> float | None:
@@ -210,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=20.0, help="time budget of the timed steps per configuration")
     parser.add_argument("--max-step-s", type=float, default=60.0, help="stop growing N for a mechanism past this step time")
-    parser.add_argument("--decode", action="store_true", help="measure generation speed at a --lengths prompt instead")
+    parser.add_argument("--decode", action="store_true",
+                        help="measure generation at a --lengths prompt instead: prefill seconds and decoding tokens/s")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated with --decode")
     parser.add_argument("--max-mem-gb", type=float, default=8.0, help="address-space limit of each worker (GiB)")
     args = parser.parse_args(argv)
