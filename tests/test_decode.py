@@ -133,7 +133,8 @@ def test_softmax_decoding_keeps_gradients():
 
 KERNEL_LAYERS = {
     "flt-logit": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4),
-    "flt-multiplicative": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", amplitude=0.5),
+    "flt-multiplicative": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", amplitude=0.5,
+                                               chunk_size=4),  # the prefill state sums in several chunks
     "flt-multiplicative-relu": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", feature_map="relu"),
     "flt-band": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0),
     "flt-band-rope": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=3, rope=True),

@@ -204,14 +204,15 @@ class KernelAttention(AttentionBase):
         p = self.prepare(x, pos, None)
         f = self.features(p.q, p.k, p.pos)
         y = self.finish(self.attend_features(f, p), x)
-        return y, DecodeState(linear_state(f, p.v), x.shape[1])
+        return y, DecodeState(linear_state(f, p.v, self.chunk_size), x.shape[1])
 
 
-def linear_state(f: KernelFeatures, v: torch.Tensor) -> RecurrentState:
+def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> RecurrentState:
     """The :class:`flt.ops.linear.RecurrentState` after keys ``f.k [B, H, N, m]`` (with
     ``f.c``, ``f.key_log_scale``) and values ``v [B, H, N, Dv]``: what
     :func:`flt.ops.linear.recurrent_step` accumulates token by token, in one sum over ``N``
-    relative to the largest key log scale."""
+    relative to the largest key log scale (in chunks of ``chunk_size`` tokens, which bounds
+    the ``[chunk, 2R, m]`` products of the multiplicative coupling)."""
     kf = f.k
     B, H, N, m = kf.shape
     dtype = torch.promote_types(torch.promote_types(f.q.dtype, kf.dtype), v.dtype)
@@ -224,6 +225,9 @@ def linear_state(f: KernelFeatures, v: torch.Tensor) -> RecurrentState:
         kf = kf * torch.exp(kls - level.unsqueeze(-1)).unsqueeze(-1)
     c = kf.new_ones(1, H, N, 1) if f.c is None else f.c.to(dtype)  # plain linear attention: 2R = 1
     c = c.expand(B, H, N, c.shape[-1])
-    kv = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v).flatten(-2)  # [B, H, 2R, m*Dv]
+    kv = kf.new_zeros(B, H, c.shape[-1], m, v.shape[-1])
+    for s in range(0, N, chunk_size):
+        e = min(s + chunk_size, N)
+        kv += torch.einsum("bhnr,bhnm,bhnd->bhrmd", c[:, :, s:e], kf[:, :, s:e], v[:, :, s:e])
     z = torch.einsum("bhnr,bhnm->bhrm", c, kf)
-    return RecurrentState(kv, z, level, N)
+    return RecurrentState(kv.flatten(-2), z, level, N)  # kv: [B, H, 2R, m*Dv]
