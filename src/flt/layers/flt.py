@@ -21,7 +21,7 @@ from einops import rearrange
 
 from flt._checks import check_choice
 from flt._dtype import compute_dtype
-from flt.layers.band_decode import band_step
+from flt.layers.band_decode import band_prefill, band_step
 from flt.layers.base import batch_shared
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
@@ -187,6 +187,17 @@ class FLTAttention(KernelAttention):
         if self.near_field:
             return band_step(self, x, state, pos)
         return super().step(x, state, pos)
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None):
+        """The causal forward over a prompt and the decoding state :meth:`step` continues
+        from: with ``near_field`` the band's ring buffer and far field
+        (:func:`flt.layers.band_decode.band_prefill`), else the linear state
+        (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
+        if self.near_field:
+            if not self.causal:
+                raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
+            return band_prefill(self, x, pos)
+        return super().prefill(x, pos)
 
     def features(self, q, k, pos) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from flt._checks import check_positive_int, check_tensor
-from flt.layers.band_decode import band_prefill
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
@@ -194,13 +193,11 @@ class KernelAttention(AttentionBase):
         Returns:
             ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos)`` and ``state`` the one
             :meth:`step` would hold after the ``N`` tokens (the linear state of the whole
-            prompt; for a banded FLT layer the ring buffer and far field of
+            prompt; :class:`flt.layers.flt.FLTAttention` with a band overrides this with
             :func:`flt.layers.band_decode.band_prefill`), so :meth:`step` continues the sequence.
         """
         if not self.causal:
             raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
-        if getattr(self, "near_field", 0):  # banded FLT (flt.layers.flt): its own state
-            return band_prefill(self, x, pos)
         p = self.prepare(x, pos, None)
         f = self.features(p.q, p.k, p.pos)
         y = self.finish(self.attend_features(f, p), x)

@@ -3,8 +3,10 @@
 ``ATTENTION[name](dim, heads, *, pos_dim=1, causal=False, device=None, dtype=None, **options)``
 builds a module with ``forward(x [B, N, dim], pos=None, key_padding_mask=None) -> [B, N, dim]``
 and ``reference(...)``, the same computation by the O(N^2) reference (what benchmarks check
-before timing). Layers that decode token by token with a constant-size state have
-``supports_decoding = True`` and ``step(x [B, dim], state=None, pos=None) -> (y, state)``.
+before timing). Layers that decode token by token (a constant-size state for the kernel
+mechanisms, a KV cache for causal softmax) have ``supports_decoding = True``,
+``step(x [B, dim], state=None, pos=None) -> (y, state)`` and ``prefill(x [B, N, dim],
+pos=None) -> (y, state)``, the causal forward over a prompt with the state after it.
 The same dict drives the CLI choices, the benchmarks and the test parametrisation.
 
 Options are checked against the constructor's signature whenever an entry is built

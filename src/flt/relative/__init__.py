@@ -1,7 +1,8 @@
 """Relative positional terms behind one interface (:class:`RelativeTerm`) and one registry.
 
 :data:`RELATIVE` (in :mod:`flt.relative.registry`) maps a name to a term class: the
-learned offset tables (``"t5"``, ``"clipped"``), ``"alibi"``, and every spectrum of
+learned offset tables (``"t5"``, ``"clipped"``), ``"alibi"``, the hop-distance table of
+graphs (``"spd"``, over anchor-distance or distance-matrix positions), and every spectrum of
 :data:`flt.spectra.SPECTRA` under its own name (the terms FLT can estimate in linear
 time). :func:`build_relative` builds one with the arguments a layer knows (heads, position
 dimension, causality). docs/extending.md says how to add one.
