@@ -1,0 +1,159 @@
+"""``flt evaluate RUN``: a trained model's validation metric, on other random draws or
+with other estimator settings.
+
+A model with random features computes with one draw of them; ``flt train`` ends with the
+draw gap (its metric on its own draw, on fresh draws and with exact attention,
+docs/math.md 5.2). This command measures the same on a saved run, and also with the
+estimator changed by ``--attn-opt``: more random features or frequencies
+(``num_features``, ``num_frequencies``), another frequency sampler (``sampler=qmc``),
+another near set (``near_neighbors``), without retraining. It answers "how much of my
+trained model's error is the estimator's, and what would a larger budget at inference
+buy?".
+
+Only the random draws may change shape: every learned tensor of the checkpoint must fit
+the model built with the new options (an option that adds or reshapes parameters is an
+error naming them). With no ``--attn-opt`` the fresh draws and the exact evaluation are
+those of ``flt train``'s draw gap, so the numbers equal ``summary.json``'s ``draw_gap``.
+
+Examples::
+
+    flt evaluate runs/molecule-flt-small-s0
+    flt evaluate runs/molecule-flt-small-s0 --attn-opt num_frequencies=1024 --attn-opt sampler=qmc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "evaluate", help="re-evaluate a trained run on fresh draws, exactly, or with other estimator settings",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="run directory (its latest checkpoint) or checkpoint directory")
+    p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE",
+                   help="attention option changed before evaluating (repeatable), e.g. num_frequencies=1024")
+    p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
+    p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
+    p.add_argument("--batch-size", type=int, default=None, help="evaluation batch size (default: the run's)")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="validation batches (default: the run's draw_gap_batches, i.e. the draw gap's)")
+    p.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, value, allow_zero: bool = False) -> None:
+    low = 0 if allow_zero else 1
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def load_with_draws(model, state: dict, changed: dict) -> bool:
+    """Load ``state`` into ``model``, where only the random draws may differ in shape.
+
+    Returns True when the checkpoint's draws were all loaded, False when some draw buffer
+    has a new shape (it keeps the model's fresh draw until a fixed draw replaces it). Raises
+    ValueError naming the learned tensors that do not fit, and the ``changed`` options.
+    """
+    # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws).
+    draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
+             for b in getattr(mod, "random_feature_buffers", ())}
+    target = model.state_dict()
+    missing = sorted(k for k in target if k not in state and k not in draws)
+    unexpected = sorted(k for k in state if k not in target)
+    misfit = sorted(k for k in state if k in target and k not in draws and state[k].shape != target[k].shape)
+    if missing or unexpected or misfit:
+        parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+                 for label, keys in (("new", missing), ("gone", unexpected), ("reshaped", misfit)) if keys]
+        raise ValueError(f"the options {changed} change learned tensors of the checkpoint ({'; '.join(parts)}); "
+                         "only random draws (feature projections, frequency draws) may change")
+    own = all(k in state and state[k].shape == target[k].shape for k in draws)
+    model.load_state_dict({k: v for k, v in state.items() if k not in draws or v.shape == target[k].shape}, strict=False)
+    return own
+
+
+def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
+                 batch_size: int | None = None, max_batches: int | None = None, device="cpu") -> dict:
+    """The metrics of a saved run: ``{"metric", "options", "own", "fresh", "fresh_mean",
+    "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without changed
+    options; ``exact`` None when skipped or too large, as for the draw gap)."""
+    import statistics
+
+    from safetensors.torch import load_file
+
+    from flt.layers.draws import fixed_draw
+    from flt.tasks import config_from_dict, load_task
+    from flt.tasks.preset import run_config_from_dict
+    from flt.train import checkpoint as ckpt_io
+    from flt.train import drawgap as DG
+    from flt.train.distributed import Context, resolve_device
+    from flt.train.loop import evaluate
+
+    _positive("--draws", draws, allow_zero=True)
+    _positive("--batch-size", batch_size)
+    _positive("--max-batches", max_batches)
+    dev = resolve_device(device) if isinstance(device, str) else device
+    ckpt = ckpt_io.find_checkpoint(path)
+    meta = ckpt_io.read_checkpoint_config(ckpt)
+    model_dict = json.loads(json.dumps(meta["model"]))
+    changed = dict(attention_options or {})
+    if changed and model_dict.get("layer_attention"):
+        raise ValueError("--attn-opt changes the model's one attention; this run chooses one per layer (layer_attention)")
+    model_dict["attention_options"] = {**model_dict.get("attention_options", {}), **changed}
+    cfg = config_from_dict(model_dict)
+    run = run_config_from_dict(meta["preset"]["run"])
+    task = load_task(meta["preset"]["task"], meta["preset"].get("data", {}))
+    model = type(task).build_model(cfg, device=dev)
+    own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)), changed)
+    model.eval()
+    ctx = Context(0, 1, dev)
+    bs = batch_size or run.eval_batch_size or run.batch_size
+    batches = max_batches if max_batches is not None else run.draw_gap_batches
+    metric = task.metric
+
+    def measure(m, size=bs):
+        return float(evaluate(task, m, ctx, size, batches)[metric])
+
+    fresh = []
+    for i in range(draws):
+        with fixed_draw(model, DG.draw_seed(run.seed, f"fresh-{i}")):
+            fresh.append(measure(model))
+    exact_value = None
+    if exact:
+        exact_bs = DG.exact_batch_size(task, model, cfg, bs)
+        if exact_bs is not None:
+            exact_value = measure(DG.ExactForward(model), exact_bs)
+    return {
+        # The own draw is the trained configuration's: with changed options there is none.
+        "metric": metric, "options": changed, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "fresh_mean": statistics.fmean(fresh) if fresh else None,
+        "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
+        "exact": exact_value,
+    }
+
+
+def run(args) -> int:
+    import torch
+
+    from flt.options import parse_assignments
+
+    if args.threads is not None:
+        _positive("--threads", args.threads)
+        torch.set_num_threads(args.threads)
+    options = parse_assignments(args.attn_opt, "--attn-opt")
+    res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
+                       batch_size=args.batch_size, max_batches=args.max_batches, device=args.device)
+    num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
+    fresh = " ".join(num(v) for v in res["fresh"])
+    print(f"{res['metric']} with {options or 'the trained options'}: own draw {num(res['own'])}, "
+          f"fresh draws {fresh or 'none'} (mean {num(res['fresh_mean'])} ± {num(res['fresh_std'])}), exact {num(res['exact'])}")
+    if args.out:
+        from flt._io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(res, indent=2))
+    return 0

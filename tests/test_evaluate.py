@@ -1,0 +1,72 @@
+"""``flt evaluate``: a saved run's metric on fresh draws, exactly, and with other estimator
+settings (flt.commands.evaluate)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from flt.cli import main
+from flt.commands.evaluate import evaluate_run
+from flt.train import get_preset, train
+from flt.train.config import Preset
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def molecule_run(tmp_path_factory):
+    """A few steps of the molecule task's FLT (multiplicative, near set) on 48 structures."""
+    root = tmp_path_factory.mktemp("evaluate")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
+    p = get_preset("molecule", "smoke", "flt")
+    model = dataclasses.replace(p.model, dim=16, attention_options={**p.model.attention_options, "near_neighbors": 4})
+    run = dataclasses.replace(p.run, steps=4, batch_size=4, eval_every=2, log_every=1, checkpoint_every=2)
+    preset = Preset("molecule", model, run, {**p.data, "num_samples": 48, "progress": False})
+    summary = train(preset, str(root / "run"), progress=False, plots=False)
+    yield str(root / "run"), summary
+    mp.undo()
+
+
+def test_without_options_it_reproduces_the_draw_gap_of_the_run(molecule_run):
+    path, summary = molecule_run
+    res = evaluate_run(path)
+    gap = summary["draw_gap"]
+    assert res["metric"] == summary["metric"] == "mae" and res["options"] == {}
+    for key in ("own", "fresh_mean", "fresh_std", "exact"):
+        assert res[key] == pytest.approx(gap[key], rel=1e-6), key
+    assert len(res["fresh"]) == 3
+
+
+def test_changed_estimator_settings_are_evaluated_on_fresh_draws(molecule_run):
+    path, summary = molecule_run
+    res = evaluate_run(path, {"num_frequencies": 64, "num_features": 32, "sampler": "qmc"}, draws=2, exact=False)
+    assert res["own"] is None and res["exact"] is None  # no own draw for other settings; exact skipped
+    assert len(res["fresh"]) == 2 and all(math.isfinite(v) for v in res["fresh"])
+    assert res["fresh"] != pytest.approx(evaluate_run(path, draws=2, exact=False)["fresh"])  # the estimator changed
+    # Every pair in the near set: the estimate is the exact attention, on any draw.
+    everything = evaluate_run(path, {"near_neighbors": 64}, draws=2)
+    assert everything["fresh"] == pytest.approx([everything["exact"]] * 2, rel=1e-5)
+    assert everything["exact"] == pytest.approx(summary["draw_gap"]["exact"], rel=1e-5)
+
+
+def test_options_that_change_learned_tensors_are_refused(molecule_run):
+    path, _ = molecule_run
+    with pytest.raises(ValueError, match=r"qk_norm.*learned tensors.*gone: .*log_temperature"):
+        evaluate_run(path, {"qk_norm": False})
+    with pytest.raises(ValueError, match="--draws must be >= 0"):
+        evaluate_run(path, draws=-1)
+
+
+def test_the_command_prints_and_writes_json(molecule_run, tmp_path, capsys):
+    path, _ = molecule_run
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", path, "--draws", "1", "--no-exact", "--attn-opt", "num_frequencies=16", "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert "mae with {'num_frequencies': 16}: own draw n/a, fresh draws" in line and "exact n/a" in line
+    saved = json.loads(out.read_text())
+    assert saved["options"] == {"num_frequencies": 16} and len(saved["fresh"]) == 1
