@@ -196,3 +196,19 @@ def test_feature_map_forward_split_equals_forward_of_the_concatenation():
     torch.testing.assert_close(shift, ref_shift, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="forward_split needs feature_map='favor\\+'"):
         FeatureMap(10, 12, kind="relu").forward_split(x.float(), extra.float())
+
+
+def test_relu_kernel_is_the_mean_of_relu_features():
+    from flt.ops import relu_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    exact = relu_kernel(x, y)
+    # On the diagonal of relu_kernel(x, x): E[relu(w.x)^2] = |x|^2 / 2 exactly.
+    assert torch.allclose(torch.diagonal(relu_kernel(x, x)), 0.5 * (x * x).sum(-1), rtol=1e-6)
+    w = torch.randn(400_000, 4, generator=gen, dtype=torch.float64)
+    mc = relu_features(x, w) @ relu_features(y, w).T
+    assert torch.allclose(mc, exact, rtol=0.02, atol=0.01), (mc - exact).abs().max()
+    assert (exact >= 0).all()
+    # Opposite vectors share no half-space: the kernel vanishes.
+    assert relu_kernel(x[:1], -x[:1]).abs().item() < 1e-5

@@ -241,3 +241,28 @@ def test_bad_input_is_rejected(build, call, err, match):
     with pytest.raises(err, match=match):
         lay = FLTAttention(dim, heads, **kwargs)
         call(lay)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
+    """exact() is the attention the features estimate: elu's own kernel (equal to forward for
+    Performer, and for FLT up to the mask's estimate, exact for a constant mask), the
+    arc-cosine kernel for relu (close at many features)."""
+    from flt.layers.performer import PerformerAttention
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, -3:] = True
+    pos = torch.arange(12, dtype=torch.float64).view(12, 1)
+    perf = PerformerAttention(16, 2, causal=causal, feature_map="elu", dtype=torch.float64)
+    kp = None if causal else pad
+    assert torch.allclose(perf(x, key_padding_mask=kp), perf.exact(x, key_padding_mask=kp), atol=1e-12)
+    flat = FLTAttention(16, 2, causal=causal, coupling="multiplicative", feature_map="elu", spectrum="gaussian",
+                        length_scale=1e7, amplitude=1.5, dtype=torch.float64)  # f = 1.5 at every offset
+    assert torch.allclose(flat(x, pos, kp), flat.exact(x, pos, kp), atol=1e-9)
+    relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
+    out, ref = relu(x), relu.exact(x)
+    assert ((out - ref).norm() / ref.norm()).item() < 0.05
+    with pytest.raises(ValueError, match="near sets .* need feature_map='favor\\+'"):
+        FLTAttention(16, 2, coupling="multiplicative", feature_map="elu", near_neighbors=4)

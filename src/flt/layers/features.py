@@ -12,6 +12,7 @@ from flt.ops.features import (
     favor_plus_features_split,
     gaussian_orthogonal_random_matrix,
     relu_features,
+    relu_kernel,
 )
 
 FEATURE_MAPS = ("favor+", "relu", "elu")
@@ -104,6 +105,17 @@ class FeatureMap(nn.Module):
         if self.kind == "relu":
             return relu_features(x, self.projection), None
         return elu_features(x), None
+
+    def exact_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor | None:
+        """The kernel these features estimate, ``[..., N, Nk]``, or None for ``"favor+"``
+        (its kernel ``exp(xq.xk)`` is the reference's logits): ``"relu"`` the arc-cosine
+        kernel :func:`flt.ops.features.relu_kernel` (the features' mean over projections),
+        ``"elu"`` its own deterministic ``phi(xq).phi(xk)``."""
+        if self.kind == "favor+":
+            return None
+        if self.kind == "relu":
+            return relu_kernel(xq, xk)
+        return elu_features(xq) @ elu_features(xk).transpose(-1, -2)
 
     def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FAVOR+ features of ``[x, extra]`` without the concatenation:

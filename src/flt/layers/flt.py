@@ -27,7 +27,6 @@ from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
-from flt.ops.reference import rpe_attention_reference
 from flt.spectra import SPECTRA
 
 COUPLINGS = ("logit", "multiplicative")
@@ -147,6 +146,8 @@ class FLTAttention(KernelAttention):
         self.near_neighbors = near_neighbors
         if near_field and near_neighbors:
             raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")
+        if (near_field or near_neighbors) and feature_map != "favor+":
+            raise ValueError(f"near sets hold exact softmax weights exp(x_q.x_k) next to the estimate: they need feature_map='favor+', got {feature_map!r}")
         if near_neighbors and causal:
             raise ValueError("near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, or near_field for causal sequences")
         if near_field and coupling != "logit":
@@ -282,8 +283,10 @@ class FLTAttention(KernelAttention):
 
         The exact softmax kernel ``exp(x_q.x_k)`` and the exact mask ``f`` of the spectrum:
         ``softmax(x_q.x_k + f)`` for the logit coupling, ``f * exp(x_q.x_k)`` normalised for
-        the multiplicative one. As ``num_features`` and ``num_frequencies`` grow, ``forward``
-        converges to this.
+        the multiplicative one; with ``feature_map="relu"`` or ``"elu"`` the kernel those
+        features estimate instead of ``exp(x_q.x_k)``
+        (:meth:`flt.layers.kernel.KernelAttention.exact_attention`). As ``num_features`` and
+        ``num_frequencies`` grow, ``forward`` converges to this.
         """
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
@@ -304,8 +307,7 @@ class FLTAttention(KernelAttention):
         pad = self.padding_mask_matrix(p.pad, cdt)
         v = p.v.to(cdt)
         if self.coupling == "logit":
-            out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), v, bias=f, mask=pad, causal=self.causal, scale=1.0)
+            out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, bias=f, mask=pad)
         else:
-            mask = f if pad is None else f * pad
-            out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), v, mask=mask, causal=self.causal, scale=1.0)
+            out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, mask=f if pad is None else f * pad)
         return self.finish(out, x)

@@ -17,7 +17,7 @@ from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, linear_attention, recurrent_step
-from flt.ops.reference import flt_attention_reference, linear_attention_reference
+from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
 from flt.posenc.rope import apply_rope
 
 
@@ -149,6 +149,20 @@ class KernelAttention(AttentionBase):
         if f.a is None:
             return linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
         return flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+
+    def exact_attention(self, xq, xk, v, *, mask=None, bias=None) -> torch.Tensor:
+        """O(N^2) attention with the exact kernel the feature map estimates (``exp(x_q.x_k)``
+        for FAVOR+, :meth:`flt.layers.features.FeatureMap.exact_kernel` otherwise), times
+        ``mask`` and ``exp(bias)``, normalised over the keys: the core of ``exact()``."""
+        kernel = self.feature_map.exact_kernel(xq, xk)
+        if kernel is None:
+            return rpe_attention_reference(xq, xk, v, mask=mask, bias=bias, causal=self.causal, scale=1.0)
+        if bias is not None:
+            raise ValueError(f"a logit bias needs the exponential kernel (feature_map='favor+'), this map is {self.feature_map.kind!r}")
+        weights = kernel if mask is None else kernel * mask
+        # Zero logits: the weights are the kernel times the mask.
+        zq, zk = xq.new_zeros(*xq.shape[:-1], 1), xk.new_zeros(*xk.shape[:-1], 1)
+        return rpe_attention_reference(zq, zk, v, mask=weights, causal=self.causal, scale=1.0)
 
     def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same features through the O(N^2) quadratic formula (the fast path's reference)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from flt.layers.kernel import KernelAttention
-from flt.ops.reference import rpe_attention_reference
 
 
 class PerformerAttention(KernelAttention):
@@ -30,8 +29,10 @@ class PerformerAttention(KernelAttention):
     """
 
     def exact(self, x, pos=None, key_padding_mask=None):
-        """Exact softmax attention ``softmax(x_q.x_k)`` with the same parameters (FAVOR+'s target)."""
+        """The attention the features estimate, with the same parameters: softmax
+        ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the
+        deterministic ``"elu"`` map its own kernel (so ``exact`` equals ``forward``)."""
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         pad = self.padding_mask_matrix(p.pad, xq.dtype)
-        return self.finish(rpe_attention_reference(xq, xk, p.v.to(xq.dtype), mask=pad, causal=self.causal, scale=1.0), x)
+        return self.finish(self.exact_attention(xq, xk, p.v.to(xq.dtype), mask=pad), x)

@@ -22,6 +22,7 @@ from flt.ops.features import (
     favor_plus_features,
     gaussian_orthogonal_random_matrix,
     relu_features,
+    relu_kernel,
 )
 from flt.ops.linear import RecurrentState, flt_attention, linear_attention, recurrent_step
 from flt.ops.softmax import BACKENDS as SOFTMAX_BACKENDS
@@ -52,5 +53,6 @@ __all__ = [
     "linear_attention_reference",
     "recurrent_step",
     "relu_features",
+    "relu_kernel",
     "rpe_attention_reference",
 ]

@@ -158,6 +158,23 @@ def relu_features(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return F.relu(x.to(cdt) @ projection.to(cdt).T) * (projection.shape[0] ** -0.5)
 
 
+def relu_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """What :func:`relu_features` estimate: ``E_w[relu(w.x) relu(w.y)]`` for ``w ~ N(0, I)``,
+    the arc-cosine kernel of order 1, ``|x| |y| (sin t + (pi - t) cos t) / (2 pi)`` with
+    ``t`` the angle between ``x`` and ``y``: ``x [..., N, D], y [..., Nk, D] -> [..., N, Nk]``."""
+    check_tensor("x", x)
+    check_tensor("y", y)
+    cdt = compute_dtype(x, y)
+    x, y = x.to(cdt), y.to(cdt)
+    nx, ny = x.norm(dim=-1, keepdim=True), y.norm(dim=-1, keepdim=True)
+    norms = nx * ny.transpose(-1, -2)
+    # The angle's derivative is infinite at cos = +-1: keep it just inside for gradients.
+    tiny = 1e-7 if cdt == torch.float64 else 1e-4
+    cos = (x @ y.transpose(-1, -2) / norms.clamp_min(torch.finfo(cdt).tiny)).clamp(-1 + tiny, 1 - tiny)
+    t = torch.acos(cos)
+    return norms * (torch.sqrt(1 - cos * cos) + (math.pi - t) * cos) / (2 * math.pi)
+
+
 def elu_features(x: torch.Tensor) -> torch.Tensor:
     """``elu(x) + 1`` (Katharopoulos et al.): ``[..., N, D] -> [..., N, D]``, strictly positive."""
     check_tensor("x", x)
