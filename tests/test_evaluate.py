@@ -24,7 +24,8 @@ def molecule_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
     p = get_preset("molecule", "smoke", "flt")
-    model = dataclasses.replace(p.model, dim=16, attention_options={**p.model.attention_options, "near_neighbors": 4})
+    options = {**p.model.attention_options, "feature_map": "favor+", "num_frequencies": 32, "sampler": "iid", "near_neighbors": 4}
+    model = dataclasses.replace(p.model, dim=16, attention_options=options)
     run = dataclasses.replace(p.run, steps=4, batch_size=4, eval_every=2, log_every=1, checkpoint_every=2)
     preset = Preset("molecule", model, run, {**p.data, "num_samples": 48, "progress": False})
     summary = train(preset, str(root / "run"), progress=False, plots=False)
