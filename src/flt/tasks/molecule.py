@@ -50,9 +50,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train molecule --preset small``: 3 layers, width 64, 800 steps of 32 on 1000
     generated catalysis structures (adsorption energies after at most 30 EMT relaxation
     steps; generating them takes about 1 min on first use, then they are cached).
-    About 2 min (108 s, ``--threads 1``, a loaded 2-core VM); validation MAE 0.33 eV
-    (seed 0; draw gap: fresh draws 0.28 +- 0.02, exact 0.26; predicting the mean:
-    1.96 eV). Seeds 0 and 1: 0.338 +- 0.011 eV (docs/results.md)."""
+    About 2.5 min (151 s, ``--threads 1``, a loaded 2-core VM); validation MAE 0.14 eV
+    (seed 0; draw gap: fresh draws 0.137, exact 0.136; predicting the mean: 1.96 eV).
+    Seeds 0, 1 and 2: 0.195 +- 0.066 eV (docs/results.md)."""
     model = MoleculeConfig(dim=64, depth=3, heads=4, **mechanism_options(MoleculeTask, attention, posenc))
     run = RunConfig(steps=800, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=100, checkpoint_every=100, log_every=10)
     return Preset(MoleculeTask.name, model, run, {"num_samples": 1000})
