@@ -212,3 +212,20 @@ def test_relu_kernel_is_the_mean_of_relu_features():
     assert (exact >= 0).all()
     # Opposite vectors share no half-space: the kernel vanishes.
     assert relu_kernel(x[:1], -x[:1]).abs().item() < 1e-5
+
+
+def test_taylor_features_give_the_second_order_expansion_of_exp():
+    from flt.layers.features import FeatureMap
+    from flt.ops import taylor_features, taylor_kernel
+
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(2, 3, 6, 5, generator=gen, dtype=torch.float64)
+    fx, fy = taylor_features(x), taylor_features(y)
+    assert fx.shape == (3, 6, 1 + 5 + 15)
+    u = x @ y.transpose(-1, -2)
+    assert torch.allclose(fx @ fy.transpose(-1, -2), 1 + u + u * u / 2, atol=1e-12)
+    assert torch.allclose(taylor_kernel(x, y), 1 + u + u * u / 2, atol=1e-12)
+    assert (taylor_kernel(x, y) >= 0.5 - 1e-12).all()  # ((u + 1)^2 + 1) / 2
+    fm = FeatureMap(5, kind="taylor")
+    assert fm.num_features == 21 and not fm.has_random_features
+    assert torch.equal(fm(x)[0], fx) and fm(x)[1] is None

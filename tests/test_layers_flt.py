@@ -258,9 +258,12 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     perf = PerformerAttention(16, 2, causal=causal, feature_map="elu", dtype=torch.float64)
     kp = None if causal else pad
     assert torch.allclose(perf(x, key_padding_mask=kp), perf.exact(x, key_padding_mask=kp), atol=1e-12)
-    flat = FLTAttention(16, 2, causal=causal, coupling="multiplicative", feature_map="elu", spectrum="gaussian",
-                        length_scale=1e7, amplitude=1.5, dtype=torch.float64)  # f = 1.5 at every offset
-    assert torch.allclose(flat(x, pos, kp), flat.exact(x, pos, kp), atol=1e-9)
+    for fm in ("elu", "taylor"):
+        flat = FLTAttention(16, 2, causal=causal, coupling="multiplicative", feature_map=fm, spectrum="gaussian",
+                            length_scale=1e7, amplitude=1.5, dtype=torch.float64)  # f = 1.5 at every offset
+        assert torch.allclose(flat(x, pos, kp), flat.exact(x, pos, kp), atol=1e-9), fm
+    taylor = PerformerAttention(16, 2, causal=causal, feature_map="taylor", dtype=torch.float64)
+    assert torch.allclose(taylor(x, key_padding_mask=kp), taylor.exact(x, key_padding_mask=kp), atol=1e-12)
     relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
     out, ref = relu(x), relu.exact(x)
     assert ((out - ref).norm() / ref.norm()).item() < 0.05

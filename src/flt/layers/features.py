@@ -13,21 +13,27 @@ from flt.ops.features import (
     gaussian_orthogonal_random_matrix,
     relu_features,
     relu_kernel,
+    taylor_features,
+    taylor_kernel,
 )
 
-FEATURE_MAPS = ("favor+", "relu", "elu")
+FEATURE_MAPS = ("favor+", "relu", "elu", "taylor")
+#: The maps with no random projection: their features are a function of the input alone.
+DETERMINISTIC_MAPS = ("elu", "taylor")
 
 
 class FeatureMap(nn.Module):
     """Nonnegative features ``phi(x)``: ``[..., N, D] -> ([..., N, m], log_scale [..., N] or None)``.
 
     ``"favor+"`` (default) estimates the softmax kernel ``exp(x.y)`` without bias (Performer);
-    ``phi(x) = feat * exp(log_scale)``. ``"relu"`` (ReLU random features) and ``"elu"``
-    (``elu + 1``, ``m = D``) are deterministic maps that do not estimate ``exp(x.y)``.
+    ``phi(x) = feat * exp(log_scale)``. ``"relu"`` (ReLU random features, estimating the
+    arc-cosine kernel), ``"elu"`` (``elu + 1``, ``m = D``) and ``"taylor"`` (the second-order
+    Taylor expansion of ``exp(x.y)``, ``1 + x.y + (x.y)^2 / 2``, ``m = 1 + D + D(D+1)/2``) do
+    not estimate ``exp(x.y)``; the last two are deterministic (no projection, no draw).
 
     Args:
         dim: input dimension ``D``.
-        num_features: ``m`` (ignored by ``"elu"``).
+        num_features: ``m`` (ignored by the deterministic ``"elu"`` and ``"taylor"``).
         kind: one of :data:`FEATURE_MAPS`.
         orthogonal: orthogonal random blocks (lower variance).
         seed: seeds the projection; ``None`` uses torch's global generator.
@@ -56,9 +62,9 @@ class FeatureMap(nn.Module):
         check_positive_int("num_features", num_features)
         check_choice("feature_map", kind, FEATURE_MAPS)
         self.dim, self.kind, self.orthogonal = dim, kind, orthogonal
-        self.num_features = dim if kind == "elu" else num_features
+        self.num_features = {"elu": dim, "taylor": 1 + dim + dim * (dim + 1) // 2}.get(kind, num_features)
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        if kind == "elu":
+        if kind in DETERMINISTIC_MAPS:
             self.register_buffer("projection", None)
         else:
             proj = gaussian_orthogonal_random_matrix(
@@ -69,7 +75,7 @@ class FeatureMap(nn.Module):
 
     @property
     def has_random_features(self) -> bool:
-        """False for the deterministic ``elu`` map (no projection)."""
+        """False for the deterministic maps (no projection)."""
         return self.projection is not None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -89,7 +95,7 @@ class FeatureMap(nn.Module):
         """Draw a new random projection in place (float64 on the CPU, then copied).
 
         ``generator``: a CPU generator; ``None`` uses the module's own (from ``seed``) or
-        torch's global generator. Nothing to do for ``"elu"``.
+        torch's global generator. Nothing to do for the deterministic maps.
         """
         if self.projection is None:
             return
@@ -104,17 +110,21 @@ class FeatureMap(nn.Module):
             return favor_plus_features(x, self.projection)
         if self.kind == "relu":
             return relu_features(x, self.projection), None
+        if self.kind == "taylor":
+            return taylor_features(x), None
         return elu_features(x), None
 
     def exact_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor | None:
         """The kernel these features estimate, ``[..., N, Nk]``, or None for ``"favor+"``
         (its kernel ``exp(xq.xk)`` is the reference's logits): ``"relu"`` the arc-cosine
         kernel :func:`flt.ops.features.relu_kernel` (the features' mean over projections),
-        ``"elu"`` its own deterministic ``phi(xq).phi(xk)``."""
+        ``"elu"`` and ``"taylor"`` their own deterministic ``phi(xq).phi(xk)``."""
         if self.kind == "favor+":
             return None
         if self.kind == "relu":
             return relu_kernel(xq, xk)
+        if self.kind == "taylor":
+            return taylor_kernel(xq, xk)
         return elu_features(xq) @ elu_features(xk).transpose(-1, -2)
 
     def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

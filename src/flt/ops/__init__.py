@@ -23,6 +23,8 @@ from flt.ops.features import (
     gaussian_orthogonal_random_matrix,
     relu_features,
     relu_kernel,
+    taylor_features,
+    taylor_kernel,
 )
 from flt.ops.linear import RecurrentState, flt_attention, linear_attention, recurrent_step
 from flt.ops.softmax import BACKENDS as SOFTMAX_BACKENDS
@@ -54,5 +56,7 @@ __all__ = [
     "recurrent_step",
     "relu_features",
     "relu_kernel",
+    "taylor_features",
+    "taylor_kernel",
     "rpe_attention_reference",
 ]

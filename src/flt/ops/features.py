@@ -175,6 +175,31 @@ def relu_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return norms * (torch.sqrt(1 - cos * cos) + (math.pi - t) * cos) / (2 * math.pi)
 
 
+def taylor_features(x: torch.Tensor) -> torch.Tensor:
+    """Deterministic second-order Taylor features of the exponential kernel:
+    ``phi(x).phi(y) = 1 + x.y + (x.y)^2 / 2`` (:func:`taylor_kernel`), which is at least 1/2
+    for every pair, so row sums stay positive. ``[..., N, D] -> [..., N, 1 + D + D(D+1)/2]``:
+    a constant, ``x``, and the upper triangle of ``x x^T`` with the diagonal scaled by
+    ``2^(-1/2)`` (``(x.y)^2 = sum_i x_i^2 y_i^2 + 2 sum_(i<j) x_i x_j y_i y_j``)."""
+    check_tensor("x", x)
+    x = x.to(compute_dtype(x))
+    D = x.shape[-1]
+    rows, cols = torch.triu_indices(D, D, device=x.device)
+    weight = torch.where(rows == cols, math.sqrt(0.5), 1.0).to(x.dtype)
+    quad = x[..., rows] * x[..., cols] * weight
+    return torch.cat([torch.ones_like(x[..., :1]), x, quad], dim=-1)
+
+
+def taylor_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``1 + x.y + (x.y)^2 / 2``, the kernel of :func:`taylor_features`:
+    ``x [..., N, D], y [..., Nk, D] -> [..., N, Nk]``."""
+    check_tensor("x", x)
+    check_tensor("y", y)
+    cdt = compute_dtype(x, y)
+    u = x.to(cdt) @ y.to(cdt).transpose(-1, -2)
+    return 1 + u + 0.5 * u * u
+
+
 def elu_features(x: torch.Tensor) -> torch.Tensor:
     """``elu(x) + 1`` (Katharopoulos et al.): ``[..., N, D] -> [..., N, D]``, strictly positive."""
     check_tensor("x", x)
