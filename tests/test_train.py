@@ -216,3 +216,26 @@ def test_data_errors_are_value_errors(tmp_path):
         load_task("lm", {"path": str(tmp_path / "missing.txt")})
     with pytest.raises(ValueError, match="unknown data options"):
         load_task("lm", {"max_byte": 3})
+
+
+@pytest.mark.slow  # inductor compiles the model: minutes on a 2-core CPU
+def test_compile_switch_trains_the_same_model_and_saves_plain_checkpoints(tmp_path):
+    """RunConfig.compile trains through torch.compile: the same losses and weights as eager
+    to float32 rounding (without dropout, whose compiled random masks differ from eager's),
+    and checkpoints of the module itself (no compile wrapper names)."""
+    def preset(**run):
+        p = tiny_lm(steps=3, **run)
+        return dataclasses.replace(p, model=dataclasses.replace(p.model, dropout=0.0))
+
+    eager = train(preset(), str(tmp_path / "eager"), progress=False, plots=False)
+    compiled = train(preset(compile=True), str(tmp_path / "compiled"), progress=False, plots=False)
+    assert compiled["final"]["loss"] == pytest.approx(eager["final"]["loss"], rel=1e-4)
+    a, meta = load_checkpoint_model(str(tmp_path / "eager"))
+    b, meta_b = load_checkpoint_model(str(tmp_path / "compiled"))
+    assert meta_b["preset"]["run"]["compile"] is True and meta["preset"]["run"]["compile"] is False
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-5), k
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        RunConfig(compile="yes")

@@ -45,7 +45,7 @@ from flt.options import parse_assignments, parse_value  # noqa: F401
 from flt.tasks import TASKS, get_task, preset_names
 
 #: Shortcut flags for RunConfig fields.
-RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int}
+RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool}
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +57,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--eval-every", type=int, help="steps between validations")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    p.add_argument("--compile", action="store_const", const=True, default=None,
+                   help="train through torch.compile(model) (RunConfig.compile; the first steps compile)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
     p.add_argument("--posenc-opt", action="append", metavar="KEY=VALUE", help="encoding option (repeatable)")
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field, e.g. depth=6 (repeatable)")

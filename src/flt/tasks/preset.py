@@ -50,6 +50,11 @@ class RunConfig:
     the first ``draw_gap_batches`` validation batches (``None``: the whole split; when set,
     the own draw is evaluated again on those batches so that all numbers share them).
     Models without random features ignore these fields.
+
+    ``compile=True`` trains through ``torch.compile(model)`` (inductor; the first steps pay
+    the compilation, reported as the first step's time): the same computation, faster where
+    the compiled kernels are (docs/performance.md). Evaluation, the draw gap and checkpoints
+    use the module itself, so a run's checkpoints do not depend on the switch.
     """
 
     steps: int = 1000
@@ -69,6 +74,7 @@ class RunConfig:
     redraw_interval: int | None = 1
     draw_gap: bool = True
     draw_gap_batches: int | None = None
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
@@ -80,8 +86,9 @@ class RunConfig:
             isinstance(self.redraw_interval, bool) or not isinstance(self.redraw_interval, int) or self.redraw_interval < 0
         ):
             raise ValueError(f"redraw_interval must be None or a non-negative integer (0: no redraws), got {self.redraw_interval!r}")
-        if not isinstance(self.draw_gap, bool):
-            raise TypeError(f"draw_gap must be a bool, got {self.draw_gap!r}")
+        for name in ("draw_gap", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -276,7 +276,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
     start = _restore(origin, model, optimizer, preset.run, ctx)
     r = _Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
-        ddp=DistributedDataParallel(model) if ctx.world > 1 else model, optimizer=optimizer,
+        ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
         record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra()},
         start=start, parameters=sum(p.numel() for p in model.parameters()),
     )
@@ -289,6 +289,13 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
         _announce(r, origin, say)
         last_valid, step_times = _loop(r, logger, bar, say, on_step, reached)
     return _finish(r, say, last_valid, step_times, plots, wall_start)
+
+
+def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Module:
+    """What the training loss calls: the model, wrapped by DDP with several processes and
+    compiled with ``run.compile``. Evaluation and checkpoints use ``model`` itself."""
+    module = DistributedDataParallel(model) if ctx.world > 1 else model
+    return torch.compile(module) if run.compile else module
 
 
 def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ctx: D.Context, resume: bool) -> _Origin:
