@@ -262,3 +262,18 @@ def test_bad_position_choices_are_named_in_one_line(args, message, tmp_path, cap
     assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "bad"), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_issue_s_command_line_shortcuts_set_the_encoder_graph_and_task(tmp_path, capsys):
+    """--model / --graph / --task are --model-opt encoder= / --data-opt graph= / task=."""
+    out = tmp_path / "short"
+    assert main(["train", "graph", *TINY, "--out-dir", str(out), "--model", "gcn", "--graph", "communities", "--task", "pair"]) == 0
+    _, meta = load_checkpoint_model(str(out))
+    assert meta["model"]["encoder"] == "gcn"
+    assert meta["preset"]["data"]["graph"] == "communities" and meta["preset"]["data"]["task"] == "pair"
+    assert math.isfinite(_summary(out)["final"]["auc"])
+    # Contradicting the long form, or a shortcut another task does not have, is an error.
+    assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "x"), "--model", "gcn", "--model-opt", "encoder=gat"]) == 2
+    assert "--model 'gcn' contradicts --model-opt encoder='gat'" in capsys.readouterr().err
+    assert main(["train", "lm", *TINY, "--out-dir", str(tmp_path / "y"), "--graph", "grid"]) == 2
+    assert "--graph is a shortcut of the graph task(s), not of 'lm'" in capsys.readouterr().err

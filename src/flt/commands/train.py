@@ -65,6 +65,36 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help="RunConfig field, e.g. warmup_steps=10 (repeatable)")
     p.add_argument("--data", metavar="PATH", help="a real dataset instead of the bundled one (see the task's file in flt.tasks)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="data loader option (repeatable)")
+    for flag, (tasks, help_text) in _shortcut_flags().items():
+        p.add_argument(f"--{flag}", dest=f"shortcut_{flag.replace('-', '_')}", metavar="VALUE", help=f"{help_text} [{', '.join(tasks)} only]")
+
+
+def _shortcut_flags() -> dict[str, tuple[list[str], str]]:
+    """Every task's command-line shortcuts (:attr:`flt.tasks.base.Task.shortcuts`):
+    ``{flag: (tasks that define it, help)}``."""
+    flags: dict[str, tuple[list[str], str]] = {}
+    for name, task in TASKS.items():
+        for flag, (_, _, help_text) in task.shortcuts.items():
+            flags.setdefault(flag, ([], help_text))[0].append(name)
+    return flags
+
+
+def _apply_shortcuts(args, model_changes: dict, data_changes: dict) -> None:
+    """Turn the shortcut flags given into model / data options of ``args.task``; a flag the
+    task does not define, or one that contradicts its ``--model-opt`` / ``--data-opt``, is an error."""
+    shortcuts = get_task(args.task).shortcuts
+    for flag, (tasks, _) in _shortcut_flags().items():
+        value = getattr(args, f"shortcut_{flag.replace('-', '_')}", None)
+        if value is None:
+            continue
+        if flag not in shortcuts:
+            raise ValueError(f"--{flag} is a shortcut of the {', '.join(tasks)} task(s), not of {args.task!r}")
+        where, field, _ = shortcuts[flag]
+        target, long_form = (model_changes, "--model-opt") if where == "model" else (data_changes, "--data-opt")
+        value = parse_value(value)
+        if field in target and target[field] != value:
+            raise ValueError(f"--{flag} {value!r} contradicts {long_form} {field}={target[field]!r}")
+        target[field] = value
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
@@ -122,6 +152,8 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     check_choice("posenc", args.posenc, POSENC)
     preset = get_preset(args.task, args.preset, attention, args.posenc)
     model_changes = parse_assignments(args.model_opt, "--model-opt")
+    data_changes = parse_assignments(args.data_opt, "--data-opt")
+    _apply_shortcuts(args, model_changes, data_changes)
     for reserved in ("attention", "attention_options", "posenc", "posenc_options", "layer_attention"):
         if reserved in model_changes:
             raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt/--arch, not --model-opt")
@@ -138,7 +170,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
     run_cfg = replace_fields(preset.run, **run_changes)
-    data = {**preset.data, **parse_assignments(args.data_opt, "--data-opt")}
+    data = {**preset.data, **data_changes}
     if args.data is not None:
         # A real dataset replaces the bundled one and its size options.
         data = {k: v for k, v in data.items() if k not in get_task(args.task).bundled_options}

@@ -89,6 +89,10 @@ class Task:
     #: Axis labels with units: ``loss``, the validation metrics and ``offset`` (the unit of
     #: a relative position, the x axis of the RPE plot).
     axes: ClassVar[dict[str, str]] = {}
+    #: Command-line shortcuts of ``flt train`` / ``flt compare`` for this task:
+    #: ``{flag: (where, field, help)}``, ``--flag VALUE`` meaning ``--model-opt field=VALUE``
+    #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``).
+    shortcuts: ClassVar[dict[str, tuple[str, str, str]]] = {}
 
     @classmethod
     def build_model(cls, config, *, device=None, dtype=None):

@@ -179,6 +179,11 @@ class GraphTask(Task):
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     axes = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
             "offset": "hops / √K"}
+    shortcuts = {
+        "model": ("model", "encoder", f"graph: the node encoder, one of {', '.join(TASK_ENCODERS)} (--model-opt encoder=)"),
+        "graph": ("data", "graph", "graph: grid or communities (--data-opt graph=)"),
+        "task": ("data", "task", "graph: link or pair (--data-opt task=)"),
+    }
 
     def __init__(self, *, path=None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,
                  num_anchors: int = 64, resample_anchors: bool = False, positions: str = "anchor", walk_steps: int = 16,
