@@ -164,8 +164,8 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     check_posenc_options(args.posenc, posenc_options, reserved=POSENC_ARGUMENTS)
     model = replace_fields(preset.model, attention_options=attn_options, posenc_options=posenc_options, **model_changes)
     run_changes = parse_assignments(args.run_opt, "--run-opt")
-    for name in RUN_FLAGS:
-        if getattr(args, name) is not None:
+    for name in RUN_FLAGS:  # commands that share this function may lack some flags (flt search)
+        if getattr(args, name, None) is not None:
             run_changes[name] = getattr(args, name)
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
