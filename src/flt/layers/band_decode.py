@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
-from flt._checks import check_tensor
 from flt.layers.base import Prepared
 
 
@@ -177,12 +176,7 @@ def band_step(layer, x: torch.Tensor, state: BandDecodeState | None = None, pos:
     :func:`band_decode_step`."""
     if not layer.causal:
         raise ValueError("step() decodes causal attention; build the layer with causal=True")
-    check_tensor("x", x, ndim=2, layout="[B, dim]")
     if state is not None and not isinstance(state, BandDecodeState):
         raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
-    if pos is None:
-        pos_seq = layer.default_positions(1, x, offset=0 if state is None else state.position)
-    else:
-        check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
-        pos_seq = pos.reshape(-1, 1, pos.shape[-1])
+    _, pos_seq = layer.step_input(x, pos, 0 if state is None else state.position)
     return band_decode_step(layer, x, state, pos_seq)

@@ -92,6 +92,16 @@ class AttentionBase(nn.Module):
         idx = torch.arange(offset, offset + length, device=like.device, dtype=compute_dtype(like))
         return idx.view(1, length, 1)
 
+    def step_input(self, x: torch.Tensor, pos: torch.Tensor | None, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check one decoding step's ``x [B, dim]`` and ``pos [B, P] | [P] | None`` and return
+        them as a one-token sequence: ``(x [B, 1, dim], pos [B|1, 1, P])``, the position
+        defaulting to the token index ``offset`` (``P = 1``)."""
+        check_tensor("x", x, ndim=2, layout="[B, dim]")
+        if pos is None:
+            return x.unsqueeze(1), self.default_positions(1, x, offset=offset)
+        check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
+        return x.unsqueeze(1), pos.reshape(-1, 1, pos.shape[-1])
+
     def prepare(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> Prepared:
         check_tensor("x", x, ndim=3, layout="[B, N, dim]")
         check_dim("x", x, -1, self.dim, "feature size")

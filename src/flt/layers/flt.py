@@ -195,8 +195,6 @@ class FLTAttention(KernelAttention):
         (:func:`flt.layers.band_decode.band_prefill`), else the linear state
         (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
         if self.near_field:
-            if not self.causal:
-                raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
             return band_prefill(self, x, pos)
         return super().prefill(x, pos)
 

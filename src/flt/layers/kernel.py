@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flt._checks import check_positive_int, check_tensor
+from flt._checks import check_positive_int
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
@@ -183,14 +183,9 @@ class KernelAttention(AttentionBase):
         """
         if not self.causal:
             raise ValueError("step() decodes causal attention; build the layer with causal=True")
-        check_tensor("x", x, ndim=2, layout="[B, dim]")
         state = state or DecodeState()
-        if pos is None:
-            pos_seq = self.default_positions(1, x, offset=state.position)
-        else:
-            check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
-            pos_seq = pos.reshape(-1, 1, pos.shape[-1])
-        p = self.prepare(x.unsqueeze(1), pos_seq, None)
+        x_seq, pos_seq = self.step_input(x, pos, state.position)
+        p = self.prepare(x_seq, pos_seq, None)
         f = self.features(p.q, p.k, p.pos)
         first = lambda t: None if t is None else t[:, :, 0]  # noqa: E731
         out, inner = recurrent_step(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flt._checks import check_choice, check_tensor
+from flt._checks import check_choice
 from flt._dtype import compute_dtype
 from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
@@ -314,15 +314,10 @@ class SoftmaxAttention(AttentionBase):
             relative term ``relative.bias(pos_q, pos_k)`` (and RoPE), ``O(length)`` per token.
         """
         self._check_decoding("step")
-        check_tensor("x", x, ndim=2, layout="[B, dim]")
         if state is not None and not isinstance(state, KVCache):
             raise TypeError(f"state must be the KVCache of the previous step (or None), got {type(state).__name__}")
-        if pos is None:
-            pos_seq = self.default_positions(1, x, offset=0 if state is None else state.length)
-        else:
-            check_tensor("pos", pos, ndim=(1, 2), layout="[B, P] or [P]")
-            pos_seq = pos.reshape(-1, 1, pos.shape[-1])
-        p = self.prepare(x.unsqueeze(1), pos_seq, None)
+        x_seq, pos_seq = self.step_input(x, pos, 0 if state is None else state.length)
+        p = self.prepare(x_seq, pos_seq, None)
         q, k = self._rotated_qk(p.q, p.k, p.pos)
         cache = KVCache.start(k, p.v, p.pos) if state is None else state.append(k, p.v, p.pos)
         term = None
