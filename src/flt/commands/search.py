@@ -15,7 +15,8 @@ not construct is an error naming it.
 
 Output in ``--out-dir`` (default ``runs/search-TASK-PRESET-sSEED``): ``search.json`` (per
 layer: softmax(alpha), the held-out metric with each candidate removed, the chosen
-candidate and the magnitude choice), ``search.png``, ``checkpoints/``. ``--resume``
+candidate and the magnitude choice; with ``--posenc-candidates`` the same for the model's
+absolute positional encoding, one more slot), ``search.png``, ``checkpoints/``. ``--resume``
 continues a stopped search. ``flt train TASK --arch OUT/search.json`` then trains the
 selected architecture from scratch (``--arch-select magnitude`` the magnitude one).
 
@@ -23,6 +24,8 @@ Examples::
 
     flt search image --candidates flt,performer,softmax --preset smoke
     flt search lm --candidates flt,performer,softmax --preset small --out-dir runs/search-lm
+    flt search molecule --candidates flt,performer,softmax --posenc-candidates none,fourier --preset smoke
+    flt search graph --candidates flt,performer,softmax --preset smoke
     flt train lm --arch runs/search-lm/search.json --preset small
 """
 
@@ -36,7 +39,7 @@ import sys
 from flt.commands.train import preset_from_args
 
 #: Tasks flt search can cut a held-out part from (flt.search.holdout.SUPPORTED).
-SEARCH_TASKS = ("image", "lm")
+SEARCH_TASKS = ("image", "lm", "molecule", "graph")
 
 
 def add_parser(subparsers) -> None:
@@ -47,6 +50,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("task", choices=list(SEARCH_TASKS))
     p.add_argument("--candidates", required=True, metavar="A,B[:KEY=VALUE...],...",
                    help="comma-separated mechanisms every layer chooses from (at least two)")
+    p.add_argument("--posenc-candidates", metavar="E,F[:KEY=VALUE...],...",
+                   help="also choose the model's absolute positional encoding among these (at least two, e.g. none,sinusoidal,fourier; "
+                        "default: the preset's encoding, not searched)")
     p.add_argument("--preset", default="small", help="smoke or small (the model and budget of one training run; default: small)")
     p.add_argument("--steps", type=int, help="supernet training steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="batch size")
@@ -71,12 +77,14 @@ def add_parser(subparsers) -> None:
 
 def build(args):
     """``(preset, SearchConfig)`` from the arguments, every candidate checked (no data loaded)."""
-    from flt.search import SearchConfig, check_search, parse_candidates
+    from flt.search import SearchConfig, check_search, parse_candidates, parse_posenc_candidates
     from flt.tasks import get_task
 
     if args.preset not in ("smoke", "small"):
         raise ValueError(f"--preset must be smoke or small for flt search, got {args.preset!r}")
     candidates = parse_candidates(args.candidates, get_task(args.task))
+    posenc = getattr(args, "posenc_candidates", None)
+    posenc_candidates = parse_posenc_candidates(posenc, get_task(args.task)) if posenc is not None else []
     # The preset's model and run (built for the first candidate; the supernet replaces every attention).
     ns = argparse.Namespace(task=args.task, posenc="none", preset=args.preset, steps=args.steps, batch_size=args.batch_size,
                             lr=args.lr, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
@@ -85,7 +93,7 @@ def build(args):
     preset = preset_from_args(ns, candidates[0].name, {})
     tune = args.tune_steps if args.tune_steps is not None else max(1, preset.run.steps // 20)
     config = SearchConfig(tuple(candidates), tune_steps=tune, alpha_lr=args.alpha_lr, fixed_alpha=args.fixed_alpha,
-                          holdout=args.holdout)
+                          holdout=args.holdout, posenc_candidates=tuple(posenc_candidates))
     check_search(preset, config)
     return preset, config
 

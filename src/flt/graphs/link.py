@@ -266,7 +266,9 @@ class LinkTransformer(nn.Module):
     parameters and ``Pi [dim, P]`` a fixed matrix with orthonormal columns drawn at
     construction (a persistent buffer), so every axis has about unit variance and the
     spectrum's length scales keep their meaning. The gradient of the attention reaches
-    GIR through the positions (:func:`gir_positions`).
+    GIR through the positions (:func:`gir_positions`). ``layer_attention`` (one
+    ``{"attention": NAME, "attention_options": {...}}`` per layer) replaces ``attention``
+    and ``attention_options`` layer by layer (``flt train graph --arch``).
 
     The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
     """
@@ -274,13 +276,16 @@ class LinkTransformer(nn.Module):
     def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
                  encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
-                 gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0, device=None, dtype=None):
+                 gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0,
+                 layer_attention: list | None = None, device=None, dtype=None):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
         self.position_encoder = None
         if gir_positions and encoder != "transformer":
             raise ValueError(f"gir_positions applies to encoder='transformer', got encoder={encoder!r}")
+        if layer_attention is not None and encoder != "transformer":
+            raise ValueError(f"layer_attention applies to encoder='transformer', got encoder={encoder!r}")
         if encoder == "transformer":
             if indication or fusion:
                 raise ValueError("indication and fusion apply to the GNN encoders, not to encoder='transformer'")
@@ -295,7 +300,7 @@ class LinkTransformer(nn.Module):
             self.encoder = NodeTransformer(
                 in_dim, gir_positions or in_dim, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
                 layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
-                posenc_options=posenc_options, device=device, dtype=dtype,
+                posenc_options=posenc_options, layer_attention=layer_attention, device=device, dtype=dtype,
             )
         else:
             base = "gcn" if encoder == "indicator" else encoder

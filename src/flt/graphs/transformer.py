@@ -118,6 +118,8 @@ class NodeTransformer(nn.Module):
         dim, heads, layers, out_dim: width, heads per layer, depth, output size.
         mlp_ratio, dropout: hidden width of each MLP over ``dim``; dropout after attention and MLP.
         posenc, posenc_options: an absolute encoding of the positions, added to the embedding.
+        layer_attention: None, or one ``{"attention": NAME, "attention_options": {...}}``
+            per layer, replacing ``attention`` and ``attention_options`` layer by layer.
     """
 
     def __init__(
@@ -135,19 +137,26 @@ class NodeTransformer(nn.Module):
         dropout: float = 0.0,
         posenc: str = "none",
         posenc_options: dict[str, Any] | None = None,
+        layer_attention: list[dict[str, Any]] | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
         check_positive_int("layers", layers)
+        if layer_attention is None:
+            mechanisms = [(attention, dict(attention_options or {}))] * layers
+        elif len(layer_attention) == layers:
+            mechanisms = [(e["attention"], dict(e["attention_options"])) for e in layer_attention]
+        else:
+            raise ValueError(f"layer_attention must list one mechanism per layer ({layers}), got {len(layer_attention)}")
         fk = {"device": device, "dtype": dtype}
         self.mode = "fast"
         self.embed = nn.Linear(in_dim, dim, **fk)
         self.posenc = build_posenc(posenc, dim, pos_dim, dict(posenc_options or {}), **fk)
         self.blocks = nn.ModuleList(
-            _Block(build_attention(attention, dim, heads, pos_dim=pos_dim, causal=False, options=dict(attention_options or {}), **fk),
+            _Block(build_attention(name, dim, heads, pos_dim=pos_dim, causal=False, options=dict(options), **fk),
                    dim, mlp_ratio=mlp_ratio, dropout=dropout, **fk)
-            for _ in range(layers)
+            for name, options in mechanisms
         )
         self.norm = nn.LayerNorm(dim, **fk)
         self.out = nn.Linear(dim, out_dim, **fk)

@@ -1,4 +1,5 @@
-"""Reading ``search.json`` back: the per-layer mechanisms ``flt train --arch`` builds."""
+"""Reading ``search.json`` back: the per-layer mechanisms (and the absolute encoding, when
+the search mixed it) that ``flt train --arch`` builds."""
 
 from __future__ import annotations
 
@@ -42,3 +43,38 @@ def arch_layers(data: dict[str, Any], selection: str = "perturbation") -> list[d
         raise ValueError(f"--arch: the search chose {missing}, which are not among its candidates")
     return [{"attention": by_label[label]["attention"], "attention_options": dict(by_label[label]["attention_options"])}
             for label in chosen]
+
+
+def arch_posenc(data: dict[str, Any], selection: str = "perturbation") -> dict[str, Any] | None:
+    """``{"posenc": NAME, "posenc_options": {...}}``: the absolute encoding ``selection``
+    chose, or None when the search did not mix the encoding (the model keeps its own)."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"--arch-select must be one of {list(SELECTIONS)}, got {selection!r}")
+    if not data.get("posenc_candidates"):
+        return None
+    chosen = (data.get("posenc") or {}).get(selection)
+    if chosen is None:
+        raise ValueError(f"--arch: the search has no {selection} choice of the absolute encoding "
+                         "(alpha was frozen uniform: magnitude says nothing)")
+    by_label = {c["label"]: c for c in data["posenc_candidates"]}
+    if chosen not in by_label:
+        raise ValueError(f"--arch: the search chose the encoding {chosen!r}, which is not among its candidates")
+    return {"posenc": by_label[chosen]["posenc"], "posenc_options": dict(by_label[chosen]["posenc_options"])}
+
+
+def arch_fields(data: dict[str, Any], selection: str = "perturbation") -> dict[str, Any]:
+    """The model config fields of the architecture ``selection`` chose: ``layer_attention``
+    (with ``attention`` and ``attention_options`` of its first layer) and, when the search
+    mixed it, ``posenc`` and ``posenc_options``; for :func:`flt.models.replace_fields`."""
+    from flt.options import check_attention_options, check_posenc_options
+
+    layers = arch_layers(data, selection)
+    for layer in layers:
+        check_attention_options(layer["attention"], layer["attention_options"])
+    fields = {"attention": layers[0]["attention"], "attention_options": dict(layers[0]["attention_options"]),
+              "layer_attention": layers}
+    posenc = arch_posenc(data, selection)
+    if posenc is not None:
+        check_posenc_options(posenc["posenc"], posenc["posenc_options"])
+        fields.update(posenc)
+    return fields

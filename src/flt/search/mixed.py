@@ -24,10 +24,15 @@ from torch import nn
 
 from flt._checks import check_choice
 from flt.layers import ATTENTION
-from flt.models.block import build_attention
-from flt.options import check_attention_options, parse_attention_list
+from flt.models.block import build_attention, build_posenc
+from flt.options import POSENC_ARGUMENTS, check_attention_options, check_posenc_options, parse_attention_list
+from flt.posenc import POSENC
 
-__all__ = ["Candidate", "MixedAttention", "build_supernet", "check_candidates", "mixed_slots", "parse_candidates"]
+__all__ = [
+    "Candidate", "EncodingCandidate", "MixedAttention", "MixedEncoding", "MixedOp", "attention_blocks", "build_supernet",
+    "check_candidates", "check_posenc_candidates", "encoding_slot", "mixed_slots", "parse_candidates",
+    "parse_posenc_candidates",
+]
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,63 @@ def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_d
                              f"(dim {dim}, heads {heads}, pos_dim {pos_dim}, causal {causal}): {err}") from None
 
 
-class MixedAttention(nn.Module):
-    """``y = sum_o w_o * op_o(x, pos, key_padding_mask)`` over candidate layers ``ops``.
+@dataclass(frozen=True)
+class EncodingCandidate:
+    """One candidate absolute encoding of :data:`flt.posenc.POSENC`: ``label`` as written,
+    the registry ``name`` and its ``options`` (the task's defaults for ``name`` under the
+    entry's own)."""
+
+    label: str
+    name: str
+    options: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "posenc": self.name, "posenc_options": dict(self.options)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EncodingCandidate":
+        return cls(data["label"], data["posenc"], dict(data["posenc_options"]))
+
+
+def parse_posenc_candidates(text: str, task) -> list[EncodingCandidate]:
+    """``"none,sinusoidal,fourier:k=v"`` (``--posenc-candidates``) -> candidate encodings
+    with ``task``'s default options for each name (``task.posenc_defaults``) under the
+    entry's own. At least two, distinct."""
+    entries = parse_attention_list(text, "--posenc-candidates")
+    if len(entries) < 2:
+        raise ValueError(f"--posenc-candidates needs at least two encodings to choose from, got {text!r}")
+    out = []
+    for label, name, options in entries:
+        check_choice(f"--posenc-candidates entry {label!r}: posenc", name, POSENC)
+        out.append(EncodingCandidate(label, name, {**task.posenc_defaults.get(name, {}), **options}))
+    return out
+
+
+def check_posenc_candidates(candidates: list[EncodingCandidate], *, dim: int, pos_dim: int) -> None:
+    """Build every candidate encoding once at the model's width and position dimension and
+    encode a few positions: one that does not construct or cannot encode these positions is
+    a ``ValueError`` naming it before any data loads."""
+    for c in candidates:
+        try:
+            check_posenc_options(c.name, c.options, reserved=POSENC_ARGUMENTS)
+            enc = build_posenc(c.name, dim, pos_dim, c.options)
+            with torch.no_grad():
+                out = enc(torch.zeros(1, 2, pos_dim))
+            if tuple(out.shape) != (1, 2, dim):
+                raise ValueError(f"it returns shape {tuple(out.shape)}, not (1, 2, {dim})")
+        except (ValueError, TypeError, NotImplementedError, IndexError, RuntimeError) as err:
+            raise ValueError(f"--posenc-candidates entry {c.label!r} does not construct for this model "
+                             f"(dim {dim}, pos_dim {pos_dim}): {err}") from None
+
+
+class MixedOp(nn.Module):
+    """The mixture shared by :class:`MixedAttention` and :class:`MixedEncoding`: candidate
+    modules ``ops``, their ``labels`` and the mixing weights.
 
     Buffers (saved with the weights): ``keep [K]`` (1 = the candidate is in, 0 = removed)
     and ``decided`` (-1 while undecided, else the chosen index). Parameter ``alpha [K]``
     (zeros: uniform weights); ``frozen=True`` keeps it there (no gradient).
     """
-
-    supports_decoding = False
 
     def __init__(self, ops: list[nn.Module], labels: list[str], *, frozen: bool = False) -> None:
         super().__init__()
@@ -89,7 +142,9 @@ class MixedAttention(nn.Module):
             raise ValueError(f"a mixed op needs at least two candidates and one label each, got {len(ops)} and {len(labels)}")
         self.ops = nn.ModuleList(ops)
         self.labels = list(labels)
-        ref = next(ops[0].parameters(), None)
+        ref = next((p for op in ops for p in op.parameters()), None)
+        if ref is None:
+            ref = next((b for op in ops for b in op.buffers() if b.is_floating_point()), None)
         # alpha in the candidates' precision when that is float64, else float32.
         dtype = torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32
         fk = {"device": ref.device if ref is not None else None}
@@ -127,11 +182,24 @@ class MixedAttention(nn.Module):
             self.keep.zero_()[index] = 1.0
         self.alpha.requires_grad_(False)
 
+    def active(self) -> list[int]:
+        """Indices of the candidates that contribute: the chosen one once decided, else those kept."""
+        return [int(self.decided)] if self.is_decided else [k for k, kept in enumerate(self.keep.tolist()) if kept]
+
+    def extra_repr(self) -> str:
+        return f"labels={self.labels}, decided={self.choice}"
+
+
+class MixedAttention(MixedOp):
+    """``y = sum_o w_o * op_o(x, pos, key_padding_mask)`` over candidate attention layers
+    ``ops`` (:class:`MixedOp`: ``alpha``, ``keep``, ``decided``)."""
+
+    supports_decoding = False
+
     def _mix(self, method: str, x: torch.Tensor, pos, key_padding_mask) -> torch.Tensor:
         w = self.weights()
-        active = [self.decided.item()] if self.is_decided else [k for k, kept in enumerate(self.keep.tolist()) if kept]
         out = None
-        for k in active:
+        for k in self.active():
             op = self.ops[k]
             fn = getattr(op, method, None)
             if fn is None:
@@ -148,29 +216,84 @@ class MixedAttention(nn.Module):
         """The same sum of the candidates' O(N^2) ``exact`` attention."""
         return self._mix("exact", x, pos, key_padding_mask)
 
-    def extra_repr(self) -> str:
-        return f"labels={self.labels}, decided={self.choice}"
+    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same sum of the candidates' ``reference`` attention (the graph encoder's mode)."""
+        return self._mix("reference", x, pos, key_padding_mask)
+
+
+class MixedEncoding(MixedOp):
+    """``e = sum_o w_o * enc_o(pos)`` over candidate absolute encodings ``ops`` of
+    :data:`flt.posenc.POSENC` (:class:`MixedOp`: ``alpha``, ``keep``, ``decided``): the
+    model's absolute positional encoding as one more slot of the search."""
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        """``pos [B, N, P] -> [B, N, dim]``, the weighted sum of the encodings still in."""
+        w = self.weights()
+        out = None
+        for k in self.active():
+            y = self.ops[k](pos)
+            y = y * w[k].to(y.dtype)
+            out = y if out is None else out + y
+        if out is None:  # every candidate removed: the encoding adds nothing
+            out = self.ops[0](pos) * 0
+        return out
+
+
+def attention_blocks(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(block, attribute)`` of the attention layer of every Transformer block of
+    ``model``, in order: ``trunk.blocks[i].attn`` in the models of :mod:`flt.models`,
+    ``encoder.blocks[i].attention`` in the graph task's node transformer."""
+    trunk = getattr(model, "trunk", None)
+    if trunk is not None and hasattr(trunk, "blocks"):
+        return [(b, "attn") for b in trunk.blocks]
+    encoder = getattr(model, "encoder", None)
+    if encoder is not None and hasattr(encoder, "blocks") and all(hasattr(b, "attention") for b in encoder.blocks):
+        return [(b, "attention") for b in encoder.blocks]
+    raise TypeError(f"{type(model).__name__} has no Transformer blocks whose attention flt search could mix "
+                    "(trunk.blocks of flt.models, or the graph task's encoder='transformer')")
+
+
+def encoding_owner(model: nn.Module) -> nn.Module:
+    """The module holding ``model``'s absolute positional encoding as ``posenc``."""
+    for owner in (model, getattr(model, "encoder", None)):
+        if owner is not None and isinstance(getattr(owner, "posenc", None), nn.Module):
+            return owner
+    raise TypeError(f"{type(model).__name__} has no absolute positional encoding (posenc) to mix")
 
 
 def mixed_slots(model: nn.Module) -> list[MixedAttention]:
-    """The mixed ops of a supernet, in block order."""
+    """The mixed attention ops of a supernet, in block order."""
     return [m for m in model.modules() if isinstance(m, MixedAttention)]
 
 
-def build_supernet(model: nn.Module, candidates: list[Candidate], *, frozen: bool = False) -> nn.Module:
-    """Replace the attention of every block of ``model`` (a model of :mod:`flt.models`, whose
-    ``trunk.blocks`` hold ``attn``) by a :class:`MixedAttention` over ``candidates`` built at
-    that layer's width, heads, position dimension and causality. Returns ``model``."""
-    trunk = getattr(model, "trunk", None)
-    blocks = getattr(trunk, "blocks", None)
-    if blocks is None:
-        raise TypeError(f"{type(model).__name__} has no trunk.blocks; flt search needs a model of flt.models")
+def encoding_slot(model: nn.Module) -> MixedEncoding | None:
+    """The mixed absolute encoding of a supernet, or None when the search does not mix it."""
+    found = [m for m in model.modules() if isinstance(m, MixedEncoding)]
+    return found[0] if found else None
+
+
+def build_supernet(model: nn.Module, candidates: list[Candidate], *, frozen: bool = False,
+                   posenc_candidates: list[EncodingCandidate] | None = None) -> nn.Module:
+    """Replace the attention of every block of ``model`` (:func:`attention_blocks`) by a
+    :class:`MixedAttention` over ``candidates`` built at that layer's width, heads, position
+    dimension and causality; with ``posenc_candidates`` (two or more) also its absolute
+    encoding by a :class:`MixedEncoding` over them, at the model's width and position
+    dimension. Returns ``model``."""
+    blocks = attention_blocks(model)
+    first = getattr(blocks[0][0], blocks[0][1])
+    # The encoding is added to the token embeddings: the width and positions of the attention.
+    width, pos_dim = first.dim, first.pos_dim
     ref = next(model.parameters())
     fk = {"device": ref.device, "dtype": ref.dtype}
-    for block in blocks:
-        old = block.attn
+    for block, attr in blocks:
+        old = getattr(block, attr)
         ops = [build_attention(c.name, old.dim, old.heads, pos_dim=old.pos_dim, causal=old.causal, options=c.options, **fk)
                for c in candidates]
-        block.attn = MixedAttention(ops, [c.label for c in candidates], frozen=frozen)
-        block.attention_name = "mixed"
+        setattr(block, attr, MixedAttention(ops, [c.label for c in candidates], frozen=frozen))
+        if hasattr(block, "attention_name"):
+            block.attention_name = "mixed"
+    if posenc_candidates:
+        owner = encoding_owner(model)
+        ops = [build_posenc(c.name, width, pos_dim, c.options, **fk) for c in posenc_candidates]
+        owner.posenc = MixedEncoding(ops, [c.label for c in posenc_candidates], frozen=frozen)
     return model

@@ -36,9 +36,19 @@ from typing import Any
 import torch
 
 from flt._io import atomic_write_text
-from flt.models.config import config_to_dict
-from flt.search.holdout import split_task
-from flt.search.mixed import Candidate, build_supernet, check_candidates, mixed_slots
+from flt.models.config import config_to_dict, replace_fields
+from flt.search.holdout import SUPPORTED, heldout_batch_size, split_task
+from flt.search.mixed import (
+    Candidate,
+    EncodingCandidate,
+    attention_blocks,
+    build_supernet,
+    check_candidates,
+    check_posenc_candidates,
+    encoding_owner,
+    encoding_slot,
+    mixed_slots,
+)
 from flt.search.select import magnitude_choice, select_slot
 from flt.tasks import check_preset, load_task, step_generator
 from flt.tasks.preset import Preset, preset_to_dict, record_differences
@@ -55,7 +65,7 @@ from flt.train.checkpoint import (
 from flt.train.loop import _to_device, evaluate, parameter_groups
 from flt.train.rng import rng_state, seed_everything, set_rng_state
 
-__all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search"]
+__all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search", "supernet_model"]
 
 #: ``step_generator`` stream of the order in which slots are decided.
 ORDER_STREAM = 11
@@ -74,6 +84,9 @@ class SearchConfig:
         alpha_lr, alpha_weight_decay: Adam on ``alpha`` (betas 0.5, 0.999).
         fixed_alpha: keep ``alpha`` uniform (no architecture updates).
         holdout: fraction of the training split held out for ``alpha`` and selection.
+        posenc_candidates: the absolute encodings the model's encoding slot chooses from
+            (:func:`flt.search.mixed.parse_posenc_candidates`); empty (the default): the
+            preset's encoding, not searched.
     """
 
     candidates: tuple[Candidate, ...]
@@ -82,10 +95,13 @@ class SearchConfig:
     alpha_weight_decay: float = 1e-3
     fixed_alpha: bool = False
     holdout: float = 0.2
+    posenc_candidates: tuple[EncodingCandidate, ...] = ()
 
     def __post_init__(self):
         if len(self.candidates) < 2:
             raise ValueError(f"a search needs at least two candidates, got {len(self.candidates)}")
+        if len(self.posenc_candidates) == 1:
+            raise ValueError("posenc_candidates needs at least two encodings to choose from (or none: the encoding is not searched)")
         if isinstance(self.tune_steps, bool) or not isinstance(self.tune_steps, int) or self.tune_steps < 0:
             raise ValueError(f"tune_steps must be a non-negative integer, got {self.tune_steps!r}")
         if not self.alpha_lr > 0:
@@ -96,6 +112,10 @@ class SearchConfig:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["candidates"] = [c.to_dict() for c in self.candidates]
+        if self.posenc_candidates:
+            out["posenc_candidates"] = [c.to_dict() for c in self.posenc_candidates]
+        else:
+            del out["posenc_candidates"]  # the record of a search that does not mix the encoding is as before
         return out
 
 
@@ -111,13 +131,51 @@ def check_search(preset: Preset, config: SearchConfig) -> None:
     """Everything that can be checked before data loads: the preset, the task, and that
     every candidate constructs at the model's width and position geometry."""
     task_cls = check_preset(preset)
-    if task_cls.name not in ("image", "lm"):
-        raise ValueError(f"flt search supports the tasks image, lm; got {task_cls.name!r}")
+    if task_cls.name not in SUPPORTED:
+        raise ValueError(f"flt search supports the tasks {', '.join(SUPPORTED)}; got {task_cls.name!r}")
+    if task_cls.name == "graph" and getattr(preset.model, "encoder", "transformer") != "transformer":
+        raise ValueError(f"flt search graph chooses the attention of the transformer encoder; encoder={preset.model.encoder!r} "
+                         "has no attention layers (leave out --model-opt encoder=)")
+    if getattr(preset.model, "layer_attention", None) is not None:
+        raise ValueError("flt search mixes every layer itself; leave out layer_attention")
     # The preset's model with its default data-dependent fields: cheap, and it tells the
     # position dimension and causality of its attention layers.
-    probe = task_cls.build_model(preset.model)
-    attn = probe.trunk.blocks[0].attn
+    probe_cfg = preset.model
+    if task_cls.name == "graph":
+        # The width of the positions the graph's data gives (the anchors by default).
+        positions = preset.data.get("positions", "anchor")
+        width = {"rwse": preset.data.get("walk_steps", 16), "laplacian": preset.data.get("eigenvectors", 16)}.get(positions)
+        if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+            probe_cfg = replace_fields(probe_cfg, in_dim=width)
+    probe = task_cls.build_model(probe_cfg)
+    block, attr = attention_blocks(probe)[0]
+    attn = getattr(block, attr)
     check_candidates(list(config.candidates), dim=attn.dim, heads=attn.heads, pos_dim=attn.pos_dim, causal=attn.causal)
+    if config.posenc_candidates:
+        encoding_owner(probe)
+        check_posenc_candidates(list(config.posenc_candidates), dim=attn.dim, pos_dim=attn.pos_dim)
+    # The supernet itself, for the model's own constraints on its mechanisms (the molecule
+    # model's isotropic spectra).
+    supernet_model(task_cls, probe_cfg, config)
+
+
+def supernet_model(task, model_cfg, config: SearchConfig, *, device=None):
+    """The supernet of the search: ``task``'s model of ``model_cfg`` with every layer's
+    attention (and, with ``config.posenc_candidates``, the absolute encoding) mixed over the
+    candidates (:func:`flt.search.mixed.build_supernet`). A molecule model with
+    ``isotropic`` ties the per-axis length scales of its candidates' radial spectra as it
+    ties its own (a candidate with another spectrum is refused, as ``flt train`` refuses it)."""
+    model = task.build_model(model_cfg, device=device)
+    build_supernet(model, list(config.candidates), frozen=config.fixed_alpha,
+                   posenc_candidates=list(config.posenc_candidates) or None)
+    if getattr(model_cfg, "isotropic", False) and task.name == "molecule":
+        from flt.models.molecule import tie_isotropic
+
+        try:
+            tie_isotropic(model.trunk)
+        except ValueError as err:
+            raise ValueError(f"--candidates: a candidate of the molecule model does not fit isotropic=true: {err}") from None
+    return model
 
 
 def _record(preset: Preset, config: SearchConfig) -> dict[str, Any]:
@@ -183,11 +241,17 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
     seed_everything(run.seed)
     task = load_task(preset.task, preset.data)
     model_cfg = task.configure(preset.model)
-    weights_task, alpha_task = split_task(task, config.holdout)
+    weights_task, alpha_task = split_task(task, config.holdout, holdout_seed(preset))
     seed_everything(run.seed)
-    model = task.build_model(model_cfg, device=ctx.device)
-    build_supernet(model, list(config.candidates), frozen=config.fixed_alpha)
+    model = supernet_model(task, model_cfg, config, device=ctx.device)
+    # The slots: every layer's attention, then the absolute encoding when it is searched.
     slots = mixed_slots(model)
+    depth = len(slots)
+    encoding = encoding_slot(model)
+    if encoding is not None:
+        slots.append(encoding)
+    names = [*range(depth), *(["posenc"] if encoding is not None else [])]
+    alpha_batch = heldout_batch_size(alpha_task, run.batch_size)
     alphas = [s.alpha for s in slots]
     alpha_ids = {id(a) for a in alphas}
     groups = [{**g, "params": [p for p in g["params"] if id(p) not in alpha_ids]} for g in parameter_groups(model, run.weight_decay)]
@@ -211,8 +275,11 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
         torch.manual_seed(run.seed + 7919)
     state["step"] = step
     labels = [c.label for c in config.candidates]
+    posenc_labels = [c.label for c in config.posenc_candidates]
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"{preset.task} search over {', '.join(labels)}: {len(slots)} slots, {n_params:,} parameters in the supernet, "
+    say(f"{preset.task} search over {', '.join(labels)}"
+        + (f" and the absolute encodings {', '.join(posenc_labels)}" if posenc_labels else "")
+        + f": {len(slots)} slots, {n_params:,} parameters in the supernet, "
         f"{run.steps} supernet steps, {config.tune_steps} fine-tuning steps per decision"
         + (", alpha frozen uniform" if config.fixed_alpha else ""))
 
@@ -230,7 +297,7 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
         DG.redraw_for_step(model, run, at)
         if not config.fixed_alpha and any(a.requires_grad for a in alphas):
             a_opt.zero_grad(set_to_none=True)
-            batch = _to_device(alpha_task.train_batch(at, run.batch_size, run.seed + ALPHA_SEED_OFFSET, 0, 1), ctx.device)
+            batch = _to_device(alpha_task.train_batch(at, alpha_batch, run.seed + ALPHA_SEED_OFFSET, 0, 1), ctx.device)
             alpha_task.loss(model, batch).backward()
             a_opt.step()
         # The held-out loss left gradients on the weights too: the weights learn from the
@@ -260,11 +327,13 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
         state["step"] = step
         if step % run.eval_every == 0 or step == run.steps:
             metric = holdout_metric()
-            mix = {label: p for label, p in zip(labels, _mean_probabilities(slots))}
+            mix = {label: p for label, p in zip(labels, _mean_probabilities(slots[:depth]))}
             progress_record["history"].append({"step": step, "loss": loss, task.metric: metric,
                                                "alpha": [s.probabilities().tolist() for s in slots]})
             say(f"supernet step {step}/{run.steps}: loss {loss:.4g}, held-out {task.metric} {metric:.4g}; mean softmax(alpha) "
-                + "  ".join(f"{k} {v:.3f}" for k, v in mix.items()))
+                + "  ".join(f"{k} {v:.3f}" for k, v in mix.items())
+                + ("; encoding " + "  ".join(f"{k} {v:.3f}" for k, v in zip(posenc_labels, encoding.probabilities().tolist()))
+                   if encoding is not None else ""))
         if step % run.checkpoint_every == 0 or step == run.steps:
             if step == run.steps:
                 # With alpha frozen uniform the argmax says nothing: no magnitude choice.
@@ -287,9 +356,10 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
         model.eval()
         entry = select_slot(slots[index], holdout_metric, task.higher_is_better)
         model.train()
-        entry = {"layer": index, **entry, "magnitude": progress_record["magnitude"][index] if not config.fixed_alpha else None}
+        entry = {"layer": names[index], **entry, "magnitude": progress_record["magnitude"][index] if not config.fixed_alpha else None}
         removed = "  ".join(f"{k} {v:.4g}" for k, v in entry["removed"].items())
-        say(f"slot {len(progress_record['slots']) + 1}/{len(slots)} (layer {index}): held-out {task.metric} {entry['metric']:.4g}; "
+        where = "absolute encoding" if names[index] == "posenc" else f"layer {index}"
+        say(f"slot {len(progress_record['slots']) + 1}/{len(slots)} ({where}): held-out {task.metric} {entry['metric']:.4g}; "
             f"without each candidate: {removed}; chosen {entry['chosen']}"
             + (f" (magnitude: {entry['magnitude']})" if entry["magnitude"] is not None else ""))
         for _ in range(config.tune_steps):
@@ -314,6 +384,9 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state)
     say(f"perturbation: {', '.join(result['perturbation'])}")
     if result["magnitude"] is not None:
         say(f"magnitude:    {', '.join(result['magnitude'])}")
+    if result.get("posenc") is not None:
+        say("absolute encoding: perturbation " + result["posenc"]["perturbation"]
+            + (f", magnitude {result['posenc']['magnitude']}" if result["posenc"]["magnitude"] is not None else ""))
     if plots:
         from flt.search.plots import plot_search
 
@@ -340,9 +413,15 @@ def _mean_probabilities(slots) -> list[float]:
 
 
 def _result(preset, config, model_cfg, progress, slots, task, step, *, done: bool) -> dict[str, Any]:
-    """The contents of ``search.json``."""
-    by_layer = sorted(progress["slots"], key=lambda e: e["layer"])
-    return {
+    """The contents of ``search.json``. The attention slots are ``slots`` (by layer) and
+    ``perturbation`` / ``magnitude`` (a label per layer); a searched absolute encoding is
+    ``posenc_slot`` (its record, as a layer's) and ``posenc`` (``perturbation`` and
+    ``magnitude`` labels), absent from a search that does not mix it."""
+    layers = [e for e in progress["slots"] if e["layer"] != "posenc"]
+    by_layer = sorted(layers, key=lambda e: e["layer"])
+    depth = len(slots) - (1 if config.posenc_candidates else 0)
+    magnitude, alpha_end = progress["magnitude"], progress["alpha_end"]
+    out = {
         "format": "flt-search-1",
         "task": preset.task,
         "metric": task.metric,
@@ -355,9 +434,29 @@ def _result(preset, config, model_cfg, progress, slots, task, step, *, done: boo
         "order": [e["layer"] for e in progress["slots"]],
         "slots": by_layer,
         "perturbation": [e["chosen"] for e in by_layer] if done else None,
-        "magnitude": progress["magnitude"],
-        "alpha_end": progress["alpha_end"],
+        "magnitude": magnitude[:depth] if magnitude is not None else None,
+        "alpha_end": alpha_end[:depth] if alpha_end is not None else None,
         "history": progress["history"],
         "steps": step,
         "seconds": progress["seconds"],
     }
+    if config.posenc_candidates:
+        entry = next((e for e in progress["slots"] if e["layer"] == "posenc"), None)
+        out["posenc_candidates"] = [c.to_dict() for c in config.posenc_candidates]
+        out["posenc_slot"] = entry
+        out["posenc_alpha_end"] = alpha_end[depth] if alpha_end is not None else None
+        out["posenc"] = {
+            "perturbation": entry["chosen"] if done and entry is not None else None,
+            "magnitude": magnitude[depth] if magnitude is not None else None,
+        } if done else None
+    return out
+
+
+def holdout_seed(preset: Preset) -> int:
+    """The seed of the held-out draw: the data's own seed (``split_seed`` of molecules,
+    ``seed`` of graphs; 0 without one)."""
+    for key in ("split_seed", "seed"):
+        value = preset.data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0

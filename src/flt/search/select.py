@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import torch
 
-from flt.search.mixed import MixedAttention
+from flt.search.mixed import MixedOp
 
 __all__ = ["magnitude_choice", "perturbation_choice", "removal_metrics", "select_slot"]
 
 
 @torch.no_grad()
-def removal_metrics(slot: MixedAttention, evaluate: Callable[[], float]) -> list[float | None]:
+def removal_metrics(slot: MixedOp, evaluate: Callable[[], float]) -> list[float | None]:
     """The metric ``evaluate()`` returns with each candidate of ``slot`` removed in turn
     (None for a candidate already out). The slot is left as it was found."""
     if slot.is_decided:
@@ -50,12 +50,12 @@ def perturbation_choice(removed: list[float | None], higher_is_better: bool) -> 
     return next(k for k, m in scored if m == worst)
 
 
-def magnitude_choice(slot: MixedAttention) -> int:
+def magnitude_choice(slot: MixedOp) -> int:
     """``argmax softmax(alpha)`` of ``slot`` (the first on a tie)."""
     return int(torch.argmax(slot.probabilities()))
 
 
-def select_slot(slot: MixedAttention, evaluate: Callable[[], float], higher_is_better: bool) -> dict:
+def select_slot(slot: MixedOp, evaluate: Callable[[], float], higher_is_better: bool) -> dict:
     """Measure ``slot`` by perturbation, decide it on the candidate whose removal hurts most
     and return the record: ``alpha`` (softmax, before deciding), ``metric`` (nothing
     removed), ``removed`` (label -> metric without it), ``chosen`` and ``magnitude`` (labels)."""

@@ -36,6 +36,7 @@ every validation pair. See docs/graphs.md for the design and the benchmarks.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -61,7 +62,7 @@ from flt.graphs import (
 )
 from flt.graphs.link import TASK_ENCODERS
 from flt.models import replace_fields
-from flt.models.config import TrunkConfig
+from flt.models.config import LayeredConfig
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
 
@@ -79,7 +80,7 @@ POSENC_DEFAULTS: dict = {}
 
 
 @dataclass(frozen=True)
-class GraphConfig(TrunkConfig):
+class GraphConfig(LayeredConfig):
     """Pair model over all nodes (:class:`flt.graphs.LinkTransformer`).
 
     ``num_anchors`` is ``K``, the size of the node features and positions (filled in from
@@ -92,7 +93,9 @@ class GraphConfig(TrunkConfig):
     from the data; 0, in configs saved before it, means ``num_anchors``).
     ``gir_positions`` (``P``, 0: off) makes the transformer attend at positions computed
     by a GIR path encoder trained with it (:class:`flt.graphs.link.LinkTransformer`)
-    instead of the positions the data gives.
+    instead of the positions the data gives. ``layer_attention`` (one
+    ``{"attention": NAME, "attention_options": {...}}`` per layer, ``flt search`` selects
+    it, ``flt train --arch`` trains it) gives each layer of the transformer its own mechanism.
     """
 
     task: ClassVar[str] = "graph"
@@ -122,6 +125,8 @@ class GraphConfig(TrunkConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.layer_attention is not None and self.encoder != "transformer":
+            raise ValueError(f"layer_attention applies to encoder='transformer' (the mechanism of each of its layers), got encoder={self.encoder!r}")
         if self.gir_positions and self.encoder != "transformer":
             raise ValueError(f"gir_positions applies to encoder='transformer' (positions of its attention), got encoder={self.encoder!r}")
         if isinstance(self.gir_steps, bool) or not isinstance(self.gir_steps, int) or self.gir_steps < 0:
@@ -214,18 +219,37 @@ class GraphTask(Task):
             self.edges = g.edges
             self.train, self.valid, self.test = split_node_pairs(g, num_pairs, seed=seed)
         n = g.num_nodes
+        self.kind, self.walk_steps, self.eigenvectors = task, walk_steps, eigenvectors
         self.num_nodes, self.seed, self.resample, self.positions = n, seed, resample_anchors, positions
         self.num_anchors = min(num_anchors, n)
-        self.anchors = select_anchors(n, self.num_anchors, seed=seed, edges=self.edges)
-        if positions == "anchor":
-            self.features, self.pos = anchor_inputs(n, self.edges, self.anchors)
+        self._set_structure(self.edges)
+
+    def _set_structure(self, edges: torch.Tensor) -> None:
+        """``edges``, the structure, with the anchors and node inputs computed from it."""
+        n = self.num_nodes
+        self.edges = edges
+        self.anchors = select_anchors(n, self.num_anchors, seed=self.seed, edges=edges)
+        if self.positions == "anchor":
+            self.features, self.pos = anchor_inputs(n, edges, self.anchors)
         else:
-            if positions == "rwse":
-                enc = standardize_columns(random_walk_encoding(n, self.edges, walk_steps))
+            if self.positions == "rwse":
+                enc = standardize_columns(random_walk_encoding(n, edges, self.walk_steps))
             else:
-                enc = laplacian_eigenvectors(n, self.edges, eigenvectors)[1] * math.sqrt(n)
+                enc = laplacian_eigenvectors(n, edges, self.eigenvectors)[1] * math.sqrt(n)
             self.features = self.pos = enc.to(torch.get_default_dtype())
         self._epoch_inputs: tuple | None = None
+
+    def with_structure(self, edges: torch.Tensor) -> GraphTask:
+        """A copy of the task whose structure is ``edges`` ``[E, 2]`` (anchors, distances and
+        positions computed from them); the labelled pairs are the same objects. ``flt
+        search`` takes its held-out edges out of the structure this way."""
+        if not isinstance(edges, torch.Tensor) or edges.ndim != 2 or edges.shape[1] != 2 or edges.dtype != torch.int64:
+            raise ValueError(f"edges must be an int64 tensor [E, 2], got {getattr(edges, 'shape', edges)!r}")
+        if len(edges) and (int(edges.min()) < 0 or int(edges.max()) >= self.num_nodes):
+            raise ValueError(f"edges must name nodes in [0, {self.num_nodes})")
+        other = copy.copy(self)
+        other._set_structure(edges)
+        return other
 
     def configure(self, cfg):
         """The config with ``num_anchors`` and ``in_dim`` of the data; a ``softmax`` run that
