@@ -229,3 +229,33 @@ def test_taylor_features_give_the_second_order_expansion_of_exp():
     fm = FeatureMap(5, kind="taylor")
     assert fm.num_features == 21 and not fm.has_random_features
     assert torch.equal(fm(x)[0], fx) and fm(x)[1] is None
+
+
+def test_hedgehog_features_are_two_softmax_halves_of_a_learned_map():
+    from flt.layers.features import FeatureMap
+    from flt.ops import hedgehog_features
+
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(2, 3, 6, 4, generator=gen, dtype=torch.float64)
+    w = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    fx = hedgehog_features(x, w)
+    assert fx.shape == (3, 6, 14) and (fx > 0).all()
+    assert torch.allclose(fx[..., :7].sum(-1), torch.ones(3, 6, dtype=torch.float64))
+    assert torch.allclose(fx[..., 7:], torch.softmax(-(x @ w.T), dim=-1))
+    # Sharpness grows with the scale of W: the kernel tends to "same arg max in each half".
+    big = hedgehog_features(x, 1e3 * w) @ hedgehog_features(y, 1e3 * w).transpose(-1, -2)
+    pw, nw = x @ w.T, y @ w.T
+    same = (pw.argmax(-1)[..., :, None] == nw.argmax(-1)[..., None, :]).double()
+    same = same + (pw.argmin(-1)[..., :, None] == nw.argmin(-1)[..., None, :]).double()
+    assert torch.allclose(big, same, atol=1e-6)
+    fm = FeatureMap(4, 8, kind="hedgehog", dtype=torch.float64)
+    assert fm.num_features == 8 and not fm.has_random_features
+    assert torch.equal(fm.weight.detach(), torch.eye(4, dtype=torch.float64))  # m = 2D: the identity
+    assert isinstance(fm.weight, torch.nn.Parameter) and fm(x)[1] is None
+    assert torch.allclose(fm.exact_kernel(x, y), fm(x)[0] @ fm(y)[0].transpose(-1, -2))
+    wide = FeatureMap(4, 12, kind="hedgehog", seed=0)
+    assert wide.weight.shape == (6, 4) and torch.allclose(wide.weight.norm(dim=-1), torch.ones(6))
+    with pytest.raises(ValueError, match="num_features must be even"):
+        FeatureMap(4, 7, kind="hedgehog")
+    with pytest.raises(ValueError, match="weight must be"):
+        hedgehog_features(x, torch.randn(3, 5, dtype=torch.float64))

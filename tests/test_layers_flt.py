@@ -258,10 +258,18 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     perf = PerformerAttention(16, 2, causal=causal, feature_map="elu", dtype=torch.float64)
     kp = None if causal else pad
     assert torch.allclose(perf(x, key_padding_mask=kp), perf.exact(x, key_padding_mask=kp), atol=1e-12)
-    for fm in ("elu", "taylor"):
+    for fm in ("elu", "taylor", "hedgehog"):
         flat = FLTAttention(16, 2, causal=causal, coupling="multiplicative", feature_map=fm, spectrum="gaussian",
                             length_scale=1e7, amplitude=1.5, dtype=torch.float64)  # f = 1.5 at every offset
         assert torch.allclose(flat(x, pos, kp), flat.exact(x, pos, kp), atol=1e-9), fm
+    # hedgehog's W is learned: the linear path and the O(N^2) reference agree on its gradient too.
+    xg = x.clone().requires_grad_(True)
+    flat(xg, pos, kp).square().sum().backward()
+    g_fast = (xg.grad.clone(), flat.feature_map.weight.grad.clone())
+    xg.grad, flat.feature_map.weight.grad = None, None
+    flat.exact(xg, pos, kp).square().sum().backward()
+    assert torch.allclose(g_fast[0], xg.grad, atol=1e-9) and torch.allclose(g_fast[1], flat.feature_map.weight.grad, atol=1e-9)
+    assert g_fast[1].abs().sum() > 0
     taylor = PerformerAttention(16, 2, causal=causal, feature_map="taylor", dtype=torch.float64)
     assert torch.allclose(taylor(x, key_padding_mask=kp), taylor.exact(x, key_padding_mask=kp), atol=1e-12)
     relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)

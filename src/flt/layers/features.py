@@ -11,15 +11,17 @@ from flt.ops.features import (
     favor_plus_features,
     favor_plus_features_split,
     gaussian_orthogonal_random_matrix,
+    hedgehog_features,
     relu_features,
     relu_kernel,
     taylor_features,
     taylor_kernel,
 )
 
-FEATURE_MAPS = ("favor+", "relu", "elu", "taylor")
-#: The maps with no random projection: their features are a function of the input alone.
-DETERMINISTIC_MAPS = ("elu", "taylor")
+FEATURE_MAPS = ("favor+", "relu", "elu", "taylor", "hedgehog")
+#: The maps with no random projection: their features are a function of the input (and of
+#: learned parameters) alone.
+DETERMINISTIC_MAPS = ("elu", "taylor", "hedgehog")
 
 
 class FeatureMap(nn.Module):
@@ -28,12 +30,15 @@ class FeatureMap(nn.Module):
     ``"favor+"`` (default) estimates the softmax kernel ``exp(x.y)`` without bias (Performer);
     ``phi(x) = feat * exp(log_scale)``. ``"relu"`` (ReLU random features, estimating the
     arc-cosine kernel), ``"elu"`` (``elu + 1``, ``m = D``) and ``"taylor"`` (the second-order
-    Taylor expansion of ``exp(x.y)``, ``1 + x.y + (x.y)^2 / 2``, ``m = 1 + D + D(D+1)/2``) do
-    not estimate ``exp(x.y)``; the last two are deterministic (no projection, no draw).
+    Taylor expansion of ``exp(x.y)``, ``1 + x.y + (x.y)^2 / 2``, ``m = 1 + D + D(D+1)/2``) and
+    ``"hedgehog"`` (``[softmax(W x), softmax(-W x)]`` with a learned ``W [m/2, D]``, initialised
+    to the identity when ``m = 2D``; :func:`flt.ops.features.hedgehog_features`) do not
+    estimate ``exp(x.y)``; the last three are deterministic (no random projection, no draw).
 
     Args:
         dim: input dimension ``D``.
-        num_features: ``m`` (ignored by the deterministic ``"elu"`` and ``"taylor"``).
+        num_features: ``m`` (ignored by the deterministic ``"elu"`` and ``"taylor"``; even for
+            ``"hedgehog"``).
         kind: one of :data:`FEATURE_MAPS`.
         orthogonal: orthogonal random blocks (lower variance).
         seed: seeds the projection; ``None`` uses torch's global generator.
@@ -64,6 +69,11 @@ class FeatureMap(nn.Module):
         self.dim, self.kind, self.orthogonal = dim, kind, orthogonal
         self.num_features = {"elu": dim, "taylor": 1 + dim + dim * (dim + 1) // 2}.get(kind, num_features)
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+        self.weight = None
+        if kind == "hedgehog":
+            if num_features % 2:
+                raise ValueError(f"num_features must be even for feature_map='hedgehog' (two softmax halves), got {num_features}")
+            self.weight = nn.Parameter(self._hedgehog_init(num_features // 2, dim, device=device, dtype=dtype))
         if kind in DETERMINISTIC_MAPS:
             self.register_buffer("projection", None)
         else:
@@ -72,6 +82,14 @@ class FeatureMap(nn.Module):
             )
             # Kept in float32 or better whatever the module dtype: it feeds an exponential.
             self.register_buffer("projection", proj if dtype != torch.float64 else proj.double())
+
+    def _hedgehog_init(self, rows: int, dim: int, *, device, dtype) -> torch.Tensor:
+        """The identity where ``m/2 = D`` (the softmax halves then start as ``softmax(+-x)``),
+        else orthogonal rows of unit norm, seeded like the random projections."""
+        if rows == dim:
+            return torch.eye(dim, device=device, dtype=dtype)
+        w = gaussian_orthogonal_random_matrix(rows, dim, generator=self._generator, dtype=torch.float64)
+        return (w / w.norm(dim=-1, keepdim=True)).to(device=device, dtype=dtype or torch.get_default_dtype())
 
     @property
     def has_random_features(self) -> bool:
@@ -112,19 +130,23 @@ class FeatureMap(nn.Module):
             return relu_features(x, self.projection), None
         if self.kind == "taylor":
             return taylor_features(x), None
+        if self.kind == "hedgehog":
+            return hedgehog_features(x, self.weight), None
         return elu_features(x), None
 
     def exact_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor | None:
         """The kernel these features estimate, ``[..., N, Nk]``, or None for ``"favor+"``
         (its kernel ``exp(xq.xk)`` is the reference's logits): ``"relu"`` the arc-cosine
         kernel :func:`flt.ops.features.relu_kernel` (the features' mean over projections),
-        ``"elu"`` and ``"taylor"`` their own deterministic ``phi(xq).phi(xk)``."""
+        ``"elu"``, ``"taylor"`` and ``"hedgehog"`` their own deterministic ``phi(xq).phi(xk)``."""
         if self.kind == "favor+":
             return None
         if self.kind == "relu":
             return relu_kernel(xq, xk)
         if self.kind == "taylor":
             return taylor_kernel(xq, xk)
+        if self.kind == "hedgehog":
+            return hedgehog_features(xq, self.weight) @ hedgehog_features(xk, self.weight).transpose(-1, -2)
         return elu_features(xq) @ elu_features(xk).transpose(-1, -2)
 
     def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

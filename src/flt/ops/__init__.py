@@ -19,6 +19,7 @@ features ``[B, H, N, m]``; spectral features ``[B or 1, H, N, 2R]``.
 
 from flt.ops.features import (
     elu_features,
+    hedgehog_features,
     favor_plus_features,
     gaussian_orthogonal_random_matrix,
     relu_features,
@@ -47,6 +48,7 @@ __all__ = [
     "toeplitz_matrix",
     "toeplitz_matvec",
     "elu_features",
+    "hedgehog_features",
     "favor_plus_features",
     "flt_attention",
     "flt_attention_reference",

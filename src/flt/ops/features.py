@@ -200,6 +200,25 @@ def taylor_kernel(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return 1 + u + 0.5 * u * u
 
 
+def hedgehog_features(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Learned spiky features ``[softmax(W x), softmax(-W x)]`` (Hedgehog, Zhang et al. 2024):
+    ``x [..., N, D], weight [m/2, D] -> [..., N, m]``, each half a softmax over its ``m/2``
+    features, so every feature is positive and each half sums to 1.
+
+    Deterministic given ``W``, a learned parameter (not a random draw). Its kernel
+    ``phi(x).phi(y)`` grows sharp as ``W`` grows: with large ``|W x|`` each half tends to a
+    one-hot of its arg max, and the kernel to the indicator that two inputs share it. That is
+    the point of the map: an attention as peaked as softmax's with no estimate of ``exp(x.y)``.
+    """
+    check_tensor("x", x)
+    check_tensor("weight", weight, ndim=2, layout="[m/2, D]")
+    if weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"weight must be [m/2, {x.shape[-1]}] for inputs of dimension {x.shape[-1]}, got {tuple(weight.shape)}")
+    cdt = compute_dtype(x)
+    proj = x.to(cdt) @ weight.to(cdt).T
+    return torch.cat([torch.softmax(proj, dim=-1), torch.softmax(-proj, dim=-1)], dim=-1)
+
+
 def elu_features(x: torch.Tensor) -> torch.Tensor:
     """``elu(x) + 1`` (Katharopoulos et al.): ``[..., N, D] -> [..., N, D]``, strictly positive."""
     check_tensor("x", x)
