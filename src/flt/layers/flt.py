@@ -44,8 +44,8 @@ class FLTAttention(KernelAttention):
         num_features: ``m``, kernel features per head.
         num_frequencies: ``R``, random frequencies per head (features ``2R``).
         causal: token ``i`` attends to ``j <= i``; enables :meth:`step`.
-        feature_map: ``"favor+"`` (default), ``"relu"``, ``"elu"`` or ``"taylor"`` (multiplicative only:
-            the logit coupling needs the exponential kernel).
+        feature_map: ``"favor+"`` (default), ``"relu"``, ``"elu"``, ``"taylor"`` or ``"hedgehog"``
+            (learned features; multiplicative only: the logit coupling needs the exponential kernel).
         qk_norm: L2-normalise queries and keys with a learned temperature (default on for
             FAVOR+, whose error grows exponentially with ``|q|^2``).
         temperature: initial temperature for ``qk_norm``.
@@ -281,8 +281,8 @@ class FLTAttention(KernelAttention):
 
         The exact softmax kernel ``exp(x_q.x_k)`` and the exact mask ``f`` of the spectrum:
         ``softmax(x_q.x_k + f)`` for the logit coupling, ``f * exp(x_q.x_k)`` normalised for
-        the multiplicative one; with ``feature_map="relu"``, ``"elu"`` or ``"taylor"`` the kernel those
-        features estimate instead of ``exp(x_q.x_k)``
+        the multiplicative one; with ``feature_map="relu"``, ``"elu"``, ``"taylor"`` or
+        ``"hedgehog"`` the kernel those features estimate instead of ``exp(x_q.x_k)``
         (:meth:`flt.layers.kernel.KernelAttention.exact_attention`). As ``num_features`` and
         ``num_frequencies`` grow, ``forward`` converges to this.
         """

@@ -11,8 +11,8 @@ class PerformerAttention(KernelAttention):
     Args:
         dim, heads, pos_dim, causal: as every attention layer.
         num_features: ``m`` random features per head.
-        feature_map: ``"favor+"`` (default; estimates the softmax kernel), ``"relu"``, ``"elu"``
-            or ``"taylor"`` (:class:`flt.layers.features.FeatureMap`).
+        feature_map: ``"favor+"`` (default; estimates the softmax kernel), ``"relu"``, ``"elu"``,
+            ``"taylor"`` or ``"hedgehog"`` (:class:`flt.layers.features.FeatureMap`).
         qk_norm: L2-normalise queries and keys with a learned temperature (default on for
             FAVOR+: its variance grows exponentially with ``|q|^2``).
         temperature: initial temperature for ``qk_norm``.
@@ -32,7 +32,7 @@ class PerformerAttention(KernelAttention):
     def exact(self, x, pos=None, key_padding_mask=None):
         """The attention the features estimate, with the same parameters: softmax
         ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the
-        deterministic ``"elu"`` and ``"taylor"`` maps their own kernel (so ``exact`` equals
+        deterministic ``"elu"``, ``"taylor"`` and ``"hedgehog"`` maps their own kernel (so ``exact`` equals
         ``forward``)."""
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)

@@ -19,16 +19,19 @@ from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, 
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: a radial Gaussian (rotation invariant with tied lengths) in the FLT paper's
-#: multiplicative coupling ``f(r_i - r_j) phi(q_i).phi(k_j)``, with the deterministic
-#: ``elu + 1`` kernel features (no estimate of the content kernel, so only ``f`` is
-#: estimated) and 256 quasi-Monte Carlo frequencies. Small preset, 3 seeds
-#: (docs/results.md, 2026-11-23 evening): 0.195 eV with draw gaps within 5%, against 0.338
-#: (2 seeds) for FAVOR+ kernel features with the 16 nearest atoms exact, whose estimate of
-#: ``exp(q.k)`` forces the soft content kernel of normalised queries and keys.
+#: multiplicative coupling ``f(r_i - r_j) phi(q_i).phi(k_j)``, with learned deterministic
+#: kernel features ``[softmax(W q), softmax(-W q)]`` (``feature_map="hedgehog"``, 32 per
+#: head, ``W`` starting at the identity: no estimate of the content kernel, so only ``f``
+#: is estimated, and a kernel that can grow as peaked as softmax's) and 256 quasi-Monte
+#: Carlo frequencies. Small preset, 3 seeds (docs/results.md, "learned kernel
+#: features"): 0.153 eV with draw gaps within 6%, 1.11x exact softmax with the same mask
+#: family (0.138); 0.195 with the fixed ``elu + 1`` features, 0.338 with FAVOR+ features
+#: and the 16 nearest atoms exact (FAVOR+'s estimate of ``exp(q.k)`` forces the soft kernel
+#: of normalised queries and keys).
 #: Performer gets 64 random features; softmax gets ALiBi on Euclidean distances.
 ATTENTION_DEFAULTS = {
-    "flt": {"spectrum": "gaussian", "coupling": "multiplicative", "feature_map": "elu", "num_frequencies": 256,
-            "sampler": "qmc", "length_scale": 3.0},
+    "flt": {"spectrum": "gaussian", "coupling": "multiplicative", "feature_map": "hedgehog", "num_features": 32,
+            "num_frequencies": 256, "sampler": "qmc", "length_scale": 3.0},
     "performer": {"num_features": 64},
     "softmax": {"relative_bias": "alibi"},
 }
@@ -38,7 +41,7 @@ POSENC_DEFAULTS = {"shifted_basis": {"domain": [-10.0, 10.0]}}
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train molecule --preset smoke``: 60 steps on 160 generated structures with
     unrelaxed EMT energies (generated in about 3 s on first use, then cached).
-    About 15 s; validation MAE 1.93 eV, no better than predicting the mean (1.9 eV) after
+    About 15 s; validation MAE 1.94 eV, no better than predicting the mean (1.9 eV) after
     60 steps: the multiplicative mask starts near uniform (with the earlier logit default
     1.66 eV)."""
     model = MoleculeConfig(dim=32, depth=2, heads=2, **mechanism_options(MoleculeTask, attention, posenc))
@@ -50,9 +53,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train molecule --preset small``: 3 layers, width 64, 800 steps of 32 on 1000
     generated catalysis structures (adsorption energies after at most 30 EMT relaxation
     steps; generating them takes about 1 min on first use, then they are cached).
-    About 2.5 min (151 s, ``--threads 1``, a loaded 2-core VM); validation MAE 0.14 eV
-    (seed 0; draw gap: fresh draws 0.137, exact 0.136; predicting the mean: 1.96 eV).
-    Seeds 0, 1 and 2: 0.195 +- 0.066 eV (docs/results.md)."""
+    About 4 min (251 s, ``--threads 1``, a loaded 2-core VM); validation MAE 0.127 eV
+    (seed 0; draw gap: fresh draws 0.132, exact 0.121; predicting the mean: 1.96 eV).
+    Seeds 0, 1 and 2: 0.153 +- 0.048 eV (docs/results.md)."""
     model = MoleculeConfig(dim=64, depth=3, heads=4, **mechanism_options(MoleculeTask, attention, posenc))
     run = RunConfig(steps=800, batch_size=32, lr=2e-3, warmup_steps=50, eval_every=100, checkpoint_every=100, log_every=10)
     return Preset(MoleculeTask.name, model, run, {"num_samples": 1000})
