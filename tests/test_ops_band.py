@@ -131,6 +131,39 @@ def test_near_field_layer_forward_equals_reference_forward_and_backward(causal, 
     assert any(g is not None and g.abs().sum() > 0 for g in g_out[1:] if g is not None)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(causal, monkeypatch):
+    """Equally spaced 1-D positions: the band's f is evaluated on its 2w + 1 offsets and
+    broadcast over the rows; outputs and every gradient equal the per-row computation."""
+    import flt.layers.flt as flt_layer
+    from flt.layers.base import regular_step
+
+    assert regular_step(torch.arange(6, dtype=F64).view(1, 6, 1) * 0.5 + 3).item() == 0.5
+    assert regular_step(torch.tensor([0.0, 1.0, 3.0]).view(1, 3, 1)) is None
+    assert regular_step(torch.arange(6, dtype=F64).view(1, 3, 2)) is None  # 2-D positions
+    assert regular_step(torch.arange(6, dtype=F64).view(2, 3, 1)) is None  # not batch-shared
+    assert regular_step(torch.arange(3, dtype=F64).view(1, 3, 1).requires_grad_()) is None
+    layer = strong_layer(causal, near=4, spectrum="local", near_relative="clipped")
+    x = torch.randn(2, 23, 64, dtype=F64)
+    pos = (torch.arange(23, dtype=F64) + 2.0).view(1, 23, 1).expand(2, 23, 1)
+    once = layer.band_bias(pos[:1])
+    assert once.stride(2) == 0  # a view over the rows, not N copies
+    results = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setattr(flt_layer, "regular_step", lambda pos: None)
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg, pos)
+        grads = torch.autograd.grad(out.square().sum(), [xg] + list(layer.parameters()), allow_unused=True)
+        results.append((out, grads, layer.band_bias(pos[:1])))
+    (out, grads, _), (out_rows, grads_rows, per_row) = results
+    w = 4
+    assert torch.allclose(once[:, :, w:-w], per_row[:, :, w:-w], atol=1e-12)  # interior rows (the ends hold junk)
+    assert torch.allclose(out, out_rows, atol=1e-12)
+    for g, h in zip(grads, grads_rows):
+        assert (g is None) == (h is None) and (g is None or torch.allclose(g, h, atol=1e-10))
+
+
 def test_near_field_layer_converges_to_exact_and_is_exact_when_the_band_covers_everything():
     layer = strong_layer(near=40)
     x = torch.randn(1, 33, 64, dtype=F64)

@@ -48,6 +48,20 @@ def batch_shared(pos: torch.Tensor | None) -> torch.Tensor | None:
     return pos
 
 
+def regular_step(pos: torch.Tensor | None) -> torch.Tensor | None:
+    """The spacing ``s`` (a 0-d tensor) when ``pos [1, N, 1]`` is ``p_0 + s * n`` with
+    every consecutive difference exactly equal (token indices), so that a term of the
+    offsets between nearby tokens is the same for every query and can be computed once;
+    otherwise None. None as well when ``pos`` needs a gradient, and under
+    ``torch.compile`` (where comparing the differences would break the graph)."""
+    if pos is None or pos.ndim != 3 or pos.shape[0] != 1 or pos.shape[2] != 1 or pos.shape[1] < 2:
+        return None
+    if pos.requires_grad or compiling():
+        return None
+    d = pos[0, 1:, 0] - pos[0, :-1, 0]
+    return d[0] if torch.equal(d, d[:1].expand_as(d)) else None
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

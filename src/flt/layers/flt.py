@@ -22,7 +22,7 @@ from einops import rearrange
 from flt._checks import check_choice
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import band_prefill, band_step
-from flt.layers.base import batch_shared
+from flt.layers.base import batch_shared, regular_step
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import DEFAULT_CHUNK_SIZE
@@ -271,10 +271,16 @@ class FLTAttention(KernelAttention):
         ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
         band op ignores)."""
         w = self.near_field
-        neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
-        delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
-        f = self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta)  # [B, N, 2w+1, H]
-        return rearrange(f, "b n o h -> b h n o")
+        step = regular_step(pos)
+        if step is not None:
+            # Token indices: every query sees the same offsets, so f is evaluated on 2w + 1
+            # offsets instead of N (2w + 1), and the bias is a broadcast view over the rows.
+            delta = (torch.arange(w, -w - 1, -1, device=pos.device, dtype=pos.dtype) * step).view(1, 1, 2 * w + 1, 1)
+        else:
+            neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
+            delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
+        f = self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta)  # [B | 1, N | 1, 2w+1, H]
+        return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention this layer approximates, with the same parameters.
