@@ -198,6 +198,12 @@ SPATIAL_ESTIMATORS = {
     "multiplicative k=16, bump in f_near": ({"coupling": "multiplicative", "near_neighbors": 16}, "near_spectrum"),
     "multiplicative k=16, bump in f_near, f 3x broader": ({"coupling": "multiplicative", "near_neighbors": 16, "far_length": 3.0},
                                                           "near_spectrum"),
+    # Deterministic kernel features leave only f to estimate; 256 QMC frequencies (the
+    # catalysis preset's form; these rows use their own R whatever the setting's).
+    "multiplicative, elu features, 256 QMC": ({"coupling": "multiplicative", "feature_map": "elu", "sampler": "qmc",
+                                               "num_frequencies": 256}, "spectrum"),
+    "multiplicative, hedgehog features, 256 QMC": ({"coupling": "multiplicative", "feature_map": "hedgehog", "sampler": "qmc",
+                                                    "num_frequencies": 256}, "spectrum"),
 }
 
 
@@ -218,8 +224,10 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
             options, where = SPATIAL_ESTIMATORS[label]
             options = dict(options)
             far_length = options.pop("far_length", 1.0)
+            own_R = options.pop("num_frequencies", None)
             for amplitude in amplitudes:
                 for m, R in settings:
+                    R = own_R or R
                     errs, full_errs = [], []
                     for seed in seeds:
                         torch.manual_seed(seed)
