@@ -225,25 +225,26 @@ def interrupted_message(stop, argv: list[str] | None) -> str:
 
 def arch_preset(args):
     """The preset of ``--arch SEARCH.JSON``: the task's preset with every layer's mechanism
-    (``layer_attention``) as the search chose it (:func:`flt.search.arch_layers`)."""
+    (``layer_attention``) and, when the search mixed it, the absolute encoding as the search
+    chose them (:func:`flt.search.arch_fields`)."""
     from flt.models import replace_fields
-    from flt.options import check_attention_options
-    from flt.search.arch import arch_layers, read_search
+    from flt.search.arch import arch_fields, read_search
 
     if args.attention is not None or args.attn_opt:
         raise ValueError("--arch gives every layer its mechanism; leave out --attention and --attn-opt")
     data = read_search(args.arch)
     if data["task"] != args.task:
         raise ValueError(f"--arch: the search was for task {data['task']!r}, not {args.task!r}")
-    layers = arch_layers(data, args.arch_select)
-    for i, layer in enumerate(layers):
-        check_attention_options(layer["attention"], layer["attention_options"])
+    fields = arch_fields(data, args.arch_select)
+    if "posenc" in fields and ((args.posenc != "none" and args.posenc != fields["posenc"]) or args.posenc_opt):
+        raise ValueError(f"--arch gives the model the absolute encoding the search chose ({fields['posenc']!r}); "
+                         "leave out --posenc and --posenc-opt")
+    layers = fields["layer_attention"]
     preset = preset_from_args(args, layers[0]["attention"], {}, options_source="--arch")
     if len(layers) != preset.model.depth:
         raise ValueError(f"--arch: the search chose {len(layers)} layers, the model has depth {preset.model.depth}; "
                          f"pass the preset the search used, or --model-opt depth={len(layers)}")
-    model = replace_fields(preset.model, attention=layers[0]["attention"], attention_options=layers[0]["attention_options"],
-                           layer_attention=layers)
+    model = replace_fields(preset.model, **fields)
     return type(preset)(preset.task, model, preset.run, preset.data)
 
 
