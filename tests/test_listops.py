@@ -189,11 +189,12 @@ def test_smoke_preset_trains_in_seconds(tmp_path, monkeypatch, attention):
     assert 0.0 <= summary["final"]["accuracy"] <= 1.0 and np.isfinite(summary["final"]["loss"])
 
 
-def test_the_classifier_ignores_padding():
+@pytest.mark.parametrize("attention", ["softmax", "flt"])
+def test_the_classifier_ignores_padding(attention):
     from flt.tasks import get_preset, get_task
 
     task = get_task("listops")
-    cfg = get_preset("listops", "smoke", "softmax").model
+    cfg = get_preset("listops", "smoke", attention).model
     torch.manual_seed(0)
     model = task.build_model(cfg, dtype=torch.float64).eval()
     data = generate_listops(2, seed=1, min_length=20, max_length=40)
@@ -203,3 +204,35 @@ def test_the_classifier_ignores_padding():
         n = int(data.lengths[i])
         alone = model(tokens[i : i + 1, :n])
         torch.testing.assert_close(both[i : i + 1], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_small_preset_is_the_benchmark_on_shorter_expressions():
+    import inspect
+
+    from flt.tasks import get_preset, get_task
+
+    small, base = get_preset("listops", "small", "flt"), get_preset("listops", "base", "flt")
+    assert (small.data["min_length"], small.data["max_length"]) == (100, 300)
+    spec = inspect.signature(get_task("listops")).parameters
+    assert (spec["min_length"].default, spec["max_length"].default) == (500, 2000)
+    assert (spec["max_depth"].default, spec["max_args"].default) == (10, 10)
+    for preset in (small, base):  # depth and arguments are the benchmark's; base also its lengths
+        assert "max_depth" not in preset.data and "max_args" not in preset.data
+    assert "min_length" not in base.data and "max_length" not in base.data
+
+
+def test_flt_band_term_tells_left_from_right():
+    """The root of an expression is its first token; with positions as offsets only, a model
+    finds it by direction (no key on its left). FLT's spectra are even, so its listops
+    default carries a learned table over the band's signed offsets."""
+    from flt.tasks import get_preset, get_task
+
+    cfg = get_preset("listops", "small", "flt").model
+    model = get_task("listops").build_model(cfg, dtype=torch.float64)
+    attn = model.trunk.blocks[0].attn
+    t = torch.arange(1, attn.near_field + 1, dtype=torch.float64).view(-1, 1)
+    torch.testing.assert_close(attn.spectrum.of_offsets(-t), attn.spectrum.of_offsets(t), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        attn.near_spectrum.table.normal_()
+    left, right = attn.near_spectrum.of_offsets(-t), attn.near_spectrum.of_offsets(t)
+    assert (left - right).abs().min() > 0
