@@ -224,7 +224,7 @@ def test_small_preset_is_the_benchmark_on_shorter_expressions():
 def test_flt_band_term_tells_left_from_right():
     """The root of an expression is its first token; with positions as offsets only, a model
     finds it by direction (no key on its left). FLT's spectra are even, so its listops
-    default carries a learned table over the band's signed offsets."""
+    default carries T5 buckets over the band's signed offsets."""
     from flt.tasks import get_preset, get_task
 
     cfg = get_preset("listops", "small", "flt").model

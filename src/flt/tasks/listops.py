@@ -28,16 +28,16 @@ from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, 
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: the banded estimator, bidirectional: exact weights on the 64 nearest tokens on each
-#: side with a learned table over the band's signed offsets (``near_relative="clipped"``),
-#: a learned local spectrum far away. Positions enter only as offsets, so finding an
+#: side with T5 buckets over the band's signed offsets (``near_relative="t5"``, softmax's
+#: term), a learned local spectrum far away. Positions enter only as offsets, so finding an
 #: expression's root (its first token) needs a term that tells left from right: the
-#: spectra are even functions of the offset, the table is not. With a band of 16 the
+#: spectra are even functions of the offset, the buckets are not. With a band of 16 the
 #: ``small`` preset learns nothing beyond the bag of tokens (docs/long_context.md). The
 #: other linear mechanisms get FLT's number of random features; softmax gets T5 buckets
 #: (a relative bias, the exact counterpart); Toeplitz-FFT its relative table.
 ATTENTION_DEFAULTS = {
     "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 64,
-            "near_relative": "clipped"},
+            "near_relative": "t5"},
     "performer": {"num_features": 64},
     "toeplitz": {"num_features": 64, "max_distance": 2048},
     "softmax": {"relative_bias": "t5"},
@@ -113,12 +113,12 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     minutes. 2 layers, width 64, 2 heads; 1200 steps of 16 expressions from 5000 generated
     ones, accuracy on 500 validation ones (their most frequent label covers 0.176; the rule
     "the root operator alone decides" scores 0.352). About 2.5 min (Performer, 0.11 s/step)
-    to 5.5 min (FLT, 0.26 s/step) per run with one thread; softmax + T5 0.14-0.18 s/step,
+    to 5.5 min (FLT, 0.25 s/step) per run with one thread; softmax + T5 0.14-0.18 s/step,
     Toeplitz-FFT 5.3 s/step (1 h 45 min, not run). Three seeds: softmax + T5 0.333, FLT
-    0.313, Performer 0.198 (docs/long_context.md). On the benchmark's lengths
+    0.335, Performer 0.198 (docs/long_context.md). On the benchmark's lengths
     (``--data-opt min_length=500 --data-opt max_length=2000``, mean about 1150) the same
-    budget measured over 4 steps: softmax + T5 6.7 s/step (about 2 h 15 min), FLT 1.5
-    (30 min), Performer 0.56 (11 min); not run to the end."""
+    budget measured over 4 steps: softmax + T5 6.7 s/step (about 2 h 15 min), FLT 1.6
+    (32 min), Performer 0.56 (11 min); not run to the end."""
     model = ListOpsConfig(dim=64, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=1200, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=300, eval_batches=None,
                     checkpoint_every=600, log_every=50, draw_gap=False)
