@@ -60,8 +60,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train longlm --preset base``: 4 layers, width 128, context 8192 bytes, 2000
-    steps of 4 windows on the whole corpus. About 2000 x 4 times the small preset's FLT
-    step at twice its context and width: an estimate, not run on the 2-core VM."""
+    steps of 4 windows on the whole corpus. About 12-24 h with FLT on the 2-core VM: an
+    estimate, not run (the small preset's 0.68 s/step scaled by 4x the windows, 2x the
+    context, 2x the depth and 2-4x the width's cost)."""
     model = LMConfig(dim=128, depth=4, heads=4, max_len=8192, **mechanism_options(LongLMTask, attention, posenc))
     run = RunConfig(steps=2000, batch_size=4, lr=2e-3, warmup_steps=100, eval_every=250, eval_batches=16,
                     checkpoint_every=250, log_every=20, draw_gap=False)
