@@ -53,9 +53,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train lm --preset small``: 4 layers, width 128, context 128 bytes, 800 steps
     of 16 windows on the Python docs corpus (1.9 MB train, 0.29 MB valid). FLT with
     ``near_field=16``, the band's table as near term, redraws every step (seed 0,
-    ``--threads 1``, a 2-core VM loaded by other jobs): About 16 min (945 s; 0.58 s/step
-    median), validation ppl 3.71 (bpb 1.89); draw gap on the first 32 validation batches:
-    own draw 3.646, fresh draws 3.649 +- 0.009, exact 3.635. Plain FLT (one fixed draw, no
+    ``--threads 1``, a 2-core VM with one other job): About 7 min (404 s; 0.41 s/step
+    median), validation ppl 3.72 (bpb 1.89); draw gap on the first 32 validation batches:
+    own draw 3.650, fresh draws 3.653 +- 0.009, exact 3.637. Plain FLT (one fixed draw, no
     near field): about 5 min, ppl 6.55."""
     model = LMConfig(dim=128, depth=4, heads=4, max_len=128, **mechanism_options(LMTask, attention, posenc))
     run = RunConfig(steps=800, batch_size=16, lr=3e-3, warmup_steps=50, eval_every=100, eval_batches=16,
