@@ -17,7 +17,7 @@ weight decay groups, checkpoints) sees them as it sees the layers of a plain mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,29 +40,40 @@ class Candidate:
     """One candidate mechanism: ``label`` as the user wrote it, the registry ``name`` and the
     constructor ``options`` (the task's defaults for ``name`` with the entry's own on top)."""
 
+    #: The keys of :meth:`to_dict` (``search.json``) for the registry name and its options.
+    keys: ClassVar[tuple[str, str]] = ("attention", "attention_options")
+
     label: str
     name: str
     options: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "attention": self.name, "attention_options": dict(self.options)}
+        name_key, options_key = self.keys
+        return {"label": self.label, name_key: self.name, options_key: dict(self.options)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Candidate":
-        return cls(data["label"], data["attention"], dict(data["attention_options"]))
+    def from_dict(cls, data: dict[str, Any]):
+        name_key, options_key = cls.keys
+        return cls(data["label"], data[name_key], dict(data[options_key]))
+
+
+def _parse_entries(text: str, flag: str, what: str, cls, registry, defaults: dict[str, dict]) -> list:
+    """``"a,b:k=v,..."`` of option ``flag`` -> ``cls`` entries of ``registry`` with
+    ``defaults[name]`` under each entry's own options. At least two, distinct."""
+    entries = parse_attention_list(text, flag)
+    if len(entries) < 2:
+        raise ValueError(f"{flag} needs at least two {what} to choose from, got {text!r}")
+    out = []
+    for label, name, options in entries:
+        check_choice(f"{flag} entry {label!r}: {cls.keys[0]}", name, registry)
+        out.append(cls(label, name, {**defaults.get(name, {}), **options}))
+    return out
 
 
 def parse_candidates(text: str, task) -> list[Candidate]:
     """``"a,b:k=v,..."`` (``--candidates``) -> candidates with ``task``'s default options for
     each name (``task.attention_defaults``) under the entry's own. At least two, distinct."""
-    entries = parse_attention_list(text, "--candidates")
-    if len(entries) < 2:
-        raise ValueError(f"--candidates needs at least two mechanisms to choose from, got {text!r}")
-    out = []
-    for label, name, options in entries:
-        check_choice(f"--candidates entry {label!r}: attention", name, ATTENTION)
-        out.append(Candidate(label, name, {**task.attention_defaults.get(name, {}), **options}))
-    return out
+    return _parse_entries(text, "--candidates", "mechanisms", Candidate, ATTENTION, task.attention_defaults)
 
 
 def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_dim: int, causal: bool) -> None:
@@ -79,35 +90,19 @@ def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_d
 
 
 @dataclass(frozen=True)
-class EncodingCandidate:
+class EncodingCandidate(Candidate):
     """One candidate absolute encoding of :data:`flt.posenc.POSENC`: ``label`` as written,
     the registry ``name`` and its ``options`` (the task's defaults for ``name`` under the
     entry's own)."""
 
-    label: str
-    name: str
-    options: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "posenc": self.name, "posenc_options": dict(self.options)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EncodingCandidate":
-        return cls(data["label"], data["posenc"], dict(data["posenc_options"]))
+    keys: ClassVar[tuple[str, str]] = ("posenc", "posenc_options")
 
 
 def parse_posenc_candidates(text: str, task) -> list[EncodingCandidate]:
     """``"none,sinusoidal,fourier:k=v"`` (``--posenc-candidates``) -> candidate encodings
     with ``task``'s default options for each name (``task.posenc_defaults``) under the
     entry's own. At least two, distinct."""
-    entries = parse_attention_list(text, "--posenc-candidates")
-    if len(entries) < 2:
-        raise ValueError(f"--posenc-candidates needs at least two encodings to choose from, got {text!r}")
-    out = []
-    for label, name, options in entries:
-        check_choice(f"--posenc-candidates entry {label!r}: posenc", name, POSENC)
-        out.append(EncodingCandidate(label, name, {**task.posenc_defaults.get(name, {}), **options}))
-    return out
+    return _parse_entries(text, "--posenc-candidates", "encodings", EncodingCandidate, POSENC, task.posenc_defaults)
 
 
 def check_posenc_candidates(candidates: list[EncodingCandidate], *, dim: int, pos_dim: int) -> None:
@@ -186,6 +181,16 @@ class MixedOp(nn.Module):
         """Indices of the candidates that contribute: the chosen one once decided, else those kept."""
         return [int(self.decided)] if self.is_decided else [k for k, kept in enumerate(self.keep.tolist()) if kept]
 
+    def weighted_sum(self, call) -> torch.Tensor | None:
+        """``sum_k w_k call(k, op_k)`` over the active candidates; None when none is in."""
+        w = self.weights()
+        out = None
+        for k in self.active():
+            y = call(k, self.ops[k])
+            y = y * w[k].to(y.dtype)
+            out = y if out is None else out + y
+        return out
+
     def extra_repr(self) -> str:
         return f"labels={self.labels}, decided={self.choice}"
 
@@ -197,15 +202,13 @@ class MixedAttention(MixedOp):
     supports_decoding = False
 
     def _mix(self, method: str, x: torch.Tensor, pos, key_padding_mask) -> torch.Tensor:
-        w = self.weights()
-        out = None
-        for k in self.active():
-            op = self.ops[k]
+        def call(k, op):
             fn = getattr(op, method, None)
             if fn is None:
                 raise ValueError(f"candidate {self.labels[k]!r} has no {method}() method")
-            y = fn(x, pos, key_padding_mask) * w[k].to(x.dtype)
-            out = y if out is None else out + y
+            return fn(x, pos, key_padding_mask).to(x.dtype)
+
+        out = self.weighted_sum(call)
         return out if out is not None else torch.zeros_like(x)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -228,12 +231,7 @@ class MixedEncoding(MixedOp):
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         """``pos [B, N, P] -> [B, N, dim]``, the weighted sum of the encodings still in."""
-        w = self.weights()
-        out = None
-        for k in self.active():
-            y = self.ops[k](pos)
-            y = y * w[k].to(y.dtype)
-            out = y if out is None else out + y
+        out = self.weighted_sum(lambda k, op: op(pos))
         if out is None:  # every candidate removed: the encoding adds nothing
             out = self.ops[0](pos) * 0
         return out
