@@ -93,15 +93,19 @@ def _permutation(n: int, seed: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + HOLDOUT_STREAM))
 
 
+def _split_indices(n: int, fraction: float, seed: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rest, held)``: sorted indices of ``n`` items, a random ``fraction`` held out."""
+    held = _held_count(n, fraction, what)
+    perm = _permutation(n, seed)
+    return perm[held:].sort().values, perm[:held].sort().values
+
+
 def _split_molecules(task, fraction: float, seed: int):
     """Whole structures: a random ``fraction`` of the training structures, drawn from
     ``seed``. The target standardisation (``target_mean``, ``target_std``: the model's
     output scale) stays the whole training split's, as in the run the search stands for."""
     data = task.train
-    n = len(data)
-    held = _held_count(n, fraction, "training structures")
-    perm = _permutation(n, seed)
-    rest, hold = perm[held:].sort().values, perm[:held].sort().values
+    rest, hold = _split_indices(len(data), fraction, seed, "training structures")
     weights, alpha = copy.copy(task), copy.copy(task)
     weights.train = data.subset(rest.numpy())
     alpha.train = alpha.valid = data.subset(hold.numpy())
@@ -111,20 +115,17 @@ def _split_molecules(task, fraction: float, seed: int):
 def _split_graph(task, fraction: float, seed: int):
     pairs, labels = task.train
     if task.kind == "pair":
-        n = len(labels)
-        held = _held_count(n, fraction, "labelled training pairs")
-        perm = _permutation(n, seed)
-        rest, hold = perm[held:].sort().values, perm[:held].sort().values
+        rest, hold = _split_indices(len(labels), fraction, seed, "labelled training pairs")
         weights, alpha = copy.copy(task), copy.copy(task)
         weights.train = (pairs[rest], labels[rest])
         alpha.train = alpha.valid = (pairs[hold], labels[hold])
         return weights, alpha
     # Links: the training pairs are the training edges (label 1) then as many negatives.
     pos, neg = pairs[labels == 1], pairs[labels == 0]
-    held = _held_count(len(pos), fraction, "training edges")
-    perm_pos, perm_neg = _permutation(len(pos), seed), _permutation(len(neg), seed + 1)
-    rest_pos, hold_pos = pos[perm_pos[held:].sort().values], pos[perm_pos[:held].sort().values]
-    keep_neg = min(len(neg), held)
+    rest_idx, hold_idx = _split_indices(len(pos), fraction, seed, "training edges")
+    rest_pos, hold_pos = pos[rest_idx], pos[hold_idx]
+    perm_neg = _permutation(len(neg), seed + 1)
+    keep_neg = min(len(neg), len(hold_idx))
     rest_neg, hold_neg = neg[perm_neg[keep_neg:].sort().values], neg[perm_neg[:keep_neg].sort().values]
     # The held-out edges leave the structure: anchors and positions of the remaining edges.
     structure = task.with_structure(rest_pos)
