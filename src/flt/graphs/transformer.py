@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
-from flt.models.block import build_attention, build_posenc
+from flt.models.block import build_attention, build_posenc, layer_mechanisms
 
 from .anchors import UNREACHABLE, _check_edges, anchor_distances, distance_features
 
@@ -143,12 +143,7 @@ class NodeTransformer(nn.Module):
     ):
         super().__init__()
         check_positive_int("layers", layers)
-        if layer_attention is None:
-            mechanisms = [(attention, dict(attention_options or {}))] * layers
-        elif len(layer_attention) == layers:
-            mechanisms = [(e["attention"], dict(e["attention_options"])) for e in layer_attention]
-        else:
-            raise ValueError(f"layer_attention must list one mechanism per layer ({layers}), got {len(layer_attention)}")
+        mechanisms = layer_mechanisms(attention, attention_options, layer_attention, layers)
         fk = {"device": device, "dtype": dtype}
         self.mode = "fast"
         self.embed = nn.Linear(in_dim, dim, **fk)

@@ -88,6 +88,18 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x))), state
 
 
+def layer_mechanisms(attention: str, attention_options: dict[str, Any] | None, layer_attention: list | None,
+                     depth: int) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, options)`` of each of ``depth`` layers: ``attention`` with its options for
+    every layer, or ``layer_attention`` (one ``{"attention": NAME, "attention_options":
+    {...}}`` per layer, ``LayeredConfig.layer_attention``) replacing them layer by layer."""
+    if layer_attention is None:
+        return [(attention, dict(attention_options or {})) for _ in range(depth)]
+    if len(layer_attention) != depth:
+        raise ValueError(f"layer_attention must list one mechanism per layer ({depth}), got {len(layer_attention)}")
+    return [(e["attention"], dict(e["attention_options"])) for e in layer_attention]
+
+
 class Trunk(nn.Module):
     """``depth`` blocks and a final LayerNorm; ``layer_attention`` (one
     ``{"attention": NAME, "attention_options": {...}}`` per block) gives each block its own mechanism."""
@@ -95,14 +107,11 @@ class Trunk(nn.Module):
     def __init__(self, dim: int, depth: int, heads: int, *, norm_out: bool = True, layer_attention: list | None = None,
                  device=None, dtype=None, **block_options) -> None:
         super().__init__()
-        if layer_attention is None:
-            layers = [{} for _ in range(depth)]
-        elif len(layer_attention) == depth:
-            # Per-layer mechanisms (LayeredConfig.layer_attention): they replace attention and its options.
-            layers = [{"attention": e["attention"], "attention_options": dict(e["attention_options"])} for e in layer_attention]
-        else:
-            raise ValueError(f"layer_attention must list one mechanism per layer ({depth}), got {len(layer_attention)}")
-        self.blocks = nn.ModuleList(Block(dim, heads, device=device, dtype=dtype, **{**block_options, **layer}) for layer in layers)
+        attention, options = block_options.pop("attention"), block_options.pop("attention_options")
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, attention=name, attention_options=opts, device=device, dtype=dtype, **block_options)
+            for name, opts in layer_mechanisms(attention, options, layer_attention, depth)
+        )
         self.norm = nn.LayerNorm(dim, device=device, dtype=dtype) if norm_out else nn.Identity()
 
     @property
