@@ -270,8 +270,9 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     flat.exact(xg, pos, kp).square().sum().backward()
     assert torch.allclose(g_fast[0], xg.grad, atol=1e-9) and torch.allclose(g_fast[1], flat.feature_map.weight.grad, atol=1e-9)
     assert g_fast[1].abs().sum() > 0
-    taylor = PerformerAttention(16, 2, causal=causal, feature_map="taylor", dtype=torch.float64)
-    assert torch.allclose(taylor(x, key_padding_mask=kp), taylor.exact(x, key_padding_mask=kp), atol=1e-12)
+    for fm in ("taylor", "hedgehog"):
+        det = PerformerAttention(16, 2, causal=causal, feature_map=fm, num_features=16, dtype=torch.float64)
+        assert torch.allclose(det(x, key_padding_mask=kp), det.exact(x, key_padding_mask=kp), atol=1e-12), fm
     relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
     out, ref = relu(x), relu.exact(x)
     assert ((out - ref).norm() / ref.norm()).item() < 0.05

@@ -144,10 +144,8 @@ class FeatureMap(nn.Module):
         if self.kind == "relu":
             return relu_kernel(xq, xk)
         if self.kind == "taylor":
-            return taylor_kernel(xq, xk)
-        if self.kind == "hedgehog":
-            return hedgehog_features(xq, self.weight) @ hedgehog_features(xk, self.weight).transpose(-1, -2)
-        return elu_features(xq) @ elu_features(xk).transpose(-1, -2)
+            return taylor_kernel(xq, xk)  # without its D^2 features
+        return self(xq)[0] @ self(xk)[0].transpose(-1, -2)
 
     def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """FAVOR+ features of ``[x, extra]`` without the concatenation:
