@@ -37,9 +37,10 @@ import shlex
 import sys
 
 from flt.commands.train import preset_from_args
+from flt.search.holdout import SUPPORTED
 
-#: Tasks flt search can cut a held-out part from (flt.search.holdout.SUPPORTED).
-SEARCH_TASKS = ("image", "lm", "molecule", "graph")
+#: Tasks flt search can cut a held-out part from.
+SEARCH_TASKS = SUPPORTED
 
 
 def add_parser(subparsers) -> None:

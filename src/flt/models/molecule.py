@@ -15,7 +15,7 @@ act per token apart from attention, and the readout is a masked sum or mean, so:
 
 ``exact=True`` is an analysis tool: it computes the attention the fast path estimates.
 Trained with redraws (``flt train``'s default), a model's exact attention is close to its
-estimate (the small preset's FLT, seed 0: 0.141 eV on its own draw, 0.136 exact), which a
+estimate (the small preset's FLT, seed 0: 0.127 eV on its own draw, 0.121 exact), which a
 model trained on one fixed draw is not (an earlier preset: 0.23 eV on its draw, 3.4 eV exact).
 ``flt evaluate RUN`` measures both for a saved run, also with other estimator settings.
 """
