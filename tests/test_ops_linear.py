@@ -80,6 +80,29 @@ def test_linear_attention_equals_reference_forward_and_backward(causal):
     assert_close(fast, flt_attention(qf, kf, v, ones, ones, causal=causal, key_log_scale=kls))
 
 
+# Chunks of the causal scan (ops.linear._scan, blocks of 32 chunks): plain, 256 / 4 = 64 chunks
+# in one group, two full blocks; 300 / 4 = 75 chunks, the last block padded. Kronecker
+# (2R = 8): 400 chunks in groups of 33 (two blocks, the second padded), a state carried
+# from group to group, and a short last group.
+@pytest.mark.parametrize("N, chunk_size, kronecker", [(256, 4, False), (300, 4, False), (800, 2, True)])
+def test_causal_scan_over_several_blocks_and_groups_equals_quadratic_formula(N, chunk_size, kronecker):
+    qf, kf, v, a, c, kls = inputs(B=1, H=2, N=N, R2=8)
+    kls = kls + torch.linspace(0, 60, N, dtype=F64)  # the running max climbs across blocks: every rescale is used
+    if not kronecker:
+        a = c = torch.ones(1, 2, N, 1, dtype=F64)
+    tensors = [t.requires_grad_() for t in (qf, kf, v, a, c, kls)]
+    upstream = torch.randn(1, 2, N, 5, dtype=F64)
+    fast, g_fast = grads(lambda *t: flt_attention(*t[:5], causal=True, key_log_scale=t[5], chunk_size=chunk_size), tensors, upstream)
+    slow, g_slow = grads(lambda *t: quadratic_flt(*t[:5], True, t[5]), tensors, upstream)
+    assert_close(fast, slow)
+    for gf, gs in zip(g_fast, g_slow):
+        assert_close(gf, gs)
+    if not kronecker:  # the plain path (no a, c), with and without key scales
+        assert_close(linear_attention(qf, kf, v, causal=True, key_log_scale=kls, chunk_size=chunk_size), slow)
+        plain = linear_attention(qf, kf, v, causal=True, chunk_size=chunk_size)
+        assert_close(plain, linear_attention_reference(qf, kf, v, causal=True))
+
+
 def test_chunked_causal_equals_naive_prefix_sum_and_recurrent_decoding():
     qf, kf, v, a, c, _ = inputs(N=23)
     chunked = flt_attention(qf, kf, v, a, c, causal=True, chunk_size=5)

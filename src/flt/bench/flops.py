@@ -31,10 +31,11 @@ from __future__ import annotations
 from flt.bench.variants import SHAPES, VARIANTS
 
 
-def _chunk_size() -> int:
-    from flt.ops.linear import DEFAULT_CHUNK_SIZE
+def _chunk_size(m: int, two_r: int, dv: int) -> int:
+    """The causal chunk length the op picks by default for these shapes."""
+    from flt.ops.linear import causal_chunk_size
 
-    return DEFAULT_CHUNK_SIZE
+    return causal_chunk_size(m, two_r, dv)
 
 
 def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, float] | None:
@@ -53,7 +54,7 @@ def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, f
         m, two_r = opts["num_features"], 2 * opts["num_frequencies"]
         parts = {"state and read-out": 2 * 2 * bhn * two_r * m * (D + 1)}
         if causal:
-            parts["in-chunk products"] = 2 * bhn * _chunk_size() * (m + two_r + D + 1)
+            parts["in-chunk products"] = 2 * bhn * _chunk_size(m, two_r, D) * (m + two_r + D + 1)
         return parts
     if v.mechanism not in ("flt", "performer") or v.kind != "layer":
         return None
@@ -65,7 +66,8 @@ def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, f
     width = two_r * m if coupling == "multiplicative" else m
     parts["state and read-out"] = 2 * 2 * bhn * width * (D + 1)
     if causal:
-        parts["in-chunk products"] = 2 * bhn * _chunk_size() * (m + (two_r if coupling == "multiplicative" else 0) + D + 1)
+        kron = two_r if coupling == "multiplicative" else 0
+        parts["in-chunk products"] = 2 * bhn * _chunk_size(m, kron or 1, D) * (m + kron + D + 1)
     k = opts.get("near_neighbors") or (2 * opts["near_field"] + 1 if opts.get("near_field") else 0)
     if k:
         parts["near set"] = 2 * bhn * k * (D + m + 2 * (D + 1))

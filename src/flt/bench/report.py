@@ -191,7 +191,7 @@ def kronecker_model(data: dict) -> list[dict]:
     just before and just after the run, and of the runner's probes. A run whose repeats
     spread too widely, or that exceeds the ceiling, is unreliable and gets no fraction.
     """
-    from flt.ops.linear import DEFAULT_CHUNK_SIZE
+    from flt.ops.linear import causal_chunk_size
 
     probes = [p for p in (data.get("matmul"), data.get("matmul_kronecker")) if p and p["status"] == "ok"]
     probe_best = max((p.get("gflops_best") or p["gflops"] for p in probes), default=None)
@@ -205,7 +205,7 @@ def kronecker_model(data: dict) -> list[dict]:
         m, R = spec.kwargs["num_features"], spec.kwargs["num_frequencies"]
         flops = 4 * s.B * s.H * c["N"] * 2 * R * m * (s.D + 1)
         if c["causal"]:
-            flops += 2 * s.B * s.H * c["N"] * DEFAULT_CHUNK_SIZE * (m + 2 * R + s.D + 1)
+            flops += 2 * s.B * s.H * c["N"] * causal_chunk_size(m, 2 * R, s.D) * (m + 2 * R + s.D + 1)
         achieved = flops / r["median_s"] / 1e9
         ceiling = max((g for g in (r.get("ceiling_gflops"), probe_best) if g), default=None)
         fraction = None if ceiling is None else achieved / ceiling
@@ -296,6 +296,13 @@ def _cell(r: dict | None) -> str:
     return f"{_fmt_time(r['median_s'])} ±{spread:.0f}% / {r['peak_mb']:.0f} MB{flag}"
 
 
+#: How the timed calls allocated memory (``flt bench speed --allocator``).
+_ALLOCATORS = {
+    "keep": "Timed with freed memory kept for reuse (`flt.keep_freed_memory`, `--allocator keep`).",
+    "default": "Timed with glibc's default allocator thresholds (`--allocator default`): large temporaries are mapped afresh each call.",
+}
+
+
 def markdown(data: dict, command: str = "") -> str:
     """The whole report as markdown: machine, targets, tables, exponents, Kronecker model, notes."""
     m, preset, results = data["machine"], data["preset"], data["results"]
@@ -306,7 +313,8 @@ def markdown(data: dict, command: str = "") -> str:
     lines += [
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['threads']} threads, {m['mem_total_gb']} GB; {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}; commit {m['commit'][:12]}{' (dirty)' if m['dirty'] else ''}; {m['date']}. "
-        f"Load average at start {load(m['loadavg_start'])}, at end {load(m.get('loadavg_end', []))}.",
+        f"Load average at start {load(m['loadavg_start'])}, at end {load(m.get('loadavg_end', []))}. "
+        + _ALLOCATORS.get(m.get("allocator", "default"), ""),
     ]
     mm = data["matmul"]
     if mm["status"] == "ok":

@@ -25,7 +25,6 @@ from flt.layers.band_decode import band_prefill, band_step
 from flt.layers.base import batch_shared, regular_step
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
-from flt.ops.linear import DEFAULT_CHUNK_SIZE
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
 from flt.spectra import SPECTRA
 
@@ -54,7 +53,8 @@ class FLTAttention(KernelAttention):
             draws (:class:`flt.layers.kernel.KernelAttention`; ``flt train`` redraws by
             ``RunConfig.redraw_interval`` instead, see :mod:`flt.layers.draws`).
         rope, rope_base: also rotate queries and keys by RoPE at the same positions.
-        chunk_size: block size of the chunked computations.
+        chunk_size: block size of the chunked computations (None: chosen from the shapes,
+            :func:`flt.ops.linear.causal_chunk_size` when causal).
         near_field: ``w >= 1`` turns on the banded estimator (logit coupling only): pairs
             with ``|i - j| <= w`` in token order get their exact weights
             ``exp(x_q.x_k + f(r_i - r_j) + f_near(r_i - r_j))``, all other pairs the FAVOR+
@@ -110,7 +110,7 @@ class FLTAttention(KernelAttention):
         seed: int | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         near_field: int = 0,
         near_neighbors: int = 0,
         near_relative: str | None = None,

@@ -83,7 +83,7 @@ class KernelAttention(AttentionBase):
         seed: int | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -213,7 +213,7 @@ class KernelAttention(AttentionBase):
         return y, DecodeState(linear_state(f, p.v, self.chunk_size), x.shape[1])
 
 
-def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> RecurrentState:
+def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None = None) -> RecurrentState:
     """The :class:`flt.ops.linear.RecurrentState` after keys ``f.k [B, H, N, m]`` (with
     ``f.c``, ``f.key_log_scale``) and values ``v [B, H, N, Dv]``: what
     :func:`flt.ops.linear.recurrent_step` accumulates token by token, in one sum over ``N``
@@ -232,8 +232,9 @@ def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int = DEFAULT_C
     c = kf.new_ones(1, H, N, 1) if f.c is None else f.c.to(dtype)  # plain linear attention: 2R = 1
     c = c.expand(B, H, N, c.shape[-1])
     kv = kf.new_zeros(B, H, c.shape[-1], m, v.shape[-1])
-    for s in range(0, N, chunk_size):
-        e = min(s + chunk_size, N)
+    step = chunk_size or DEFAULT_CHUNK_SIZE
+    for s in range(0, N, step):
+        e = min(s + step, N)
         kv += torch.einsum("bhnr,bhnm,bhnd->bhrmd", c[:, :, s:e], kf[:, :, s:e], v[:, :, s:e])
     z = torch.einsum("bhnr,bhnm->bhrm", c, kf)
     return RecurrentState(kv.flatten(-2), z, level, N)  # kv: [B, H, 2R, m*Dv]

@@ -22,7 +22,8 @@ class PerformerAttention(KernelAttention):
             redraws by ``RunConfig.redraw_interval`` instead (:mod:`flt.layers.draws`).
         seed: seeds the projection.
         rope, rope_base: rotate queries and keys by RoPE (1-D or axial) at ``pos``.
-        chunk_size: chunk length of the causal computation.
+        chunk_size: chunk length of the causal computation (None: chosen from the shapes,
+            :func:`flt.ops.linear.causal_chunk_size`).
 
     ``forward(x [B, N, dim], pos, key_padding_mask) -> [B, N, dim]``; positions only matter
     with ``rope=True``. The constructor is :class:`flt.layers.kernel.KernelAttention`'s, where

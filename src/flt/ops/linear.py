@@ -13,6 +13,7 @@ depends, not even through rounding or underflow, on a key after it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,23 @@ import torch
 from flt._checks import check_positive_int, check_tensor
 from flt.ops._common import safe_divide
 
+#: Block size of the bidirectional Kronecker path (and the length below which it forms the
+#: ``[N, N]`` weights directly); also the default for callers that need one fixed number.
 DEFAULT_CHUNK_SIZE = 128
+
+
+def causal_chunk_size(m: int, two_r: int, dv: int) -> int:
+    """The default chunk length of the causal computation, from the shapes.
+
+    Per token, the masked products inside a chunk cost ``2 C (m + 2R + Dv + 1)`` and the
+    scan over chunk states (:func:`_scan`, blocks of ``S`` chunks) ``2 S 2R m (Dv + 1) / C``:
+    their sum is least at ``C* = sqrt(S 2R m (Dv + 1) / (m + 2R + Dv + 1))``. Returned: the
+    power of two nearest ``C*`` in ratio, within ``[64, 256]`` (below 64 the many small
+    matrix products run far from the machine's peak). Plain linear attention with
+    ``m = 256, Dv = 64`` gets 64; the Kronecker coupling with ``m = 64, 2R = 16`` gets 128.
+    """
+    best = math.sqrt(_SCAN_BLOCK * two_r * m * (dv + 1) / (m + two_r + dv + 1))
+    return int(min(256, max(64, 2 ** round(math.log2(best)))))
 
 
 def _check_features(q_feat, k_feat, v, a=None, c=None, key_log_scale=None) -> None:
@@ -47,7 +64,7 @@ def _check_features(q_feat, k_feat, v, a=None, c=None, key_log_scale=None) -> No
             raise ValueError(f"key_log_scale must be [B, H, N] = {tuple(k_feat.shape[:3])}, got {tuple(key_log_scale.shape)}")
 
 
-def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
     """Normalised linear attention ``out_i = qf_i^T S / qf_i^T z`` from nonnegative features.
 
     Args:
@@ -55,6 +72,9 @@ def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=N
         v: ``[B, H, N, Dv]``.
         causal: token ``i`` attends to ``j <= i``; computed in chunks of ``chunk_size``
             with a running ``[m, Dv]`` state, never a per-token prefix sum.
+        chunk_size: chunk length; None: :func:`causal_chunk_size` for causal attention,
+            :data:`DEFAULT_CHUNK_SIZE` otherwise. The result does not depend on it beyond
+            rounding.
         key_log_scale: optional ``[B, H, N]``; the true key features are
             ``k_feat * exp(key_log_scale)``.
 
@@ -65,7 +85,7 @@ def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=N
     return _attend(q_feat, k_feat, v, None, None, causal, key_log_scale, chunk_size)
 
 
-def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int = DEFAULT_CHUNK_SIZE):
+def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
     """FLT with the multiplicative coupling (docs/math.md section 4), linear in N.
 
     ``out_i = sum_j (a_i.c_j)(qf_i.kf_j) v_j / sum_j (a_i.c_j)(qf_i.kf_j)``: linear attention
@@ -83,7 +103,8 @@ def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scal
     Args:
         q_feat, k_feat: ``[B, H, N, m]``; v: ``[B, H, N, Dv]``;
         a, c: ``[B or 1, H, N, 2R]`` with ``a_i.c_j = f^(r_i - r_j)``;
-        key_log_scale: optional ``[B, H, N]`` as in :func:`linear_attention`.
+        key_log_scale: optional ``[B, H, N]`` as in :func:`linear_attention`;
+        chunk_size: as in :func:`linear_attention`.
     """
     _check_features(q_feat, k_feat, v, a, c, key_log_scale)
     return _attend(q_feat, k_feat, v, a, c, causal, key_log_scale, chunk_size)
@@ -127,6 +148,9 @@ def _read(qf, a, state):
 
 
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+    if chunk_size is None:
+        two_r = 1 if a is None else a.shape[-1]
+        chunk_size = causal_chunk_size(qf.shape[-1], two_r, v.shape[-1]) if causal else DEFAULT_CHUNK_SIZE
     check_positive_int("chunk_size", chunk_size)
     dtype = torch.promote_types(torch.promote_types(qf.dtype, kf.dtype), v.dtype)
     if a is not None:
@@ -164,8 +188,8 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
 
 
-#: Chunks per block of the cross-chunk scan, a [G+1, G] matmul over the chunk index: its
-#: cost is G / chunk_size of the state products, and Python loops over N / (G * C) blocks.
+#: Chunks per block of the cross-chunk scan (:func:`_scan`): its in-block matmul costs
+#: S / chunk_size of the state products, and Python loops over N / (S * C) blocks.
 _SCAN_BLOCK = 32
 
 
@@ -177,7 +201,7 @@ def _causal_chunked(qf, kf, v, a, c, kls, chunk_size):
     matmul over all chunks (:func:`_inside_chunks`). Across chunks (:func:`_across_chunks`):
     every chunk's key state in one matmul, the states of all earlier tokens by a scan over
     the chunk index (small triangular matmuls, :func:`_scan`), and one matmul to read them
-    for every query. So that these states take no more memory than the features
+    for every query. So that these states take at most twice the memory of the features
     ``B * H * N * m``, the Kronecker state ``2R * m * (Dv+1)`` is handled for groups of
     chunks at a time, the state carried from group to group. Never a per-token prefix sum,
     and few, large operations.
@@ -203,7 +227,7 @@ def _causal_chunked(qf, kf, v, a, c, kls, chunk_size):
         return [p.unflatten(2, (-1, T)) for p, (_, T) in zip(parts, segments)]
 
     R2 = 1 if a is None else a.shape[-1]
-    group = max(1, qf.numel() // (B * H * R2 * m * (v.shape[-1] + 1)))
+    group = max(1, 2 * qf.numel() // (B * H * R2 * m * (v.shape[-1] + 1)))
     carry, outs = None, []
     for q5, k5, v5, a5, c5, s5, r5 in zip(*map(pieces, (qf, kf, vaug, a, c, kls, run))):
         out = _inside_chunks(q5, k5, v5, a5, c5, s5, r5)
@@ -252,15 +276,10 @@ def _across_chunks(q, k, vaug, a, c, s, run, carry):
     fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
     if carry is None:
         carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
-    prefixes, levels = [], []
-    blocks = zip(_groups(fresh, _SCAN_BLOCK), _groups(ends, _SCAN_BLOCK))
-    for block, block_ends in blocks:
-        prefix, level, carry = _scan(block, block_ends, carry)
-        prefixes.append(prefix)
-        levels.append(level)
-    read = _read(q, a, _cat(prefixes, dim=2))
+    prefix, levels, carry = _scan(fresh, ends, carry)
+    read = _read(q, a, prefix)
     if run is not None:
-        read = read * torch.exp(_cat(levels, dim=-1).unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
+        read = read * torch.exp(levels.unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
     return read, carry
 
 
@@ -270,23 +289,52 @@ def _scan(fresh, ends, carry):
     ``fresh [B, H, G, X, Y]``: chunk ``g``'s key sums relative to ``exp(e_g)`` (``ends``
     ``[B, H, G]``, None without key scales). The state before chunk ``g`` is
     ``P_g = state * exp(level - l_g) + sum_(g' < g) fresh_g' * exp(e_g' - l_g)`` at level
-    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``): one ``[G+1, G]`` matmul over the
-    chunk index, whose last row is the carry. ``l`` and ``e`` are nondecreasing, so every
-    exponent is <= 0. Returns ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
+    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``). ``l`` and ``e`` are nondecreasing,
+    so every exponent is <= 0.
+
+    Two levels, each a few large operations: the chunks are cut into blocks of
+    ``S = _SCAN_BLOCK``, and one batched ``[S, S]`` matmul over all blocks gives the sums
+    inside each block (cost ``S`` / chunk size of the state products); the states carried
+    from block to block are a short loop over ``G / S`` blocks on ``[B, H, X Y]`` tensors,
+    added to the in-block sums in place. A G that is not a multiple of S is padded with
+    empty chunks (zero state, the last level). Returns
+    ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
     """
     state, level = carry
-    G = fresh.shape[2]
-    below = torch.ones(G + 1, G, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
+    B, H, G = fresh.shape[:3]
+    XY = fresh.shape[-2:]
+    S = min(G, _SCAN_BLOCK)
+    nb = -(-G // S)
+    flat = fresh.flatten(-2)  # [B, H, G, X Y]
+    if nb * S != G:
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, nb * S - G))
+        if ends is not None:
+            ends = torch.cat([ends, ends[..., -1:].expand(B, H, nb * S - G)], dim=-1)
+    blocks = flat.unflatten(2, (nb, S))  # [B, H, nb, S, X Y]
+    below = torch.ones(S, S, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
     if ends is None:
-        scan, start, levels = below.to(fresh.dtype), state.unsqueeze(2), None
-    else:
-        levels = torch.cat([level.unsqueeze(-1), ends], dim=-1)  # l_0 .. l_G: [B, H, G + 1]
-        scan = torch.exp((ends.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
-        start = state.unsqueeze(2) * torch.exp(level.unsqueeze(-1) - levels)[..., None, None]
-    prefix = (scan @ fresh.flatten(-2)).unflatten(-1, fresh.shape[-2:]) + start  # [B, H, G + 1, X, Y]
-    if ends is None:
-        return prefix[:, :, :G], None, (prefix[:, :, G], None)
-    return prefix[:, :, :G], levels[..., :G], (prefix[:, :, G], levels[..., G])
+        inside = below.to(flat.dtype) @ blocks
+        totals = blocks.sum(dim=3)  # [B, H, nb, X Y]
+        start = [state.flatten(-2)]
+        for b in range(nb - 1):
+            start.append(start[-1] + totals[:, :, b])
+        inside += torch.stack(start, dim=2).unsqueeze(3)
+        carry = (start[-1] + totals[:, :, -1]).unflatten(-1, XY), None
+        return inside.flatten(2, 3)[:, :, :G].unflatten(-1, XY), None, carry
+    e = ends.unflatten(-1, (nb, S))  # [B, H, nb, S]
+    starts = torch.cat([level.unsqueeze(-1), e[..., :-1, -1]], dim=-1)  # L_b, the level at block b's start
+    levels = torch.cat([starts.unsqueeze(-1), e[..., :-1]], dim=-1)  # l_g by block: [B, H, nb, S]
+    weights = torch.exp((e.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
+    inside = weights @ blocks  # [B, H, nb, S, X Y]
+    totals = (torch.exp(e - e[..., -1:]).unsqueeze(-2) @ blocks).squeeze(-2)  # relative to each block's last end
+    start = [state.flatten(-2)]
+    for b in range(nb - 1):
+        start.append(start[-1] * torch.exp(starts[..., b] - starts[..., b + 1]).unsqueeze(-1) + totals[:, :, b])
+    carried = torch.stack(start, dim=2)  # [B, H, nb, X Y]
+    inside.addcmul_(carried.unsqueeze(3), torch.exp(starts.unsqueeze(-1) - levels).unsqueeze(-1))
+    last = e[..., -1, -1]
+    carry = (start[-1] * torch.exp(starts[..., -1] - last).unsqueeze(-1) + totals[:, :, -1]).unflatten(-1, XY), last
+    return inside.flatten(2, 3)[:, :, :G].unflatten(-1, XY), levels.flatten(2, 3)[..., :G], carry
 
 
 @dataclass
