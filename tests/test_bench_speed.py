@@ -110,6 +110,15 @@ def test_cli_quick_run_writes_well_formed_outputs(tmp_path):
     text = (tmp_path / "speed.md").read_text()
     assert "## Targets at N = 48" in text and "| flt-logit/m64/R8 | yes |" in text and "fraction of matmul" in text
     assert (tmp_path / "speed.png").stat().st_size > 10_000
+    # Timed with freed memory kept for reuse (the default), said in the JSON and the report.
+    assert data["machine"]["allocator"] == "keep" and "freed memory kept" in text
+    assert all(r["config"]["allocator"] == "keep" and "allocator_kept" in r for r in results)
+
+
+def test_cli_rejects_an_unknown_allocator_or_variant(tmp_path, capsys):
+    assert cli_main(["bench", "speed", "--quick", "--allocator", "jemalloc", "--out-dir", str(tmp_path)]) == 2
+    assert "--allocator must be 'keep' or 'default', got 'jemalloc'" in capsys.readouterr().err
+    assert not (tmp_path / "speed.json").exists()
     assert cli_main(["bench", "speed", "--variants", "nope", "--out-dir", str(tmp_path)]) == 2
 
 

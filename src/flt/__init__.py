@@ -1,9 +1,10 @@
 """flt: FourierLearner-Transformers, relative positional encodings in linear-time attention."""
 
 from flt.layers import ATTENTION, FLTAttention
+from flt.perf import compile, keep_freed_memory  # noqa: A004
 from flt.posenc import POSENC
 from flt.spectra import SPECTRA
 
 __version__ = "0.1.0"
 
-__all__ = ["ATTENTION", "POSENC", "SPECTRA", "FLTAttention", "__version__"]
+__all__ = ["ATTENTION", "POSENC", "SPECTRA", "FLTAttention", "__version__", "compile", "keep_freed_memory"]

@@ -4,7 +4,6 @@ reference check, the timed calls, the peak memory and the reliability flags
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import re
@@ -18,6 +17,8 @@ from pathlib import Path
 import torch
 
 from flt.bench.variants import SHAPES, VARIANTS, Shape
+from flt.perf import compile as compile_module
+from flt.perf import keep_freed_memory
 
 
 #: Relative error (max abs difference / max abs reference) above which a fast path is refused.
@@ -42,6 +43,7 @@ class Config:
     min_repeats: int
     budget_s: float
     mem_limit_bytes: int = 0
+    allocator: str = "keep"  # "keep": freed memory kept for reuse in the timed calls (flt.perf.keep_freed_memory); "default": glibc's
     memory_call: bool = True  # measure peak memory in one extra call (see measure)
     ceiling_n: int = 0  # > 0: time an n x n float32 matmul before and after the timed calls
 
@@ -83,16 +85,10 @@ def _fix_mmap_threshold() -> bool:
     """glibc only: serve every allocation of 128 KiB or more by ``mmap`` from now on and
     return freed heap memory, so that resident memory follows the live tensors. (By default
     glibc raises its ``mmap`` threshold up to 32 MiB as large blocks are freed and keeps
-    freed blocks below it for reuse: fast, but the resident peak then includes retained
+    freed blocks below it for reuse, and the timed calls run with freed memory kept
+    (:func:`flt.perf.keep_freed_memory`): fast, but the resident peak then includes retained
     memory that depends on the order of allocations.) False where that is unavailable."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_MMAP_THRESHOLD = -3
-    ok = libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1
-    libc.malloc_trim(0)
-    return ok
+    return keep_freed_memory(False)
 
 
 def _randomise_zeros(module: torch.nn.Module) -> None:
@@ -117,11 +113,12 @@ def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
 
 
 def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:
-    """``torch.compile(module, dynamic=False)`` (inductor) for a compiled variant: every
+    """:func:`flt.perf.compile` (inductor, ``dynamic=False``) for a compiled variant: every
     timed configuration has one shape, and the float64 check before it another; with
     automatic dynamic shapes the second compile of the causal layer's backward failed in
-    inductor at N = 16384 (``ValueRangeError``)."""
-    return torch.compile(module, dynamic=False) if v.compile else module
+    inductor at N = 16384 (``ValueRangeError``). The allocator is the configuration's
+    (``Config.allocator``), set for every variant alike."""
+    return compile_module(module, keep_memory=False) if v.compile else module
 
 
 def _autocast(v):
@@ -293,6 +290,9 @@ def measure(cfg: Config) -> dict:
         limit = int(_status_mb()["VmSize"] * 2**20) + cfg.mem_limit_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, soft_hard[1]))
     result = {"config": asdict(cfg), "status": "ok", "note": ""}
+    if cfg.allocator not in ("keep", "default"):
+        raise ValueError(f"allocator must be 'keep' or 'default', got {cfg.allocator!r}")
+    result["allocator_kept"] = keep_freed_memory() if cfg.allocator == "keep" else False
     ceiling = []
     try:
         if cfg.ceiling_n:
@@ -322,7 +322,7 @@ def measure(cfg: Config) -> dict:
             cpu.append(time.process_time() - c0)
         switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw - switches
         timed_peak = _status_mb()["VmHWM"] - base
-        method = "RSS high-water mark over warm-up and timed calls, default allocator, above the RSS before them"
+        method = "RSS high-water mark over warm-up and timed calls, allocator as timed, above the RSS before them"
         peak = timed_peak
         if cfg.memory_call and cfg.mode != "matmul" and exact_peak and _fix_mmap_threshold():
             base = _status_mb()["VmRSS"]

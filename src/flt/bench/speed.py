@@ -15,13 +15,15 @@ Registry x named shapes, one runner (STYLE.md item 11). Every configuration
    ``repeats`` or the per-configuration time budget (at least ``min_repeats``); wall time
    (``perf_counter``) and process CPU time of each call are kept; median, quartiles, min.
    Calls predicted to take over ``long_call_s`` get no warm-up and ``min_repeats_long``
-   repeats.
+   repeats. Allocator (``--allocator``, every variant alike): ``keep`` (default), freed
+   memory kept for reuse (:func:`flt.perf.keep_freed_memory`), so that large temporaries
+   are not mapped and page-faulted afresh on every call; ``default``, glibc's own
+   thresholds.
 3. **Peak memory.** Resident set size of one extra, untimed call made after the timed
    ones: glibc's ``mmap`` threshold is fixed at 128 KiB and retained heap memory released
    first (so resident memory follows the live tensors instead of what the allocator keeps
    for reuse, which depends on allocation order), the high-water mark is reset
-   (``/proc/self/clear_refs``), and ``peak = VmHWM - VmRSS`` before the call. Timing runs
-   with the default allocator, which is faster. Calls longer than ``long_call_s`` (the exact
+   (``/proc/self/clear_refs``), and ``peak = VmHWM - VmRSS`` before the call. Calls longer than ``long_call_s`` (the exact
    layers at large N) get no extra call: their peak is the high-water mark over the timed
    calls, whose tensors are far above any ``mmap`` threshold anyway. ``peak_method`` in
    the JSON says which; the timed calls' own peak is kept as ``peak_timed_mb``.
@@ -136,13 +138,17 @@ def _predict(previous: dict | None, variant: Variant, N: int) -> tuple[float, fl
     return previous["peak_mb"] * ratio**mem_order, previous["median_s"] * ratio**time_order
 
 
-def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: int | None = None, log=print) -> dict:
+def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: int | None = None, allocator: str = "keep",
+        log=print) -> dict:
     """Measure a preset; returns ``{"machine", "preset", "matmul", "matmul_kronecker", "results"}``
     (the matmul probes: at the start, and just before the op-level Kronecker runs)."""
     from flt.bench.peers import peer_status
 
+    if allocator not in ("keep", "default"):
+        raise ValueError(f"allocator must be 'keep' or 'default', got {allocator!r}")
     threads = threads or os.cpu_count() or 1
     machine = machine_info(threads)
+    machine["allocator"] = allocator
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["flt.bench.speed"])
     peers = {}
@@ -168,7 +174,8 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
             return {"config": asdict(cfg), "status": "error", "note": f"worker died: {why}"}
         return result
 
-    common = dict(threads=threads, warmup=preset.warmup, repeats=preset.repeats, min_repeats=preset.min_repeats, budget_s=preset.budget_s)
+    common = dict(threads=threads, warmup=preset.warmup, repeats=preset.repeats, min_repeats=preset.min_repeats, budget_s=preset.budget_s,
+                  allocator=allocator)
     def probe() -> dict:
         """This machine's float32 matmul throughput now (the machine may be shared)."""
         r = launch(Config("matmul", "-", preset.matmul_n, "matmul", False, **common), 600)

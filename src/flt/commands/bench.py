@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     s.add_argument("--lengths", nargs="+", type=int, metavar="N", help="override the preset's sequence lengths")
     s.add_argument("--shapes", nargs="+", metavar="SHAPE", help="override the preset's named shapes (tiny, lm, batch)")
     s.add_argument("--threads", type=int, help="torch threads per worker (default: all CPUs)")
+    s.add_argument("--allocator", default="keep",
+                   help="keep: time with freed memory kept for reuse (flt.keep_freed_memory); default: glibc's thresholds "
+                        "(default: %(default)s)")
     s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")
     s.set_defaults(func=run_speed)
 
@@ -75,16 +78,20 @@ def run_speed(args) -> int:
         raise ValueError(f"--lengths must be positive, got {args.lengths}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be positive, got {args.threads}")
+    if args.allocator not in ("keep", "default"):
+        raise ValueError(f"--allocator must be 'keep' or 'default', got {args.allocator!r}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    data = speed.run(preset, variants=args.variants, lengths=args.lengths, shapes=args.shapes, threads=args.threads)
+    data = speed.run(preset, variants=args.variants, lengths=args.lengths, shapes=args.shapes, threads=args.threads,
+                     allocator=args.allocator)
     data["command"] = " ".join(
         ["flt bench speed --preset", args.preset]
         + (["--variants", *args.variants] if args.variants else [])
         + (["--lengths", *map(str, args.lengths)] if args.lengths else [])
         + (["--shapes", *args.shapes] if args.shapes else [])
         + ([f"--threads {args.threads}"] if args.threads else [])
+        + ([f"--allocator {args.allocator}"] if args.allocator != "keep" else [])
     )
     data["elapsed_s"] = time.perf_counter() - t0
     (out / "speed.json").write_text(json.dumps(data, indent=1))

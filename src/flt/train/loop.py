@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from flt import perf
 from flt._io import atomic_write_text
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
@@ -293,9 +294,11 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
 
 def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Module:
     """What the training loss calls: the model, wrapped by DDP with several processes and
-    compiled with ``run.compile``. Evaluation and checkpoints use ``model`` itself."""
+    compiled with ``run.compile`` (:func:`flt.perf.compile`: freed memory kept for reuse,
+    torch's automatic dynamic shapes, as batches may differ in length). Evaluation and
+    checkpoints use ``model`` itself."""
     module = DistributedDataParallel(model) if ctx.world > 1 else model
-    return torch.compile(module) if run.compile else module
+    return perf.compile(module, dynamic=None) if run.compile else module
 
 
 def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ctx: D.Context, resume: bool) -> _Origin:
