@@ -238,6 +238,12 @@ def test_flop_model_matches_a_hand_count_for_the_targets_shape():
     # Multiplicative: features on x alone, 2R times the state and read-out.
     mult = forward_parts("flt-mult/m64/R8", "lm", 16384, False)
     assert mult["feature maps"] == 2 * 2 * 4 * 16384 * 64 * 64 and mult["state and read-out"] == 2 * 2 * 4 * 16384 * 16 * 64 * 65
+    # Learned hedgehog features (the catalysis estimator): W [m/2, D] on queries and keys, and
+    # its backward is two products (W is a parameter); 2R = 512 times the state.
+    hh = forward_parts("flt-mult-hedgehog/m32/R256", "lm", 4096, False)
+    assert hh == {"projections": 4 * 2 * 4096 * 256 * 256, "learned feature maps": 2 * 2 * 4 * 4096 * 16 * 64,
+                  "state and read-out": 2 * 2 * 4 * 4096 * 512 * 32 * 65}
+    assert model_flops("flt-mult-hedgehog/m32/R256", "lm", 4096, "fwd+bwd", False) == 3 * sum(hh.values())
     # Compiled and bf16 variants share their layer's model; variants without one give None.
     assert model_flops("flt-logit/m256/R32+compile+bf16", "lm", 4096, "fwd", True) == model_flops("flt-logit/m256/R32", "lm", 4096, "fwd", True)
     assert model_flops("toeplitz/m64", "lm", 4096, "fwd", False) is None

@@ -11,19 +11,22 @@ Per batch element and head, with ``N`` tokens, head width ``D``, ``m`` random fe
 
 * projections (q, k, v, out): ``4 * 2 N d^2`` per batch element;
 * FAVOR+ feature maps of queries and keys: ``2 * 2 N m D_in`` with ``D_in = D + 2R`` for the
-  logit coupling (``[x, a(r)]``) and ``D`` otherwise;
+  logit coupling (``[x, a(r)]``) and ``D`` otherwise; learned ``hedgehog`` features
+  (``W [m/2, D]``, each half a softmax of ``+-W x``): ``2 * 2 N (m/2) D``;
 * linear attention state and read-out (the value block carries one more column, the
   denominator): ``2 * 2 N m (D + 1)``; the multiplicative (Kronecker) coupling contracts
   ``2R`` times more, ``2 * 2 N 2R m (D + 1)``;
-* causal, chunked in blocks of ``C`` tokens: the in-block products
-  ``2 N C (m' + D + 1)`` with ``m' = m`` (logit) or ``m + 2R`` (multiplicative);
+* causal, chunked in blocks of ``C`` tokens (``flt.ops.linear.causal_chunk_size``, the op's
+  default): the in-block products ``2 N C (m' + D + 1)`` with ``m' = m`` (logit) or
+  ``m + 2R`` (multiplicative); the scan over chunk states is not counted;
 * near sets of ``k`` keys per query (``near_neighbors = k``, or ``near_field = w`` with
   ``k = 2w + 1``): exact scores ``2 N k D``, the features' estimate on the same pairs
   ``2 N k m`` and both weighted sums of values ``2 * 2 N k (D + 1)``;
 * exact softmax: ``2 N^2 D`` for the scores and as much for the values (halved when causal).
 
 Backward: every product costs twice its forward FLOPs (gradients of both operands) except
-the feature maps, whose projection is a buffer: once. ``fwd+bwd`` is forward + backward.
+the random feature maps, whose projection is a buffer: once (learned maps: twice, their
+weight gets a gradient). ``fwd+bwd`` is forward + backward.
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, f
     coupling = opts.get("coupling", "logit") if v.mechanism == "flt" else "none"
     two_r = 2 * opts.get("num_frequencies", 32) if v.mechanism == "flt" else 0
     d_in = D + two_r if coupling == "logit" else D
-    parts["feature maps"] = 2 * 2 * bhn * m * d_in
+    if opts.get("feature_map") == "hedgehog":  # a learned [m/2, D] map: its backward is two products
+        parts["learned feature maps"] = 2 * 2 * bhn * (m // 2) * d_in
+    else:
+        parts["feature maps"] = 2 * 2 * bhn * m * d_in
     width = two_r * m if coupling == "multiplicative" else m
     parts["state and read-out"] = 2 * 2 * bhn * width * (D + 1)
     if causal:

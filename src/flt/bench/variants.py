@@ -81,6 +81,10 @@ VARIANTS["flt-logit/m256/R32/band8"] = Variant(_HEAD.mechanism, _HEAD.options + 
                                                note="near field: exact on the band of offsets -8..8")
 VARIANTS["flt-mult/m64/R8/near16"] = Variant("flt", _flt("multiplicative", 64, 8).options + (("near_neighbors", 16),),
                                              note="multiplicative coupling, exact on the 16 nearest keys")
+VARIANTS["flt-mult-hedgehog/m32/R256"] = Variant(
+    "flt", (("coupling", "multiplicative"), ("feature_map", "hedgehog"), ("num_features", 32), ("num_frequencies", 256), ("sampler", "qmc")),
+    note="the catalysis estimator: learned hedgehog features, multiplicative coupling, 256 QMC frequencies")
+VARIANTS["flt-mult/m64/R8+compile"] = Variant("flt", _flt("multiplicative", 64, 8).options, compile=True, note="torch.compile (inductor) of the layer")
 VARIANTS["performer/m256+compile"] = Variant("performer", (("num_features", 256),), compile=True, note="torch.compile (inductor) of the layer")
 for _m, _R in ((16, 4), (32, 4), (64, 8), (64, 32), (128, 16), (256, 32)):
     VARIANTS[f"op:kronecker/m{_m}/R{_R}"] = Variant(
@@ -152,7 +156,7 @@ PRESETS: dict[str, Preset] = {
             Run("toeplitz/m64", modes=("fwd",)), Run("toeplitz/m64", modes=("fwd+bwd",), max_n=4096),
             Run("performer-pytorch/m256"), Run("performer-pytorch/m256", causal=True, max_n=4096),
             *_both("flt-logit/m256/R32+compile"), Run("flt-logit/m256/R32+bf16"), Run("flt-logit/m256/R32+compile+bf16"),
-            Run("performer/m256+compile"),
+            Run("performer/m256+compile"), *_both("flt-mult/m64/R8+compile"), Run("flt-mult-hedgehog/m32/R256"),
             Run("flt-logit/m256/R32/near16"), Run("flt-logit/m256/R32/band8"), Run("flt-mult/m64/R8/near16"),
         ),
         kronecker=("op:kronecker/m64/R8", "op:kronecker/m64/R32", "op:kronecker/m256/R32"),
