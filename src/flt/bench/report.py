@@ -35,6 +35,8 @@ FLOOR_TARGETS = {
     "flt-logit/m256/R32+compile": 1.5,  # the logit coupling behind the compile switch, fwd and fwd+bwd
     "flt-logit/m256/R32+compile+bf16": 1.2,  # bf16 against the float32 floor
     "flt-mult/m64/R8": 2.0,  # the multiplicative (Kronecker) path
+    "flt-mult/m64/R8+compile": 2.0,
+    "flt-mult-hedgehog/m32/R256": 2.0,  # the catalysis estimator, held to the multiplicative path's target
 }
 CAUSAL_OVER_BIDIRECTIONAL = 1.3  # issue 12: causal FLT-logit time / bidirectional, at most
 
