@@ -12,7 +12,7 @@ F64 = torch.float64
 NAMES = sorted(ATTENTION)
 RELATIVE = {
     "softmax": dict(relative_bias="spectrum", amplitude=0.5),
-    "toeplitz": dict(block_size=4),  # causal: dense 4-token blocks and FFT levels, not all dense
+    "toeplitz": dict(block_size=4, dense_below=0),  # the FFT routes; causal: dense 4-token blocks and FFT levels
     "flt": dict(amplitude=0.5),
     "performer": dict(rope=True),
 }
@@ -227,7 +227,7 @@ def test_toeplitz_causal_outputs_ignore_huge_future_keys(dtype):
     and changed those outputs completely."""
     torch.manual_seed(0)
     dim, heads, n, past = 128, 2, 16, 10
-    lay = ToeplitzAttention(dim, heads, causal=True, qk_norm=False, num_features=32, block_size=4).to(dtype)
+    lay = ToeplitzAttention(dim, heads, causal=True, qk_norm=False, num_features=32, block_size=4, dense_below=0).to(dtype)
     hd = dim // heads
     with torch.no_grad():  # keys = the input itself (no bias), so the test can place a key anywhere
         lay.to_qkv.weight[dim : 2 * dim] = torch.eye(dim, dtype=dtype)
@@ -274,6 +274,7 @@ def test_flex_backend_says_it_cannot_train_on_cpu():
     "call, err, match",
     [
         (lambda: ToeplitzAttention(16, 2, pos_dim=2), ValueError, "1-D regular grid"),
+        (lambda: ToeplitzAttention(16, 2, dense_below=-1), ValueError, "dense_below must be an int >= 0"),
         (lambda: ToeplitzAttention(16, 2)(torch.randn(1, 4, 16), torch.tensor([[0.0], [1.0], [3.0], [4.0]])), ValueError, "regular 1-D grid"),
         (lambda: ToeplitzAttention(16, 2, causal=True).step(torch.randn(1, 16)), NotImplementedError, "recurrent state"),
         (lambda: SoftmaxAttention(16, 2, relative_bias="t5", pos_dim=2), ValueError, "1-D integer offsets"),

@@ -10,15 +10,17 @@ import torch
 
 from conftest import assert_close
 from flt.ops.reference import rpe_attention_reference
+from flt.ops import toeplitz as T
 from flt.ops.toeplitz import (
     fft_length,
-    toeplitz_attention,
     toeplitz_attention_reference,
     toeplitz_matrix,
     toeplitz_matvec,
 )
 
 F64 = torch.float64
+#: The FFT routes, at every size (by default short sequences take the quadratic formula).
+toeplitz_attention = functools.partial(T.toeplitz_attention, dense_below=0)
 
 
 def _inputs(B=2, H=3, N=13, m=5, Dv=4, dtype=F64, bias_std=1.0):
@@ -318,3 +320,23 @@ def test_bad_inputs_rejected():
         toeplitz_attention(q_feat, k_feat, v, bias, key_log_scale=torch.zeros(2, 3, 5, dtype=F64))
     with pytest.raises(ValueError, match=r"block_size"):
         toeplitz_attention(q_feat, k_feat, v, bias, causal=True, block_size=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_short_sequences_take_the_exact_formula_and_agree_with_the_ffts(causal, monkeypatch):
+    q_feat, k_feat, v, bias = _inputs(N=40)
+    kls = torch.randn(2, 3, 40, dtype=F64) * 3
+    tensors = [t.requires_grad_() for t in (q_feat, k_feat, v, bias)]
+    seen = []
+    real = T.toeplitz_attention_reference
+    monkeypatch.setattr(T, "toeplitz_attention_reference", lambda *a, **k: seen.append(a[0].shape[2]) or real(*a, **k))
+    short = T.toeplitz_attention(*tensors, causal=causal, key_log_scale=kls)  # N = 40 <= DEFAULT_DENSE_BELOW
+    assert seen == [40]
+    fft = T.toeplitz_attention(*tensors, causal=causal, key_log_scale=kls, dense_below=39)
+    assert seen == [40]  # N > dense_below: the FFTs
+    assert_close(short, fft)
+    upstream = torch.randn_like(short)
+    for g_short, g_fft in zip(torch.autograd.grad((short * upstream).sum(), tensors), torch.autograd.grad((fft * upstream).sum(), tensors)):
+        assert_close(g_short, g_fft)
+    with pytest.raises(ValueError, match="dense_below must be an int >= 0"):
+        T.toeplitz_attention(q_feat, k_feat, v, bias, dense_below=-1)

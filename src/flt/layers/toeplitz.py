@@ -13,7 +13,7 @@ from flt._checks import check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.reference import rpe_attention_reference
-from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, toeplitz_attention, toeplitz_attention_reference
+from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, toeplitz_attention, toeplitz_attention_reference
 from flt.posenc.bias import DEFAULT_TABLE_SCALE
 from flt.relative import build_relative
 
@@ -39,6 +39,9 @@ class ToeplitzAttention(KernelAttention):
             :mod:`flt.ops.toeplitz`).
         block_size: causal only: diagonal blocks of this many tokens are computed densely,
             longer offsets by FFTs (:func:`flt.ops.toeplitz_attention`).
+        dense_below: sequences of at most this many tokens take the exact quadratic
+            formula, on a CPU the faster route there (:data:`flt.ops.toeplitz.DEFAULT_DENSE_BELOW`;
+            0: always the FFTs).
 
     Key stabiliser: FAVOR+'s per-key log scales go to the op as ``key_log_scale``.
     Bidirectional, the op shifts them by one maximum over all keys; causal, by maxima over
@@ -63,6 +66,7 @@ class ToeplitzAttention(KernelAttention):
         learn_table_scale: bool = True,
         fft_dtype: torch.dtype | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        dense_below: int = DEFAULT_DENSE_BELOW,
         device=None,
         dtype=None,
         **kernel_options,
@@ -71,8 +75,10 @@ class ToeplitzAttention(KernelAttention):
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
+        if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
+            raise ValueError(f"dense_below must be an int >= 0, got {dense_below!r}")
         super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
-        self.max_distance, self.fft_dtype, self.block_size = max_distance, fft_dtype, block_size
+        self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
         self.table = build_relative(
             "clipped", heads=heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
             learn_scale=learn_table_scale, device=device, dtype=dtype,
@@ -113,7 +119,7 @@ class ToeplitzAttention(KernelAttention):
         bias = self.bias(x.shape[1]).to(qf.dtype)
         out = toeplitz_attention(
             qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls, fft_dtype=self.fft_dtype,
-            block_size=self.block_size,
+            block_size=self.block_size, dense_below=self.dense_below,
         )
         return self.finish(out, x)
 
