@@ -147,3 +147,21 @@ def test_the_crossover_is_interpolated_between_measured_lengths():
     assert crossover(rows, "flt", "softmax+spectrum") is None
     text = report(rows, "header")
     assert "| flt | 400 (spread 10%) | 10 |" in text and "softmax+t5's from N = 2896" in text
+
+
+def test_the_presets_flt_layers_start_at_temperature_16():
+    # The preset's FLT normalises queries and keys; a learned temperature of 1 would bound its
+    # logits to [-1, 1]. ATTENTION_DEFAULTS must reach every layer of the built model.
+    from flt.tasks.longlm import ATTENTION_DEFAULTS, LongLMTask, small
+
+    assert ATTENTION_DEFAULTS["flt"]["temperature"] == 16.0
+    model = LongLMTask.build_model(small().model)
+    layers = [m for m in model.modules() if isinstance(m, FLTAttention)]
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.near_field == 16 and layer.scaling.qk_norm
+        assert torch.allclose(layer.scaling.log_temperature.exp(), torch.full((2,), 16.0))
+        x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(0))
+        q, k = layer.scaling(x.view(1, 8, 2, 32).transpose(1, 2), x.view(1, 8, 2, 32).transpose(1, 2))
+        logits = q @ k.transpose(-1, -2)  # t cos(q, k): the diagonal is t
+        assert torch.allclose(logits.diagonal(dim1=-2, dim2=-1), torch.full((1, 2, 8), 16.0), atol=1e-4)
