@@ -114,8 +114,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     ones, accuracy on 500 validation ones (their most frequent label covers 0.176; the rule
     "the root operator alone decides" scores 0.352). About 2.5 min (Performer, 0.11 s/step)
     to 5.5 min (FLT, 0.25 s/step) per run with one thread; softmax + T5 0.14-0.18 s/step,
-    Toeplitz-FFT 5.3 s/step (1 h 45 min, not run). Three seeds: softmax + T5 0.333, FLT
-    0.335, Performer 0.198 (docs/long_context.md). On the benchmark's lengths
+    Toeplitz 0.16-0.17 s/step (at these lengths its op takes the exact quadratic formula).
+    Three seeds: softmax + T5 0.333, FLT 0.335, Toeplitz 0.321, Performer 0.198
+    (docs/long_context.md). On the benchmark's lengths
     (``--data-opt min_length=500 --data-opt max_length=2000``, mean about 1150) the same
     budget measured over 4 steps: softmax + T5 6.7 s/step (about 2 h 15 min), FLT 1.6
     (32 min), Performer 0.56 (11 min); not run to the end."""
