@@ -103,3 +103,27 @@ def test_compiled_flt_layer_equals_eager_forward_and_backward(causal, backend):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-12)
     for g_compiled, g_eager in zip(grads[1], grads[0]):
         torch.testing.assert_close(g_compiled, g_eager, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow  # inductor compiles a forward and a backward: about a minute on a 2-core machine
+def test_inductor_compiled_multiplicative_causal_layer_has_eager_gradients():
+    """The causal multiplicative layer at the default chunk length (64 here) over several
+    chunk groups, compiled by inductor: equal to eager in float64. A batched form of the
+    chunk scan (one matmul over blocks of chunks, then a carry loop) passed every eager
+    test and aot_eager, yet inductor's backward gave input gradients off by a factor 1e4
+    here; this test would fail on it."""
+    torch.manual_seed(0)
+    layer = FLTAttention(32, 2, causal=True, coupling="multiplicative", num_features=64, num_frequencies=8).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.abs().sum() == 0:
+                p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype))
+    x = torch.randn(2, 300, 32, dtype=torch.float64, requires_grad=True)
+    ref = layer(x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    dynamo.reset()
+    compiled = torch.compile(layer, dynamic=False)
+    out = compiled(x)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, ref, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-9 * float(g_ref.abs().max()))

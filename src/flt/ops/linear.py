@@ -188,8 +188,8 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
 
 
-#: Chunks per block of the cross-chunk scan (:func:`_scan`): its in-block matmul costs
-#: S / chunk_size of the state products, and Python loops over N / (S * C) blocks.
+#: Chunks per block of the cross-chunk scan, a [G+1, G] matmul over the chunk index: its
+#: cost is G / chunk_size of the state products, and Python loops over N / (G * C) blocks.
 _SCAN_BLOCK = 32
 
 
@@ -276,10 +276,15 @@ def _across_chunks(q, k, vaug, a, c, s, run, carry):
     fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
     if carry is None:
         carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
-    prefix, levels, carry = _scan(fresh, ends, carry)
-    read = _read(q, a, prefix)
+    prefixes, levels = [], []
+    blocks = zip(_groups(fresh, _SCAN_BLOCK), _groups(ends, _SCAN_BLOCK))
+    for block, block_ends in blocks:
+        prefix, level, carry = _scan(block, block_ends, carry)
+        prefixes.append(prefix)
+        levels.append(level)
+    read = _read(q, a, _cat(prefixes, dim=2))
     if run is not None:
-        read = read * torch.exp(levels.unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
+        read = read * torch.exp(_cat(levels, dim=-1).unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
     return read, carry
 
 
@@ -289,52 +294,23 @@ def _scan(fresh, ends, carry):
     ``fresh [B, H, G, X, Y]``: chunk ``g``'s key sums relative to ``exp(e_g)`` (``ends``
     ``[B, H, G]``, None without key scales). The state before chunk ``g`` is
     ``P_g = state * exp(level - l_g) + sum_(g' < g) fresh_g' * exp(e_g' - l_g)`` at level
-    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``). ``l`` and ``e`` are nondecreasing,
-    so every exponent is <= 0.
-
-    Two levels, each a few large operations: the chunks are cut into blocks of
-    ``S = _SCAN_BLOCK``, and one batched ``[S, S]`` matmul over all blocks gives the sums
-    inside each block (cost ``S`` / chunk size of the state products); the states carried
-    from block to block are a short loop over ``G / S`` blocks on ``[B, H, X Y]`` tensors,
-    added to the in-block sums in place. A G that is not a multiple of S is padded with
-    empty chunks (zero state, the last level). Returns
-    ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
+    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``): one ``[G+1, G]`` matmul over the
+    chunk index, whose last row is the carry. ``l`` and ``e`` are nondecreasing, so every
+    exponent is <= 0. Returns ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
     """
     state, level = carry
-    B, H, G = fresh.shape[:3]
-    XY = fresh.shape[-2:]
-    S = min(G, _SCAN_BLOCK)
-    nb = -(-G // S)
-    flat = fresh.flatten(-2)  # [B, H, G, X Y]
-    if nb * S != G:
-        flat = torch.nn.functional.pad(flat, (0, 0, 0, nb * S - G))
-        if ends is not None:
-            ends = torch.cat([ends, ends[..., -1:].expand(B, H, nb * S - G)], dim=-1)
-    blocks = flat.unflatten(2, (nb, S))  # [B, H, nb, S, X Y]
-    below = torch.ones(S, S, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
+    G = fresh.shape[2]
+    below = torch.ones(G + 1, G, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
     if ends is None:
-        inside = below.to(flat.dtype) @ blocks
-        totals = blocks.sum(dim=3)  # [B, H, nb, X Y]
-        start = [state.flatten(-2)]
-        for b in range(nb - 1):
-            start.append(start[-1] + totals[:, :, b])
-        inside += torch.stack(start, dim=2).unsqueeze(3)
-        carry = (start[-1] + totals[:, :, -1]).unflatten(-1, XY), None
-        return inside.flatten(2, 3)[:, :, :G].unflatten(-1, XY), None, carry
-    e = ends.unflatten(-1, (nb, S))  # [B, H, nb, S]
-    starts = torch.cat([level.unsqueeze(-1), e[..., :-1, -1]], dim=-1)  # L_b, the level at block b's start
-    levels = torch.cat([starts.unsqueeze(-1), e[..., :-1]], dim=-1)  # l_g by block: [B, H, nb, S]
-    weights = torch.exp((e.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
-    inside = weights @ blocks  # [B, H, nb, S, X Y]
-    totals = (torch.exp(e - e[..., -1:]).unsqueeze(-2) @ blocks).squeeze(-2)  # relative to each block's last end
-    start = [state.flatten(-2)]
-    for b in range(nb - 1):
-        start.append(start[-1] * torch.exp(starts[..., b] - starts[..., b + 1]).unsqueeze(-1) + totals[:, :, b])
-    carried = torch.stack(start, dim=2)  # [B, H, nb, X Y]
-    inside.addcmul_(carried.unsqueeze(3), torch.exp(starts.unsqueeze(-1) - levels).unsqueeze(-1))
-    last = e[..., -1, -1]
-    carry = (start[-1] * torch.exp(starts[..., -1] - last).unsqueeze(-1) + totals[:, :, -1]).unflatten(-1, XY), last
-    return inside.flatten(2, 3)[:, :, :G].unflatten(-1, XY), levels.flatten(2, 3)[..., :G], carry
+        scan, start, levels = below.to(fresh.dtype), state.unsqueeze(2), None
+    else:
+        levels = torch.cat([level.unsqueeze(-1), ends], dim=-1)  # l_0 .. l_G: [B, H, G + 1]
+        scan = torch.exp((ends.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
+        start = state.unsqueeze(2) * torch.exp(level.unsqueeze(-1) - levels)[..., None, None]
+    prefix = (scan @ fresh.flatten(-2)).unflatten(-1, fresh.shape[-2:]) + start  # [B, H, G + 1, X, Y]
+    if ends is None:
+        return prefix[:, :, :G], None, (prefix[:, :, G], None)
+    return prefix[:, :, :G], levels[..., :G], (prefix[:, :, G], levels[..., G])
 
 
 @dataclass
