@@ -265,6 +265,11 @@ def test_x_floor_column_from_the_ceiling_of_the_same_run():
     assert rows[True]["x_floor"] is None and "faster than its floor" in rows[True]["unreliable"]
     text = report.markdown(_data([at_3x, too_fast]))
     assert "| 3.00 |" in text and "unreliable (0.50)" in text
+    # A bf16 run is held to the float32 floor: beating it is the point, not a busy machine.
+    bf16_flops = model_flops("flt-logit/m256/R32+compile+bf16", "lm", N, "fwd", False)
+    bf16 = _result("flt-logit/m256/R32+compile+bf16", N, [0.5 * bf16_flops / 20e9] * 3, shape="lm", ceiling_gflops=20.0)
+    (row,) = report.floor_rows(_data([bf16]))
+    assert row["reliable"] and math.isclose(row["x_floor"], 0.5)
 
 
 def test_bf16_variant_reports_its_accuracy_against_float64():
