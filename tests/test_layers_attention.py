@@ -274,7 +274,7 @@ def test_flex_backend_says_it_cannot_train_on_cpu():
     "call, err, match",
     [
         (lambda: ToeplitzAttention(16, 2, pos_dim=2), ValueError, "1-D regular grid"),
-        (lambda: ToeplitzAttention(16, 2, dense_below=-1), ValueError, "dense_below must be an int >= 0"),
+        (lambda: ToeplitzAttention(16, 2, dense_below=-1), ValueError, "dense_below must be a nonnegative int"),
         (lambda: ToeplitzAttention(16, 2)(torch.randn(1, 4, 16), torch.tensor([[0.0], [1.0], [3.0], [4.0]])), ValueError, "regular 1-D grid"),
         (lambda: ToeplitzAttention(16, 2, causal=True).step(torch.randn(1, 16)), NotImplementedError, "recurrent state"),
         (lambda: SoftmaxAttention(16, 2, relative_bias="t5", pos_dim=2), ValueError, "1-D integer offsets"),

@@ -122,6 +122,12 @@ def check_positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_nonnegative_int(name: str, value, meaning: str = "") -> None:
+    """``value`` is an int ``>= 0`` (not a bool); ``meaning`` goes in the message, in brackets."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {value!r}")
+
+
 def check_positions(name: str, pos, *, batch: int, length: int, pos_dim: int | None) -> torch.Tensor:
     """Validate positions ``[B, N, P]`` or ``[N, P]`` and return them as ``[B or 1, N, P]``."""
     check_tensor(name, pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")

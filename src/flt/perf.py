@@ -42,7 +42,7 @@ def _libc():
         libc = ctypes.CDLL(name)
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.mallopt.restype = ctypes.c_int
-        libc.gnu_get_libc_version.restype = ctypes.c_char_p
+        libc.gnu_get_libc_version.restype = ctypes.c_char_p  # only glibc has it: the check
     except (OSError, AttributeError):  # not glibc (musl, macOS, Windows)
         return None
     return libc

@@ -24,6 +24,16 @@ from flt.perf import keep_freed_memory
 #: Relative error (max abs difference / max abs reference) above which a fast path is refused.
 CHECK_TOLERANCE = 1e-8
 CHECK_SIZE = {"B": 2, "N": 300, "dim": 32, "heads": 2}
+#: How the timed calls allocate memory (``Config.allocator``): ``keep`` freed memory for reuse
+#: (:func:`flt.perf.keep_freed_memory`) or glibc's ``default`` thresholds.
+ALLOCATORS = ("keep", "default")
+
+
+def check_allocator(name: str, value) -> None:
+    if value not in ALLOCATORS:
+        raise ValueError(f"{name} must be 'keep' or 'default', got {value!r}")
+
+
 #: ``(max - min) / median`` of a configuration's repeats above which its timing is unreliable.
 SPREAD_LIMIT = 0.5
 
@@ -290,8 +300,7 @@ def measure(cfg: Config) -> dict:
         limit = int(_status_mb()["VmSize"] * 2**20) + cfg.mem_limit_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, soft_hard[1]))
     result = {"config": asdict(cfg), "status": "ok", "note": ""}
-    if cfg.allocator not in ("keep", "default"):
-        raise ValueError(f"allocator must be 'keep' or 'default', got {cfg.allocator!r}")
+    check_allocator("allocator", cfg.allocator)
     result["allocator_kept"] = keep_freed_memory() if cfg.allocator == "keep" else False
     ceiling = []
     try:

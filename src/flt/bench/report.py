@@ -301,7 +301,7 @@ def _cell(r: dict | None) -> str:
 
 
 #: How the timed calls allocated memory (``flt bench speed --allocator``).
-_ALLOCATORS = {
+_ALLOCATOR_NOTES = {
     "keep": "Timed with freed memory kept for reuse (`flt.keep_freed_memory`, `--allocator keep`).",
     "default": "Timed with glibc's default allocator thresholds (`--allocator default`): large temporaries are mapped afresh each call.",
 }
@@ -318,7 +318,7 @@ def markdown(data: dict, command: str = "") -> str:
         f"Machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['threads']} threads, {m['mem_total_gb']} GB; {m['platform']}; "
         f"Python {m['python']}, torch {m['torch']}; commit {m['commit'][:12]}{' (dirty)' if m['dirty'] else ''}; {m['date']}. "
         f"Load average at start {load(m['loadavg_start'])}, at end {load(m.get('loadavg_end', []))}. "
-        + _ALLOCATORS.get(m.get("allocator", "default"), ""),
+        + _ALLOCATOR_NOTES.get(m.get("allocator", "default"), ""),
     ]
     mm = data["matmul"]
     if mm["status"] == "ok":

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 
-from flt.bench.measure import CHECK_SIZE, CHECK_TOLERANCE, SPREAD_LIMIT, Config, _child, measure, timing_flags  # noqa: F401
+from flt.bench.measure import CHECK_SIZE, CHECK_TOLERANCE, SPREAD_LIMIT, Config, _child, check_allocator, measure, timing_flags  # noqa: F401
 from flt.bench.variants import PRESETS, SHAPES, VARIANTS, Preset, Run, Shape, Variant  # noqa: F401
 
 
@@ -144,8 +144,7 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
     (the matmul probes: at the start, and just before the op-level Kronecker runs)."""
     from flt.bench.peers import peer_status
 
-    if allocator not in ("keep", "default"):
-        raise ValueError(f"allocator must be 'keep' or 'default', got {allocator!r}")
+    check_allocator("allocator", allocator)
     threads = threads or os.cpu_count() or 1
     machine = machine_info(threads)
     machine["allocator"] = allocator

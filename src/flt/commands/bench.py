@@ -78,8 +78,7 @@ def run_speed(args) -> int:
         raise ValueError(f"--lengths must be positive, got {args.lengths}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be positive, got {args.threads}")
-    if args.allocator not in ("keep", "default"):
-        raise ValueError(f"--allocator must be 'keep' or 'default', got {args.allocator!r}")
+    speed.check_allocator("--allocator", args.allocator)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_choice
+from flt._checks import check_choice, check_nonnegative_int
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import band_prefill, band_step
 from flt.layers.base import batch_shared, regular_step
@@ -138,11 +138,9 @@ class FLTAttention(KernelAttention):
         self.spectrum = SPECTRA[spectrum](
             heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
         )
-        if isinstance(near_field, bool) or not isinstance(near_field, int) or near_field < 0:
-            raise ValueError(f"near_field must be a nonnegative int (the band half-width w in tokens; 0 = off), got {near_field!r}")
+        check_nonnegative_int("near_field", near_field, "the band half-width w in tokens; 0 = off")
         self.near_field = near_field
-        if isinstance(near_neighbors, bool) or not isinstance(near_neighbors, int) or near_neighbors < 0:
-            raise ValueError(f"near_neighbors must be a nonnegative int (k nearest keys in position space; 0 = off), got {near_neighbors!r}")
+        check_nonnegative_int("near_neighbors", near_neighbors, "k nearest keys in position space; 0 = off")
         self.near_neighbors = near_neighbors
         if near_field and near_neighbors:
             raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flt._checks import check_positive_int, check_values
+from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.reference import rpe_attention_reference
@@ -75,8 +75,7 @@ class ToeplitzAttention(KernelAttention):
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
-        if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
-            raise ValueError(f"dense_below must be an int >= 0, got {dense_below!r}")
+        check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
         super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
         self.table = build_relative(

@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_positive_int, check_tensor
+from flt._checks import check_nonnegative_int, check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import causal_mask_like, safe_divide
 
@@ -280,8 +280,7 @@ def toeplitz_attention(
     """
     _check_inputs(q_feat, k_feat, v, bias, key_log_scale)
     check_positive_int("block_size", block_size)
-    if isinstance(dense_below, bool) or not isinstance(dense_below, int) or dense_below < 0:
-        raise ValueError(f"dense_below must be an int >= 0, got {dense_below!r}")
+    check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
     if q_feat.shape[2] <= dense_below:
         return toeplitz_attention_reference(q_feat, k_feat, v, bias, causal=causal, key_log_scale=key_log_scale)
     out_dtype = torch.promote_types(torch.promote_types(q_feat.dtype, k_feat.dtype), v.dtype)
