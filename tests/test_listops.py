@@ -206,17 +206,75 @@ def test_the_classifier_ignores_padding(attention):
         torch.testing.assert_close(both[i : i + 1], alone, rtol=1e-9, atol=1e-9)
 
 
+def test_bucketed_batches_cover_each_epoch_once_with_similar_lengths():
+    from flt.tasks.base import bucketed_indices, epoch_indices
+
+    lengths = torch.randint(500, 2001, (100,), generator=torch.Generator().manual_seed(0))
+    batch, per_epoch = 8, 100 // 8
+    for pool, epoch in ((4, 0), (4, 1), (1, 0)):
+        batches = [bucketed_indices(lengths, batch, 7, epoch * per_epoch + i + 1, pool) for i in range(per_epoch)]
+        seen = torch.cat(batches)
+        assert seen.unique().numel() == per_epoch * batch  # no item twice in an epoch
+        # the items are those of the plain epoch (the same permutation, its tail dropped)
+        plain = torch.cat([epoch_indices(100, batch, 7, epoch * per_epoch + i + 1) for i in range(per_epoch)])
+        assert torch.equal(seen.sort().values, plain.sort().values)
+        if pool == 1:  # the plain batches, visited in another order
+            assert sorted(map(tuple, (b.sort().values.tolist() for b in batches))) == sorted(
+                tuple(plain[i * batch : (i + 1) * batch].sort().values.tolist()) for i in range(per_epoch))
+    # within a pool batches are sorted: their length ranges do not overlap, and they pad less
+    spans = [lengths[b].max() - lengths[b].min() for b in batches_of(lengths, batch, pool=4, per_epoch=per_epoch)]
+    plain_spans = [lengths[b].max() - lengths[b].min() for b in batches_of(lengths, batch, pool=1, per_epoch=per_epoch)]
+    assert sum(spans) < 0.5 * sum(plain_spans)
+    # a pure function of (seed, step): a resumed run draws the same batch
+    assert torch.equal(bucketed_indices(lengths, batch, 7, 5, 4), bucketed_indices(lengths, batch, 7, 5, 4))
+    assert not torch.equal(bucketed_indices(lengths, batch, 7, 5, 4), bucketed_indices(lengths, batch, 8, 5, 4))
+    with pytest.raises(ValueError, match="pool"):
+        bucketed_indices(lengths, batch, 7, 1, 0)
+
+
+def batches_of(lengths, batch, *, pool, per_epoch):
+    from flt.tasks.base import bucketed_indices
+
+    return [bucketed_indices(lengths, batch, 3, i + 1, pool) for i in range(per_epoch)]
+
+
+def test_the_task_buckets_training_batches_and_sorts_a_full_validation_pass(tmp_path, monkeypatch):
+    from flt.tasks import get_task
+
+    monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path / "cache"))
+    kw = {"num_train": 64, "num_valid": 20, "min_length": 30, "max_length": 120}
+    plain, bucketed = get_task("listops")(**kw), get_task("listops")(bucket=4, **kw)
+    widths = [bucketed.train_batch(s, 8, 0, 0, 1)[0].shape[1] for s in range(1, 9)]
+    plain_widths = [plain.train_batch(s, 8, 0, 0, 1)[0].shape[1] for s in range(1, 9)]
+    assert sum(widths) < sum(plain_widths)
+    # the two ranks of a 2-process run split the same global batch
+    whole = bucketed.train_batch(3, 8, 0, 0, 1)[2]
+    halves = torch.cat([bucketed.train_batch(3, 8, 0, r, 2)[2] for r in (0, 1)])
+    assert torch.equal(whole, halves)
+    full = list(bucketed.eval_batches(6, None, 0, 1))
+    assert sum(b[2].numel() for b in full) == 20
+    assert [b[0].shape[1] for b in full] == sorted(b[0].shape[1] for b in full)
+    assert sorted(torch.cat([b[2] for b in full]).tolist()) == sorted(bucketed.valid.labels.tolist())
+    first = next(iter(bucketed.eval_batches(6, 1, 0, 1)))  # a partial pass keeps the stored order
+    assert torch.equal(first[2], bucketed.valid.labels[:6])
+    with pytest.raises(ValueError, match="bucket"):
+        get_task("listops")(bucket=-1, **kw)
+
+
 def test_small_preset_is_the_benchmark_on_shorter_expressions():
     import inspect
 
     from flt.tasks import get_preset, get_task
 
     small, base = get_preset("listops", "small", "flt"), get_preset("listops", "base", "flt")
+    long = get_preset("listops", "long", "flt")
     assert (small.data["min_length"], small.data["max_length"]) == (100, 300)
+    assert long.model == small.model and long.run.steps == small.run.steps and long.run.batch_size == 16
+    assert "min_length" not in long.data and long.data["bucket"] > 0
     spec = inspect.signature(get_task("listops")).parameters
     assert (spec["min_length"].default, spec["max_length"].default) == (500, 2000)
     assert (spec["max_depth"].default, spec["max_args"].default) == (10, 10)
-    for preset in (small, base):  # depth and arguments are the benchmark's; base also its lengths
+    for preset in (small, long, base):  # depth and arguments are the benchmark's; base also its lengths
         assert "max_depth" not in preset.data and "max_args" not in preset.data
     assert "min_length" not in base.data and "max_length" not in base.data
 

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from flt._checks import check_positive_int
 from flt.models import config_kwargs
 from flt.tasks.preset import Preset
 
@@ -42,6 +43,30 @@ def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor
     epoch, i = divmod(step - 1, per_epoch)
     perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=1))
     return perm[i * batch_size : (i + 1) * batch_size]
+
+
+#: ``step_generator`` stream of the order of length-sorted batches (see :func:`bucketed_indices`).
+BUCKET_STREAM = 3
+
+
+def bucketed_indices(lengths: torch.Tensor, batch_size: int, seed: int, step: int, pool: int) -> torch.Tensor:
+    """Global batch of (1-based) ``step`` drawn by length: the epoch's permutation of
+    :func:`epoch_indices` is cut into pools of ``pool`` batches, each pool is sorted by
+    ``lengths`` (stable) and cut into batches, and the epoch's batches are visited in a
+    seeded random order. Every item is still seen once per epoch, while a batch holds items
+    of similar length, so padding to its longest costs little. ``pool = 1`` gives the
+    batches of :func:`epoch_indices` (in another order)."""
+    n = lengths.numel()
+    check_positive_int("pool", pool)
+    if n < batch_size:
+        raise ValueError(f"the training split has {n} samples, fewer than the batch size {batch_size}")
+    per_epoch = n // batch_size
+    epoch, i = divmod(step - 1, per_epoch)
+    perm = torch.randperm(n, generator=step_generator(seed, epoch, stream=1))[: per_epoch * batch_size]
+    pools = perm.split(pool * batch_size)
+    batches = torch.cat([p[torch.sort(lengths[p], stable=True).indices] for p in pools]).view(per_epoch, batch_size)
+    order = torch.randperm(per_epoch, generator=step_generator(seed, epoch, stream=BUCKET_STREAM))
+    return batches[order[i]]
 
 
 def eval_slices(n: int, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[slice]:

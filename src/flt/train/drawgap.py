@@ -37,7 +37,7 @@ from flt.layers.base import AttentionBase
 from flt.layers.draws import fixed_draw, has_random_features, redraw
 from flt.tasks.base import step_generator
 
-#: ``step_generator`` stream of the training redraws (0: LM batches, 1: epoch permutations).
+#: ``step_generator`` stream of the training redraws (0: LM batches, 1: epoch permutations, 3: the order of length-sorted batches).
 REDRAW_STREAM = 2
 #: Number of fresh draws in the draw gap.
 FRESH_DRAWS = 3
