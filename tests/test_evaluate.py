@@ -71,3 +71,17 @@ def test_the_command_prints_and_writes_json(molecule_run, tmp_path, capsys):
     assert "mae with {'num_frequencies': 16}: own draw n/a, fresh draws" in line and "exact n/a" in line
     saved = json.loads(out.read_text())
     assert saved["options"] == {"num_frequencies": 16} and len(saved["fresh"]) == 1
+
+
+def test_a_language_model_run_is_evaluated_on_its_own_windows(tmp_path):
+    """An LM task cuts its validation text into windows of the model's length, which it
+    learns from the config (``Task.configure``): evaluating a saved LM run once failed there."""
+    p = get_preset("lm", "smoke", "flt")
+    run = dataclasses.replace(p.run, steps=2, eval_every=2, log_every=1, checkpoint_every=2, eval_batches=2,
+                              draw_gap=True, draw_gap_batches=2)
+    summary = train(Preset("lm", p.model, run, p.data), str(tmp_path / "run"), progress=False,
+                    plots=False)
+    res = evaluate_run(str(tmp_path / "run"))
+    assert res["metric"] == summary["metric"] == "ppl"
+    for key in ("own", "fresh_mean", "fresh_std", "exact"):
+        assert res[key] == pytest.approx(summary["draw_gap"][key], rel=1e-6), key

@@ -108,6 +108,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     cfg = config_from_dict(model_dict)
     run = run_config_from_dict(meta["preset"]["run"])
     task = load_task(meta["preset"]["task"], meta["preset"].get("data", {}))
+    cfg = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)), changed)
     model.eval()
