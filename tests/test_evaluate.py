@@ -61,6 +61,16 @@ def test_options_that_change_learned_tensors_are_refused(molecule_run):
         evaluate_run(path, {"qk_norm": False})
     with pytest.raises(ValueError, match="--draws must be >= 0"):
         evaluate_run(path, draws=-1)
+    with pytest.raises(ValueError, match="--exact-max-elements"):
+        evaluate_run(path, exact_max_elements=0)
+
+
+def test_the_exact_evaluation_is_skipped_above_its_size_limit(molecule_run):
+    path, summary = molecule_run
+    assert evaluate_run(path, draws=0, exact_max_elements=1)["exact"] is None  # one sample is larger
+    # a limit of one sample's weights evaluates one sample per batch: the same metric
+    res = evaluate_run(path, draws=0, exact_max_elements=10**6)
+    assert res["exact"] == pytest.approx(summary["draw_gap"]["exact"], rel=1e-5)
 
 
 def test_the_command_prints_and_writes_json(molecule_run, tmp_path, capsys):

@@ -38,6 +38,9 @@ def add_parser(subparsers) -> None:
                    help="attention option changed before evaluating (repeatable), e.g. num_frequencies=1024")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
+    p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
+                   help="evaluate exactly only if one sample's attention weights (heads x N x N) fit E elements; "
+                        "batches shrink to fit too (default: 2**24, 64 MiB in float32, as the draw gap of flt train)")
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch size (default: the run's)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="validation batches (default: the run's draw_gap_batches, i.e. the draw gap's)")
@@ -78,7 +81,8 @@ def load_with_draws(model, state: dict, changed: dict) -> bool:
 
 
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
-                 batch_size: int | None = None, max_batches: int | None = None, device="cpu") -> dict:
+                 batch_size: int | None = None, max_batches: int | None = None, device="cpu",
+                 exact_max_elements: int | None = None) -> dict:
     """The metrics of a saved run: ``{"metric", "options", "own", "fresh", "fresh_mean",
     "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without changed
     options; ``exact`` None when skipped or too large, as for the draw gap)."""
@@ -97,6 +101,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     _positive("--draws", draws, allow_zero=True)
     _positive("--batch-size", batch_size)
     _positive("--max-batches", max_batches)
+    _positive("--exact-max-elements", exact_max_elements)
     dev = resolve_device(device) if isinstance(device, str) else device
     ckpt = ckpt_io.find_checkpoint(path)
     meta = ckpt_io.read_checkpoint_config(ckpt)
@@ -126,7 +131,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
             fresh.append(measure(model))
     exact_value = None
     if exact:
-        exact_bs = DG.exact_batch_size(task, model, cfg, bs)
+        exact_bs = DG.exact_batch_size(task, model, cfg, bs, exact_max_elements or DG.EXACT_MAX_ELEMENTS)
         if exact_bs is not None:
             exact_value = measure(DG.ExactForward(model), exact_bs)
     return {
@@ -148,7 +153,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     options = parse_assignments(args.attn_opt, "--attn-opt")
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
-                       batch_size=args.batch_size, max_batches=args.max_batches, device=args.device)
+                       batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
+                       exact_max_elements=args.exact_max_elements)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
     print(f"{res['metric']} with {options or 'the trained options'}: own draw {num(res['own'])}, "
