@@ -9,7 +9,8 @@ corpus), ``valid_fraction``, ``split_seed``. The context is the model config's `
 
 The presets turn the draw gap off (``--run-opt draw_gap=true`` turns it on): its exact
 attention evaluates the spectrum on all ``N^2`` offsets, 6 s per 1024-byte window on the
-2-core VM and gigabytes of memory at 4096.
+2-core VM and gigabytes of memory at 4096. ``flt evaluate RUN --max-batches 8
+--exact-max-elements 67108864`` measures it on a saved run (docs/long_context.md).
 """
 
 from __future__ import annotations
