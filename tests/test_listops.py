@@ -271,6 +271,7 @@ def test_small_preset_is_the_benchmark_on_shorter_expressions():
     assert (small.data["min_length"], small.data["max_length"]) == (100, 300)
     assert long.model == small.model and long.run.steps == small.run.steps and long.run.batch_size == 16
     assert "min_length" not in long.data and long.data["bucket"] > 0
+    assert small.run.draw_gap and long.run.draw_gap and base.run.draw_gap  # up to 2000 tokens the exact evaluation fits
     spec = inspect.signature(get_task("listops")).parameters
     assert (spec["min_length"].default, spec["max_length"].default) == (500, 2000)
     assert (spec["max_depth"].default, spec["max_args"].default) == (10, 10)
