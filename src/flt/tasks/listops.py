@@ -120,10 +120,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     Toeplitz 0.16-0.17 s/step (at these lengths its op takes the exact quadratic formula).
     Three seeds: softmax + T5 0.333, FLT 0.335, Toeplitz 0.321, Performer 0.198
     (docs/long_context.md); evaluated with its exact attention FLT scores 0.331. A run ends
-    with the draw gap (own draw, 3 fresh draws, exact attention). On the benchmark's lengths
-    (``--data-opt min_length=500 --data-opt max_length=2000``, mean about 1150) the same
-    budget measured over 4 steps: softmax + T5 6.7 s/step (about 2 h 15 min), FLT 1.6
-    (32 min), Performer 0.56 (11 min); not run to the end."""
+    with the draw gap (own draw, 3 fresh draws, exact attention). The benchmark's lengths
+    with the same budget: ``--preset long``."""
     model = ListOpsConfig(dim=64, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=1200, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=300, eval_batches=None,
                     checkpoint_every=600, log_every=50)
@@ -134,9 +132,11 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 def long(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train listops --preset long``: the ``small`` model and budget (2 layers, width
     64, 1200 steps of 16 expressions from 5000, accuracy on 500) on the benchmark's lengths,
-    500-2000 tokens (mean about 1150), with batches of similar length (``bucket=32``: pools
+    500-2000 tokens (mean about 1125), with batches of similar length (``bucket=32``: pools
     of 32 batches sorted by length). About 17 min (FLT, 0.85 s/step) to 40 min (softmax
-    + T5, 2.0 s/step) per run with one thread on an idle 2-core VM, 20 steps measured."""
+    + T5, 2.0 s/step) per run with one thread on an idle 2-core VM (20 steps measured; run
+    two at a time, 1.1 and 2.65 s/step). Two seeds: softmax + T5 0.348 / 0.208, FLT 0.168 /
+    0.152, Performer 0.168 / 0.152 (the most frequent label 0.168; docs/long_context.md)."""
     model = ListOpsConfig(dim=64, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=1200, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=300, eval_batches=None,
                     checkpoint_every=300, log_every=50)
