@@ -68,7 +68,7 @@ def test_options_that_change_learned_tensors_are_refused(molecule_run):
 def test_the_exact_evaluation_is_skipped_above_its_size_limit(molecule_run):
     path, summary = molecule_run
     assert evaluate_run(path, draws=0, exact_max_elements=1)["exact"] is None  # one sample is larger
-    # a limit of one sample's weights evaluates one sample per batch: the same metric
+    # a limit above one sample's weights evaluates exactly: the draw gap's value
     res = evaluate_run(path, draws=0, exact_max_elements=10**6)
     assert res["exact"] == pytest.approx(summary["draw_gap"]["exact"], rel=1e-5)
 

@@ -221,7 +221,7 @@ def test_bucketed_batches_cover_each_epoch_once_with_similar_lengths():
         if pool == 1:  # the plain batches, visited in another order
             assert sorted(map(tuple, (b.sort().values.tolist() for b in batches))) == sorted(
                 tuple(plain[i * batch : (i + 1) * batch].sort().values.tolist()) for i in range(per_epoch))
-    # within a pool batches are sorted: their length ranges do not overlap, and they pad less
+    # within a pool batches are sorted by length, so a batch spans far fewer lengths
     spans = [lengths[b].max() - lengths[b].min() for b in batches_of(lengths, batch, pool=4, per_epoch=per_epoch)]
     plain_spans = [lengths[b].max() - lengths[b].min() for b in batches_of(lengths, batch, pool=1, per_epoch=per_epoch)]
     assert sum(spans) < 0.5 * sum(plain_spans)
