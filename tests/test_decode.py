@@ -137,6 +137,8 @@ KERNEL_LAYERS = {
                                                chunk_size=4),  # the prefill state sums in several chunks
     "flt-multiplicative-relu": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", feature_map="relu"),
     "flt-band": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0),
+    "flt-band-shifted": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0,
+                                             windows=2, shift=True, shift_scale=4.0),  # far and near windows moved off the origin
     "flt-band-rope": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=3, rope=True),
     "flt-band-wider-than-prompts": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=30),
     "performer": lambda: PerformerAttention(16, 2, causal=True, num_features=8),

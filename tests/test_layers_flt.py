@@ -56,6 +56,28 @@ def test_converges_to_exact_as_m_and_r_grow(coupling):
     assert errs[2] < 0.05, errs
 
 
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_shifted_spectra_converge_to_their_exact_attention(coupling):
+    """With learned shifts the mask is not even; the estimate (query-side phases) still
+    converges to the exact attention with the shifted mask, and the shift matters."""
+    errs, gaps = [], []
+    for m, R in [(32, 4), (256, 32), (2048, 256)]:
+        torch.manual_seed(0)
+        lay = layer(coupling, dim=8, heads=1, m=m, R=R, amplitude=0.8, length_scale=3.0, temperature=0.5,
+                    components=2, shift=True, shift_scale=3.0)
+        with torch.no_grad():
+            lay.spectrum.shift.copy_(torch.tensor([[[2.0], [-1.5]]], dtype=F64))
+        x = torch.randn(1, 21, 8, dtype=F64)
+        exact = lay.exact(x)
+        errs.append(rel(lay(x), exact))
+        with torch.no_grad():
+            lay.spectrum.shift.zero_()
+            gaps.append(rel(lay.exact(x), exact))
+    assert errs[0] > errs[1] > errs[2], errs
+    assert errs[2] < 0.05, errs
+    assert gaps[-1] > 3 * errs[-1], (gaps, errs)  # the shifted exact attention is another attention
+
+
 def test_fresh_logit_layer_is_a_performer():
     torch.manual_seed(0)
     lay = layer("logit", m=4096, R=8)

@@ -186,6 +186,31 @@ def test_near_field_layer_converges_to_exact_and_is_exact_when_the_band_covers_e
     assert concat_err > 2 * band_err
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_shifted_spectra_in_the_band_keep_the_sign_of_the_offsets(causal):
+    """Far and near spectra with shifts (masks that are not even): the band op equals its
+    quadratic reference forward and backward, and a band covering every pair equals the
+    exact attention, whose offsets are r_i - r_j: the band's signed offsets agree."""
+    def shifted(near):
+        layer = strong_layer(causal, near=near, windows=2, shift=True, shift_scale=3.0)
+        with torch.no_grad():
+            for module in (layer.spectrum, layer.near_spectrum):
+                module.shift.copy_(torch.tensor([2.0, -1.0], dtype=F64).view(1, 2, 1).expand(2, 2, 1))
+        return layer
+
+    layer = shifted(40)
+    with torch.no_grad():
+        row = layer.band_bias(torch.arange(9, dtype=F64).view(1, 9, 1))[0, :, 4]  # offsets +40 .. -40
+        assert (row - row.flip(-1)).abs().max() > 0.1  # the mask is not even
+        x = torch.randn(2, 33, 64, dtype=F64)
+        assert_close(layer(x), layer.exact(x))  # every pair is in the band
+    short = shifted(5)
+    xs = torch.randn(2, 41, 64, dtype=F64, requires_grad=True)
+    grads = assert_same_gradients(short(xs), short.reference(xs), [xs] + list(short.parameters()))
+    shift_grads = [g for (n, _), g in zip(short.named_parameters(), grads[1:]) if n.endswith("shift")]
+    assert len(shift_grads) == 2 and all(g is not None and g.abs().sum() > 0 for g in shift_grads)
+
+
 def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
     layer = strong_layer(near=2)
     with torch.no_grad():

@@ -32,6 +32,14 @@ CASES = [
 ]
 IDS = [name + (f"-nu{opts['nu']}" if "nu" in opts else "") for name, opts in CASES]
 OPTIONS = {name: opts for name, opts in CASES}  # one case per name (the last Matern) where nu does not matter
+# The families with components, each component moved by a learned shift (build() draws
+# shifts of a few position units, so the masks are far from even).
+SHIFTED = [
+    ("gaussian_mixture", {**OPTIONS["gaussian_mixture"], "shift": True, "shift_scale": 2.0}),
+    ("local", {**OPTIONS["local"], "smoothing": (0.8, 1.5), "shift": True, "shift_scale": 2.0}),
+]
+SHIFTED_IDS = [f"{name}-shifted" for name, _ in SHIFTED]
+WITH_SHIFTED, WITH_SHIFTED_IDS = CASES + SHIFTED, IDS + SHIFTED_IDS
 
 
 # Thousands of tiny tensor ops (quadrature, redraws): a second thread cannot speed them up.
@@ -52,6 +60,8 @@ def build(name, options, *, P=1, R=16, H=2, perturb=0.15, **kwargs):
         with torch.no_grad():
             for p in spec.parameters():
                 p.add_(perturb * torch.randn(p.shape, generator=gen, dtype=F64))
+            if spec.shift is not None:  # shifts of about shift_scale position units
+                spec.shift.add_(torch.randn(spec.shift.shape, generator=gen, dtype=F64))
     return spec
 
 
@@ -122,7 +132,7 @@ def test_mask_is_the_fourier_transform_of_the_density(case, P, deltas):
 
 
 @pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_features_reproduce_the_estimate_exactly(case, P):
     name, options = case
     spec = build(name, options, P=P, R=32, seed=3)
@@ -152,7 +162,7 @@ def _rmse(name, options, R, sampler, seeds, P=1):
 _RS = (64, 256, 1024)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_estimate_converges_at_the_monte_carlo_rate(case):
     name, options = case
     errs = [_rmse(name, options, R, "iid", range(12)) for R in _RS]
@@ -182,7 +192,7 @@ def _unbiased(spec, deltas, draws=400):
     assert (err <= bound).all(), (err, bound)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_estimate_is_unbiased(case):
     name, options = case
     spec = build(name, options, P=1, R=4)
@@ -277,7 +287,7 @@ def _small(name, options):
 
 @pytest.mark.parametrize("amplitude", [None, 0.0])
 @pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_gradcheck_features_wrt_parameters(case, P, amplitude):
     """Frequencies are reparameterised: a and c are differentiable in every parameter
     (also at amplitude = 0, where the weight floor of Spectrum.features applies)."""
@@ -289,7 +299,7 @@ def test_gradcheck_features_wrt_parameters(case, P, amplitude):
     assert _gradcheck_parameters(spec, "features", torch.randn(3, P, dtype=F64) * 2)
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_gradcheck_mask_wrt_parameters(case):
     name, options = case
     spec = build(name, _small(name, options), R=4, H=1)
@@ -298,7 +308,7 @@ def test_gradcheck_mask_wrt_parameters(case):
 
 
 @pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
 def test_translating_positions_changes_nothing(case, P):
     name, options = case
     spec = build(name, options, P=P, R=32, seed=5)
@@ -308,6 +318,84 @@ def test_translating_positions_changes_nothing(case, P):
         base = pair_products(*spec.features(pos))
         moved = pair_products(*spec.features(pos + shift))
     torch.testing.assert_close(moved, base, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("case", SHIFTED, ids=SHIFTED_IDS)
+def test_a_shift_moves_each_component_of_the_mask(case, P):
+    """``f(Delta) = sum_c f_c(Delta - delta_c)``: one component at a time (the others'
+    amplitudes zeroed), the shifted spectrum equals its unshifted twin (the same
+    parameters, no shift) evaluated at ``Delta - delta_c``; the mask is then not even."""
+    name, options = case
+    spec = build(name, options, P=P)
+    twin = build(name, {k: v for k, v in options.items() if k not in ("shift", "shift_scale")}, P=P)
+    twin.load_state_dict({k: v for k, v in spec.state_dict().items() if k != "shift"})
+    amp = "alpha" if name == "gaussian_mixture" else "amplitude"
+    delta = torch.randn(11, P, dtype=F64, generator=torch.Generator().manual_seed(2)) * 4
+    shifts = spec.shifts().detach()  # [H, C, P]
+    H, C, _ = shifts.shape
+    assert (shifts.abs() > 0.05).any()
+    full = 0
+    with torch.no_grad():
+        for comp in range(C):
+            keep = torch.zeros(H, C, dtype=F64)
+            keep[:, comp] = 1
+            one, one_twin = build(name, options, P=P), build(name, {k: v for k, v in options.items() if k not in ("shift", "shift_scale")}, P=P)
+            one.load_state_dict(spec.state_dict())
+            one_twin.load_state_dict(twin.state_dict())
+            getattr(one, amp).mul_(keep)
+            getattr(one_twin, amp).mul_(keep)
+            got = one.mask(delta)
+            for h in range(H):
+                expected = one_twin.mask(delta - shifts[h, comp])[:, h]
+                torch.testing.assert_close(got[:, h], expected, rtol=0, atol=1e-13)
+            full = full + got
+        torch.testing.assert_close(spec.mask(delta), full, rtol=0, atol=1e-13)
+        assert (spec.mask(delta) - spec.mask(-delta)).abs().max() > 0.05  # not even
+
+
+@pytest.mark.parametrize("case", SHIFTED, ids=SHIFTED_IDS)
+def test_shifts_start_at_zero_and_learn_a_one_sided_target(case):
+    """A fresh shifted spectrum is its unshifted family exactly; a target on one side of
+    the origin gives the shifts a gradient through the features, and gradient steps on the
+    shifts alone move the mask towards it."""
+    name, options = case
+    spec = build(name, options, perturb=0, R=64)
+    plain = build(name, {k: v for k, v in options.items() if k not in ("shift", "shift_scale")}, perturb=0, R=64)
+    pos = torch.arange(24, dtype=F64).view(-1, 1)
+    delta = pos[:, None] - pos[None]
+    with torch.no_grad():
+        assert torch.equal(spec.shift, torch.zeros_like(spec.shift))
+        torch.testing.assert_close(spec.mask(delta), plain.mask(delta), rtol=0, atol=0)
+        torch.testing.assert_close(pair_products(*spec.features(pos)), pair_products(*plain.features(pos)), rtol=0, atol=0)
+    target = ((delta > 2) & (delta < 9)).to(F64).expand(-1, -1, spec.heads)  # keys 3 to 8 tokens to the left
+
+    def loss():
+        return (pair_products(*spec.features(pos)) - target).square().mean()
+
+    before = float(loss().detach())
+    opt = torch.optim.Adam([spec.shift], lr=0.5)
+    for _ in range(40):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    after = float(loss().detach())
+    assert after < 0.8 * before, (before, after)
+    assert (spec.shifts().detach().mean(dim=(1, 2)) > 0.5).all()  # towards the target's side, in every head
+
+
+def test_shift_options_are_checked():
+    with pytest.raises(ValueError, match="shift: the GaussianKernelSpectrum family has no components"):
+        SPECTRA["gaussian"](2, 1, 8, shift=True)
+    for bad in (0.0, -3.0, float("inf"), True):
+        with pytest.raises(ValueError, match="shift_scale must be a positive finite number"):
+            LocalSpectrum(2, 1, 8, windows=2, shift=True, shift_scale=bad)
+    with pytest.raises(ValueError, match="shift must be True or False"):
+        LocalSpectrum(2, 1, 8, windows=2, shift="yes")
+    spec = LocalSpectrum(2, 1, 8, windows=2, shift=True)
+    with pytest.raises(ValueError, match="density of a shifted spectrum is complex"):
+        spec.density(torch.zeros(1, 1))
+    assert LocalSpectrum(2, 1, 8, windows=2).shift is None and LocalSpectrum(2, 1, 8, windows=2).phases(torch.zeros(2, 8, 1)) is None
 
 
 @pytest.mark.parametrize("name", sorted(SPECTRA))
@@ -433,7 +521,9 @@ _BAD = [
     (lambda: SPECTRA["gaussian_mixture"](2, 1, 10, components=4), ValueError, "multiple of components"),
     (lambda: LocalSpectrum(2, 1, 10, windows=4), ValueError, "multiple of windows"),
     (lambda: LocalSpectrum(2, 1, 8, windows=4, window_sizes=(1.0, 2.0)), ValueError, "window_sizes must be .* length windows = 4"),
-    (lambda: LocalSpectrum(2, 1, 8, windows=2, smoothing=0.0), ValueError, "smoothing must be a positive"),
+    (lambda: LocalSpectrum(2, 1, 8, windows=2, smoothing=0.0), ValueError, "smoothing must be positive"),
+    (lambda: LocalSpectrum(2, 1, 8, windows=2, smoothing=(1.0, 2.0, 3.0)), ValueError, "smoothing must be .* length windows = 2"),
+    (lambda: LocalSpectrum(2, 1, 8, windows=2, smoothing="wide"), ValueError, "smoothing must be a positive finite number or 2"),
     (lambda: SPECTRA["gaussian"](2, 2, 8, length_scale=(1.0, 2.0, 3.0)), ValueError, "length_scale must be .* length P = 2"),
     (lambda: SPECTRA["matern"](2, 1, 8, length_scale=-1.0), ValueError, "length_scale must be positive"),
     (lambda: SPECTRA["gaussian"](2, 1, 8, amplitude=float("nan")), ValueError, "amplitude must be a finite number"),

@@ -4,6 +4,13 @@ A spectrum ``g`` on ``R^P`` defines the RPE mask ``f(Delta) = int g(xi) cos(2 pi
 Each family estimates ``f`` with ``R`` frequencies and weights,
 ``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``, which factorises into query-side and
 key-side features with ``a(r) . c(s) = f^(r - s)`` exactly.
+
+Families made of components (``gaussian_mixture``, ``local``) can also learn a shift per
+component, ``f(Delta) = sum_c f_c(Delta - delta_c)``: the mask is no longer even, so a
+head can prefer keys on one side (docs/math.md section 3.3). The spectrum becomes
+``sum_c g_c(xi) exp(-2 pi i xi.delta_c)``, the estimate
+``sum_k w_k cos(2 pi xi_k.Delta - phi_k)`` with ``phi_k = 2 pi xi_k.delta_c``, and the phase
+sits on the query side's features only.
 """
 
 from __future__ import annotations
@@ -38,9 +45,19 @@ class Spectrum(RelativeTerm):
         sampler: ``"iid"``, ``"qmc"`` (Sobol) or ``"orthogonal"`` base draws.
         seed: seeds the base draws; ``None`` draws from torch's global generator.
         redraw: deprecated and ignored (kept so that configs which set it still load).
+        shift: learn a shift ``delta_c`` per head and component, starting at 0 (families
+            with ``supports_shift``: ``gaussian_mixture``, ``local``): ``f(Delta) =
+            sum_c f_c(Delta - delta_c)``.
+        shift_scale: position units per unit of the shift parameter (:meth:`_init_shift`).
             Every spectrum's base draws can be replaced, by
             :meth:`redraw_random_features` through :mod:`flt.layers.draws`; nothing
             replaces them unless asked (the trainer does, every ``redraw_interval`` steps).
+
+    Shifts. Subclasses with components call :meth:`_init_shift` and pass offsets through
+    :meth:`component_offsets` in :meth:`mask`; :meth:`phases` then gives the phase of
+    every frequency (component-major layout, ``R / C`` frequencies per component), and
+    :meth:`estimate` and :meth:`features` apply it. Without shifts ``phases()`` is None
+    and nothing changes.
 
     Redraws. ``eps`` is a persistent buffer (saved with the weights) and the only random
     state: :meth:`redraw_random_features` replaces it in place and leaves the parameters
@@ -55,6 +72,8 @@ class Spectrum(RelativeTerm):
 
     linear = True
 
+    #: Whether the family takes ``shift=True`` (it calls :meth:`_init_shift`).
+    supports_shift: bool = False
     #: Auxiliary standard normals per frequency beyond the ``P`` spatial ones.
     extra_normals: int = 0
     #: Names of the buffers that hold the draws (:mod:`flt.layers.draws`).
@@ -69,6 +88,8 @@ class Spectrum(RelativeTerm):
         sampler: str = "iid",
         seed: int | None = None,
         redraw: bool = False,
+        shift: bool = False,
+        shift_scale: float = 1.0,
         device=None,
         dtype=None,
     ) -> None:
@@ -83,6 +104,61 @@ class Spectrum(RelativeTerm):
         self.has_random_features = True
         self._factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
+        if shift is not False and not self.supports_shift:
+            raise ValueError(
+                f"shift: the {type(self).__name__} family has no components to shift; "
+                "use spectrum='gaussian_mixture' or 'local', or shift=False"
+            )
+        self._shift_options = (shift, shift_scale)
+        self.shift = None
+
+    def _init_shift(self, groups: int) -> None:
+        """Create the learned shifts ``delta [H, groups, P]`` (zero at first) if the
+        constructor's ``shift`` asks for them; subclasses with ``supports_shift`` call it.
+
+        ``delta = shift_scale * theta`` with ``theta`` the parameter: Adam moves a parameter
+        by about the learning rate per step, so ``shift_scale`` (position units) is how far
+        a shift can travel; set it to the extent of the positions (e.g. the context length).
+        """
+        shift, shift_scale = self._shift_options
+        if not isinstance(shift, bool):
+            raise ValueError(f"shift must be True or False (learn a shift per component), got {shift!r}")
+        if isinstance(shift_scale, bool) or not isinstance(shift_scale, (int, float)) or not (
+            math.isfinite(shift_scale) and shift_scale > 0
+        ):
+            raise ValueError(f"shift_scale must be a positive finite number (position units per unit of the shift parameter), got {shift_scale!r}")
+        self.shift_scale = float(shift_scale)
+        self.shift = None
+        if shift:
+            self.shift = nn.Parameter(torch.zeros(self.heads, groups, self.pos_dim, **self._factory))
+
+    def shifts(self) -> torch.Tensor | None:
+        """``delta [H, C, P]`` in position units, or None without shifts."""
+        return None if self.shift is None else self.shift * self.shift_scale
+
+    def component_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        """``Delta - delta_c``: ``[..., P] -> [..., H, C, P]`` (``[..., 1, 1, P]`` without shifts)."""
+        d = delta.unsqueeze(-2).unsqueeze(-2)
+        shifts = self.shifts()
+        return d if shifts is None else d - shifts.to(d.dtype)
+
+    def phases(self, xi: torch.Tensor) -> torch.Tensor | None:
+        """``phi_k = 2 pi xi_k.delta_c(k)``, ``[H, R]``, for the frequencies ``xi [H, R, P]`` of
+        :meth:`frequencies`; None without shifts."""
+        shifts = self.shifts()
+        if shifts is None:
+            return None
+        H, C, P = shifts.shape
+        per = xi.shape[1] // C
+        xi = xi.reshape(H, C, per, P)
+        return (2 * math.pi * (xi * shifts.to(xi.dtype).unsqueeze(-2)).sum(-1)).reshape(H, C * per)
+
+    def _check_unshifted(self, what: str) -> None:
+        if self.shift is not None:
+            raise ValueError(
+                f"{what} of a shifted spectrum is complex (component c carries exp(-2 pi i xi.delta_c)); "
+                "it is defined for shift=False only"
+            )
 
     # -- subclass interface ------------------------------------------------------------
     def density(self, xi: torch.Tensor) -> torch.Tensor:
@@ -144,6 +220,9 @@ class Spectrum(RelativeTerm):
         xi, w = self.frequencies()
         cdt = compute_dtype(delta)
         phase = 2 * math.pi * torch.einsum("...p,hrp->...hr", delta.to(cdt), xi.to(cdt))
+        phi = self.phases(xi.to(cdt))
+        if phi is not None:
+            phase = phase - phi
         return (torch.cos(phase) * w.to(cdt)).sum(dim=-1)
 
     def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +246,9 @@ class Spectrum(RelativeTerm):
             patched it would sit at a saddle: with ``a = c = 0`` no gradient of ``a . c``
             reaches ``w``. With the floor, ``w = 0`` gives ``a = 0`` exactly (so
             ``a . c = 0``) and small key features ``|c|^2 = R floor = 1e-4``, and
-            ``d(a . c) / dw_k`` is exact.
+            ``d(a . c) / dw_k`` is exact. With shifts the query side's angles are
+            ``2 pi xi_k.r - phi_k`` (:meth:`phases`), so ``a_i . c_j = sum_k w_k
+            cos(2 pi xi_k.(r_i - r_j) - phi_k)``.
         """
         check_tensor("pos", pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
         if pos.ndim == 2:
@@ -180,13 +261,18 @@ class Spectrum(RelativeTerm):
         root = w.abs().clamp_min(_WEIGHT_FLOOR / self.num_frequencies).sqrt()
         cos, sin = torch.cos(phase), torch.sin(phase)
         c = torch.cat([root * cos, root * sin], dim=-1)
+        phi = self.phases(xi.to(cdt))
+        if phi is not None:
+            phase = phase - phi.unsqueeze(-2)
+            cos, sin = torch.cos(phase), torch.sin(phase)
         a = torch.cat([(w / root) * cos, (w / root) * sin], dim=-1)
         return a, c
 
     def extra_repr(self) -> str:
+        shift = "" if self.shift is None else f", shift_scale={self.shift_scale}"
         return (
             f"heads={self.heads}, pos_dim={self.pos_dim}, num_frequencies={self.num_frequencies}, "
-            f"sampler={self.sampler!r}"
+            f"sampler={self.sampler!r}{shift}"
         )
 
 

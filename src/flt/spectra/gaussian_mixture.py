@@ -31,7 +31,11 @@ class GaussianMixtureSpectrum(Spectrum):
             so heads see several ranges. ``s = 1 / (2 pi l)``.
         mean_scale: std of the initial component means ``mu`` (0: all at the origin,
             giving nonnegative ``f``).
+        **kwargs: ``sampler``, ``seed``, ``shift``, ``shift_scale`` (a learned shift per
+            component, :class:`flt.spectra.base.Spectrum`), ``device``, ``dtype``.
     """
+
+    supports_shift = True
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class GaussianMixtureSpectrum(Spectrum):
         lengths = length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64) if components > 1 else torch.tensor([length_scale], dtype=torch.float64)
         scales = (1.0 / (2 * math.pi * lengths)).view(1, components, 1)
         self.log_scale = nn.Parameter(inverse_positive(scales, shape=(heads, components, pos_dim), **fk))
+        self._init_shift(components)
 
     def scales(self) -> torch.Tensor:
         """Component standard deviations ``s [H, C, P]``."""
@@ -68,6 +73,7 @@ class GaussianMixtureSpectrum(Spectrum):
 
     def density(self, xi: torch.Tensor) -> torch.Tensor:
         self._check_points("xi", xi)
+        self._check_unshifted("density")
         s = self.scales()
         z = (xi.unsqueeze(-2).unsqueeze(-2) - self.mu) / s  # [..., H, C, P]
         log_norm = -0.5 * (z * z).sum(-1) - torch.log(s).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
@@ -75,7 +81,7 @@ class GaussianMixtureSpectrum(Spectrum):
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
         self._check_points("delta", delta)
-        d = delta.unsqueeze(-2).unsqueeze(-2)  # [..., 1, 1, P]
+        d = self.component_offsets(delta)  # [..., 1, 1, P], or [..., H, C, P] with shifts
         s = self.scales()
         osc = torch.cos(2 * math.pi * (self.mu * d).sum(-1))
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))

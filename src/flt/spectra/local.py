@@ -36,7 +36,8 @@ class LocalSpectrum(Spectrum):
         g_c(xi)    = a_c prod_p sin(2 pi w_cp xi_p) / (pi xi_p) exp(-2 pi^2 tau_cp^2 xi_p^2)
 
     (``sin(2 pi w xi) / (pi xi) -> 2 w`` at ``xi = 0``). ``f_c`` is about ``a_c`` for
-    ``|Delta_p| < w_cp`` and falls to 0 over a few ``tau_cp``. ``f`` is even; in a causal
+    ``|Delta_p| < w_cp`` and falls to 0 over a few ``tau_cp``. ``f`` is even (unless shifted,
+``shift=True``); in a causal
     language model only ``Delta >= 0`` is ever evaluated, so each window acts as "attend
     to the last ``w`` tokens" with a soft edge.
 
@@ -48,12 +49,19 @@ class LocalSpectrum(Spectrum):
         windows: ``W`` per head.
         window_sizes: initial half-widths ``w`` in position units, a sequence of ``W``
             numbers shared by heads and axes; default geometric from 1 to 16 (4 if ``W = 1``).
-        smoothing: initial ``tau`` in position units.
+        smoothing: initial ``tau`` in position units, one number or a sequence of ``W``
+            (wide windows sample well only with a smoothing in proportion: the weights'
+            second moment grows like ``w / tau``).
         amplitude: initial total ``f(0)``, split evenly over windows: each ``a_c`` is set
             so that window ``c`` contributes ``amplitude / W`` at ``Delta = 0`` (its own
             ``f_c(0) = a_c prod_p erf(w_cp / (sqrt2 tau_cp))``). ``0`` gives ``f == 0``.
-        **kwargs: ``sampler``, ``seed``, ``redraw``, ``device``, ``dtype``.
+        **kwargs: ``sampler``, ``seed``, ``redraw``, ``shift``, ``shift_scale`` (a learned
+            shift per window, :class:`flt.spectra.base.Spectrum`: window ``c`` then covers
+            ``|Delta - delta_c| < w_c``, e.g. "the keys 100 to 500 tokens to my left"),
+            ``device``, ``dtype``.
     """
+
+    supports_shift = True
 
     def __init__(
         self,
@@ -81,18 +89,18 @@ class LocalSpectrum(Spectrum):
                 sizes = torch.logspace(0, math.log10(16.0), windows, dtype=torch.float64)
         else:
             sizes = per_axis("window_sizes", window_sizes, windows, what="windows")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not (
-            math.isfinite(smoothing) and smoothing > 0
-        ):
-            raise ValueError(f"smoothing must be a positive finite number (tau in position units), got {smoothing!r}")
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float, Sequence)) or isinstance(smoothing, str):
+            raise ValueError(f"smoothing must be a positive finite number or {windows} of them (tau in position units), got {smoothing!r}")
+        taus = per_axis("smoothing", smoothing, windows, what="windows")
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
         self.windows = windows
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
         shape = (heads, windows, pos_dim)
         self.log_half_width = nn.Parameter(inverse_positive(sizes.view(1, windows, 1), shape=shape, **fk))
-        self.log_smoothing = nn.Parameter(inverse_positive(float(smoothing), shape=shape, **fk))
-        peak = torch.erf(sizes / (_SQRT2 * smoothing)) ** pos_dim  # f_c(0) / a_c, [W]
+        self.log_smoothing = nn.Parameter(inverse_positive(taus.view(1, windows, 1), shape=shape, **fk))
+        peak = torch.erf(sizes / (_SQRT2 * taus)) ** pos_dim  # f_c(0) / a_c, [W]
         self.amplitude = nn.Parameter((amplitude / (windows * peak)).expand(heads, windows).clone().to(**fk))
+        self._init_shift(windows)
 
     def half_widths(self) -> torch.Tensor:
         """``w [H, W, P]`` in position units."""
@@ -108,6 +116,7 @@ class LocalSpectrum(Spectrum):
     def density(self, xi: torch.Tensor) -> torch.Tensor:
         """``g(xi) = sum_c g_c(xi)``: ``[..., P] -> [..., H]``."""
         self._check_points("xi", xi)
+        self._check_unshifted("density")
         cdt = self._cdt(xi)
         w, tau = self.half_widths().to(cdt), self.smoothings().to(cdt)
         x = xi.to(cdt).unsqueeze(-2).unsqueeze(-2)  # [..., 1, 1, P]
@@ -121,7 +130,8 @@ class LocalSpectrum(Spectrum):
         self._check_points("delta", delta)
         cdt = self._cdt(delta)
         w, tau = self.half_widths().to(cdt), self.smoothings().to(cdt)
-        d = delta.to(cdt).abs().unsqueeze(-2).unsqueeze(-2)  # f is even: [..., 1, 1, P]
+        # Each window is even about its centre: [..., 1, 1, P], or [..., H, W, P] with shifts.
+        d = self.component_offsets(delta.to(cdt)).abs()
         # (1/2)[erf((w - d)/s) + erf((w + d)/s)] == (1/2)[erfc((d - w)/s) - erfc((d + w)/s)]:
         # the erfc form has no cancellation far outside the window (d >> w).
         s = _SQRT2 * tau
