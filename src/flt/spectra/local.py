@@ -71,7 +71,7 @@ class LocalSpectrum(Spectrum):
         *,
         windows: int = 4,
         window_sizes: Sequence[float] | None = None,
-        smoothing: float = 1.0,
+        smoothing: float | Sequence[float] = 1.0,
         amplitude: float = 1.0,
         **kwargs,
     ) -> None:
