@@ -7,7 +7,7 @@ key-side features with ``a(r) . c(s) = f^(r - s)`` exactly.
 
 Families made of components (``gaussian_mixture``, ``local``) can also learn a shift per
 component, ``f(Delta) = sum_c f_c(Delta - delta_c)``: the mask is no longer even, so a
-head can prefer keys on one side (docs/math.md section 3.3). The spectrum becomes
+head can prefer keys on one side (docs/math.md section 3.2). The spectrum becomes
 ``sum_c g_c(xi) exp(-2 pi i xi.delta_c)``, the estimate
 ``sum_k w_k cos(2 pi xi_k.Delta - phi_k)`` with ``phi_k = 2 pi xi_k.delta_c``, and the phase
 sits on the query side's features only.
