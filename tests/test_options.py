@@ -65,6 +65,9 @@ def test_every_entry_rejects_an_int_option_of_another_type(name, value, shown):
          "option 'length_scale' (of spectrum 'gaussian') must be a number or a list of numbers, got 'wide' (str)"),
         ({"spectrum": "local", "window_sizes": [1, "2"]},
          "option 'window_sizes' (of spectrum 'local') must be a list of numbers or None (null), got [1, '2'] (list)"),
+        ({"spectrum": "local", "shift": "yes"}, "option 'shift' (of spectrum 'local') must be a bool (true or false), got 'yes' (str)"),
+        ({"spectrum": "local", "smoothing": "wide"},
+         "option 'smoothing' (of spectrum 'local') must be a number or a list of numbers, got 'wide' (str)"),
     ],
 )
 def test_flt_and_spectrum_options_are_type_checked(options, message):
@@ -73,6 +76,8 @@ def test_flt_and_spectrum_options_are_type_checked(options, message):
 
 
 def test_numbers_accept_ints_and_sequences_accept_tuples_and_tensors():
+    layer = FLTAttention(16, 2, spectrum="local", smoothing=[1, 2.0, 4, 8], shift=True, shift_scale=100)
+    assert layer.spectrum.shift.shape == (2, 4, 1) and layer.spectrum.shift_scale == 100.0
     FLTAttention(16, 2, temperature=2, spectrum="gaussian", length_scale=(1.0, 2), pos_dim=2)
     FLTAttention(16, 2, spectrum="gaussian", length_scale=torch.tensor([1.0, 2.0]), pos_dim=2)
 
