@@ -45,13 +45,13 @@ class Spectrum(RelativeTerm):
         sampler: ``"iid"``, ``"qmc"`` (Sobol) or ``"orthogonal"`` base draws.
         seed: seeds the base draws; ``None`` draws from torch's global generator.
         redraw: deprecated and ignored (kept so that configs which set it still load).
+            Every spectrum's base draws can be replaced, by
+            :meth:`redraw_random_features` through :mod:`flt.layers.draws`; nothing
+            replaces them unless asked (the trainer does, every ``redraw_interval`` steps).
         shift: learn a shift ``delta_c`` per head and component, starting at 0 (families
             with ``supports_shift``: ``gaussian_mixture``, ``local``): ``f(Delta) =
             sum_c f_c(Delta - delta_c)``.
         shift_scale: position units per unit of the shift parameter (:meth:`_init_shift`).
-            Every spectrum's base draws can be replaced, by
-            :meth:`redraw_random_features` through :mod:`flt.layers.draws`; nothing
-            replaces them unless asked (the trainer does, every ``redraw_interval`` steps).
 
     Shifts. Subclasses with components call :meth:`_init_shift` and pass offsets through
     :meth:`component_offsets` in :meth:`mask`; :meth:`phases` then gives the phase of

@@ -36,10 +36,9 @@ class LocalSpectrum(Spectrum):
         g_c(xi)    = a_c prod_p sin(2 pi w_cp xi_p) / (pi xi_p) exp(-2 pi^2 tau_cp^2 xi_p^2)
 
     (``sin(2 pi w xi) / (pi xi) -> 2 w`` at ``xi = 0``). ``f_c`` is about ``a_c`` for
-    ``|Delta_p| < w_cp`` and falls to 0 over a few ``tau_cp``. ``f`` is even (unless shifted,
-``shift=True``); in a causal
-    language model only ``Delta >= 0`` is ever evaluated, so each window acts as "attend
-    to the last ``w`` tokens" with a soft edge.
+    ``|Delta_p| < w_cp`` and falls to 0 over a few ``tau_cp``. ``f`` is even unless the
+    windows are shifted (``shift=True``); in a causal language model only ``Delta >= 0`` is
+    ever evaluated, so each window acts as "attend to the last ``w`` tokens" with a soft edge.
 
     Frequencies are stratified: ``R / W`` per window, sampled from the Gaussian factor,
     ``xi = eps / (2 pi tau)``, with importance weights ``w_k = g_c(xi_k) / (R_c p_c(xi_k))``.
@@ -89,7 +88,7 @@ class LocalSpectrum(Spectrum):
                 sizes = torch.logspace(0, math.log10(16.0), windows, dtype=torch.float64)
         else:
             sizes = per_axis("window_sizes", window_sizes, windows, what="windows")
-        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float, Sequence)) or isinstance(smoothing, str):
+        if isinstance(smoothing, (bool, str)) or not isinstance(smoothing, (int, float, Sequence, torch.Tensor)):
             raise ValueError(f"smoothing must be a positive finite number or {windows} of them (tau in position units), got {smoothing!r}")
         taus = per_axis("smoothing", smoothing, windows, what="windows")
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
