@@ -152,6 +152,9 @@ def test_compare_table_and_entries():
         (["train", "lm", "--attn-opt", "spectrum"], "KEY=VALUE"),
         (["train", "lm", "--model-opt", "depht=2"], "unknown LMConfig fields"),
         (["train", "lm", "--resume", "--out-dir", "/no/such/run"], "checkpoint"),
+        # Recorded as an absolute path (so --resume works from anywhere), and named in the error.
+        (["train", "lm", "--preset", "smoke", "--init-from", "no/such/run", "--data-opt", "max_bytes=20000"],
+         f"checkpoint directory not found: {os.path.abspath('no/such/run')}"),
         (["generate", "/no/such/run"], "not found"),
         (["compare", "lm", "--attention", "flt,,softmax"], "empty entry"),
     ],

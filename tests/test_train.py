@@ -239,3 +239,33 @@ def test_compile_switch_trains_the_same_model_and_saves_plain_checkpoints(tmp_pa
         assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-5), k
     with pytest.raises(TypeError, match="compile must be a bool"):
         RunConfig(compile="yes")
+
+
+def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path):
+    """``init_from``: the new run's step 1 starts from the other run's final weights (with
+    a learning rate of 1e-12 one AdamW step moves no parameter by more than 1e-11), its
+    optimizer and steps start anew, and a model that does not fit is refused by name."""
+    first = str(tmp_path / "first")
+    train(tiny_lm(steps=3), first, progress=False, plots=False)
+    start = weights(first)
+
+    def one_step(out, **run):
+        train(tiny_lm(steps=1, lr=1e-12, warmup_steps=0, **run), out, progress=False, plots=False)
+        return weights(out)
+
+    warm = one_step(str(tmp_path / "warm"), init_from=first)
+    cold = one_step(str(tmp_path / "cold"))
+    names = [n for n, _ in load_checkpoint_model(first)[0].named_parameters()]
+    assert max((warm[n] - start[n]).abs().max().item() for n in names) < 1e-10
+    assert max((cold[n] - start[n]).abs().max().item() for n in names) > 1e-3  # a fresh run starts elsewhere
+    assert read_checkpoint_config(find_checkpoint(str(tmp_path / "warm")))["step"] == 1
+    # Resuming the warm-started run continues its own checkpoints.
+    train(tiny_lm(steps=2, lr=1e-12, warmup_steps=0, init_from=first), str(tmp_path / "warm"), resume=True, progress=False, plots=False)
+    assert read_checkpoint_config(find_checkpoint(str(tmp_path / "warm")))["step"] == 2
+    wide = dataclasses.replace(tiny_lm(steps=1, init_from=first), model=dataclasses.replace(tiny_lm().model, dim=48))
+    with pytest.raises(CheckpointError, match="do not fit this model"):
+        train(wide, str(tmp_path / "wide"), progress=False, plots=False)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        train(tiny_lm(steps=1, init_from=str(tmp_path / "nowhere")), str(tmp_path / "lost"), progress=False, plots=False)
+    with pytest.raises(ValueError, match="init_from must be None or the path"):
+        RunConfig(init_from="")

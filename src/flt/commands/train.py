@@ -8,6 +8,7 @@ Examples::
     flt train molecule --preset small --attn-opt spectrum=matern --out-dir runs/mol
     flt train lm --out-dir runs/lm --resume           # continue a stopped run bit for bit
     flt train lm --out-dir runs/lm --resume --steps 2000   # extend it to 2000 steps
+    flt train listops --preset long --init-from runs/listops-flt-small-s0   # start from another run's weights
     torchrun --nproc_per_node 2 -m flt.cli train lm --preset small   # 2 processes (DDP)
 
 ``KEY=VALUE`` options take JSON values (numbers, true/false, null, lists); anything that
@@ -45,7 +46,8 @@ from flt.options import parse_assignments, parse_value  # noqa: F401
 from flt.tasks import TASKS, get_task, preset_names
 
 #: Shortcut flags for RunConfig fields.
-RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool}
+RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
+             "init_from": str}
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +61,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="train through torch.compile(model) (RunConfig.compile; the first steps compile)")
+    p.add_argument("--init-from", metavar="RUN", help="start from the weights of this run or checkpoint directory "
+                   "(fine-tuning, curricula; RunConfig.init_from)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
     p.add_argument("--posenc-opt", action="append", metavar="KEY=VALUE", help="encoding option (repeatable)")
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field, e.g. depth=6 (repeatable)")
@@ -167,6 +171,8 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     for name in RUN_FLAGS:  # commands that share this function may lack some flags (flt search)
         if getattr(args, name, None) is not None:
             run_changes[name] = getattr(args, name)
+    if run_changes.get("init_from") is not None:  # recorded absolute, so --resume works from anywhere
+        run_changes["init_from"] = os.path.abspath(run_changes["init_from"])
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
     run_cfg = replace_fields(preset.run, **run_changes)

@@ -55,6 +55,14 @@ class RunConfig:
     the compilation, reported as the first step's time): the same computation, faster where
     the compiled kernels are (docs/performance.md). Evaluation, the draw gap and checkpoints
     use the module itself, so a run's checkpoints do not depend on the switch.
+
+    ``init_from`` (a run or checkpoint directory) starts a fresh run from that run's
+    weights instead of a random initialisation: fine-tuning, or a curriculum from one
+    preset to another (ListOps-short, then the long expressions). Only the weights carry
+    over, with the random draws saved beside them (every tensor must fit the new model:
+    same task, width and depth; redraws replace the draws as usual); the optimizer,
+    the step and the schedule start anew, and ``--resume`` continues from the run's own
+    checkpoints, not from ``init_from``.
     """
 
     steps: int = 1000
@@ -75,6 +83,7 @@ class RunConfig:
     draw_gap: bool = True
     draw_gap_batches: int | None = None
     compile: bool = False
+    init_from: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
@@ -101,6 +110,8 @@ class RunConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be None or a positive number, got {self.grad_clip!r}")
+        if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
+            raise ValueError(f"init_from must be None or the path of a run or checkpoint directory, got {self.init_from!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of (1-based) ``step``: linear warm-up, then cosine decay to the

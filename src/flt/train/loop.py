@@ -354,9 +354,12 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
 
 
 def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig, ctx: D.Context) -> int:
-    """Load the checkpoint's weights, optimizer and random states (or seed this process's
-    training noise for a fresh run); returns the last step already trained."""
+    """Load the checkpoint's weights, optimizer and random states (or, for a fresh run, the
+    weights of ``run.init_from`` if set, and seed this process's training noise); returns
+    the last step already trained."""
     if origin.checkpoint is None:
+        if run.init_from is not None:
+            load_weights(find_checkpoint(run.init_from), model)
         # Dropout and other training noise differ between processes, as they would
         # between the samples of one big batch.
         torch.manual_seed(run.seed + 7919 * ctx.rank)
@@ -408,6 +411,8 @@ def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
     if origin.checkpoint is not None and run.steps > origin.saved_steps:
         say(f"extending the run from {origin.saved_steps} to {run.steps} steps; the learning rate of steps "
             f"{r.start + 1}..{run.steps} follows the {run.steps}-step schedule")
+    if origin.checkpoint is None and run.init_from is not None:
+        say(f"initialised from the weights of {run.init_from}")
     say(f"{r.preset.task}: {r.model_cfg.attention} + {r.model_cfg.posenc}, {r.parameters:,} parameters, "
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
