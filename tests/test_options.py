@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import pickle
 import re
 
@@ -233,6 +234,10 @@ def test_compare_passes_entries_in_the_same_syntax_and_checks_them_first(monkeyp
     argv = compare._child_argv(args, name, options, 0, str(tmp_path))
     child = build_parser().parse_args(argv[argv.index("train"):])
     assert parse_attention(child.attention) == (name, options) and not child.attn_opt
+    # Run options given as flags reach every child run, --init-from as an absolute path.
+    args = build_parser().parse_args(["compare", "lm", "--attention", "flt", "--init-from", "runs/x", "--compile", "--steps", "7"])
+    child = build_parser().parse_args((argv := compare._child_argv(args, "flt", {}, 0, str(tmp_path)))[argv.index("train"):])
+    assert (child.init_from, child.compile, child.steps) == (os.path.abspath("runs/x"), True, 7)
 
     monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a run started"))
     bad = ["compare", "lm", "--attention", "flt,performer:numfeatures=8", "--out-dir", str(tmp_path / "c")]

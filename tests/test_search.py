@@ -238,6 +238,14 @@ def test_bad_candidate_is_a_clear_error_before_any_training(tmp_path, capsys, en
     assert not out.exists()
 
 
+def test_search_refuses_init_from(tmp_path, capsys):
+    out = tmp_path / "s"
+    code = main(["search", "image", "--candidates", "flt,softmax", "--preset", "smoke", "--out-dir", str(out),
+                 "--run-opt", "init_from=runs/x", "--threads", "1"])
+    assert code == 2 and "init_from is not supported" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_cli_search_then_train_arch_builds_the_chosen_layers(tmp_path, capsys):
     out = tmp_path / "s"
     code = main(["search", "image", "--candidates", "flt,performer,softmax", "--preset", "smoke", "--steps", "4",

@@ -244,7 +244,9 @@ def test_compile_switch_trains_the_same_model_and_saves_plain_checkpoints(tmp_pa
 def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path):
     """``init_from``: the new run's step 1 starts from the other run's final weights (with
     a learning rate of 1e-12 one AdamW step moves no parameter by more than 1e-11), its
-    optimizer and steps start anew, and a model that does not fit is refused by name."""
+    steps start anew, the checkpoint it started from is recorded, and a resumed warm-started
+    run continues its own checkpoints bit for bit. A model that does not fit, another task
+    or a missing directory is refused by name."""
     first = str(tmp_path / "first")
     train(tiny_lm(steps=3), first, progress=False, plots=False)
     start = weights(first)
@@ -258,13 +260,26 @@ def test_init_from_starts_a_fresh_run_from_another_runs_weights(tmp_path):
     names = [n for n, _ in load_checkpoint_model(first)[0].named_parameters()]
     assert max((warm[n] - start[n]).abs().max().item() for n in names) < 1e-10
     assert max((cold[n] - start[n]).abs().max().item() for n in names) > 1e-3  # a fresh run starts elsewhere
-    assert read_checkpoint_config(find_checkpoint(str(tmp_path / "warm")))["step"] == 1
-    # Resuming the warm-started run continues its own checkpoints.
-    train(tiny_lm(steps=2, lr=1e-12, warmup_steps=0, init_from=first), str(tmp_path / "warm"), resume=True, progress=False, plots=False)
-    assert read_checkpoint_config(find_checkpoint(str(tmp_path / "warm")))["step"] == 2
+    meta = read_checkpoint_config(find_checkpoint(str(tmp_path / "warm")))
+    assert meta["step"] == 1 and meta["init"] == {"checkpoint": os.path.abspath(find_checkpoint(first)), "step": 3}
+    assert json.loads((tmp_path / "warm" / "run.json").read_text())["init"] == meta["init"]
+    # With a real learning rate: killed after step 4 (checkpoint at 3) and resumed, the run
+    # equals an uninterrupted one; reloading init_from on resume would lose steps 1-3.
+    preset = tiny_lm(steps=5, init_from=first)
+    train(preset, str(tmp_path / "straight"), progress=False, plots=False)
+    with pytest.raises(Killed):
+        train(preset, str(tmp_path / "resumed"), progress=False, plots=False, on_step=kill_at(4))
+    train(preset, str(tmp_path / "resumed"), resume=True, progress=False, plots=False)
+    a, b = weights(str(tmp_path / "straight")), weights(str(tmp_path / "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_checkpoint_config(find_checkpoint(str(tmp_path / "resumed")))["init"] == meta["init"]
     wide = dataclasses.replace(tiny_lm(steps=1, init_from=first), model=dataclasses.replace(tiny_lm().model, dim=48))
     with pytest.raises(CheckpointError, match="do not fit this model"):
         train(wide, str(tmp_path / "wide"), progress=False, plots=False)
+    image = get_preset("image", "smoke")
+    other_task = dataclasses.replace(image, run=dataclasses.replace(image.run, init_from=first))
+    with pytest.raises(ValueError, match="holds a 'lm' model; this run trains 'image'"):
+        train(other_task, str(tmp_path / "image"), progress=False, plots=False)
     with pytest.raises(FileNotFoundError, match="nowhere"):
         train(tiny_lm(steps=1, init_from=str(tmp_path / "nowhere")), str(tmp_path / "lost"), progress=False, plots=False)
     with pytest.raises(ValueError, match="init_from must be None or the path"):

@@ -77,10 +77,12 @@ def _child_argv(args, name: str, options: dict, seed: int, out_dir: str) -> list
     argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", entry, "--seed", str(seed),
             "--out-dir", out_dir, "--preset", args.preset, "--posenc", args.posenc, "--no-progress",
             "--device", args.device]
-    for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data"):
-        value = getattr(args, flag)
+    for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data", "init_from"):
+        value = getattr(args, flag, None)
         if value is not None:
-            argv += ["--" + flag.replace("_", "-"), str(value)]
+            argv += ["--" + flag.replace("_", "-"), os.path.abspath(value) if flag == "init_from" else str(value)]
+    if getattr(args, "compile", None):
+        argv.append("--compile")
     for flag in ("attn_opt", "posenc_opt", "model_opt", "run_opt", "data_opt"):
         for item in getattr(args, flag) or []:
             argv += ["--" + flag.replace("_", "-"), item]

@@ -92,6 +92,9 @@ def build(args):
                             attn_opt=None, posenc_opt=None, model_opt=args.model_opt, run_opt=args.run_opt,
                             data=None, data_opt=args.data_opt, seed=args.seed)
     preset = preset_from_args(ns, candidates[0].name, {})
+    if preset.run.init_from is not None:
+        raise ValueError("flt search trains its supernet from a random initialisation: init_from is not supported "
+                         "(train the chosen architecture with flt train --arch ... --init-from instead)")
     tune = args.tune_steps if args.tune_steps is not None else max(1, preset.run.steps // 20)
     config = SearchConfig(tuple(candidates), tune_steps=tune, alpha_lr=args.alpha_lr, fixed_alpha=args.fixed_alpha,
                           holdout=args.holdout, posenc_candidates=tuple(posenc_candidates))

@@ -61,8 +61,10 @@ class RunConfig:
     preset to another (ListOps-short, then the long expressions). Only the weights carry
     over, with the random draws saved beside them (every tensor must fit the new model:
     same task, width and depth; redraws replace the draws as usual); the optimizer,
-    the step and the schedule start anew, and ``--resume`` continues from the run's own
-    checkpoints, not from ``init_from``.
+    the step and the schedule start anew. ``--resume`` needs the same ``init_from``, as every
+    other option, and continues from the run's own checkpoints, not from ``init_from``;
+    the checkpoint started from and its step are recorded as ``init`` in ``run.json`` and in
+    every checkpoint's ``config.json``.
     """
 
     steps: int = 1000

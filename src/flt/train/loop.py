@@ -230,6 +230,9 @@ class _Origin:
     #: checkpoint had to say.
     saved_steps: int = 0
     notes: list[str] = field(default_factory=list)
+    #: ``init_from`` resolved: ``{"checkpoint": path, "step": n}``, the checkpoint whose
+    #: weights the run started from (a resumed run carries its record on), or None.
+    init: dict[str, Any] | None = None
 
 
 @dataclass
@@ -278,7 +281,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, pl
     r = _Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
-        record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra()},
+        record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra(), "init": origin.init},
         start=start, parameters=sum(p.numel() for p in model.parameters()),
     )
     # A Ctrl-C must not leave the bar's line unfinished under the message that follows,
@@ -307,7 +310,7 @@ def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ct
     if not resume:
         if has_checkpoint(out_dir):
             raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-        return _Origin()
+        return _init_origin(preset, ctx)
     notes: list[str] = []
     ckpt = find_checkpoint(out_dir, report=notes.append)
     meta = read_checkpoint_config(ckpt)
@@ -316,7 +319,23 @@ def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ct
     _check_resume(saved, preset_record, preset, step, out_dir)
     if not D.all_equal(ctx, os.path.abspath(ckpt)):
         raise ValueError(f"the processes found different checkpoints to resume from in {out_dir}")
-    return _Origin(ckpt, step, saved.run.steps, notes)
+    return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"))
+
+
+def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
+    """A fresh run; with ``init_from``, the checkpoint it starts from, resolved before any
+    data is loaded (the same in every process, of the same task)."""
+    if preset.run.init_from is None:
+        return _Origin()
+    notes: list[str] = []
+    ckpt = find_checkpoint(preset.run.init_from, report=notes.append)
+    meta = read_checkpoint_config(ckpt)
+    task = meta["preset"]["task"]
+    if task != preset.task:
+        raise ValueError(f"init_from: {ckpt} holds a {task!r} model; this run trains {preset.task!r}")
+    if not D.all_equal(ctx, os.path.abspath(ckpt)):
+        raise ValueError(f"the processes found different checkpoints in init_from {preset.run.init_from}")
+    return _Origin(notes=notes, init={"checkpoint": os.path.abspath(ckpt), "step": int(meta["step"])})
 
 
 def _check_resume(saved: Preset, preset_record: dict[str, Any], preset: Preset, step: int, out_dir: str) -> None:
@@ -355,11 +374,11 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
 
 def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig, ctx: D.Context) -> int:
     """Load the checkpoint's weights, optimizer and random states (or, for a fresh run, the
-    weights of ``run.init_from`` if set, and seed this process's training noise); returns
-    the last step already trained."""
+    weights of its ``init_from`` checkpoint if any, and seed this process's training noise);
+    returns the last step already trained."""
     if origin.checkpoint is None:
-        if run.init_from is not None:
-            load_weights(find_checkpoint(run.init_from), model)
+        if origin.init is not None:
+            load_weights(origin.init["checkpoint"], model)
         # Dropout and other training noise differ between processes, as they would
         # between the samples of one big batch.
         torch.manual_seed(run.seed + 7919 * ctx.rank)
@@ -411,8 +430,8 @@ def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
     if origin.checkpoint is not None and run.steps > origin.saved_steps:
         say(f"extending the run from {origin.saved_steps} to {run.steps} steps; the learning rate of steps "
             f"{r.start + 1}..{run.steps} follows the {run.steps}-step schedule")
-    if origin.checkpoint is None and run.init_from is not None:
-        say(f"initialised from the weights of {run.init_from}")
+    if origin.checkpoint is None and origin.init is not None:
+        say(f"initialised from the weights of {origin.init['checkpoint']} (step {origin.init['step']} of that run)")
     say(f"{r.preset.task}: {r.model_cfg.attention} + {r.model_cfg.posenc}, {r.parameters:,} parameters, "
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
