@@ -83,6 +83,27 @@ def test_k_at_least_n_is_exact_attention_and_converges_with_m():
         assert_close(layer.exact(x, pos), direct(layer, x, pos))
 
 
+@pytest.mark.parametrize("coupling", ["logit", "multiplicative"])
+def test_shifted_spectra_in_the_near_set_keep_the_sign_of_the_offsets(coupling):
+    """Masks that are not even (shifted components, far and near): with every key near,
+    the near-set path (offsets of query and key through ``near_offsets``) equals the exact
+    attention over ``r_i - r_j`` and the direct formula, in both couplings."""
+    layer = strong_layer(k=40, P=2, spectrum="gaussian_mixture", coupling=coupling, shift=True, shift_scale=0.5,
+                         length_scale=1.0, length_spread=2.0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in (layer.spectrum, layer.near_spectrum):
+            module.shift.copy_(2 * torch.randn(module.shift.shape, generator=gen, dtype=F64))
+    x = torch.randn(2, 17, 32, dtype=F64)
+    pos = torch.rand(2, 17, 2, dtype=F64) * 3
+    d = pos[0, :, None] - pos[0, None]
+    assert (layer.spectrum.mask(d) - layer.spectrum.mask(-d)).abs().max() > 0.1  # not even
+    with torch.no_grad():
+        assert_close(layer(x, pos), layer.exact(x, pos))
+        if coupling == "logit":
+            assert_close(layer.exact(x, pos), direct(layer, x, pos))
+
+
 def test_batch_shared_positions_give_the_rows_of_each_sample():
     layer = strong_layer(k=5, P=2)
     grid = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(16, 2).to(F64)

@@ -204,6 +204,9 @@ def test_shifted_spectra_in_the_band_keep_the_sign_of_the_offsets(causal):
         assert (row - row.flip(-1)).abs().max() > 0.1  # the mask is not even
         x = torch.randn(2, 33, 64, dtype=F64)
         assert_close(layer(x), layer.exact(x))  # every pair is in the band
+        # Positions that are not equally spaced take the per-row band offsets.
+        pos = torch.sort(torch.rand(2, 33, 1, dtype=F64) * 40, dim=1).values
+        assert_close(layer(x, pos), layer.exact(x, pos))
     short = shifted(5)
     xs = torch.randn(2, 41, 64, dtype=F64, requires_grad=True)
     grads = assert_same_gradients(short(xs), short.reference(xs), [xs] + list(short.parameters()))

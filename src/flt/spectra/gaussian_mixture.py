@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, inverse_positive, positive
 
 
@@ -81,7 +82,9 @@ class GaussianMixtureSpectrum(Spectrum):
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
         self._check_points("delta", delta)
-        d = self.component_offsets(delta)  # [..., 1, 1, P], or [..., H, C, P] with shifts
+        # In float32 or better (as the local family): a half-precision offset minus a shift
+        # would round the shift.
+        d = self.component_offsets(delta.to(compute_dtype(delta, self.mu)))  # [..., 1, 1, P] or [..., H, C, P]
         s = self.scales()
         osc = torch.cos(2 * math.pi * (self.mu * d).sum(-1))
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))

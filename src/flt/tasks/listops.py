@@ -34,12 +34,14 @@ from flt.tasks.preset import Preset, RunConfig
 #: side with T5 buckets over the band's signed offsets (``near_relative="t5"``, softmax's
 #: term), a learned local spectrum far away. Positions enter only as offsets, so finding an
 #: expression's root (its first token) needs a term that tells left from right: the
-#: spectra are even functions of the offset, the buckets are not. With a band of 16 the
+#: spectra are even functions of the offset (unless shifted, ``shift=True``; that did not
+#: help on 500-2000 tokens at this budget), the buckets are not. With a band of 16 the
 #: ``small`` preset learns nothing beyond the bag of tokens (docs/long_context.md). The
 #: other linear mechanisms get FLT's number of random features; softmax gets T5 buckets
 #: (a relative bias, the exact counterpart); Toeplitz-FFT its relative table, computed by the
 #: exact quadratic formula up to 2048 tokens (``dense_below``; the same function as its FFTs,
-#: which transform ``m (Dv + 1)`` channels and were 5 times slower at 1024 tokens here).
+#: which transform ``m (Dv + 1)`` channels and were 5 times slower at 1024 tokens here;
+#: runs started with the earlier default, 512, resume with ``--attn-opt dense_below=512``).
 ATTENTION_DEFAULTS = {
     "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 64,
             "near_relative": "t5"},
