@@ -104,12 +104,19 @@ class Spectrum(RelativeTerm):
         self.has_random_features = True
         self._factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
-        if shift is not False and not self.supports_shift:
+        if not isinstance(shift, bool):
+            raise ValueError(f"shift must be True or False (learn a shift per component), got {shift!r}")
+        if shift and not self.supports_shift:
             raise ValueError(
                 f"shift: the {type(self).__name__} family has no components to shift; "
                 "use spectrum='gaussian_mixture' or 'local', or shift=False"
             )
-        self._shift_options = (shift, shift_scale)
+        if isinstance(shift_scale, bool) or not isinstance(shift_scale, (int, float)) or not (
+            math.isfinite(shift_scale) and shift_scale > 0
+        ):
+            raise ValueError(f"shift_scale must be a positive finite number (position units per unit of the shift parameter), got {shift_scale!r}")
+        self.shift_scale = float(shift_scale)
+        self._learn_shift = shift
         self.shift = None
 
     def _init_shift(self, groups: int) -> None:
@@ -120,16 +127,7 @@ class Spectrum(RelativeTerm):
         by about the learning rate per step, so ``shift_scale`` (position units) is how far
         a shift can travel; set it to the extent of the positions (e.g. the context length).
         """
-        shift, shift_scale = self._shift_options
-        if not isinstance(shift, bool):
-            raise ValueError(f"shift must be True or False (learn a shift per component), got {shift!r}")
-        if isinstance(shift_scale, bool) or not isinstance(shift_scale, (int, float)) or not (
-            math.isfinite(shift_scale) and shift_scale > 0
-        ):
-            raise ValueError(f"shift_scale must be a positive finite number (position units per unit of the shift parameter), got {shift_scale!r}")
-        self.shift_scale = float(shift_scale)
-        self.shift = None
-        if shift:
+        if self._learn_shift:
             self.shift = nn.Parameter(torch.zeros(self.heads, groups, self.pos_dim, **self._factory))
 
     def shifts(self) -> torch.Tensor | None:

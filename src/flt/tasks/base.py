@@ -35,19 +35,19 @@ def shard(batch_size: int, rank: int, world: int) -> slice:
     return slice(rank * local, (rank + 1) * local)
 
 
-def _epoch_permutation(n: int, batch_size: int, seed: int, step: int) -> tuple[torch.Tensor, int, int]:
-    """``(perm, batches per epoch, index of step's batch in its epoch)``: the seeded
+def _epoch_permutation(n: int, batch_size: int, seed: int, step: int) -> tuple[torch.Tensor, int, int, int]:
+    """``(perm, batches per epoch, epoch, index of step's batch in its epoch)``: the seeded
     permutation of the epoch of (1-based) ``step``; the last partial batch is dropped."""
     if n < batch_size:
         raise ValueError(f"the training split has {n} samples, fewer than the batch size {batch_size}")
     per_epoch = n // batch_size
     epoch, i = divmod(step - 1, per_epoch)
-    return torch.randperm(n, generator=step_generator(seed, epoch, stream=1)), per_epoch, i
+    return torch.randperm(n, generator=step_generator(seed, epoch, stream=1)), per_epoch, epoch, i
 
 
 def epoch_indices(n: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
     """Global batch of (1-based) ``step``: a seeded permutation per epoch, last partial batch dropped."""
-    perm, _, i = _epoch_permutation(n, batch_size, seed, step)
+    perm, _, _, i = _epoch_permutation(n, batch_size, seed, step)
     return perm[i * batch_size : (i + 1) * batch_size]
 
 
@@ -63,10 +63,9 @@ def bucketed_indices(lengths: torch.Tensor, batch_size: int, seed: int, step: in
     of similar length, so padding to its longest costs little. ``pool = 1`` gives the
     batches of :func:`epoch_indices` (in another order)."""
     check_positive_int("pool", pool)
-    perm, per_epoch, i = _epoch_permutation(lengths.numel(), batch_size, seed, step)
+    perm, per_epoch, epoch, i = _epoch_permutation(lengths.numel(), batch_size, seed, step)
     pools = perm[: per_epoch * batch_size].split(pool * batch_size)
     batches = torch.cat([p[torch.sort(lengths[p], stable=True).indices] for p in pools]).view(per_epoch, batch_size)
-    epoch = (step - 1) // per_epoch
     order = torch.randperm(per_epoch, generator=step_generator(seed, epoch, stream=BUCKET_STREAM))
     return batches[order[i]]
 

@@ -312,13 +312,10 @@ def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ct
             raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         return _init_origin(preset, ctx)
     notes: list[str] = []
-    ckpt = find_checkpoint(out_dir, report=notes.append)
-    meta = read_checkpoint_config(ckpt)
+    ckpt, meta = _shared_checkpoint(out_dir, ctx, notes, "to resume from in")
     saved = preset_from_dict(meta["preset"])
     step = int(meta["step"])
     _check_resume(saved, preset_record, preset, step, out_dir)
-    if not D.all_equal(ctx, os.path.abspath(ckpt)):
-        raise ValueError(f"the processes found different checkpoints to resume from in {out_dir}")
     return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"))
 
 
@@ -328,14 +325,21 @@ def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
     if preset.run.init_from is None:
         return _Origin()
     notes: list[str] = []
-    ckpt = find_checkpoint(preset.run.init_from, report=notes.append)
-    meta = read_checkpoint_config(ckpt)
+    ckpt, meta = _shared_checkpoint(preset.run.init_from, ctx, notes, "in init_from")
     task = meta["preset"]["task"]
     if task != preset.task:
         raise ValueError(f"init_from: {ckpt} holds a {task!r} model; this run trains {preset.task!r}")
-    if not D.all_equal(ctx, os.path.abspath(ckpt)):
-        raise ValueError(f"the processes found different checkpoints in init_from {preset.run.init_from}")
-    return _Origin(notes=notes, init={"checkpoint": os.path.abspath(ckpt), "step": int(meta["step"])})
+    return _Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
+
+
+def _shared_checkpoint(path: str, ctx: D.Context, notes: list[str], where: str) -> tuple[str, dict[str, Any]]:
+    """The checkpoint ``path`` resolves to (absolute) and its verified config, the same in
+    every process; :func:`find_checkpoint`'s messages go to ``notes``."""
+    ckpt = os.path.abspath(find_checkpoint(path, report=notes.append))
+    meta = read_checkpoint_config(ckpt)
+    if not D.all_equal(ctx, ckpt):
+        raise ValueError(f"the processes found different checkpoints {where} {path}")
+    return ckpt, meta
 
 
 def _check_resume(saved: Preset, preset_record: dict[str, Any], preset: Preset, step: int, out_dir: str) -> None:
