@@ -76,6 +76,19 @@ def test_flt_and_spectrum_options_are_type_checked(options, message):
         FLTAttention(16, 2, **options)
 
 
+@pytest.mark.parametrize("spectrum", ["gaussian", "matern", "neural"])
+def test_shift_on_a_family_without_components_is_refused_before_the_model(spectrum, capsys):
+    message = "family has no components to shift; use spectrum='gaussian_mixture' or 'local', or shift=False"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_attention_options("flt", {"spectrum": spectrum, "shift": True})
+    check_attention_options("flt", {"spectrum": spectrum, "shift": False})
+    check_attention_options("flt", {"spectrum": "local", "shift": True})
+    # flt train refuses it as a usage error (before loading data), not from inside the model
+    assert main(["train", "lm", "--attn-opt", f"spectrum={spectrum}", "--attn-opt", "shift=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flt train: error: attention 'flt': shift: the ") and err.endswith(message)
+
+
 def test_numbers_accept_ints_and_sequences_accept_tuples_and_tensors():
     layer = FLTAttention(16, 2, spectrum="local", smoothing=[1, 2.0, 4, 8], shift=True, shift_scale=100)
     assert layer.spectrum.shift.shape == (2, 4, 1) and layer.spectrum.shift_scale == 100.0

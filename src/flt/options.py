@@ -387,6 +387,12 @@ def _check(owner: str, cls: type, options: dict, *, arguments: tuple[str, ...], 
                     hint += f"; {key!r} is an option of the {what} {names}, not of {choice!r}"
             listing = _listing(cls, own, (target, forwarded) if target else None)
             raise UnknownOptionError(f"{owner}: unknown option {key!r}{hint} ({listing})")
+    hook = getattr(registry[choice], "check_options", None) if target is not None else None
+    if hook is not None:
+        try:
+            hook({k: v for k, v in options.items() if k in forwarded})
+        except ValueError as err:
+            raise ValueError(f"{owner}: {err}") from None
 
 
 def check_attention_options(mechanism, options: dict, *, reserved: tuple[str, ...] = ()) -> None:

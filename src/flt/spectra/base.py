@@ -106,11 +106,7 @@ class Spectrum(RelativeTerm):
         self.register_buffer("eps", self._draw(seed), persistent=True)
         if not isinstance(shift, bool):
             raise ValueError(f"shift must be True or False (learn a shift per component), got {shift!r}")
-        if shift and not self.supports_shift:
-            raise ValueError(
-                f"shift: the {type(self).__name__} family has no components to shift; "
-                "use spectrum='gaussian_mixture' or 'local', or shift=False"
-            )
+        type(self).check_options({"shift": shift})
         if isinstance(shift_scale, bool) or not isinstance(shift_scale, (int, float)) or not (
             math.isfinite(shift_scale) and shift_scale > 0
         ):
@@ -118,6 +114,16 @@ class Spectrum(RelativeTerm):
         self.shift_scale = float(shift_scale)
         self._learn_shift = shift
         self.shift = None
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Refuse option values that this family cannot take whatever their type (the option
+        checker calls it before any data is loaded; the constructor calls it too)."""
+        if options.get("shift") is True and not cls.supports_shift:
+            raise ValueError(
+                f"shift: the {cls.__name__} family has no components to shift; "
+                "use spectrum='gaussian_mixture' or 'local', or shift=False"
+            )
 
     def _init_shift(self, groups: int) -> None:
         """Create the learned shifts ``delta [H, groups, P]`` (zero at first) if the
