@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +96,68 @@ def test_a_language_model_run_is_evaluated_on_its_own_windows(tmp_path):
     assert res["metric"] == summary["metric"] == "ppl"
     for key in ("own", "fresh_mean", "fresh_std", "exact"):
         assert res[key] == pytest.approx(summary["draw_gap"][key], rel=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def listops_run(tmp_path_factory):
+    """Two steps of ListOps' FLT on expressions of 20-40 tokens."""
+    root = tmp_path_factory.mktemp("evaluate-listops")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
+    p = get_preset("listops", "smoke", "flt")
+    run = dataclasses.replace(p.run, steps=2, eval_every=2, log_every=1, checkpoint_every=2, batch_size=4)
+    data = {**p.data, "num_train": 16, "num_valid": 12, "min_length": 20, "max_length": 40}
+    summary = train(Preset("listops", p.model, run, data), str(root / "run"), progress=False, plots=False)
+    yield str(root / "run"), summary
+    mp.undo()
+
+
+def _spy_tasks(monkeypatch):
+    """Record the options of every task that flt evaluate loads, and the task."""
+    import flt.tasks
+
+    seen = []
+    real = flt.tasks.load_task
+
+    def spy(name, options):
+        task = real(name, options)
+        seen.append((name, dict(options), task))
+        return task
+
+    monkeypatch.setattr(flt.tasks, "load_task", spy)
+    return seen
+
+
+def test_other_data_options_evaluate_on_other_data(listops_run, monkeypatch):
+    """Length generalisation: a model trained on 20-40 tokens evaluated on 60-100."""
+    path, summary = listops_run
+    seen = _spy_tasks(monkeypatch)
+    same = evaluate_run(path, draws=1, exact=False)
+    assert same["data"] == {} and same["own"] == pytest.approx(summary["draw_gap"]["own"], rel=1e-6)
+    longer = evaluate_run(path, draws=1, exact=True, data_options={"min_length": 60, "max_length": 100})
+    assert longer["data"] == {"min_length": 60, "max_length": 100}
+    name, options, task = seen[-1]
+    assert name == "listops" and options == {**summary_data(path), "min_length": 60, "max_length": 100}
+    lengths = task.valid.lengths
+    assert len(lengths) == 12 and int(lengths.min()) >= 60 and int(lengths.max()) <= 100
+    assert all(math.isfinite(longer[k]) for k in ("own", "exact")) and longer["own"] != same["own"]
+    with pytest.raises(ValueError, match=r"unknown data options for 'listops': \['max_len'\]"):
+        evaluate_run(path, data_options={"max_len": 100})
+
+
+def summary_data(path):
+    """The data options the run was trained with."""
+    return json.loads((Path(path) / "run.json").read_text())["preset"]["data"]
+
+
+def test_a_dataset_path_replaces_the_bundled_size_options(listops_run, tmp_path, monkeypatch, capsys):
+    path, _ = listops_run
+    tsv = "Source\tTarget\n( ( [MAX 2 9 ) [MIN 4 7 ] ) 0 ] )\t9\n[SM 1 [MED 3 5 1 ] ]\t4\n"
+    for part in ("train", "val"):
+        (tmp_path / f"basic_{part}.tsv").write_text(tsv)
+    seen = _spy_tasks(monkeypatch)
+    assert main(["evaluate", path, "--draws", "0", "--no-exact", "--data", str(tmp_path)]) == 0
+    assert f"accuracy with the trained options on {{'path': '{tmp_path}'}}: own draw" in capsys.readouterr().out
+    _, options, task = seen[-1]
+    assert options["path"] == str(tmp_path) and not {"num_train", "num_valid", "min_length", "max_length"} & set(options)
+    assert len(task.valid) == 2

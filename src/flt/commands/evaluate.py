@@ -1,5 +1,5 @@
-"""``flt evaluate RUN``: a trained model's validation metric, on other random draws or
-with other estimator settings.
+"""``flt evaluate RUN``: a trained model's validation metric, on other random draws, with
+other estimator settings, or on other data.
 
 A model with random features computes with one draw of them; ``flt train`` ends with the
 draw gap (its metric on its own draw, on fresh draws and with exact attention,
@@ -8,7 +8,9 @@ estimator changed by ``--attn-opt``: more random features or frequencies
 (``num_features``, ``num_frequencies``), another frequency sampler (``sampler=qmc``),
 another near set (``near_neighbors``), without retraining. It answers "how much of my
 trained model's error is the estimator's, and what would a larger budget at inference
-buy?".
+buy?". ``--data-opt`` changes the task's data options (``--data`` its files) for the
+evaluation, e.g. a model trained on short sequences evaluated on long ones (length
+generalisation of its relative term).
 
 Only the random draws may change shape: every learned tensor of the checkpoint must fit
 the model built with the new options (an option that adds or reshapes parameters is an
@@ -19,6 +21,7 @@ Examples::
 
     flt evaluate runs/molecule-flt-small-s0
     flt evaluate runs/molecule-flt-small-s0 --attn-opt num_frequencies=1024 --attn-opt sampler=qmc
+    flt evaluate runs/listops-flt-small-s0 --data-opt min_length=500 --data-opt max_length=2000
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("checkpoint", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE",
                    help="attention option changed before evaluating (repeatable), e.g. num_frequencies=1024")
+    p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path)")
+    p.add_argument("--data-opt", action="append", metavar="KEY=VALUE",
+                   help="data loader option changed before evaluating (repeatable), e.g. max_length=2000")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
     p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
@@ -82,16 +88,18 @@ def load_with_draws(model, state: dict, changed: dict) -> bool:
 
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device="cpu",
-                 exact_max_elements: int | None = None) -> dict:
-    """The metrics of a saved run: ``{"metric", "options", "own", "fresh", "fresh_mean",
+                 exact_max_elements: int | None = None, data_options: dict | None = None) -> dict:
+    """The metrics of a saved run: ``{"metric", "options", "data", "own", "fresh", "fresh_mean",
     "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without changed
-    options; ``exact`` None when skipped or too large, as for the draw gap)."""
+    attention options; ``exact`` None when skipped or too large, as for the draw gap).
+    ``data_options`` change the run's data options (its validation set) for the evaluation;
+    ``data`` in the result lists them."""
     import statistics
 
     from safetensors.torch import load_file
 
     from flt.layers.draws import fixed_draw
-    from flt.tasks import config_from_dict, load_task
+    from flt.tasks import config_from_dict, get_task, load_task
     from flt.tasks.preset import run_config_from_dict
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
@@ -112,7 +120,11 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     model_dict["attention_options"] = {**model_dict.get("attention_options", {}), **changed}
     cfg = config_from_dict(model_dict)
     run = run_config_from_dict(meta["preset"]["run"])
-    task = load_task(meta["preset"]["task"], meta["preset"].get("data", {}))
+    data = dict(data_options or {})
+    name, trained = meta["preset"]["task"], dict(meta["preset"].get("data", {}))
+    if "path" in data:  # a real dataset replaces the bundled one and its size options, as in flt train
+        trained = {k: v for k, v in trained.items() if k not in get_task(name).bundled_options}
+    task = load_task(name, {**trained, **data})
     cfg = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)), changed)
@@ -136,7 +148,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
             exact_value = measure(DG.ExactForward(model), exact_bs)
     return {
         # The own draw is the trained configuration's: with changed options there is none.
-        "metric": metric, "options": changed, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "metric": metric, "options": changed, "data": data, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
         "exact": exact_value,
@@ -152,12 +164,16 @@ def run(args) -> int:
         _positive("--threads", args.threads)
         torch.set_num_threads(args.threads)
     options = parse_assignments(args.attn_opt, "--attn-opt")
+    data = parse_assignments(args.data_opt, "--data-opt")
+    if args.data is not None:
+        data["path"] = args.data
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                        batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                       exact_max_elements=args.exact_max_elements)
+                       exact_max_elements=args.exact_max_elements, data_options=data)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
-    print(f"{res['metric']} with {options or 'the trained options'}: own draw {num(res['own'])}, "
+    on = f" on {data}" if data else ""
+    print(f"{res['metric']} with {options or 'the trained options'}{on}: own draw {num(res['own'])}, "
           f"fresh draws {fresh or 'none'} (mean {num(res['fresh_mean'])} ± {num(res['fresh_std'])}), exact {num(res['exact'])}")
     if args.out:
         from flt._io import atomic_write_text
