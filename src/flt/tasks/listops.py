@@ -141,7 +141,9 @@ def long(attention: str = "flt", posenc: str = "none") -> Preset:
     + T5, 2.0 s/step) per run with one thread on an idle 2-core VM (20 steps measured; run
     two at a time, 1.1 and 2.65 s/step; Toeplitz 3.3 s/step). Two seeds: softmax + T5 0.348 /
     0.208, FLT 0.168 / 0.152, Performer 0.168 / 0.152, Toeplitz 0.168 / 0.152 (the most
-    frequent label 0.168; docs/long_context.md)."""
+    frequent label 0.168; docs/long_context.md). After ListOps-short (a ``small`` run, then
+    ``--steps 600 --init-from RUN`` here): softmax + T5 0.354 / 0.332, FLT 0.338 / 0.330,
+    Performer 0.152 / 0.168, Toeplitz 0.326 / 0.336."""
     model = ListOpsConfig(dim=64, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=1200, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=300, eval_batches=None,
                     checkpoint_every=300, log_every=50)
