@@ -18,20 +18,24 @@ from flt.train.config import Preset
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _trained(tmp_path_factory, label: str, preset: Preset):
+    """Train ``preset`` in a fresh directory with its own data cache; yields (run dir, summary)."""
+    root = tmp_path_factory.mktemp(label)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
+    summary = train(preset, str(root / "run"), progress=False, plots=False)
+    yield str(root / "run"), summary
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def molecule_run(tmp_path_factory):
     """A few steps of the molecule task's FLT (multiplicative, near set) on 48 structures."""
-    root = tmp_path_factory.mktemp("evaluate")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
     p = get_preset("molecule", "smoke", "flt")
     options = {**p.model.attention_options, "feature_map": "favor+", "num_frequencies": 32, "sampler": "iid", "near_neighbors": 4}
     model = dataclasses.replace(p.model, dim=16, attention_options=options)
     run = dataclasses.replace(p.run, steps=4, batch_size=4, eval_every=2, log_every=1, checkpoint_every=2)
-    preset = Preset("molecule", model, run, {**p.data, "num_samples": 48, "progress": False})
-    summary = train(preset, str(root / "run"), progress=False, plots=False)
-    yield str(root / "run"), summary
-    mp.undo()
+    yield from _trained(tmp_path_factory, "evaluate", Preset("molecule", model, run, {**p.data, "num_samples": 48, "progress": False}))
 
 
 def test_without_options_it_reproduces_the_draw_gap_of_the_run(molecule_run):
@@ -101,15 +105,15 @@ def test_a_language_model_run_is_evaluated_on_its_own_windows(tmp_path):
 @pytest.fixture(scope="module")
 def listops_run(tmp_path_factory):
     """Two steps of ListOps' FLT on expressions of 20-40 tokens."""
-    root = tmp_path_factory.mktemp("evaluate-listops")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FLT_CACHE_DIR", str(root / "cache"))
     p = get_preset("listops", "smoke", "flt")
     run = dataclasses.replace(p.run, steps=2, eval_every=2, log_every=1, checkpoint_every=2, batch_size=4)
     data = {**p.data, "num_train": 16, "num_valid": 12, "min_length": 20, "max_length": 40}
-    summary = train(Preset("listops", p.model, run, data), str(root / "run"), progress=False, plots=False)
-    yield str(root / "run"), summary
-    mp.undo()
+    yield from _trained(tmp_path_factory, "evaluate-listops", Preset("listops", p.model, run, data))
+
+
+def _trained_data(path):
+    """The data options the run was trained with."""
+    return json.loads((Path(path) / "run.json").read_text())["preset"]["data"]
 
 
 def _spy_tasks(monkeypatch):
@@ -137,17 +141,12 @@ def test_other_data_options_evaluate_on_other_data(listops_run, monkeypatch):
     longer = evaluate_run(path, draws=1, exact=True, data_options={"min_length": 60, "max_length": 100})
     assert longer["data"] == {"min_length": 60, "max_length": 100}
     name, options, task = seen[-1]
-    assert name == "listops" and options == {**summary_data(path), "min_length": 60, "max_length": 100}
+    assert name == "listops" and options == {**_trained_data(path), "min_length": 60, "max_length": 100}
     lengths = task.valid.lengths
     assert len(lengths) == 12 and int(lengths.min()) >= 60 and int(lengths.max()) <= 100
     assert all(math.isfinite(longer[k]) for k in ("own", "exact")) and longer["own"] != same["own"]
     with pytest.raises(ValueError, match=r"unknown data options for 'listops': \['max_len'\]"):
         evaluate_run(path, data_options={"max_len": 100})
-
-
-def summary_data(path):
-    """The data options the run was trained with."""
-    return json.loads((Path(path) / "run.json").read_text())["preset"]["data"]
 
 
 def test_a_dataset_path_replaces_the_bundled_size_options(listops_run, tmp_path, monkeypatch, capsys):
@@ -161,3 +160,39 @@ def test_a_dataset_path_replaces_the_bundled_size_options(listops_run, tmp_path,
     _, options, task = seen[-1]
     assert options["path"] == str(tmp_path) and not {"num_train", "num_valid", "min_length", "max_length"} & set(options)
     assert len(task.valid) == 2
+
+
+def test_the_command_passes_data_options(listops_run, capsys, monkeypatch):
+    path, _ = listops_run
+    seen = _spy_tasks(monkeypatch)
+    assert main(["evaluate", path, "--draws", "0", "--no-exact", "--data-opt", "min_length=60", "--data-opt", "max_length=100"]) == 0
+    assert "accuracy with the trained options on {'min_length': 60, 'max_length': 100}: own draw" in capsys.readouterr().out
+    assert int(seen[-1][2].valid.lengths.min()) >= 60
+
+
+def test_data_the_trained_model_does_not_fit_is_refused(molecule_run, listops_run, tmp_path, monkeypatch):
+    # Another split gives other target statistics, which the model's output scaling was trained with.
+    path, _ = molecule_run
+    with pytest.raises(ValueError, match=r"--data-opt/--data \{'split_seed': 1\}: the 'molecule' model would change on this data \(.*target_mean"):
+        evaluate_run(path, draws=0, exact=False, data_options={"split_seed": 1})
+    # Options of the bundled data are refused with a dataset read from files, not ignored.
+    path, _ = listops_run
+    for part in ("train", "val"):
+        (tmp_path / f"basic_{part}.tsv").write_text("Source\tTarget\n[SM 1 [MED 3 5 1 ] ]\t4\n")
+    with pytest.raises(ValueError, match=r"--data-opt max_length: options of the bundled data, which the dataset at .* does not take"):
+        evaluate_run(path, draws=0, exact=False, data_options={"path": str(tmp_path), "max_length": 100})
+    # Estimator options are checked before any data is loaded.
+    seen = _spy_tasks(monkeypatch)
+    with pytest.raises(ValueError, match="family has no components to shift"):
+        evaluate_run(path, {"spectrum": "gaussian", "shift": True}, draws=0, exact=False)
+    assert seen == []
+
+
+def test_a_char_language_model_is_not_evaluated_with_another_vocabulary(tmp_path):
+    p = get_preset("lm", "smoke", "flt")
+    run = dataclasses.replace(p.run, steps=1, eval_every=1, log_every=1, checkpoint_every=1, eval_batches=1, draw_gap=False)
+    train(Preset("lm", p.model, run, {**p.data, "tokenizer": "char"}), str(tmp_path / "run"), progress=False, plots=False)
+    text = tmp_path / "other.txt"
+    text.write_text("abc abc\n" * 4000)
+    with pytest.raises(ValueError, match=r"the 'lm' model would change on this data \(.*vocab_size.*the task's saved tokenizer"):
+        evaluate_run(str(tmp_path / "run"), draws=0, exact=False, data_options={"path": str(text)})

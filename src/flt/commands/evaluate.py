@@ -14,7 +14,9 @@ generalisation of its relative term).
 
 Only the random draws may change shape: every learned tensor of the checkpoint must fit
 the model built with the new options (an option that adds or reshapes parameters is an
-error naming them). With no ``--attn-opt`` the fresh draws and the exact evaluation are
+error naming them), and data that changes the model's configuration (an LM's vocabulary, a
+molecule model's target scaling) is refused. With no ``--attn-opt``, ``--data-opt`` or
+``--data`` the fresh draws and the exact evaluation are
 those of ``flt train``'s draw gap, so the numbers equal ``summary.json``'s ``draw_gap``.
 
 Examples::
@@ -33,15 +35,15 @@ import os
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "evaluate", help="re-evaluate a trained run on fresh draws, exactly, or with other estimator settings",
+        "evaluate", help="re-evaluate a trained run on fresh draws, exactly, with other estimator settings or on other data",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("checkpoint", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE",
                    help="attention option changed before evaluating (repeatable), e.g. num_frequencies=1024")
-    p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path)")
+    p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path; the bundled data's size options are dropped)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE",
-                   help="data loader option changed before evaluating (repeatable), e.g. max_length=2000")
+                   help="data loader option changed before evaluating (repeatable), e.g. ListOps' max_length=2000")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
     p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
@@ -86,6 +88,22 @@ def load_with_draws(model, state: dict, changed: dict) -> bool:
     return own
 
 
+def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict, extra: dict) -> None:
+    """Refuse ``data`` on which the trained model would not compute what it was trained to:
+    the task's configuration of the model (vocabulary, classes, target scaling) or its saved
+    state (an LM's tokenizer) would change."""
+    from flt.models.config import config_to_dict
+
+    before, after = (json.loads(json.dumps(config_to_dict(c))) for c in (cfg, configured))
+    fields = [f"{k}={before.get(k)!r} (trained) against {after.get(k)!r}" for k in sorted(set(before) | set(after))
+              if before.get(k) != after.get(k)]
+    fields += [f"the task's saved {k}" for k in sorted(set(saved_extra) | set(extra))
+               if json.loads(json.dumps(extra.get(k))) != saved_extra.get(k)]
+    if fields:
+        raise ValueError(f"--data-opt/--data {data}: the {name!r} model would change on this data ({'; '.join(fields)}); "
+                         "evaluate only on data the trained model fits")
+
+
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device="cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None) -> dict:
@@ -99,7 +117,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from safetensors.torch import load_file
 
     from flt.layers.draws import fixed_draw
-    from flt.tasks import config_from_dict, get_task, load_task
+    from flt.options import ATTENTION_ARGUMENTS, check_attention_options
+    from flt.tasks import config_from_dict, get_task, load_task, with_data_path
     from flt.tasks.preset import run_config_from_dict
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
@@ -120,12 +139,22 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     model_dict["attention_options"] = {**model_dict.get("attention_options", {}), **changed}
     cfg = config_from_dict(model_dict)
     run = run_config_from_dict(meta["preset"]["run"])
+    if changed:  # bad estimator options are refused before any data is loaded
+        check_attention_options(model_dict["attention"], model_dict["attention_options"], reserved=ATTENTION_ARGUMENTS)
     data = dict(data_options or {})
     name, trained = meta["preset"]["task"], dict(meta["preset"].get("data", {}))
-    if "path" in data:  # a real dataset replaces the bundled one and its size options, as in flt train
-        trained = {k: v for k, v in trained.items() if k not in get_task(name).bundled_options}
-    task = load_task(name, {**trained, **data})
-    cfg = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
+    if "path" in data:
+        trained = with_data_path(name, trained, data["path"])
+    options = {**trained, **data}
+    bundled = sorted(set(data) & set(get_task(name).bundled_options))
+    if "path" in options and bundled:
+        raise ValueError(f"--data-opt {', '.join(bundled)}: options of the bundled data, which the dataset at "
+                         f"{options['path']!r} does not take")
+    task = load_task(name, options)
+    configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
+    if data:
+        _check_same_model(name, data, cfg, configured, meta.get("extra", {}), task.extra())
+    cfg = configured
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)), changed)
     model.eval()

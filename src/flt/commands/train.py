@@ -43,7 +43,7 @@ import sys
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value  # noqa: F401
 
-from flt.tasks import TASKS, get_task, preset_names
+from flt.tasks import TASKS, get_task, preset_names, with_data_path
 
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
@@ -178,9 +178,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     run_cfg = replace_fields(preset.run, **run_changes)
     data = {**preset.data, **data_changes}
     if args.data is not None:
-        # A real dataset replaces the bundled one and its size options.
-        data = {k: v for k, v in data.items() if k not in get_task(args.task).bundled_options}
-        data["path"] = args.data
+        data = with_data_path(args.task, data, args.data)
     return Preset(preset.task, model, run_cfg, data)
 
 

@@ -60,6 +60,13 @@ def load_task(name: str, options: dict[str, Any]) -> Task:
     return cls(**options)
 
 
+def with_data_path(name: str, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """Task ``name``'s data options ``data`` with a real dataset at ``path`` in place of the
+    bundled one: the bundled data's size options (``bundled_options``) are dropped."""
+    bundled = get_task(name).bundled_options
+    return {**{k: v for k, v in data.items() if k not in bundled}, "path": path}
+
+
 def get_preset(task: str, name: str, attention: str = "flt", posenc: str = "none") -> Preset:
     """``TASKS[task].presets[name](attention, posenc)`` with clear errors for unknown names."""
     presets = get_task(task).presets
@@ -132,4 +139,5 @@ __all__ = [
     "step_generator",
     "task_table",
     "tokenizer_from_extra",
+    "with_data_path",
 ]
