@@ -12,6 +12,7 @@ import pytest
 
 from flt.cli import main
 from flt.commands.evaluate import evaluate_run
+from flt.tasks import change_data
 from flt.train import get_preset, train
 from flt.train.config import Preset
 
@@ -179,7 +180,7 @@ def test_data_the_trained_model_does_not_fit_is_refused(molecule_run, listops_ru
     path, _ = listops_run
     for part in ("train", "val"):
         (tmp_path / f"basic_{part}.tsv").write_text("Source\tTarget\n[SM 1 [MED 3 5 1 ] ]\t4\n")
-    with pytest.raises(ValueError, match=r"--data-opt max_length: options of the bundled data, which the dataset at .* does not take"):
+    with pytest.raises(ValueError, match=r"--data-opt/--data max_length: options of the bundled data, which the dataset at .* does not take"):
         evaluate_run(path, draws=0, exact=False, data_options={"path": str(tmp_path), "max_length": 100})
     # Estimator options are checked before any data is loaded.
     seen = _spy_tasks(monkeypatch)
@@ -196,3 +197,34 @@ def test_a_char_language_model_is_not_evaluated_with_another_vocabulary(tmp_path
     text.write_text("abc abc\n" * 4000)
     with pytest.raises(ValueError, match=r"the 'lm' model would change on this data \(.*vocab_size.*the task's saved tokenizer"):
         evaluate_run(str(tmp_path / "run"), draws=0, exact=False, data_options={"path": str(text)})
+
+
+def test_another_text_file_drops_the_trained_validation_file(tmp_path, monkeypatch):
+    """An LM trained on a file with its own validation file, evaluated on another file: the
+    validation comes from the new file, not from the old validation file."""
+    for name in ("train", "valid", "other"):
+        (tmp_path / f"{name}.txt").write_text(f"{name}: the quick brown fox jumps over the lazy dog\n" * 400)
+    p = get_preset("lm", "smoke", "flt")
+    run = dataclasses.replace(p.run, steps=1, eval_every=1, log_every=1, checkpoint_every=1, eval_batches=1, draw_gap=False)
+    data = change_data("lm", p.data, {"path": str(tmp_path / "train.txt"), "valid_path": str(tmp_path / "valid.txt")})
+    train(Preset("lm", p.model, run, data), str(tmp_path / "run"), progress=False, plots=False)
+    seen = _spy_tasks(monkeypatch)
+    evaluate_run(str(tmp_path / "run"), draws=0, exact=False, max_batches=1, data_options={"path": str(tmp_path / "other.txt")})
+    _, options, task = seen[-1]
+    assert options["path"] == str(tmp_path / "other.txt") and "valid_path" not in options
+    assert bytes(task.valid_tokens[:6].tolist()) == b"other:"
+
+
+def test_tensors_that_do_not_fit_name_the_options_that_changed(molecule_run):
+    from flt.commands.evaluate import load_with_draws
+    from flt.train.checkpoint import load_checkpoint_model
+
+    model, _ = load_checkpoint_model(molecule_run[0])
+    state = dict(model.state_dict())
+    key = next(k for k in state if k.endswith("weight"))
+    state[key] = state[key][:1]
+    with pytest.raises(ValueError, match=r"^--data-opt/--data \{'positions': 'x'\}: the learned tensors of the checkpoint "
+                                         rf"do not fit \(reshaped: {key}\)"):
+        load_with_draws(model, state, {"--attn-opt": {}, "--data-opt/--data": {"positions": "x"}})
+    with pytest.raises(ValueError, match=r"^no options \(the same run\): .*gone: extra"):
+        load_with_draws(model, {**model.state_dict(), "extra": state[key]}, {"--attn-opt": {}})

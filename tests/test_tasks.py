@@ -18,7 +18,7 @@ from torch import nn
 
 from flt.cli import build_parser, main
 from flt.models import Trunk, build_posenc
-from flt.tasks import TASKS, Preset, RunConfig, Task, check_preset, get_preset, preset_from_dict, preset_to_dict, task_table
+from flt.tasks import TASKS, Preset, RunConfig, Task, change_data, check_preset, get_preset, preset_from_dict, preset_to_dict, task_table
 from flt.tasks.base import epoch_indices, eval_slices, mechanism_options, shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,33 @@ def test_every_task_has_presets_a_model_builder_data_and_a_metric(name):
     assert isinstance(model, task.model) and isinstance(model, nn.Module)
     assert callable(task.dataset)
     assert set(inspect.signature(task.__init__).parameters) - {"self"} == set(task.options)
-    assert set(task.bundled_options) <= set(task.options)
+    assert set(task.bundled_options) <= set(task.options) and set(task.path_options) <= set(task.options)
+    assert not set(task.bundled_options) & set(task.path_options)
     assert {"loss", task.metric, "offset", *task.compare_metrics} <= set(task.axes)
     assert all(getattr(task, m) is not getattr(Task, m) for m in REQUIRED), name
+
+
+def test_a_new_dataset_path_drops_the_options_bound_to_the_old_data():
+    # The bundled data's size options go with a path; a user's changes apply on top.
+    assert change_data("listops", {"num_train": 5, "bucket": 4}, {"path": "a"}) == {"bucket": 4, "path": "a"}
+    # An LM's validation file belongs to its training file: another path drops it, unless given again.
+    trained = {"path": "old.txt", "valid_path": "old-valid.txt", "tokenizer": "char"}
+    assert change_data("lm", trained, {"path": "new.txt"}) == {"path": "new.txt", "tokenizer": "char"}
+    assert change_data("lm", trained, {"path": "new.txt", "valid_path": "v.txt"})["valid_path"] == "v.txt"
+    assert change_data("lm", trained, {"path": "old.txt"}) == trained  # the same dataset keeps its companions
+    assert change_data("image", {"path": "a", "valid_dir": "b", "size": [8, 8]}, {"path": "c"}) == {"path": "c"}
+    assert change_data("graph", {"graph": "communities", "task": "pair"}, {"path": "g.txt"}) == {"task": "pair", "path": "g.txt"}
+    # Bundled options given with a path would be ignored by its loader: refused by name and flag.
+    with pytest.raises(ValueError, match=r"--data-opt max_length: options of the bundled data, which the dataset at 'a'"):
+        change_data("listops", {}, {"path": "a", "max_length": 100})
+    with pytest.raises(ValueError, match=r"--data-opt num_samples: options of the bundled data"):
+        change_data("molecule", {"path": "m.db"}, {"num_samples": 10})
+    # Unknown options name the flag, and a model field among them is pointed at.
+    with pytest.raises(ValueError, match=r"^--data-opt: unknown data options for 'lm': \['max_len'\]; known: .*"
+                                         r"\['max_len'\] is a field of the model \(LMConfig; flt train --model-opt\)"):
+        change_data("lm", {}, {"max_len": 64})
+    with pytest.raises(ValueError, match=r"^--x: unknown data options for 'graph': \['nope'\]; known: \[[^;]*\]$"):
+        change_data("graph", {}, {"nope": 1}, "--x")
 
 
 def test_the_cli_choices_and_preset_views_come_from_the_registry():

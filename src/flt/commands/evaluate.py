@@ -41,7 +41,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("checkpoint", help="run directory (its latest checkpoint) or checkpoint directory")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE",
                    help="attention option changed before evaluating (repeatable), e.g. num_frequencies=1024")
-    p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path; the bundled data's size options are dropped)")
+    p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path; the bundled data's options and those of the trained path, such as an LM's valid_path, are dropped)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE",
                    help="data loader option changed before evaluating (repeatable), e.g. ListOps' max_length=2000")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
@@ -64,12 +64,13 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def load_with_draws(model, state: dict, changed: dict) -> bool:
+def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
     """Load ``state`` into ``model``, where only the random draws may differ in shape.
 
     Returns True when the checkpoint's draws were all loaded, False when some draw buffer
     has a new shape (it keeps the model's fresh draw until a fixed draw replaces it). Raises
-    ValueError naming the learned tensors that do not fit, and the ``changed`` options.
+    ValueError naming the learned tensors that do not fit, and the ``changed`` options
+    (``{flag: options}``, e.g. ``{"--attn-opt": {...}, "--data-opt/--data": {...}}``).
     """
     # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws).
     draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
@@ -81,7 +82,8 @@ def load_with_draws(model, state: dict, changed: dict) -> bool:
     if missing or unexpected or misfit:
         parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
                  for label, keys in (("new", missing), ("gone", unexpected), ("reshaped", misfit)) if keys]
-        raise ValueError(f"the options {changed} change learned tensors of the checkpoint ({'; '.join(parts)}); "
+        named = ", ".join(f"{flag} {opts}" for flag, opts in changed.items() if opts) or "no options (the same run)"
+        raise ValueError(f"{named}: the learned tensors of the checkpoint do not fit ({'; '.join(parts)}); "
                          "only random draws (feature projections, frequency draws) may change")
     own = all(k in state and state[k].shape == target[k].shape for k in draws)
     model.load_state_dict({k: v for k, v in state.items() if k not in draws or v.shape == target[k].shape}, strict=False)
@@ -118,7 +120,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 
     from flt.layers.draws import fixed_draw
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
-    from flt.tasks import config_from_dict, get_task, load_task, with_data_path
+    from flt.tasks import change_data, config_from_dict, load_task
     from flt.tasks.preset import run_config_from_dict
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
@@ -142,21 +144,16 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     if changed:  # bad estimator options are refused before any data is loaded
         check_attention_options(model_dict["attention"], model_dict["attention_options"], reserved=ATTENTION_ARGUMENTS)
     data = dict(data_options or {})
-    name, trained = meta["preset"]["task"], dict(meta["preset"].get("data", {}))
-    if "path" in data:
-        trained = with_data_path(name, trained, data["path"])
-    options = {**trained, **data}
-    bundled = sorted(set(data) & set(get_task(name).bundled_options))
-    if "path" in options and bundled:
-        raise ValueError(f"--data-opt {', '.join(bundled)}: options of the bundled data, which the dataset at "
-                         f"{options['path']!r} does not take")
+    name = meta["preset"]["task"]
+    options = change_data(name, meta["preset"].get("data", {}), data, "--data-opt/--data")
     task = load_task(name, options)
     configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     if data:
         _check_same_model(name, data, cfg, configured, meta.get("extra", {}), task.extra())
     cfg = configured
     model = type(task).build_model(cfg, device=dev)
-    own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)), changed)
+    own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)),
+                               {"--attn-opt": changed, "--data-opt/--data": data})
     model.eval()
     ctx = Context(0, 1, dev)
     bs = batch_size or run.eval_batch_size or run.batch_size

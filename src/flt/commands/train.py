@@ -43,7 +43,7 @@ import sys
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value  # noqa: F401
 
-from flt.tasks import TASKS, get_task, preset_names, with_data_path
+from flt.tasks import TASKS, change_data, get_task, preset_names
 
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
@@ -176,9 +176,9 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
     run_cfg = replace_fields(preset.run, **run_changes)
-    data = {**preset.data, **data_changes}
     if args.data is not None:
-        data = with_data_path(args.task, data, args.data)
+        data_changes["path"] = args.data
+    data = change_data(args.task, preset.data, data_changes)
     return Preset(preset.task, model, run_cfg, data)
 
 

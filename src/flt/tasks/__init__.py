@@ -28,6 +28,7 @@ override them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from flt._checks import check_choice
@@ -54,17 +55,38 @@ def get_task(name: str) -> type[Task]:
 def load_task(name: str, options: dict[str, Any]) -> Task:
     """Load the data of task ``name`` with loader ``options`` (the task's ``options``)."""
     cls = get_task(name)
-    unknown = sorted(set(options) - set(cls.options))
-    if unknown:
-        raise ValueError(f"unknown data options for {name!r}: {unknown}; known: {sorted(cls.options)}")
+    _check_known(cls, options, "data options")
     return cls(**options)
 
 
-def with_data_path(name: str, data: dict[str, Any], path: str) -> dict[str, Any]:
-    """Task ``name``'s data options ``data`` with a real dataset at ``path`` in place of the
-    bundled one: the bundled data's size options (``bundled_options``) are dropped."""
-    bundled = get_task(name).bundled_options
-    return {**{k: v for k, v in data.items() if k not in bundled}, "path": path}
+def _check_known(cls: type[Task], options: dict[str, Any], source: str) -> None:
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        fields = {f.name for f in dataclasses.fields(cls.config)} & set(unknown)
+        hint = (f"; {sorted(fields)} {'is a field' if len(fields) == 1 else 'are fields'} of the model "
+                f"({cls.config.__name__}; flt train --model-opt), not data") if fields else ""
+        raise ValueError(f"{source}: unknown data options for {cls.name!r}: {unknown}; known: {sorted(cls.options)}{hint}")
+
+
+def change_data(name: str, data: dict[str, Any], changes: dict[str, Any], source: str = "--data-opt") -> dict[str, Any]:
+    """Task ``name``'s data options ``data`` with ``changes`` (given by ``source``, named in
+    errors) applied on top.
+
+    A new ``path`` is another dataset: the options bound to the old one are dropped from
+    ``data``, namely the bundled data's size options (``bundled_options``) and the companions
+    of the old path (``path_options``, e.g. an LM's ``valid_path``). Changes of bundled
+    options together with a path are refused: the dataset's loader would ignore them."""
+    cls = get_task(name)
+    _check_known(cls, changes, source)
+    out = dict(data)
+    if changes.get("path") is not None and changes["path"] != data.get("path"):
+        out = {k: v for k, v in out.items() if k not in cls.bundled_options and k not in cls.path_options}
+    out.update(changes)
+    bundled = sorted(set(changes) & set(cls.bundled_options))
+    if out.get("path") is not None and bundled:
+        raise ValueError(f"{source} {', '.join(bundled)}: options of the bundled data, which the dataset at "
+                         f"{out['path']!r} does not take")
+    return out
 
 
 def get_preset(task: str, name: str, attention: str = "flt", posenc: str = "none") -> Preset:
@@ -139,5 +161,5 @@ __all__ = [
     "step_generator",
     "task_table",
     "tokenizer_from_extra",
-    "with_data_path",
+    "change_data",
 ]

@@ -101,10 +101,12 @@ class Task:
     compare_metrics: ClassVar[tuple[str, ...]] = ()
     #: What throughput counts.
     unit: ClassVar[str] = "samples"
-    #: Data options the constructor takes, and those that size the bundled data set (a
-    #: real data set given by ``--data`` drops them).
+    #: Data options the constructor takes; those of the bundled data set only (a real data
+    #: set given by ``--data`` drops them); those that go with a ``path`` and are dropped
+    #: when another path replaces it (an LM's ``valid_path``).
     options: ClassVar[tuple[str, ...]] = ()
     bundled_options: ClassVar[tuple[str, ...]] = ()
+    path_options: ClassVar[tuple[str, ...]] = ()
     #: Loader of the bundled data set: keyword arguments only, returns ``.train`` and ``.valid``.
     dataset: ClassVar[Callable[..., Any]]
     #: ``presets[name](attention, posenc) -> Preset``; every task has ``smoke``.

@@ -179,6 +179,7 @@ class GraphTask(Task):
     metric, higher_is_better, compare_metrics, unit = "auc", True, ("loss",), "pair"
     options = ("path", "graph", "task", "num_pairs", "seed", "num_anchors", "resample_anchors", "positions", "walk_steps",
                "eigenvectors")
+    bundled_options = ("graph",)
     dataset = staticmethod(generated_split)
     presets = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS

@@ -75,6 +75,7 @@ class ImageTask(Task):
     config, model = ImageConfig, ViTClassifier
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "img"
     options = ("path", "valid_dir", "size", "channels", "valid_fraction", "split_seed")
+    path_options = ("valid_dir", "size")
     dataset = staticmethod(load_digits)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS

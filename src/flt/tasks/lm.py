@@ -80,7 +80,7 @@ class LMTask(Task):
     config, model = LMConfig, CausalLM
     metric, higher_is_better, compare_metrics, unit = "ppl", False, ("bpb",), "tok"
     options = ("path", "valid_path", "tokenizer", "max_bytes", "require_utf8")
-    bundled_options = ("max_bytes",)
+    bundled_options, path_options = ("max_bytes",), ("valid_path",)
     dataset = staticmethod(load_python_docs)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS

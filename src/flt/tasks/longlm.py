@@ -86,7 +86,7 @@ class LongLMTask(LMTask):
     name = "longlm"
     description = "long-context byte LM (1k-8k bytes); bundled data: the Python standard library's source, split by file"
     options = ("max_bytes", "valid_fraction", "split_seed")
-    bundled_options = ("max_bytes",)
+    bundled_options, path_options = ("max_bytes",), ()
     dataset = staticmethod(load_python_source)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS

@@ -80,7 +80,7 @@ class MoleculeTask(Task):
     config, model = MoleculeConfig, MoleculeRegressor
     metric, higher_is_better, compare_metrics, unit = "mae", False, ("rmse",), "mol"
     options = ("path", "target", "num_samples", "relax_steps", "valid_fraction", "split_seed", "cache_dir", "progress")
-    bundled_options = ("num_samples", "relax_steps")
+    bundled_options = ("num_samples", "relax_steps", "cache_dir")
     dataset = staticmethod(load_catalysis)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
