@@ -39,3 +39,18 @@ def test_the_decode_command_writes_one_row_per_mechanism_and_length(tmp_path, ca
     assert "prefill_s" in rows[0] and "prefill_s" not in rows[1]  # Toeplitz recomputes: no prefill
     with pytest.raises(ValueError, match="new_tokens"):
         decode_speed("flt", 16, new_tokens=0)
+
+
+def test_the_step_benchmark_writes_its_table_plot_and_the_machine_load(tmp_path, capsys, monkeypatch):
+    import flt.bench.long as bench
+
+    loads = iter([0.25, 3.5])
+    monkeypatch.setattr(bench, "_load_average", lambda: next(loads))
+    argv = ["--mechanisms", "performer", "--lengths", "16,32", "--repeats", "2", "--budget-s", "0.1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "long.json").read_text())
+    assert [(r["mechanism"], r["n"]) for r in rows] == [("performer", 16), ("performer", 32)]
+    assert all(r["ms_per_step"] > 0 and r["repeats"] == 2 for r in rows)
+    text = (tmp_path / "long.md").read_text()
+    assert "load average (1 min) 0.2 before, 3.5 after" in text and "| performer |" in text
+    assert (tmp_path / "long.png").stat().st_size > 0

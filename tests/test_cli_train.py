@@ -159,8 +159,10 @@ def test_compare_table_and_entries():
         (["compare", "lm", "--attention", "flt,,softmax"], "empty entry"),
         # Checked before any data is read: bundled options with a dataset path, unknown options.
         (["train", "listops", "--data", "/no/such/dir", "--data-opt", "num_train=5"],
-         "--data-opt num_train: options of the bundled data, which the dataset at '/no/such/dir' does not take"),
+         "--data-opt/--data num_train: options of the bundled data, which the dataset at '/no/such/dir' does not take"),
         (["train", "listops", "--data-opt", "max_len=5"], "--data-opt: unknown data options for 'listops': ['max_len']"),
+        (["train", "lm", "--data", "a.txt", "--data-opt", "path=b.txt"], "--data 'a.txt' and --data-opt path='b.txt' name two datasets"),
+        (["evaluate", "/no/run", "--data", "a.txt", "--data-opt", "path=b.txt"], "name two datasets"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, capsys):

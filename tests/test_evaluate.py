@@ -212,19 +212,19 @@ def test_another_text_file_drops_the_trained_validation_file(tmp_path, monkeypat
     evaluate_run(str(tmp_path / "run"), draws=0, exact=False, max_batches=1, data_options={"path": str(tmp_path / "other.txt")})
     _, options, task = seen[-1]
     assert options["path"] == str(tmp_path / "other.txt") and "valid_path" not in options
-    assert bytes(task.valid_tokens[:6].tolist()) == b"other:"
+    text = bytes(task.valid_tokens.tolist())
+    assert b"other:" in text and b"valid:" not in text and b"train:" not in text
 
 
-def test_tensors_that_do_not_fit_name_the_options_that_changed(molecule_run):
+def test_a_checkpoint_that_does_not_fit_its_own_config_is_named_as_such(molecule_run):
     from flt.commands.evaluate import load_with_draws
     from flt.train.checkpoint import load_checkpoint_model
 
     model, _ = load_checkpoint_model(molecule_run[0])
-    state = dict(model.state_dict())
+    state = model.state_dict()
     key = next(k for k in state if k.endswith("weight"))
-    state[key] = state[key][:1]
-    with pytest.raises(ValueError, match=r"^--data-opt/--data \{'positions': 'x'\}: the learned tensors of the checkpoint "
-                                         rf"do not fit \(reshaped: {key}\)"):
-        load_with_draws(model, state, {"--attn-opt": {}, "--data-opt/--data": {"positions": "x"}})
-    with pytest.raises(ValueError, match=r"^no options \(the same run\): .*gone: extra"):
-        load_with_draws(model, {**model.state_dict(), "extra": state[key]}, {"--attn-opt": {}})
+    with pytest.raises(ValueError, match=r"^the checkpoint's learned tensors do not fit the model its own config builds "
+                                         r"\(gone: extra\): a checkpoint of another version of flt\?"):
+        load_with_draws(model, {**state, "extra": state[key]}, {"--attn-opt": {}})
+    with pytest.raises(ValueError, match=rf"^--attn-opt {{'x': 1}}: the learned tensors of the checkpoint do not fit \(reshaped: {key}\)"):
+        load_with_draws(model, {**state, key: state[key][:1]}, {"--attn-opt": {"x": 1}})

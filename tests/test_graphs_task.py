@@ -100,7 +100,7 @@ def test_an_edge_list_replaces_the_generated_graph(tmp_path, capsys):
     assert math.isfinite(_summary(out)["final"]["auc"])
     both = ["--data", str(edges), "--data-opt", "graph=grid"]
     assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "both"), *both]) == 2
-    assert "names a generated graph" in capsys.readouterr().err
+    assert "--data-opt/--data graph: options of the bundled data, which the dataset at" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,11 @@ def test_a_new_dataset_path_drops_the_options_bound_to_the_old_data():
     assert change_data("lm", trained, {"path": "new.txt"}) == {"path": "new.txt", "tokenizer": "char"}
     assert change_data("lm", trained, {"path": "new.txt", "valid_path": "v.txt"})["valid_path"] == "v.txt"
     assert change_data("lm", trained, {"path": "old.txt"}) == trained  # the same dataset keeps its companions
-    assert change_data("image", {"path": "a", "valid_dir": "b", "size": [8, 8]}, {"path": "c"}) == {"path": "c"}
+    # The same file under another spelling is the same dataset; None is the bundled data again.
+    assert change_data("lm", trained, {"path": "./old.txt"})["valid_path"] == "old-valid.txt"
+    assert change_data("lm", trained, {"path": None}) == {"path": None, "tokenizer": "char"}
+    # An image folder's validation folder goes with it; the input size is the model's and stays.
+    assert change_data("image", {"path": "a", "valid_dir": "b", "size": [8, 8]}, {"path": "c"}) == {"path": "c", "size": [8, 8]}
     assert change_data("graph", {"graph": "communities", "task": "pair"}, {"path": "g.txt"}) == {"task": "pair", "path": "g.txt"}
     # Bundled options given with a path would be ignored by its loader: refused by name and flag.
     with pytest.raises(ValueError, match=r"--data-opt max_length: options of the bundled data, which the dataset at 'a'"):
@@ -64,8 +68,10 @@ def test_a_new_dataset_path_drops_the_options_bound_to_the_old_data():
         change_data("molecule", {"path": "m.db"}, {"num_samples": 10})
     # Unknown options name the flag, and a model field among them is pointed at.
     with pytest.raises(ValueError, match=r"^--data-opt: unknown data options for 'lm': \['max_len'\]; known: .*"
-                                         r"\['max_len'\] is a field of the model \(LMConfig; flt train --model-opt\)"):
+                                         r"\['max_len'\] is a field of the model \(LMConfig, set when it is trained"):
         change_data("lm", {}, {"max_len": 64})
+    with pytest.raises(ValueError, match=r"unknown data options for 'longlm': \['path'\]; .*'longlm' reads only its bundled data"):
+        change_data("longlm", {}, {"path": "x"}, "--data-opt/--data")
     with pytest.raises(ValueError, match=r"^--x: unknown data options for 'graph': \['nope'\]; known: \[[^;]*\]$"):
         change_data("graph", {}, {"nope": 1}, "--x")
 

@@ -208,7 +208,7 @@ def report(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,10 +229,19 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("longlm small model (2 layers, width 64), batch 1, CPU, 1 thread (machine shared: noisy)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none): the report states
+    it, since other jobs slow every configuration."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     json.dump(results, fh, indent=1)
         return 0
     rows, failures = [], []
+    load_before = _load_average()
     for m in mechs:
         for n in lengths:
             cfg = {"mechanism": m, "n": n, "threads": args.threads, "batch": args.batch, "repeats": args.repeats,
@@ -292,12 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(rows, fh, indent=1)
             if row["ms_per_step"] > 1000 * args.max_step_s:
                 break
+    load = "load average (1 min) " + (f"{load_before:.1f} before, {_load_average():.1f} after"
+                                      if load_before is not None else "unknown")
     header = (f"longlm small model, batch {args.batch}, {args.threads} thread(s), float32, training step "
-              f"(forward, loss, backward, AdamW); `python -m flt.bench.long {' '.join(argv or sys.argv[1:])}`")
+              f"(forward, loss, backward, AdamW); {load}; `python -m flt.bench.long {' '.join(argv or sys.argv[1:])}`")
     text = report(rows, header) + "".join(f"- failed: {f}\n" for f in failures)
     with open(os.path.join(args.out, "long.md"), "w") as fh:
         fh.write(text)
-    plot(rows, os.path.join(args.out, "long.png"))
+    plot(rows, os.path.join(args.out, "long.png"),
+         f"longlm small model (2 layers, width 64), batch {args.batch}, CPU, {args.threads} thread(s); {load}")
     print(text)
     return 0
 

@@ -70,7 +70,7 @@ def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
     Returns True when the checkpoint's draws were all loaded, False when some draw buffer
     has a new shape (it keeps the model's fresh draw until a fixed draw replaces it). Raises
     ValueError naming the learned tensors that do not fit, and the ``changed`` options
-    (``{flag: options}``, e.g. ``{"--attn-opt": {...}, "--data-opt/--data": {...}}``).
+    (``{flag: options}``, e.g. ``{"--attn-opt": {...}}``).
     """
     # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws).
     draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
@@ -82,7 +82,10 @@ def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
     if missing or unexpected or misfit:
         parts = [f"{label}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
                  for label, keys in (("new", missing), ("gone", unexpected), ("reshaped", misfit)) if keys]
-        named = ", ".join(f"{flag} {opts}" for flag, opts in changed.items() if opts) or "no options (the same run)"
+        named = ", ".join(f"{flag} {opts}" for flag, opts in changed.items() if opts)
+        if not named:
+            raise ValueError(f"the checkpoint's learned tensors do not fit the model its own config builds "
+                             f"({'; '.join(parts)}): a checkpoint of another version of flt?")
         raise ValueError(f"{named}: the learned tensors of the checkpoint do not fit ({'; '.join(parts)}); "
                          "only random draws (feature projections, frequency draws) may change")
     own = all(k in state and state[k].shape == target[k].shape for k in draws)
@@ -153,7 +156,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     cfg = configured
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)),
-                               {"--attn-opt": changed, "--data-opt/--data": data})
+                               {"--attn-opt": changed})  # data that changes the config was refused above
     model.eval()
     ctx = Context(0, 1, dev)
     bs = batch_size or run.eval_batch_size or run.batch_size
@@ -192,6 +195,8 @@ def run(args) -> int:
     options = parse_assignments(args.attn_opt, "--attn-opt")
     data = parse_assignments(args.data_opt, "--data-opt")
     if args.data is not None:
+        if "path" in data and data["path"] != args.data:
+            raise ValueError(f"--data {args.data!r} and --data-opt path={data['path']!r} name two datasets; give one")
         data["path"] = args.data
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                        batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,

@@ -176,9 +176,12 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
     run_cfg = replace_fields(preset.run, **run_changes)
+    source = "--data-opt"
     if args.data is not None:
-        data_changes["path"] = args.data
-    data = change_data(args.task, preset.data, data_changes)
+        if "path" in data_changes and data_changes["path"] != args.data:
+            raise ValueError(f"--data {args.data!r} and --data-opt path={data_changes['path']!r} name two datasets; give one")
+        data_changes["path"], source = args.data, "--data-opt/--data"
+    data = change_data(args.task, preset.data, data_changes, source)
     return Preset(preset.task, model, run_cfg, data)
 
 

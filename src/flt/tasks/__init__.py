@@ -29,6 +29,7 @@ override them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from flt._checks import check_choice
@@ -64,23 +65,34 @@ def _check_known(cls: type[Task], options: dict[str, Any], source: str) -> None:
     if unknown:
         fields = {f.name for f in dataclasses.fields(cls.config)} & set(unknown)
         hint = (f"; {sorted(fields)} {'is a field' if len(fields) == 1 else 'are fields'} of the model "
-                f"({cls.config.__name__}; flt train --model-opt), not data") if fields else ""
+                f"({cls.config.__name__}, set when it is trained: flt train --model-opt), not data") if fields else ""
+        if "path" in unknown:
+            hint += f"; {cls.name!r} reads only its bundled data (no --data PATH)"
         raise ValueError(f"{source}: unknown data options for {cls.name!r}: {unknown}; known: {sorted(cls.options)}{hint}")
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
 
 
 def change_data(name: str, data: dict[str, Any], changes: dict[str, Any], source: str = "--data-opt") -> dict[str, Any]:
     """Task ``name``'s data options ``data`` with ``changes`` (given by ``source``, named in
     errors) applied on top.
 
-    A new ``path`` is another dataset: the options bound to the old one are dropped from
-    ``data``, namely the bundled data's size options (``bundled_options``) and the companions
-    of the old path (``path_options``, e.g. an LM's ``valid_path``). Changes of bundled
-    options together with a path are refused: the dataset's loader would ignore them."""
+    A new ``path`` (another file, compared after resolving links and relative spellings, or
+    None: the bundled data again) is another dataset: the options bound to the old one are
+    dropped from ``data``, namely the companions of the old path (``path_options``, e.g. an
+    LM's ``valid_path``) and, for a path, the bundled data's options (``bundled_options``).
+    Changes of bundled options together with a path are refused: the dataset's loader would
+    ignore them."""
     cls = get_task(name)
     _check_known(cls, changes, source)
     out = dict(data)
-    if changes.get("path") is not None and changes["path"] != data.get("path"):
-        out = {k: v for k, v in out.items() if k not in cls.bundled_options and k not in cls.path_options}
+    if "path" in changes and not _same_path(changes["path"], data.get("path")):
+        dropped = set(cls.path_options) | (set(cls.bundled_options) if changes["path"] is not None else set())
+        out = {k: v for k, v in out.items() if k not in dropped}
     out.update(changes)
     bundled = sorted(set(changes) & set(cls.bundled_options))
     if out.get("path") is not None and bundled:

@@ -59,8 +59,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train image --preset base``: 6 layers, width 128, 2x2 patches, class token,
-    3000 steps of 64 digits. About 10 min; validation accuracy 0.986,
-    measured with FLT's earlier defaults (no ``near_neighbors``), not yet re-measured.
+    3000 steps of 64 digits. About 5 min (298 s: 0.095 s/step, seed 0, 2 threads, an idle
+    2-core VM); validation accuracy 0.969 (draw gap: fresh draws 0.964, exact 0.967). With
+    FLT's earlier defaults (no ``near_neighbors``): 10 min, 0.986 (seed 0 only).
     With ``--data DIR`` it trains on CIFAR-10 or an image folder instead (and takes longer)."""
     model = ImageConfig(dim=128, depth=6, heads=4, patch_size=2, pooling="cls", **mechanism_options(ImageTask, attention, posenc))
     run = RunConfig(steps=3000, batch_size=64, lr=1e-3, warmup_steps=150, eval_every=500, checkpoint_every=500, log_every=20)
@@ -75,7 +76,7 @@ class ImageTask(Task):
     config, model = ImageConfig, ViTClassifier
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "img"
     options = ("path", "valid_dir", "size", "channels", "valid_fraction", "split_seed")
-    path_options = ("valid_dir", "size")
+    path_options = ("valid_dir",)
     dataset = staticmethod(load_digits)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
