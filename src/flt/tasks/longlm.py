@@ -71,9 +71,12 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train longlm --preset base``: 4 layers, width 128, context 8192 bytes, 2000
-    steps of 4 windows on the whole corpus. About 12-24 h with FLT on the 2-core VM: an
-    estimate, not run (the small preset's 0.68 s/step scaled by 4x the windows, 2x the
-    context, 2x the depth and 2-4x the width's cost)."""
+    steps of 4 windows on the whole corpus. Not run to the end on the 2-core VM: its first 6
+    steps with FLT (idle, 2 threads, seed 0) took 10.5 s/step median, 11.9 s/step on
+    average, peak RSS 6.2 GiB. About 6-7 h of training (a projection, not a measured run
+    time; no bits per byte measured). Exact softmax + T5 was not tried: one window of the
+    small model at 8192 bytes already peaks at 4.0 GiB (docs/long_context.md), and this
+    model has 16 times its heads x layers x windows."""
     model = LMConfig(dim=128, depth=4, heads=4, max_len=8192, **mechanism_options(LongLMTask, attention, posenc))
     run = RunConfig(steps=2000, batch_size=4, lr=2e-3, warmup_steps=100, eval_every=250, eval_batches=16,
                     checkpoint_every=250, log_every=20, draw_gap=False)
