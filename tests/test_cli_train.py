@@ -219,3 +219,17 @@ def test_real_loaders_through_data_path(task, make_data, options, tmp_path):
     run = json.loads((out / "run.json").read_text())
     assert run["preset"]["data"]["path"] == str(data)
     assert json.loads((out / "summary.json").read_text())["final"]
+
+
+def test_list_presets_prints_every_preset_with_its_budget_and_trains_nothing(tmp_path, monkeypatch, capsys):
+    from flt.tasks import get_task
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "listops", "--list-presets"]) == 0
+    out = capsys.readouterr().out
+    for name, make in get_task("listops").presets.items():
+        run = make().run
+        assert f"\n{name}\n" in f"\n{out}" and f"flt train listops --preset {name}`" in out
+        assert f"budget: {run.steps} steps of {run.batch_size}, peak lr {run.lr:g}" in out
+    assert "About" in out and max(map(len, out.splitlines())) <= 90
+    assert not (tmp_path / "runs").exists()

@@ -129,8 +129,26 @@ def add_parser(subparsers) -> None:
                    "with the same options; a larger --steps extends it (the remaining steps follow the learning-rate "
                    "schedule of the new budget)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms (for CUDA)")
+    p.add_argument("--list-presets", action="store_true",
+                   help="print the task's presets (model, budget, measured run time and metric) and exit")
     add_runtime_arguments(p)
     p.set_defaults(func=run)
+
+
+def preset_listing(task: str) -> str:
+    """Every preset of ``task``: its docstring (command, model, run time, metric as measured)
+    and the budget read from the preset itself."""
+    import inspect
+    import textwrap
+
+    blocks = []
+    for name, make in get_task(task).presets.items():
+        run = make().run
+        doc = inspect.cleandoc(make.__doc__ or "").replace("``", "`")
+        text = "\n\n".join(textwrap.fill(" ".join(par.split()), 88) for par in doc.split("\n\n"))
+        blocks.append(f"{name}\n{textwrap.indent(text, '  ')}\n  budget: {run.steps} steps of {run.batch_size}, "
+                      f"peak lr {run.lr:g}")
+    return "\n\n".join(blocks)
 
 
 def task_list() -> str:
@@ -256,6 +274,9 @@ def arch_preset(args):
 
 
 def run(args) -> int:
+    if args.list_presets:
+        print(preset_listing(args.task))
+        return 0
     import torch
 
     from flt.train import train
