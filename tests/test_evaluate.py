@@ -157,7 +157,8 @@ def test_a_dataset_path_replaces_the_bundled_size_options(listops_run, tmp_path,
         (tmp_path / f"basic_{part}.tsv").write_text(tsv)
     seen = _spy_tasks(monkeypatch)
     assert main(["evaluate", path, "--draws", "0", "--no-exact", "--data", str(tmp_path)]) == 0
-    assert f"accuracy with the trained options on {{'path': '{tmp_path}'}}: own draw" in capsys.readouterr().out
+    assert (f"accuracy with the trained options on {{'path': '{tmp_path}'}} (the trained run's max_length, min_length, "
+            "num_train, num_valid dropped with its dataset): own draw") in capsys.readouterr().out
     _, options, task = seen[-1]
     assert options["path"] == str(tmp_path) and not {"num_train", "num_valid", "min_length", "max_length"} & set(options)
     assert len(task.valid) == 2
@@ -209,9 +210,10 @@ def test_another_text_file_drops_the_trained_validation_file(tmp_path, monkeypat
     data = change_data("lm", p.data, {"path": str(tmp_path / "train.txt"), "valid_path": str(tmp_path / "valid.txt")})
     train(Preset("lm", p.model, run, data), str(tmp_path / "run"), progress=False, plots=False)
     seen = _spy_tasks(monkeypatch)
-    evaluate_run(str(tmp_path / "run"), draws=0, exact=False, max_batches=1, data_options={"path": str(tmp_path / "other.txt")})
+    res = evaluate_run(str(tmp_path / "run"), draws=0, exact=False, max_batches=1, data_options={"path": str(tmp_path / "other.txt")})
     _, options, task = seen[-1]
     assert options["path"] == str(tmp_path / "other.txt") and "valid_path" not in options
+    assert res["dropped"] == ["valid_path"]
     text = bytes(task.valid_tokens.tolist())
     assert b"other:" in text and b"valid:" not in text and b"train:" not in text
 

@@ -112,11 +112,12 @@ def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict,
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device="cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None) -> dict:
-    """The metrics of a saved run: ``{"metric", "options", "data", "own", "fresh", "fresh_mean",
-    "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without changed
-    attention options; ``exact`` None when skipped or too large, as for the draw gap).
+    """The metrics of a saved run: ``{"metric", "options", "data", "dropped", "own", "fresh",
+    "fresh_mean", "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without
+    changed attention options; ``exact`` None when skipped or too large, as for the draw gap).
     ``data_options`` change the run's data options (its validation set) for the evaluation;
-    ``data`` in the result lists them."""
+    ``data`` in the result lists them, ``dropped`` the trained data options that a new path
+    dropped (:func:`flt.tasks.change_data`)."""
     import statistics
 
     from safetensors.torch import load_file
@@ -147,8 +148,9 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     if changed:  # bad estimator options are refused before any data is loaded
         check_attention_options(model_dict["attention"], model_dict["attention_options"], reserved=ATTENTION_ARGUMENTS)
     data = dict(data_options or {})
-    name = meta["preset"]["task"]
-    options = change_data(name, meta["preset"].get("data", {}), data, "--data-opt/--data")
+    name, trained = meta["preset"]["task"], meta["preset"].get("data", {})
+    options = change_data(name, trained, data, "--data-opt/--data")
+    dropped = sorted(set(trained) - set(options))
     task = load_task(name, options)
     configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     if data:
@@ -177,7 +179,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
             exact_value = measure(DG.ExactForward(model), exact_bs)
     return {
         # The own draw is the trained configuration's: with changed options there is none.
-        "metric": metric, "options": changed, "data": data, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "metric": metric, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
         "exact": exact_value,
@@ -204,6 +206,8 @@ def run(args) -> int:
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
     on = f" on {data}" if data else ""
+    if res["dropped"]:
+        on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
     print(f"{res['metric']} with {options or 'the trained options'}{on}: own draw {num(res['own'])}, "
           f"fresh draws {fresh or 'none'} (mean {num(res['fresh_mean'])} ± {num(res['fresh_std'])}), exact {num(res['exact'])}")
     if args.out:
