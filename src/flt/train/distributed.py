@@ -8,6 +8,7 @@ Without those variables everything here is a no-op for a single process.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -62,6 +63,10 @@ def setup(device: str = "auto") -> Context:
 
 def teardown(ctx: Context) -> None:
     if ctx.owns_group and dist.is_initialized():
+        # DistributedDataParallel sits in reference cycles and holds the group: free it now,
+        # in every process, so that the group's threads are not torn down later, at
+        # interpreter exit (where gloo could abort a process after a finished run).
+        gc.collect()
         dist.destroy_process_group()
 
 
