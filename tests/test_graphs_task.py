@@ -101,6 +101,9 @@ def test_an_edge_list_replaces_the_generated_graph(tmp_path, capsys):
     both = ["--data", str(edges), "--data-opt", "graph=grid"]
     assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "both"), *both]) == 2
     assert "--data-opt/--data graph: options of the bundled data, which the dataset at" in capsys.readouterr().err
+    both = ["--data", str(edges), "--graph", "communities"]  # the shortcut flag is named too
+    assert main(["train", "graph", *TINY, "--out-dir", str(tmp_path / "both2"), *both]) == 2
+    assert "--data-opt/--data/--graph graph: options of the bundled data" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -83,10 +83,12 @@ def _shortcut_flags() -> dict[str, tuple[list[str], str]]:
     return flags
 
 
-def _apply_shortcuts(args, model_changes: dict, data_changes: dict) -> None:
+def _apply_shortcuts(args, model_changes: dict, data_changes: dict) -> list[str]:
     """Turn the shortcut flags given into model / data options of ``args.task``; a flag the
-    task does not define, or one that contradicts its ``--model-opt`` / ``--data-opt``, is an error."""
+    task does not define, or one that contradicts its ``--model-opt`` / ``--data-opt``, is an error.
+    Returns the flags that set data options (named in data errors)."""
     shortcuts = get_task(args.task).shortcuts
+    data_flags = []
     for flag, (tasks, _) in _shortcut_flags().items():
         value = getattr(args, f"shortcut_{flag.replace('-', '_')}", None)
         if value is None:
@@ -99,6 +101,9 @@ def _apply_shortcuts(args, model_changes: dict, data_changes: dict) -> None:
         if field in target and target[field] != value:
             raise ValueError(f"--{flag} {value!r} contradicts {long_form} {field}={target[field]!r}")
         target[field] = value
+        if where == "data":
+            data_flags.append(f"--{flag}")
+    return data_flags
 
 
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,7 +180,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     preset = get_preset(args.task, args.preset, attention, args.posenc)
     model_changes = parse_assignments(args.model_opt, "--model-opt")
     data_changes = parse_assignments(args.data_opt, "--data-opt")
-    _apply_shortcuts(args, model_changes, data_changes)
+    data_flags = _apply_shortcuts(args, model_changes, data_changes)
     for reserved in ("attention", "attention_options", "posenc", "posenc_options", "layer_attention"):
         if reserved in model_changes:
             raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt/--arch, not --model-opt")
@@ -194,12 +199,13 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     if getattr(args, "seed", None) is not None:
         run_changes["seed"] = args.seed
     run_cfg = replace_fields(preset.run, **run_changes)
-    source = "--data-opt"
+    flags = ["--data-opt", *data_flags]
     if args.data is not None:
         if "path" in data_changes and data_changes["path"] != args.data:
             raise ValueError(f"--data {args.data!r} and --data-opt path={data_changes['path']!r} name two datasets; give one")
-        data_changes["path"], source = args.data, "--data-opt/--data"
-    data = change_data(args.task, preset.data, data_changes, source)
+        data_changes["path"] = args.data
+        flags.insert(1, "--data")
+    data = change_data(args.task, preset.data, data_changes, "/".join(flags))
     return Preset(preset.task, model, run_cfg, data)
 
 
