@@ -214,7 +214,7 @@ def test_data_errors_are_value_errors(tmp_path):
     assert issubclass(DataError, ValueError)
     with pytest.raises(DataError):
         load_task("lm", {"path": str(tmp_path / "missing.txt")})
-    with pytest.raises(ValueError, match="unknown data options"):
+    with pytest.raises(ValueError, match=r"^unknown data options for 'lm': \['max_byte'\]"):
         load_task("lm", {"max_byte": 3})
 
 

@@ -197,9 +197,9 @@ def run(args) -> int:
     options = parse_assignments(args.attn_opt, "--attn-opt")
     data = parse_assignments(args.data_opt, "--data-opt")
     if args.data is not None:
-        if "path" in data and data["path"] != args.data:
-            raise ValueError(f"--data {args.data!r} and --data-opt path={data['path']!r} name two datasets; give one")
-        data["path"] = args.data
+        from flt.tasks import set_data_path
+
+        set_data_path(data, args.data)
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                        batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                        exact_max_elements=args.exact_max_elements, data_options=data)

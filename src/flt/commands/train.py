@@ -43,7 +43,7 @@ import sys
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value  # noqa: F401
 
-from flt.tasks import TASKS, change_data, get_task, preset_names
+from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
 
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
@@ -201,9 +201,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     run_cfg = replace_fields(preset.run, **run_changes)
     flags = ["--data-opt", *data_flags]
     if args.data is not None:
-        if "path" in data_changes and data_changes["path"] != args.data:
-            raise ValueError(f"--data {args.data!r} and --data-opt path={data_changes['path']!r} name two datasets; give one")
-        data_changes["path"] = args.data
+        set_data_path(data_changes, args.data)
         flags.insert(1, "--data")
     data = change_data(args.task, preset.data, data_changes, "/".join(flags))
     return Preset(preset.task, model, run_cfg, data)

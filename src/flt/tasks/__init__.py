@@ -56,11 +56,11 @@ def get_task(name: str) -> type[Task]:
 def load_task(name: str, options: dict[str, Any]) -> Task:
     """Load the data of task ``name`` with loader ``options`` (the task's ``options``)."""
     cls = get_task(name)
-    _check_known(cls, options, "data options")
+    _check_known(cls, options)
     return cls(**options)
 
 
-def _check_known(cls: type[Task], options: dict[str, Any], source: str) -> None:
+def _check_known(cls: type[Task], options: dict[str, Any], source: str | None = None) -> None:
     unknown = sorted(set(options) - set(cls.options))
     if unknown:
         fields = {f.name for f in dataclasses.fields(cls.config)} & set(unknown)
@@ -68,13 +68,22 @@ def _check_known(cls: type[Task], options: dict[str, Any], source: str) -> None:
                 f"({cls.config.__name__}, set when it is trained: flt train --model-opt), not data") if fields else ""
         if "path" in unknown:
             hint += f"; {cls.name!r} reads only its bundled data (no --data PATH)"
-        raise ValueError(f"{source}: unknown data options for {cls.name!r}: {unknown}; known: {sorted(cls.options)}{hint}")
+        prefix = f"{source}: " if source else ""
+        raise ValueError(f"{prefix}unknown data options for {cls.name!r}: {unknown}; known: {sorted(cls.options)}{hint}")
 
 
 def _same_path(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is b
     return os.path.realpath(os.fspath(a)) == os.path.realpath(os.fspath(b))
+
+
+def set_data_path(changes: dict[str, Any], path: str) -> None:
+    """Put the ``--data PATH`` flag into the ``--data-opt`` ``changes``; a different
+    ``path=`` among them names a second dataset and is refused."""
+    if "path" in changes and changes["path"] != path:
+        raise ValueError(f"--data {path!r} and --data-opt path={changes['path']!r} name two datasets; give one")
+    changes["path"] = path
 
 
 def change_data(name: str, data: dict[str, Any], changes: dict[str, Any], source: str = "--data-opt") -> dict[str, Any]:
@@ -159,6 +168,7 @@ __all__ = [
     "Preset",
     "RunConfig",
     "Task",
+    "change_data",
     "check_preset",
     "config_from_dict",
     "generate_text",
@@ -171,7 +181,7 @@ __all__ = [
     "preset_names",
     "preset_to_dict",
     "step_generator",
+    "set_data_path",
     "task_table",
     "tokenizer_from_extra",
-    "change_data",
 ]
