@@ -113,7 +113,7 @@ def band_decode_step(layer, x: torch.Tensor, state: BandDecodeState | None, pos_
     state.pos[:, slot] = pos[:, 0]
     filled = min(t + 1, w + 1)  # slots 0 .. filled-1 hold tokens max(0, t - w) .. t
     delta = pos - state.pos[:, :filled]  # [B, K, P]: r_i - r_j
-    bias = layer.spectrum.mask(delta.unsqueeze(1)) + layer.near_spectrum.of_offsets(delta.unsqueeze(1))  # [B, 1, K, H]
+    bias = layer.far_mask(delta.unsqueeze(1)) + layer.near_spectrum.of_offsets(delta.unsqueeze(1))  # [B, 1, K, H]
     bias = rearrange(bias, "b one k h -> b h (one k)").to(cdt)
     logits = (xq @ state.xk[:, :, :filled].transpose(-1, -2)).squeeze(-2) + bias  # [B, H, K]
     far_log = q_shift[:, :, 0] + state.level  # [B, H], -inf while the far field is empty

@@ -84,6 +84,12 @@ class FLTAttention(KernelAttention):
             (``max_distance`` defaults to ``near_field``; its output scale is learned, as
             for softmax's tables). Only its exact values are used, so it needs no features.
         near_relative_options: keyword options of that term.
+        far_field: ``False`` fixes the far-field mask at ``f = 0`` and freezes the spectrum:
+            a control for measuring what the random-feature relative term contributes.
+            With the logit coupling the layer is then a Performer (plus the exact near set
+            and its ``f_near``, if one is set: the local + linear hybrid); with the
+            multiplicative coupling only the near set carries weight (a cutoff model), so
+            it needs ``near_neighbors``. The spectrum's parameters stay in the state dict.
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -115,6 +121,7 @@ class FLTAttention(KernelAttention):
         near_neighbors: int = 0,
         near_relative: str | None = None,
         near_relative_options: dict | None = None,
+        far_field: bool = True,
         device=None,
         dtype=None,
         **spectrum_options,
@@ -178,6 +185,14 @@ class FLTAttention(KernelAttention):
             self.supports_decoding = bool(near_field)  # the band decodes (flt.layers.band_decode); near sets do not
         else:
             self.near_spectrum = None
+        if not isinstance(far_field, bool):
+            raise TypeError(f"far_field must be true or false, got {far_field!r}")
+        if not far_field and coupling == "multiplicative" and not near_neighbors:
+            raise ValueError("far_field=False with coupling='multiplicative' leaves no pair any weight (f = 0 "
+                             "multiplies every kernel value): add near_neighbors, or use coupling='logit'")
+        self.far_field = far_field
+        if not far_field:
+            self.spectrum.requires_grad_(False)
 
     def step(self, x: torch.Tensor, state=None, pos: torch.Tensor | None = None):
         """Decode one token (``causal=True``); with ``near_field`` through
@@ -196,10 +211,22 @@ class FLTAttention(KernelAttention):
             return band_prefill(self, x, pos)
         return super().prefill(x, pos)
 
+    def far_features(self, pos: torch.Tensor | None):
+        """The spectrum's random features ``a(r), c(r)``; zeros with ``far_field=False``."""
+        a, c = self.spectrum.features(pos)
+        if not self.far_field:
+            a, c = torch.zeros_like(a), torch.zeros_like(c)
+        return a, c
+
+    def far_mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``); zeros with ``far_field=False``."""
+        f = self.spectrum.mask(delta)
+        return f if self.far_field else torch.zeros_like(f)
+
     def features(self, q, k, pos) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""
         xq, xk = self.scaled_qk(q, k, pos)
-        a, c = self.spectrum.features(pos)
+        a, c = self.far_features(pos)
         if self.coupling == "logit":
             # FAVOR+ of [x_q, a(r)] and [x_k, c(r)], without forming the concatenation.
             cdt = torch.promote_types(xq.dtype, a.dtype)
@@ -226,7 +253,7 @@ class FLTAttention(KernelAttention):
         near set) and the FAVOR+ features of ``[x_q, a(r)]``, ``[x_k, c(r)]`` with their
         shifts (the far field), all in one compute dtype."""
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        a, c = self.spectrum.features(p.pos)
+        a, c = self.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
         xq, xk = xq.to(cdt), xk.to(cdt)
         qf, q_shift = self.feature_map.forward_split(xq, a.to(cdt))
@@ -243,7 +270,7 @@ class FLTAttention(KernelAttention):
             return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
         # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        a, c = self.spectrum.features(p.pos)
+        a, c = self.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
         xq, xk = xq.to(cdt), xk.to(cdt)
         qf, q_shift = self.feature_map(xq)
@@ -262,7 +289,7 @@ class FLTAttention(KernelAttention):
         """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
         ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
         delta = near_offsets(pos, idx)
-        return rearrange(self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta), "b n k h -> b h n k")
+        return rearrange(self.far_mask(delta) + self.near_spectrum.of_offsets(delta), "b n k h -> b h n k")
 
     def band_bias(self, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
@@ -277,7 +304,7 @@ class FLTAttention(KernelAttention):
         else:
             neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
             delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
-        f = self.spectrum.mask(delta) + self.near_spectrum.of_offsets(delta)  # [B | 1, N | 1, 2w+1, H]
+        f = self.far_mask(delta) + self.near_spectrum.of_offsets(delta)  # [B | 1, N | 1, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,7 +321,7 @@ class FLTAttention(KernelAttention):
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         cdt = compute_dtype(xq)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
-        f = rearrange(self.spectrum.mask(delta.to(cdt)), "b i j h -> b h i j")
+        f = rearrange(self.far_mask(delta.to(cdt)), "b i j h -> b h i j")
         if self.near_field:
             idx = torch.arange(p.q.shape[2], device=x.device)
             band = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field
