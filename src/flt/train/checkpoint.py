@@ -83,7 +83,9 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
     try:
         model_path = os.path.join(tmp, MODEL_FILE)
-        save_model(model, model_path, metadata={"format": FORMAT, "step": str(step)})
+        # One metadata entry: safetensors writes its metadata map in a random order, and a
+        # resumed run must write the bytes an uninterrupted one does (the step is in config.json).
+        save_model(model, model_path, metadata={"format": FORMAT})
         # safetensors writes through a private temporary file of its own: mode 0600.
         os.chmod(model_path, file_mode())
         state_path = os.path.join(tmp, STATE_FILE)

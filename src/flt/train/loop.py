@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import platform
 import resource
@@ -573,13 +574,14 @@ def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> None:
     """Raise :class:`TrainingDiverged` before a non-finite loss reaches the weights, in
     every process at once (one process's NaN would otherwise leave the others waiting in
     the gradient reduction)."""
-    finite = bool(torch.isfinite(loss))
+    value = float(loss.detach())
+    finite = math.isfinite(value)
     if r.ctx.world > 1:
         finite = D.all_reduce_sum(r.ctx, [0.0 if finite else 1.0])[0] == 0
     if finite:
         return
-    value = float(loss) if not bool(torch.isfinite(loss)) else "not finite in another process"
-    where = (f"the last checkpoint, {r.last_checkpoint}, is intact (the run can be resumed or extended from it)"
+    value = value if not math.isfinite(value) else "not finite in another process"
+    where = (f"the last checkpoint, {r.last_checkpoint}, is intact"
              if r.last_checkpoint else "no checkpoint was written yet")
     raise TrainingDiverged(f"the training loss is {value} at step {step} of {r.preset.run.steps} in {r.out_dir}; "
                            f"{where}; lower --lr or check the data")
