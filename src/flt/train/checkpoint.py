@@ -222,16 +222,19 @@ def _report_fallback(report: Callable[[str], None], problem: str | None, failure
 def remove_leftovers(run_dir: str) -> list[str]:
     """Delete what a killed trainer can leave in ``run_dir``: the temporaries of atomic
     writes (``.summary.json.*.tmp``, ``checkpoints/.latest.*.tmp``, ``checkpoints/.step-*.tmp``
-    directories) and ``step-*`` directories that an older version was deleting when it
-    was killed (a file that ``config.json`` lists is missing, or ``config.json`` itself).
+    directories) and ``step-*`` directories older than the one ``latest`` names that an
+    older version was deleting when it was killed (a file that ``config.json`` lists is
+    missing, or ``config.json`` itself).
     Returns the paths removed. Only while holding the run directory's lock
     (:mod:`flt.train.lock`): another trainer's temporaries are live files."""
     root = os.path.join(run_dir, CHECKPOINTS)
     removed = [os.path.join(run_dir, n) for n in remove_temporaries(run_dir)]
     removed += [os.path.join(root, n) for n in remove_temporaries(root)]
+    # Pruning deletes only checkpoints older than the one `latest` names, after writing it.
+    named = _read_latest(root)[0]
     for name in _step_dirs(root):
         ckpt = os.path.join(root, name)
-        if _half_deleted(ckpt):
+        if named is not None and name < named and _half_deleted(ckpt):
             discard_dir(ckpt)
             removed.append(ckpt)
     return removed

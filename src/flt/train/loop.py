@@ -561,29 +561,29 @@ def _train_step(r: _Run, step: int) -> tuple[float, int]:
     batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
     loss = r.task.loss(r.ddp, batch)
-    _check_finite(r, loss, step)
+    value = _check_finite(r, loss, step)
     loss.backward()
     if run.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(r.model.parameters(), run.grad_clip)
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach()), r.task.batch_items(batch) * ctx.world
+    return value, r.task.batch_items(batch) * ctx.world
 
 
-def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> None:
-    """Raise :class:`TrainingDiverged` before a non-finite loss reaches the weights, in
-    every process at once (one process's NaN would otherwise leave the others waiting in
-    the gradient reduction)."""
+def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
+    """The loss as a float; raises :class:`TrainingDiverged` before a non-finite loss
+    reaches the weights, in every process at once (one process's NaN would otherwise leave
+    the others waiting in the gradient reduction)."""
     value = float(loss.detach())
     finite = math.isfinite(value)
     if r.ctx.world > 1:
         finite = D.all_reduce_sum(r.ctx, [0.0 if finite else 1.0])[0] == 0
     if finite:
-        return
-    value = value if not math.isfinite(value) else "not finite in another process"
+        return value
+    shown = value if not math.isfinite(value) else "not finite in another process"
     where = (f"the last checkpoint, {r.last_checkpoint}, is intact"
              if r.last_checkpoint else "no checkpoint was written yet")
-    raise TrainingDiverged(f"the training loss is {value} at step {step} of {r.preset.run.steps} in {r.out_dir}; "
+    raise TrainingDiverged(f"the training loss is {shown} at step {step} of {r.preset.run.steps} in {r.out_dir}; "
                            f"{where}; lower --lr or check the data")
 
 
