@@ -379,6 +379,14 @@ def test_links_out_of_the_checkpoint_are_refused(tmp_path):
         read_checkpoint_config(ckpt)
     with pytest.raises(CheckpointError, match="a link to"):
         load_checkpoint_model(ckpt)
+    # A step directory that links out of the run is skipped like a corrupt one, unread.
+    os.unlink(os.path.join(ckpt, "model.safetensors"))
+    os.replace(outside, os.path.join(ckpt, "model.safetensors"))
+    elsewhere = tmp_path / "elsewhere"
+    os.replace(ckpt, elsewhere)
+    os.symlink(elsewhere, ckpt)
+    with pytest.raises(CheckpointError, match=rf"run {out} names 'step-00000001', a link to {elsewhere}, outside {out / 'checkpoints'}"):
+        find_checkpoint(str(out))
 
 
 def test_a_config_that_lists_no_weights_cannot_pass_unverified(tmp_path):

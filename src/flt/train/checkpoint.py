@@ -178,6 +178,8 @@ def locate_checkpoint(path: str, *, report: Callable[[str], None] = _note) -> tu
     for name in candidates:
         ckpt = os.path.join(root, name)
         try:
+            # A step directory that is a link out of the run is refused before it is read.
+            confined_path(root, name, f"run {path}", CheckpointError)
             meta = read_checkpoint_config(ckpt)
         except (CheckpointError, FileNotFoundError) as e:
             failures.append((ckpt, e))
