@@ -426,3 +426,22 @@ def test_a_non_finite_loss_names_the_step_and_leaves_the_run_resumable(tmp_path,
     monkeypatch.undo()
     run_quietly(tiny_lm(), out, resume=True)
     assert run_files(out) == run_files(straight)
+
+
+@pytest.mark.slow  # two torchrun workers: about 15 s
+def test_under_torchrun_every_process_stops_when_the_directory_is_in_use(tmp_path):
+    # Only rank 0 takes the lock; the other process must stop too, not wait for it.
+    from test_train_ddp import ARGS, free_port
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("x")
+    with lock_run_dir(str(out)):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+             "--master_port", str(free_port()), "-m", "flt.cli", *ARGS, "--out-dir", str(out)],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    assert proc.returncode != 0
+    assert f"{out} is in use by flt train (pid {os.getpid()}, started " in proc.stderr
+    assert os.listdir(out) == ["notes.txt"]
