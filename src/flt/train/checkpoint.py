@@ -246,6 +246,8 @@ def _half_deleted(ckpt: str) -> bool:
     """True if ``ckpt`` lacks its ``config.json`` or a file it lists (what an interrupted
     ``rmtree`` leaves); a checkpoint with all its files, even corrupt ones, is kept."""
     path = os.path.join(ckpt, CONFIG_FILE)
+    if os.path.islink(ckpt):
+        return False  # not this run's to delete
     if not os.path.lexists(path):
         return True
     try:
