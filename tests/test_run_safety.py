@@ -236,7 +236,9 @@ def test_a_plain_resume_of_an_extended_run_continues_to_its_own_budget(tmp_path,
     out = capsys.readouterr().out
     assert "steps 5..4" in out and "extending" not in out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
-    # The same from Python: keep_steps takes the saved budget; without it a smaller one is refused.
+
+
+def test_keep_steps_resumes_to_the_saved_budget_and_a_smaller_one_is_refused(tmp_path):
     short = tiny_lm(steps=2)
     run_quietly(short, tmp_path / "py")
     run_quietly(tiny_lm(steps=3), tmp_path / "py", resume=True)
