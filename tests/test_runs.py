@@ -207,7 +207,7 @@ def test_resume_without_latest_takes_the_newest_complete_checkpoint(tmp_path, ca
     assert (root / "latest").read_text() == "step-00000006\n"
 
 
-def test_find_checkpoint_reports_its_fallback_and_fails_clearly(tmp_path):
+def test_find_checkpoint_reports_its_fallback_and_fails_clearly(tmp_path, capsys):
     out = tmp_path / "run"
     run_quietly(tiny_lm(steps=2, checkpoint_every=1), out)
     root = out / "checkpoints"
@@ -215,12 +215,15 @@ def test_find_checkpoint_reports_its_fallback_and_fails_clearly(tmp_path):
     messages = []
     assert find_checkpoint(str(out), report=messages.append) == str(root / "step-00000002")
     assert messages == [f"{root / 'latest'} is missing; using {root / 'step-00000002'}, the newest complete checkpoint"]
-    with pytest.warns(UserWarning, match="newest complete checkpoint"):
+    # By default the message is one line on stderr, not a Python warning.
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         load_checkpoint_model(str(out))
+    assert capsys.readouterr().err == f"note: {messages[0]}\n"
     for name in ("step-00000001", "step-00000002"):
         (root / name / "config.json").write_text("{not json")
-    with warnings.catch_warnings(), pytest.raises(CheckpointError, match="none of step-00000001, step-00000002 is complete"):
-        warnings.simplefilter("ignore")
+    with pytest.raises(CheckpointError, match="none of step-00000001, step-00000002 is complete"):
         find_checkpoint(str(out))
     for name in ("step-00000001", "step-00000002"):
         for f in (root / name).iterdir():

@@ -1,5 +1,5 @@
 """File I/O shared by checkpoints, metrics, run files and dataset caches: atomic writes,
-fsync and hashes.
+fsync, hashes, the temporaries a killed process leaves, and file names confined to a folder.
 
 Files and directories written here get the permissions a plain ``open()`` or
 ``os.makedirs`` would give them (``0o666 & ~umask`` and ``0o777 & ~umask``: 0644 and 0755
@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable
 from typing import IO
 
 _UMASK_LOCK = threading.Lock()
+
+#: Names of the temporaries made here: ``.NAME.XXXXXXXX.tmp`` (``tempfile``'s 8 random
+#: characters), for a file of :func:`atomic_write`, a directory of :func:`make_temp_dir`
+#: or one being deleted by :func:`discard_dir`.
+TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 def current_umask() -> int:
@@ -108,3 +115,49 @@ def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically (:func:`atomic_write`)."""
     atomic_write(path, lambda f: f.write(text))
+
+
+def discard_dir(path: str) -> None:
+    """Delete the directory ``path`` so that no process killed meanwhile leaves it half
+    deleted under its own name: it is first renamed to a temporary name (atomic), which
+    :func:`remove_temporaries` recognises, then removed."""
+    folder, name = os.path.split(os.path.abspath(path))
+    doomed = tempfile.mkdtemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    # rename(2) may replace an empty directory.
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def remove_temporaries(folder: str) -> list[str]:
+    """Delete the temporaries (:data:`TEMPORARY`) in ``folder`` that a killed process left
+    behind; returns their names. Only safe while no other process writes in ``folder``
+    (a run directory's lock, :mod:`flt.train.lock`)."""
+    if not os.path.isdir(folder):
+        return []
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        if not TEMPORARY.match(name):
+            continue
+        path = os.path.join(folder, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        removed.append(name)
+    return removed
+
+
+def confined_path(folder: str, name: object, what: str, error: type[ValueError] = ValueError) -> str:
+    """``folder/name`` for a file name read from a file in ``folder`` (a checkpoint's
+    ``config.json``, a ``latest`` pointer), refused before anything is opened unless it
+    names an entry of ``folder`` itself: a plain name, not absolute, without ``..`` or a
+    separator, and not a symbolic link that leads out of ``folder``. ``what`` names the
+    file the name came from, for the error (``error``, a ``ValueError``)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name \
+            or (os.altsep is not None and os.altsep in name) or "\0" in name:
+        raise error(f"{what} names {name!r}, which is not a file name inside {folder}; refusing to open it")
+    path = os.path.join(folder, name)
+    real_folder = os.path.realpath(folder)
+    if os.path.dirname(os.path.realpath(path)) != real_folder:
+        raise error(f"{what} names {name!r}, a link to {os.path.realpath(path)}, outside {folder}; refusing to open it")
+    return path

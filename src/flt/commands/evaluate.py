@@ -136,8 +136,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     _positive("--max-batches", max_batches)
     _positive("--exact-max-elements", exact_max_elements)
     dev = resolve_device(device) if isinstance(device, str) else device
-    ckpt = ckpt_io.find_checkpoint(path)
-    meta = ckpt_io.read_checkpoint_config(ckpt)
+    ckpt, meta = ckpt_io.locate_checkpoint(path)  # verified once; a corrupt newest one is skipped with a note
     model_dict = json.loads(json.dumps(meta["model"]))
     changed = dict(attention_options or {})
     if changed and model_dict.get("layer_attention"):

@@ -19,8 +19,9 @@ silent override). Options are checked against the mechanism's (and its spectrum'
 the encoding's) constructor before anything is loaded: a misspelt name or a value of the
 wrong type is named in the error (:mod:`flt.options`).
 
-``--resume`` needs the options the run was started with, except that ``--steps`` may grow:
-that extends the run, a finished one too. The learning rate of a step always follows the
+``--resume`` needs the options the run was started with, except ``--steps``: without it the
+run continues to its own step budget (an extended one too); a larger one extends the run, a
+finished one too. The learning rate of a step always follows the
 schedule of the step budget in force when it runs (``RunConfig.lr_at``): the steps left
 follow the new budget's warm-up and cosine, so a finished run's rate rises from its final
 value to the new schedule's and decays again to the floor at the new last step. The result
@@ -300,10 +301,12 @@ def run(args) -> int:
         preset = preset_from_args(args, name, options, options_source=f"--attention {attention.strip()}")
         label = run_label(attention)
     out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{label}-{args.preset}-s{args.seed}")
+    # --resume without --steps continues to the run's own budget, an extended one too.
+    steps_given = args.steps is not None or "steps" in parse_assignments(args.run_opt, "--run-opt")
     try:
         train(
             preset, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
-            plots=not args.no_plots, deterministic=args.deterministic,
+            plots=not args.no_plots, deterministic=args.deterministic, keep_steps=args.resume and not steps_given,
         )
     except TrainingInterrupted as stop:
         # Ctrl-C: one line instead of a traceback; only the main process speaks.

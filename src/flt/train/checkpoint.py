@@ -14,9 +14,17 @@ directory is renamed into place with ``os.replace``; ``latest`` is then replaced
 way (temporary file, fsync, ``os.replace``). A process killed at any moment leaves the
 previous checkpoint and ``latest`` intact. Loading verifies the hashes, so truncated or
 altered files raise :class:`CheckpointError` naming the file instead of loading garbage.
-If ``latest`` is missing (a run killed between renaming its first checkpoint into place
-and writing ``latest``, or a deleted file), :func:`find_checkpoint` takes the newest
-``step-*`` directory whose files verify and says which one it took.
+:func:`find_checkpoint` verifies the checkpoint ``latest`` names; if it is corrupt, or
+``latest`` is missing (a run killed between renaming its first checkpoint into place and
+writing ``latest``, or a deleted file) or damaged, it takes the newest ``step-*``
+directory whose files verify and says which one it took and why. Old checkpoints are
+deleted by renaming them to a temporary name first (:func:`flt._io.discard_dir`), so a
+kill mid-deletion leaves no half-deleted ``step-*`` directory; :func:`remove_leftovers`
+clears what a killed trainer left behind.
+
+Every file name read from a checkpoint (``latest``, the files listed in ``config.json``)
+must name an entry of its own directory (:func:`flt._io.confined_path`): absolute paths,
+``..`` and links that lead elsewhere are refused before anything is opened.
 
 Files and directories get the permissions of a plain ``open()`` / ``os.makedirs`` under
 the process's umask (:mod:`flt._io`), not the 0600 / 0700 of temporary files.
@@ -29,7 +37,7 @@ import os
 import pickle
 import re
 import shutil
-import warnings
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +45,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from flt._io import atomic_write_text, file_mode, fsync_dir, fsync_file, make_temp_dir, sha256_file
+from flt._io import (
+    atomic_write_text,
+    confined_path,
+    discard_dir,
+    file_mode,
+    fsync_dir,
+    fsync_file,
+    make_temp_dir,
+    remove_temporaries,
+    sha256_file,
+)
 from flt.tasks import config_from_dict, get_task
 
 CHECKPOINTS = "checkpoints"
@@ -65,7 +83,9 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
     try:
         model_path = os.path.join(tmp, MODEL_FILE)
-        save_model(model, model_path, metadata={"format": FORMAT, "step": str(step)})
+        # One metadata entry: safetensors writes its metadata map in a random order, and a
+        # resumed run must write the bytes an uninterrupted one does (the step is in config.json).
+        save_model(model, model_path, metadata={"format": FORMAT})
         # safetensors writes through a private temporary file of its own: mode 0600.
         os.chmod(model_path, file_mode())
         state_path = os.path.join(tmp, STATE_FILE)
@@ -83,7 +103,7 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
         final = os.path.join(root, name)
         if os.path.exists(final):
             # Left by a run that was killed after writing it but before updating `latest`.
-            shutil.rmtree(final)
+            discard_dir(final)
         os.replace(tmp, final)
     finally:
         if os.path.exists(tmp):
@@ -98,7 +118,7 @@ def _prune(root: str, keep: int, current: str) -> None:
     steps = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
     for old in steps[:-keep] if keep > 0 else steps:
         if old != current:
-            shutil.rmtree(os.path.join(root, old))
+            discard_dir(os.path.join(root, old))
     for n in os.listdir(root):
         if n.startswith(".step-") and n.endswith(".tmp"):
             # A temporary directory of a killed run: never complete, never referenced.
@@ -118,59 +138,135 @@ def _step_dirs(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.isdir(os.path.join(root, n)))
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=2)
+def _note(message: str) -> None:
+    """The default ``report`` of :func:`find_checkpoint`: one line on stderr."""
+    print(f"note: {message}", file=sys.stderr, flush=True)
 
 
-def find_checkpoint(path: str, *, report: Callable[[str], None] = _warn) -> str:
-    """Resolve a run directory (its latest checkpoint) or a checkpoint directory.
+def find_checkpoint(path: str, *, report: Callable[[str], None] = _note) -> str:
+    """Resolve a run directory (its latest intact checkpoint) or a checkpoint directory.
 
-    A run directory's checkpoint is the one ``checkpoints/latest`` names. Without
-    ``latest``, it is the newest ``step-*`` directory whose ``config.json`` reads and whose
-    files match their hashes (:func:`read_checkpoint_config`); every directory skipped on
-    the way, and the one taken, is described in a message passed to ``report`` (default:
-    :func:`warnings.warn`). Raises ``FileNotFoundError`` when there is no checkpoint and
-    :class:`CheckpointError` when ``latest`` is corrupt or no ``step-*`` directory verifies.
+    A run directory's checkpoint is the one ``checkpoints/latest`` names, if its
+    ``config.json`` reads and its files match their hashes (:func:`read_checkpoint_config`).
+    Otherwise (that checkpoint corrupt, ``latest`` missing or damaged) it is the newest
+    ``step-*`` directory that verifies, and a message passed to ``report`` (default: a note
+    on stderr) names the one skipped and the one taken, e.g. ``RUN/checkpoints/step-00000200
+    is corrupt (...); using RUN/checkpoints/step-00000100, the newest complete checkpoint``.
+    Raises ``FileNotFoundError`` when there is no checkpoint, and :class:`CheckpointError`
+    (or the ``FileNotFoundError`` of a missing file, when ``latest`` names the only
+    checkpoint) when none verifies. A checkpoint directory given itself is not replaced by
+    another one: its errors are raised.
     """
+    return locate_checkpoint(path, report=report)[0]
+
+
+def locate_checkpoint(path: str, *, report: Callable[[str], None] = _note) -> tuple[str, dict[str, Any]]:
+    """``(checkpoint, its verified config)`` for ``path``, as :func:`find_checkpoint`
+    resolves it, verifying the files once."""
     if os.path.isfile(os.path.join(path, CONFIG_FILE)) and not os.path.isdir(os.path.join(path, CHECKPOINTS)):
-        return path
-    root = os.path.join(path, CHECKPOINTS)
+        return path, read_checkpoint_config(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    root = os.path.join(path, CHECKPOINTS)
     latest = os.path.join(root, LATEST)
-    if not os.path.isfile(latest):
-        return _newest_valid(path, root, report)
-    with open(latest, encoding="utf-8") as f:
-        name = f.read().strip()
-    if not _STEP_DIR.match(name):
-        raise CheckpointError(f"{latest} is corrupt: it names {name!r}, not a checkpoint directory")
-    found = os.path.join(root, name)
-    if not os.path.isdir(found):
-        raise CheckpointError(f"{latest} points to {found}, which does not exist")
-    return found
-
-
-def _newest_valid(path: str, root: str, report: Callable[[str], None]) -> str:
-    """The newest ``step-*`` checkpoint in ``root`` that verifies, when ``latest`` is missing."""
-    latest = os.path.join(root, LATEST)
+    named, problem = _read_latest(root)
     names = _step_dirs(root)
-    if not names:
+    if named is None and not names:
         raise FileNotFoundError(f"no checkpoint in {path} (expected {latest} or a {CONFIG_FILE})")
-    for name in reversed(names):
+    candidates = ([named] if named else []) + [n for n in reversed(names) if n != named]
+    failures: list[tuple[str, Exception]] = []
+    for name in candidates:
         ckpt = os.path.join(root, name)
         try:
-            read_checkpoint_config(ckpt)
+            # A step directory that is a link out of the run is refused before it is read.
+            confined_path(root, name, f"run {path}", CheckpointError)
+            meta = read_checkpoint_config(ckpt)
         except (CheckpointError, FileNotFoundError) as e:
-            report(f"{latest} is missing; skipping {ckpt}: {e}")
+            failures.append((ckpt, e))
             continue
-        report(f"{latest} is missing; using {ckpt}, the newest complete checkpoint")
-        return ckpt
-    raise CheckpointError(f"no usable checkpoint in {path}: {latest} is missing and none of {', '.join(names)} is complete")
+        _report_fallback(report, problem, failures, ckpt)
+        return ckpt, meta
+    if named and problem is None and len(candidates) == 1:
+        raise failures[0][1]
+    why = problem or f"{latest} names {named}"
+    details = "; ".join(f"{os.path.basename(c)}: {e}" for c, e in failures)
+    raise CheckpointError(f"no usable checkpoint in {path}: {why} and none of {', '.join(names)} is complete ({details})")
+
+
+def _read_latest(root: str) -> tuple[str | None, str | None]:
+    """``(name, problem)``: the checkpoint ``root/latest`` names, or None and what is wrong
+    with ``latest`` (missing, corrupt, naming a directory that does not exist)."""
+    latest = os.path.join(root, LATEST)
+    if not os.path.isfile(latest):
+        return None, f"{latest} is missing"
+    with open(latest, encoding="utf-8", errors="replace") as f:
+        name = f.read(256).strip()
+    if not _STEP_DIR.match(name):
+        return None, f"{latest} is corrupt: it names {name!r}, not a checkpoint directory"
+    if not os.path.isdir(os.path.join(root, name)):
+        return None, f"{latest} points to {os.path.join(root, name)}, which does not exist"
+    return name, None
+
+
+def _report_fallback(report: Callable[[str], None], problem: str | None, failures: list[tuple[str, Exception]], taken: str) -> None:
+    """Say which checkpoint was taken instead of the one ``latest`` names, and why."""
+    if problem is None and not failures:
+        return
+    skipped = failures if problem else failures[1:]
+    for ckpt, e in skipped:
+        report(f"{problem + '; ' if problem else ''}skipping {ckpt}: {e}")
+    if problem:
+        report(f"{problem}; using {taken}, the newest complete checkpoint")
+    else:
+        report(f"{failures[0][0]} is corrupt ({failures[0][1]}); using {taken}, the newest complete checkpoint")
+
+
+def remove_leftovers(run_dir: str) -> list[str]:
+    """Delete what a killed trainer can leave in ``run_dir``: the temporaries of atomic
+    writes (``.summary.json.*.tmp``, ``checkpoints/.latest.*.tmp``, ``checkpoints/.step-*.tmp``
+    directories) and ``step-*`` directories older than the one ``latest`` names that an
+    older version was deleting when it was killed (a file that ``config.json`` lists is
+    missing, or ``config.json`` itself).
+    Returns the paths removed. Only while holding the run directory's lock
+    (:mod:`flt.train.lock`): another trainer's temporaries are live files."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    removed = [os.path.join(run_dir, n) for n in remove_temporaries(run_dir)]
+    removed += [os.path.join(root, n) for n in remove_temporaries(root)]
+    # Pruning deletes only checkpoints older than the one `latest` names, after writing it.
+    named = _read_latest(root)[0]
+    for name in _step_dirs(root):
+        ckpt = os.path.join(root, name)
+        if named is not None and name < named and _half_deleted(ckpt):
+            discard_dir(ckpt)
+            removed.append(ckpt)
+    return removed
+
+
+def _half_deleted(ckpt: str) -> bool:
+    """True if ``ckpt`` lacks its ``config.json`` or a file it lists (what an interrupted
+    ``rmtree`` leaves); a checkpoint with all its files, even corrupt ones, is kept."""
+    path = os.path.join(ckpt, CONFIG_FILE)
+    if os.path.islink(ckpt):
+        return False  # not this run's to delete
+    if not os.path.lexists(path):
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        paths = [confined_path(ckpt, name, path) for name in files]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return not all(os.path.lexists(p) for p in paths)
 
 
 def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
-    """The checkpoint's ``config.json``, after verifying that every file matches its hash."""
+    """The checkpoint's ``config.json``, after verifying that every file matches its hash.
+
+    The files it lists must include the weights and the trainer state, and every name
+    must be a file of ``ckpt`` itself (:func:`flt._io.confined_path`): all names are
+    checked before any file is opened."""
     path = os.path.join(ckpt, CONFIG_FILE)
+    confined_path(ckpt, CONFIG_FILE, f"checkpoint {ckpt}", CheckpointError)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file missing: {path}")
     try:
@@ -180,8 +276,11 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{path} is not an flt checkpoint config (format {FORMAT!r})")
-    for fname, info in meta["files"].items():
-        fpath = os.path.join(ckpt, fname)
+    files = {fname: (confined_path(ckpt, fname, path, CheckpointError), info) for fname, info in meta["files"].items()}
+    missing = [name for name in (MODEL_FILE, STATE_FILE) if name not in files]
+    if missing:
+        raise CheckpointError(f"{path} does not list {' or '.join(missing)} among its files, so it cannot be verified")
+    for fpath, info in files.values():
         if not os.path.isfile(fpath):
             raise FileNotFoundError(f"checkpoint file missing: {fpath}")
         if not isinstance(info, dict) or os.path.getsize(fpath) != info.get("bytes") or sha256_file(fpath) != info.get("sha256"):
@@ -191,7 +290,7 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
 
 def load_weights(ckpt: str, model: torch.nn.Module) -> None:
     """Load ``model.safetensors`` into ``model`` (strict: every tensor must match)."""
-    path = os.path.join(ckpt, MODEL_FILE)
+    path = confined_path(ckpt, MODEL_FILE, f"checkpoint {ckpt}", CheckpointError)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file missing: {path}")
     try:
@@ -204,7 +303,7 @@ def load_weights(ckpt: str, model: torch.nn.Module) -> None:
 
 def load_trainer_state(ckpt: str) -> dict[str, Any]:
     """``trainer.pt`` loaded with ``weights_only=True`` (tensors and plain containers only)."""
-    path = os.path.join(ckpt, STATE_FILE)
+    path = confined_path(ckpt, STATE_FILE, f"checkpoint {ckpt}", CheckpointError)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file missing: {path}")
     try:
@@ -213,12 +312,11 @@ def load_trainer_state(ckpt: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {e}") from None
 
 
-def load_checkpoint_model(path: str, *, device="cpu", report: Callable[[str], None] = _warn) -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_checkpoint_model(path: str, *, device="cpu", report: Callable[[str], None] = _note) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``(model, meta)`` from a run or checkpoint directory: the model rebuilt from its saved
     config with the saved weights, in eval mode; ``meta`` is the checkpoint's ``config.json``.
     ``report`` receives :func:`find_checkpoint`'s messages."""
-    ckpt = find_checkpoint(path, report=report)
-    meta = read_checkpoint_config(ckpt)
+    ckpt, meta = locate_checkpoint(path, report=report)
     try:
         task, cfg = get_task(meta["preset"]["task"]), config_from_dict(meta["model"])
     except (KeyError, TypeError) as e:

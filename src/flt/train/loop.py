@@ -8,15 +8,21 @@ One function, :func:`train`, runs a :class:`flt.train.Preset` in a run directory
   ``nccl`` on CUDA), each taking its slice of the same global batch;
 * a tqdm progress bar with the live loss and throughput, ``metrics.jsonl``, periodic
   validation, atomic checkpoints (:mod:`flt.train.checkpoint`), PNG plots;
-* ``resume=True`` restores weights, optimizer, every RNG (per process) and the step, and
-  continues bit for bit where the last checkpoint of a stopped or killed run left off;
-  with a larger ``run.steps`` it extends the run (see :func:`train` for the learning rate);
+* ``resume=True`` restores weights, optimizer, every RNG (per process), the step and the
+  partly filled logging window, and continues bit for bit where the last checkpoint of a
+  stopped or killed run left off (in every file, timings aside: see :func:`train`); with a
+  larger ``run.steps`` it extends the run (see :func:`train` for the learning rate);
+* one trainer per run directory: ``RUN/.lock`` (:mod:`flt.train.lock`) is held from before
+  anything in the directory is read until the end, and what a killed trainer left half
+  written is cleared once it is held (:func:`flt.train.checkpoint.remove_leftovers`);
+* a non-finite training loss raises :class:`TrainingDiverged`, naming the step and the
+  last (intact) checkpoint;
 * Ctrl-C raises :class:`TrainingInterrupted` (a ``KeyboardInterrupt``) carrying the step
   reached and the checkpoint a resume would start from.
 
 Files in the run directory: ``run.json`` (configuration and environment),
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json``, ``learning_curves.png``,
-``rpe_functions.png`` (models with a spectrum).
+``rpe_functions.png`` (models with a spectrum), and ``.lock`` while a trainer runs.
 
 :func:`_train` reads top to bottom: find where the run starts (:func:`_find_origin`),
 load the task's data (:func:`_load_task`), build the model (:func:`_build_model`), restore
@@ -28,7 +34,9 @@ a checkpoint (:func:`_restore`), open the run directory, loop over the steps
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import platform
 import resource
@@ -56,9 +64,11 @@ from flt.train.checkpoint import (
     has_checkpoint,
     load_trainer_state,
     load_weights,
-    read_checkpoint_config,
+    locate_checkpoint,
+    remove_leftovers,
     save_checkpoint,
 )
+from flt.train.lock import RunDirectoryInUse, RunLock, lock_run_dir
 from flt.train.metrics import MetricsLogger
 from flt.train.rng import rng_state, seed_everything, set_rng_state
 
@@ -79,11 +89,17 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.out_dir, self.step, self.steps, self.checkpoint, self.is_main = out_dir, step, steps, checkpoint, is_main
 
 
+class TrainingDiverged(FloatingPointError, ValueError):
+    """The training loss became NaN or infinite; the message names the step and the last
+    checkpoint, which is intact (the step that diverged changed nothing)."""
+
+
 @dataclass
 class _Progress:
-    """How far :func:`_train` got, for :class:`TrainingInterrupted`."""
+    """How far :func:`_train` got, and the step budget in force, for :class:`TrainingInterrupted`."""
 
     step: int = 0
+    steps: int = 0
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -169,6 +185,7 @@ def train(
     plots: bool = True,
     deterministic: bool = False,
     on_step: Callable[[int], None] | None = None,
+    keep_steps: bool = False,
 ) -> dict[str, Any]:
     """Train ``preset`` in ``out_dir`` and return the summary (also in ``summary.json``).
 
@@ -188,6 +205,15 @@ def train(
             checkpoint the same rate: always with ``min_lr_ratio=1`` (constant after
             warm-up), otherwise only while the checkpoint is inside the warm-up. A smaller
             ``run.steps`` is refused. Without ``resume``, ``out_dir`` must not hold a run yet.
+            A resumed run writes what the uninterrupted run would have written, in
+            ``metrics.jsonl`` too (the checkpoint keeps the partly filled logging window),
+            except for timings: the throughput field ``{unit}_per_s`` of ``train`` records
+            and, in ``summary.json``, ``time_per_step_s``, ``train_time_s`` (both over the
+            steps that count, restored from the checkpoint), ``wall_time_s`` (this
+            invocation) and ``peak_memory_mib``.
+        keep_steps: with ``resume``, ignore ``preset.run.steps`` and continue to the step
+            budget saved in the run (its own, extended or not): what ``flt train --resume``
+            does without ``--steps``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``; under ``torchrun`` each process takes
             ``cuda:LOCAL_RANK``.
         progress, plots: show the tqdm bar; write the PNG plots.
@@ -198,18 +224,44 @@ def train(
     Raises:
         TrainingInterrupted: on Ctrl-C (``KeyboardInterrupt``), in every process; the
             checkpoints written so far are intact and ``resume=True`` continues the run.
+        RunDirectoryInUse: another process trains in ``out_dir`` (an ``OSError``; the
+            message names its pid), before anything in ``out_dir`` is touched.
+        TrainingDiverged: the training loss is not finite (a ``ValueError``).
     """
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ctx = D.setup(device)
-    reached = _Progress()
+    reached = _Progress(steps=preset.run.steps)
+    lock = None
     try:
-        return _train(preset, out_dir, ctx, resume=resume, progress=progress, plots=plots, on_step=on_step, reached=reached)
+        lock = _lock(out_dir, ctx)
+        return _train(preset, out_dir, ctx, resume=resume, keep_steps=keep_steps, progress=progress, plots=plots,
+                      on_step=on_step, reached=reached, lock=lock)
     except KeyboardInterrupt as e:
-        raise TrainingInterrupted(out_dir, reached.step, preset.run.steps, _resumable(out_dir), ctx.is_main) from e
+        raise TrainingInterrupted(out_dir, reached.step, reached.steps, _resumable(out_dir), ctx.is_main) from e
     finally:
+        if lock is not None:
+            lock.release()
         D.teardown(ctx)
+
+
+def _lock(out_dir: str, ctx: D.Context) -> RunLock | None:
+    """The run directory's lock (:mod:`flt.train.lock`), taken by the main process; every
+    process raises the main one's refusal or error, so that none waits for the others."""
+    lock, failure = None, None
+    if ctx.is_main:
+        try:
+            lock = lock_run_dir(out_dir)
+        except OSError as e:
+            failure = (isinstance(e, RunDirectoryInUse), str(e))
+            if ctx.world == 1:
+                raise
+    failure = D.all_gather(ctx, failure)[0]
+    if failure is not None:
+        in_use, message = failure
+        raise (RunDirectoryInUse if in_use else OSError)(message)
+    return lock
 
 
 def _resumable(out_dir: str) -> str | None:
@@ -233,6 +285,8 @@ class _Origin:
     #: ``init_from`` resolved: ``{"checkpoint": path, "step": n}``, the checkpoint whose
     #: weights the run started from (a resumed run carries its record on), or None.
     init: dict[str, Any] | None = None
+    #: The preset in force: the one given, or with ``keep_steps`` the saved step budget.
+    preset: Preset | None = None
 
 
 @dataclass
@@ -252,6 +306,12 @@ class _Run:
     record: dict[str, Any]
     start: int
     parameters: int
+    #: What the checkpoint restored: the partly filled logging window of each process and
+    #: the main process's step times (both empty for a fresh run).
+    window: _Window
+    step_times: list[float]
+    #: The newest checkpoint written or resumed from, named by :class:`TrainingDiverged`.
+    last_checkpoint: str | None = None
 
 
 @dataclass
@@ -266,23 +326,34 @@ class _Window:
     def add(self, loss: float, items: int, seconds: float) -> None:
         self.loss, self.steps, self.items, self.seconds = self.loss + loss, self.steps + 1, self.items + items, self.seconds + seconds
 
+    def clear(self) -> None:
+        self.loss, self.steps, self.items, self.seconds = 0.0, 0, 0, 0.0
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, progress, plots, on_step, reached: _Progress) -> dict[str, Any]:
+
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: _Progress,
+           lock: RunLock | None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     check_preset(preset)
+    # Under the lock: nothing else writes here, so half-written files are leftovers.
+    notes = [lock.note] if lock is not None and lock.note else []
+    if ctx.is_main:
+        notes += [f"removed {path}, left half written by a trainer that was killed" for path in remove_leftovers(out_dir)]
+    origin = _find_origin(preset, out_dir, ctx, resume, keep_steps)
+    origin.notes[:0] = notes
+    preset = origin.preset
     preset_record = preset_to_dict(preset)
-    origin = _find_origin(preset, preset_record, out_dir, ctx, resume)
-    reached.step = origin.step
+    reached.step, reached.steps = origin.step, preset.run.steps
     if not D.all_equal(ctx, json.dumps(preset_record, sort_keys=True)):
         raise ValueError("the processes were given different configurations")
     task, model_cfg = _load_task(preset, ctx)
     model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
-    start = _restore(origin, model, optimizer, preset.run, ctx)
+    start, window, step_times = _restore(origin, model, optimizer, preset.run, ctx)
     r = _Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
         record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra(), "init": origin.init},
-        start=start, parameters=sum(p.numel() for p in model.parameters()),
+        start=start, parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
+        last_checkpoint=origin.checkpoint,
     )
     # A Ctrl-C must not leave the bar's line unfinished under the message that follows,
     # nor the last metrics unflushed: both close on the way out.
@@ -304,19 +375,24 @@ def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Mo
     return perf.compile(module, dynamic=None) if run.compile else module
 
 
-def _find_origin(preset: Preset, preset_record: dict[str, Any], out_dir: str, ctx: D.Context, resume: bool) -> _Origin:
-    """The checkpoint to resume from (checked against ``preset``), or a fresh start in an
-    ``out_dir`` that holds no run yet."""
+def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, keep_steps: bool) -> _Origin:
+    """The checkpoint to resume from (checked against ``preset``; with ``keep_steps`` the
+    preset takes the saved step budget), or a fresh start in an ``out_dir`` that holds no
+    run yet."""
     if not resume:
         if has_checkpoint(out_dir):
             raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-        return _init_origin(preset, ctx)
+        origin = _init_origin(preset, ctx)
+        origin.preset = preset
+        return origin
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(out_dir, ctx, notes, "to resume from in")
     saved = preset_from_dict(meta["preset"])
     step = int(meta["step"])
-    _check_resume(saved, preset_record, preset, step, out_dir)
-    return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"))
+    if keep_steps:
+        preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
+    _check_resume(saved, preset_to_dict(preset), preset, step, out_dir)
+    return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
 
 
 def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
@@ -335,8 +411,8 @@ def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
 def _shared_checkpoint(path: str, ctx: D.Context, notes: list[str], where: str) -> tuple[str, dict[str, Any]]:
     """The checkpoint ``path`` resolves to (absolute) and its verified config, the same in
     every process; :func:`find_checkpoint`'s messages go to ``notes``."""
-    ckpt = os.path.abspath(find_checkpoint(path, report=notes.append))
-    meta = read_checkpoint_config(ckpt)
+    ckpt, meta = locate_checkpoint(path, report=notes.append)
+    ckpt = os.path.abspath(ckpt)
     if not D.all_equal(ctx, ckpt):
         raise ValueError(f"the processes found different checkpoints {where} {path}")
     return ckpt, meta
@@ -376,17 +452,20 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
     return model, optimizer
 
 
-def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig, ctx: D.Context) -> int:
+def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
+             ctx: D.Context) -> tuple[int, _Window, list[float]]:
     """Load the checkpoint's weights, optimizer and random states (or, for a fresh run, the
     weights of its ``init_from`` checkpoint if any, and seed this process's training noise);
-    returns the last step already trained."""
+    returns the last step already trained, this process's partly filled logging window and
+    the step times so far (checkpoints written before they were saved have neither: an
+    empty window and no times)."""
     if origin.checkpoint is None:
         if origin.init is not None:
             load_weights(origin.init["checkpoint"], model)
         # Dropout and other training noise differ between processes, as they would
         # between the samples of one big batch.
         torch.manual_seed(run.seed + 7919 * ctx.rank)
-        return 0
+        return 0, _Window(), []
     load_weights(origin.checkpoint, model)
     state = load_trainer_state(origin.checkpoint)
     if state["world_size"] != ctx.world:
@@ -395,7 +474,9 @@ def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer
     set_rng_state(state["rng"][ctx.rank], model)
     if origin.step == origin.saved_steps < run.steps:
         _restore_training_draw(model, run, origin.step)
-    return origin.step
+    window = _Window(**state["log_window"][ctx.rank]) if "log_window" in state else _Window()
+    step_times = state["step_times"].tolist() if "step_times" in state else []
+    return origin.step, window, step_times
 
 
 def _restore_training_draw(model: nn.Module, run, start: int) -> None:
@@ -445,8 +526,8 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
     run, ctx = r.preset.run, r.ctx
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    step_times: list[float] = []
-    window = _Window()
+    # Both continue from the checkpoint, so that a resumed run logs what an uninterrupted one does.
+    step_times, window = r.step_times, r.window
     last_valid: dict[str, float] = {}
     r.model.train()
     for step in range(r.start + 1, run.steps + 1):
@@ -458,14 +539,14 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
         last = step == run.steps
         if step % run.log_every == 0 or last:
             _log_training(r, logger, window, step)
-            window = _Window()
+            window.clear()
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.4f}  {items / dt:,.0f} {r.task.unit}/s")
         if step % run.eval_every == 0 or last:
             last_valid = _validate(r, step, logger, say)
         if step % run.checkpoint_every == 0 or last:
-            _checkpoint(r, step)
+            _checkpoint(r, step, window, step_times)
         reached.step = step
         if on_step is not None:
             on_step(step)
@@ -480,14 +561,30 @@ def _train_step(r: _Run, step: int) -> tuple[float, int]:
     batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
     loss = r.task.loss(r.ddp, batch)
-    if not torch.isfinite(loss):
-        raise FloatingPointError(f"the training loss is {float(loss)} at step {step}; lower --lr or check the data")
+    value = _check_finite(r, loss, step)
     loss.backward()
     if run.grad_clip is not None:
         torch.nn.utils.clip_grad_norm_(r.model.parameters(), run.grad_clip)
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach()), r.task.batch_items(batch) * ctx.world
+    return value, r.task.batch_items(batch) * ctx.world
+
+
+def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
+    """The loss as a float; raises :class:`TrainingDiverged` before a non-finite loss
+    reaches the weights, in every process at once (one process's NaN would otherwise leave
+    the others waiting in the gradient reduction)."""
+    value = float(loss.detach())
+    finite = math.isfinite(value)
+    if r.ctx.world > 1:
+        finite = D.all_reduce_sum(r.ctx, [0.0 if finite else 1.0])[0] == 0
+    if finite:
+        return value
+    shown = value if not math.isfinite(value) else "not finite in another process"
+    where = (f"the last checkpoint, {r.last_checkpoint}, is intact"
+             if r.last_checkpoint else "no checkpoint was written yet")
+    raise TrainingDiverged(f"the training loss is {shown} at step {step} of {r.preset.run.steps} in {r.out_dir}; "
+                           f"{where}; lower --lr or check the data")
 
 
 def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
@@ -512,11 +609,16 @@ def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -
     return metrics
 
 
-def _checkpoint(r: _Run, step: int) -> None:
+def _checkpoint(r: _Run, step: int, window: _Window, step_times: list[float]) -> None:
+    """Save step ``step``: weights, optimizer, every process's RNG and logging window
+    (``window``, the records' sums since the last ``train`` record), and the step times."""
     rngs = D.all_gather(r.ctx, rng_state(r.model))
+    windows = D.all_gather(r.ctx, dataclasses.asdict(window))
     if r.ctx.is_main:
-        state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world}
-        save_checkpoint(r.out_dir, step, r.model, config=r.record, trainer_state=state, keep=r.preset.run.keep_checkpoints)
+        state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world,
+                 "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64)}
+        r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config=r.record, trainer_state=state,
+                                            keep=r.preset.run.keep_checkpoints)
     D.barrier(r.ctx)
 
 
