@@ -171,10 +171,18 @@ def _path_in_traceback(err: BaseException) -> str | None:
 
 
 def _after_write_failure(args) -> str:
-    """What the user can do after a write failed: free space, and continue a run that
-    keeps checkpoints."""
-    if getattr(args, "command", None) in ("train", "search"):
-        return "free some space and continue the run with the same command and --resume (its last checkpoint is intact)"
-    if getattr(args, "command", None) == "compare":
+    """What the user can do after a write failed: free space, and continue a run from its
+    last checkpoint where it has one (``args.out_dir`` is the run directory; the commands
+    that train set it to the one they chose)."""
+    command, out = getattr(args, "command", None), getattr(args, "out_dir", None)
+    if command in ("train", "search") and out:
+        from flt.train.checkpoint import has_checkpoint
+
+        # A fresh run started in a directory without a run: a summary.json there is its own.
+        if command == "train" and not getattr(args, "resume", False) and os.path.isfile(os.path.join(out, "summary.json")):
+            return f"the training had finished (results in {os.path.join(out, 'summary.json')}); free some space for the rest"
+        if has_checkpoint(out):
+            return "free some space and continue with the same command and --resume (the last checkpoint is intact)"
+    if command == "compare":
         return "free some space and continue with the same command and --resume"
     return "free some space and run the command again"

@@ -116,6 +116,7 @@ def run(args) -> int:
     preset, config = build(args)
     out_dir = args.out_dir or os.path.join("runs", f"search-{args.task}-{args.preset}-s{preset.run.seed}")
     check_output_dir(out_dir)
+    args.out_dir = out_dir  # named in the error of a failed write
     plots = not args.no_plots and plots_available("search")
     try:
         search(preset, config, out_dir, resume=args.resume, device=args.device, plots=plots,

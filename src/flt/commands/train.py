@@ -315,6 +315,7 @@ def run(args) -> int:
         label = run_label(attention)
     out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{label}-{args.preset}-s{preset.run.seed}")
     check_output_dir(out_dir)
+    args.out_dir = out_dir  # named in the error of a failed write
     # Checked now, not when the finished run writes its plots.
     plots = not args.no_plots and plots_available("train")
     try:
