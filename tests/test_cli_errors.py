@@ -315,3 +315,14 @@ def test_the_draw_gap_spread_has_the_precision_of_its_mean():
     assert mean_and_spread(None, None) == "n/a ± n/a"
     line = format_draw_gap({"own": 0.8, "fresh_mean": 0.8123, "fresh_std": 0.009491, "exact": 0.81}, "accuracy")
     assert "fresh draws 0.8123 ± 0.0095 (n=3)" in line
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_first(tmp_path, monkeypatch, capsys):
+    import flt.commands.outputs as outputs
+
+    # As root every folder is writable: pretend this one is not.
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: os.path.abspath(path) != str(tmp_path))
+    assert main(["train", "image", *SMOKE, "--out-dir", "new/run"]) == 2
+    assert _one_line(capsys) == f"flt train: error: --out-dir new/run: cannot create it, {tmp_path} is not writable; choose another --out-dir"
+    assert main(["evaluate", "RUN", "--out", "result.json"]) == 2
+    assert "--out result.json: its folder" in _one_line(capsys)

@@ -7,7 +7,7 @@ integer node ``labels [N]`` (the community of each node on Communities). Its nod
 are one constant channel (:meth:`Graph.features`), as in the featureless setting of P-GNN
 (You et al. 2019), so that nothing but the structure tells nodes apart.
 
-The generators need ``networkx`` (``pip install flt[graph]``); the loader does not.
+The generators need ``networkx`` (the ``graph`` extra); the loader does not.
 """
 
 from __future__ import annotations
