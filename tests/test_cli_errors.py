@@ -326,3 +326,12 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tmp_path, monk
     assert _one_line(capsys) == f"flt train: error: --out-dir new/run: cannot create it, {tmp_path} is not writable; choose another --out-dir"
     assert main(["evaluate", "RUN", "--out", "result.json"]) == 2
     assert "--out result.json: its folder" in _one_line(capsys)
+
+
+def test_a_missing_extra_is_one_line_with_the_command_that_installs_it(tmp_path, monkeypatch, capsys):
+    from flt._extras import install_hint
+
+    monkeypatch.setitem(sys.modules, "networkx", None)  # import networkx raises ImportError
+    assert main(["train", "graph", *SMOKE, "--out-dir", str(tmp_path / "g")]) == 1
+    line = _one_line(capsys)
+    assert line == f"flt train: error: the graph generators need networkx: {install_hint('graph')}"
