@@ -335,3 +335,17 @@ def test_a_missing_extra_is_one_line_with_the_command_that_installs_it(tmp_path,
     assert main(["train", "graph", *SMOKE, "--out-dir", str(tmp_path / "g")]) == 1
     line = _one_line(capsys)
     assert line == f"flt train: error: the graph generators need networkx: {install_hint('graph')}"
+
+
+def test_torch_reader_errors_are_not_taken_for_a_full_disk(tmp_path, monkeypatch, capsys):
+    """torch's reader also raises '[enforce fail ...]': outside torch.save it is no disk-write
+    failure (here a bug-shaped RuntimeError, which keeps its traceback)."""
+    import flt.commands.evaluate as evaluate
+
+    def read():
+        raise RuntimeError("[enforce fail at inline_container.cc:234] . file not found: archive/data.pkl")
+
+    monkeypatch.setattr(evaluate, "evaluate_run", lambda *a, **k: read())
+    with pytest.raises(RuntimeError):
+        main(["evaluate", str(tmp_path)])
+    assert "disk" not in capsys.readouterr().err

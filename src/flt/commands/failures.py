@@ -17,8 +17,9 @@ BAD_INPUT, RUNTIME, INTERRUPTED = 2, 1, 130
 
 #: Text of the RuntimeError torch's checkpoint writer raises when a write fails (a full
 #: disk), which says neither "disk" nor the file: ``[enforce fail at inline_container.cc:672]
-#: unexpected pos ...``, ``PytorchStreamWriter failed writing file data/0``.
-TORCH_WRITE_FAILURES = ("unexpected pos", "enforce fail", "PytorchStreamWriter")
+#: unexpected pos ...``, ``PytorchStreamWriter failed writing file data/0``. A bare
+#: "enforce fail" counts only inside ``torch.save`` (the reader raises it too).
+TORCH_WRITE_FAILURES = ("unexpected pos", "PytorchStreamWriter")
 #: Text of errors that mean the process ran out of memory without a MemoryError.
 OUT_OF_MEMORY_TEXT = ("out of memory", "can't allocate memory", "DefaultCPUAllocator: not enough memory")
 #: Local variables that hold the file a failing writer or reader was working on.
@@ -27,6 +28,8 @@ PATH_LOCALS = ("path", "filename", "fname", "file", "f")
 
 @dataclass(frozen=True)
 class Failure:
+    """An expected failure: the exit status and the one line that explains it."""
+
     code: int
     message: str
     #: Printed between the command and the message (none for Ctrl-C, which is no error).
@@ -70,7 +73,9 @@ def _no_space(err, args) -> Failure | None:
 
 
 def _torch_writer(err, args) -> Failure | None:
-    if isinstance(err, RuntimeError) and any(text in str(err) for text in TORCH_WRITE_FAILURES):
+    text = str(err)
+    if isinstance(err, RuntimeError) and (any(t in text for t in TORCH_WRITE_FAILURES)
+                                          or ("enforce fail" in text and _inside_torch_save(err))):
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return Failure(RUNTIME, f"writing {_written_path(err, args)} failed, most likely because the disk is full "
                        f"(torch: {first[:160]}); {_after_write_failure(args)}")
@@ -150,17 +155,26 @@ def _written_path(err: BaseException, args) -> str:
     return f"in {out}" if out else "a file"
 
 
+def _frames(err: BaseException) -> list:
+    """The frames of ``err``'s traceback, outermost first."""
+    frames, tb = [], err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _inside_torch_save(err: BaseException) -> bool:
+    return any(f.f_code.co_name in ("save", "_save") and f.f_code.co_filename.endswith(os.path.join("torch", "serialization.py"))
+               for f in _frames(err))
+
+
 def _path_in_traceback(err: BaseException) -> str | None:
     """The path a function in ``err``'s traceback was working on when it failed (the
     innermost frame with a local named as in :data:`PATH_LOCALS` that holds a path):
     ``flt._io.atomic_write``'s ``path``, safetensors' ``filename``, matplotlib's ``fname``.
     Writers such as ``torch.save`` into an open file do not name their file."""
-    frames = []
-    tb = err.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
+    for frame in reversed(_frames(err)):
         for name in PATH_LOCALS:
             value = frame.f_locals.get(name)
             if isinstance(value, (str, os.PathLike)) and str(value):
