@@ -90,8 +90,8 @@ def _out_of_memory(err, args) -> Failure | None:
             or (isinstance(err, RuntimeError) and any(t in text for t in OUT_OF_MEMORY_TEXT))):
         return None
     first = text.strip().splitlines()[0][:160] if text.strip() else type(err).__name__
-    return Failure(RUNTIME, f"out of memory ({first}); try a smaller --batch-size (or --run-opt eval_batch_size=..., "
-                   "--model-opt max_len=...), a smaller model (--model-opt depth=/dim=), or fewer random features")
+    return Failure(RUNTIME, f"out of memory ({first}); try a smaller --batch-size (--run-opt eval_batch_size=N for "
+                   "evaluation alone) or a smaller model (--model-opt dim=N, depth=N)")
 
 
 def _safetensors(err, args) -> Failure | None:
