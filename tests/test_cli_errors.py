@@ -349,3 +349,9 @@ def test_torch_reader_errors_are_not_taken_for_a_full_disk(tmp_path, monkeypatch
     with pytest.raises(RuntimeError):
         main(["evaluate", str(tmp_path)])
     assert "disk" not in capsys.readouterr().err
+
+
+def test_an_output_file_below_a_file_is_refused_naming_both(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["evaluate", "RUN", "--out", "afile/result.json"]) == 2
+    assert _one_line(capsys) == f"flt evaluate: error: --out afile/result.json: {tmp_path / 'afile'} is a file, not a folder; choose another --out"

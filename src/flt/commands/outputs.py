@@ -16,12 +16,12 @@ def _existing_ancestor(path: str) -> str:
     return probe
 
 
-def _check_creatable(path: str, flag: str) -> None:
-    """``path`` does not exist yet: refuse it when a file stands where a folder above it
-    must be, or when that folder may not be written."""
-    above = _existing_ancestor(path)
+def _check_creatable(path: str, flag: str, folder: str | None = None) -> None:
+    """``folder`` (default ``path``) does not exist yet: refuse ``path`` when a file stands
+    where a folder above it must be, or when that folder may not be written."""
+    above = _existing_ancestor(folder or path)
     if not os.path.isdir(above):
-        raise ValueError(f"{flag} {path}: {above} is a file, so {path} cannot be created; choose another {flag}")
+        raise ValueError(f"{flag} {path}: {above} is a file, not a folder; choose another {flag}")
     if not os.access(above, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: cannot create it, {above} is not writable; choose another {flag}")
 
@@ -46,7 +46,7 @@ def check_output_file(path: str, flag: str) -> None:
         if not os.access(folder, os.W_OK | os.X_OK):
             raise ValueError(f"{flag} {path}: its folder {folder} is not writable; choose another {flag}")
         return
-    _check_creatable(folder, flag)
+    _check_creatable(path, flag, folder)
 
 
 def check_run_path(path: str, what: str = "a run directory or a checkpoint directory") -> None:
