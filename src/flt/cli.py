@@ -3,6 +3,12 @@
 Each module in :mod:`flt.commands` exposes ``add_parser(subparsers)`` (which sets
 ``func`` on its parser) and keeps its heavy imports inside the function it runs, so
 ``flt --help`` stays fast.
+
+Every command fails the same way (:mod:`flt.commands.failures`): an expected failure (bad
+input, a full disk, out of memory, Ctrl-C) is one line ``flt COMMAND: error: CAUSE`` and
+exit status 2 (bad input), 1 (a failure at run time) or 130 (Ctrl-C), without a
+traceback; ``flt --debug COMMAND ...`` shows the traceback instead. Any other exception is
+a bug in flt and keeps its traceback, under a line that says so.
 """
 
 from __future__ import annotations
@@ -15,8 +21,35 @@ import sys
 COMMANDS = ("approx", "bench", "train", "evaluate", "compare", "search", "generate", "fit")
 
 
+def version() -> str:
+    """The installed distribution's version (``importlib.metadata``), or the package's own
+    when flt runs from a checkout that is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("flt")
+    except metadata.PackageNotFoundError:
+        from flt import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, looked up only when asked for (keeps ``flt --help`` fast)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"flt {version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flt", description="FourierLearner-Transformers: RPE in linear-time attention.")
+    parser.add_argument("--version", action=_VersionAction, help="print flt's version and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of any failure instead of the one-line error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"flt.commands.{name}").add_parser(sub)
@@ -30,12 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     # The arguments as given, for commands that print how to run them again (flt train
     # after Ctrl-C prints its command with --resume).
     args.argv = argv
+    if args.debug:
+        return int(args.func(args) or 0)
+    from flt.commands.failures import command_name, explain
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        # Bad input from the user: one clear line, no traceback.
-        print(f"flt {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as err:
+        failure = explain(err, args)
+        if failure is None:
+            print(f"flt {command_name(args)}: this is a bug in flt (an unexpected {type(err).__name__}); "
+                  "please report it with the traceback below", file=sys.stderr, flush=True)
+            raise
+        print(failure.line(command_name(args)), file=sys.stderr, flush=True)
+        return failure.code
 
 
 if __name__ == "__main__":

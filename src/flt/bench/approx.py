@@ -316,6 +316,7 @@ def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
         ax.set_title(f"{name} (R={R})")
         ax.set_xlabel("offset")
     axes[0][0].legend(fontsize=7)
+    axes[0][0].set_ylabel("f(offset): exact and a.c")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -24,6 +24,20 @@ def _guide(ax, xs, ys, slope: float, label: str) -> None:
     ax.loglog(xs, [y0 * (x / x0) ** slope for x in xs], ":", color="gray", label=label)
 
 
+def _size_ticks(ax, values) -> None:
+    """Label a log x axis at the sizes measured (R or m, powers of 2), as plain integers and
+    at most five of them, with no minor labels: matplotlib's default '2x10^1 4x10^1 ...'
+    minor labels overlap."""
+    from matplotlib.ticker import FixedLocator, NullFormatter
+
+    sizes = sorted({int(v) for v in values})
+    step = -(-len(sizes) // 5)
+    shown = sizes[::-1][::step][::-1]  # keep the largest size labelled
+    ax.xaxis.set_major_locator(FixedLocator(shown))
+    ax.set_xticklabels([str(v) for v in shown], fontsize=7)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionError]], path) -> None:
     """One panel per spectrum (max mask error vs R, a line per sampler and P) and two panels
     of attention error (vs m, vs R), a line per coupling and causality; log-log."""
@@ -42,6 +56,7 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
         _guide(ax, [r.R for r in first], [r.max_error for r in first], -0.5, "R^-1/2")
         ax.set_title(f"mask: {name}", fontsize=9)
         ax.set_xlabel("R")
+        _size_ticks(ax, [r.R for r in first])
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("max |a.c - f| / |f(0)|")
     for ax, (key, xname) in zip(axes[0][len(spectra):], (("vs_m", "m"), ("vs_R", "R"))):
@@ -54,6 +69,7 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
         fixed = f"R={rows[0].R}" if xname == "m" else f"m={rows[0].m}"
         ax.set_title(f"FLT vs exact layer, {fixed}", fontsize=9)
         ax.set_xlabel(xname)
+        _size_ticks(ax, [getattr(r, xname) for r in rows])
         ax.set_ylabel("relative output error")
         ax.legend(fontsize=6)
     fig.tight_layout()

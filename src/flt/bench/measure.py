@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import resource
 import statistics
@@ -368,5 +369,10 @@ def _child(cfg_json: str, conn) -> None:
         result = measure(cfg)
     except Exception as err:  # reported as this configuration's error row, with the message
         result = {"config": asdict(cfg), "status": "error", "note": f"{type(err).__name__}: {err}"}
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal: the parent reports it in one line,
+        # a worker leaves without a traceback of its own.
+        conn.close()
+        os._exit(130)
     conn.send(result)
     conn.close()

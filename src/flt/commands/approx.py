@@ -30,7 +30,10 @@ def run(args) -> int:
     import torch
 
     from flt.bench import approx
+    from flt.commands.outputs import check_output_dir, plots_available
 
+    check_output_dir(args.out_dir)
+    plots = not args.spatial and plots_available("approx", silence=None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,11 +53,13 @@ def run(args) -> int:
     print("\n## FLTAttention vs its exact O(N^2) attention (N = 65, dim 32, 2 heads; relative error)\n")
     print(approx.markdown_table(attn))
     plot = out / "masks.png"
-    approx.plot_masks(plot)
+    if plots:
+        approx.plot_masks(plot)
     (out / "approx.json").write_text(
         json.dumps({"masks": [asdict(r) for r in masks], "favor_scales": [asdict(r) for r in scales], "attention": [asdict(r) for r in attn]}, indent=1)
     )
-    print(f"\nsaved {plot} and {out / 'approx.json'} ({time.perf_counter() - t0:.1f} s)")
+    saved = f"{plot} and {out / 'approx.json'}" if plots else str(out / "approx.json")
+    print(f"\nsaved {saved} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 

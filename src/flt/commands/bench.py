@@ -64,6 +64,7 @@ def add_parser(sub) -> None:
 
 def run_speed(args) -> int:
     from flt.bench import report, speed
+    from flt.commands.outputs import check_output_dir, plots_available
 
     if args.preset not in speed.PRESETS:
         raise ValueError(f"--preset must be one of {sorted(speed.PRESETS)}, got {args.preset!r}")
@@ -79,6 +80,8 @@ def run_speed(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be positive, got {args.threads}")
     speed.check_allocator("--allocator", args.allocator)
+    check_output_dir(args.out_dir)
+    plots = plots_available("bench speed", extra="bench", silence=None)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -96,10 +99,12 @@ def run_speed(args) -> int:
     (out / "speed.json").write_text(json.dumps(data, indent=1))
     text = report.markdown(data, data["command"])
     (out / "speed.md").write_text(text)
-    report.plot(data, out / "speed.png")
+    if plots:
+        report.plot(data, out / "speed.png")
     print()
     print(text)
-    print(f"saved {out / 'speed.json'}, {out / 'speed.md'}, {out / 'speed.png'} ({data['elapsed_s']:.0f} s)")
+    png = f", {out / 'speed.png'}" if plots else ""
+    print(f"saved {out / 'speed.json'}, {out / 'speed.md'}{png} ({data['elapsed_s']:.0f} s)")
     return 0
 
 
@@ -107,7 +112,10 @@ def run_approx(args) -> int:
     import torch
 
     from flt.bench import approx, convergence
+    from flt.commands.outputs import check_output_dir, plots_available
 
+    check_output_dir(args.out_dir)
+    plots = plots_available("bench approx", extra="bench", silence=None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,7 +148,9 @@ def run_approx(args) -> int:
     text = "\n".join(lines)
     (out / "approx.md").write_text(text)
     (out / "approx.json").write_text(json.dumps({"masks": [asdict(r) for r in masks], "fidelity": [asdict(r) for r in fidelity], **{k: [asdict(r) for r in v] for k, v in sweeps.items()}}, indent=1))
-    convergence.plot_convergence(masks, sweeps, out / "approx.png")
+    if plots:
+        convergence.plot_convergence(masks, sweeps, out / "approx.png")
     print(text)
-    print(f"saved {out / 'approx.md'}, {out / 'approx.json'}, {out / 'approx.png'} ({time.perf_counter() - t0:.0f} s)")
+    png = f", {out / 'approx.png'}" if plots else ""
+    print(f"saved {out / 'approx.md'}, {out / 'approx.json'}{png} ({time.perf_counter() - t0:.0f} s)")
     return 0

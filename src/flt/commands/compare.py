@@ -16,9 +16,16 @@ Peak memory: on CPU, the peak resident set size of the training process
 dataset, a baseline of a few hundred MiB common to all rows, so compare differences);
 on CUDA, ``torch.cuda.max_memory_allocated``. One process per run makes both clean.
 
+Ctrl-C stops the comparison with one line that names the run it stopped in and the
+command that continues it: the same command with ``--resume``, which keeps every finished
+run (one with a ``summary.json`` and the configuration asked for), continues an unfinished
+one from its last checkpoint (``flt train --resume``) and runs the others; a larger
+``--steps`` extends the finished runs too.
+
 Example::
 
     flt compare lm --attention flt,flt:coupling=multiplicative --seeds 0,1 --preset smoke
+    flt compare lm --attention flt,flt:coupling=multiplicative --seeds 0,1 --preset smoke --resume   # after Ctrl-C
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--attention", required=True, help="comma-separated entries NAME[:KEY=VALUE...]")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     p.add_argument("--out-dir", help="directory for the runs and the table (default: runs/compare-TASK-PRESET)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted comparison in --out-dir with the same options: a run with a summary.json "
+                        "and the same configuration is kept, an unfinished one continues from its last checkpoint "
+                        "(flt train --resume), the others run")
     add_config_arguments(p)
     add_runtime_arguments(p)
     p.set_defaults(func=run)
@@ -113,23 +124,113 @@ def _table(rows: list[dict], metric: str, extra: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    from flt.train.metrics import read_metrics
-    from flt.train.plots import plot_comparison
+def _run_state(run_dir: str, expected: dict) -> str:
+    """What ``--resume`` does with one (entry, seed) run directory: ``new`` (none yet: run
+    it), ``finished`` (its ``summary.json`` is there and its ``run.json`` holds the
+    configuration asked for: keep it), ``resume`` (a checkpoint: ``flt train --resume``,
+    which also extends a finished run to more steps or refuses other changed options) or
+    ``restart`` (no checkpoint yet: train it from the start)."""
+    from flt.train.checkpoint import has_checkpoint
 
-    entries = parse_entries(args.attention)
+    if not os.path.exists(run_dir):
+        return "new"
+    if os.path.isfile(os.path.join(run_dir, "summary.json")):
+        try:
+            with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
+                saved = json.load(f).get("preset")
+        except (OSError, ValueError):
+            saved = None
+        if json.dumps(saved, sort_keys=True) == json.dumps(expected, sort_keys=True):
+            return "finished"
+    return "resume" if has_checkpoint(run_dir) else "restart"
+
+
+def _expected_preset(args, name: str, options: dict, seed: int) -> dict:
+    """The preset record (``run.json``'s ``preset``) that ``flt train`` would save for one run."""
+    from flt.tasks.preset import preset_to_dict
+
+    one = argparse.Namespace(**{**vars(args), "seed": seed})
+    return json.loads(json.dumps(preset_to_dict(preset_from_args(one, name, options))))
+
+
+def _check_arguments(args, entries) -> None:
+    """Everything that can be refused before the first run: every entry's options, the
+    seeds and the output directory."""
+    from flt.commands.outputs import check_output_dir
+    from flt.options import parse_assignments
+
     for label, name, options in entries:
         # Every entry's options (with --attn-opt, the preset's and the encoding's) before the first run.
         preset_from_args(args, name, options, options_source=f"--attention entry {label!r}")
+    if "seed" in parse_assignments(args.run_opt, "--run-opt"):
+        raise ValueError("--run-opt seed=...: flt compare gives every run its seed from --seeds")
+    check_output_dir(_out_dir(args))
+
+
+def _out_dir(args) -> str:
+    return args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
+
+
+def _train_one(args, label: str, name: str, options: dict, seed: int, run_dir: str, state: str, metric: str):
+    """Train (or continue) one run in its own process; returns ``(summary, curve, failed)``."""
+    argv = _child_argv(args, name, options, seed, run_dir) + (["--resume"] if state == "resume" else [])
+    os.makedirs(run_dir, exist_ok=True)
+    # Appended: a resumed run keeps the log of its first part.
+    with open(os.path.join(run_dir, "train.log"), "a" if state == "resume" else "w", encoding="utf-8") as log:
+        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
+            lines = [ln for ln in log.read().splitlines() if ln.strip()]
+        if proc.returncode < 0:
+            return None, None, f"seed {seed} killed by signal {-proc.returncode}"
+        return None, None, f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
+    return _read_run(run_dir, metric) + ("",)
+
+
+def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
+    """A finished run's ``summary.json`` and its validation curve ``[(step, metric)]``."""
+    from flt.train.metrics import read_metrics
+
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
+    curve = [(r["step"], r[metric]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+             if r["split"] == "valid" and r.get(metric) is not None]
+    return summary, curve
+
+
+def _interrupted_message(args, label: str, seed: int, out: str) -> str:
+    """The one line on Ctrl-C: where it stopped and the command that continues."""
+    import shlex
+
+    from flt.commands.train import launcher
+
+    head = f"flt compare: interrupted during {label} seed {seed}; the finished runs in {out} are kept"
+    argv = getattr(args, "argv", None)
+    prefix = launcher()
+    if argv is None or prefix is None:
+        return f"{head}; continue with the same command and --resume"
+    return f"{head}; continue with: {shlex.join([*prefix, *argv, *([] if '--resume' in argv else ['--resume'])])}"
+
+
+def run(args) -> int:
+    from flt.commands.outputs import plots_available
+    from flt.train.plots import plot_comparison
+
+    entries = parse_entries(args.attention)
     seeds = parse_seeds(args.seeds)
-    out = args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
+    _check_arguments(args, entries)
+    out = _out_dir(args)
     task_cls = get_task(args.task)
     metric, extra = task_cls.metric, list(task_cls.compare_metrics)
-    for label, _, _ in entries:
+    states = {}
+    for label, name, options in entries:
         for seed in seeds:
             path = os.path.join(out, _slug(label), f"seed-{seed}")
-            if os.path.exists(path):
-                raise ValueError(f"{path} already exists; choose another --out-dir")
+            if not args.resume and os.path.exists(path):
+                raise ValueError(f"{path} already exists; pass --resume to continue the comparison or choose another --out-dir")
+            states[label, seed] = _run_state(path, _expected_preset(args, name, options, seed)) if args.resume else "new"
+    if not args.no_plots and not plots_available("compare"):
+        args.no_plots = True  # the runs make no plots either
     os.makedirs(out, exist_ok=True)
 
     rows, curves, total = [], {}, len(entries) * len(seeds)
@@ -139,26 +240,27 @@ def run(args) -> int:
         for seed in seeds:
             done += 1
             run_dir = os.path.join(out, _slug(label), f"seed-{seed}")
-            os.makedirs(run_dir)
             t0 = time.perf_counter()
+            state = states[label, seed]
             print(f"[{done}/{total}] {label} seed {seed} ...", end=" ", flush=True)
-            with open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8") as log:
-                proc = subprocess.run(_child_argv(args, name, options, seed, run_dir), stdout=log, stderr=subprocess.STDOUT, check=False)
-            if proc.returncode != 0:
-                with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
-                    lines = [ln for ln in log.read().splitlines() if ln.strip()]
-                if proc.returncode < 0:
-                    failed = f"seed {seed} killed by signal {-proc.returncode}"
-                else:
-                    failed = f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
-                print(f"failed ({failed}); log in {run_dir}/train.log")
-                break
-            with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-                summary = json.load(f)
+            if state == "finished":
+                summary, curve = _read_run(run_dir, metric)
+                print(f"finished earlier: {metric} {summary['final'][metric]:.4g}")
+            else:
+                if state != "new":
+                    print(f"({'continuing from its last checkpoint' if state == 'resume' else 'starting again'})", end=" ", flush=True)
+                try:
+                    summary, curve, failed = _train_one(args, label, name, options, seed, run_dir, state, metric)
+                except KeyboardInterrupt:
+                    print(flush=True)
+                    print(_interrupted_message(args, label, seed, out), file=sys.stderr, flush=True)
+                    return 130
+                if failed:
+                    print(f"failed ({failed}); log in {run_dir}/train.log")
+                    break
+                print(f"{metric} {summary['final'][metric]:.4g} in {time.perf_counter() - t0:.1f} s")
             summaries.append(summary)
-            curves[label].append([(r["step"], r[metric]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-                                  if r["split"] == "valid" and r.get(metric) is not None])
-            print(f"{metric} {summary['final'][metric]:.4g} in {time.perf_counter() - t0:.1f} s")
+            curves[label].append(curve)
         row = {"label": label, "attention": name, "options": options, "seeds": seeds[: len(summaries)], "failed": failed}
         if not failed:
             row.update(

@@ -188,8 +188,13 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 def run(args) -> int:
     import torch
 
+    from flt.commands.outputs import check_output_file, check_run_path
     from flt.options import parse_assignments
+    from flt.train.drawgap import mean_and_spread
 
+    check_run_path(args.checkpoint)
+    if args.out is not None:
+        check_output_file(args.out, "--out")  # before the evaluation, not after it
     if args.threads is not None:
         _positive("--threads", args.threads)
         torch.set_num_threads(args.threads)
@@ -208,7 +213,7 @@ def run(args) -> int:
     if res["dropped"]:
         on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
     print(f"{res['metric']} with {options or 'the trained options'}{on}: own draw {num(res['own'])}, "
-          f"fresh draws {fresh or 'none'} (mean {num(res['fresh_mean'])} ± {num(res['fresh_std'])}), exact {num(res['exact'])}")
+          f"fresh draws {fresh or 'none'} (mean {mean_and_spread(res['fresh_mean'], res['fresh_std'])}), exact {num(res['exact'])}")
     if args.out:
         from flt._io import atomic_write_text
 

@@ -54,7 +54,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lr", type=float, help="Adam learning rate (default 1e-3)")
     p.add_argument("--eval-every", type=int, help="epochs between PSNR evaluations")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", help="one fit per value of an encoding option or of dim")
-    p.add_argument("--seed", type=int, default=0, help="seed of the networks and of random encodings (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the networks and of random encodings, a non-negative integer (default: 0)")
     p.add_argument("--dtype", choices=("float32", "float64"), help="default float32")
     p.add_argument("--out-dir", help="run directory (default: runs/fit-TASK-POSENC[-sweep-KEY])")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
@@ -100,6 +100,7 @@ def config_from_args(args):
 def run(args) -> int:
     import torch
 
+    from flt.commands.outputs import check_output_dir, plots_available
     from flt.fit.run import parse_sweep, run_fit, run_sweep
     from flt.options import run_label
 
@@ -107,11 +108,15 @@ def run(args) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.seed < 0:
+        raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
     config = config_from_args(args)
     sweep = parse_sweep(args.sweep) if args.sweep else None
     label = run_label(args.posenc) + (f"-sweep-{run_label(sweep[0])}" if sweep else "")
     out_dir = args.out_dir or os.path.join("runs", f"fit-{args.task}-{label}")
-    kwargs = {"device": args.device, "progress": not args.no_progress, "plots": not args.no_plots,
+    check_output_dir(out_dir)
+    plots = not args.no_plots and plots_available("fit", extra="vision")
+    kwargs = {"device": args.device, "progress": not args.no_progress, "plots": plots,
               "say": lambda text: print(text, file=sys.stdout, flush=True)}
     try:
         if sweep is None:

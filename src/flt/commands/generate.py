@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import math
 
 
 def add_parser(subparsers) -> None:
@@ -25,21 +26,40 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="sample from the k most likely tokens; 0 = all (default: 40)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, a non-negative integer (default: 0)")
     p.add_argument("--recompute", action="store_true", help="recompute the context each step instead of the recurrent state")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
-    from flt.train import load_checkpoint_model
-    from flt.train.distributed import resolve_device
-
+def check_arguments(args) -> None:
+    """Refuse values that would fail (or sample garbage) only once the model is loaded."""
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+
+
+def run(args) -> int:
+    from flt.commands.outputs import check_run_path
+
+    check_arguments(args)
+    check_run_path(args.checkpoint)
+    import torch
+
+    from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
+    from flt.train import load_checkpoint_model
+    from flt.train.distributed import resolve_device
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, meta = load_checkpoint_model(args.checkpoint, device=device)
     task = meta["model"].get("task")

@@ -67,7 +67,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field (repeatable)")
     p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help="RunConfig field (repeatable)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="data loader option (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order, noise and the order of decisions (default: 0)")
+    p.add_argument("--seed", type=int, help="seed of initialisation, data order, noise and the order of decisions, a non-negative "
+                   "integer (default: the preset's, 0; the same as --run-opt seed=N)")
     p.add_argument("--out-dir", help="search directory (default: runs/search-TASK-PRESET-sSEED)")
     p.add_argument("--resume", action="store_true", help="continue the search in --out-dir from its latest checkpoint, with the same options")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
@@ -105,6 +106,7 @@ def build(args):
 def run(args) -> int:
     import torch
 
+    from flt.commands.outputs import check_output_dir, plots_available
     from flt.search import SearchInterrupted, search
 
     if args.threads is not None:
@@ -112,9 +114,12 @@ def run(args) -> int:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
     preset, config = build(args)
-    out_dir = args.out_dir or os.path.join("runs", f"search-{args.task}-{args.preset}-s{args.seed}")
+    out_dir = args.out_dir or os.path.join("runs", f"search-{args.task}-{args.preset}-s{preset.run.seed}")
+    check_output_dir(out_dir)
+    args.out_dir = out_dir  # named in the error of a failed write
+    plots = not args.no_plots and plots_available("search")
     try:
-        search(preset, config, out_dir, resume=args.resume, device=args.device, plots=not args.no_plots,
+        search(preset, config, out_dir, resume=args.resume, device=args.device, plots=plots,
                say=lambda text: print(text, flush=True))
     except SearchInterrupted as stop:
         argv = getattr(args, "argv", None)

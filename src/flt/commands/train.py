@@ -129,7 +129,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--arch-select", default="perturbation", choices=("perturbation", "magnitude"),
                    help="which choice of --arch to train (default: perturbation)")
     add_config_arguments(p)
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and noise (default: 0)")
+    p.add_argument("--seed", type=int, help="seed of initialisation, data order and noise, a non-negative integer "
+                   "(default: the preset's, 0; the same as --run-opt seed=N)")
     p.add_argument("--out-dir", help="run directory (default: runs/TASK-ATTENTION-PRESET-sSEED)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint, "
                    "with the same options; a larger --steps extends it (the remaining steps follow the learning-rate "
@@ -197,8 +198,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
             run_changes[name] = getattr(args, name)
     if run_changes.get("init_from") is not None:  # recorded absolute, so --resume works from anywhere
         run_changes["init_from"] = os.path.abspath(run_changes["init_from"])
-    if getattr(args, "seed", None) is not None:
-        run_changes["seed"] = args.seed
+    _merge_seed(args, run_changes)
     run_cfg = replace_fields(preset.run, **run_changes)
     flags = ["--data-opt", *data_flags]
     if args.data is not None:
@@ -206,6 +206,19 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
         flags.insert(1, "--data")
     data = change_data(args.task, preset.data, data_changes, "/".join(flags))
     return Preset(preset.task, model, run_cfg, data)
+
+
+def _merge_seed(args, run_changes: dict) -> None:
+    """Put ``--seed`` into the ``--run-opt`` changes: given both, they must agree (a
+    default never overrides an explicit ``--run-opt seed=N``), and a seed is never negative."""
+    seed = getattr(args, "seed", None)
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"--seed must be a non-negative integer, got {seed!r}")
+    if "seed" in run_changes and run_changes["seed"] != seed:
+        raise ValueError(f"--seed {seed} contradicts --run-opt seed={run_changes['seed']!r}; give the seed once")
+    run_changes["seed"] = seed
 
 
 def launcher() -> list[str] | None:
@@ -284,6 +297,7 @@ def run(args) -> int:
         return 0
     import torch
 
+    from flt.commands.outputs import check_output_dir, plots_available
     from flt.train import train
     from flt.train.loop import TrainingInterrupted
 
@@ -300,13 +314,17 @@ def run(args) -> int:
         name, options = parse_attention(attention)
         preset = preset_from_args(args, name, options, options_source=f"--attention {attention.strip()}")
         label = run_label(attention)
-    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{label}-{args.preset}-s{args.seed}")
+    out_dir = args.out_dir or os.path.join("runs", f"{args.task}-{label}-{args.preset}-s{preset.run.seed}")
+    check_output_dir(out_dir)
+    args.out_dir = out_dir  # named in the error of a failed write
+    # Checked now, not when the finished run writes its plots.
+    plots = not args.no_plots and plots_available("train")
     # --resume without --steps continues to the run's own budget, an extended one too.
     steps_given = args.steps is not None or "steps" in parse_assignments(args.run_opt, "--run-opt")
     try:
         train(
             preset, out_dir, resume=args.resume, device=args.device, progress=not args.no_progress,
-            plots=not args.no_plots, deterministic=args.deterministic, keep_steps=args.resume and not steps_given,
+            plots=plots, deterministic=args.deterministic, keep_steps=args.resume and not steps_given,
         )
     except TrainingInterrupted as stop:
         # Ctrl-C: one line instead of a traceback; only the main process speaks.

@@ -103,7 +103,9 @@ def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
     try:
         from sklearn.datasets import load_digits as sk_load_digits
     except ImportError as e:
-        raise ImportError("load_digits needs scikit-learn: pip install flt[train]") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"load_digits needs scikit-learn: {install_hint('train')}") from e
     bunch = sk_load_digits()
     x = (np.asarray(bunch.images, dtype=np.float64) / 16.0)[:, None]
     y = np.asarray(bunch.target, dtype=np.int64)
@@ -250,7 +252,9 @@ def _import_pil():
     try:
         from PIL import Image
     except ImportError as e:
-        raise ImportError("load_image_folder needs Pillow: pip install flt[train] (or pip install pillow)") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"load_image_folder needs Pillow: {install_hint('train')} (or pip install pillow)") from e
     return Image
 
 

@@ -69,7 +69,9 @@ def _import_ase():
     try:
         import ase  # noqa: F401
     except ImportError as e:
-        raise ImportError("this loader needs ASE: pip install flt[mol]") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"this loader needs ASE: {install_hint('mol')}") from e
 
 
 class MoleculeBatch(NamedTuple):
@@ -292,7 +294,9 @@ def generate_catalysis(
         try:
             from tqdm import tqdm
         except ImportError as e:
-            raise ImportError("progress=True needs tqdm: pip install flt[train], or pass progress=False") from e
+            from flt._extras import install_hint
+
+            raise ImportError(f"progress=True needs tqdm: {install_hint('train')}, or pass progress=False") from e
         indices = tqdm(indices, desc="generating catalysis structures (EMT)", unit="struct")
     clean: dict = {}
     atom_e: dict = {}

@@ -42,7 +42,9 @@ def _skimage():
         import skimage
         import skimage.io
     except ImportError as e:
-        raise ImportError("images need scikit-image: pip install flt[vision]") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"images need scikit-image: {install_hint('vision')}") from e
     return skimage
 
 

@@ -18,7 +18,9 @@ def _figure(width: float, height: float, dpi: int = 110):
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError("plots need matplotlib: pip install flt[vision], or pass --no-plots") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"plots need matplotlib: {install_hint('vision')}, or pass --no-plots") from e
     return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
 
 

@@ -7,7 +7,7 @@ integer node ``labels [N]`` (the community of each node on Communities). Its nod
 are one constant channel (:meth:`Graph.features`), as in the featureless setting of P-GNN
 (You et al. 2019), so that nothing but the structure tells nodes apart.
 
-The generators need ``networkx`` (``pip install flt[graph]``); the loader does not.
+The generators need ``networkx`` (the ``graph`` extra); the loader does not.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def _import_networkx():
     try:
         import networkx
     except ImportError as e:
-        raise ImportError("the graph generators need networkx: pip install flt[graph]") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"the graph generators need networkx: {install_hint('graph')}") from e
     return networkx
 
 
@@ -219,8 +221,10 @@ def load_pyg(path, *, name: str | None = None) -> Graph:
         with torch.serialization.safe_globals(_pyg_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (pickle raises many types; all mean "not a usable file")
+        # An empty file fails with an empty message: say so rather than index into nothing.
+        why = (str(e).splitlines() or [f"{type(e).__name__} (the file is {os.path.getsize(path)} bytes)"])[0]
         raise DataError(f"{path} is not a torch.save file of a PyG Data object or dict that loads with weights_only=True: "
-                        f"{str(e).splitlines()[0]}") from None
+                        f"{why}") from None
     fields = obj.to_dict() if hasattr(obj, "to_dict") and not isinstance(obj, dict) else obj
     if not isinstance(fields, dict) or "edge_index" not in fields:
         raise DataError(f"{path} holds a {type(obj).__name__} without 'edge_index'; expected a PyG Data object or a dict with edge_index [2, E]")

@@ -46,7 +46,9 @@ def _import_pyg():
     try:
         import torch_geometric.nn as pyg_nn
     except ImportError as e:
-        raise ImportError("the GCN / GraphSAGE / GAT / GIN baselines need torch_geometric: pip install flt[graph]") from e
+        from flt._extras import install_hint
+
+        raise ImportError(f"the GCN / GraphSAGE / GAT / GIN baselines need torch_geometric: {install_hint('graph')}") from e
     return pyg_nn
 
 

@@ -24,6 +24,9 @@ def read_search(path: str) -> dict[str, Any]:
         raise ValueError(f"--arch: {path} is not valid JSON: {e}") from None
     if not isinstance(data, dict) or data.get("format") != "flt-search-1":
         raise ValueError(f"--arch: {path} is not a search.json written by flt search")
+    missing = [key for key in ("task", "candidates") if key not in data]
+    if missing:
+        raise ValueError(f"--arch: {path} lacks {', '.join(map(repr, missing))}; a search.json written by flt search has them")
     if not data.get("complete"):
         raise ValueError(f"--arch: the search in {path} has not decided every layer yet; finish it with flt search --resume")
     return data

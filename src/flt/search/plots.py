@@ -25,11 +25,18 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
         xs = list(range(len(labels)))
         removed = [entry["removed"].get(label, float("nan")) for label in labels]
         colours = ["tab:red" if label == entry["chosen"] else "tab:gray" for label in labels]
-        top.bar(xs, removed, color=colours)
+        # Points on stems from the metric with nothing removed: a stem's length is the
+        # effect of the removal. Bars would need to start at 0, where differences of a
+        # few thousandths would not show; bars cut off near the data exaggerate them.
         top.axhline(entry["metric"], color="black", lw=1, ls="--", label="nothing removed")
+        top.vlines(xs, entry["metric"], removed, colors=colours, lw=2)
+        top.scatter(xs, removed, color=colours, zorder=3)
+        for x, value in zip(xs, removed):
+            top.annotate(f"{value:.4g}", (x, value), textcoords="offset points", xytext=(5, 0), va="center", fontsize=7)
         lo, hi = min(removed + [entry["metric"]]), max(removed + [entry["metric"]])
-        pad = 0.1 * (hi - lo) or 0.05 * abs(hi) or 0.1
+        pad = 0.15 * (hi - lo) or 0.05 * abs(hi) or 0.1
         top.set_ylim(lo - pad, hi + pad)
+        top.set_xlim(-0.5, len(labels) - 0.5)
         top.set_title(f"{title}: chose {entry['chosen']}", fontsize=8)
         # The weights magnitude selection read (end of the supernet phase), not those at the decision.
         alpha = end if end else [entry["alpha"].get(label, float("nan")) for label in labels]

@@ -155,8 +155,21 @@ def draw_gap(
     }
 
 
+def mean_and_spread(mean: float | None, std: float | None) -> str:
+    """``"0.2386 ± 0.0394"``: the mean to 4 significant digits and the spread to as many
+    decimals, so that the spread shows no digits the mean does not have."""
+    num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
+    if mean is None or std is None or not (math.isfinite(mean) and math.isfinite(std)):
+        return f"{num(mean)} ± {num(std)}"
+    text = f"{mean:#.4g}".rstrip(".")  # '#' keeps trailing zeros: 0.3000, not 0.3
+    if "e" in text:
+        return f"{text} ± {std:.2g}"
+    decimals = len(text.partition(".")[2])
+    return f"{text} ± {std:.{decimals}f}"
+
+
 def format_draw_gap(gap: dict[str, Any], metric: str, fresh: int = FRESH_DRAWS) -> str:
     """One line for the end of ``flt train``."""
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
-    return (f"draw gap ({metric}): own draw {num(gap['own'])}, fresh draws {num(gap['fresh_mean'])} "
-            f"± {num(gap['fresh_std'])} (n={fresh}), exact {num(gap['exact'])}")
+    return (f"draw gap ({metric}): own draw {num(gap['own'])}, fresh draws {mean_and_spread(gap['fresh_mean'], gap['fresh_std'])} "
+            f"(n={fresh}), exact {num(gap['exact'])}")
