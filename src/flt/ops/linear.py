@@ -12,6 +12,7 @@ depends, not even through rounding or underflow, on a key after it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -147,7 +148,29 @@ def _read(qf, a, state):
     return (qf.unsqueeze(-2) @ t).squeeze(-2)
 
 
+def full_precision(x: torch.Tensor, signed: bool):
+    """The context the sums over keys run in: autocast off (so in the features' float32 or
+    better) for signed weights (``signed``: the Kronecker coupling) and under float16
+    autocast; otherwise a no-op, leaving bfloat16 autocast its fast products.
+
+    Why (docs/math.md section 4, "Conditioning"): the signed mask's row sums cancel, so a
+    bfloat16 rounding of the features or the state (``2^-9``) is amplified by the
+    denominator's condition number; and float16 overflows in the state, a sum of ``N``
+    values (``65504`` is ``4096`` keys times values of ``16``). Positive weights in
+    bfloat16 (plain linear attention, the logit coupling) keep its relative precision.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and (signed or torch.get_autocast_dtype(device) == torch.float16):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+    with full_precision(qf, a is not None):
+        return _attend_sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size)
+
+
+def _attend_sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
     if chunk_size is None:
         two_r = 1 if a is None else a.shape[-1]
         chunk_size = causal_chunk_size(qf.shape[-1], two_r, v.shape[-1]) if causal else DEFAULT_CHUNK_SIZE
@@ -162,8 +185,9 @@ def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
         out = _causal_chunked(qf, kf, v, a, c, kls, chunk_size)
     else:
         out = _bidirectional(qf, kf, v, a, c, kls, chunk_size)
-    # Under autocast the products come back in bfloat16 / float16 (accumulated in float32
-    # by the matmul kernels): the numerator and the normaliser are divided in ``dtype``.
+    # Under bfloat16 autocast (plain linear attention only, see full_precision) the products
+    # come back in bfloat16 (accumulated in float32 by the matmul kernels): the numerator
+    # and the normaliser are divided in ``dtype``.
     out = out.to(dtype)
     return safe_divide(out[..., :-1], out[..., -1:])
 
@@ -344,6 +368,11 @@ def recurrent_step(q_feat, k_feat, v, state: RecurrentState | None = None, *, a=
     check_tensor("v", v, ndim=3, layout="[B, H, Dv]")
     if (a is None) != (c is None):
         raise ValueError("a and c must be given together")
+    with full_precision(q_feat, a is not None):
+        return _step(q_feat, k_feat, v, state, a, c, key_log_scale)
+
+
+def _step(q_feat, k_feat, v, state, a, c, key_log_scale):
     B, H, m = k_feat.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(torch.promote_types(q_feat.dtype, k_feat.dtype), v.dtype)
