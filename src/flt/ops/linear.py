@@ -165,12 +165,39 @@ def full_precision(x: torch.Tensor, signed: bool):
     return contextlib.nullcontext()
 
 
+def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+    """How much the multiplicative coupling's row sums cancel: ``[B, H, N]``, at least 1.
+
+    ``kappa_i = |a_i| sum_j |c_j| w_ij / |sum_j (a_i.c_j) w_ij|`` with ``w_ij = qf_i.kf_j
+    exp(s_j)`` over the keys row ``i`` sees (``j <= i`` when ``causal``): an upper bound of the
+    condition number ``sum_j |W_ij| / |sum_j W_ij|`` of row ``i``'s denominator, since
+    ``|a_i.c_j| <= |a_i| |c_j|``. A relative perturbation ``u`` of the features (rounding)
+    can move row ``i``'s output by about ``kappa_i u`` relative to its size. Rows with a zero
+    denominator get ``inf``. Both sums are the denominators of :func:`flt_attention` and of
+    plain linear attention on the features ``|a_i| qf_i``, ``|c_j| kf_j`` (no values):
+    ``O(N 2R m)``, ``1 / (Dv + 1)`` of :func:`flt_attention`. docs/math.md section 4.
+
+    Args: as :func:`flt_attention`, without ``v``.
+    """
+    _check_features(q_feat, k_feat, q_feat[..., :0], a, c, key_log_scale)
+    none = q_feat[..., :0]  # Dv = 0: the sums are the denominators alone
+    with full_precision(q_feat, True):
+        den = _sums(q_feat, k_feat, none, a, c, causal, key_log_scale, chunk_size)[..., 0]
+        qa = q_feat * a.norm(dim=-1, keepdim=True).to(q_feat.dtype)
+        kc = k_feat * c.norm(dim=-1, keepdim=True).to(k_feat.dtype)
+        bound = _sums(qa, kc, none, None, None, causal, key_log_scale, chunk_size)[..., 0]
+    ratio = bound / den.abs()
+    return torch.where(den == 0, torch.full_like(ratio, float("inf")), ratio)
+
+
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
     with full_precision(qf, a is not None):
-        return _attend_sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size)
+        out = _sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size)
+    return safe_divide(out[..., :-1], out[..., -1:])
 
 
-def _attend_sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+def _sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+    """``[numerator, denominator]`` of every query, ``[B, H, N, Dv + 1]``, in the promoted dtype."""
     if chunk_size is None:
         two_r = 1 if a is None else a.shape[-1]
         chunk_size = causal_chunk_size(qf.shape[-1], two_r, v.shape[-1]) if causal else DEFAULT_CHUNK_SIZE
@@ -188,8 +215,7 @@ def _attend_sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
     # Under bfloat16 autocast (plain linear attention only, see full_precision) the products
     # come back in bfloat16 (accumulated in float32 by the matmul kernels): the numerator
     # and the normaliser are divided in ``dtype``.
-    out = out.to(dtype)
-    return safe_divide(out[..., :-1], out[..., -1:])
+    return out.to(dtype)
 
 
 def _bidirectional(qf, kf, v, a, c, kls, chunk_size):

@@ -116,6 +116,19 @@ class Spectrum(RelativeTerm):
         self._learn_shift = shift
         self.shift = None
 
+    def _apply(self, fn, recurse=True):
+        # Parameters and draws stay in float32 when the module is cast to a half type: the
+        # gradient of a frequency, sum_n 2 pi r_n dL/dphase_n, grows with the positions and
+        # overflows float16 (65504) from about a thousand tokens on. They are a few numbers.
+        super()._apply(fn, recurse)
+        for tensors in (self._parameters, self._buffers):
+            for t in tensors.values():
+                if t is not None and t.dtype in (torch.float16, torch.bfloat16):
+                    t.data = t.data.float()
+                    if t.grad is not None:
+                        t.grad = t.grad.float()
+        return self
+
     @classmethod
     def check_options(cls, options: dict) -> None:
         """Refuse option values that this family cannot take whatever their type (the option
