@@ -157,3 +157,10 @@ def test_check_condition_false_silences_the_warning(one_thread):
     with torch.no_grad():
         _, warned = run(layer, x, autocast=torch.bfloat16)
     assert not warned
+
+
+def test_kronecker_condition_of_rows_without_keys_is_one():
+    qf = torch.rand(1, 1, 4, 3, dtype=torch.float64)
+    kf = torch.zeros(1, 1, 4, 3, dtype=torch.float64)  # every key padded (zero features)
+    a = c = torch.randn(1, 1, 4, 2, dtype=torch.float64)
+    assert_close(kronecker_condition(qf, kf, a, c), torch.ones(1, 1, 4, dtype=torch.float64))

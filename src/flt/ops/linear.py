@@ -172,8 +172,9 @@ def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_s
     exp(s_j)`` over the keys row ``i`` sees (``j <= i`` when ``causal``): an upper bound of the
     condition number ``sum_j |W_ij| / |sum_j W_ij|`` of row ``i``'s denominator, since
     ``|a_i.c_j| <= |a_i| |c_j|``. A relative perturbation ``u`` of the features (rounding)
-    can move row ``i``'s output by about ``kappa_i u`` relative to its size. Rows with a zero
-    denominator get ``inf``. Both sums are the denominators of :func:`flt_attention` and of
+    can move row ``i``'s output by about ``kappa_i u`` relative to its size. Rows whose
+    denominator cancels to exactly zero get ``inf``; rows without any weight (every key
+    padded) get 1. Both sums are the denominators of :func:`flt_attention` and of
     plain linear attention on the features ``|a_i| qf_i``, ``|c_j| kf_j`` (no values):
     ``O(N 2R m)``, ``1 / (Dv + 1)`` of :func:`flt_attention`. docs/math.md section 4.
 
@@ -186,8 +187,8 @@ def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_s
         qa = q_feat * a.norm(dim=-1, keepdim=True).to(q_feat.dtype)
         kc = k_feat * c.norm(dim=-1, keepdim=True).to(k_feat.dtype)
         bound = _sums(qa, kc, none, None, None, causal, key_log_scale, chunk_size)[..., 0]
-    ratio = bound / den.abs()
-    return torch.where(den == 0, torch.full_like(ratio, float("inf")), ratio)
+    ratio = torch.where(den == 0, torch.full_like(bound, float("inf")), bound / den.abs())
+    return torch.where(bound == 0, torch.ones_like(ratio), ratio)
 
 
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
