@@ -95,9 +95,10 @@ class FLTAttention(KernelAttention):
             (``max_distance`` defaults to ``near_field``; its output scale is learned, as
             for softmax's tables). Only its exact values are used, so it needs no features.
         near_relative_options: keyword options of that term.
-        check_condition: with the multiplicative coupling, warn when the row sums cancel so
-            much that rounding can change outputs by more than 0.1% (:meth:`check_conditioning`;
-            default on, one extra ``O(N 2R m)`` pass per call).
+        check_condition: with the multiplicative coupling, warn (:class:`ConditioningWarning`)
+            when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
+            float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
+            on: one extra ``O(N 2R m)`` pass and one host synchronisation per forward call).
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -231,12 +232,11 @@ class FLTAttention(KernelAttention):
         output by about ``kappa u`` of its size. The warning fires when ``kappa`` exceeds
         ``max(CONDITION_LIMIT, 1e-4 / u)`` (1700 in float32: rounding can then reach
         ``1e-4`` of an output) or ``1 / u`` (256 in bfloat16: rounding alone can then swamp
-        an output). Far from
-        the query the random-feature mask ``f^`` does not decay but oscillates around 0
-        with an amplitude of about ``f(0) / sqrt(R)``, so over many keys the row sums
-        cancel, more so as ``N`` grows (docs/math.md section 4, "Conditioning"). One extra
-        pass of ``O(N 2R m)`` and one host synchronisation per call;
-        ``check_condition=False`` turns it off.
+        an output). Far from the query the random-feature mask ``f^`` does not decay but
+        oscillates around 0 with an amplitude of about ``f(0) / sqrt(R)``, so over many
+        keys the row sums cancel, more so as ``N`` grows (docs/math.md section 4,
+        "Conditioning"). One extra pass of ``O(N 2R m)`` and one host synchronisation per
+        call (``forward``, ``prefill``; not ``step``); ``check_condition=False`` turns it off.
         """
         with torch.no_grad():
             kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import autocast_dtype
 from flt.ops._common import safe_divide
 
 #: Block size of the bidirectional Kronecker path (and the length below which it forms the
@@ -154,14 +155,14 @@ def full_precision(x: torch.Tensor, signed: bool):
     autocast; otherwise a no-op, leaving bfloat16 autocast its fast products.
 
     Why (docs/math.md section 4, "Conditioning"): the signed mask's row sums cancel, so a
-    bfloat16 rounding of the features or the state (``2^-9``) is amplified by the
+    bfloat16 rounding of the features or the state (``2^-8``) is amplified by the
     denominator's condition number; and float16 overflows in the state, a sum of ``N``
     values (``65504`` is ``4096`` keys times values of ``16``). Positive weights in
     bfloat16 (plain linear attention, the logit coupling) keep its relative precision.
     """
-    device = x.device.type
-    if torch.is_autocast_enabled(device) and (signed or torch.get_autocast_dtype(device) == torch.float16):
-        return torch.autocast(device, enabled=False)
+    lowered = autocast_dtype(x.device.type)
+    if lowered is not None and (signed or lowered == torch.float16):
+        return torch.autocast(x.device.type, enabled=False)
     return contextlib.nullcontext()
 
 
