@@ -15,20 +15,31 @@ The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (se
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_choice, check_nonnegative_int
+from flt._checks import check_choice, check_nonnegative_int, compiling
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import band_prefill, band_step
 from flt.layers.base import batch_shared, regular_step
 from flt.layers.kernel import KernelAttention, KernelFeatures
 from flt.ops.band import band_attention, band_attention_reference
+from flt.ops.linear import kronecker_condition
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
 from flt.spectra import SPECTRA
 
 COUPLINGS = ("logit", "multiplicative")
+
+#: The multiplicative coupling warns when the bound on its row condition numbers exceeds
+#: this, or ``1 / u`` for inputs of unit roundoff ``u`` (:meth:`FLTAttention.check_conditioning`).
+CONDITION_LIMIT = 1000.0
+
+
+class ConditioningWarning(RuntimeWarning):
+    """The multiplicative coupling's row sums cancel so much that rounding changes outputs."""
 
 
 class FLTAttention(KernelAttention):
@@ -90,6 +101,10 @@ class FLTAttention(KernelAttention):
             and its ``f_near``, if one is set: the local + linear hybrid); with the
             multiplicative coupling only the near set carries weight (a cutoff model), so
             it needs ``near_neighbors``. The spectrum's parameters stay in the state dict.
+        check_condition: with the multiplicative coupling, warn (:class:`ConditioningWarning`)
+            when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
+            float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
+            on: one extra ``O(N 2R m)`` pass and one host synchronisation per forward call).
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -122,6 +137,7 @@ class FLTAttention(KernelAttention):
         near_relative: str | None = None,
         near_relative_options: dict | None = None,
         far_field: bool = True,
+        check_condition: bool = True,
         device=None,
         dtype=None,
         **spectrum_options,
@@ -141,6 +157,9 @@ class FLTAttention(KernelAttention):
             chunk_size=chunk_size, device=device, dtype=dtype,
         )
         self.coupling = coupling
+        if not isinstance(check_condition, bool):
+            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
+        self.check_condition = check_condition
         spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
         self.spectrum = SPECTRA[spectrum](
             heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
@@ -222,6 +241,48 @@ class FLTAttention(KernelAttention):
         """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``); zeros with ``far_field=False``."""
         f = self.spectrum.mask(delta)
         return f if self.far_field else torch.zeros_like(f)
+
+    def attend_features(self, f: KernelFeatures, p, *, reference: bool = False) -> torch.Tensor:
+        out = super().attend_features(f, p, reference=reference)
+        if f.a is not None and self.check_condition and not reference and not compiling():
+            self.check_conditioning(f, p)
+        return out
+
+    def check_conditioning(self, f: KernelFeatures, p) -> float:
+        """Warn (:class:`ConditioningWarning`) when rounding can visibly change the
+        multiplicative coupling's output; returns ``kappa``.
+
+        ``kappa`` is the largest row condition number of the denominators, bounded above
+        by :func:`flt.ops.linear.kronecker_condition` (measured 8 to 15 times the true
+        value): a relative rounding ``u`` of the projected queries, keys and values
+        (bfloat16 under bfloat16 autocast, float16 for a half layer) can move a row's
+        output by about ``kappa u`` of its size. The warning fires when ``kappa`` exceeds
+        ``max(CONDITION_LIMIT, 1e-4 / u)`` (1700 in float32: rounding can then reach
+        ``1e-4`` of an output) or ``1 / u`` (256 in bfloat16: rounding alone can then swamp
+        an output). Far from the query the random-feature mask ``f^`` does not decay but
+        oscillates around 0 with an amplitude of about ``f(0) / sqrt(R)``, so over many
+        keys the row sums cancel, more so as ``N`` grows (docs/math.md section 4,
+        "Conditioning"). One extra pass of ``O(N 2R m)`` and one host synchronisation per
+        call (``forward``, ``prefill``; not ``step``); ``check_condition=False`` turns it off.
+        """
+        with torch.no_grad():
+            kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,
+                                        chunk_size=self.chunk_size)
+        worst = float(kappa.max())
+        precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
+        roundoff = torch.finfo(precision).eps / 2
+        limit = min(1 / roundoff, max(CONDITION_LIMIT, 1e-4 / roundoff))
+        if worst > limit:
+            change = "all" if worst * roundoff >= 1 else f"about {worst * roundoff:.1e}"
+            warnings.warn(
+                f"FLTAttention(coupling='multiplicative'): the signed mask's row sums cancel over these "
+                f"{kappa.shape[-1]} tokens (condition number up to {worst:.3g}, limit {limit:.3g}), so rounding the {str(precision).removeprefix('torch.')} "
+                f"projections (u = {roundoff:.1e}) can change some outputs by {change} of their size. Use float32 "
+                f"for this layer (no autocast), more num_frequencies, shorter sequences, or coupling='logit' (positive "
+                f"weights); check_condition=False silences this.",
+                ConditioningWarning, stacklevel=4,
+            )
+        return worst
 
     def features(self, q, k, pos) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""

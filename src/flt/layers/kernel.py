@@ -16,7 +16,7 @@ from flt._checks import check_positive_int
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
-from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, linear_attention, recurrent_step
+from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, full_precision, linear_attention, recurrent_step
 from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
 from flt.posenc.rope import apply_rope
 
@@ -219,6 +219,11 @@ def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None = No
     :func:`flt.ops.linear.recurrent_step` accumulates token by token, in one sum over ``N``
     relative to the largest key log scale (in chunks of ``chunk_size`` tokens, which bounds
     the ``[chunk, 2R, m]`` products of the multiplicative coupling)."""
+    with full_precision(f.k, f.c is not None):
+        return _linear_state(f, v, chunk_size)
+
+
+def _linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None) -> RecurrentState:
     kf = f.k
     B, H, N, m = kf.shape
     dtype = torch.promote_types(torch.promote_types(f.q.dtype, kf.dtype), v.dtype)

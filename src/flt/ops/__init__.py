@@ -27,7 +27,7 @@ from flt.ops.features import (
     taylor_features,
     taylor_kernel,
 )
-from flt.ops.linear import RecurrentState, flt_attention, linear_attention, recurrent_step
+from flt.ops.linear import RecurrentState, flt_attention, kronecker_condition, linear_attention, recurrent_step
 from flt.ops.softmax import BACKENDS as SOFTMAX_BACKENDS
 from flt.ops.softmax import flex_attention_available, softmax_attention
 from flt.ops.toeplitz import fft_length, toeplitz_attention, toeplitz_attention_reference, toeplitz_matrix, toeplitz_matvec
@@ -53,6 +53,7 @@ __all__ = [
     "flt_attention",
     "flt_attention_reference",
     "gaussian_orthogonal_random_matrix",
+    "kronecker_condition",
     "linear_attention",
     "linear_attention_reference",
     "recurrent_step",

@@ -12,6 +12,7 @@ depends, not even through rounding or underflow, on a key after it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from flt._checks import check_positive_int, check_tensor
+from flt._dtype import autocast_dtype
 from flt.ops._common import safe_divide
 
 #: Block size of the bidirectional Kronecker path (and the length below which it forms the
@@ -147,7 +149,57 @@ def _read(qf, a, state):
     return (qf.unsqueeze(-2) @ t).squeeze(-2)
 
 
+def full_precision(x: torch.Tensor, signed: bool):
+    """The context the sums over keys run in: autocast off (so in the features' float32 or
+    better) for signed weights (``signed``: the Kronecker coupling) and under float16
+    autocast; otherwise a no-op, leaving bfloat16 autocast its fast products.
+
+    Why (docs/math.md section 4, "Conditioning"): the signed mask's row sums cancel, so a
+    bfloat16 rounding of the features or the state (``2^-8``) is amplified by the
+    denominator's condition number; and float16 overflows in the state, a sum of ``N``
+    values (``65504`` is ``4096`` keys times values of ``16``). Positive weights in
+    bfloat16 (plain linear attention, the logit coupling) keep its relative precision.
+    """
+    lowered = autocast_dtype(x.device.type)
+    if lowered is not None and (signed or lowered == torch.float16):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+    """How much the multiplicative coupling's row sums cancel: ``[B, H, N]``, at least 1.
+
+    ``kappa_i = |a_i| sum_j |c_j| w_ij / |sum_j (a_i.c_j) w_ij|`` with ``w_ij = qf_i.kf_j
+    exp(s_j)`` over the keys row ``i`` sees (``j <= i`` when ``causal``): an upper bound of the
+    condition number ``sum_j |W_ij| / |sum_j W_ij|`` of row ``i``'s denominator, since
+    ``|a_i.c_j| <= |a_i| |c_j|``. A relative perturbation ``u`` of the features (rounding)
+    can move row ``i``'s output by about ``kappa_i u`` relative to its size. Rows whose
+    denominator cancels to exactly zero get ``inf``; rows without any weight (every key
+    padded) get 1. Both sums are the denominators of :func:`flt_attention` and of
+    plain linear attention on the features ``|a_i| qf_i``, ``|c_j| kf_j`` (no values):
+    ``O(N 2R m)``, ``1 / (Dv + 1)`` of :func:`flt_attention`. docs/math.md section 4.
+
+    Args: as :func:`flt_attention`, without ``v``.
+    """
+    _check_features(q_feat, k_feat, q_feat[..., :0], a, c, key_log_scale)
+    none = q_feat[..., :0]  # Dv = 0: the sums are the denominators alone
+    with full_precision(q_feat, True):
+        den = _sums(q_feat, k_feat, none, a, c, causal, key_log_scale, chunk_size)[..., 0]
+        qa = q_feat * a.norm(dim=-1, keepdim=True).to(q_feat.dtype)
+        kc = k_feat * c.norm(dim=-1, keepdim=True).to(k_feat.dtype)
+        bound = _sums(qa, kc, none, None, None, causal, key_log_scale, chunk_size)[..., 0]
+    ratio = torch.where(den == 0, torch.full_like(bound, float("inf")), bound / den.abs())
+    return torch.where(bound == 0, torch.ones_like(ratio), ratio)
+
+
 def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+    with full_precision(qf, a is not None):
+        out = _sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size)
+    return safe_divide(out[..., :-1], out[..., -1:])
+
+
+def _sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
+    """``[numerator, denominator]`` of every query, ``[B, H, N, Dv + 1]``, in the promoted dtype."""
     if chunk_size is None:
         two_r = 1 if a is None else a.shape[-1]
         chunk_size = causal_chunk_size(qf.shape[-1], two_r, v.shape[-1]) if causal else DEFAULT_CHUNK_SIZE
@@ -162,10 +214,10 @@ def _attend(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
         out = _causal_chunked(qf, kf, v, a, c, kls, chunk_size)
     else:
         out = _bidirectional(qf, kf, v, a, c, kls, chunk_size)
-    # Under autocast the products come back in bfloat16 / float16 (accumulated in float32
-    # by the matmul kernels): the numerator and the normaliser are divided in ``dtype``.
-    out = out.to(dtype)
-    return safe_divide(out[..., :-1], out[..., -1:])
+    # Under bfloat16 autocast (plain linear attention only, see full_precision) the products
+    # come back in bfloat16 (accumulated in float32 by the matmul kernels): the numerator
+    # and the normaliser are divided in ``dtype``.
+    return out.to(dtype)
 
 
 def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
@@ -344,6 +396,11 @@ def recurrent_step(q_feat, k_feat, v, state: RecurrentState | None = None, *, a=
     check_tensor("v", v, ndim=3, layout="[B, H, Dv]")
     if (a is None) != (c is None):
         raise ValueError("a and c must be given together")
+    with full_precision(q_feat, a is not None):
+        return _step(q_feat, k_feat, v, state, a, c, key_log_scale)
+
+
+def _step(q_feat, k_feat, v, state, a, c, key_log_scale):
     B, H, m = k_feat.shape
     Dv = v.shape[-1]
     dtype = torch.promote_types(torch.promote_types(q_feat.dtype, k_feat.dtype), v.dtype)

@@ -53,7 +53,7 @@ import torch
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
-from flt.ops.linear import DEFAULT_CHUNK_SIZE, _read, _write
+from flt.ops.linear import DEFAULT_CHUNK_SIZE, _read, _write, full_precision
 
 #: Queries per chunk of the neighbour search: the distances of one chunk take ``chunk x N``.
 SEARCH_CHUNK = 256
@@ -221,6 +221,13 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
         key return zeros.
     """
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask)
+    # No float16 products (the sums over keys overflow it), and none in bfloat16 for the
+    # multiplicative form, whose signed row sums cancel (flt.ops.linear.full_precision).
+    with full_precision(xq, near_mask is not None):
+        return _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, dense_below)
+
+
+def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, dense_below):
     B, H, N, _ = xq.shape
     k = idx.shape[-1]
     cdt = compute_dtype(xq, qf, v)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 from torch import nn
 
 from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
@@ -115,6 +116,19 @@ class Spectrum(RelativeTerm):
         self._learn_shift = shift
         self.shift = None
 
+    def _apply(self, fn, recurse=True):
+        # Parameters and draws stay in float32 when the module is cast to a half type: the
+        # gradient of a frequency, sum_n 2 pi r_n dL/dphase_n, grows with the positions and
+        # overflows float16 (65504) from about a thousand tokens on. They are a few numbers.
+        super()._apply(fn, recurse)
+        for tensors in (self._parameters, self._buffers):
+            for t in tensors.values():
+                if t is not None and t.dtype in (torch.float16, torch.bfloat16):
+                    t.data = t.data.float()
+                    if t.grad is not None:
+                        t.grad = t.grad.float()
+        return self
+
     @classmethod
     def check_options(cls, options: dict) -> None:
         """Refuse option values that this family cannot take whatever their type (the option
@@ -157,6 +171,16 @@ class Spectrum(RelativeTerm):
         xi = xi.reshape(H, C, per, P)
         return (2 * math.pi * (xi * shifts.to(xi.dtype).unsqueeze(-2)).sum(-1)).reshape(H, C * per)
 
+    def shifted_turns(self, turns: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+        """``turns - phi / (2 pi)`` reduced to ``[-1/2, 1/2]`` as in :func:`cycles` (``turns``
+        unchanged without shifts): the query side's angles in turns, ``[..., H, R]``, with
+        ``xi`` and ``turns`` in the same (phase) dtype."""
+        phi = self.phases(xi)
+        if phi is None:
+            return turns
+        t = turns - phi / (2 * math.pi)
+        return t - torch.round(t.detach())
+
     def _check_unshifted(self, what: str) -> None:
         if self.shift is not None:
             raise ValueError(
@@ -176,8 +200,11 @@ class Spectrum(RelativeTerm):
     def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
         return self.mask(delta)
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(xi [H, R, P], w [H, R])`` with ``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``."""
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xi [H, R, P], w [H, R])`` with ``f^(Delta) = sum_k w_k cos(2 pi xi_k.Delta)``,
+        computed from the parameters cast to ``dtype`` (default: as they are). :meth:`features`
+        asks for float64: a frequency rounded to float32 moves the phase ``2 pi xi.r`` by
+        ``1e-7 |2 pi xi.r|``, which at ``r = 10^4`` is already ``1e-4`` radians."""
         raise NotImplementedError
 
     # -- shared machinery --------------------------------------------------------------
@@ -221,13 +248,16 @@ class Spectrum(RelativeTerm):
     def estimate(self, delta: torch.Tensor) -> torch.Tensor:
         """The random-feature estimate ``f^(Delta)``: ``[..., P] -> [..., H]``."""
         self._check_points("delta", delta)
-        xi, w = self.frequencies()
         cdt = compute_dtype(delta)
-        phase = 2 * math.pi * torch.einsum("...p,hrp->...hr", delta.to(cdt), xi.to(cdt))
-        phi = self.phases(xi.to(cdt))
-        if phi is not None:
-            phase = phase - phi
-        return (torch.cos(phase) * w.to(cdt)).sum(dim=-1)
+        xi, w = self.precise_frequencies(delta)
+        turns = self.shifted_turns(cycles(delta, xi), xi)  # [..., H, R]
+        return (torch.cos(2 * math.pi * turns.to(cdt)) * w.to(cdt)).sum(dim=-1)
+
+    def precise_frequencies(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`frequencies` in float64 (:func:`phase_dtype` of ``like``'s device), outside
+        autocast: the frequencies that go into phases (:func:`cycles`)."""
+        with torch.autocast(like.device.type, enabled=False):
+            return self.frequencies(phase_dtype(like))
 
     def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Query- and key-side features of positions.
@@ -253,21 +283,28 @@ class Spectrum(RelativeTerm):
             ``d(a . c) / dw_k`` is exact. With shifts the query side's angles are
             ``2 pi xi_k.r - phi_k`` (:meth:`phases`), so ``a_i . c_j = sum_k w_k
             cos(2 pi xi_k.(r_i - r_j) - phi_k)``.
+
+            Precision: the products ``xi_k.r_n`` are formed in float64 from float64
+            frequencies and reduced to whole cycles (:func:`cycles`) before the angle is
+            taken in float32 or better, and autocast never touches them. A phase of
+            ``2 pi xi.r ~ 5000`` radians (``r = 16384`` at the default length scales) in
+            float32 is off by ``3e-4``, the mask by as much, and the signed sums of the
+            multiplicative coupling amplify that (docs/math.md section 4, "Conditioning").
         """
         check_tensor("pos", pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
         if pos.ndim == 2:
             pos = pos.unsqueeze(0)
         self._check_points("pos", pos)
-        xi, w = self.frequencies()
         cdt = compute_dtype(pos)
-        phase = 2 * math.pi * torch.einsum("bnp,hrp->bhnr", pos.to(cdt), xi.to(cdt))
+        xi, w = self.precise_frequencies(pos)
+        turns = rearrange(cycles(pos, xi), "b n h r -> b h n r")
         w = w.to(cdt).unsqueeze(-2)  # [H, 1, R]
         root = w.abs().clamp_min(_WEIGHT_FLOOR / self.num_frequencies).sqrt()
+        phase = 2 * math.pi * turns.to(cdt)
         cos, sin = torch.cos(phase), torch.sin(phase)
         c = torch.cat([root * cos, root * sin], dim=-1)
-        phi = self.phases(xi.to(cdt))
-        if phi is not None:
-            phase = phase - phi.unsqueeze(-2)
+        if self.shift is not None:
+            phase = 2 * math.pi * self.shifted_turns(turns.transpose(1, 2), xi).transpose(1, 2).to(cdt)
             cos, sin = torch.cos(phase), torch.sin(phase)
         a = torch.cat([(w / root) * cos, (w / root) * sin], dim=-1)
         return a, c
@@ -278,6 +315,33 @@ class Spectrum(RelativeTerm):
             f"heads={self.heads}, pos_dim={self.pos_dim}, num_frequencies={self.num_frequencies}, "
             f"sampler={self.sampler!r}{shift}"
         )
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` cast to ``dtype`` (unchanged for None): :meth:`Spectrum.frequencies` casts its
+    parameters first, so that exponentials and products run in that dtype."""
+    return t if dtype is None else t.to(dtype)
+
+
+def phase_dtype(like: torch.Tensor) -> torch.dtype:
+    """float64, the dtype of phase arithmetic, except on devices without it (Apple's MPS),
+    where float32 is the best there is."""
+    return torch.float32 if like.device.type == "mps" else torch.float64
+
+
+def cycles(points: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
+    """``xi_k . x`` less its nearest integer, in ``[-1/2, 1/2]``: ``points [..., P],
+    xi [H, R, P] -> [..., H, R]`` in :func:`phase_dtype` (float64).
+
+    ``cos(2 pi t)`` and ``sin(2 pi t)`` only need ``t`` modulo 1, and after the reduction
+    the angle is at most ``pi``, so casting it to float32 costs one float32 rounding of a
+    number below ``pi``, however large the positions. The reduction is not differentiated
+    (whole cycles are locally constant): gradients are those of ``xi . x``.
+    """
+    dtype = phase_dtype(points)
+    with torch.autocast(points.device.type, enabled=False):
+        t = (points.to(dtype)[..., None, None, :] * xi.to(dtype)).sum(-1)
+    return t - torch.round(t.detach())
 
 
 def positive(raw: torch.Tensor) -> torch.Tensor:

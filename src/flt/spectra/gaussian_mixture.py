@@ -16,7 +16,7 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, inverse_positive, positive
+from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 
 
 class GaussianMixtureSpectrum(Spectrum):
@@ -90,10 +90,11 @@ class GaussianMixtureSpectrum(Spectrum):
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
         return (self.alpha * osc * env).sum(-1)
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         H, C, P = self.mu.shape
         per = self.num_frequencies // C
-        eps = self.eps[..., :P].reshape(H, C, per, P)
-        xi = self.mu.unsqueeze(-2) + self.scales().unsqueeze(-2) * eps  # [H, C, per, P]
-        w = (self.alpha / per).unsqueeze(-1).expand(H, C, per)
+        mu, log_scale, alpha, eps = (as_dtype(t, dtype) for t in (self.mu, self.log_scale, self.alpha, self.eps[..., :P]))
+        eps = eps.reshape(H, C, per, P)
+        xi = mu.unsqueeze(-2) + positive(log_scale).unsqueeze(-2) * eps  # [H, C, per, P]
+        w = (alpha / per).unsqueeze(-1).expand(H, C, per)
         return xi.reshape(H, C * per, P), w.reshape(H, C * per)

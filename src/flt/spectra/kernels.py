@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, inverse_positive, positive
+from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 
 #: Smoothness parameters with closed-form Matern kernels; ``2 nu`` must be an integer
 #: because the chi-square variable is a sum of ``2 nu`` squared base normals.
@@ -117,11 +117,12 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         d2 = (sq * sq).sum(-1).unsqueeze(-1) + (sk * sk).sum(-1).unsqueeze(-2) - 2 * sq @ sk.transpose(-1, -2)
         return self.amplitude.to(cdt).view(1, -1, 1, 1) * torch.exp(-0.5 * d2.clamp(min=0))
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = eps / (2 pi l)`` ``[H, R, P]``, ``w = a / R`` ``[H, R]``."""
         P, R = self.pos_dim, self.num_frequencies
-        xi = self.eps[..., :P] / (2 * math.pi * self.lengths().unsqueeze(-2))
-        w = (self.amplitude / R).unsqueeze(-1).expand(self.heads, R)
+        eps, log_length, amplitude = (as_dtype(t, dtype) for t in (self.eps[..., :P], self.log_length, self.amplitude))
+        xi = eps / (2 * math.pi * positive(log_length).unsqueeze(-2))
+        w = (amplitude / R).unsqueeze(-1).expand(self.heads, R)
         return xi, w
 
 
@@ -208,14 +209,15 @@ class MaternSpectrum(_KernelSpectrum):
             k = (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
         return self.amplitude.to(cdt) * k
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = z / (2 pi l sqrt(u / (2 nu)))`` ``[H, R, P]``, ``w = a / R`` ``[H, R]``."""
         P, R = self.pos_dim, self.num_frequencies
-        z, extra = self.eps[..., :P], self.eps[..., P : P + self.extra_normals]
+        eps, log_length, amplitude = (as_dtype(t, dtype) for t in (self.eps, self.log_length, self.amplitude))
+        z, extra = eps[..., :P], eps[..., P : P + self.extra_normals]
         # u = 0 has probability zero but would give an infinite frequency; keep it finite.
         u = (extra * extra).sum(-1, keepdim=True).clamp_min(torch.finfo(extra.dtype).tiny)
-        xi = z / (2 * math.pi * self.lengths().unsqueeze(-2) * torch.sqrt(u / (2 * self.nu)))
-        w = (self.amplitude / R).unsqueeze(-1).expand(self.heads, R)
+        xi = z / (2 * math.pi * positive(log_length).unsqueeze(-2) * torch.sqrt(u / (2 * self.nu)))
+        w = (amplitude / R).unsqueeze(-1).expand(self.heads, R)
         return xi, w
 
     def extra_repr(self) -> str:

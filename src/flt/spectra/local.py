@@ -19,7 +19,7 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, inverse_positive, positive
+from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 from flt.spectra.kernels import check_amplitude, per_axis
 
 _SQRT2 = math.sqrt(2.0)
@@ -137,7 +137,7 @@ class LocalSpectrum(Spectrum):
         axis = 0.5 * (torch.erfc((d - w) / s) - torch.erfc((d + w) / s))
         return (self.amplitude.to(cdt) * axis.prod(-1)).sum(-1)
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi [H, R, P]`` (window-major), ``w [H, R]``.
 
         Per axis, with ``p = N(0, (2 pi tau)^-2)``, ``p(xi) = sqrt(2 pi) tau exp(-2 pi^2 tau^2 xi^2)``
@@ -152,13 +152,16 @@ class LocalSpectrum(Spectrum):
         """
         H, W, P = self.log_half_width.shape
         per = self.num_frequencies // W
-        eps = self.eps[..., :P].reshape(H, W, per, P)
-        w, tau = self.half_widths().unsqueeze(-2), self.smoothings().unsqueeze(-2)  # [H, W, 1, P]
+        eps, log_w, log_tau, amplitude = (
+            as_dtype(t, dtype) for t in (self.eps[..., :P], self.log_half_width, self.log_smoothing, self.amplitude)
+        )
+        eps = eps.reshape(H, W, per, P)
+        w, tau = positive(log_w).unsqueeze(-2), positive(log_tau).unsqueeze(-2)  # [H, W, 1, P]
         xi = eps / (2 * math.pi * tau)
         ratio = w / tau
         # torch.sinc(x) = sin(pi x) / (pi x).
         factor = math.sqrt(2 / math.pi) * ratio * torch.sinc(ratio * eps / math.pi)
-        weight = (self.amplitude / per).unsqueeze(-1) * factor.prod(-1)  # [H, W, per]
+        weight = (amplitude / per).unsqueeze(-1) * factor.prod(-1)  # [H, W, per]
         return xi.reshape(H, W * per, P), weight.reshape(H, W * per)
 
     def extra_repr(self) -> str:

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, inverse_positive, positive
+from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 from flt.spectra.kernels import check_amplitude, per_axis
 
 # The quadrature grid covers |u| <= _HALF_WIDTH in envelope units (u = xi / s_e), where the
@@ -137,12 +137,12 @@ class NeuralSpectrum(Spectrum):
         log_env = -0.5 * (u * u).sum(-1) + torch.log(inv_se).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
         return self.symmetric_mlp(u) * torch.exp(log_env)
 
-    def frequencies(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = s_p eps`` ``[H, R, P]`` and importance weights ``[H, R]`` (class docstring)."""
         P, R = self.pos_dim, self.num_frequencies
         rho = self.proposal_ratio
-        eps = self.eps[..., :P]  # [H, R, P]
-        xi = rho * eps / (2 * math.pi * self.lengths().unsqueeze(-2))
+        eps, log_length = as_dtype(self.eps[..., :P], dtype), as_dtype(self.log_length, dtype)  # eps [H, R, P]
+        xi = rho * eps / (2 * math.pi * positive(log_length).unsqueeze(-2))
         u = rho * eps.transpose(0, 1)  # the MLP takes [..., H, P]: [R, H, P]
         log_ratio = P * math.log(rho) - 0.5 * (rho * rho - 1) * (eps * eps).sum(-1)  # log(N_e / p), [H, R]
         w = self.symmetric_mlp(u).transpose(0, 1) * torch.exp(log_ratio) / R
