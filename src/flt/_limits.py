@@ -124,6 +124,16 @@ def _option(cls: type, options: dict, name: str, default: Any = None) -> Any:
     return default if param is None or param.default is inspect.Parameter.empty else param.default
 
 
+def _spectrum_option(cls: type, options: dict, name: str) -> Any:
+    """An option of the spectrum a layer builds (its ``spectrum`` option or default)."""
+    if name in options:
+        return options[name]
+    from flt.spectra import SPECTRA
+
+    spectrum = _option(cls, options, "spectrum")
+    return _option(SPECTRA[spectrum], {}, name) if isinstance(spectrum, str) and spectrum in SPECTRA else None
+
+
 def _int(value, fallback: int = 0) -> int:
     """An int option's value, or ``fallback`` for anything else (the constructor reports it)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
@@ -154,6 +164,10 @@ def attention_parameter_values(attention, options: dict, *, dim: int, heads: int
     total += 4 * heads * r * max(pos_dim, 1)
     if r and _option(cls, options, "near_field") or _option(cls, options, "near_neighbors"):
         total += 4 * heads * r * max(pos_dim, 1)  # the near set's own spectrum
+    hidden = _int(_spectrum_option(cls, options, "hidden"))
+    total += 2 * heads * hidden * (hidden + max(pos_dim, 1) + 3)  # a neural spectrum's MLP (and the near set's)
+    buckets = _int(_option(cls, options, "num_buckets"))
+    total += heads * buckets
     distance = _int(_option(cls, options, "max_distance"))
     total += heads * (2 * distance + 1)
     return total
@@ -203,11 +217,13 @@ def _parameter_names(cls: type) -> set[str]:
     return set(constructor_options(cls).params)
 
 
-def _layers(cfg) -> list[tuple[str, dict]]:
+def _layers(cfg) -> list[tuple[str, dict, int]]:
+    """``(attention, options, how many layers)``: one entry for a uniform trunk, so a
+    ``depth`` of 10^9 costs one estimate, not 10^9."""
     layered = getattr(cfg, "layer_attention", None)
     if layered:
-        return [(entry["attention"], entry["attention_options"]) for entry in layered]
-    return [(getattr(cfg, "attention", None), getattr(cfg, "attention_options", {}))] * cfg.depth
+        return [(entry["attention"], entry["attention_options"], 1) for entry in layered]
+    return [(getattr(cfg, "attention", None), getattr(cfg, "attention_options", {}), cfg.depth)]
 
 
 def model_parameter_values(cfg) -> int:
@@ -215,8 +231,8 @@ def model_parameter_values(cfg) -> int:
     every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
     dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
     mlp = int(2 * dim * dim * float(getattr(cfg, "mlp_ratio", 4.0)))
-    total = sum(attention_parameter_values(name, options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim
-                for name, options in _layers(cfg))
+    total = sum((attention_parameter_values(name, options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
+                for name, options, count in _layers(cfg))
     for field in ("vocab_size", "num_classes", "num_elements", "in_dim"):
         value = getattr(cfg, field, None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -239,10 +255,11 @@ def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, in
     params = model_parameter_values(cfg) * FLOAT_BYTES * (4 if training else 1)
     head_dim = max(cfg.dim // max(cfg.heads, 1), 1)
     trunk = batch * length * cfg.dim * (8 + 2 * float(getattr(cfg, "mlp_ratio", 4.0)))
-    per_layer = [trunk + attention_activation_values(name, options, batch=batch, heads=cfg.heads, length=length,
-                                                     head_dim=head_dim, training=training)
-                 for name, options in _layers(cfg)]
-    activations = int((sum(per_layer) if training else max(per_layer, default=0)) * FLOAT_BYTES)
+    per_layer = [(trunk + attention_activation_values(name, options, batch=batch, heads=cfg.heads, length=length,
+                                                      head_dim=head_dim, training=training), count)
+                 for name, options, count in _layers(cfg)]
+    kept = sum(v * count for v, count in per_layer) if training else max((v for v, _ in per_layer), default=0)
+    activations = int(kept * FLOAT_BYTES)
     return {"parameters": int(params), "activations": activations, "total": int(params) + activations}
 
 
@@ -266,7 +283,7 @@ def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, d
 
 #: Attention options that size a layer (named in :func:`check_model_memory`'s message).
 _SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbors", "max_distance", "dense_below",
-                 "chunk_size")
+                 "chunk_size", "hidden", "num_buckets")
 
 
 def check_attention_memory(attention, options: dict, *, dim, heads, pos_dim=1, device=None) -> None:

@@ -241,7 +241,7 @@ def load_pyg(path, *, name: str | None = None) -> Graph:
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (pickle raises many types; all mean "not a usable file")
         raise DataError(f"{path} is not a torch.save file of a PyG Data object or dict that loads with weights_only=True: "
-                        f"{str(e).splitlines()[0]}") from None
+                        f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
     fields = obj.to_dict() if hasattr(obj, "to_dict") and not isinstance(obj, dict) else obj
     if not isinstance(fields, dict) or "edge_index" not in fields:
         raise DataError(f"{path} holds a {type(obj).__name__} without 'edge_index'; expected a PyG Data object or a dict with edge_index [2, E]")
