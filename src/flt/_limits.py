@@ -99,16 +99,6 @@ def check_memory(what: str, nbytes: float, *, device=None, hint: str = "") -> No
         )
 
 
-def check_file_count(path: str, what: str, count: int, bytes_each: int, *, where: str = "") -> None:
-    """A count read from a file's header (``what``: "atoms", "nodes") cannot describe more
-    items than the file's size allows at ``bytes_each`` bytes an item."""
-    size = os.path.getsize(path)
-    if count * bytes_each > size:
-        at = f" ({where})" if where else ""
-        raise ValueError(f"{path}{at}: the header declares {count:,} {what}, but the file has {size:,} bytes "
-                         f"(at least {bytes_each} bytes per {what.rstrip('s')}): truncated or a wrong count")
-
-
 # -- estimates -------------------------------------------------------------------------
 
 
@@ -162,7 +152,7 @@ def attention_parameter_values(attention, options: dict, *, dim: int, heads: int
     feature_dim = head_dim + 2 * r if coupling == "logit" else head_dim
     total += m * feature_dim
     total += 4 * heads * r * max(pos_dim, 1)
-    if r and _option(cls, options, "near_field") or _option(cls, options, "near_neighbors"):
+    if r and (_option(cls, options, "near_field") or _option(cls, options, "near_neighbors")):
         total += 4 * heads * r * max(pos_dim, 1)  # the near set's own spectrum
     hidden = _int(_spectrum_option(cls, options, "hidden"))
     total += 2 * heads * hidden * (hidden + max(pos_dim, 1) + 3)  # a neural spectrum's MLP (and the near set's)

@@ -63,6 +63,11 @@ _LATERAL_JITTER = 0.15  # Angstrom, std of the adsorbate's in-plane displacement
 _HEIGHT_JITTER = 0.15  # Angstrom, half-width of the uniform height perturbation
 _MAX_TILT = 20.0  # degrees
 _INFO_KEYS = ("metal", "facet", "site", "adsorbate", "steps", "converged")
+#: Largest |coordinate| (Angstrom) a structure file may hold: far beyond any molecule or
+#: periodic cell, far below where float32 positions lose their meaning.
+MAX_COORDINATE = 1e6
+#: Fewest bytes an atom's line of an XYZ file takes: an element, three numbers, separators.
+XYZ_ATOM_BYTES = 7
 
 
 def _import_ase():
@@ -495,12 +500,6 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
                             "(0, ASE's dummy atom 'X', is the padding id)")
     return MoleculeData.from_lists(zs, positions, ys, name=os.path.basename(path))
 
-
-#: Largest |coordinate| (Angstrom) a structure file may hold: far beyond any molecule or
-#: periodic cell, far below where float32 positions lose their meaning.
-MAX_COORDINATE = 1e6
-#: Fewest bytes an atom's line of an XYZ file takes: an element, three numbers, separators.
-XYZ_ATOM_BYTES = 7
 
 
 def _is_xyz(path: str) -> bool:

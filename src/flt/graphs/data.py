@@ -22,6 +22,13 @@ from flt._checks import check_positive_int
 from flt.data.errors import DataError, require_file
 
 
+#: Node ids must fit int64.
+MAX_NODE_ID = 2**63 - 1
+#: Bytes a node takes at least once a graph task holds it (features, positions, anchor
+#: distances, labels), for :func:`check_node_memory`.
+NODE_BYTES = 64
+
+
 def _import_networkx():
     try:
         import networkx
@@ -197,12 +204,6 @@ def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, nam
     check_node_memory(path, num_nodes, "the largest node id + 1")
     return Graph(num_nodes, edges, name=name or os.path.basename(path))
 
-
-#: Node ids must fit int64.
-MAX_NODE_ID = 2**63 - 1
-#: Bytes a node takes at least once a graph task holds it (features, positions, anchor
-#: distances, labels), for :func:`check_node_memory`.
-NODE_BYTES = 64
 
 
 def check_node_memory(path: str, num_nodes: int, why: str) -> None:
