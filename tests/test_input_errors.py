@@ -100,6 +100,15 @@ def test_training_refuses_a_model_or_batch_that_cannot_fit_before_the_run_direct
     assert not out.exists()
 
 
+def test_building_a_model_from_a_config_too_large_for_memory_is_refused(limit):
+    from flt.tasks import get_task
+
+    limit("1G")
+    with pytest.raises(MemoryLimitError, match=r"building this model \(dim=1073741824, depth=1"):
+        get_task("lm").build_model(LMConfig(dim=2**30, heads=2, depth=1))
+    assert get_task("lm").build_model(LMConfig(dim=32, heads=2, depth=1)) is not None
+
+
 def test_an_xyz_header_claiming_a_billion_atoms_is_refused_before_ase_reads_it(tmp_path):
     pytest.importorskip("ase")
     from flt.data.molecules import load_ase

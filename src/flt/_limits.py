@@ -253,14 +253,14 @@ def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, in
     return {"parameters": int(params), "activations": activations, "total": int(params) + activations}
 
 
-def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, device=None) -> None:
+def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, device=None, purpose: str | None = None) -> None:
     """Refuse a model config whose estimated memory (:func:`model_bytes`) for ``batch``
     sequences of ``length`` tokens exceeds the limit, naming the sizes that set it."""
     if not all(isinstance(getattr(cfg, f, None), int) for f in ("dim", "depth", "heads")):
         return  # not a Transformer trunk config: nothing to estimate
     length = max(int(length or 1), 1)
     est = model_bytes(cfg, batch=batch, length=length, training=training)
-    what = "training" if training else "evaluating"
+    what = purpose or ("training" if training else "evaluating")
     options = {k: v for k, v in getattr(cfg, "attention_options", {}).items() if k in _SIZE_OPTIONS}
     sizes = (f"dim={cfg.dim}, depth={cfg.depth}, heads={cfg.heads}, attention {getattr(cfg, 'attention', None)!r}"
              f"{' ' + str(options) if options else ''}, batch_size={batch}, {length} tokens")

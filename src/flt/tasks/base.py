@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from flt._checks import check_positive_int
+from flt._limits import check_model_memory
 from flt.models import config_kwargs
 from flt.tasks.preset import Preset
 
@@ -127,6 +128,8 @@ class Task:
         """The model of ``config`` (a :attr:`config` instance)."""
         if not isinstance(config, cls.config):
             raise TypeError(f"task {cls.name!r} builds from {cls.config.__name__}, got {type(config).__name__}")
+        # Parameters alone (one token): a dim or depth of 10^9 is refused before it is allocated.
+        check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
         return cls.model(**config_kwargs(config), device=device, dtype=dtype)
 
     def configure(self, cfg):
