@@ -41,6 +41,8 @@ from typing import Any
 __all__ = [
     "UnknownOptionError",
     "check_attention_options",
+    "check_fields",
+    "check_keyword_types",
     "check_posenc_options",
     "constructor_options",
     "merge_options",
@@ -318,6 +320,37 @@ def _check_type(owner: str, option: Option, value, via: str = "") -> None:
             f"{owner}: option {option.name!r}{where} must be {_describe(option.hint)}, "
             f"got {value!r} ({type(value).__name__})"
         )
+
+
+def check_fields(obj) -> None:
+    """Check every field of the dataclass instance ``obj`` against its annotation (a bool is
+    never a number, an int field takes no float): ``TypeError`` naming the field, the
+    expected type and the value. Ranges stay with the dataclass's own checks."""
+    import dataclasses
+
+    hints = _field_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints.get(f.name)
+        if hint is not None and not _accepts(getattr(obj, f.name), hint):
+            value = getattr(obj, f.name)
+            raise TypeError(f"{type(obj).__name__}: {f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})")
+
+
+@functools.lru_cache(maxsize=None)
+def _field_hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 (a hint we cannot evaluate is not checked)
+        return {}
+
+
+def check_keyword_types(cls: type, options: dict, owner: str) -> None:
+    """Type-check the ``options`` that ``cls``'s constructor names (from its annotations);
+    names it does not know are left to the caller. ``TypeError`` names ``owner`` and the option."""
+    params = constructor_options(cls).params
+    for key, value in options.items():
+        if key in params:
+            _check_type(owner, params[key], value)
 
 
 # -- validation --------------------------------------------------------------------------

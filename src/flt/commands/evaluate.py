@@ -155,12 +155,16 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     if data:
         _check_same_model(name, data, cfg, configured, meta.get("extra", {}), task.extra())
     cfg = configured
+    bs = batch_size or run.eval_batch_size or run.batch_size
+    if changed or batch_size or data:  # new sizes are refused with their memory estimate before the model is built
+        from flt._limits import check_task_memory
+
+        check_task_memory(task, cfg, batch_size=bs, training=False, device=dev)
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)),
                                {"--attn-opt": changed})  # data that changes the config was refused above
     model.eval()
     ctx = Context(0, 1, dev)
-    bs = batch_size or run.eval_batch_size or run.batch_size
     batches = max_batches if max_batches is not None else run.draw_gap_batches
     metric = task.metric
 

@@ -121,6 +121,14 @@ def _latin1_encode(obj, encoding="latin1"):
     return obj.encode("latin-1")
 
 
+def _empty_bytes(*args):
+    # Protocol-2 pickles write an empty bytes object (the buffer of an array of 0 images) as
+    # a call of bytes() with no argument; only that call is let through.
+    if args:
+        raise pickle.UnpicklingError("bytes(...) is only allowed without arguments (an empty bytes object)")
+    return b""
+
+
 def _safe_dtype(*args):
     dtype = np.dtype(*args)
     if dtype.hasobject:
@@ -140,6 +148,8 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
         ("numpy", "ndarray"): np.ndarray,
         ("numpy", "dtype"): _safe_dtype,
         ("_codecs", "encode"): _latin1_encode,
+        ("__builtin__", "bytes"): _empty_bytes,
+        ("builtins", "bytes"): _empty_bytes,
     }
     for pkg in ("numpy.core", "numpy._core"):
         allowed[(f"{pkg}.multiarray", "_reconstruct")] = reconstruct
@@ -210,6 +220,8 @@ def _read_cifar_batch(path: str, num_classes: int) -> tuple[np.ndarray, np.ndarr
     if labels.size and labels.dtype.kind not in "iu":
         raise DataError(f"CIFAR batch file {path}: 'labels' must be integers, got {labels.dtype} values")
     labels = labels.astype(np.int64)
+    if data.shape[0] == 0:
+        raise DataError(f"CIFAR batch file {path} holds 0 images; every batch of the CIFAR-10 release holds 10000")
     if labels.shape != (data.shape[0],):
         raise DataError(f"CIFAR batch file {path}: {data.shape[0]} images but labels of shape {labels.shape}")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
@@ -310,6 +322,17 @@ def _read_folder(Image, files: dict[str, list[str]], class_index: dict[str, int]
     return np.stack(images), np.asarray(labels, dtype=np.int64), shape
 
 
+def _check_folder_memory(files: dict[str, list[str]], channels: int, size, root: str) -> None:
+    """Refuse a ``size`` whose images cannot all be held: each takes ``C H W`` bytes as read,
+    then float32 twice (scaled, standardised)."""
+    from flt._limits import check_memory
+
+    count = sum(len(paths) for paths in files.values())
+    h, w = size
+    check_memory(f"image folder {root}: {count} images resized to size={list(size)} ({channels} channels)",
+                 count * channels * h * w * 9, hint="pass a smaller size")
+
+
 def load_image_folder(
     train_dir: str | os.PathLike,
     valid_dir: str | os.PathLike | None = None,
@@ -336,6 +359,8 @@ def load_image_folder(
     train_files = _scan_folder(os.fspath(train_dir), "image folder")
     class_names = list(train_files)
     class_index = {c: i for i, c in enumerate(class_names)}
+    if size is not None:
+        _check_folder_memory(train_files, channels, size, os.fspath(train_dir))
     x, y, shape = _read_folder(Image, train_files, class_index, mode, size)
     if valid_dir is None:
         tr, va = split_indices(len(y), valid_fraction, seed)

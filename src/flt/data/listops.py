@@ -21,12 +21,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from flt._io import atomic_write
+from flt._limits import check_memory
 from flt.data.errors import DataError
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -65,6 +66,10 @@ class ListOpsData:
         if not sequences:
             raise DataError("a ListOps set needs at least one expression")
         lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+        # The padded table holds every expression at the longest one's length: one long row
+        # among many makes it huge, so it is sized before it is allocated.
+        check_memory(f"a ListOps set of {len(sequences):,} expressions padded to the longest, {int(lengths.max()):,} tokens",
+                     len(sequences) * int(lengths.max()) * 8, hint="drop or shorten the longest expressions")
         tokens = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.int64)
         for i, s in enumerate(sequences):
             tokens[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
@@ -235,16 +240,10 @@ def _cached(path: str, params: str, make) -> ListOpsData:
         return ListOpsData(torch.from_numpy(arrays["tokens"].astype(np.int64)), torch.from_numpy(arrays["lengths"]),
                            torch.from_numpy(arrays["labels"]))
     data = make()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp.npz")
-    os.close(fd)
-    try:
-        np.savez(tmp, tokens=data.tokens.numpy().astype(np.uint8), lengths=data.lengths.numpy(),
-                 labels=data.labels.numpy(), params=np.array(params))
-        os.replace(tmp, path)  # readers never see a half-written cache
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    arrays = {"tokens": data.tokens.numpy().astype(np.uint8), "lengths": data.lengths.numpy(),
+              "labels": data.labels.numpy(), "params": np.array(params)}
+    # Readers never see a half-written cache; the file gets the permissions of a plain open().
+    atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
     return data
 
 
@@ -275,15 +274,20 @@ def read_tsv(path: str | os.PathLike) -> ListOpsData:
     if not os.path.isfile(path):
         raise DataError(f"ListOps file {path!r} does not exist")
     seqs, labels = [], []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            line = line.rstrip("\n")
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip() or (n == 1 and line.split("\t")[0].strip() == "Source"):
                 continue
             fields = line.split("\t")
             if len(fields) != 2:
                 raise DataError(f"{path}:{n}: expected 'Source<TAB>Target', got {len(fields)} field(s)")
             tokens = parse_tokens(fields[0])
+            if not tokens:
+                raise DataError(f"{path}:{n}: the source expression is empty")
             unknown = [t for t in tokens if t not in TOKEN_ID or t == VOCAB[PAD]]
             if unknown:
                 raise DataError(f"{path}:{n}: unknown tokens {sorted(set(unknown))}")

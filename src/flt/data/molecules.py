@@ -63,6 +63,11 @@ _LATERAL_JITTER = 0.15  # Angstrom, std of the adsorbate's in-plane displacement
 _HEIGHT_JITTER = 0.15  # Angstrom, half-width of the uniform height perturbation
 _MAX_TILT = 20.0  # degrees
 _INFO_KEYS = ("metal", "facet", "site", "adsorbate", "steps", "converged")
+#: Largest |coordinate| (Angstrom) a structure file may hold: far beyond any molecule or
+#: periodic cell, far below where float32 positions lose their meaning.
+MAX_COORDINATE = 1e6
+#: Fewest bytes an atom's line of an XYZ file takes: an element, three numbers, separators.
+XYZ_ATOM_BYTES = 7
 
 
 def _import_ase():
@@ -336,7 +341,8 @@ def catalysis_cache_path(
 
 
 def _load_cache(path: str, params: str) -> MoleculeData:
-    fix = "delete it or pass refresh=True to regenerate"
+    # The advice must work from the command line too, where refresh is not a data option.
+    fix = "delete that file and run again to regenerate it (or pass refresh=True to load_catalysis)"
     try:
         # Own the file handle: np.load leaks the one it opens when the zip is truncated.
         with open(path, "rb") as fh:
@@ -471,6 +477,8 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
     if path.lower().endswith(".db"):
         zs, positions, ys = _read_db(path, target)
     else:
+        if _is_xyz(path):
+            check_xyz_headers(path)  # before ASE, which would allocate and parse what a header claims
         try:
             frames = ase.io.read(path, index=":")
         # ASE reports a bad file as XYZError (an OSError), ValueError, IndexError or KeyError
@@ -487,4 +495,61 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
             raise DataError(f"{path}: structure {i} has no atoms")
         if not np.isfinite(p).all():
             raise DataError(f"{path}: structure {i} has non-finite positions")
+        if np.abs(p).max() > MAX_COORDINATE:
+            atom = int(np.abs(p).max(axis=1).argmax())
+            raise DataError(f"{path}: structure {i}, atom {atom} lies at {p[atom].tolist()} Å, beyond the "
+                            f"{MAX_COORDINATE:g} Å that any structure spans (a unit error or a corrupt file?)")
+        if int(z.min()) < 1:
+            raise DataError(f"{path}: structure {i} has atomic number {int(z.min())}; atomic numbers start at 1 "
+                            "(0, ASE's dummy atom 'X', is the padding id)")
     return MoleculeData.from_lists(zs, positions, ys, name=os.path.basename(path))
+
+
+
+def _is_xyz(path: str) -> bool:
+    """Whether ASE reads ``path`` as (extended) XYZ: by its extension, else ASE's guess."""
+    if path.lower().endswith((".xyz", ".extxyz")):
+        return True
+    try:
+        from ase.io.formats import filetype
+
+        return filetype(path, guess=True) in ("xyz", "extxyz")
+    except Exception:  # noqa: BLE001 (a file ASE cannot classify is reported by ase.io.read)
+        return False
+
+
+def check_xyz_headers(path: str) -> int:
+    """Check every frame header of an (extended) XYZ file against the file's size and
+    return the number of frames: a frame is a line with its atom count ``n``, a comment
+    line and ``n`` atom lines of at least :data:`XYZ_ATOM_BYTES` bytes each, so a count
+    that the bytes left cannot hold (a header claiming 10^9 atoms in a 3-line file) is
+    refused here, before ASE tries to read that many. Lines that are not a count are left
+    to ASE's parser to report."""
+    size = os.path.getsize(path)
+    frames = 0
+    with open(path, "rb") as f:
+        lineno = 0
+        while True:
+            line = f.readline()
+            lineno += 1
+            if not line:
+                return frames
+            text = line.strip()
+            if not text:
+                continue  # blank lines between or after frames
+            try:
+                count = int(text.split()[0])
+            except ValueError:
+                return frames  # not a count: ASE's error names what it expected
+            if count < 0:
+                raise DataError(f"{path}, line {lineno}: frame {frames} declares {count} atoms")
+            left = size - f.tell()
+            if count * XYZ_ATOM_BYTES > left:
+                raise DataError(f"{path}, line {lineno}: frame {frames} declares {count:,} atoms, but only {left:,} bytes "
+                                f"follow (an atom line takes at least {XYZ_ATOM_BYTES}): truncated, or a wrong atom count")
+            for _ in range(count + 1):  # the comment line, then the atoms
+                if not f.readline():
+                    raise DataError(f"{path}: frame {frames} (header at line {lineno}) declares {count} atoms, "
+                                    "but the file ends before them")
+            lineno += count + 1
+            frames += 1

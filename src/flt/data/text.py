@@ -167,6 +167,8 @@ def load_text_files(
     data). Missing files raise :class:`MissingDataError`; empty files or splits and
     non-UTF-8 text raise :class:`DataError`; both name the file.
     """
+    if not isinstance(require_utf8, bool):
+        raise TypeError(f"require_utf8 must be a bool (true or false), got {require_utf8!r}")
     train_path = os.fspath(train_path)
     if os.path.isdir(train_path):
         if valid_path is not None or test_path is not None:

@@ -22,6 +22,13 @@ from flt._checks import check_positive_int
 from flt.data.errors import DataError, require_file
 
 
+#: Node ids must fit int64.
+MAX_NODE_ID = 2**63 - 1
+#: Bytes a node takes at least once a graph task holds it (features, positions, anchor
+#: distances, labels), for :func:`check_node_memory`.
+NODE_BYTES = 64
+
+
 def _import_networkx():
     try:
         import networkx
@@ -179,6 +186,10 @@ def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, nam
                     ) from None
                 if u < 0 or v < 0:
                     raise DataError(f"{path}, line {lineno}: node ids must be non-negative integers, got {line.strip()!r}")
+                if max(u, v) >= MAX_NODE_ID:
+                    big = str(max(u, v))
+                    shown = big if len(big) <= 24 else f"{big[:12]}...({len(big)} digits)"
+                    raise DataError(f"{path}, line {lineno}: node id {shown} does not fit int64 (ids must be below 2**63 - 1)")
                 rows.append((u, v))
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not a UTF-8 text edge list ({e.reason} at byte {e.start})") from None
@@ -192,7 +203,18 @@ def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, nam
         check_positive_int("num_nodes", num_nodes)
         if largest >= num_nodes:
             raise DataError(f"{path} names node {largest}, but num_nodes = {num_nodes} allows ids up to {num_nodes - 1}")
+    check_node_memory(path, num_nodes, "the largest node id + 1")
     return Graph(num_nodes, edges, name=name or os.path.basename(path))
+
+
+
+def check_node_memory(path: str, num_nodes: int, why: str) -> None:
+    """Refuse a node count that the machine cannot hold (``num_nodes`` of 10^12 with
+    three edges) before anything per node is allocated; ``why`` says where it comes from."""
+    from flt._limits import check_memory
+
+    check_memory(f"{path}: {num_nodes:,} nodes ({why})", num_nodes * NODE_BYTES,
+                 hint="isolated nodes count too: renumber the nodes 0..N-1")
 
 
 def _pyg_safe_globals() -> list:
@@ -238,10 +260,15 @@ def load_pyg(path, *, name: str | None = None) -> Graph:
         raise DataError(f"{path}: edge_index holds negative node ids")
     num_nodes = fields.get("num_nodes")
     y = fields.get("y")
+    if isinstance(num_nodes, torch.Tensor) and num_nodes.ndim == 0 and not (num_nodes.is_floating_point() or num_nodes.dtype == torch.bool):
+        num_nodes = int(num_nodes)
     if num_nodes is None:
         num_nodes = max(int(ei.max()) + 1, len(y) if isinstance(y, torch.Tensor) and y.ndim == 1 else 0)
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes <= int(ei.max()):
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
+        raise DataError(f"{path}: num_nodes must be an integer, got {num_nodes!r} ({type(num_nodes).__name__})")
+    if num_nodes <= int(ei.max()):
         raise DataError(f"{path}: num_nodes = {num_nodes!r} does not cover node id {int(ei.max())} of edge_index")
+    check_node_memory(path, num_nodes, "its num_nodes" if "num_nodes" in fields else "the largest node id + 1")
     labels = None
     if isinstance(y, torch.Tensor) and y.ndim == 1 and len(y) == num_nodes and not y.is_floating_point() and y.dtype != torch.bool:
         labels = y

@@ -24,6 +24,7 @@ from torch import nn
 
 from flt._checks import check_dim, check_positions, check_positive_int, check_tensor, compiling
 from flt._dtype import compute_dtype
+from flt._limits import check_attention_memory
 from flt.options import check_attention_options
 
 #: ``layer.double()`` etc.: how to cast a layer to a dtype, for the dtype error.
@@ -86,6 +87,9 @@ class AttentionBase(nn.Module):
         # unpickling call __new__ without arguments.
         if kwargs:
             check_attention_options(cls, kwargs)
+        if len(args) >= 2:  # sizes such as num_features=10**9: refused before they are allocated
+            check_attention_memory(cls, kwargs, dim=args[0], heads=args[1], pos_dim=kwargs.get("pos_dim", 1),
+                                   device=kwargs.get("device"))
         return super().__new__(cls)
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device=None, dtype=None) -> None:

@@ -90,6 +90,8 @@ class KernelAttention(AttentionBase):
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         if rope and self.head_dim % (2 * pos_dim):
             raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {chunk_size!r}")
         self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
         qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
         self.scaling = QKScaling(heads, self.head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)

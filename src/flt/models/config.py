@@ -19,19 +19,22 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from flt._checks import check_choice, check_positive_int
+from flt.options import check_fields
 
 READOUTS = ("mean", "sum")
 POOLINGS = ("mean", "cls")
 
 
 def _check_trunk(cfg) -> None:
-    """Checks shared by every config: sizes, options as dicts, names as strings."""
+    """Checks shared by every config: every field's type (a bool is not a number), sizes,
+    options as dicts, names as strings."""
+    check_fields(cfg)
     for name in ("dim", "depth", "heads"):
         check_positive_int(name, getattr(cfg, name))
     if cfg.dim % cfg.heads:
         raise ValueError(f"dim ({cfg.dim}) must be divisible by heads ({cfg.heads})")
-    if isinstance(cfg.mlp_ratio, bool) or not isinstance(cfg.mlp_ratio, (int, float)) or not cfg.mlp_ratio > 0:
-        raise ValueError(f"mlp_ratio must be a positive number, got {cfg.mlp_ratio!r}")
+    if isinstance(cfg.mlp_ratio, bool) or not isinstance(cfg.mlp_ratio, (int, float)) or not 0 < cfg.mlp_ratio < math.inf:
+        raise ValueError(f"mlp_ratio must be a positive finite number, got {cfg.mlp_ratio!r}")
     if isinstance(cfg.dropout, bool) or not isinstance(cfg.dropout, (int, float)) or not 0 <= cfg.dropout < 1:
         raise ValueError(f"dropout must lie in [0, 1), got {cfg.dropout!r}")
     for name in ("attention", "posenc"):

@@ -17,6 +17,7 @@ from torch import nn
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
+from flt.spectra.kernels import check_amplitude
 
 
 class GaussianMixtureSpectrum(Spectrum):
@@ -51,7 +52,15 @@ class GaussianMixtureSpectrum(Spectrum):
         mean_scale: float = 0.0,
         **kwargs,
     ) -> None:
+        check_positive_int("num_frequencies", num_frequencies)
         check_positive_int("components", components)
+        amplitude = check_amplitude(amplitude)
+        # Checked here: an initial length of 0, inf or NaN would give log scales of +-inf.
+        for name, value in (("length_scale", length_scale), ("length_spread", length_spread)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number (position units), got {value!r}")
+        if isinstance(mean_scale, bool) or not isinstance(mean_scale, (int, float)) or not (math.isfinite(mean_scale) and mean_scale >= 0):
+            raise ValueError(f"mean_scale must be a finite number >= 0 (std of the initial component means), got {mean_scale!r}")
         if num_frequencies % components:
             raise ValueError(
                 f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "

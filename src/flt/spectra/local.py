@@ -74,6 +74,7 @@ class LocalSpectrum(Spectrum):
         amplitude: float = 1.0,
         **kwargs,
     ) -> None:
+        check_positive_int("num_frequencies", num_frequencies)
         check_positive_int("windows", windows)
         if num_frequencies % windows:
             raise ValueError(

@@ -33,6 +33,7 @@ import os
 from typing import Any
 
 from flt._checks import check_choice
+from flt.options import check_keyword_types
 from flt.models.config import config_from_dict as _config_from_dict
 from flt.tasks.base import Task, mechanism_options, step_generator
 from flt.tasks.graph import GraphTask
@@ -70,6 +71,8 @@ def _check_known(cls: type[Task], options: dict[str, Any], source: str | None = 
             hint += f"; {cls.name!r} reads only its bundled data (no --data PATH)"
         prefix = f"{source}: " if source else ""
         raise ValueError(f"{prefix}unknown data options for {cls.name!r}: {unknown}; known: {sorted(cls.options)}{hint}")
+    # Types from the loader's annotations: require_utf8=maybe is no bool, num_train=true no int.
+    check_keyword_types(cls, options, f"{source + ': ' if source else ''}data options of {cls.name!r}")
 
 
 def _same_path(a: Any, b: Any) -> bool:

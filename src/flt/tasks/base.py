@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from flt._checks import check_positive_int
+from flt._limits import check_model_memory
 from flt.models import config_kwargs
 from flt.tasks.preset import Preset
 
@@ -127,6 +128,8 @@ class Task:
         """The model of ``config`` (a :attr:`config` instance)."""
         if not isinstance(config, cls.config):
             raise TypeError(f"task {cls.name!r} builds from {cls.config.__name__}, got {type(config).__name__}")
+        # Parameters alone (one token): a dim or depth of 10^9 is refused before it is allocated.
+        check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
         return cls.model(**config_kwargs(config), device=device, dtype=dtype)
 
     def configure(self, cfg):
@@ -166,6 +169,11 @@ class Task:
         sizes the batches of the exact evaluation (:mod:`flt.train.drawgap`)."""
         return None
 
+    def step_shape(self, cfg, batch_size: int) -> tuple[int, int | None]:
+        """``(sequences, tokens)``: what ``batch_size`` samples give the attention layers at
+        most, for the memory estimate made before the model is built (:mod:`flt._limits`)."""
+        return batch_size, self.longest_sequence(cfg)
+
     def extra(self) -> dict[str, Any]:
         """JSON data a checkpoint needs besides the configs (e.g. the tokenizer)."""
         return {}
@@ -173,6 +181,24 @@ class Task:
     def report(self, model, device) -> str | None:
         """A line or two printed at the end of training (e.g. a generated sample)."""
         return None
+
+
+def check_data_fields(cfg, configured) -> None:
+    """Refuse a model config whose data-dependent fields (an LM's ``vocab_size``, the
+    classes, the image size) were set to values other than the data's: :meth:`Task.configure`
+    replaces them, so a ``--model-opt vocab_size=10`` would otherwise be dropped silently.
+    Fields left at their defaults are filled in as usual."""
+    import dataclasses
+
+    clashes = []
+    for f in dataclasses.fields(cfg):
+        given, used = getattr(cfg, f.name), getattr(configured, f.name)
+        scalar = isinstance(given, (bool, int, float, str)) and isinstance(used, (bool, int, float, str))
+        if scalar and given != used and f.default is not dataclasses.MISSING and given != f.default:
+            clashes.append(f"{f.name}={given!r} was given, but the data sets {f.name}={used!r}")
+    if clashes:
+        raise ValueError(f"{type(cfg).__name__}: {'; '.join(clashes)}; these fields come from the data: "
+                         "leave them out (--model-opt)")
 
 
 def mechanism_options(task: type[Task], attention: str, posenc: str, **overrides) -> dict[str, Any]:

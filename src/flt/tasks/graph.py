@@ -323,6 +323,9 @@ class GraphTask(Task):
     def longest_sequence(self, cfg):
         return self.num_nodes
 
+    def step_shape(self, cfg, batch_size):
+        return 1, self.num_nodes  # every step encodes the whole graph once, whatever the number of pairs
+
     @torch.no_grad()
     def report(self, model, device):
         was_training = model.training

@@ -8,10 +8,12 @@ default: scikit-learn's 8x8 digits), ``valid_dir``, ``size`` ([H, W]), ``channel
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch.nn.functional as F
 
 from flt.data import load_cifar10, load_digits, load_image_folder
+from flt.data.images import CIFAR10_META, CIFAR10_TEST_BATCH, CIFAR10_TRAIN_BATCHES
 from flt.models import ImageConfig, ViTClassifier, replace_fields
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
@@ -71,6 +73,13 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(ImageTask.name, model, run, {})
 
 
+def _looks_like_cifar(path) -> bool:
+    """A CIFAR-10 python folder: any of its files (a missing ``batches.meta`` is then
+    reported as such, not as an image folder without class subfolders)."""
+    names = (CIFAR10_META, CIFAR10_TEST_BATCH, *CIFAR10_TRAIN_BATCHES)
+    return any(os.path.isfile(os.path.join(path, n)) for n in names) or os.path.isdir(os.path.join(path, "cifar-10-batches-py"))
+
+
 class ImageTask(Task):
     """Image classification (cross-entropy, accuracy)."""
 
@@ -87,12 +96,12 @@ class ImageTask(Task):
     axes = {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
             "offset": "half image widths"}
 
-    def __init__(self, *, path=None, valid_dir=None, size=None, channels: int = 3, valid_fraction: float = 0.2, split_seed: int = 0):
+    def __init__(self, *, path=None, valid_dir=None, size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2, split_seed: int = 0):
         if path is None:
             if valid_dir is not None or size is not None:
                 raise ValueError("valid_dir and size apply to an image folder given by path")
             splits = load_digits(valid_fraction=valid_fraction, seed=split_seed)
-        elif os.path.exists(os.path.join(path, "batches.meta")) or os.path.isdir(os.path.join(path, "cifar-10-batches-py")):
+        elif _looks_like_cifar(path):
             splits = load_cifar10(path)
         else:
             splits = load_image_folder(

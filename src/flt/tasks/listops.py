@@ -228,3 +228,6 @@ class ListOpsTask(Task):
 
     def longest_sequence(self, cfg):
         return int(self.valid.lengths.max())
+
+    def step_shape(self, cfg, batch_size):
+        return batch_size, max(int(self.train.lengths.max()), int(self.valid.lengths.max()))

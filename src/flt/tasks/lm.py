@@ -10,6 +10,7 @@ model (:func:`generate_text`, ``flt generate``) lives here too.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ class LMTask(Task):
             if max_bytes is not None:
                 raise ValueError("max_bytes applies to the default corpus only")
             splits = load_text_files(path, valid_path, require_utf8=require_utf8)
+        self.sources = _split_sources(path, valid_path, max_bytes)
         self.tokenizer_name = tokenizer
         self.tokenizer = TOKENIZERS[tokenizer](splits.train)
         self.train_tokens = self.tokenizer.encode(splits.train)
@@ -111,6 +113,11 @@ class LMTask(Task):
 
     def configure(self, cfg):
         self.seq_len = cfg.max_len
+        for split, tokens in (("train", self.train_tokens), ("valid", self.valid_tokens)):
+            if tokens.numel() < cfg.max_len + 1:
+                raise ValueError(f"the {split} split ({self.sources[split]}) has {tokens.numel()} tokens, fewer than the "
+                                 f"max_len + 1 = {cfg.max_len + 1} that one window needs; give more text or a smaller "
+                                 "max_len (--model-opt max_len=N)")
         self.train_set = LMDataset(self.train_tokens, self.seq_len)
         self.valid_set = LMDataset(self.valid_tokens, self.seq_len)
         return replace_fields(cfg, vocab_size=self.tokenizer.vocab_size)
@@ -166,6 +173,19 @@ class LMTask(Task):
         prompt = "def "
         text = generate_text(model, self.tokenizer, prompt, 200, device=device, temperature=0.8, top_k=40, seed=0)
         return f"sample (prompt {prompt!r}, temperature 0.8, top-k 40):\n{text}"
+
+
+def _split_sources(path, valid_path, max_bytes) -> dict[str, str]:
+    """Where each split's text comes from, for messages."""
+    if path is None:
+        return dict.fromkeys(("train", "valid"), "the bundled Python documentation"
+                             + (f", max_bytes={max_bytes}" if max_bytes is not None else ""))
+    path = os.fspath(path)
+    if valid_path is not None:
+        return {"train": path, "valid": os.fspath(valid_path)}
+    if os.path.isdir(path):
+        return {s: f"{path}/wiki.{s}.tokens or .raw" for s in ("train", "valid")}
+    return {s: f"the {s} part of {path}" for s in ("train", "valid")}
 
 
 def tokenizer_from_extra(extra: dict[str, Any]):

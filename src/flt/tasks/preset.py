@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flt._checks import check_positive_int
+from flt.options import check_fields
 from flt.models.config import config_to_dict
 
 
@@ -88,6 +89,7 @@ class RunConfig:
     init_from: str | None = None
 
     def __post_init__(self):
+        check_fields(self)  # a bool is not a number: lr=true must not train at 1.0
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
             check_positive_int(name, getattr(self, name))
         for name in ("eval_batches", "eval_batch_size", "draw_gap_batches"):
@@ -106,12 +108,13 @@ class RunConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):  # NaN fails too
             raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
-            raise ValueError(f"grad_clip must be None or a positive number, got {self.grad_clip!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip)
+                                               and self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be None (no clipping) or a positive finite number, got {self.grad_clip!r}")
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             raise ValueError(f"init_from must be None or the path of a run or checkpoint directory, got {self.init_from!r}")
 

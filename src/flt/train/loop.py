@@ -53,8 +53,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
 from flt._io import atomic_write_text
+from flt._limits import check_task_memory
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
+from flt.tasks.base import check_data_fields
 from flt.tasks.preset import Preset, RunConfig, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train import drawgap as DG
@@ -440,13 +442,19 @@ def _load_task(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
     task = load_task(preset.task, preset.data)
     if ctx.is_main:
         D.barrier(ctx)
-    return task, task.configure(preset.model)
+    model_cfg = task.configure(preset.model)
+    check_data_fields(preset.model, model_cfg)
+    return task, model_cfg
 
 
 def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and its AdamW optimizer; initialisation depends on the seed alone, not on
     what data loading consumed."""
     seed_everything(run.seed)
+    # Sizes that cannot fit are refused with the estimate before anything is allocated.
+    check_task_memory(task, model_cfg, batch_size=run.batch_size // ctx.world, training=True, device=ctx.device)
+    if run.eval_batch_size:
+        check_task_memory(task, model_cfg, batch_size=run.eval_batch_size, training=False, device=ctx.device)
     model = task.build_model(model_cfg, device=ctx.device)
     optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
     return model, optimizer
