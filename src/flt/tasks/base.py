@@ -149,6 +149,12 @@ class Task:
         """This process's share of the validation batches (at most ``max_batches`` in all)."""
         raise NotImplementedError
 
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+        """This process's share of the test batches, batched as :meth:`eval_batches`. The test
+        split is held out from training and from validation (which picks presets and learning
+        rates), so its metric is read once, at the end (``summary.json``'s ``test``)."""
+        raise NotImplementedError(f"task {self.name!r} has no test split")
+
     def eval_sums(self, model, batch) -> dict[str, float]:
         """Sums over one batch (summed again over batches and processes)."""
         raise NotImplementedError
