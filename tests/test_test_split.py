@@ -133,3 +133,14 @@ def test_training_reports_the_test_metric_that_flt_evaluate_measures(tmp_path, m
     res = evaluate_run(str(tmp_path / "run"), split="test", draws=0, exact=False)
     assert res["split"] == "test" and res["own"] == pytest.approx(summary["test_mae"], rel=1e-6)
     assert evaluate_run(str(tmp_path / "run"), draws=0, exact=False)["own"] == pytest.approx(summary["final"]["mae"], rel=1e-6)
+
+
+def test_a_task_without_test_batches_has_no_test_split():
+    from flt.tasks.base import Task, has_test_split
+
+    class NoTest(Task):
+        name = "no-test"
+
+    assert not has_test_split(NoTest()) and all(has_test_split(object.__new__(cls)) for cls in TASKS.values())
+    with pytest.raises(NotImplementedError, match="no test split"):
+        NoTest().test_batches(4, None, 0, 1)

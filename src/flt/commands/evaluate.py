@@ -144,6 +144,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from flt.layers.draws import fixed_draw
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
     from flt.tasks import change_data, config_from_dict, load_task
+    from flt.tasks.base import has_test_split
     from flt.tasks.preset import run_config_from_dict
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
@@ -173,6 +174,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     options = change_data(name, trained, data, "--data-opt/--data")
     dropped = sorted(set(trained) - set(options))
     task = load_task(name, options)
+    if split == "test" and not has_test_split(task):
+        raise ValueError(f"--split test: task {name!r} has no test split (it defines no test_batches)")
     configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     if data:
         _check_same_model(name, data, cfg, configured, meta.get("extra", {}), task.extra())

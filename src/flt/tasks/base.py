@@ -152,7 +152,9 @@ class Task:
     def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
         """This process's share of the test batches, batched as :meth:`eval_batches`. The test
         split is held out from training and from validation (which picks presets and learning
-        rates), so its metric is read once, at the end (``summary.json``'s ``test``)."""
+        rates), so its metric is read once, at the end (``summary.json``'s ``test``). A task
+        that does not override it has no test split (:func:`has_test_split`): it trains, and
+        its summary has no test metrics."""
         raise NotImplementedError(f"task {self.name!r} has no test split")
 
     def eval_sums(self, model, batch) -> dict[str, float]:
@@ -179,6 +181,11 @@ class Task:
     def report(self, model, device) -> str | None:
         """A line or two printed at the end of training (e.g. a generated sample)."""
         return None
+
+
+def has_test_split(task: Task) -> bool:
+    """Whether ``task`` defines :meth:`Task.test_batches` (every built-in task does)."""
+    return type(task).test_batches is not Task.test_batches
 
 
 def mechanism_options(task: type[Task], attention: str, posenc: str, **overrides) -> dict[str, Any]:

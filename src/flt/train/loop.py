@@ -47,6 +47,7 @@ from flt import perf
 from flt._io import atomic_write_text
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
+from flt.tasks.base import has_test_split
 from flt.tasks.preset import Preset, RunConfig, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train import drawgap as DG
@@ -533,15 +534,17 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
         # Resumed at the final step: nothing left to train, report the final weights.
         with DG.evaluation_draw(r.model, run):
             last_valid = evaluate(r.task, r.model, ctx, eval_bs, None)
-    # The held-out test split, read once, on the draw the final checkpoint keeps.
-    with DG.evaluation_draw(r.model, run):
-        test = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
-    say(f"test {_format(test)}")
+    test = None
+    if has_test_split(r.task):  # the held-out test split, read once, on the draw the final checkpoint keeps
+        with DG.evaluation_draw(r.model, run):
+            test = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        say(f"test {_format(test)}")
     # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
     gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
                       own=last_valid if run.draw_gap_batches is None else None)
     summary = _summary(r, last_valid, step_times, gap, wall_start)
-    summary.update({"test": test, f"test_{r.task.metric}": test[r.task.metric]})
+    if test is not None:
+        summary.update({"test": test, f"test_{r.task.metric}": test[r.task.metric]})
     if gap is not None:
         say(DG.format_draw_gap(gap, r.task.metric))
     if ctx.is_main:
