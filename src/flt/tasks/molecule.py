@@ -31,7 +31,7 @@ from flt.tasks.preset import Preset, RunConfig
 #: Carlo frequencies. Small preset, 3 seeds (docs/results.md, "learned kernel
 #: features"): 0.153 eV with draw gaps within 6%, 1.11x exact softmax with the same mask
 #: family (0.138) on validation; on the test split with unseen seeds 5-9 0.177 eV, 1.46x
-#: (0.121; docs/results.md, "Test split, unseen seeds"); 0.195 with the fixed ``elu + 1`` features, 0.338 with FAVOR+ features
+#: (0.121), and 1.32x at lr 4e-3 (docs/results.md, "Test split, unseen seeds"); 0.195 with the fixed ``elu + 1`` features, 0.338 with FAVOR+ features
 #: and the 16 nearest atoms exact (FAVOR+'s estimate of ``exp(q.k)`` forces the soft kernel
 #: of normalised queries and keys).
 #: Performer gets 64 random features; softmax gets ALiBi on Euclidean distances.
