@@ -12,6 +12,13 @@ buy?". ``--data-opt`` changes the task's data options (``--data`` its files) for
 evaluation, e.g. a model trained on short sequences evaluated on long ones (length
 generalisation of its relative term).
 
+``--split test`` measures the held-out test split instead of validation (the default,
+so that the numbers match ``summary.json``'s draw gap): validation picked the presets and
+learning rates, so test is the split to report. ``--fidelity`` adds, for every attention
+layer, the relative error ``||fast(x) - exact(x)|| / ||exact(x)||`` on the hidden states
+that reach that layer on the split's batches (:mod:`flt.train.fidelity`), printed as a
+table and written to ``--out``'s JSON as ``fidelity``.
+
 Only the random draws may change shape: every learned tensor of the checkpoint must fit
 the model built with the new options (an option that adds or reshapes parameters is an
 error naming them), and data that changes the model's configuration (an LM's vocabulary, a
@@ -22,6 +29,7 @@ those of ``flt train``'s draw gap, so the numbers equal ``summary.json``'s ``dra
 Examples::
 
     flt evaluate runs/molecule-flt-small-s0
+    flt evaluate runs/molecule-flt-small-s0 --split test --fidelity
     flt evaluate runs/molecule-flt-small-s0 --attn-opt num_frequencies=1024 --attn-opt sampler=qmc
     flt evaluate runs/listops-flt-small-s0 --data-opt min_length=500 --data-opt max_length=2000
 """
@@ -44,6 +52,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path; the bundled data's options and those of the trained path, such as an LM's valid_path, are dropped)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE",
                    help="data loader option changed before evaluating (repeatable), e.g. ListOps' max_length=2000")
+    p.add_argument("--split", default="valid", choices=("valid", "test"),
+                   help="the split to measure: valid (default; as the draw gap of flt train) or test, held out "
+                        "from training and from the validation that chose presets")
+    p.add_argument("--fidelity", action="store_true",
+                   help="also each attention layer's relative error ||fast - exact|| / ||exact|| on the hidden "
+                        "states that reach it (the split's batches, --max-batches of them)")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
     p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
@@ -72,9 +86,10 @@ def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
     ValueError naming the learned tensors that do not fit, and the ``changed`` options
     (``{flag: options}``, e.g. ``{"--attn-opt": {...}}``).
     """
-    # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws).
+    # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws);
+    # a deterministic feature map's projection is None, in no state dict, and no draw.
     draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
-             for b in getattr(mod, "random_feature_buffers", ())}
+             for b in getattr(mod, "random_feature_buffers", ()) if getattr(mod, b, None) is not None}
     target = model.state_dict()
     missing = sorted(k for k in target if k not in state and k not in draws)
     unexpected = sorted(k for k in state if k not in target)
@@ -111,10 +126,14 @@ def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict,
 
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device="cpu",
-                 exact_max_elements: int | None = None, data_options: dict | None = None) -> dict:
-    """The metrics of a saved run: ``{"metric", "options", "data", "dropped", "own", "fresh",
-    "fresh_mean", "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without
-    changed attention options; ``exact`` None when skipped or too large, as for the draw gap).
+                 exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid",
+                 fidelity: bool = False) -> dict:
+    """The metrics of a saved run on ``split`` (``"valid"`` or ``"test"``): ``{"metric",
+    "split", "options", "data", "dropped", "own", "fresh", "fresh_mean", "fresh_std",
+    "exact"}`` (``own``, the checkpoint's own draw, only without changed attention options;
+    ``exact`` None when skipped or too large, as for the draw gap), and with ``fidelity``
+    ``"fidelity"``: :func:`flt.train.fidelity.layer_fidelity`'s rows on the model's own
+    draw (or its first fresh draw when the options changed the draws' shapes).
     ``data_options`` change the run's data options (its validation set) for the evaluation;
     ``data`` in the result lists them, ``dropped`` the trained data options that a new path
     dropped (:func:`flt.tasks.change_data`)."""
@@ -125,12 +144,15 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from flt.layers.draws import fixed_draw
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
     from flt.tasks import change_data, config_from_dict, load_task
+    from flt.tasks.base import has_test_split
     from flt.tasks.preset import run_config_from_dict
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
     from flt.train.distributed import Context, resolve_device
-    from flt.train.loop import evaluate
+    from flt.train.loop import _to_device, evaluate
 
+    if split not in ("valid", "test"):
+        raise ValueError(f"--split must be 'valid' or 'test', got {split!r}")
     _positive("--draws", draws, allow_zero=True)
     _positive("--batch-size", batch_size)
     _positive("--max-batches", max_batches)
@@ -151,6 +173,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     options = change_data(name, trained, data, "--data-opt/--data")
     dropped = sorted(set(trained) - set(options))
     task = load_task(name, options)
+    if split == "test" and not has_test_split(task):
+        raise ValueError(f"--split test: task {name!r} has no test split (it defines no test_batches)")
     configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
     if data:
         _check_same_model(name, data, cfg, configured, meta.get("extra", {}), task.extra())
@@ -169,7 +193,14 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     metric = task.metric
 
     def measure(m, size=bs):
-        return float(evaluate(task, m, ctx, size, batches)[metric])
+        return float(evaluate(task, m, ctx, size, batches, split=split)[metric])
+
+    rows = None
+    if fidelity:  # before the fresh draws, which leave the model on the last of them
+        from flt.train.fidelity import layer_fidelity
+
+        split_batches = task.eval_batches if split == "valid" else task.test_batches
+        rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, _to_device(b, dev)))
 
     fresh = []
     for i in range(draws):
@@ -182,10 +213,10 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
             exact_value = measure(DG.ExactForward(model), exact_bs)
     return {
         # The own draw is the trained configuration's: with changed options there is none.
-        "metric": metric, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "metric": metric, "split": split, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
-        "exact": exact_value,
+        "exact": exact_value, **({"fidelity": rows} if rows is not None else {}),
     }
 
 
@@ -210,14 +241,20 @@ def run(args) -> int:
         set_data_path(data, args.data)
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                        batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                       exact_max_elements=args.exact_max_elements, data_options=data)
+                       exact_max_elements=args.exact_max_elements, data_options=data, split=args.split,
+                       fidelity=args.fidelity)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
     on = f" on {data}" if data else ""
     if res["dropped"]:
         on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
+    on += " (test split)" if args.split == "test" else ""
     print(f"{res['metric']} with {options or 'the trained options'}{on}: own draw {num(res['own'])}, "
           f"fresh draws {fresh or 'none'} (mean {mean_and_spread(res['fresh_mean'], res['fresh_std'])}), exact {num(res['exact'])}")
+    if "fidelity" in res:
+        from flt.train.fidelity import format_fidelity
+
+        print(format_fidelity(res["fidelity"]))
     if args.out:
         from flt._io import atomic_write_text
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._split import split_indices
+from ._split import carve_test, split_indices
 from .errors import DataError, require_dir, require_file
 
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -54,16 +54,19 @@ class ImageData:
 
 @dataclass(frozen=True)
 class ImageSplits:
-    """Train and validation :class:`ImageData`; ``mean``/``std`` ``[C]`` standardised both."""
+    """Train, validation and (when asked for) test :class:`ImageData`, all standardised by
+    the training split's per-channel ``mean``/``std`` ``[C]``."""
 
     train: ImageData
     valid: ImageData
     mean: torch.Tensor
     std: torch.Tensor
+    test: ImageData | None = None
 
 
-def _standardize(train: np.ndarray, valid: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel standardisation of ``[N, C, H, W]`` arrays in ``[0, 1]`` by train statistics."""
+def _standardize(train: np.ndarray, *others: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Per-channel standardisation of ``[N, C, H, W]`` arrays in ``[0, 1]`` by train statistics:
+    ``(train, *others, mean, std)``."""
     mean = np.empty(train.shape[1], dtype=np.float64)
     std = np.empty(train.shape[1], dtype=np.float64)
     # One channel at a time with float64 accumulators: sums over millions of pixels lose
@@ -80,25 +83,39 @@ def _standardize(train: np.ndarray, valid: np.ndarray) -> tuple[torch.Tensor, to
     def apply(x: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(((x.astype(np.float32, copy=False) - m) / s).astype(np.float32, copy=False))
 
-    return apply(train), apply(valid), torch.from_numpy(mean.astype(np.float32)), torch.from_numpy(std.astype(np.float32))
+    return (apply(train), *(apply(x) for x in others), torch.from_numpy(mean.astype(np.float32)),
+            torch.from_numpy(std.astype(np.float32)))
 
 
-def _make_splits(train_x, train_y, valid_x, valid_y, class_names) -> ImageSplits:
-    tx, vx, mean, std = _standardize(train_x, valid_x)
+def _make_splits(train_x, train_y, valid_x, valid_y, class_names, test_fraction: float = 0.0, seed: int = 0) -> ImageSplits:
+    """Standardised splits; ``test_fraction > 0`` first carves a test set of that fraction of
+    all images from the training images (:func:`carve_test`), so validation is untouched."""
     names = tuple(class_names)
+    if not test_fraction:
+        tx, vx, mean, std = _standardize(train_x, valid_x)
+        return ImageSplits(
+            train=ImageData(tx, torch.as_tensor(train_y, dtype=torch.int64), names),
+            valid=ImageData(vx, torch.as_tensor(valid_y, dtype=torch.int64), names),
+            mean=mean,
+            std=std,
+        )
+    tr, te = carve_test(np.arange(len(train_y)), len(train_y) + len(valid_y), test_fraction, seed)
+    tx, vx, ex, mean, std = _standardize(train_x[tr], valid_x, train_x[te])
     return ImageSplits(
-        train=ImageData(tx, torch.as_tensor(train_y, dtype=torch.int64), names),
+        train=ImageData(tx, torch.as_tensor(train_y[tr], dtype=torch.int64), names),
         valid=ImageData(vx, torch.as_tensor(valid_y, dtype=torch.int64), names),
         mean=mean,
         std=std,
+        test=ImageData(ex, torch.as_tensor(train_y[te], dtype=torch.int64), names),
     )
 
 
-def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
+def load_digits(*, valid_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> ImageSplits:
     """scikit-learn's bundled 8x8 handwritten digits (1797 images, 10 classes; no download).
 
     Images ``[N, 1, 8, 8]``: the 0..16 grey levels divided by 16, then standardised.
-    The split is a seeded permutation (:func:`split_indices`): 1438 train / 359 valid by default.
+    The split is a seeded permutation (:func:`split_indices`): 1438 train / 359 valid by default;
+    ``test_fraction`` carves a test set from the training images (:func:`_make_splits`).
     """
     try:
         from sklearn.datasets import load_digits as sk_load_digits
@@ -110,7 +127,7 @@ def load_digits(*, valid_fraction: float = 0.2, seed: int = 0) -> ImageSplits:
     x = (np.asarray(bunch.images, dtype=np.float64) / 16.0)[:, None]
     y = np.asarray(bunch.target, dtype=np.int64)
     tr, va = split_indices(len(y), valid_fraction, seed)
-    return _make_splits(x[tr], y[tr], x[va], y[va], [str(c) for c in range(10)])
+    return _make_splits(x[tr], y[tr], x[va], y[va], [str(c) for c in range(10)], test_fraction, seed)
 
 
 def _latin1_encode(obj, encoding="latin1"):
@@ -230,13 +247,15 @@ def _read_cifar_batch(path: str, num_classes: int) -> tuple[np.ndarray, np.ndarr
     return data.reshape(-1, 3, 32, 32), labels
 
 
-def load_cifar10(root: str | os.PathLike) -> ImageSplits:
+def load_cifar10(root: str | os.PathLike, *, test_fraction: float = 0.0, seed: int = 0) -> ImageSplits:
     """CIFAR-10 from its local "python version" directory; nothing is downloaded.
 
     ``root`` holds ``data_batch_1`` .. ``data_batch_5``, ``test_batch`` and
     ``batches.meta`` (or is the folder that contains ``cifar-10-batches-py``). The five
     data batches are the train split (50000 images) and ``test_batch`` the validation
-    split (10000). Images ``[N, 3, 32, 32]``: bytes / 255, then standardised. The pickles
+    split (10000); ``test_fraction`` carves a test set from the training images
+    (:func:`_make_splits`), since ``test_batch`` is already validation. Images
+    ``[N, 3, 32, 32]``: bytes / 255, then standardised. The pickles
     are read with :func:`safe_unpickle`, which cannot execute code.
     """
     root = require_dir(root, "CIFAR-10 directory")
@@ -257,7 +276,7 @@ def load_cifar10(root: str | os.PathLike) -> ImageSplits:
     train_y = np.concatenate([p[1] for p in parts])
     if len(train_y) == 0 or len(test_y) == 0:
         raise DataError(f"CIFAR directory {root} has an empty split ({len(train_y)} train, {len(test_y)} test images)")
-    return _make_splits(train_x / np.float32(255), train_y, test_x / np.float32(255), test_y, names)
+    return _make_splits(train_x / np.float32(255), train_y, test_x / np.float32(255), test_y, names, test_fraction, seed)
 
 
 def _import_pil():
@@ -341,6 +360,7 @@ def load_image_folder(
     channels: int = 3,
     valid_fraction: float = 0.1,
     seed: int = 0,
+    test_fraction: float = 0.0,
 ) -> ImageSplits:
     """Images in class subfolders (``train_dir/<class>/*.png|jpg|jpeg``), held in memory.
 
@@ -373,4 +393,4 @@ def load_image_folder(
         vx, vy, vshape = _read_folder(Image, valid_files, class_index, mode, size)
         if vshape != shape:
             raise DataError(f"validation images in {os.fspath(valid_dir)} have shape {vshape}, train images {shape}")
-    return _make_splits(x / np.float32(255), y, vx / np.float32(255), vy, class_names)
+    return _make_splits(x / np.float32(255), y, vx / np.float32(255), vy, class_names, test_fraction, seed)

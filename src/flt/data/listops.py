@@ -61,6 +61,11 @@ class ListOpsData:
         pad = torch.arange(longest).unsqueeze(0) >= self.lengths[idx].unsqueeze(1)
         return tokens, pad, self.labels[idx]
 
+    def subset(self, idx) -> ListOpsData:
+        """The expressions at ``idx`` (1-D integer indices), in that order."""
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        return ListOpsData(self.tokens[idx], self.lengths[idx], self.labels[idx])
+
     @classmethod
     def from_sequences(cls, sequences: list[list[int]], labels: list[int]) -> ListOpsData:
         if not sequences:
@@ -249,18 +254,26 @@ def _cached(path: str, params: str, make) -> ListOpsData:
 
 def load_listops(*, num_train: int = 2000, num_valid: int = 200, seed: int = 0, min_length: int = 500,
                  max_length: int = 2000, max_depth: int = 10, max_args: int = 10, branch_prob: float = 0.25,
-                 cache_dir: str | os.PathLike | None = None) -> ListOpsSplits:
+                 cache_dir: str | os.PathLike | None = None, num_test: int = 0) -> ListOpsSplits:
     """Generated ListOps (module docstring), cached. Train and validation are independent
-    streams (seeds ``2 * seed`` and ``2 * seed + 1``). The original has 96k / 2k / 2k."""
+    streams (seeds ``2 * seed`` and ``2 * seed + 1``). ``num_test > 0`` adds a test split:
+    the ``num_test`` expressions the validation stream draws after its ``num_valid`` (so
+    training and validation are those without it). The original has 96k / 2k / 2k."""
+    if isinstance(num_test, bool) or not isinstance(num_test, int) or num_test < 0:
+        raise ValueError(f"num_test must be a non-negative int, got {num_test!r}")
     spec = dict(min_length=min_length, max_length=max_length, max_depth=max_depth, max_args=max_args, branch_prob=branch_prob)
     folder = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
     out = []
-    for part, n, s in (("train", num_train, 2 * seed), ("valid", num_valid, 2 * seed + 1)):
+    parts = [("train", num_train, 2 * seed), ("valid", num_valid, 2 * seed + 1)]
+    if num_test:
+        parts.append(("valid+test", num_valid + num_test, 2 * seed + 1))
+    for part, n, s in parts:
         params = _params(n=n, seed=s, **spec)
         key = hashlib.sha256(params.encode()).hexdigest()[:16]
         path = os.path.join(folder, f"listops-{part}-{key}.npz")
         out.append(_cached(path, params, lambda n=n, s=s: generate_listops(n, seed=s, **spec)))
-    return ListOpsSplits(out[0], out[1])
+    test = out[2].subset(torch.arange(num_valid, num_valid + num_test)) if num_test else None
+    return ListOpsSplits(out[0], out[1], test)
 
 
 def parse_tokens(source: str) -> list[str]:

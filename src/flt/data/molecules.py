@@ -22,7 +22,7 @@ import pathlib
 import sqlite3
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -30,7 +30,7 @@ import torch
 
 from flt._io import atomic_write
 
-from ._split import split_indices
+from ._split import carve_test, split_indices
 from .errors import DataError, require_file
 
 #: Bumped whenever the generator or the cache layout changes, so old caches are not read.
@@ -178,12 +178,19 @@ class MoleculeData(torch.utils.data.Dataset):
 class MoleculeSplits:
     train: MoleculeData
     valid: MoleculeData
+    #: Held out from training and validation (None when not asked for).
+    test: MoleculeData | None = None
 
 
-def split_molecules(data: MoleculeData, valid_fraction: float = 0.1, seed: int = 0) -> MoleculeSplits:
-    """Deterministic disjoint train/validation split of the structures (:func:`split_indices`)."""
+def split_molecules(data: MoleculeData, valid_fraction: float = 0.1, seed: int = 0, test_fraction: float = 0.0) -> MoleculeSplits:
+    """Deterministic disjoint train/validation split of the structures (:func:`split_indices`);
+    with ``test_fraction > 0`` a test set is carved from the training part
+    (:func:`carve_test`), so validation is the same as without one."""
     tr, va = split_indices(len(data), valid_fraction, seed)
-    return MoleculeSplits(train=data.subset(tr), valid=data.subset(va))
+    if not test_fraction:
+        return MoleculeSplits(train=data.subset(tr), valid=data.subset(va))
+    tr, te = carve_test(tr, len(data), test_fraction, seed)
+    return MoleculeSplits(train=data.subset(tr), valid=data.subset(va), test=data.subset(te))
 
 
 def _atom_energy(symbol: str) -> float:
@@ -265,7 +272,8 @@ def _generate_one(seed: int, index: int, relax_steps: int, fmax: float, clean: d
 
 
 def generate_catalysis(
-    num_samples: int = 2000, *, seed: int = 0, relax_steps: int = 30, fmax: float = 0.05, progress: bool = False
+    num_samples: int = 2000, *, seed: int = 0, relax_steps: int = 30, fmax: float = 0.05, progress: bool = False,
+    first: int = 0,
 ) -> MoleculeData:
     """Generate the catalysis set in memory (no cache; see :func:`load_catalysis`).
 
@@ -281,6 +289,10 @@ def generate_catalysis(
       EMT atoms. ``relax_steps = 0`` gives the unrelaxed energy.
     * ``info``: ``metal``, ``facet``, ``site``, ``adsorbate``, ``steps``, ``converged``.
 
+    ``first`` starts at structure ``first`` instead of 0 (structures ``first`` to ``first +
+    num_samples - 1``): structure ``i`` is the same whatever the other arguments, so a set
+    generated beyond another one is disjoint from it (the test split of :func:`load_catalysis`).
+
     Atoms are ordered slab first (as ``ase.build`` lays them out), adsorbate last. The
     default 2000 structures have 13-30 atoms (20 on average) and took about 105 s of CPU
     time with ASE 3.29 (one core; 62% of relaxations converge within 30 steps). ``y``
@@ -294,7 +306,9 @@ def generate_catalysis(
         raise ValueError(f"relax_steps must be a non-negative integer, got {relax_steps!r}")
     if not fmax > 0:
         raise ValueError(f"fmax must be positive, got {fmax!r}")
-    indices = range(num_samples)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"first must be a non-negative integer, got {first!r}")
+    indices = range(first, first + num_samples)
     if progress:
         try:
             from tqdm import tqdm
@@ -318,7 +332,7 @@ def default_cache_dir() -> str:
     return os.path.join(root, "molecules")
 
 
-def _cache_params(num_samples: int, seed: int, relax_steps: int, fmax: float) -> str:
+def _cache_params(num_samples: int, seed: int, relax_steps: int, fmax: float, first: int = 0) -> str:
     import ase
 
     # The ASE version is part of the key: a different EMT or optimiser gives other numbers.
@@ -326,18 +340,22 @@ def _cache_params(num_samples: int, seed: int, relax_steps: int, fmax: float) ->
         "format_version": FORMAT_VERSION, "generator": "catalysis-emt", "num_samples": num_samples,
         "seed": seed, "relax_steps": relax_steps, "fmax": float(fmax), "ase_version": ase.__version__,
     }
+    if first:  # only sets that start later carry the key, so existing caches stay valid
+        params["first"] = first
     return json.dumps(params, sort_keys=True)
 
 
 def catalysis_cache_path(
-    num_samples: int = 2000, *, seed: int = 0, relax_steps: int = 30, fmax: float = 0.05, cache_dir: str | os.PathLike | None = None
+    num_samples: int = 2000, *, seed: int = 0, relax_steps: int = 30, fmax: float = 0.05, cache_dir: str | os.PathLike | None = None,
+    first: int = 0,
 ) -> str:
     """Where :func:`load_catalysis` keeps the set for these parameters."""
     _import_ase()
-    params = _cache_params(num_samples, seed, relax_steps, fmax)
+    params = _cache_params(num_samples, seed, relax_steps, fmax, first)
     digest = hashlib.sha256(params.encode("utf-8")).hexdigest()[:16]
     folder = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
-    return os.path.join(folder, f"catalysis-v{FORMAT_VERSION}-n{num_samples}-{digest}.npz")
+    start = f"-from{first}" if first else ""
+    return os.path.join(folder, f"catalysis-v{FORMAT_VERSION}-n{num_samples}{start}-{digest}.npz")
 
 
 def _load_cache(path: str, params: str) -> MoleculeData:
@@ -377,11 +395,16 @@ def load_catalysis(
     relax_steps: int = 30,
     fmax: float = 0.05,
     valid_fraction: float = 0.1,
+    test_samples: int = 0,
     cache_dir: str | os.PathLike | None = None,
     refresh: bool = False,
     progress: bool = True,
 ) -> MoleculeSplits:
     """The default molecule dataset: :func:`generate_catalysis`, cached, split by ``seed``.
+
+    ``test_samples > 0`` adds a test split: the ``test_samples`` structures generated after
+    the first ``num_samples`` (``first=num_samples``, cached on their own), so training and
+    validation are exactly those of the same call without a test split.
 
     The set is cached as ``.npz`` (no pickles) under ``cache_dir`` (default
     :func:`default_cache_dir`), keyed by the parameters, :data:`FORMAT_VERSION` and the
@@ -390,20 +413,30 @@ def load_catalysis(
     never left half-written, so damage means something else is wrong); ``refresh=True``
     regenerates and overwrites it.
     """
-    path = catalysis_cache_path(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, cache_dir=cache_dir)
-    params = _cache_params(num_samples, seed, relax_steps, fmax)
+    if isinstance(test_samples, bool) or not isinstance(test_samples, int) or test_samples < 0:
+        raise ValueError(f"test_samples must be a non-negative integer, got {test_samples!r}")
+    spec = {"seed": seed, "relax_steps": relax_steps, "fmax": fmax, "cache_dir": cache_dir, "refresh": refresh, "progress": progress}
+    splits = split_molecules(_cached_catalysis(num_samples, 0, **spec), valid_fraction, seed)
+    if not test_samples:
+        return splits
+    return replace(splits, test=_cached_catalysis(test_samples, num_samples, **spec))
+
+
+def _cached_catalysis(num_samples: int, first: int, *, seed, relax_steps, fmax, cache_dir, refresh, progress) -> MoleculeData:
+    """Structures ``first`` to ``first + num_samples - 1``, from the cache or generated and cached."""
+    path = catalysis_cache_path(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, cache_dir=cache_dir, first=first)
+    params = _cache_params(num_samples, seed, relax_steps, fmax, first)
     if os.path.exists(path) and not refresh:
-        data = _load_cache(path, params)
-    else:
-        data = generate_catalysis(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, progress=progress)
-        arrays = {
-            "params": np.asarray(params), "z": data.z.numpy(), "pos": data.pos.numpy(),
-            "offsets": data.offsets.numpy(), "y": data.y.numpy(),
-            **{f"info_{k}": data.info[k] for k in _INFO_KEYS},
-        }
-        # Readers never see a half-written cache, even if this process is killed mid-write.
-        atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
-    return split_molecules(data, valid_fraction, seed)
+        return _load_cache(path, params)
+    data = generate_catalysis(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, progress=progress, first=first)
+    arrays = {
+        "params": np.asarray(params), "z": data.z.numpy(), "pos": data.pos.numpy(),
+        "offsets": data.offsets.numpy(), "y": data.y.numpy(),
+        **{f"info_{k}": data.info[k] for k in _INFO_KEYS},
+    }
+    # Readers never see a half-written cache, even if this process is killed mid-write.
+    atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
+    return data
 
 
 def _scalar_target(value, path: str, where: str, target: str) -> float:

@@ -39,6 +39,8 @@ class SourceSplits:
     valid_files: tuple[str, ...]
     root: str
     name: str = "python-stdlib-source"
+    test: torch.Tensor | None = None
+    test_files: tuple[str, ...] = ()
 
 
 def stdlib_dir() -> str:
@@ -65,6 +67,12 @@ def source_files(root: str | os.PathLike | None = None) -> list[str]:
 def is_valid_file(relative_path: str, valid_fraction: float, seed: int) -> bool:
     """Whether a file goes to validation (module docstring): a function of its path and ``seed``."""
     return zlib.crc32(f"{seed}:{relative_path}".encode("utf-8")) / 2**32 < valid_fraction
+
+
+def is_test_file(relative_path: str, test_fraction: float, seed: int) -> bool:
+    """Whether a training file goes to the test split: a function of its path and ``seed``,
+    hashed apart from :func:`is_valid_file`'s draw."""
+    return zlib.crc32(f"test:{seed}:{relative_path}".encode("utf-8")) / 2**32 < test_fraction
 
 
 def split_files(files: list[str], valid_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -94,11 +102,14 @@ def _join(root: str, files: list[str], budget: int | None) -> torch.Tensor:
 
 
 def load_python_source(*, root: str | os.PathLike | None = None, valid_fraction: float = 0.1, seed: int = 0,
-                       max_bytes: int | None = None) -> SourceSplits:
+                       max_bytes: int | None = None, test_fraction: float = 0.0) -> SourceSplits:
     """The standard library's source as byte tokens, split by file (module docstring).
 
-    ``max_bytes`` caps the total: train keeps its first ``(1 - valid_fraction) * max_bytes``
-    bytes, validation the rest of the budget (whole files first, the last one cut).
+    ``test_fraction > 0`` moves the training files for which :func:`is_test_file` holds
+    (about that fraction of them) to a test split; validation is unchanged. ``max_bytes``
+    caps the total: validation and test keep their first ``valid_fraction * max_bytes`` and
+    ``test_fraction * max_bytes`` bytes, train the rest of the budget (whole files first,
+    the last one cut).
     ``root`` replaces the stdlib directory (any tree of ``.py`` files).
     """
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2):
@@ -108,7 +119,15 @@ def load_python_source(*, root: str | os.PathLike | None = None, valid_fraction:
     if not train_files or not valid_files:
         raise DataError(f"the source tree {root!r} gives an empty split ({len(train_files)} train, {len(valid_files)} "
                         f"validation files); it needs more .py files or another valid_fraction")
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie in [0, 1), got {test_fraction!r}")
+    test_files = [f for f in train_files if test_fraction and is_test_file(f, test_fraction, seed)]
+    if test_fraction and (not test_files or len(test_files) == len(train_files)):
+        raise DataError(f"the source tree {root!r} gives an empty split for test_fraction {test_fraction}")
+    train_files = [f for f in train_files if f not in set(test_files)]
     n_valid = None if max_bytes is None else max(1, int(round(max_bytes * valid_fraction)))
-    train = _join(root, train_files, None if max_bytes is None else max_bytes - n_valid)
+    n_test = None if max_bytes is None else max(1, int(round(max_bytes * test_fraction)))
+    train = _join(root, train_files, None if max_bytes is None else max_bytes - n_valid - (n_test if test_files else 0))
     valid = _join(root, valid_files, n_valid)
-    return SourceSplits(train, valid, tuple(train_files), tuple(valid_files), root)
+    test = _join(root, test_files, n_test) if test_files else None
+    return SourceSplits(train, valid, tuple(train_files), tuple(valid_files), root, test=test, test_files=tuple(test_files))

@@ -84,7 +84,7 @@ def _python_docs_documents() -> list[tuple[str, bytes]]:
     return docs
 
 
-def load_python_docs(*, max_bytes: int | None = None, valid_fraction: float = 0.1) -> TextSplits:
+def load_python_docs(*, max_bytes: int | None = None, valid_fraction: float = 0.1, test_fraction: float = 0.0) -> TextSplits:
     """The default LM corpus: documentation and standard-library source shipped with Python.
 
     Documents are the ``pydoc_data.topics`` entries and the files in
@@ -92,29 +92,56 @@ def load_python_docs(*, max_bytes: int | None = None, valid_fraction: float = 0.
     for a given Python installation (CPython 3.11.7: 126 documents, 2.17 MB, of which
     0.29 MB or 13% is validation). A document goes to validation when the CRC-32 of its
     name, scaled to ``[0, 1)``, is below ``valid_fraction``, so no document straddles the
-    split. Documents are joined by a
-    blank line. ``max_bytes`` caps the total: train keeps its first
-    ``(1 - valid_fraction) * max_bytes`` bytes and validation the rest of the budget, each
-    cut at a UTF-8 character boundary.
+    split. With ``test_fraction > 0`` the documents whose scaled CRC-32 lies in
+    ``[valid_fraction, valid_fraction + test_fraction)`` are the test split, taken from
+    training, so validation is the same documents as without it. Documents are joined by a
+    blank line. ``max_bytes`` caps the total: validation and test keep their first
+    ``valid_fraction * max_bytes`` and ``test_fraction * max_bytes`` bytes, train the rest
+    of the budget, each cut at a UTF-8 character boundary.
     """
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(f"valid_fraction must lie strictly between 0 and 1, got {valid_fraction!r}")
+    if not 0.0 <= test_fraction < 1.0 - valid_fraction:
+        raise ValueError(f"test_fraction must lie in [0, 1 - valid_fraction), got {test_fraction!r}")
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2):
         raise ValueError(f"max_bytes must be None or an integer >= 2, got {max_bytes!r}")
     docs = _python_docs_documents()
-    is_valid = [zlib.crc32(name.encode("utf-8")) / 2**32 < valid_fraction for name, _ in docs]
-    train = _DOC_SEPARATOR.join(text for (_, text), v in zip(docs, is_valid) if not v)
-    valid = _DOC_SEPARATOR.join(text for (_, text), v in zip(docs, is_valid) if v)
+    where = [zlib.crc32(name.encode("utf-8")) / 2**32 for name, _ in docs]
+    part = ["valid" if u < valid_fraction else "test" if u < valid_fraction + test_fraction else "train" for u in where]
+    train, valid, test = (_DOC_SEPARATOR.join(text for (_, text), p in zip(docs, part) if p == name)
+                          for name in ("train", "valid", "test"))
     if max_bytes is not None:
         n_valid = max(1, int(round(max_bytes * valid_fraction)))
-        train = train[: _utf8_boundary(train, max_bytes - n_valid)]
+        n_test = int(round(max_bytes * test_fraction))
+        train = train[: _utf8_boundary(train, max_bytes - n_valid - n_test)]
         valid = valid[: _utf8_boundary(valid, n_valid)]
+        test = test[: _utf8_boundary(test, n_test)]
+    if test_fraction and not test:
+        raise DataError(f"the Python documentation corpus has an empty test split from {len(docs)} documents; "
+                        "raise max_bytes or test_fraction")
     if not train or not valid:
         raise DataError(
             f"the Python documentation corpus has an empty split (train {len(train)} bytes, "
             f"valid {len(valid)} bytes from {len(docs)} documents); raise max_bytes or change valid_fraction"
         )
-    return TextSplits(train=train, valid=valid, test=None, name="python-docs")
+    return TextSplits(train=train, valid=valid, test=test if test_fraction else None, name="python-docs")
+
+
+def carve_text_test(splits: TextSplits, test_fraction: float, require_utf8: bool = True) -> TextSplits:
+    """``splits`` with a test split: its own when it has one, else the last ``test_fraction``
+    of all its bytes cut from the end of training (at a character boundary with
+    ``require_utf8``), so validation is untouched."""
+    if splits.test is not None:
+        return splits
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
+    cut = len(splits.train) - int(round((len(splits.train) + len(splits.valid)) * test_fraction))
+    if require_utf8:
+        cut = _utf8_boundary(splits.train, cut)
+    if cut <= 0 or cut >= len(splits.train):
+        raise DataError(f"{splits.name}: {len(splits.train)} training bytes are too few to carve a test split "
+                        f"of test_fraction {test_fraction}")
+    return TextSplits(train=splits.train[:cut], valid=splits.valid, test=splits.train[cut:], name=splits.name)
 
 
 def _read_bytes(path: str, what: str, require_utf8: bool) -> bytes:

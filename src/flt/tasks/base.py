@@ -152,6 +152,14 @@ class Task:
         """This process's share of the validation batches (at most ``max_batches`` in all)."""
         raise NotImplementedError
 
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+        """This process's share of the test batches, batched as :meth:`eval_batches`. The test
+        split is held out from training and from validation (which picks presets and learning
+        rates), so its metric is read once, at the end (``summary.json``'s ``test``). A task
+        that does not override it has no test split (:func:`has_test_split`): it trains, and
+        its summary has no test metrics."""
+        raise NotImplementedError(f"task {self.name!r} has no test split")
+
     def eval_sums(self, model, batch) -> dict[str, float]:
         """Sums over one batch (summed again over batches and processes)."""
         raise NotImplementedError
@@ -199,6 +207,11 @@ def check_data_fields(cfg, configured) -> None:
     if clashes:
         raise ValueError(f"{type(cfg).__name__}: {'; '.join(clashes)}; these fields come from the data: "
                          "leave them out (--model-opt)")
+
+
+def has_test_split(task: Task) -> bool:
+    """Whether ``task`` defines :meth:`Task.test_batches` (every built-in task does)."""
+    return type(task).test_batches is not Task.test_batches
 
 
 def mechanism_options(task: type[Task], attention: str, posenc: str, **overrides) -> dict[str, Any]:

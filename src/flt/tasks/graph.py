@@ -304,6 +304,11 @@ class GraphTask(Task):
         for _ in eval_slices(1, 1, max_batches, rank, world):
             yield (*self.inputs(), *self.valid)
 
+    def test_batches(self, batch_size, max_batches, rank, world):
+        # The held-out test pairs (links: edges hidden from the structure), one batch as above.
+        for _ in eval_slices(1, 1, max_batches, rank, world):
+            yield (*self.inputs(), *self.test)
+
     def eval_sums(self, model, batch):
         *inputs, labels = batch
         return _auc_sums(model(*inputs), labels)

@@ -2,7 +2,10 @@
 
 Data options: ``path`` (a CIFAR-10 python directory, or class subfolders of images;
 default: scikit-learn's 8x8 digits), ``valid_dir``, ``size`` ([H, W]), ``channels``,
-``valid_fraction``, ``split_seed``. Positions are patch centres on ``[-1, 1]^2`` (``P = 2``).
+``valid_fraction``, ``test_fraction``, ``split_seed``. Positions are patch centres on
+``[-1, 1]^2`` (``P = 2``). The test split (``test_fraction``, default 0.1 of all images) is
+carved from the training images (CIFAR-10's ``test_batch`` is already the validation
+split), so validation is the same images as without it.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class ImageTask(Task):
     description = "image classifier; bundled data: scikit-learn's 8x8 digits"
     config, model = ImageConfig, ViTClassifier
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "img"
-    options = ("path", "valid_dir", "size", "channels", "valid_fraction", "split_seed")
+    options = ("path", "valid_dir", "size", "channels", "valid_fraction", "test_fraction", "split_seed")
     path_options = ("valid_dir",)
     dataset = staticmethod(load_digits)
     presets = {"smoke": smoke, "small": small, "base": base}
@@ -96,19 +99,22 @@ class ImageTask(Task):
     axes = {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
             "offset": "half image widths"}
 
-    def __init__(self, *, path=None, valid_dir=None, size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2, split_seed: int = 0):
+    def __init__(self, *, path=None, valid_dir=None, size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2,
+                 test_fraction: float = 0.1, split_seed: int = 0):
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         if path is None:
             if valid_dir is not None or size is not None:
                 raise ValueError("valid_dir and size apply to an image folder given by path")
-            splits = load_digits(valid_fraction=valid_fraction, seed=split_seed)
+            splits = load_digits(valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction)
         elif _looks_like_cifar(path):
-            splits = load_cifar10(path)
+            splits = load_cifar10(path, test_fraction=test_fraction, seed=split_seed)
         else:
             splits = load_image_folder(
                 path, valid_dir, size=None if size is None else tuple(size), channels=channels,
-                valid_fraction=valid_fraction, seed=split_seed,
+                valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction,
             )
-        self.train, self.valid = splits.train, splits.valid
+        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
 
     def configure(self, cfg):
         _, c, h, w = self.train.images.shape
@@ -128,8 +134,15 @@ class ImageTask(Task):
         return F.cross_entropy(model(images).float(), labels)
 
     def eval_batches(self, batch_size, max_batches, rank, world):
-        for sl in eval_slices(len(self.valid), batch_size, max_batches, rank, world):
-            yield self.valid.images[sl], self.valid.labels[sl]
+        return self._batches(self.valid, batch_size, max_batches, rank, world)
+
+    def test_batches(self, batch_size, max_batches, rank, world):
+        return self._batches(self.test, batch_size, max_batches, rank, world)
+
+    @staticmethod
+    def _batches(data, batch_size, max_batches, rank, world):
+        for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
+            yield data.images[sl], data.labels[sl]
 
     def eval_sums(self, model, batch):
         images, labels = batch

@@ -10,6 +10,10 @@ pools of that many batches sorted by length (:func:`flt.tasks.base.bucketed_indi
 a batch pads little. Positions are token indices (``P = 1``); batches are padded to their
 longest sequence and the padding is masked out of attention and pooling. A full
 validation pass visits the expressions in order of length (the sums do not depend on it).
+
+Test split: for the generated set ``num_test`` (default ``num_valid``) further expressions
+of the validation stream; for the LRA files ``basic_test.tsv`` when present, else
+:data:`TEST_FRACTION` of all expressions carved from training. Validation is never touched.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flt.data._split import carve_test
 from flt.data.listops import NUM_CLASSES, VOCAB, load_listops, load_listops_tsv
 from flt.models import replace_fields
 from flt.models.block import Trunk, build_posenc
@@ -164,6 +170,11 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(ListOpsTask.name, model, run, {"num_train": 20_000, "num_valid": 2000, "bucket": 32})
 
 
+#: Share of all expressions carved from training as the test split of LRA files that
+#: ship no ``basic_test.tsv``.
+TEST_FRACTION = 0.1
+
+
 class ListOpsTask(Task):
     """ListOps classification (cross-entropy, accuracy)."""
 
@@ -171,24 +182,30 @@ class ListOpsTask(Task):
     description = "ListOps (Long Range Arena) classifier over 500-2000 tokens; bundled data: generated from its specification"
     config, model = ListOpsConfig, SequenceClassifier
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "tok"
-    options = ("path", "num_train", "num_valid", "seed", "min_length", "max_length", "max_depth", "max_args", "bucket")
-    bundled_options = ("num_train", "num_valid", "seed", "min_length", "max_length", "max_depth", "max_args")
+    options = ("path", "num_train", "num_valid", "num_test", "seed", "min_length", "max_length", "max_depth", "max_args",
+               "bucket")
+    bundled_options = ("num_train", "num_valid", "num_test", "seed", "min_length", "max_length", "max_depth", "max_args")
     dataset = staticmethod(load_listops)
     presets = {"smoke": smoke, "small": small, "long": long, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     axes = {"loss": "cross-entropy (nats/expression)", "accuracy": "accuracy (fraction of expressions)",
             "offset": "tokens"}
 
-    def __init__(self, *, path=None, num_train: int = 2000, num_valid: int = 200, seed: int = 0, min_length: int = 500,
-                 max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0):
+    def __init__(self, *, path=None, num_train: int = 2000, num_valid: int = 200, num_test: int | None = None, seed: int = 0,
+                 min_length: int = 500, max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0):
         check_nonnegative_int("bucket", bucket, "pools of batches sorted by length; 0: off")
         self.bucket = bucket
         if path is None:
+            # The test set defaults to validation's size: further expressions of its stream.
             splits = load_listops(num_train=num_train, num_valid=num_valid, seed=seed, min_length=min_length,
-                                  max_length=max_length, max_depth=max_depth, max_args=max_args)
+                                  max_length=max_length, max_depth=max_depth, max_args=max_args,
+                                  num_test=num_valid if num_test is None else num_test)
         else:
             splits = load_listops_tsv(path)
-        self.train, self.valid = splits.train, splits.valid
+        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
+        if self.test is None:  # an LRA directory without basic_test.tsv: carve from training
+            train, test = carve_test(np.arange(len(self.train)), len(self.train) + len(self.valid), TEST_FRACTION, 0)
+            self.train, self.test = self.train.subset(train), self.train.subset(test)
 
     def configure(self, cfg):
         return replace_fields(cfg, vocab_size=len(VOCAB), num_classes=NUM_CLASSES)
@@ -208,11 +225,18 @@ class ListOpsTask(Task):
         return F.cross_entropy(model(tokens, pad).float(), labels)
 
     def eval_batches(self, batch_size, max_batches, rank, world):
-        order = torch.arange(len(self.valid))
+        return self._batches(self.valid, batch_size, max_batches, rank, world)
+
+    def test_batches(self, batch_size, max_batches, rank, world):
+        return self._batches(self.test, batch_size, max_batches, rank, world)
+
+    @staticmethod
+    def _batches(data, batch_size, max_batches, rank, world):
+        order = torch.arange(len(data))
         if max_batches is None:  # every expression once: shortest first, so that batches pad little
-            order = torch.sort(self.valid.lengths, stable=True).indices
-        for sl in eval_slices(len(self.valid), batch_size, max_batches, rank, world):
-            yield self.valid.batch(order[sl])
+            order = torch.sort(data.lengths, stable=True).indices
+        for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
+            yield data.batch(order[sl])
 
     def eval_sums(self, model, batch):
         tokens, pad, labels = batch
@@ -227,7 +251,7 @@ class ListOpsTask(Task):
         return 64.0, False
 
     def longest_sequence(self, cfg):
-        return int(self.valid.lengths.max())
+        return int(max(self.valid.lengths.max(), self.test.lengths.max()))
 
     def step_shape(self, cfg, batch_size):
-        return batch_size, max(int(self.train.lengths.max()), int(self.valid.lengths.max()))
+        return batch_size, max(int(self.train.lengths.max()), int(self.valid.lengths.max()), int(self.test.lengths.max()))

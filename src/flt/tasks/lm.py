@@ -3,7 +3,13 @@
 Data options: ``path`` (a text file such as enwik8, cut 90/5/5, or a WikiText directory;
 default: the Python documentation corpus shipped with Python), ``valid_path``,
 ``tokenizer`` (``"byte"`` or ``"char"``), ``max_bytes`` (cap on the default corpus),
-``require_utf8``. Positions are token indices (``P = 1``). Text generation from a trained
+``require_utf8``, ``test_fraction``. Positions are token indices (``P = 1``).
+
+Test split: a corpus' own (enwik8's last 5%, WikiText's test file); otherwise, for the
+default corpus, the documents after validation's in CRC order (``test_fraction`` of them,
+default 0.1, :func:`flt.data.load_python_docs`) and, for a train file with a
+``valid_path``, the last ``test_fraction`` of the bytes cut from training
+(:func:`flt.data.text.carve_text_test`). Validation is never touched. Text generation from a trained
 model (:func:`generate_text`, ``flt generate``) lives here too.
 """
 
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from flt.data import TOKENIZERS, ByteTokenizer, CharTokenizer, LMDataset, load_python_docs, load_text_files
+from flt.data.text import carve_text_test
 from flt.models import CausalLM, LMConfig, replace_fields
 from flt.tasks.base import Task, mechanism_options, shard, step_generator
 from flt.tasks.preset import Preset, RunConfig
@@ -80,7 +87,7 @@ class LMTask(Task):
     description = "causal language model; bundled data: the Python documentation (text)"
     config, model = LMConfig, CausalLM
     metric, higher_is_better, compare_metrics, unit = "ppl", False, ("bpb",), "tok"
-    options = ("path", "valid_path", "tokenizer", "max_bytes", "require_utf8")
+    options = ("path", "valid_path", "tokenizer", "max_bytes", "require_utf8", "test_fraction")
     bundled_options, path_options = ("max_bytes",), ("valid_path",)
     dataset = staticmethod(load_python_docs)
     presets = {"smoke": smoke, "small": small, "base": base}
@@ -88,22 +95,26 @@ class LMTask(Task):
     axes = {"loss": "cross-entropy (nats/token)", "ppl": "perplexity (per token)", "bpb": "bits per byte",
             "offset": "tokens"}
 
-    def __init__(self, *, path=None, valid_path=None, tokenizer: str = "byte", max_bytes: int | None = None, require_utf8: bool = True):
+    def __init__(self, *, path=None, valid_path=None, tokenizer: str = "byte", max_bytes: int | None = None, require_utf8: bool = True,
+                 test_fraction: float = 0.1):
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {sorted(TOKENIZERS)}, got {tokenizer!r}")
         if path is None:
             if valid_path is not None:
                 raise ValueError("valid_path needs path")
-            splits = load_python_docs(max_bytes=max_bytes)
+            splits = load_python_docs(max_bytes=max_bytes, test_fraction=test_fraction)
         else:
             if max_bytes is not None:
                 raise ValueError("max_bytes applies to the default corpus only")
-            splits = load_text_files(path, valid_path, require_utf8=require_utf8)
+            splits = carve_text_test(load_text_files(path, valid_path, require_utf8=require_utf8), test_fraction, require_utf8)
         self.sources = _split_sources(path, valid_path, max_bytes)
         self.tokenizer_name = tokenizer
         self.tokenizer = TOKENIZERS[tokenizer](splits.train)
         self.train_tokens = self.tokenizer.encode(splits.train)
         self.valid_tokens = self.tokenizer.encode(splits.valid)
+        self.test_tokens = self.tokenizer.encode(splits.test)
         # UTF-8 bytes per token id, for bits per byte (unknown characters count as U+FFFD).
         if tokenizer == "byte":
             self.token_bytes = torch.ones(256, dtype=torch.float64)
@@ -120,6 +131,7 @@ class LMTask(Task):
                                  "max_len (--model-opt max_len=N)")
         self.train_set = LMDataset(self.train_tokens, self.seq_len)
         self.valid_set = LMDataset(self.valid_tokens, self.seq_len)
+        self.test_set = LMDataset(self.test_tokens, self.seq_len)
         return replace_fields(cfg, vocab_size=self.tokenizer.vocab_size)
 
     def train_batch(self, step, batch_size, seed, rank, world):
@@ -136,16 +148,23 @@ class LMTask(Task):
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     def eval_batches(self, batch_size, max_batches, rank, world):
+        return self._windows(self.valid_set, batch_size, max_batches, rank, world)
+
+    def test_batches(self, batch_size, max_batches, rank, world):
+        return self._windows(self.test_set, batch_size, max_batches, rank, world)
+
+    @staticmethod
+    def _windows(dataset, batch_size, max_batches, rank, world):
         # A capped evaluation takes windows evenly spread over the split, not its first
         # ones, so it estimates the full-split metric of the final evaluation.
-        n = len(self.valid_set)
+        n = len(dataset)
         if max_batches is None or max_batches * batch_size >= n:
             windows = list(range(n))
         else:
             windows = torch.linspace(0, n - 1, max_batches * batch_size, dtype=torch.float64).round().long().tolist()
         for i, first in enumerate(range(0, len(windows), batch_size)):
             if i % world == rank:
-                pairs = [self.valid_set[j] for j in windows[first : first + batch_size]]
+                pairs = [dataset[j] for j in windows[first : first + batch_size]]
                 yield torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
     def eval_sums(self, model, batch):

@@ -4,7 +4,8 @@ The corpus is the Python standard library's own source (:func:`flt.data.pysource
 12.1 MB in 734 files on CPython 3.11.7, train and validation split by file), so nothing is
 downloaded. Everything else (the model, the loss, bits per byte, generation) is the ``lm``
 task's; only the data and the presets differ. Data options: ``max_bytes`` (cap on the
-corpus), ``valid_fraction``, ``split_seed``. The context is the model config's ``max_len``
+corpus), ``valid_fraction``, ``test_fraction`` (default 0.1: training files moved to a
+held-out test split, :func:`flt.data.pysource.load_python_source`), ``split_seed``. The context is the model config's ``max_len``
 (``--model-opt max_len=4096``).
 
 The presets turn the draw gap off (``--run-opt draw_gap=true`` turns it on): its exact
@@ -88,19 +89,21 @@ class LongLMTask(LMTask):
 
     name = "longlm"
     description = "long-context byte LM (1k-8k bytes); bundled data: the Python standard library's source, split by file"
-    options = ("max_bytes", "valid_fraction", "split_seed")
+    options = ("max_bytes", "valid_fraction", "test_fraction", "split_seed")
     bundled_options, path_options = ("max_bytes",), ()
     dataset = staticmethod(load_python_source)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
 
-    def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, split_seed: int = 0):
-        splits = load_python_source(max_bytes=max_bytes, valid_fraction=valid_fraction, seed=split_seed)
+    def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0):
+        if not 0.0 < test_fraction < 1.0:
+            raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
+        splits = load_python_source(max_bytes=max_bytes, valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction)
         self.tokenizer_name = "byte"
         self.tokenizer = ByteTokenizer()
-        self.train_tokens, self.valid_tokens = splits.train, splits.valid
+        self.train_tokens, self.valid_tokens, self.test_tokens = splits.train, splits.valid, splits.test
         self.token_bytes = torch.ones(256, dtype=torch.float64)
-        self.files = (len(splits.train_files), len(splits.valid_files))
+        self.files = (len(splits.train_files), len(splits.valid_files), len(splits.test_files))
 
     def report(self, model, device):
         prompt = "def "

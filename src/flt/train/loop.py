@@ -56,7 +56,7 @@ from flt._io import atomic_write_text
 from flt._limits import check_task_memory
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
-from flt.tasks.base import check_data_fields
+from flt.tasks.base import check_data_fields, has_test_split
 from flt.tasks.preset import Preset, RunConfig, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train import drawgap as DG
@@ -150,13 +150,18 @@ def _format(metrics: dict[str, float]) -> str:
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None) -> dict[str, float]:
-    """Validation metrics over this process's shard, summed over processes."""
+def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None,
+             split: str = "valid") -> dict[str, float]:
+    """Metrics of ``split`` (``"valid"``: :meth:`Task.eval_batches`; ``"test"``:
+    :meth:`Task.test_batches`) over this process's shard, summed over processes."""
+    if split not in ("valid", "test"):
+        raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
+    batches = task.eval_batches if split == "valid" else task.test_batches
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     try:
-        for batch in task.eval_batches(batch_size, max_batches, ctx.rank, ctx.world):
+        for batch in batches(batch_size, max_batches, ctx.rank, ctx.world):
             for k, v in task.eval_sums(model, _to_device(batch, ctx.device)).items():
                 sums[k] = sums.get(k, 0.0) + v
     finally:
@@ -638,10 +643,17 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
         # Resumed at the final step: nothing left to train, report the final weights.
         with DG.evaluation_draw(r.model, run):
             last_valid = evaluate(r.task, r.model, ctx, eval_bs, None)
+    test = None
+    if has_test_split(r.task):  # the held-out test split, read once, on the draw the final checkpoint keeps
+        with DG.evaluation_draw(r.model, run):
+            test = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        say(f"test {_format(test)}")
     # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
     gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
                       own=last_valid if run.draw_gap_batches is None else None)
     summary = _summary(r, last_valid, step_times, gap, wall_start)
+    if test is not None:
+        summary.update({"test": test, f"test_{r.task.metric}": test[r.task.metric]})
     if gap is not None:
         say(DG.format_draw_gap(gap, r.task.metric))
     if ctx.is_main:
