@@ -121,6 +121,10 @@ class Task:
     #: ``{flag: (where, field, help)}``, ``--flag VALUE`` meaning ``--model-opt field=VALUE``
     #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``).
     shortcuts: ClassVar[dict[str, tuple[str, str, str]]] = {}
+    #: True when the task holds a test split (:meth:`test_batches`): the loop evaluates it
+    #: once, on the final weights, and reports it as ``summary.json``'s ``test``; it
+    #: chooses nothing (no checkpoint, no learning rate), unlike the validation split.
+    has_test_split: ClassVar[bool] = False
 
     @classmethod
     def build_model(cls, config, *, device=None, dtype=None):
@@ -148,6 +152,11 @@ class Task:
     def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
         """This process's share of the validation batches (at most ``max_batches`` in all)."""
         raise NotImplementedError
+
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+        """This process's share of the test batches, as :meth:`eval_batches` (tasks with
+        ``has_test_split`` only); :meth:`eval_sums` and :meth:`metrics` score them."""
+        raise NotImplementedError(f"task {self.name!r} has no test split")
 
     def eval_sums(self, model, batch) -> dict[str, float]:
         """Sums over one batch (summed again over batches and processes)."""

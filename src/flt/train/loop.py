@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
+from flt._checks import check_choice
 from flt._io import atomic_write_text
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
@@ -132,13 +133,17 @@ def _format(metrics: dict[str, float]) -> str:
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None) -> dict[str, float]:
-    """Validation metrics over this process's shard, summed over processes."""
+def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None,
+             split: str = "valid") -> dict[str, float]:
+    """Metrics of the ``"valid"`` (default) or ``"test"`` split over this process's shard,
+    summed over processes."""
+    check_choice("split", split, ("valid", "test"))
+    batches = task.test_batches if split == "test" else task.eval_batches
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     try:
-        for batch in task.eval_batches(batch_size, max_batches, ctx.rank, ctx.world):
+        for batch in batches(batch_size, max_batches, ctx.rank, ctx.world):
             for k, v in task.eval_sums(model, _to_device(batch, ctx.device)).items():
                 sums[k] = sums.get(k, 0.0) + v
     finally:
@@ -532,6 +537,11 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
     gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
                       own=last_valid if run.draw_gap_batches is None else None)
     summary = _summary(r, last_valid, step_times, gap, wall_start)
+    if r.task.has_test_split:
+        # Once, on the final weights and the evaluation draw: the test split chooses nothing.
+        with DG.evaluation_draw(r.model, run):
+            summary["test"] = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        say(f"test: {_format(summary['test'])}")
     if gap is not None:
         say(DG.format_draw_gap(gap, r.task.metric))
     if ctx.is_main:
