@@ -43,8 +43,8 @@ from flt.tasks.preset import Preset, RunConfig
 MASK = {"spectrum": "gaussian_mixture", "coupling": "multiplicative", "components": 4, "length_scale": 1.0,
         "length_spread": 16.0}
 ATTENTION_DEFAULTS = {
-    "flt": {**MASK, "num_features": 32, "num_frequencies": 64, "sampler": "qmc"},
-    "performer": {"num_features": 32},
+    "flt": {**MASK, "num_features": 16, "num_frequencies": 32, "sampler": "qmc"},
+    "performer": {"num_features": 16},
     "softmax": {"relative_bias": "spectrum", **MASK},
 }
 POSENC_DEFAULTS = {"shifted_basis": {"domain": [-8.0, 8.0]}}
@@ -64,8 +64,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     particles (training clouds generated in a few seconds). About 90 s (``--threads 1``);
     nmse in docs/nbody.md."""
     model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(NBodyTask, attention, posenc))
-    run = RunConfig(steps=300, batch_size=4, lr=3e-3, warmup_steps=20, eval_every=100, checkpoint_every=100,
-                    log_every=10, draw_gap_batches=2)
+    run = RunConfig(steps=200, batch_size=2, lr=3e-3, warmup_steps=20, eval_every=100, checkpoint_every=100,
+                    log_every=10, eval_batch_size=4, draw_gap_batches=2)
     return Preset(NBodyTask.name, model, run, {})
 
 
@@ -86,7 +86,7 @@ class NBodyTask(Task):
             "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
     has_test_split = True
 
-    def __init__(self, *, num_particles: int = 1024, eval_particles: int | None = None, num_train: int = 512,
+    def __init__(self, *, num_particles: int = 1024, eval_particles: int | None = None, num_train: int = 256,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
                  screening: float = 4.0, softening: float = 1.0):
         for name, value in (("num_particles", num_particles), ("num_train", num_train), ("num_valid", num_valid),
