@@ -47,7 +47,7 @@ ATTENTION_DEFAULTS = {
     "performer": {"num_features": 16},
     "softmax": {"relative_bias": "spectrum", **MASK},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [-8.0, 8.0]}}
+POSENC_DEFAULTS = {"shifted_basis": {"domain": [-8.0, 8.0]}, "fourier": {"gamma": 2.0}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -64,8 +64,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     particles (training clouds generated in a few seconds). About 90 s (``--threads 1``);
     nmse in docs/nbody.md."""
     model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(NBodyTask, attention, posenc))
-    run = RunConfig(steps=200, batch_size=2, lr=3e-3, warmup_steps=20, eval_every=100, checkpoint_every=100,
-                    log_every=10, eval_batch_size=4, draw_gap_batches=2)
+    run = RunConfig(steps=400, batch_size=1, lr=3e-3, warmup_steps=20, eval_every=200, checkpoint_every=200,
+                    log_every=20, eval_batch_size=4, draw_gap_batches=1)
     return Preset(NBodyTask.name, model, run, {})
 
 
