@@ -12,9 +12,9 @@ is the bare potential). Nothing is downloaded: every cloud is a function of
 
 Why these choices (docs/nbody.md has the measurements):
 
-* ``screening`` is a sizeable fraction of the box (4 mean spacings against a box of 10 at
-  ``N = 1024``), so the 16 nearest particles hold about half of the target's variance and
-  a cutoff model cannot reach a low error.
+* ``screening`` is a sizeable fraction of the box (3 mean spacings against a box of 6.3
+  at ``N = 256``), so a cutoff cannot reach a low error: the exact sum over each
+  particle's 15 nearest others explains 73% of the target's variance (docs/nbody.md).
 * ``softening`` of one mean spacing keeps the target from being ruled by the rare closest
   pair (the bare ``1 / r`` gives a heavy-tailed target whose variance sits in a few
   pairs, i.e. a short-range task).
@@ -94,7 +94,7 @@ def _cloud(rng: np.random.Generator, num_particles: int, side: float, layout: st
 
 
 def generate_clouds(num_clouds: int, num_particles: int, *, seed: int, split: str, layout: str = "uniform",
-                    density: float = 1.0, screening: float = 4.0, softening: float = 1.0) -> Clouds:
+                    density: float = 1.0, screening: float = 3.0, softening: float = 1.0) -> Clouds:
     """``num_clouds`` clouds of ``num_particles`` (even) particles for ``split``; cloud ``k``
     is a function of ``(seed, split, k, num_particles)`` alone, so the splits never share a
     cloud and a split's first clouds do not depend on how many are drawn."""

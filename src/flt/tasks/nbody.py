@@ -1,15 +1,16 @@
 """``nbody``: per-particle regression of the screened-Coulomb (Yukawa) potential of random
 3-D clouds of charges (:mod:`flt.data.nbody`); a task where long-range relative position
-must matter: the 16 nearest particles explain about half of the target's variance.
+must matter: the exact contribution of the 15 nearest particles explains 73% of the
+target's variance, and no absolute position tells anything (docs/nbody.md).
 
 Data options (all generated, nothing downloaded): ``num_particles`` (``N`` of the training
-clouds, even; default 1024), ``eval_particles`` (``N`` of the validation and test clouds;
-default ``num_particles``; ``flt evaluate RUN --data-opt eval_particles=4096`` measures a
+clouds, even; default 256), ``eval_particles`` (``N`` of the validation and test clouds;
+default ``num_particles``; ``flt evaluate RUN --data-opt eval_particles=1024`` measures a
 trained run on larger clouds at the same density, i.e. a larger box), ``num_train``,
 ``num_valid``, ``num_test`` (clouds per split), ``seed``, ``layout`` (``"uniform"`` in a
 box or ``"blobs"``, four Gaussian blobs whose density varies), ``density`` (particles per
 unit volume: the mean spacing is 1 at the default 1.0), ``screening`` (``lambda``, default
-4 spacings; the box side is 10 at ``N = 1024``), ``softening`` (default 1 spacing).
+3 spacings; the box side is 6.3 at ``N = 256``), ``softening`` (default 1 spacing).
 
 Metric: ``nmse``, the normalised MSE ``sum (pred - y)^2 / sum (y - mean)^2`` with the
 training mean (``1 - R^2``; predicting the mean gives 1), lower is better; ``rel_mae``
@@ -36,14 +37,14 @@ from flt.tasks.preset import Preset, RunConfig
 
 #: One mask family for every row that has one: a mixture of 4 Gaussians centred at 0
 #: (nonnegative, radial per component) with lengths spread from 1 to 16 spacings, enough to
-#: draw ``exp(-r / 4) / sqrt(r^2 + 1)`` plus a near-constant term. FLT in the FLT paper's
+#: draw ``exp(-r / 3) / sqrt(r^2 + 1)`` plus a near-constant term. FLT in the FLT paper's
 #: multiplicative coupling ``f(r_i - r_j) phi(q_i).phi(k_j)`` with FAVOR+ features (the
 #: feature map the near-set controls need, ``near_neighbors``); softmax with the same mask
 #: family multiplying its exact weights (the O(N^2) reference); Performer with FLT's features.
 MASK = {"spectrum": "gaussian_mixture", "coupling": "multiplicative", "components": 4, "length_scale": 1.0,
         "length_spread": 16.0}
 ATTENTION_DEFAULTS = {
-    "flt": {**MASK, "num_features": 16, "num_frequencies": 32, "sampler": "qmc"},
+    "flt": {**MASK, "num_features": 16, "num_frequencies": 64, "sampler": "qmc"},
     "performer": {"num_features": 16},
     "softmax": {"relative_bias": "spectrum", **MASK},
 }
@@ -64,8 +65,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     particles (training clouds generated in a few seconds). About 90 s (``--threads 1``);
     nmse in docs/nbody.md."""
     model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(NBodyTask, attention, posenc))
-    run = RunConfig(steps=400, batch_size=1, lr=3e-3, warmup_steps=20, eval_every=200, checkpoint_every=200,
-                    log_every=20, eval_batch_size=4, draw_gap_batches=1)
+    run = RunConfig(steps=400, batch_size=4, lr=3e-3, warmup_steps=20, eval_every=200, checkpoint_every=200,
+                    log_every=20, eval_batch_size=8, draw_gap_batches=1)
     return Preset(NBodyTask.name, model, run, {})
 
 
@@ -86,9 +87,9 @@ class NBodyTask(Task):
             "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
     has_test_split = True
 
-    def __init__(self, *, num_particles: int = 1024, eval_particles: int | None = None, num_train: int = 256,
+    def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
-                 screening: float = 4.0, softening: float = 1.0):
+                 screening: float = 3.0, softening: float = 1.0):
         for name, value in (("num_particles", num_particles), ("num_train", num_train), ("num_valid", num_valid),
                             ("num_test", num_test)):
             check_positive_int(name, value)
