@@ -163,10 +163,14 @@ class FLTAttention(KernelAttention):
         if near_relative_options is not None and near_relative is None:
             raise ValueError("near_relative_options need near_relative (the name of a term in flt.relative.RELATIVE)")
         if near_field or near_neighbors:
+            # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
+            # with the far one's mask; but a multiplicative layer without a far field has
+            # f = 0, and f_near = 0 would give every pair weight 0 and the mask no gradient
+            # (the cutoff model could never learn): there f_near starts where f would.
+            near_amplitude = spectrum_options["amplitude"] if coupling == "multiplicative" and far_field is False else 0.0
             if near_relative is None:
-                # Only its exact f is used; its frequencies are never sampled. It starts at 0
-                # in both couplings: the near set's mask starts as the far one's.
-                near_options = {**spectrum_options, "amplitude": 0.0}
+                # Only its exact f is used; its frequencies are never sampled.
+                near_options = {**spectrum_options, "amplitude": near_amplitude}
                 self.near_spectrum = SPECTRA[spectrum](
                     heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
                 )
@@ -178,7 +182,7 @@ class FLTAttention(KernelAttention):
                     options.setdefault("max_distance", max(near_field, 1))  # one entry per offset of the band
                 if near_relative in SPECTRA:  # a spectrum of another family or other options: starts at 0
                     options.setdefault("num_frequencies", num_frequencies)
-                    options.setdefault("amplitude", 0.0)
+                    options.setdefault("amplitude", near_amplitude)
                 self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
                                                     device=device, dtype=dtype, **options)
             self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
