@@ -66,8 +66,9 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     of 256 particles (1024 training clouds, generated in seconds). About 8 to 25 min for FLT
     and 30 min for exact softmax on a 2-core VM shared by 6 to 15 jobs (1.2 to 3.3 and 4
     s/step); not timed on an idle machine. Test nmse (docs/nbody.md, seeds 1-3): exact softmax with the same mask
-    0.01-0.05, the 16-nearest cutoff about 0.1, FLT with the far field only 0.87 +- 0.20
-    (seed 0: 0.47), Performer 1.0."""
+    0.012 +- 0.001, the 16-nearest cutoff 0.149 +- 0.008, FLT with the far field only
+    0.466 +- 0.053 at lr 3e-3 (0.87 +- 0.20 at 1e-2, two seeds of three learned nothing),
+    Performer 0.996."""
     model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(NBodyTask, attention, posenc))
     run = RunConfig(steps=400, batch_size=4, lr=3e-3, warmup_steps=20, eval_every=200, checkpoint_every=200,
                     log_every=20, eval_batch_size=8, draw_gap_batches=1)
