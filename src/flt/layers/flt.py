@@ -89,7 +89,9 @@ class FLTAttention(KernelAttention):
             With the logit coupling the layer is then a Performer (plus the exact near set
             and its ``f_near``, if one is set: the local + linear hybrid); with the
             multiplicative coupling only the near set carries weight (a cutoff model), so
-            it needs ``near_neighbors``. The spectrum's parameters stay in the state dict.
+            it needs ``near_neighbors``, and ``f_near`` starts at the spectrum's
+            ``amplitude`` instead of 0 (at 0 no pair would carry weight and the mask
+            would get no gradient). The spectrum's parameters stay in the state dict.
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
