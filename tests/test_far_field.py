@@ -59,6 +59,22 @@ def test_multiplicative_cutoff_is_exact():
     assert_close(lay(x, pos), lay.exact(x, pos))
 
 
+@pytest.mark.parametrize("near_relative", [None, "gaussian"])
+def test_a_fresh_multiplicative_cutoff_attends_and_its_mask_learns(near_relative):
+    """Without a far field the near set's mask is f_near alone: it must not start at 0
+    (every weight 0, no gradient to the mask, a cutoff model that can never learn)."""
+    lay = layer(coupling="multiplicative", near_neighbors=6, pos_dim=3, far_field=False, near_relative=near_relative)
+    torch.manual_seed(3)
+    x, pos = torch.randn(2, 20, 16, dtype=F64), torch.randn(20, 3, dtype=F64)
+    lay(x, pos).pow(2).sum().backward()
+    grads = [p.grad for p in lay.near_spectrum.parameters() if p.requires_grad]
+    assert grads and max(float(g.abs().max()) for g in grads if g is not None) > 1e-6
+    # The logit coupling and a layer with a far field keep f_near = 0 at the start.
+    for kw in (dict(coupling="logit", far_field=False), dict(coupling="multiplicative", far_field=True)):
+        other = layer(near_neighbors=6, pos_dim=3, near_relative=near_relative, **kw)
+        assert_close(other.near_spectrum.of_offsets(pos), torch.zeros(20, 2, dtype=F64))
+
+
 def test_multiplicative_without_a_near_set_is_refused():
     with pytest.raises(ValueError, match="far_field=False"):
         layer(coupling="multiplicative", far_field=False)

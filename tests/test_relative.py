@@ -141,6 +141,16 @@ def test_gaussian_bias_on_many_dimensional_positions_uses_the_matmul_form_exactl
     assert_close(term.bias(pos), direct)
 
 
+def test_gaussian_mixture_bias_by_component_equals_its_mask_with_means_and_shifts():
+    torch.manual_seed(6)
+    for shift in (False, True):
+        term = build_relative("gaussian_mixture", heads=2, pos_dim=3, num_frequencies=8, components=4, mean_scale=0.4,
+                              length_scale=0.7, shift=shift, dtype=F64)
+        pq, pk = torch.randn(2, 6, 3, dtype=F64) * 3, torch.randn(2, 5, 3, dtype=F64) * 3
+        direct = term.of_offsets(pq.unsqueeze(2) - pk.unsqueeze(1)).permute(0, 3, 1, 2)
+        assert_close(term.bias(pq, pk), direct)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_toeplitz_exact_is_softmax_with_the_same_clipped_table(causal):
     torch.manual_seed(6)

@@ -136,7 +136,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     draw (or its first fresh draw when the options changed the draws' shapes).
     ``data_options`` change the run's data options (its validation set) for the evaluation;
     ``data`` in the result lists them, ``dropped`` the trained data options that a new path
-    dropped (:func:`flt.tasks.change_data`)."""
+    dropped (:func:`flt.tasks.change_data`). ``split="test"`` scores the task's test split
+    (tasks with ``has_test_split``) instead of the validation split."""
     import statistics
 
     from safetensors.torch import load_file
@@ -245,7 +246,7 @@ def run(args) -> int:
                        fidelity=args.fidelity)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
-    on = f" on {data}" if data else ""
+    on = (f" on {data}" if data else "") + (" (test split)" if args.split == "test" else "")
     if res["dropped"]:
         on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
     on += " (test split)" if args.split == "test" else ""

@@ -100,7 +100,9 @@ class FLTAttention(KernelAttention):
             With the logit coupling the layer is then a Performer (plus the exact near set
             and its ``f_near``, if one is set: the local + linear hybrid); with the
             multiplicative coupling only the near set carries weight (a cutoff model), so
-            it needs ``near_neighbors``. The spectrum's parameters stay in the state dict.
+            it needs ``near_neighbors``, and ``f_near`` starts at the spectrum's
+            ``amplitude`` instead of 0 (at 0 no pair would carry weight and the mask
+            would get no gradient). The spectrum's parameters stay in the state dict.
         check_condition: with the multiplicative coupling, warn (:class:`ConditioningWarning`)
             when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
             float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
@@ -182,10 +184,14 @@ class FLTAttention(KernelAttention):
         if near_relative_options is not None and near_relative is None:
             raise ValueError("near_relative_options need near_relative (the name of a term in flt.relative.RELATIVE)")
         if near_field or near_neighbors:
+            # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
+            # with the far one's mask; but a multiplicative layer without a far field has
+            # f = 0, and f_near = 0 would give every pair weight 0 and the mask no gradient
+            # (the cutoff model could never learn): there f_near starts where f would.
+            near_amplitude = spectrum_options["amplitude"] if coupling == "multiplicative" and far_field is False else 0.0
             if near_relative is None:
-                # Only its exact f is used; its frequencies are never sampled. It starts at 0
-                # in both couplings: the near set's mask starts as the far one's.
-                near_options = {**spectrum_options, "amplitude": 0.0}
+                # Only its exact f is used; its frequencies are never sampled.
+                near_options = {**spectrum_options, "amplitude": near_amplitude}
                 self.near_spectrum = SPECTRA[spectrum](
                     heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
                 )
@@ -197,7 +203,7 @@ class FLTAttention(KernelAttention):
                     options.setdefault("max_distance", max(near_field, 1))  # one entry per offset of the band
                 if near_relative in SPECTRA:  # a spectrum of another family or other options: starts at 0
                     options.setdefault("num_frequencies", num_frequencies)
-                    options.setdefault("amplitude", 0.0)
+                    options.setdefault("amplitude", near_amplitude)
                 self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
                                                     device=device, dtype=dtype, **options)
             self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone

@@ -99,6 +99,26 @@ class GaussianMixtureSpectrum(Spectrum):
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
         return (self.alpha * osc * env).sum(-1)
 
+    def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
+        """The exact ``f`` of every pair, ``[B|1, H, N, Nk]``. Unshifted mixtures contract the
+        offsets ``[B, N, Nk, P]`` with ``s^2`` and ``mu`` per component (einsum) instead of
+        broadcasting ``[B, N, Nk, H, C, P]`` through :meth:`mask`, one component at a time: faster for 1024
+        points in 3-D with 4 heads of 4 components (what the exact softmax reference with this
+        mask computes every step)."""
+        if self.shift is not None:
+            return super().pairwise(pos_q, pos_k)
+        cdt = compute_dtype(pos_q, self.mu)
+        delta = pos_q.to(cdt).unsqueeze(2) - pos_k.to(cdt).unsqueeze(1)  # [B, N, Nk, P]
+        s, mu = self.scales().to(cdt), self.mu.to(cdt)
+        alpha, sq = self.alpha.to(cdt), delta * delta
+        f = None
+        for c in range(self.components):  # one [B, H, N, Nk] block at a time
+            env = torch.exp(-2 * math.pi**2 * torch.einsum("bijp,hp->bhij", sq, s[:, c] * s[:, c]))
+            osc = torch.cos(2 * math.pi * torch.einsum("bijp,hp->bhij", delta, mu[:, c]))
+            term = alpha[:, c].view(1, -1, 1, 1) * osc * env
+            f = term if f is None else f + term
+        return f
+
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         H, C, P = self.mu.shape
         per = self.num_frequencies // C

@@ -1,0 +1,132 @@
+"""The ``nbody`` task: generated charge clouds, their Yukawa targets, the per-particle
+model, the test split in ``summary.json`` and length generalisation through ``flt evaluate``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flt.cli import main
+from flt.commands.evaluate import evaluate_run
+from flt.data.nbody import box_side, generate_clouds
+from flt.models.particles import ParticleRegressor
+from flt.tasks import get_preset, load_task
+from flt.tasks.nbody import NBodyTask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _brute_force(pos: np.ndarray, charge: np.ndarray, screening: float, softening: float) -> np.ndarray:
+    """The potential by the definition, pair by pair, in float64."""
+    n = len(charge)
+    y = np.zeros(n)
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                r = math.dist(pos[i], pos[j])
+                y[i] += charge[j] * math.exp(-r / screening) / math.sqrt(r * r + softening * softening)
+    return y
+
+
+@pytest.mark.parametrize("softening", [0.0, 1.0])
+def test_the_target_is_the_brute_force_sum(softening):
+    clouds = generate_clouds(3, 10, seed=5, split="valid", screening=2.5, softening=softening)
+    for k in range(3):
+        pos, charge = clouds.pos[k].double().numpy(), clouds.charge[k].double().numpy()
+        expected = _brute_force(pos, charge, 2.5, softening)
+        # pos is stored in float32, the target was computed from the float64 draw: float32 rounding only.
+        np.testing.assert_allclose(clouds.y[k].double().numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_generation_is_a_function_of_the_seed_split_and_index():
+    a = generate_clouds(4, 16, seed=1, split="train")
+    b = generate_clouds(4, 16, seed=1, split="train")
+    assert torch.equal(a.pos, b.pos) and torch.equal(a.charge, b.charge) and torch.equal(a.y, b.y)
+    first = generate_clouds(2, 16, seed=1, split="train")
+    assert torch.equal(first.pos, a.pos[:2])  # a split's first clouds do not depend on its size
+    assert not torch.equal(generate_clouds(4, 16, seed=2, split="train").pos, a.pos)
+    assert not torch.equal(generate_clouds(4, 16, seed=1, split="test").pos, a.pos)
+
+
+@pytest.mark.parametrize("layout", ["uniform", "blobs"])
+def test_clouds_are_neutral_and_at_the_requested_density(layout):
+    clouds = generate_clouds(8, 64, seed=0, split="train", layout=layout, density=0.5)
+    assert clouds.pos.shape == (8, 64, 3) and clouds.charge.shape == clouds.y.shape == (8, 64)
+    assert torch.all(clouds.charge.sum(1) == 0) and set(clouds.charge.unique().tolist()) == {-1.0, 1.0}
+    if layout == "uniform":
+        side = box_side(64, 0.5)
+        assert float(clouds.pos.min()) >= 0 and float(clouds.pos.max()) <= side
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"num_particles": 7}, r"num_particles must be an even number >= 2"),
+    ({"eval_particles": 0}, r"eval_particles must be a positive integer"),
+    ({"num_test": 0}, r"num_test must be a positive integer"),
+    ({"layout": "ring"}, r"layout must be one of"),
+    ({"screening": 0.0}, r"screening must be a positive finite number"),
+    ({"softening": -1.0}, r"softening must be a non-negative finite number"),
+    ({"density": float("inf")}, r"density must be a positive finite number"),
+])
+def test_bad_data_options_are_refused_with_their_name(options, message):
+    small = {"num_particles": 8, "num_train": 2, "num_valid": 1, "num_test": 1}
+    with pytest.raises(ValueError, match=message):
+        NBodyTask(**{**small, **options})
+
+
+def test_unknown_data_options_name_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown data options for 'nbody': \['particles'\]; known: "):
+        load_task("nbody", {"particles": 8})
+
+
+def test_the_model_is_permutation_equivariant_and_translation_invariant():
+    torch.manual_seed(0)
+    p = get_preset("nbody", "smoke", "softmax")
+    model = NBodyTask.build_model(p.model).eval()
+    clouds = generate_clouds(2, 32, seed=0, split="train")
+    out = model(clouds.charge, clouds.pos)
+    perm = torch.randperm(32)
+    torch.testing.assert_close(model(clouds.charge[:, perm], clouds.pos[:, perm]), out[:, perm], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(clouds.charge, clouds.pos + 3.0), out, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match=r"charges must be \+1 or -1"):
+        model(clouds.charge * 2, clouds.pos)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nbody") / "run"
+    torch.set_num_threads(1)
+    assert main(["train", "nbody", "--preset", "smoke", "--out-dir", str(out), "--no-progress", "--no-plots"]) == 0
+    return str(out), json.loads((out / "summary.json").read_text())
+
+
+def test_the_smoke_preset_reports_valid_and_test_metrics(smoke_run):
+    _, summary = smoke_run
+    assert summary["task"] == "nbody" and summary["metric"] == "nmse"
+    for split in ("final", "test"):
+        assert set(summary[split]) == {"loss", "nmse", "rel_mae"} and all(math.isfinite(v) for v in summary[split].values())
+    assert summary["test"] != summary["final"]  # other clouds
+
+
+def test_flt_evaluate_scores_larger_clouds_and_the_test_split(smoke_run):
+    path, summary = smoke_run
+    same = evaluate_run(path, draws=0, exact=False, split="test")
+    assert same["own"] == pytest.approx(summary["test"]["nmse"], rel=1e-6)
+    larger = evaluate_run(path, draws=1, exact=True, data_options={"eval_particles": 512})
+    assert larger["data"] == {"eval_particles": 512}
+    assert all(math.isfinite(larger[k]) for k in ("own", "exact")) and larger["own"] != summary["final"]["nmse"]
+    with pytest.raises(ValueError, match=r"eval_particles must be an even number"):
+        evaluate_run(path, data_options={"eval_particles": 513})
+
+
+def test_the_per_particle_model_predicts_in_target_units():
+    model = ParticleRegressor(dim=8, depth=1, heads=2, mlp_ratio=2.0, dropout=0.0, attention="performer",
+                              attention_options={"num_features": 8}, posenc="none", posenc_options={},
+                              target_mean=3.0, target_std=2.0)
+    torch.nn.init.zeros_(model.head.weight)
+    torch.nn.init.zeros_(model.head.bias)
+    charge = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    assert torch.equal(model(charge, torch.randn(1, 4, 3)), torch.full((1, 4), 3.0))
