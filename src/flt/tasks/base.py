@@ -149,6 +149,12 @@ class Task:
         """This process's share of the validation batches (at most ``max_batches`` in all)."""
         raise NotImplementedError
 
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator | None:
+        """As :meth:`eval_batches`, for a held-out test split that no choice looks at, or
+        None (the default) when the task has none. When it has one, the end of a run
+        reports the final metrics on it as ``test`` in ``summary.json``."""
+        return None
+
     def eval_sums(self, model, batch) -> dict[str, float]:
         """Sums over one batch (summed again over batches and processes)."""
         raise NotImplementedError

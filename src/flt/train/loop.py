@@ -132,13 +132,18 @@ def _format(metrics: dict[str, float]) -> str:
 
 
 @torch.no_grad()
-def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None) -> dict[str, float]:
-    """Validation metrics over this process's shard, summed over processes."""
+def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_batches: int | None,
+             split: str = "valid") -> dict[str, float]:
+    """Metrics of the ``split`` (``"valid"`` or ``"test"``, :meth:`Task.test_batches`) over
+    this process's shard, summed over processes."""
+    batches = {"valid": task.eval_batches, "test": task.test_batches}[split](batch_size, max_batches, ctx.rank, ctx.world)
+    if batches is None:
+        raise ValueError(f"task {task.name!r} has no {split} split")
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     try:
-        for batch in task.eval_batches(batch_size, max_batches, ctx.rank, ctx.world):
+        for batch in batches:
             for k, v in task.eval_sums(model, _to_device(batch, ctx.device)).items():
                 sums[k] = sums.get(k, 0.0) + v
     finally:
@@ -534,6 +539,11 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
     summary = _summary(r, last_valid, step_times, gap, wall_start)
     if gap is not None:
         say(DG.format_draw_gap(gap, r.task.metric))
+    if r.task.test_batches(eval_bs, None, ctx.rank, ctx.world) is not None:
+        # The held-out split, on the validation's fixed draw, once, after every choice.
+        with DG.evaluation_draw(r.model, run):
+            summary["test"] = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        say(f"test: {_format(summary['test'])}")
     if ctx.is_main:
         atomic_write_text(os.path.join(r.out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
         saved = _plots(r) if plots else []
