@@ -44,6 +44,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data", default=None, metavar="PATH", help="evaluate on this dataset (the task's data option path; the bundled data's options and those of the trained path, such as an LM's valid_path, are dropped)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE",
                    help="data loader option changed before evaluating (repeatable), e.g. ListOps' max_length=2000")
+    p.add_argument("--split", default="valid", choices=("valid", "test"),
+                   help="the split to evaluate: valid, or test for tasks with a held-out test split (default: %(default)s)")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
     p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
@@ -111,13 +113,14 @@ def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict,
 
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device="cpu",
-                 exact_max_elements: int | None = None, data_options: dict | None = None) -> dict:
+                 exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid") -> dict:
     """The metrics of a saved run: ``{"metric", "options", "data", "dropped", "own", "fresh",
     "fresh_mean", "fresh_std", "exact"}`` (``own``, the checkpoint's own draw, only without
     changed attention options; ``exact`` None when skipped or too large, as for the draw gap).
     ``data_options`` change the run's data options (its validation set) for the evaluation;
     ``data`` in the result lists them, ``dropped`` the trained data options that a new path
-    dropped (:func:`flt.tasks.change_data`)."""
+    dropped (:func:`flt.tasks.change_data`). ``split="test"`` evaluates the task's held-out
+    test split (:meth:`flt.tasks.base.Task.test_batches`) instead of its validation split."""
     import statistics
 
     from safetensors.torch import load_file
@@ -166,7 +169,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     metric = task.metric
 
     def measure(m, size=bs):
-        return float(evaluate(task, m, ctx, size, batches)[metric])
+        return float(evaluate(task, m, ctx, size, batches, split=split)[metric])
 
     fresh = []
     for i in range(draws):
@@ -179,7 +182,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
             exact_value = measure(DG.ExactForward(model), exact_bs)
     return {
         # The own draw is the trained configuration's: with changed options there is none.
-        "metric": metric, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "metric": metric, "split": split, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
         "exact": exact_value,
@@ -202,10 +205,12 @@ def run(args) -> int:
         set_data_path(data, args.data)
     res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                        batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                       exact_max_elements=args.exact_max_elements, data_options=data)
+                       exact_max_elements=args.exact_max_elements, data_options=data, split=args.split)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
     on = f" on {data}" if data else ""
+    if res["split"] != "valid":
+        on += f" ({res['split']} split)"
     if res["dropped"]:
         on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
     print(f"{res['metric']} with {options or 'the trained options'}{on}: own draw {num(res['own'])}, "
