@@ -9,9 +9,10 @@ vector ``v(x) ~ N(0, I_k)``. The target at position ``i`` is
 
 a causal softmax over the keys with the relative logit ``f``: bumps of height ``A``
 (``amplitude``) and width ``sigma`` (``width``) at the offsets ``c_c`` (``centers``). With
-``A = 6`` a key inside a bump weighs ``e^6 ~ 400`` times one outside, so the target is
-mostly the mean of the values about ``c_c`` tokens back, plus a small share of the mean of
-all earlier values. It is exactly one attention layer with a relative term and no content
+the defaults (``A = 3``, bumps at 64 and 256 tokens, ``sigma = 24``) a key at a bump's
+centre weighs ``e^3 ~ 20`` times one outside, so the target is mostly the mean of the
+values 40 to 90 and 230 to 280 tokens back, plus a share (about a fifth at 512 tokens)
+of the mean of all earlier values. It is exactly one attention layer with a relative term and no content
 term (``q.k = 0``): ``softmax(q.k + f(i - j))`` with the bumps as ``f``, which a
 shifted Gaussian-mixture spectrum (:class:`flt.spectra.GaussianMixtureSpectrum` with
 ``shift=True``, ``mu = 0``) is, and which no mechanism can compute from a band of nearby
@@ -48,8 +49,11 @@ def offset_logits(offsets: torch.Tensor, centers: Sequence[float], width: float,
 
 
 def token_values(vocab_size: int, value_dim: int, seed: int) -> torch.Tensor:
-    """The value table ``v [V, k]`` (float64, standard normal)."""
-    return torch.randn(vocab_size, value_dim, generator=_generator(seed, "values"), dtype=torch.float64)
+    """The value table ``v [V, k]`` (float64): standard normal draws, centred over the
+    vocabulary so that every channel's target has mean 0 (otherwise a constant, each
+    channel's mean, would explain part of the variance that ``rel_mse`` divides by)."""
+    v = torch.randn(vocab_size, value_dim, generator=_generator(seed, "values"), dtype=torch.float64)
+    return v - v.mean(0)
 
 
 def split_tokens(split: str, num: int, length: int, vocab_size: int, seed: int) -> torch.Tensor:
@@ -106,9 +110,9 @@ def default_score_from(centers: Sequence[float], width: float) -> int:
     return int(math.ceil(max(centers) + 3 * width))
 
 
-def generate_offsets(*, num_train: int = 2000, num_valid: int = 200, num_test: int = 200, length: int = 1024,
-                     eval_length: int | None = None, vocab_size: int = 64, value_dim: int = 4,
-                     centers: Sequence[float] = (100.0, 400.0), width: float = 16.0, amplitude: float = 6.0,
+def generate_offsets(*, num_train: int = 2000, num_valid: int = 200, num_test: int = 200, length: int = 512,
+                     eval_length: int | None = None, vocab_size: int = 16, value_dim: int = 4,
+                     centers: Sequence[float] = (64.0, 256.0), width: float = 24.0, amplitude: float = 3.0,
                      seed: int = 0) -> OffsetSplits:
     """The task's splits: training sequences of ``length`` tokens, validation and test
     sequences of ``eval_length`` (default ``length``) tokens."""
