@@ -101,8 +101,8 @@ class TokenRegressor(nn.Module):
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train offsets --preset smoke``: 20 steps of a 1-layer width-32 model on 64
-    sequences of 256 tokens (bumps at offsets 40 and 120). About 10 s; rel_mse about 1
-    (nothing learned yet: the preset checks the plumbing)."""
+    sequences of 256 tokens (bumps at offsets 40 and 120). About 10 s on an unloaded
+    2-core machine; rel_mse about 1 (nothing learned yet: the preset checks the plumbing)."""
     model = OffsetsConfig(dim=32, depth=1, heads=2, **mechanism_options(OffsetsTask, attention, posenc))
     run = RunConfig(steps=20, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=10, eval_batches=2,
                     checkpoint_every=10, log_every=5)
@@ -111,10 +111,12 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
 
 
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
-    """``flt train offsets --preset small``: 1 layer, width 64, 2 heads, 600 steps of 8
-    sequences of 1024 tokens (2000 generated; bumps at offsets 100 and 400, width 16,
-    height 6; 552 scored positions per sequence), rel_mse on 200 validation and 200 test
-    sequences. Rows, learning rates and results: docs/offsets.md."""
+    """``flt train offsets --preset small``: 1 layer, width 64, 2 heads, 400 steps of 8
+    sequences of 512 tokens (2000 generated; bumps at offsets 64 and 256, width 24, height
+    3; 184 scored positions per sequence), rel_mse on 200 validation and 200 test
+    sequences. About 1.6M training tokens per run; no step time is stated (the runs of
+    docs/offsets.md shared a 2-core machine with many other jobs). Rows, learning rates
+    and test results: docs/offsets.md."""
     model = OffsetsConfig(dim=64, depth=1, heads=2, **mechanism_options(OffsetsTask, attention, posenc))
     run = RunConfig(steps=400, batch_size=8, lr=3e-3, warmup_steps=40, eval_every=200, eval_batches=8,
                     eval_batch_size=8, checkpoint_every=400, log_every=50)
