@@ -246,7 +246,7 @@ def run(args) -> int:
                        fidelity=args.fidelity)
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
-    on = (f" on {data}" if data else "") + (" (test split)" if args.split == "test" else "")
+    on = f" on {data}" if data else ""
     if res["dropped"]:
         on += f" (the trained run's {', '.join(res['dropped'])} dropped with its dataset)"
     on += " (test split)" if args.split == "test" else ""
