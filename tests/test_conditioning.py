@@ -164,3 +164,16 @@ def test_kronecker_condition_of_rows_without_keys_is_one():
     kf = torch.zeros(1, 1, 4, 3, dtype=torch.float64)  # every key padded (zero features)
     a = c = torch.randn(1, 1, 4, 2, dtype=torch.float64)
     assert_close(kronecker_condition(qf, kf, a, c), torch.ones(1, 1, 4, dtype=torch.float64))
+
+
+def test_the_warning_comes_once_per_layer_and_precision(one_thread):
+    # A training run calls forward every step: it is told once, and the check then stops.
+    layer, x = layer_and_input(2048)
+    fresh = copy.deepcopy(layer)
+    with torch.no_grad():
+        _, first = run(layer, x, autocast=torch.bfloat16)
+        _, second = run(layer, x, autocast=torch.bfloat16)
+    assert first and not second
+    with torch.no_grad():
+        _, again = run(fresh, x, autocast=torch.bfloat16)
+    assert again

@@ -162,6 +162,7 @@ class FLTAttention(KernelAttention):
         if not isinstance(check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
         self.check_condition = check_condition
+        self._condition_warned: set = set()  # precisions warned about: once each per layer, then no check
         spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
         self.spectrum = SPECTRA[spectrum](
             heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
@@ -269,16 +270,21 @@ class FLTAttention(KernelAttention):
         oscillates around 0 with an amplitude of about ``f(0) / sqrt(R)``, so over many
         keys the row sums cancel, more so as ``N`` grows (docs/math.md section 4,
         "Conditioning"). One extra pass of ``O(N 2R m)`` and one host synchronisation per
-        call (``forward``, ``prefill``; not ``step``); ``check_condition=False`` turns it off.
+        call (``forward``, ``prefill``; not ``step``) until the layer has warned once for
+        the precision at hand (then it returns NaN without checking: a training run is
+        told once, not every step); ``check_condition=False`` turns it off.
         """
+        precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
+        if precision in self._condition_warned:
+            return float("nan")
         with torch.no_grad():
             kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,
                                         chunk_size=self.chunk_size)
         worst = float(kappa.max())
-        precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
         roundoff = torch.finfo(precision).eps / 2
         limit = min(1 / roundoff, max(CONDITION_LIMIT, 1e-4 / roundoff))
         if worst > limit:
+            self._condition_warned.add(precision)
             change = "all" if worst * roundoff >= 1 else f"about {worst * roundoff:.1e}"
             warnings.warn(
                 f"FLTAttention(coupling='multiplicative'): the signed mask's row sums cancel over these "
