@@ -116,3 +116,31 @@ def generate_clouds(num_clouds: int, num_particles: int, *, seed: int, split: st
     pos_t, charge_t = torch.from_numpy(pos), torch.from_numpy(charge)
     y = yukawa_potential(pos_t, charge_t, screening, softening)
     return Clouds(pos_t.float(), charge_t.float(), y.float())
+
+
+@dataclass(frozen=True)
+class CloudSplits:
+    """The task's three splits of clouds (training, validation, the held-out test)."""
+
+    train: Clouds
+    valid: Clouds
+    test: Clouds
+
+
+def cloud_splits(*, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
+                 num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
+                 screening: float = 3.0, softening: float = 1.0) -> CloudSplits:
+    """Training clouds of ``num_particles``, validation and test clouds of ``eval_particles``
+    (default ``num_particles``): the bundled data of ``flt train nbody``."""
+    for name, value in (("num_particles", num_particles), ("num_train", num_train), ("num_valid", num_valid),
+                        ("num_test", num_test)):
+        check_positive_int(name, value)
+    eval_particles = num_particles if eval_particles is None else eval_particles
+    check_positive_int("eval_particles", eval_particles)
+    for name, value in (("num_particles", num_particles), ("eval_particles", eval_particles)):
+        if value < 2 or value % 2:
+            raise ValueError(f"{name} must be an even number >= 2 (neutral clouds: as many +1 as -1 charges), got {value}")
+    common = {"seed": seed, "layout": layout, "density": density, "screening": screening, "softening": softening}
+    return CloudSplits(generate_clouds(num_train, num_particles, split="train", **common),
+                       generate_clouds(num_valid, eval_particles, split="valid", **common),
+                       generate_clouds(num_test, eval_particles, split="test", **common))

@@ -28,8 +28,7 @@ import math
 
 import torch.nn.functional as F
 
-from flt._checks import check_positive_int
-from flt.data.nbody import Clouds, box_side, generate_clouds
+from flt.data.nbody import Clouds, box_side, cloud_splits
 from flt.models import replace_fields
 from flt.models.particles import ParticleConfig, ParticleRegressor
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
@@ -85,7 +84,7 @@ class NBodyTask(Task):
     options = ("num_particles", "eval_particles", "num_train", "num_valid", "num_test", "seed", "layout", "density",
                "screening", "softening")
     bundled_options = options
-    dataset = staticmethod(generate_clouds)
+    dataset = staticmethod(cloud_splits)
     presets = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     axes = {"loss": "MSE, standardised target (unitless)", "nmse": "normalised MSE (1 - R^2)",
@@ -94,18 +93,10 @@ class NBodyTask(Task):
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
                  screening: float = 3.0, softening: float = 1.0):
-        for name, value in (("num_particles", num_particles), ("num_train", num_train), ("num_valid", num_valid),
-                            ("num_test", num_test)):
-            check_positive_int(name, value)
-        eval_particles = num_particles if eval_particles is None else eval_particles
-        check_positive_int("eval_particles", eval_particles)
-        for name, value in (("num_particles", num_particles), ("eval_particles", eval_particles)):
-            if value < 2 or value % 2:
-                raise ValueError(f"{name} must be an even number >= 2 (neutral clouds: as many +1 as -1 charges), got {value}")
-        common = {"seed": seed, "layout": layout, "density": density, "screening": screening, "softening": softening}
-        self.train = generate_clouds(num_train, num_particles, split="train", **common)
-        self.valid = generate_clouds(num_valid, eval_particles, split="valid", **common)
-        self.test = generate_clouds(num_test, eval_particles, split="test", **common)
+        splits = cloud_splits(num_particles=num_particles, eval_particles=eval_particles, num_train=num_train,
+                              num_valid=num_valid, num_test=num_test, seed=seed, layout=layout, density=density,
+                              screening=screening, softening=softening)
+        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
         self.side = box_side(num_particles, density)
         y = self.train.y.double()
         self.target_mean, self.target_std = float(y.mean()), float(y.std())
