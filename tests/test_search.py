@@ -293,3 +293,27 @@ def test_search_plot_draws_every_layer(tmp_path):
     path = plot_search(result, str(tmp_path / "search.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_search_refuses_a_directory_another_process_holds(tmp_path):
+    # The lock of flt train (flt.train.lock) guards a search's directory too; the search
+    # is refused before anything is written there, and the holder's files stay as they were.
+    import subprocess
+    import sys
+
+    from flt.train.lock import RunDirectoryInUse
+
+    out = tmp_path / "held"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from flt.train.lock import lock_run_dir; "
+         "lock_run_dir(sys.argv[1], 'flt search'); print('locked', flush=True); time.sleep(120)", str(out)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = sorted(p.name for p in out.iterdir())
+        with pytest.raises(RunDirectoryInUse, match=rf"in use by flt search \(pid {holder.pid}"):
+            search(_tiny(), _config(), str(out), progress=False, plots=False)
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        holder.kill()
+        holder.wait()

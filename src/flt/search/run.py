@@ -62,6 +62,7 @@ from flt.train.checkpoint import (
     read_checkpoint_config,
     save_checkpoint,
 )
+from flt.train.lock import lock_run_dir
 from flt.train.loop import _to_device, evaluate, parameter_groups
 from flt.train.rng import rng_state, seed_everything, set_rng_state
 
@@ -208,7 +209,12 @@ def search(
         D.teardown(ctx)
         raise ValueError("flt search runs in one process")
     state = {"step": 0}
+    lock = None
     try:
+        # One writer per directory, as for flt train (flt.train.lock).
+        lock = lock_run_dir(out_dir, "flt search")
+        if lock.note:
+            say(lock.note)
         return _search(preset, config, out_dir, ctx, resume=resume, plots=plots, say=say, on_step=on_step, state=state)
     except KeyboardInterrupt as e:
         try:
@@ -217,6 +223,8 @@ def search(
             ckpt = None
         raise SearchInterrupted(out_dir, state["step"], ckpt) from e
     finally:
+        if lock is not None:
+            lock.release()
         D.teardown(ctx)
 
 
