@@ -51,3 +51,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def isolated_cli(monkeypatch, tmp_path, one_thread):
+    """For tests that run flt's commands: one thread, and the generated-data caches in the
+    test's own folder."""
+    monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path / "cache"))
+    yield
+
+
+class Killed(Exception):
+    """Raised by :func:`kill_at`'s hook: a trainer stopped as a kill would stop it."""
+
+
+def kill_at(step):
+    """An ``on_step`` hook that raises :class:`Killed` after ``step``."""
+
+    def hook(s):
+        if s == step:
+            raise Killed
+
+    return hook

@@ -17,13 +17,9 @@ import torch
 from flt.cli import main
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path / "cache"))
+def _isolated(isolated_cli, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     yield
-    torch.set_num_threads(old)
 
 
 def _one_line(capsys) -> str:

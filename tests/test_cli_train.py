@@ -14,14 +14,7 @@ from flt.train import get_preset, load_checkpoint_model, train
 from flt.train.metrics import read_metrics
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    # One thread (tiny models; a busy machine), and the molecule cache in the test's folder.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("isolated_cli")
 
 
 SMOKE = {

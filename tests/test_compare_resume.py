@@ -8,19 +8,12 @@ import json
 import subprocess
 
 import pytest
-import torch
 
 import flt.commands.compare as compare
 from flt.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path / "cache"))
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("isolated_cli")
 
 
 def _argv(out, *extra):

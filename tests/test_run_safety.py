@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import Killed, kill_at
 from flt.cli import main
 from flt.tasks import TASKS
 from flt.train import CheckpointError, get_preset, load_checkpoint_model, train
@@ -47,17 +48,6 @@ def tiny_lm(steps=11, **run) -> Preset:
 def run_quietly(preset, out, **kwargs):
     return train(preset, str(out), progress=False, plots=False, **kwargs)
 
-
-class Killed(Exception):
-    pass
-
-
-def kill_at(step):
-    def hook(s):
-        if s == step:
-            raise Killed
-
-    return hook
 
 
 def weights(path):

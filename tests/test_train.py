@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from conftest import Killed, kill_at
 from flt.models import LMConfig
 from flt.train import CheckpointError, RunConfig, get_preset, load_checkpoint_model, load_task, train
 from flt.train.checkpoint import find_checkpoint, read_checkpoint_config, save_checkpoint
@@ -28,17 +29,6 @@ def tiny_lm(steps=9, **run) -> Preset:
     run_cfg = dataclasses.replace(p.run, steps=steps, batch_size=4, eval_every=4, checkpoint_every=3, log_every=1, **run)
     return Preset("lm", model, run_cfg, {"max_bytes": 20_000})
 
-
-class Killed(Exception):
-    pass
-
-
-def kill_at(step):
-    def hook(s):
-        if s == step:
-            raise Killed
-
-    return hook
 
 
 def weights(path):

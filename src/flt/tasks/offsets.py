@@ -36,7 +36,7 @@ from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.data.offsets import default_score_from, generate_offsets
 from flt.models import replace_fields
-from flt.models.block import Trunk, build_posenc
+from flt.models.block import build_token_body
 from flt.models.config import LayeredConfig
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
@@ -81,14 +81,11 @@ class TokenRegressor(nn.Module):
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
                  posenc_options: dict[str, Any], layer_attention: list | None = None, device=None, dtype=None) -> None:
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
-        self.embed = nn.Embedding(vocab_size, dim, **fk)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        self.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)
-        self.drop = nn.Dropout(dropout)
-        self.trunk = Trunk(dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1,
-                           causal=True, mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk)
-        self.head = nn.Linear(dim, value_dim, **fk)
+        build_token_body(self, vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
+                         dropout=dropout, attention=attention, attention_options=attention_options, posenc=posenc,
+                         posenc_options=posenc_options, layer_attention=layer_attention, causal=True,
+                         device=device, dtype=dtype)
+        self.head = nn.Linear(dim, value_dim, device=device, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         if tokens.ndim != 2:
