@@ -177,3 +177,22 @@ def test_the_warning_comes_once_per_layer_and_precision(one_thread):
     with torch.no_grad():
         _, again = run(fresh, x, autocast=torch.bfloat16)
     assert again
+
+
+def test_training_mode_checks_the_first_call_only(one_thread, monkeypatch):
+    # A training step pays for no host synchronisation after the first; eval mode checks again.
+    import flt.layers.flt as flt_module
+
+    calls = []
+    real = flt_module.kronecker_condition
+    monkeypatch.setattr(flt_module, "kronecker_condition", lambda *a, **k: calls.append(1) or real(*a, **k))
+    layer, x = layer_and_input(1024)
+    layer.train()
+    with torch.no_grad():
+        run(layer, x)
+        run(layer, x)
+    assert len(calls) == 1
+    layer.eval()
+    with torch.no_grad():
+        run(layer, x)
+    assert len(calls) == 2

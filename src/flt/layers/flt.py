@@ -163,6 +163,7 @@ class FLTAttention(KernelAttention):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
         self.check_condition = check_condition
         self._condition_warned: set = set()  # precisions warned about: once each per layer, then no check
+        self._condition_trained: set = set()  # precisions checked in training mode (first step only)
         spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
         self.spectrum = SPECTRA[spectrum](
             heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
@@ -271,12 +272,16 @@ class FLTAttention(KernelAttention):
         keys the row sums cancel, more so as ``N`` grows (docs/math.md section 4,
         "Conditioning"). One extra pass of ``O(N 2R m)`` and one host synchronisation per
         call (``forward``, ``prefill``; not ``step``) until the layer has warned once for
-        the precision at hand (then it returns NaN without checking: a training run is
-        told once, not every step); ``check_condition=False`` turns it off.
+        the precision at hand, and in training mode on the first call per precision only
+        (otherwise it returns NaN without checking: a training step pays for no host
+        synchronisation; evaluation in ``eval()`` mode checks again); ``check_condition=False``
+        turns it off.
         """
         precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
-        if precision in self._condition_warned:
+        if precision in self._condition_warned or (self.training and precision in self._condition_trained):
             return float("nan")
+        if self.training:  # not every training step: its host synchronisation would stall each one
+            self._condition_trained.add(precision)
         with torch.no_grad():
             kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,
                                         chunk_size=self.chunk_size)
