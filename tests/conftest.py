@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Triton decides when it is first imported whether kernels compile for a GPU or run in its
+# CPU interpreter; without CUDA the kernel tests (tests/test_ops_triton.py) need the latter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: (rtol, atol) per dtype for comparisons of a fast path with its reference.
 TOLERANCES = {

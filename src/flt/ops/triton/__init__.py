@@ -1,0 +1,208 @@
+"""FAVOR+ linear attention and the FLT couplings as Triton kernels: a fast path of
+:func:`flt.ops.linear.linear_attention` / :func:`flt.ops.linear.flt_attention` with the
+FAVOR+ features (:func:`flt.ops.features.favor_plus_features`) computed inside the kernel.
+
+:func:`favor_attention` takes what the features are made of, not the features:
+
+* Performer: ``extra_q = extra_k = a = c = None``;
+* FLT, logit coupling: ``extra_q = a(r)``, ``extra_k = c(r)``: FAVOR+ of ``[x_q, a]`` and
+  ``[x_k, c]`` (:func:`flt.ops.features.favor_plus_features_split`);
+* FLT, multiplicative coupling: ``a, c``: weights ``(a_i.c_j) phi(x_q).phi(x_k)``.
+
+so the ``[B, H, N, m]`` features never reach memory (kernel in :mod:`flt.ops.triton.kernels`).
+:func:`favor_attention_torch` computes the same function with the PyTorch ops; it is the
+kernel's backward pass (recomputed from the inputs, linear memory) and its reference.
+The kernels are tested against the float64 quadratic references on CPU tensors under
+``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``); on CUDA they are the real thing.
+Triton is the optional extra ``triton``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+
+from flt._checks import check_tensor
+from flt._dtype import compute_dtype
+from flt.ops._common import safe_divide
+from flt.ops.features import favor_plus_features, favor_plus_features_split
+from flt.ops.linear import flt_attention, linear_attention
+
+#: Default chunk length of the kernels (tokens per step of a program; a power of two >= 16).
+TRITON_CHUNK = 64
+
+
+def triton_available() -> tuple[bool, str]:
+    """``(True, "")`` when the triton package can be imported, else ``(False, how to get it)``."""
+    if importlib.util.find_spec("triton") is None:
+        from flt._extras import install_hint
+
+        return False, f"the triton package is not installed ({install_hint('triton')})"
+    return True, ""
+
+
+def _kernels():
+    ok, reason = triton_available()
+    if not ok:
+        raise RuntimeError(f"backend='triton' needs Triton: {reason}")
+    from flt.ops.triton import kernels
+
+    return kernels
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for triton's CPU interpreter (``TRITON_INTERPRET=1``
+    was set when :mod:`flt.ops.triton.kernels` was first imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_kernels().favor_attention_kernel, InterpretedFunction)
+
+
+def check_device(device: torch.device) -> None:
+    """Refuse devices the kernels cannot run on: CUDA always works; CPU tensors only under
+    triton's interpreter (slow; for tests)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        _kernels()
+        return
+    if device.type == "cpu" and interpreted():
+        return
+    raise RuntimeError(
+        f"backend='triton' runs Triton kernels on CUDA tensors; these are on {device.type}. Use backend='torch' "
+        "here, or, to test the kernels on CPU, set TRITON_INTERPRET=1 in the environment before flt imports "
+        "them (triton's interpreter: slow)."
+    )
+
+
+def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
+    check_tensor("xq", xq, ndim=4, layout="[B, H, N, D]")
+    check_tensor("xk", xk, ndim=4, layout="[B, H, N, D]")
+    check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
+    check_tensor("projection", projection, ndim=2, layout="[m, D + E]")
+    if xq.shape != xk.shape or v.shape[:3] != xq.shape[:3]:
+        raise ValueError(f"xq, xk must be [B, H, N, D] and v [B, H, N, Dv] alike, got {tuple(xq.shape)}, {tuple(xk.shape)}, {tuple(v.shape)}")
+    B, H, N, D = xq.shape
+    for pair, names in (((extra_q, extra_k), ("extra_q", "extra_k")), ((a, c), ("a", "c"))):
+        if (pair[0] is None) != (pair[1] is None):
+            raise ValueError(f"{names[0]} and {names[1]} must be given together")
+        for name, t in zip(names, pair):
+            if t is None:
+                continue
+            check_tensor(name, t, ndim=4, layout="[B or 1, H, N, F]")
+            if t.shape[0] not in (1, B) or t.shape[1:3] != (H, N) or t.shape[-1] != pair[0].shape[-1]:
+                raise ValueError(f"{name} must be [B or 1, H, N, F] = [{B} or 1, {H}, {N}, {pair[0].shape[-1]}], got {tuple(t.shape)}")
+    if extra_q is not None and a is not None:
+        raise ValueError("extra_q/extra_k (logit coupling) and a/c (multiplicative coupling) are exclusive")
+    width = D + (0 if extra_q is None else extra_q.shape[-1])
+    if projection.shape[1] != width:
+        raise ValueError(f"projection must be [m, D + E] with D + E = {width}, got {tuple(projection.shape)}")
+    if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (B, N)):
+        raise ValueError(f"key_mask must be a bool [B, N] = [{B}, {N}] tensor (True: a real key), got {key_mask.dtype} {tuple(key_mask.shape)}")
+
+
+def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
+                    key_mask=None, chunk_size: int = TRITON_CHUNK):
+    """FAVOR+ attention by the Triton kernel (module docstring for the three cases).
+
+    Args:
+        xq, xk: ``[B, H, N, D]``, scaled so that the kernel is ``exp(x_q.x_k)``.
+        v: ``[B, H, N, Dv]``.
+        projection: ``[m, D + E]``, the FAVOR+ projection (``E`` = width of ``extra_q``, else 0).
+        extra_q, extra_k: ``[B or 1, H, N, E]``, joined to ``xq``, ``xk`` (logit coupling).
+        a, c: ``[B or 1, H, N, 2R]`` (multiplicative coupling).
+        key_mask: bool ``[B, N]``, True for a real key (padded keys carry no weight).
+        causal: token ``i`` attends to ``j <= i``.
+        chunk_size: tokens per kernel step, a power of two >= 16.
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 when an input is float64). Rows with a zero
+        denominator are zeros. Gradients: :func:`favor_attention_torch`'s, recomputed.
+    """
+    _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (the kernels' tile), got {chunk_size}")
+    check_device(xq.device)
+    return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size)
+
+
+def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
+                          key_mask=None, chunk_size: int | None = None):
+    """:func:`favor_attention` by the PyTorch ops (features by :mod:`flt.ops.features`, sums by
+    :mod:`flt.ops.linear`); same arguments and result."""
+    _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
+    if extra_q is None:
+        qf, _ = favor_plus_features(xq, projection)
+        kf, kls = favor_plus_features(xk, projection)
+    else:
+        qf, _ = favor_plus_features_split(xq, extra_q, projection)
+        kf, kls = favor_plus_features_split(xk, extra_k, projection)
+    if key_mask is not None:
+        kf = kf * key_mask[:, None, :, None]
+        kls = torch.where(key_mask[:, None, :], kls, kls.detach().amin(dim=-1, keepdim=True))
+    if a is None:
+        out = linear_attention(qf, kf, v, causal=causal, key_log_scale=kls, chunk_size=chunk_size)
+    else:
+        out = flt_attention(qf, kf, v, a, c, causal=causal, key_log_scale=kls, chunk_size=chunk_size)
+    return out.to(compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None)))
+
+
+def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size):
+    kernels = _kernels()
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None))
+    low = v.dtype in (torch.bfloat16, torch.float16) and a is None and acc == torch.float32
+    signed_or_exact = a is not None or acc == torch.float64
+    r2 = 1 if a is None else a.shape[-1]
+    out = torch.zeros(B, H, N, Dv + 1, device=xq.device, dtype=acc)
+    xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    dummy = xq  # a pointer for the inputs a case does not have (never read)
+    eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
+    a_, c_ = (dummy, dummy) if a is None else (a.contiguous(), c.contiguous())
+    if extra_q is not None and eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    if a is not None and a_.shape[0] != c_.shape[0]:
+        a_, c_ = a_.expand(B, -1, -1, -1).contiguous(), c_.expand(B, -1, -1, -1).contiguous()
+    e_dim = 0 if extra_q is None else eq.shape[-1]
+    keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
+    pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
+    bv = min(64, pow2(Dv))
+    grid = (B * H, r2, math.ceil(Dv / bv))
+    kernels.favor_attention_kernel[grid](
+        xq, xk, eq, ek, a_, c_, v, w, keep, out,
+        H, N, D, e_dim, m, Dv, r2,
+        0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
+        0 if a is None or a_.shape[0] == 1 else H * N * r2,
+        0.5 * math.log(m),
+        CAUSAL=bool(causal), HAS_EXTRA=extra_q is not None, HAS_MASK=a is not None, HAS_KEEP=key_mask is not None,
+        ATOMIC=r2 > 1, LOW=low, PREC="ieee" if signed_or_exact else "tf32",
+        BC=chunk_size, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
+    )
+    return safe_divide(out[..., :-1], out[..., -1:])
+
+
+class _FavorAttention(torch.autograd.Function):
+    """Forward: the kernel. Backward: the gradient of :func:`favor_attention_torch`,
+    recomputed from the saved inputs (the kernel has no backward of its own yet)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size):
+        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
+        ctx.causal = causal
+        return _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, xk, v, projection, extra_q, extra_k, a, c, key_mask = ctx.saved_tensors
+        inputs = [xq, xk, v, extra_q, extra_k, a, c]
+        wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:8])]
+        leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(inputs, wanted)]
+        with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
+            out = favor_attention_torch(leaves[0], leaves[1], leaves[2], projection, causal=ctx.causal,
+                                        extra_q=leaves[3], extra_k=leaves[4], a=leaves[5], c=leaves[6], key_mask=key_mask)
+            sources = [t for t, w in zip(leaves, wanted) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
+        g = [next(grads) if w else None for w in wanted]
+        return g[0], g[1], g[2], None, g[3], g[4], g[5], g[6], None, None, None

@@ -1,0 +1,154 @@
+"""The Triton kernels of :mod:`flt.ops.triton` against the float64 quadratic references,
+on CPU tensors under triton's interpreter (``TRITON_INTERPRET=1``); tiny shapes, since the
+interpreter runs every program in Python. Skipped when triton is not installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt.ops.features import favor_plus_features, favor_plus_features_split, gaussian_orthogonal_random_matrix
+from flt.ops.reference import flt_attention_reference, linear_attention_reference
+
+pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
+
+from flt.ops.triton import favor_attention, favor_attention_torch, interpreted  # noqa: E402
+
+B, H, N, D, DV, M, R2 = 2, 2, 37, 8, 5, 16, 4  # N: two chunks of 16 and a tail
+COUPLINGS = ("performer", "logit", "multiplicative")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """Skip unless the kernels run under triton's interpreter: triton reads
+    ``TRITON_INTERPRET`` when it is first imported, which ``conftest.py`` sets on machines
+    without CUDA (on a GPU machine: ``TRITON_INTERPRET=1 pytest tests/test_ops_triton.py``)."""
+    if not interpreted():
+        pytest.skip("the triton kernels are compiled for the GPU in this process; run with TRITON_INTERPRET=1 to test them on CPU")
+
+
+def _inputs(coupling, dtype=torch.float64, n=N, pad=False):
+    """Scaled queries/keys, values, the projection and the coupling's extra tensors."""
+    xq = 0.5 * torch.randn(B, H, n, D, dtype=dtype)
+    xk = 0.5 * torch.randn(B, H, n, D, dtype=dtype)
+    v = torch.randn(B, H, n, DV, dtype=dtype)
+    # Mostly positive masks a.c (as a spectrum near f = 1 gives): well-conditioned row sums.
+    a = 0.5 + 0.2 * torch.randn(1, H, n, R2, dtype=dtype)
+    c = 0.5 + 0.2 * torch.randn(1, H, n, R2, dtype=dtype)
+    extra = {"performer": {}, "logit": {"extra_q": a, "extra_k": c}, "multiplicative": {"a": a, "c": c}}[coupling]
+    width = D + (R2 if coupling == "logit" else 0)
+    w = gaussian_orthogonal_random_matrix(M, width, dtype=torch.float64).to(dtype)
+    if pad:
+        key_mask = torch.ones(B, n, dtype=torch.bool)
+        key_mask[1, -7:] = False
+        key_mask[0, :3] = False
+        extra["key_mask"] = key_mask
+    return xq, xk, v, w, extra
+
+
+def _reference(xq, xk, v, w, causal, extra_q=None, extra_k=None, a=None, c=None, key_mask=None):
+    """The quadratic formula on features made by :mod:`flt.ops.features`."""
+    if extra_q is None:
+        qf, _ = favor_plus_features(xq, w)
+        kf, kls = favor_plus_features(xk, w)
+    else:
+        qf, _ = favor_plus_features_split(xq, extra_q, w)
+        kf, kls = favor_plus_features_split(xk, extra_k, w)
+    if key_mask is not None:
+        kf = kf * key_mask[:, None, :, None]
+        kls = torch.where(key_mask[:, None, :], kls, kls.detach().amin(dim=-1, keepdim=True))
+    if a is None:
+        return linear_attention_reference(qf, kf, v, causal=causal, key_log_scale=kls)
+    return flt_attention_reference(qf, kf, v, a, c, causal=causal, key_log_scale=kls)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_kernel_matches_reference_float64(coupling, causal):
+    xq, xk, v, w, extra = _inputs(coupling)
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, **extra)
+    assert out.dtype == torch.float64 and out.shape == (B, H, N, DV)
+    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_carry_no_weight(causal):
+    xq, xk, v, w, extra = _inputs("multiplicative", pad=True)
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, **extra)
+    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
+    if causal:  # rows whose keys are all padding: zeros, as in the reference
+        assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+
+
+def test_causal_rows_ignore_later_keys():
+    """Changing the last keys (even to huge log scales) changes no earlier output: the
+    running level never looks ahead."""
+    xq, xk, v, w, extra = _inputs("logit")
+    out = favor_attention(xq, xk, v, w, causal=True, chunk_size=16, **extra)
+    xk2, v2 = xk.clone(), v.clone()
+    xk2[..., -3:, :] *= 6.0
+    v2[..., -3:, :] = 1e6
+    out2 = favor_attention(xq, xk2, v2, w, causal=True, chunk_size=16, **extra)
+    assert torch.equal(out[..., : N - 3, :], out2[..., : N - 3, :])
+
+
+@pytest.mark.parametrize("coupling", COUPLINGS)
+def test_float32_and_one_chunk(coupling):
+    """float32 inputs (float32 accumulation) and a sequence shorter than one chunk."""
+    xq, xk, v, w, extra = _inputs(coupling, dtype=torch.float32, n=11)
+    out = favor_attention(xq, xk, v, w, causal=True, chunk_size=16, **extra)
+    assert out.dtype == torch.float32
+    ref = _reference(*(t.double() for t in (xq, xk, v, w)), True, **{k: t.double() if t.is_floating_point() else t for k, t in extra.items()})
+    assert_close(out, ref, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("coupling", ["logit", "multiplicative"])
+def test_gradients_match_reference(coupling, causal):
+    """The backward pass (recomputed by the PyTorch path) gives the reference's gradients
+    for every differentiable input, for a random upstream gradient."""
+    xq, xk, v, w, extra = _inputs(coupling, n=21)
+    leaves = [t.requires_grad_() for t in (xq, xk, v)] + [t.requires_grad_() for t in extra.values()]
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, **extra)
+    ref = _reference(xq, xk, v, w, causal, **extra)
+    up = torch.randn_like(out)
+    g_out = torch.autograd.grad((out * up).sum(), leaves)
+    g_ref = torch.autograd.grad((ref * up).sum(), leaves)
+    for got, want in zip(g_out, g_ref):
+        assert_close(got, want)
+
+
+def test_torch_path_matches_reference():
+    xq, xk, v, w, extra = _inputs("logit", pad=True)
+    assert_close(favor_attention_torch(xq, xk, v, w, causal=True, **extra), _reference(xq, xk, v, w, True, **extra))
+
+
+def test_bad_arguments_are_named():
+    xq, xk, v, w, extra = _inputs("logit")
+    with pytest.raises(ValueError, match="projection"):
+        favor_attention(xq, xk, v, w[:, :D], **extra)
+    with pytest.raises(ValueError, match="chunk_size"):
+        favor_attention(xq, xk, v, w, chunk_size=24, **extra)
+    with pytest.raises(ValueError, match="extra_q and extra_k"):
+        favor_attention(xq, xk, v, w, extra_q=extra["extra_q"])
+
+
+def test_cpu_without_interpreter_refuses():
+    """Outside the interpreter, CPU tensors get a clear error instead of a crash."""
+    code = (
+        "import torch\n"
+        "from flt.ops.triton import favor_attention\n"
+        "x = torch.randn(1, 1, 4, 4)\n"
+        "try:\n"
+        "    favor_attention(x, x, x, torch.randn(16, 4))\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "CUDA tensors" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stdout + done.stderr
