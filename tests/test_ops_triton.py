@@ -139,16 +139,63 @@ def test_bad_arguments_are_named():
 
 
 def test_cpu_without_interpreter_refuses():
-    """Outside the interpreter, CPU tensors get a clear error instead of a crash."""
+    """Outside the interpreter, CPU tensors get a clear error instead of a crash, from the
+    op and from a layer with ``backend="triton"``."""
     code = (
         "import torch\n"
         "from flt.ops.triton import favor_attention\n"
+        "from flt.layers.registry import ATTENTION\n"
         "x = torch.randn(1, 1, 4, 4)\n"
-        "try:\n"
-        "    favor_attention(x, x, x, torch.randn(16, 4))\n"
-        "except RuntimeError as err:\n"
-        "    print(err)\n"
+        "for run in (lambda: favor_attention(x, x, x, torch.randn(16, 4)),\n"
+        "            lambda: ATTENTION['flt'](8, 2, backend='triton')(torch.randn(1, 4, 8))):\n"
+        "    try:\n"
+        "        run()\n"
+        "    except RuntimeError as err:\n"
+        "        print(err)\n"
     )
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert "CUDA tensors" in done.stdout and "TRITON_INTERPRET=1" in done.stdout, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all("CUDA tensors" in line and "TRITON_INTERPRET=1" in line for line in lines), done.stdout + done.stderr
+
+
+LAYERS = [
+    ("performer", {}),
+    ("flt", {"coupling": "logit", "num_frequencies": 4}),
+    ("flt", {"coupling": "multiplicative", "num_frequencies": 4}),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,options", LAYERS, ids=["performer", "flt-logit", "flt-multiplicative"])
+def test_layer_backend_triton_matches_torch(name, options, causal):
+    """``backend="triton"`` computes the same forward and gradients as the PyTorch ops,
+    with padded keys (bidirectional) and in float64."""
+    from flt.layers.registry import ATTENTION
+
+    kw = dict(pos_dim=1, causal=causal, num_features=16, dtype=torch.float64, seed=1, **options)
+    torch_layer = ATTENTION[name](16, 2, **kw)
+    triton_layer = ATTENTION[name](16, 2, backend="triton", **kw)
+    triton_layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(2, 19, 16, dtype=torch.float64, requires_grad=True)
+    pad = None if causal else torch.zeros(2, 19, dtype=torch.bool).index_fill_(1, torch.tensor([17, 18]), True)
+    ref = torch_layer(x, key_padding_mask=pad)
+    out = triton_layer(x, key_padding_mask=pad)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    (g_out,) = torch.autograd.grad((out * up).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref * up).sum(), x)
+    assert_close(g_out, g_ref)
+
+
+def test_layer_backend_refusals():
+    from flt.layers.registry import ATTENTION
+
+    with pytest.raises(ValueError, match="feature_map='favor\\+'"):
+        ATTENTION["performer"](16, 2, backend="triton", feature_map="relu")
+    with pytest.raises(ValueError, match="near_field"):
+        ATTENTION["flt"](16, 2, backend="triton", near_field=2)
+    with pytest.raises(ValueError, match="backend"):
+        ATTENTION["toeplitz"](16, 2, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        ATTENTION["flt"](16, 2, backend="cuda")

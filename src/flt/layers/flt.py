@@ -25,7 +25,7 @@ from flt._checks import check_choice, check_nonnegative_int, compiling
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import band_prefill, band_step
 from flt.layers.base import batch_shared, regular_step
-from flt.layers.kernel import KernelAttention, KernelFeatures
+from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import kronecker_condition
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
@@ -107,6 +107,9 @@ class FLTAttention(KernelAttention):
             when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
             float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
             on: one extra ``O(N 2R m)`` pass and one host synchronisation per forward call).
+        backend: ``"torch"`` (default) or ``"triton"``: the forward pass by the Triton kernel
+            :func:`flt.ops.triton.favor_attention` (CUDA; FAVOR+, no near set;
+            :class:`flt.layers.kernel.KernelAttention`).
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -140,6 +143,7 @@ class FLTAttention(KernelAttention):
         near_relative_options: dict | None = None,
         far_field: bool = True,
         check_condition: bool = True,
+        backend: str = "torch",
         device=None,
         dtype=None,
         **spectrum_options,
@@ -156,8 +160,10 @@ class FLTAttention(KernelAttention):
             feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
             num_features=num_features, feature_map=feature_map, qk_norm=qk_norm, temperature=temperature,
             orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, rope=rope, rope_base=rope_base,
-            chunk_size=chunk_size, device=device, dtype=dtype,
+            chunk_size=chunk_size, backend=backend, device=device, dtype=dtype,
         )
+        if backend == "triton" and (near_field or near_neighbors):
+            raise ValueError("backend='triton' computes the linear part only: near_field and near_neighbors need backend='torch'")
         self.coupling = coupling
         if not isinstance(check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
@@ -256,6 +262,22 @@ class FLTAttention(KernelAttention):
             self.check_conditioning(f, p)
         return out
 
+    def attend_triton(self, p) -> torch.Tensor:
+        out = super().attend_triton(p)
+        if self.coupling == "multiplicative" and self.check_condition and not compiling() and self._condition_due(p):
+            self.check_conditioning(mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad), p)
+        return out
+
+    def triton_inputs(self, pos) -> dict:
+        """The spectral features: joined to FAVOR+'s inputs (logit) or the mask's factors."""
+        a, c = self.far_features(pos)
+        return {"extra_q": a, "extra_k": c} if self.coupling == "logit" else {"a": a, "c": c}
+
+    def _condition_due(self, p) -> bool:
+        """Whether :meth:`check_conditioning` would check this call (not a no-op)."""
+        precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
+        return not (precision in self._condition_warned or (self.training and precision in self._condition_trained))
+
     def check_conditioning(self, f: KernelFeatures, p) -> float:
         """Warn (:class:`ConditioningWarning`) when rounding can visibly change the
         multiplicative coupling's output; returns ``kappa``.
@@ -278,7 +300,7 @@ class FLTAttention(KernelAttention):
         turns it off.
         """
         precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
-        if precision in self._condition_warned or (self.training and precision in self._condition_trained):
+        if not self._condition_due(p):
             return float("nan")
         if self.training:  # not every training step: its host synchronisation would stall each one
             self._condition_trained.add(precision)

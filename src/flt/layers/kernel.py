@@ -12,13 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from flt._checks import check_positive_int
+from flt._checks import check_choice, check_positive_int
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, full_precision, linear_attention, recurrent_step
 from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
 from flt.posenc.rope import apply_rope
+
+#: How a kernel layer computes its forward pass: ``"torch"`` (the PyTorch ops of
+#: :mod:`flt.ops.linear`, any device) or ``"triton"`` (the kernels of :mod:`flt.ops.triton`:
+#: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; FAVOR+ features only).
+KERNEL_BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -62,7 +67,12 @@ class KernelAttention(AttentionBase):
     ``redraw_calls``) first calls :func:`flt.layers.draws.redraw` on the layer, which
     redraws all its draws (projection and spectrum). ``flt train`` does not need it: it
     redraws the whole model every ``RunConfig.redraw_interval`` steps through the same
-    function."""
+    function.
+
+    ``backend="triton"`` computes ``forward`` by :func:`flt.ops.triton.favor_attention`
+    (features made inside the kernel; the backward pass recomputes through the PyTorch ops)
+    and raises, naming the fix, on CPU tensors outside triton's interpreter. Decoding
+    (:meth:`step`, :meth:`prefill`) and :meth:`reference` use the PyTorch ops."""
 
     supports_decoding = True
 
@@ -84,10 +94,15 @@ class KernelAttention(AttentionBase):
         rope: bool = False,
         rope_base: float = 10000.0,
         chunk_size: int | None = None,
+        backend: str = "torch",
         device=None,
         dtype=None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        check_choice("backend", backend, KERNEL_BACKENDS)
+        if backend == "triton" and feature_map != "favor+":
+            raise ValueError(f"backend='triton' computes FAVOR+ features inside its kernel: it needs feature_map='favor+', got {feature_map!r}")
+        self.backend = backend
         if rope and self.head_dim % (2 * pos_dim):
             raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -140,7 +155,23 @@ class KernelAttention(AttentionBase):
     def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` from projected inputs, by the fast op or (``reference``) its
         O(N^2) formula. Subclasses with another estimator override this."""
+        if self.backend == "triton" and not reference:
+            return self.attend_triton(p)
         return self.attend_features(mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad), p, reference=reference)
+
+    def attend_triton(self, p: Prepared) -> torch.Tensor:
+        """``[B, H, N, Dv]`` by the Triton kernel, from the scaled queries and keys and
+        :meth:`triton_inputs`."""
+        from flt.ops.triton import favor_attention
+
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        key_mask = None if p.pad is None else ~p.pad
+        return favor_attention(xq, xk, p.v, self.feature_map.projection, causal=self.causal, key_mask=key_mask,
+                               **self.triton_inputs(p.pos))
+
+    def triton_inputs(self, pos) -> dict:
+        """What the kernel joins to the queries and keys (none for a Performer)."""
+        return {}
 
     def attend_features(self, f: KernelFeatures, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` of the values ``p.v`` weighted by the features ``f``."""

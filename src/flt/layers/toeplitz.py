@@ -76,6 +76,8 @@ class ToeplitzAttention(KernelAttention):
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
         check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
+        if kernel_options.get("backend", "torch") != "torch":
+            raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {kernel_options['backend']!r}")
         super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
         self.table = build_relative(
