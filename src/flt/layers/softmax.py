@@ -154,8 +154,9 @@ class SoftmaxAttention(AttentionBase):
             ``"multiplicative"`` multiplies the weights by ``f`` (computed by the reference
             backend, since it is not a softmax).
         rope, rope_base: rotate queries and keys by RoPE at ``pos`` (1-D or axial).
-        backend: ``"sdpa"`` (default), ``"flex"`` (FlexAttention; raises where it cannot run,
-            e.g. backward on CPU) or ``"reference"``. :meth:`step` attends one query with
+        backend: ``"sdpa"`` (default), ``"flex"`` (FlexAttention, the relative term as a
+            ``score_mod`` (:meth:`flt.relative.RelativeTerm.score_mod`), so no ``[N, N]`` bias
+            is formed; raises where it cannot run, e.g. backward on CPU) or ``"reference"``. :meth:`step` attends one query with
             SDPA, or with the reference backend when ``backend="reference"``.
         **spectrum_options: for ``relative_bias="spectrum"``: ``num_frequencies`` is unused
             by the exact mask but kept so the spectrum matches an FLT layer's; other options
@@ -291,8 +292,14 @@ class SoftmaxAttention(AttentionBase):
     def _attend(self, x, pos, key_padding_mask, backend, *, cache: bool = False):
         p = self.prepare(x, pos, key_padding_mask)
         q, k = self._rotated_qk(p.q, p.k, p.pos)
-        term = self.positional_term(p.pos, q.dtype)
-        y = self.finish(self._weights_times_values(q, k, p.v, term, p.pad, self.causal, backend), x)
+        if backend == "flex" and self.coupling == "logit" and self.relative is not None:
+            # The term as a score_mod: FlexAttention never sees an [N, N] bias.
+            mod = self.relative.score_mod(batch_shared(p.pos))
+            out = softmax_attention(q, k, p.v, causal=self.causal, key_padding_mask=p.pad, score_mod=mod, backend="flex")
+        else:
+            term = self.positional_term(p.pos, q.dtype)
+            out = self._weights_times_values(q, k, p.v, term, p.pad, self.causal, backend)
+        y = self.finish(out, x)
         return (y, KVCache.start(k, p.v, p.pos)) if cache else y
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

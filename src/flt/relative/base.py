@@ -10,6 +10,9 @@ linear-time features:
 * :meth:`RelativeTerm.of_offsets` ``(delta [..., P]) -> [..., H]``: the value at offsets
   ``delta = r_q - r_k`` (translation-invariant terms; what banded and Toeplitz layers
   evaluate on their offsets);
+* :meth:`RelativeTerm.score_mod` ``(pos_q, pos_k) -> score_mod``: the exact term as a
+  FlexAttention ``score_mod`` (``score + term[b, h, i, j]``), which never forms the
+  ``[N, Nk]`` tensor (what ``SoftmaxAttention(backend="flex")`` uses);
 * :meth:`RelativeTerm.features` ``(pos [B|1, N, P]) -> (a, c)``, each ``[B|1, H, N, F]``
   with ``a_i . c_j`` an estimate of the term: only where :attr:`linear` is True (the
   spectra). FLT needs such a term.
@@ -24,7 +27,11 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_dim, check_finite, check_tensor
+from flt._checks import check_dim, check_finite, check_tensor, per_score
+
+#: Integer 1-D positions whose offsets span at most this many values get the term from a
+#: table of its values at every offset (:meth:`RelativeTerm.score_mod`).
+OFFSET_TABLE_LIMIT = 1 << 20
 
 
 def pair_positions(pos_q, pos_k=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,13 +69,72 @@ class RelativeTerm(nn.Module):
     def bias(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> torch.Tensor:
         """The exact term of every query-key pair: ``[B|1, H, N, Nk]`` in float32 or better
         (``pos_k`` defaults to ``pos_q``)."""
+        return self.pairwise(*self._checked_pair(pos_q, pos_k))
+
+    def _checked_pair(self, pos_q, pos_k):
         pos_q, pos_k = pair_positions(pos_q, pos_k)
         P = pos_q.shape[-1]
         own = getattr(self, "pos_dim", None)
         if self.pos_dims is not None and P not in self.pos_dims or isinstance(own, int) and P != own:
             want = own if isinstance(own, int) else " or ".join(map(str, self.pos_dims))
             raise ValueError(f"{type(self).__name__} takes positions of dimension P = {want}, got P = {P}")
-        return self.pairwise(pos_q, pos_k)
+        return pos_q, pos_k
+
+    def score_mod(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None):
+        """The exact term as a FlexAttention ``score_mod``: ``mod(score, b, h, i, j) = score +
+        bias(pos_q, pos_k)[b, h, i, j]``, without the ``[B|1, H, N, Nk]`` tensor.
+
+        Integer 1-D positions (token indices, any term that is a function of the offset):
+        the term's values at every offset between the extremes, ``[L, H]``, are computed
+        once by :meth:`of_offsets` and gathered per score (``L <= OFFSET_TABLE_LIMIT``).
+        Other positions: :meth:`of_offsets` of ``pos_q[b, i] - pos_k[b, j]`` per score
+        (FlexAttention vmaps it; the positions are checked here, once). Terms that are not a
+        function of the offset raise ``NotImplementedError``.
+
+        Args:
+            pos_q: ``[B|1, N, P]`` or ``[N, P]``; pos_k: ``[B|1, Nk, P]`` or ``[Nk, P]``
+                (default ``pos_q``).
+        """
+        pos_q, pos_k = self._checked_pair(pos_q, pos_k)
+        table = self._offset_table(pos_q, pos_k)
+        if table is not None:
+            values, low = table  # values[d - low] = term at r_q - r_k = d
+            iq, ik = pos_q[..., 0].long(), pos_k[..., 0].long()
+            one_q, one_k = iq.shape[0] == 1, ik.shape[0] == 1
+
+            def by_offset(score, b, h, q_idx, kv_idx):
+                d = iq[0 if one_q else b, q_idx] - ik[0 if one_k else b, kv_idx]
+                return score + values[d - low, h].to(score.dtype)
+
+            return by_offset
+        # The largest offset on every axis: raises here, once, when the term has no offset
+        # form or (a quadrature) cannot reach that far.
+        flat_q, flat_k = pos_q.reshape(-1, pos_q.shape[-1]), pos_k.reshape(-1, pos_k.shape[-1])
+        far = torch.maximum(flat_q.amax(0) - flat_k.amin(0), flat_k.amax(0) - flat_q.amin(0))
+        self.of_offsets(far.detach())
+        one_q, one_k = pos_q.shape[0] == 1, pos_k.shape[0] == 1
+
+        def by_point(score, b, h, q_idx, kv_idx):
+            delta = pos_q[0 if one_q else b, q_idx] - pos_k[0 if one_k else b, kv_idx]  # [P]
+            with per_score():
+                value = self.of_offsets(delta)[h]
+            return score + value.to(score.dtype)
+
+        return by_point
+
+    def _offset_table(self, pos_q, pos_k):
+        """``(values [L, H], low)`` with ``values[d - low]`` the term at offset ``d``, for
+        integer 1-D positions spanning at most :data:`OFFSET_TABLE_LIMIT` offsets; else None."""
+        if pos_q.shape[-1] != 1 or pos_q.requires_grad or pos_k.requires_grad:
+            return None
+        if not (torch.equal(pos_q, pos_q.round()) and torch.equal(pos_k, pos_k.round())):
+            return None
+        low = int(pos_q.min()) - int(pos_k.max())
+        high = int(pos_q.max()) - int(pos_k.min())
+        if high - low + 1 > OFFSET_TABLE_LIMIT:
+            return None
+        offsets = torch.arange(low, high + 1, device=pos_q.device).to(pos_q.dtype).unsqueeze(-1)
+        return self.of_offsets(offsets), low
 
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """:meth:`bias` on checked positions. Default: :meth:`of_offsets` of ``r_q - r_k``."""
