@@ -88,7 +88,7 @@ def _child_argv(args, name: str, options: dict, seed: int, out_dir: str) -> list
     argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", entry, "--seed", str(seed),
             "--out-dir", out_dir, "--preset", args.preset, "--posenc", args.posenc, "--no-progress",
             "--device", args.device]
-    for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data", "init_from"):
+    for flag in ("steps", "batch_size", "lr", "eval_every", "checkpoint_every", "threads", "data", "init_from", "precision"):
         value = getattr(args, flag, None)
         if value is not None:
             argv += ["--" + flag.replace("_", "-"), os.path.abspath(value) if flag == "init_from" else str(value)]
@@ -140,6 +140,9 @@ def _run_state(run_dir: str, expected: dict) -> str:
                 saved = json.load(f).get("preset")
         except (OSError, ValueError):
             saved = None
+        own = (saved or {}).get("run", {}).get("precision")
+        if own is not None and expected["run"].get("precision") is None:  # unset: the run's own (decided by its device)
+            expected = {**expected, "run": {**expected["run"], "precision": own}}
         if json.dumps(saved, sort_keys=True) == json.dumps(expected, sort_keys=True):
             return "finished"
     return "resume" if has_checkpoint(run_dir) else "restart"

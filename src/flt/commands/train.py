@@ -48,7 +48,7 @@ from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
 
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
-             "init_from": str}
+             "init_from": str, "precision": str}
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,8 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--compile", action="store_const", const=True, default=None,
                    help="train through torch.compile(model) (RunConfig.compile; the first steps compile)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="arithmetic of the training step: bfloat16 autocast "
+                   "or float32 (RunConfig.precision; default: bf16 on CUDA, fp32 on a CPU; --resume keeps the run's)")
     p.add_argument("--init-from", metavar="RUN", help="start from the weights of this run or checkpoint directory "
                    "(fine-tuning, curricula; RunConfig.init_from)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")

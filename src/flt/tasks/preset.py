@@ -22,6 +22,16 @@ from flt.options import check_fields
 from flt.models.config import config_to_dict
 
 
+#: Arithmetic of a training step (:attr:`RunConfig.precision`).
+PRECISIONS = ("bf16", "fp32")
+
+
+def default_precision(device_type: str) -> str:
+    """The precision a run takes when its config leaves it unset: bfloat16 autocast on CUDA
+    (tensor-core speed), float32 elsewhere (CPU bfloat16 matmuls are rarely faster)."""
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Optimisation and bookkeeping of one training run.
@@ -66,6 +76,14 @@ class RunConfig:
     other option, and continues from the run's own checkpoints, not from ``init_from``;
     the checkpoint started from and its step are recorded as ``init`` in ``run.json`` and in
     every checkpoint's ``config.json``.
+
+    ``precision`` is the training step's arithmetic (:data:`PRECISIONS`): ``"bf16"`` runs the
+    forward pass and the loss under bfloat16 autocast (weights, gradients and the optimizer
+    stay float32; no loss scaling is needed), ``"fp32"`` runs everything in float32.
+    ``None`` (default) means ``"bf16"`` on CUDA and ``"fp32"`` on a CPU, decided when the
+    run starts and recorded as such; ``--resume`` keeps the recorded precision (runs saved
+    before the field existed trained in float32). Evaluation, the draw gap and checkpoints
+    run in float32 either way.
     """
 
     steps: int = 1000
@@ -87,6 +105,7 @@ class RunConfig:
     draw_gap_batches: int | None = None
     compile: bool = False
     init_from: str | None = None
+    precision: str | None = None
 
     def __post_init__(self):
         check_fields(self)  # a bool is not a number: lr=true must not train at 1.0
@@ -115,6 +134,8 @@ class RunConfig:
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and math.isfinite(self.grad_clip)
                                                and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be None (no clipping) or a positive finite number, got {self.grad_clip!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {list(PRECISIONS)} (or None: bf16 on CUDA, fp32 on a CPU), got {self.precision!r}")
         if self.init_from is not None and not (isinstance(self.init_from, str) and self.init_from):
             raise ValueError(f"init_from must be None or the path of a run or checkpoint directory, got {self.init_from!r}")
 

@@ -57,7 +57,7 @@ from flt._limits import check_task_memory
 from flt.models.config import config_to_dict
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
 from flt.tasks.base import check_data_fields, has_test_split
-from flt.tasks.preset import Preset, RunConfig, preset_to_dict, record_differences
+from flt.tasks.preset import Preset, RunConfig, default_precision, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train import drawgap as DG
 from flt.train.checkpoint import (
@@ -390,16 +390,23 @@ def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, kee
         if has_checkpoint(out_dir):
             raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
         origin = _init_origin(preset, ctx)
-        origin.preset = preset
+        origin.preset = _with_precision(preset, preset.run.precision or default_precision(ctx.device.type))
         return origin
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(out_dir, ctx, notes, "to resume from in")
     saved = preset_from_dict(meta["preset"])
+    # Runs saved before RunConfig.precision existed trained in float32.
+    saved = _with_precision(saved, saved.run.precision or "fp32")
+    preset = _with_precision(preset, preset.run.precision or saved.run.precision)
     step = int(meta["step"])
     if keep_steps:
         preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
     _check_resume(saved, preset_to_dict(preset), preset, step, out_dir)
     return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
+
+
+def _with_precision(preset: Preset, precision: str) -> Preset:
+    return dataclasses.replace(preset, run=dataclasses.replace(preset.run, precision=precision))
 
 
 def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
@@ -573,7 +580,8 @@ def _train_step(r: _Run, step: int) -> tuple[float, int]:
         group["lr"] = run.lr_at(step)
     batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
-    loss = r.task.loss(r.ddp, batch)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=run.precision == "bf16"):
+        loss = r.task.loss(r.ddp, batch)
     value = _check_finite(r, loss, step)
     loss.backward()
     if run.grad_clip is not None:
