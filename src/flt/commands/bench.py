@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,6 +26,12 @@ speed.json, speed.md and speed.png to --out-dir.
 
     flt bench speed --quick            # CI smoke, ~20 s: checks the runner, not the timings
     flt bench speed --variants flt-logit/m256/R32 softmax+t5 --lengths 1024 4096
+    flt bench speed --device cuda      # one GPU: FLT eager/compiled/Triton, Flex + T5, SDPA, ...
+
+--device cuda times the rows of flt.bench.gpu.GPU_ROWS on the GPU instead (CUDA events,
+bf16 autocast and fp32, peak torch.cuda.max_memory_allocated, "x bf16 floor" against a
+bfloat16 matmul timed in the same process); --rows, --precisions and --lengths choose
+what runs, --preset quick shortens it.
 """
 
 APPROX_DESCRIPTION = """\
@@ -52,6 +59,10 @@ def add_parser(sub) -> None:
     s.add_argument("--allocator", default="keep",
                    help="keep: time with freed memory kept for reuse (flt.keep_freed_memory); default: glibc's thresholds "
                         "(default: %(default)s)")
+    s.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: the process-per-configuration CPU runner; cuda: the GPU rows (default: %(default)s)")
+    s.add_argument("--rows", nargs="+", metavar="ROW", help="--device cuda: only these rows (names as in flt.bench.gpu.GPU_ROWS)")
+    s.add_argument("--precisions", nargs="+", choices=("bf16", "fp32"), help="--device cuda: bf16 (autocast) and/or fp32 (default: both)")
     s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")
     s.set_defaults(func=run_speed)
 
@@ -65,6 +76,12 @@ def add_parser(sub) -> None:
 def run_speed(args) -> int:
     from flt.bench import report, speed
     from flt.commands.outputs import check_output_dir, plots_available
+
+    if args.device == "cuda":
+        return run_speed_cuda(args)
+    for flag in ("rows", "precisions"):
+        if getattr(args, flag, None):
+            raise ValueError(f"--{flag} applies to --device cuda only")
 
     if args.preset not in speed.PRESETS:
         raise ValueError(f"--preset must be one of {sorted(speed.PRESETS)}, got {args.preset!r}")
@@ -105,6 +122,60 @@ def run_speed(args) -> int:
     print(text)
     png = f", {out / 'speed.png'}" if plots else ""
     print(f"saved {out / 'speed.json'}, {out / 'speed.md'}{png} ({data['elapsed_s']:.0f} s)")
+    return 0
+
+
+def cuda_options(args) -> dict:
+    """The keyword arguments of :func:`flt.bench.gpu.run` from ``flt bench speed --device cuda``
+    arguments; refuses the CPU runner's options."""
+    from flt.bench import gpu
+
+    for flag, default in (("variants", None), ("threads", None), ("allocator", "keep")):
+        if getattr(args, flag) != default:
+            raise ValueError(f"--{flag} applies to the CPU runner; with --device cuda choose rows with --rows")
+    if args.preset not in ("quick", "default"):
+        raise ValueError(f"--device cuda takes --preset quick or default, got {args.preset!r}")
+    unknown = sorted(set(args.rows or ()) - set(gpu.GPU_ROWS))
+    if unknown:
+        raise ValueError(f"unknown --rows {unknown}; known: {list(gpu.GPU_ROWS)}")
+    if args.lengths and any(n < 1 for n in args.lengths):
+        raise ValueError(f"--lengths must be positive, got {args.lengths}")
+    if args.shapes and (len(args.shapes) != 1 or args.shapes[0] not in gpu.SHAPES):
+        raise ValueError(f"--device cuda takes one --shapes entry of {sorted(gpu.SHAPES)}, got {args.shapes}")
+    quick = args.preset == "quick"
+    return {
+        "rows": args.rows or list(gpu.GPU_ROWS),
+        "lengths": tuple(args.lengths or (gpu.QUICK_LENGTHS if quick else gpu.DEFAULT_LENGTHS)),
+        "precisions": tuple(args.precisions or gpu.PRECISIONS),
+        "shape": (args.shapes or ["lm"])[0],
+        "warmup": 2 if quick else 3,
+        "repeats": 3 if quick else 10,
+    }
+
+
+def run_speed_cuda(args) -> int:
+    from flt.bench import gpu
+    from flt.commands.outputs import check_output_dir, plots_available
+
+    options = cuda_options(args)
+    gpu.check_cuda()
+    check_output_dir(args.out_dir)
+    plots = plots_available("bench speed", extra="bench", silence=None)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    data = gpu.run(**options)
+    data["command"] = " ".join(["flt bench speed --device cuda --preset", args.preset, "--rows", *map(shlex.quote, options["rows"]),
+                                "--lengths", *map(str, options["lengths"]), "--precisions", *options["precisions"]])
+    data["elapsed_s"] = time.perf_counter() - t0
+    (out / "speed-cuda.json").write_text(json.dumps(data, indent=1))
+    text = gpu.markdown(data, data["command"])
+    (out / "speed-cuda.md").write_text(text)
+    if plots:
+        gpu.plot(data, out / "speed-cuda.png")
+    print()
+    print(text)
+    print(f"saved {out / 'speed-cuda.json'}, {out / 'speed-cuda.md'} ({data['elapsed_s']:.0f} s)")
     return 0
 
 
