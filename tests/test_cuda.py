@@ -107,6 +107,23 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
     assert_close(g_out, g_ref, scale=scale)
 
 
+@pytest.mark.parametrize("name", ["performer", "flt"])
+def test_triton_backend_under_bfloat16_autocast(name):
+    """bfloat16 operands in the kernel's products (positive weights): within bfloat16's
+    tolerance of the float32 layer."""
+    pytest.importorskip("triton", reason="the triton extra is not installed")
+    torch_layer = ATTENTION[name](64, 2, causal=True, num_features=64, device="cuda", seed=3)
+    triton_layer = ATTENTION[name](64, 2, causal=True, num_features=64, device="cuda", seed=3, backend="triton")
+    triton_layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(2, 1000, 64, device="cuda")
+    with torch.no_grad():
+        want = torch_layer(x)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = triton_layer(x)
+    err = float((got.float() - want).norm() / want.norm())
+    assert err < 3e-2, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("term", ["t5", "alibi", "gaussian_mixture"])
 def test_compiled_flex_score_mod_matches_dense_bias(term):
     """FlexAttention compiled with a term's score_mod: forward and gradients equal the

@@ -107,6 +107,17 @@ def test_float32_and_one_chunk(coupling):
     assert_close(out, ref, dtype=torch.float32)
 
 
+def test_bfloat16_inputs_accumulate_in_float32():
+    """bfloat16 inputs: a float32 result equal to the reference on the same (rounded) inputs.
+    (On the GPU their products run with bfloat16 operands: tests/test_cuda.py.)"""
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32)
+    xq, xk, v = (t.bfloat16() for t in (xq, xk, v))
+    out = favor_attention(xq, xk, v, w, causal=True, chunk_size=16, **extra)
+    assert out.dtype == torch.float32
+    ref = _reference(*(t.double() for t in (xq, xk, v, w)), True, **{k: t.double() for k, t in extra.items()})
+    assert_close(out, ref, dtype=torch.float32)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("coupling", ["logit", "multiplicative"])
 def test_gradients_match_reference(coupling, causal):

@@ -153,8 +153,12 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
     acc = compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None))
-    low = v.dtype in (torch.bfloat16, torch.float16) and a is None and acc == torch.float32
-    signed_or_exact = a is not None or acc == torch.float64
+    # bfloat16 operands (float32 accumulation) for half inputs and positive weights; not in
+    # triton's CPU interpreter, whose bfloat16 dot returns garbage (triton 3.9).
+    low = v.dtype in (torch.bfloat16, torch.float16) and a is None and acc == torch.float32 and xq.device.type == "cuda"
+    # float32 products in TF32 only where torch's own matmuls use it, and never for the
+    # multiplicative coupling's signed sums (docs/math.md section 4, "Conditioning").
+    tf32 = acc == torch.float32 and a is None and torch.backends.cuda.matmul.allow_tf32
     r2 = 1 if a is None else a.shape[-1]
     out = torch.zeros(B, H, N, Dv + 1, device=xq.device, dtype=acc)
     xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
@@ -177,7 +181,7 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
         0 if a is None or a_.shape[0] == 1 else H * N * r2,
         0.5 * math.log(m),
         CAUSAL=bool(causal), HAS_EXTRA=extra_q is not None, HAS_MASK=a is not None, HAS_KEEP=key_mask is not None,
-        ATOMIC=r2 > 1, LOW=low, PREC="ieee" if signed_or_exact else "tf32",
+        ATOMIC=r2 > 1, LOW=low, PREC="tf32" if tf32 else "ieee",
         BC=chunk_size, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
     )
     return safe_divide(out[..., :-1], out[..., -1:])

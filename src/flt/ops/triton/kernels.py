@@ -10,7 +10,9 @@ walks the sequence in chunks of ``BC`` tokens. FAVOR+ features are computed insi
 kernel from the scaled queries/keys and the projection (``[B, H, N, m]`` features never
 reach memory) and everything accumulates in float32 or float64. Each program writes the
 numerator columns of its value block and, in the first value block, the denominator
-into ``OUT [B, H, N, Dv + 1]``; the caller divides.
+into ``OUT [B, H, N, Dv + 1]``; the caller divides. Products: IEEE float32/float64
+(``PREC``), TF32 where the caller allows it, and bfloat16 operands with float32
+accumulation (``LOW``) for bfloat16 inputs and positive weights.
 
 The multiplicative coupling ``sum_r a_ir c_jr (qf_i.kf_j)`` is a sum over ``r`` of plain
 linear attentions with scalar per-query and per-key factors: program ``r`` computes its
