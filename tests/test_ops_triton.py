@@ -161,7 +161,7 @@ def test_cpu_without_interpreter_refuses():
         "            lambda: ATTENTION['flt'](8, 2, backend='triton')(torch.randn(1, 4, 8))):\n"
         "    try:\n"
         "        run()\n"
-        "    except RuntimeError as err:\n"
+        "    except ValueError as err:\n"
         "        print(err)\n"
     )
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -46,7 +46,7 @@ def triton_available() -> tuple[bool, str]:
 def _kernels():
     ok, reason = triton_available()
     if not ok:
-        raise RuntimeError(f"backend='triton' needs Triton: {reason}")
+        raise ModuleNotFoundError(f"backend='triton' needs Triton: {reason}", name="triton")
     from flt.ops.triton import kernels
 
     return kernels
@@ -61,15 +61,15 @@ def interpreted() -> bool:
 
 
 def check_device(device: torch.device) -> None:
-    """Refuse devices the kernels cannot run on: CUDA always works; CPU tensors only under
-    triton's interpreter (slow; for tests)."""
+    """Refuse devices the kernels cannot run on (``ValueError``): CUDA always works; CPU
+    tensors only under triton's interpreter (slow; for tests)."""
     device = torch.device(device)
     if device.type == "cuda":
         _kernels()
         return
     if device.type == "cpu" and interpreted():
         return
-    raise RuntimeError(
+    raise ValueError(
         f"backend='triton' runs Triton kernels on CUDA tensors; these are on {device.type}. Use backend='torch' "
         "here, or, to test the kernels on CPU, set TRITON_INTERPRET=1 in the environment before flt imports "
         "them (triton's interpreter: slow)."
