@@ -204,9 +204,69 @@ def test_layer_backend_refusals():
 
     with pytest.raises(ValueError, match="feature_map='favor\\+'"):
         ATTENTION["performer"](16, 2, backend="triton", feature_map="relu")
-    with pytest.raises(ValueError, match="near_field"):
-        ATTENTION["flt"](16, 2, backend="triton", near_field=2)
+    with pytest.raises(ValueError, match="near_neighbors"):
+        ATTENTION["flt"](16, 2, backend="triton", near_neighbors=2)
     with pytest.raises(ValueError, match="backend"):
         ATTENTION["toeplitz"](16, 2, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         ATTENTION["flt"](16, 2, backend="cuda")
+
+
+def _band_inputs(n=45, width=5):
+    xq, xk, v, w, extra = _inputs("logit", n=n)
+    bias = torch.randn(1, H, n, 2 * width + 1, dtype=torch.float64)
+    return xq, xk, v, w, bias, extra["extra_q"], extra["extra_k"]
+
+
+def _band_reference(xq, xk, v, w, bias, a, c, width, causal, key_mask=None):
+    from flt.ops.band import band_attention_reference
+
+    qf, q_shift = favor_plus_features_split(xq, a, w)
+    kf, k_shift = favor_plus_features_split(xk, c, w)
+    return band_attention_reference(xq, xk, v, qf, kf, q_shift, k_shift, bias, width=width, causal=causal, key_mask=key_mask)
+
+
+@pytest.mark.parametrize("width", [5, 21])  # within one chunk of 16, and wider (chunks of 32)
+@pytest.mark.parametrize("causal", [False, True])
+def test_band_kernel_matches_reference_float64(causal, width):
+    from flt.ops.triton.band import band_attention
+
+    xq, xk, v, w, bias, a, c = _band_inputs(width=width)
+    key_mask = torch.ones(B, 45, dtype=torch.bool)
+    key_mask[1, -6:] = False
+    key_mask[0, :2] = False
+    for mask in (None, key_mask):
+        out = band_attention(xq, xk, v, w, bias, width=width, extra_q=a, extra_k=c, causal=causal, key_mask=mask, chunk_size=16)
+        assert_close(out, _band_reference(xq, xk, v, w, bias, a, c, width, causal, mask))
+
+
+def test_band_kernel_gradients_match_reference():
+    """Every input's gradient, the band's bias included (it is learned)."""
+    from flt.ops.triton.band import band_attention
+
+    xq, xk, v, w, bias, a, c = _band_inputs(n=23, width=3)
+    leaves = [t.requires_grad_() for t in (xq, xk, v, bias, a, c)]
+    out = band_attention(xq, xk, v, w, bias, width=3, extra_q=a, extra_k=c, causal=True, chunk_size=16)
+    ref = _band_reference(xq, xk, v, w, bias, a, c, 3, True)
+    up = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves)):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_layer_band_backend_triton_matches_torch(causal):
+    from flt.layers.registry import ATTENTION
+
+    kw = dict(causal=causal, num_features=16, num_frequencies=4, near_field=4, near_relative="clipped", dtype=torch.float64, seed=2)
+    torch_layer = ATTENTION["flt"](16, 2, **kw)
+    triton_layer = ATTENTION["flt"](16, 2, backend="triton", **kw)
+    with torch.no_grad():
+        for p in torch_layer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    triton_layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(2, 29, 16, dtype=torch.float64, requires_grad=True)
+    out, ref = triton_layer(x), torch_layer(x)
+    assert_close(out, ref)
+    (g_out,) = torch.autograd.grad(out.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    assert_close(g_out, g_ref)

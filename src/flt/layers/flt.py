@@ -107,9 +107,10 @@ class FLTAttention(KernelAttention):
             when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
             float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
             on: one extra ``O(N 2R m)`` pass and one host synchronisation per forward call).
-        backend: ``"torch"`` (default) or ``"triton"``: the forward pass by the Triton kernel
-            :func:`flt.ops.triton.favor_attention` (CUDA; FAVOR+, no near set;
-            :class:`flt.layers.kernel.KernelAttention`).
+        backend: ``"torch"`` (default) or ``"triton"``: the forward pass by the Triton kernels
+            :func:`flt.ops.triton.favor_attention` and, with ``near_field``,
+            :func:`flt.ops.triton.band.band_attention` (CUDA; FAVOR+; not with
+            ``near_neighbors``; :class:`flt.layers.kernel.KernelAttention`).
         **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
             logit coupling and 1 for the multiplicative one).
 
@@ -162,8 +163,8 @@ class FLTAttention(KernelAttention):
             orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, rope=rope, rope_base=rope_base,
             chunk_size=chunk_size, backend=backend, device=device, dtype=dtype,
         )
-        if backend == "triton" and (near_field or near_neighbors):
-            raise ValueError("backend='triton' computes the linear part only: near_field and near_neighbors need backend='torch'")
+        if backend == "triton" and near_neighbors:
+            raise ValueError("backend='triton' has no kernel for near_neighbors (the band, near_field, has one); use backend='torch'")
         self.coupling = coupling
         if not isinstance(check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
@@ -342,11 +343,24 @@ class FLTAttention(KernelAttention):
             return self._attend_neighbors(p, reference)
         if not self.near_field:
             return super().attend(p, reference=reference)
+        if self.backend == "triton" and not reference:
+            return self._attend_band_triton(p)
         xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
         bias = self.band_bias(batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
         key_mask = None if p.pad is None else ~p.pad
         op = band_attention_reference if reference else band_attention
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)
+
+    def _attend_band_triton(self, p):
+        """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
+        from flt.ops.triton.band import band_attention as band_kernel
+
+        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
+        a, c = self.far_features(p.pos)
+        bias = self.band_bias(batch_shared(p.pos).to(compute_dtype(xq, a)))
+        key_mask = None if p.pad is None else ~p.pad
+        return band_kernel(xq, xk, p.v, self.feature_map.projection, bias, width=self.near_field, extra_q=a, extra_k=c,
+                           causal=self.causal, key_mask=key_mask)
 
     def _near_set_features(self, p):
         """What both near-set estimators need: the scaled ``x_q, x_k`` (exact weights on the

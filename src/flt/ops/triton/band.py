@@ -1,0 +1,124 @@
+"""FLT's banded estimator (:func:`flt.ops.band.band_attention`) as a Triton kernel, with the
+FAVOR+ features of the far field computed inside it (:mod:`flt.ops.triton.kernels`).
+
+:func:`band_attention` takes what the features are made of: the scaled queries and keys
+(the exact band uses ``exp(x_q.x_k + b)``), the spectral features ``a(r), c(r)`` joined to
+them for the far field's FAVOR+ (logit coupling) and the projection. Its gradients are
+those of :func:`band_attention_torch`, the same computation by the PyTorch ops,
+recomputed in the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flt._checks import check_positive_int, check_tensor
+from flt._dtype import compute_dtype
+from flt.ops import band as torch_band
+from flt.ops._common import safe_divide
+from flt.ops.features import favor_plus_features_split
+from flt.ops.triton import TRITON_CHUNK, _check, _kernels, check_device
+
+
+def _check_band(xq, band_bias, width) -> None:
+    check_positive_int("width", width)
+    B, H, N, _ = xq.shape
+    check_tensor("band_bias", band_bias, ndim=4, layout="[B or 1, H, N, 2w + 1]")
+    if band_bias.shape[0] not in (1, B) or band_bias.shape[1:] != (H, N, 2 * width + 1):
+        raise ValueError(f"band_bias must be [B or 1, H, N, 2w + 1] = [{B} or 1, {H}, {N}, {2 * width + 1}], got {tuple(band_bias.shape)}")
+
+
+def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None,
+                   chunk_size: int = TRITON_CHUNK):
+    """Exact weights on the band ``|i - j| <= width``, FAVOR+ estimates elsewhere, by the kernel.
+
+    Args:
+        xq, xk: ``[B, H, N, D]`` scaled queries and keys (exact kernel ``exp(x_q.x_k)``).
+        v: ``[B, H, N, Dv]``.
+        projection: ``[m, D + E]``, FAVOR+ on ``[x, extra]``.
+        band_bias: ``[B or 1, H, N, 2w + 1]``, the logit bias of query ``i`` and key
+            ``i + o``, ``o = -w .. w`` (:func:`flt.ops.band.band_offsets`).
+        width: ``w >= 1``.
+        extra_q, extra_k: ``[B or 1, H, N, E]``, the far field's spectral features.
+        causal, key_mask: as :func:`flt.ops.band.band_attention`.
+        chunk_size: tokens per kernel step, a power of two >= 16 (raised to ``w`` if smaller).
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 for float64 inputs).
+    """
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    _check_band(xq, band_bias, width)
+    if extra_q is None:
+        raise ValueError("extra_q and extra_k are required: the band is FLT's logit coupling")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (the kernels' tile), got {chunk_size}")
+    check_device(xq.device)
+    return _BandAttention.apply(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size)
+
+
+def band_attention_torch(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None):
+    """:func:`band_attention` by the PyTorch ops (features by
+    :func:`flt.ops.features.favor_plus_features_split`, sums by :func:`flt.ops.band.band_attention`)."""
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    _check_band(xq, band_bias, width)
+    cdt = compute_dtype(xq, xk, v, extra_q)
+    xq, xk = xq.to(cdt), xk.to(cdt)
+    qf, q_shift = favor_plus_features_split(xq, extra_q.to(cdt), projection)
+    kf, k_shift = favor_plus_features_split(xk, extra_k.to(cdt), projection)
+    out = torch_band.band_attention(xq, xk, v, qf, kf, q_shift, k_shift, band_bias, width=width, causal=causal, key_mask=key_mask)
+    return out.to(cdt)
+
+
+def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size):
+    kernels = _kernels()
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = compute_dtype(xq, xk, v, extra_q)
+    out = torch.empty(B, H, N, Dv + 1, device=xq.device, dtype=acc)
+    xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    eq, ek = extra_q.contiguous(), extra_k.contiguous()
+    if eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    bias = band_bias.contiguous()
+    e_dim = eq.shape[-1]
+    keep = xq if key_mask is None else key_mask.to(acc).contiguous()
+    pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
+    bv = min(64, pow2(Dv))
+    tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    kernels.band_attention_kernel[(B * H, 1, math.ceil(Dv / bv))](
+        xq, xk, eq, ek, v, w, bias, keep, out,
+        H, N, D, e_dim, m, Dv, width,
+        0 if eq.shape[0] == 1 else H * N * e_dim,
+        0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
+        0.5 * math.log(m),
+        CAUSAL=bool(causal), HAS_EXTRA=True, HAS_KEEP=key_mask is not None, PREC="tf32" if tf32 else "ieee",
+        BC=max(chunk_size, pow2(width)), BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
+    )
+    return safe_divide(out[..., :-1], out[..., -1:])
+
+
+class _BandAttention(torch.autograd.Function):
+    """Forward: the kernel. Backward: the gradient of :func:`band_attention_torch`, recomputed."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size):
+        ctx.save_for_backward(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask)
+        ctx.width, ctx.causal = width, causal
+        return _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask = ctx.saved_tensors
+        inputs = [xq, xk, v, band_bias, extra_q, extra_k]
+        needs = ctx.needs_input_grad
+        wanted = [needs[0], needs[1], needs[2], needs[4], needs[5], needs[6]]
+        leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
+            out = band_attention_torch(leaves[0], leaves[1], leaves[2], projection, leaves[3], width=ctx.width,
+                                       extra_q=leaves[4], extra_k=leaves[5], causal=ctx.causal, key_mask=key_mask)
+            sources = [t for t, w in zip(leaves, wanted) if w]
+            grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
+        g = [next(grads) if w else None for w in wanted]
+        return g[0], g[1], g[2], None, g[3], g[4], g[5], None, None, None, None
