@@ -13,16 +13,20 @@ import torch
 from conftest import assert_close
 from flt.layers import SoftmaxAttention
 from flt.ops.softmax import flex_attention_available
-from flt.relative import RELATIVE, build_relative
+from flt.relative import RELATIVE, RelativeTerm, build_relative
 from flt.spectra import SPECTRA
 
 F64 = torch.float64
 ONE_D = {"t5", "clipped"}  # tables over integer offsets
 H = 3
+#: Terms with a per-score form (head_value) for positions that are not token indices.
+POINTWISE = sorted(n for n in RELATIVE if RELATIVE[n].head_value is not RelativeTerm.head_value)
 
 
 def _term(name, pos_dim, dtype=F64):
     options = {"num_frequencies": 8, "amplitude": 1.5} if name in SPECTRA else {}
+    if name in ("gaussian_mixture", "local"):
+        options["shift"] = True
     term = build_relative(name, heads=H, pos_dim=pos_dim, dtype=dtype, **options)
     with torch.no_grad():  # off the neutral start, so the term is not zero
         for p in term.parameters():
@@ -31,13 +35,14 @@ def _term(name, pos_dim, dtype=F64):
 
 
 def _cases(name):
-    """(label, pos_q, pos_k): integer token indices (the offset table) and, for terms of any
-    P, real-valued 2-D positions (evaluated per score)."""
+    """(label, pos_q, pos_k): integer token indices (the offset table) and, for the terms with
+    a per-score form, real-valued 2-D positions with a shift per component where the family
+    has one."""
     cases = [
         ("tokens", torch.arange(9, dtype=F64).view(1, 9, 1) + 4, None),
         ("integer batch", torch.randint(-40, 40, (2, 9, 1)).to(F64), torch.randint(-40, 40, (2, 6, 1)).to(F64)),
     ]
-    if name not in ONE_D:
+    if name in POINTWISE:
         cases.append(("points", torch.randn(2, 9, 2, dtype=F64), torch.randn(1, 6, 2, dtype=F64)))
     return cases
 
@@ -70,6 +75,13 @@ def test_score_mod_is_the_bias_on_index_grids(name, label):
     assert_close(grid, bias.expand(B, H, pq.shape[1], nk))
 
 
+@pytest.mark.parametrize("name", sorted(n for n in RELATIVE if n not in POINTWISE and n not in ONE_D))
+def test_terms_without_a_per_score_form_refuse_real_positions(name):
+    term = _term(name, 2)
+    with pytest.raises(NotImplementedError, match="integer 1-D positions"):
+        term.score_mod(torch.randn(5, 2, dtype=F64))
+
+
 def test_score_mod_refuses_terms_without_an_offset_form():
     from flt.relative.base import RelativeTerm
 
@@ -77,7 +89,7 @@ def test_score_mod_refuses_terms_without_an_offset_form():
         def pairwise(self, pos_q, pos_k):
             return pos_q.sum(-1, keepdim=True).unsqueeze(1) * pos_k.sum(-1).unsqueeze(1).unsqueeze(1)
 
-    with pytest.raises(NotImplementedError, match="offset"):
+    with pytest.raises(NotImplementedError, match="integer 1-D positions"):
         Pairwise().score_mod(torch.randn(4, 2))
 
 
@@ -88,7 +100,7 @@ flex_forward = pytest.mark.skipif(not flex_attention_available("cpu", False)[0],
 @pytest.mark.parametrize("name", sorted(RELATIVE))
 def test_flex_attention_with_score_mod_matches_dense_bias(name):
     torch.manual_seed(1)
-    label, pq, pk = _cases(name)[-1]
+    label, pq, pk = _cases(name)[-1]  # real-valued points where the term has them, else integers
     term = _term(name, pq.shape[-1], dtype=torch.float32)
     pq, pk = pq.float(), pk.float()
     B, N, Nk, D = 2, pq.shape[1], pk.shape[1], 8
@@ -119,4 +131,25 @@ def test_softmax_flex_backend_matches_sdpa_without_a_dense_bias(relative_bias, c
         monkeypatch.setattr(type(layer.relative), "pairwise", lambda *a: pytest.fail("dense bias formed"))
         monkeypatch.setattr(layer, "positional_term", lambda *a: pytest.fail("dense bias formed"))
         out = layer(x, key_padding_mask=pad)
+    assert_close(out, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not flex_attention_available("cpu", False)[0], reason="FlexAttention forward does not run on CPU here")
+@pytest.mark.parametrize("name", ["alibi", "gaussian_mixture", "local", "t5"])
+def test_compiled_flex_attention_with_score_mod_matches_dense_bias(name, one_thread):
+    """torch.compile(flex_attention) lowers a score_mod to scalar code per score (where an
+    operation on a whole captured tensor went wrong): the per-score form and the offset
+    table give the dense bias's attention there too."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(3)
+    label, pq, pk = _cases(name)[-1]
+    term = _term(name, pq.shape[-1], dtype=torch.float32)
+    pq, pk = pq.float(), pk.float()
+    B, N, Nk, D = 2, pq.shape[1], pk.shape[1], 16
+    q, k, v = torch.randn(B, H, N, D), torch.randn(B, H, Nk, D), torch.randn(B, H, Nk, D)
+    with torch.no_grad():
+        out = torch.compile(flex_attention)(q, k, v, score_mod=term.score_mod(pq, pk))
+        ref = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D) + term.bias(pq, pk), dim=-1) @ v
     assert_close(out, ref)

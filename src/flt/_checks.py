@@ -7,7 +7,6 @@ was expected.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -44,29 +43,6 @@ def _checked(x: torch.Tensor, tag: str) -> bool:
         return False
 
 
-#: Set while a relative term is evaluated one score at a time (:func:`per_score`).
-_PER_SCORE = False
-
-
-def per_element() -> bool:
-    """True while a FlexAttention ``score_mod`` evaluates a term one score at a time
-    (:func:`per_score`): data checks cannot run there (no host synchronisation, no
-    assertion per element under ``torch.vmap``), and the tensors the elements come from
-    were checked when the ``score_mod`` was built (:meth:`flt.relative.RelativeTerm.score_mod`)."""
-    return _PER_SCORE
-
-
-@contextlib.contextmanager
-def per_score():
-    """The context of :func:`per_element`."""
-    global _PER_SCORE
-    old, _PER_SCORE = _PER_SCORE, True
-    try:
-        yield
-    finally:
-        _PER_SCORE = old
-
-
 def _remember(x: torch.Tensor, tag: str) -> None:
     try:
         version = x._version
@@ -91,8 +67,6 @@ def check_values(name: str, x: torch.Tensor, ok, message: str, *, tag: str, erro
     ``torch.compile`` the check is an in-graph assertion (``torch._assert_async``:
     a ``RuntimeError`` with the same message), so it adds no graph break.
     """
-    if per_element():
-        return
     if compiling():
         torch._assert_async(ok(x).all(), message)
         return
@@ -105,8 +79,6 @@ def check_values(name: str, x: torch.Tensor, ok, message: str, *, tag: str, erro
 
 def check_finite(name: str, x: torch.Tensor) -> None:
     """Reject NaN and infinite entries (positions, masks); see :func:`check_values`."""
-    if per_element():
-        return
     if compiling():
         torch._assert_async(torch.isfinite(x).all(), f"{name} contains non-finite values (NaN or inf)")
         return

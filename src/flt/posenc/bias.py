@@ -364,5 +364,12 @@ class AlibiBias(RelativeTerm):
         dist = delta.abs()[..., 0] if delta.shape[-1] == 1 else torch.linalg.vector_norm(delta, dim=-1)
         return -slopes.to(cdt) * (dist / self.unit).unsqueeze(-1)
 
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        slope = self.log_slopes[h].exp() if self.learnable else self.slopes[h]
+        sq = sum(d * d for d in delta)
+        # sqrt's derivative is infinite at 0: the double where keeps gradients finite there.
+        dist = torch.where(sq > 0, torch.sqrt(torch.where(sq > 0, sq, torch.ones_like(sq))), torch.zeros_like(sq))
+        return -slope * dist / self.unit
+
     def extra_repr(self) -> str:
         return f"heads={self.heads}, unit={self.unit}, learnable={self.learnable}"

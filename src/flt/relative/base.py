@@ -27,7 +27,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_dim, check_finite, check_tensor, per_score
+from flt._checks import check_dim, check_finite, check_tensor
 
 #: Integer 1-D positions whose offsets span at most this many values get the term from a
 #: table of its values at every offset (:meth:`RelativeTerm.score_mod`).
@@ -87,9 +87,9 @@ class RelativeTerm(nn.Module):
         Integer 1-D positions (token indices, any term that is a function of the offset):
         the term's values at every offset between the extremes, ``[L, H]``, are computed
         once by :meth:`of_offsets` and gathered per score (``L <= OFFSET_TABLE_LIMIT``).
-        Other positions: :meth:`of_offsets` of ``pos_q[b, i] - pos_k[b, j]`` per score
-        (FlexAttention vmaps it; the positions are checked here, once). Terms that are not a
-        function of the offset raise ``NotImplementedError``.
+        Other positions: :meth:`head_value` of ``pos_q[b, i] - pos_k[b, j]`` per score (the
+        positions are checked here, once); terms without it, or that are not a function of
+        the offset, raise ``NotImplementedError``.
 
         Args:
             pos_q: ``[B|1, N, P]`` or ``[N, P]``; pos_k: ``[B|1, Nk, P]`` or ``[Nk, P]``
@@ -107,20 +107,32 @@ class RelativeTerm(nn.Module):
                 return score + values[d - low, h].to(score.dtype)
 
             return by_offset
-        # The largest offset on every axis: raises here, once, when the term has no offset
-        # form or (a quadrature) cannot reach that far.
-        flat_q, flat_k = pos_q.reshape(-1, pos_q.shape[-1]), pos_k.reshape(-1, pos_k.shape[-1])
-        far = torch.maximum(flat_q.amax(0) - flat_k.amin(0), flat_k.amax(0) - flat_q.amin(0))
-        self.of_offsets(far.detach())
+        if type(self).head_value is RelativeTerm.head_value:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no per-score form (head_value) for FlexAttention: its score_mod needs integer "
+                "1-D positions (token indices); use backend='sdpa' for these positions"
+            )
         one_q, one_k = pos_q.shape[0] == 1, pos_k.shape[0] == 1
 
         def by_point(score, b, h, q_idx, kv_idx):
-            delta = pos_q[0 if one_q else b, q_idx] - pos_k[0 if one_k else b, kv_idx]  # [P]
-            with per_score():
-                value = self.of_offsets(delta)[h]
-            return score + value.to(score.dtype)
+            bq, bk = 0 if one_q else b, 0 if one_k else b
+            delta = [pos_q[bq, q_idx, p] - pos_k[bk, kv_idx, p] for p in range(pos_q.shape[-1])]
+            return score + self.head_value(delta, h).to(score.dtype)
 
         return by_point
+
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """The term of head ``h`` (a 0-d index) at one offset, given as its ``P`` coordinates
+        (0-d tensors): a 0-d tensor, what :meth:`score_mod` adds per score for positions that
+        are not token indices.
+
+        Scalar code only: every parameter is read one element at a time (``t[h, c, p]``) and
+        combined with scalar arithmetic and Python loops over components and axes. Compiled
+        FlexAttention lowers a ``score_mod`` to code per score, and in torch 2.13 an operation
+        on a whole captured tensor, or on a slice of it with two dimensions, gives wrong
+        values there (``tests/test_score_mod.py`` checks the compiled result). Unchecked:
+        :meth:`score_mod` checked the positions."""
+        raise NotImplementedError(f"{type(self).__name__} has no head_value")
 
     def _offset_table(self, pos_q, pos_k):
         """``(values [L, H], low)`` with ``values[d - low]`` the term at offset ``d``, for

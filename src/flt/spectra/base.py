@@ -160,6 +160,14 @@ class Spectrum(RelativeTerm):
         shifts = self.shifts()
         return d if shifts is None else d - shifts.to(d.dtype)
 
+    def head_offsets(self, delta: list[torch.Tensor], h: torch.Tensor, c: int) -> list[torch.Tensor]:
+        """``Delta - delta_c`` of head ``h`` and component ``c`` for one offset given as ``P``
+        0-d coordinates: the per-score form of :meth:`component_offsets`
+        (:meth:`flt.relative.RelativeTerm.head_value`)."""
+        if self.shift is None:
+            return delta
+        return [d - self.shift[h, c, p] * self.shift_scale for p, d in enumerate(delta)]
+
     def phases(self, xi: torch.Tensor) -> torch.Tensor | None:
         """``phi_k = 2 pi xi_k.delta_c(k)``, ``[H, R]``, for the frequencies ``xi [H, R, P]`` of
         :meth:`frequencies`; None without shifts."""

@@ -99,6 +99,15 @@ class GaussianMixtureSpectrum(Spectrum):
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
         return (self.alpha * osc * env).sum(-1)
 
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        total = 0.0
+        for c in range(self.components):
+            d = self.head_offsets(delta, h, c)
+            phase = sum(self.mu[h, c, p] * x for p, x in enumerate(d))
+            decay = sum((positive(self.log_scale[h, c, p]) * x) ** 2 for p, x in enumerate(d))
+            total = total + self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay)
+        return total
+
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """The exact ``f`` of every pair, ``[B|1, H, N, Nk]``. Unshifted mixtures contract the
         offsets ``[B, N, Nk, P]`` with ``s^2`` and ``mu`` per component (einsum) instead of

@@ -103,6 +103,13 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         d = delta.to(cdt).unsqueeze(-2) / self.lengths().to(cdt)  # [..., H, P]
         return self.amplitude.to(cdt) * torch.exp(-0.5 * (d * d).sum(-1))
 
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        return self.amplitude[h] * torch.exp(-0.5 * self._head_square(delta, h))
+
+    def _head_square(self, delta, h):
+        """``|Delta / l_h|^2`` for one offset (:meth:`flt.relative.RelativeTerm.head_value`)."""
+        return sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
+
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """The exact ``f`` of every pair; for ``P > 3`` (graph anchor coordinates) without
         the ``[B, N, Nk, P]`` offsets: with ``s = r / l_h``,
@@ -208,6 +215,18 @@ class MaternSpectrum(_KernelSpectrum):
         else:
             k = (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
         return self.amplitude.to(cdt) * k
+
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        sq = sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
+        nonzero = sq > 0
+        r = torch.where(nonzero, torch.sqrt(torch.where(nonzero, sq, torch.ones_like(sq))), torch.zeros_like(sq))
+        if self.nu == 0.5:
+            k = torch.exp(-r)
+        elif self.nu == 1.5:
+            k = (1 + math.sqrt(3) * r) * torch.exp(-math.sqrt(3) * r)
+        else:
+            k = (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
+        return self.amplitude[h] * k
 
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = z / (2 pi l sqrt(u / (2 nu)))`` ``[H, R, P]``, ``w = a / R`` ``[H, R]``."""

@@ -138,6 +138,17 @@ class LocalSpectrum(Spectrum):
         axis = 0.5 * (torch.erfc((d - w) / s) - torch.erfc((d + w) / s))
         return (self.amplitude.to(cdt) * axis.prod(-1)).sum(-1)
 
+    def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        total = 0.0
+        for c in range(self.windows):
+            window = self.amplitude[h, c]
+            for p, x in enumerate(self.head_offsets(delta, h, c)):
+                d, w = x.abs(), positive(self.log_half_width[h, c, p])
+                s = _SQRT2 * positive(self.log_smoothing[h, c, p])
+                window = window * 0.5 * (torch.erfc((d - w) / s) - torch.erfc((d + w) / s))
+            total = total + window
+        return total
+
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi [H, R, P]`` (window-major), ``w [H, R]``.
 

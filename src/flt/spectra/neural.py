@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from flt._checks import check_positive_int, per_element
+from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 from flt.spectra.kernels import check_amplitude, per_axis
@@ -183,8 +183,7 @@ class NeuralSpectrum(Spectrum):
         lengths = self.lengths().to(cdt)
         scaled = delta.to(cdt).unsqueeze(-2) / lengths  # Delta / l, [..., H, P]
         limit = self.quadrature_limit()
-        # Per score (a FlexAttention score_mod) the range was checked on the largest offsets.
-        worst = float(scaled.detach().abs().max()) if scaled.numel() and not per_element() else 0.0
+        worst = float(scaled.detach().abs().max()) if scaled.numel() else 0.0
         if worst > limit:
             raise ValueError(
                 f"delta reaches |Delta_p| / l_p = {worst:.1f}, beyond the accurate range {limit:.1f} of the "
