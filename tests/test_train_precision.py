@@ -74,3 +74,21 @@ def test_cli_flag(tmp_path, isolated_cli, capsys):
     with pytest.raises(SystemExit):
         main(["train", "lm", "--preset", "smoke", "--precision", "half", "--out-dir", str(tmp_path / "x")])
     assert "invalid choice: 'half'" in capsys.readouterr().err
+
+
+def test_compare_passes_precision_to_every_run_and_keeps_finished_ones(tmp_path):
+    import json
+
+    import flt.commands.compare as compare
+    from flt.cli import build_parser
+
+    args = build_parser().parse_args(["compare", "lm", "--attention", "flt", "--precision", "bf16"])
+    argv = compare._child_argv(args, "flt", {}, 0, str(tmp_path))
+    assert build_parser().parse_args(argv[argv.index("train"):]).precision == "bf16"
+    # A finished run recorded its precision; a comparison that leaves it unset keeps the run.
+    done = tmp_path / "done"
+    (done / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (done / "summary.json").write_text("{}")
+    (done / "run.json").write_text(json.dumps({"preset": {"task": "lm", "run": {"steps": 4, "precision": "bf16"}}}))
+    assert compare._run_state(str(done), {"task": "lm", "run": {"steps": 4, "precision": None}}) == "finished"
+    assert compare._run_state(str(done), {"task": "lm", "run": {"steps": 4, "precision": "fp32"}}) == "resume"
