@@ -108,6 +108,22 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
     assert_close(g_out, g_ref, scale=scale)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_segments_on_gpu(causal):
+    """The sequence cut into segments (two launches and their combination) gives the
+    one-segment result, in float64."""
+    pytest.importorskip("triton", reason="the triton extra is not installed")
+    from flt.ops.features import gaussian_orthogonal_random_matrix
+    from flt.ops.triton import favor_attention
+
+    xq, xk = (0.5 * torch.randn(1, 2, 1000, 32, device="cuda", dtype=F64) for _ in range(2))
+    v = torch.randn(1, 2, 1000, 32, device="cuda", dtype=F64)
+    a, c = (0.5 + 0.2 * torch.randn(1, 2, 1000, 8, device="cuda", dtype=F64) for _ in range(2))
+    w = gaussian_orthogonal_random_matrix(64, 40, device="cuda", dtype=F64)
+    one = favor_attention(xq, xk, v, w, causal=causal, extra_q=a, extra_k=c, segments=1)
+    assert_close(favor_attention(xq, xk, v, w, causal=causal, extra_q=a, extra_k=c, segments=5), one)
+
+
 @pytest.mark.parametrize("name", ["performer", "flt"])
 def test_triton_backend_under_bfloat16_autocast(name):
     """bfloat16 operands in the kernel's products (positive weights): within bfloat16's

@@ -67,11 +67,12 @@ def _reference(xq, xk, v, w, causal, extra_q=None, extra_k=None, a=None, c=None,
     return flt_attention_reference(qf, kf, v, a, c, causal=causal, key_log_scale=kls)
 
 
+@pytest.mark.parametrize("segments", [1, 3])  # one program per sequence, or three segments combined
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("coupling", COUPLINGS)
-def test_kernel_matches_reference_float64(coupling, causal):
+def test_kernel_matches_reference_float64(coupling, causal, segments):
     xq, xk, v, w, extra = _inputs(coupling)
-    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, **extra)
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, segments=segments, **extra)
     assert out.dtype == torch.float64 and out.shape == (B, H, N, DV)
     assert_close(out, _reference(xq, xk, v, w, causal, **extra))
 
@@ -79,21 +80,23 @@ def test_kernel_matches_reference_float64(coupling, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_keys_carry_no_weight(causal):
     xq, xk, v, w, extra = _inputs("multiplicative", pad=True)
-    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, **extra)
-    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
-    if causal:  # rows whose keys are all padding: zeros, as in the reference
-        assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+    extra["key_mask"][0, :16] = False  # the whole first segment of sequence 0: a state with no key
+    for segments in (1, 3):
+        out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, segments=segments, **extra)
+        assert_close(out, _reference(xq, xk, v, w, causal, **extra))
+        if causal:  # rows whose keys are all padding: zeros, as in the reference
+            assert torch.equal(out[0, :, :16], torch.zeros_like(out[0, :, :16]))
 
 
 def test_causal_rows_ignore_later_keys():
     """Changing the last keys (even to huge log scales) changes no earlier output: the
     running level never looks ahead."""
     xq, xk, v, w, extra = _inputs("logit")
-    out = favor_attention(xq, xk, v, w, causal=True, chunk_size=16, **extra)
+    out = favor_attention(xq, xk, v, w, causal=True, chunk_size=16, segments=3, **extra)
     xk2, v2 = xk.clone(), v.clone()
     xk2[..., -3:, :] *= 6.0
     v2[..., -3:, :] = 1e6
-    out2 = favor_attention(xq, xk2, v2, w, causal=True, chunk_size=16, **extra)
+    out2 = favor_attention(xq, xk2, v2, w, causal=True, chunk_size=16, segments=3, **extra)
     assert torch.equal(out[..., : N - 3, :], out2[..., : N - 3, :])
 
 
@@ -145,6 +148,8 @@ def test_bad_arguments_are_named():
         favor_attention(xq, xk, v, w[:, :D], **extra)
     with pytest.raises(ValueError, match="chunk_size"):
         favor_attention(xq, xk, v, w, chunk_size=24, **extra)
+    with pytest.raises(ValueError, match="segments"):
+        favor_attention(xq, xk, v, w, segments=0, **extra)
     with pytest.raises(ValueError, match="extra_q and extra_k"):
         favor_attention(xq, xk, v, w, extra_q=extra["extra_q"])
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from flt._checks import check_tensor
+from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
 from flt.ops.features import favor_plus_features, favor_plus_features_split
@@ -103,7 +103,7 @@ def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
 
 
 def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
-                    key_mask=None, chunk_size: int = TRITON_CHUNK):
+                    key_mask=None, chunk_size: int = TRITON_CHUNK, segments: int | None = None):
     """FAVOR+ attention by the Triton kernel (module docstring for the three cases).
 
     Args:
@@ -115,6 +115,9 @@ def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None
         key_mask: bool ``[B, N]``, True for a real key (padded keys carry no weight).
         causal: token ``i`` attends to ``j <= i``.
         chunk_size: tokens per kernel step, a power of two >= 16.
+        segments: cut the sequence into this many segments processed in parallel (two
+            launches; :func:`combine_segments`); None: from the GPU's size
+            (:func:`segment_count`; 1 off CUDA).
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 when an input is float64). Rows with a zero
@@ -123,8 +126,10 @@ def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None
     _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 (the kernels' tile), got {chunk_size}")
+    if segments is not None:
+        check_positive_int("segments", segments)
     check_device(xq.device)
-    return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size)
+    return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments)
 
 
 def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
@@ -148,7 +153,16 @@ def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_
     return out.to(compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None)))
 
 
-def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size):
+def segment_count(programs: int, n: int, chunk: int, device: torch.device) -> int:
+    """How many segments to cut the sequence into: enough programs for two per
+    multiprocessor of the GPU (``programs`` per segment), at most one per 4 chunks."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(math.ceil(target / programs), n // (4 * chunk)))
+
+
+def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments):
     kernels = _kernels()
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
@@ -173,18 +187,55 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
     pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
     bv = min(64, pow2(Dv))
-    grid = (B * H, r2, math.ceil(Dv / bv))
-    kernels.favor_attention_kernel[grid](
-        xq, xk, eq, ek, a_, c_, v, w, keep, out,
-        H, N, D, e_dim, m, Dv, r2,
-        0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
-        0 if a is None or a_.shape[0] == 1 else H * N * r2,
-        0.5 * math.log(m),
-        CAUSAL=bool(causal), HAS_EXTRA=extra_q is not None, HAS_MASK=a is not None, HAS_KEEP=key_mask is not None,
-        ATOMIC=r2 > 1, LOW=low, PREC="tf32" if tf32 else "ieee",
-        BC=chunk_size, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
-    )
+    n_vb = math.ceil(Dv / bv)
+    if segments is None:
+        segments = segment_count(B * H * r2 * n_vb, N, chunk_size, xq.device)
+    seg_len = chunk_size * math.ceil(N / (segments * chunk_size))
+    n_seg = math.ceil(N / seg_len)
+
+    def launch(states, levels, states_only, has_init):
+        kernels.favor_attention_kernel[(B * H, r2, n_vb * n_seg)](
+            xq, xk, eq, ek, a_, c_, v, w, keep, out, states, levels,
+            H, N, D, e_dim, m, Dv, r2,
+            0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
+            0 if a is None or a_.shape[0] == 1 else H * N * r2,
+            0.5 * math.log(m), seg_len, n_seg, n_vb,
+            CAUSAL=bool(causal), HAS_EXTRA=extra_q is not None, HAS_MASK=a is not None, HAS_KEEP=key_mask is not None,
+            ATOMIC=r2 > 1, LOW=low, PREC="tf32" if tf32 else "ieee", STATES_ONLY=states_only, HAS_INIT=has_init,
+            BC=chunk_size, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
+        )
+
+    if n_seg == 1:
+        launch(dummy, dummy, False, False)
+    else:
+        states = torch.empty(B * H, r2, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
+        levels = torch.empty(B * H, r2, n_seg, device=xq.device, dtype=acc)
+        launch(states, levels, True, False)
+        states, levels = combine_segments(states, levels, causal)
+        launch(states.contiguous(), levels.contiguous(), False, True)
     return safe_divide(out[..., :-1], out[..., -1:])
+
+
+def combine_segments(states, levels, causal: bool):
+    """The state each segment starts from, from the segments' own key states ``[..., S, m, Dv+1]``
+    relative to their levels ``[..., S]``: the keys of the earlier segments (causal) or of all
+    segments, relative to the largest level among them; every factor ``exp(l - L) <= 1``."""
+    if not causal:
+        top = levels.amax(dim=-1, keepdim=True)
+        total = (states * torch.exp(levels - top)[..., None, None]).sum(dim=-3, keepdim=True)
+        return total.expand_as(states), top.expand_as(levels)
+    S = levels.shape[-1]
+    before = torch.ones(S, S, dtype=torch.bool, device=levels.device).tril(-1)  # segment s' < s
+    seen = levels.unsqueeze(-2).masked_fill(~before, -float("inf"))  # [..., S, S']
+    start = seen.amax(dim=-1)  # level of the keys before segment s (-inf: none)
+    start = torch.where(torch.isinf(start), torch.full_like(start, NO_KEY), start)
+    weights = torch.exp(seen - start.unsqueeze(-1))  # 0 where s' >= s
+    carried = torch.einsum("...st,...tmd->...smd", weights, states)
+    return carried, start
+
+
+#: The level of an empty state (:data:`flt.ops.triton.kernels._NO_KEY`).
+NO_KEY = -1.0e30
 
 
 class _FavorAttention(torch.autograd.Function):
@@ -192,10 +243,10 @@ class _FavorAttention(torch.autograd.Function):
     recomputed from the saved inputs (the kernel has no backward of its own yet)."""
 
     @staticmethod
-    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size):
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments):
         ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
         ctx.causal = causal
-        return _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size)
+        return _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments)
 
     @staticmethod
     def backward(ctx, grad):
@@ -209,4 +260,4 @@ class _FavorAttention(torch.autograd.Function):
             sources = [t for t, w in zip(leaves, wanted) if w]
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
-        return g[0], g[1], g[2], None, g[3], g[4], g[5], g[6], None, None, None
+        return g[0], g[1], g[2], None, g[3], g[4], g[5], g[6], None, None, None, None

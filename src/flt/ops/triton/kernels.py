@@ -5,8 +5,11 @@ for CPU tensors, that ``TRITON_INTERPRET=1`` was set before this import: triton 
 decoration time whether a kernel is compiled or interpreted).
 
 One kernel, :func:`favor_attention_kernel`, in the chunked style of fast linear-attention
-kernels: one program per (batch x head, spectral index ``r``, block of value columns)
-walks the sequence in chunks of ``BC`` tokens. FAVOR+ features are computed inside the
+kernels: one program per (batch x head, spectral index ``r``, block of value columns,
+segment of the sequence) walks its segment in chunks of ``BC`` tokens. With several
+segments (short of programs otherwise: ``B x H`` small against the GPU) a first launch
+writes every segment's key state, the caller combines them (:mod:`flt.ops.triton`), and a
+second launch starts each segment from the keys before it. FAVOR+ features are computed inside the
 kernel from the scaled queries/keys and the projection (``[B, H, N, m]`` features never
 reach memory) and everything accumulates in float32 or float64. Each program writes the
 numerator columns of its value block and, in the first value block, the denominator
@@ -61,10 +64,10 @@ def _features(X, E, WX, WE, rows, row_ok, D, EDIM, log_norm,
 
 @triton.jit
 def favor_attention_kernel(
-    XQ, XK, EQ, EK, A, C, V, W, KEEP, OUT,
-    H, N, D, EDIM, M, DV, R2, e_batch_stride, ac_batch_stride, log_norm,
+    XQ, XK, EQ, EK, A, C, V, W, KEEP, OUT, ST, LV,
+    H, N, D, EDIM, M, DV, R2, e_batch_stride, ac_batch_stride, log_norm, SEG, NSEG, NVB,
     CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MASK: tl.constexpr, HAS_KEEP: tl.constexpr,
-    ATOMIC: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr,
+    ATOMIC: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr, STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
     """Numerators and denominators of FAVOR+ attention; module docstring.
@@ -73,10 +76,19 @@ def favor_attention_kernel(
     coupling: the spectral features joined to the inputs of FAVOR+); ``A, C [B|1, H, N, R2]``
     (multiplicative coupling); ``V [B, H, N, DV]``; ``W [M, D + EDIM]``; ``KEEP [B, N]``
     (1 for a real key, 0 for padding); ``OUT [B, H, N, DV + 1]``, zeroed when ``ATOMIC``.
+
+    Segments: program axis 2 is ``value block + NVB * segment``, a segment the tokens
+    ``[SEG * s, SEG * (s + 1))``. ``STATES_ONLY``: write the segment's key state and its
+    level into ``ST [B * H, R2, NSEG, M, DV + 1]`` (the key sums in the last column) and
+    ``LV [B * H, R2, NSEG]``, nothing else. ``HAS_INIT``: start from the state and level
+    found there (the caller's combination of the segments: the keys before the segment
+    when causal, all keys otherwise) and write the segment's outputs. Neither: one segment
+    of all ``N`` tokens, bidirectional in two passes.
     """
     bh = tl.program_id(0)
     r = tl.program_id(1)
-    vb = tl.program_id(2)
+    vb = tl.program_id(2) % NVB
+    seg = tl.program_id(2) // NVB
     b = bh // H
     h = bh % H
     ACC = OUT.dtype.element_ty
@@ -89,6 +101,10 @@ def favor_attention_kernel(
     A += b * ac_batch_stride + h * N * R2 + r
     C += b * ac_batch_stride + h * N * R2 + r
     KEEP += b * N
+    ST += ((bh * R2 + r) * NSEG + seg) * M * (DV + 1)
+    LV += (bh * R2 + r) * NSEG + seg
+    lo = seg * SEG
+    hi = tl.minimum(N, lo + SEG)
 
     # The projection, transposed: [BD, BM] acting on x and [BE, BM] on the extra inputs.
     fm = tl.arange(0, BM)
@@ -101,53 +117,23 @@ def favor_attention_kernel(
 
     vcols = vb * BV + tl.arange(0, BV)
     vcol_ok = vcols < DV
-    state = tl.zeros([BM, BV], dtype=ACC)
-    zsum = tl.zeros([BM], dtype=ACC)
-    level = tl.full([], _NO_KEY, ACC)
+    state_at = ST + fm[:, None] * (DV + 1) + vcols[None, :]
+    state_ok = (fm[:, None] < M) & vcol_ok[None, :]
+    if HAS_INIT:
+        state = tl.load(state_at, mask=state_ok, other=0.0).to(ACC)
+        zsum = tl.load(ST + fm * (DV + 1) + DV, mask=fm < M, other=0.0).to(ACC)
+        level = tl.load(LV).to(ACC)
+    else:
+        state = tl.zeros([BM, BV], dtype=ACC)
+        zsum = tl.zeros([BM], dtype=ACC)
+        level = tl.full([], _NO_KEY, ACC)
     offs = tl.arange(0, BC)
 
-    if CAUSAL:
-        for start in range(0, N, BC):
+    if STATES_ONLY or (not CAUSAL and not HAS_INIT):
+        # Key pass: the state of the segment's keys (of all keys: bidirectional, one segment).
+        for start in range(lo, hi, BC):
             rows = start + offs
-            ok = rows < N
-            kf, s = _features(XK, EK, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
-            qf, _ = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
-            weight = tl.where(ok, 1.0, 0.0).to(ACC)
-            if HAS_KEEP:
-                weight *= tl.load(KEEP + rows, mask=ok, other=0.0).to(ACC)
-            s = tl.where(weight != 0, s, _NO_KEY)
-            if HAS_MASK:
-                weight *= tl.load(C + rows * R2, mask=ok, other=0.0).to(ACC)
-            v = tl.load(V + rows[:, None] * DV + vcols[None, :], mask=ok[:, None] & vcol_ok[None, :], other=0.0).to(ACC)
-            past = offs[:, None] >= offs[None, :]
-            row_level = tl.maximum(tl.max(tl.where(past, s[None, :], _NO_KEY), axis=1), level)  # [BC]
-            decay = tl.exp(tl.where(past, s[None, :] - row_level[:, None], float("-inf")))
-            kw = kf * weight[:, None]
-            if LOW:
-                scores = tl.dot(qf.to(tl.bfloat16), tl.trans(kw).to(tl.bfloat16), out_dtype=ACC) * decay
-                num = tl.dot(scores.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
-                carry = tl.exp(level - row_level)
-                num += tl.dot(qf.to(tl.bfloat16), state.to(tl.bfloat16), out_dtype=ACC) * carry[:, None]
-            else:
-                scores = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
-                num = tl.dot(scores, v, input_precision=PREC, out_dtype=ACC)
-                carry = tl.exp(level - row_level)
-                num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
-            den = tl.sum(scores, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
-            _emit(OUT, A, rows, ok, vcols, vcol_ok, num, den, vb, DV, R2, HAS_MASK, ATOMIC, ACC)
-            new_level = tl.maximum(level, tl.max(s, axis=0))
-            kw = kw * tl.exp(s - new_level)[:, None]
-            keep_old = tl.exp(level - new_level)
-            if LOW:
-                state = state * keep_old + tl.dot(tl.trans(kw).to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
-            else:
-                state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
-            zsum = zsum * keep_old + tl.sum(kw, axis=0)
-            level = new_level
-    else:
-        for start in range(0, N, BC):
-            rows = start + offs
-            ok = rows < N
+            ok = rows < hi
             kf, s = _features(XK, EK, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
             weight = tl.where(ok, 1.0, 0.0).to(ACC)
             if HAS_KEEP:
@@ -165,9 +151,52 @@ def favor_attention_kernel(
                 state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
             zsum = zsum * keep_old + tl.sum(kw, axis=0)
             level = new_level
-        for start in range(0, N, BC):
+    if STATES_ONLY:
+        tl.store(state_at, state, mask=state_ok)
+        if vb == 0:
+            tl.store(ST + fm * (DV + 1) + DV, zsum, mask=fm < M)
+            tl.store(LV, level)
+    elif CAUSAL:
+        for start in range(lo, hi, BC):
             rows = start + offs
-            ok = rows < N
+            ok = rows < hi
+            kf, s = _features(XK, EK, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
+            qf, _ = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
+            weight = tl.where(ok, 1.0, 0.0).to(ACC)
+            if HAS_KEEP:
+                weight *= tl.load(KEEP + rows, mask=ok, other=0.0).to(ACC)
+            s = tl.where(weight != 0, s, _NO_KEY)
+            if HAS_MASK:
+                weight *= tl.load(C + rows * R2, mask=ok, other=0.0).to(ACC)
+            v = tl.load(V + rows[:, None] * DV + vcols[None, :], mask=ok[:, None] & vcol_ok[None, :], other=0.0).to(ACC)
+            past = offs[:, None] >= offs[None, :]
+            row_level = tl.maximum(tl.max(tl.where(past, s[None, :], _NO_KEY), axis=1), level)  # [BC]
+            decay = tl.exp(tl.where(past, s[None, :] - row_level[:, None], float("-inf")))
+            kw = kf * weight[:, None]
+            carry = tl.exp(level - row_level)
+            if LOW:
+                scores = tl.dot(qf.to(tl.bfloat16), tl.trans(kw).to(tl.bfloat16), out_dtype=ACC) * decay
+                num = tl.dot(scores.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
+                num += tl.dot(qf.to(tl.bfloat16), state.to(tl.bfloat16), out_dtype=ACC) * carry[:, None]
+            else:
+                scores = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
+                num = tl.dot(scores, v, input_precision=PREC, out_dtype=ACC)
+                num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
+            den = tl.sum(scores, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
+            _emit(OUT, A, rows, ok, vcols, vcol_ok, num, den, vb, DV, R2, HAS_MASK, ATOMIC, ACC)
+            new_level = tl.maximum(level, tl.max(s, axis=0))
+            kw = kw * tl.exp(s - new_level)[:, None]
+            keep_old = tl.exp(level - new_level)
+            if LOW:
+                state = state * keep_old + tl.dot(tl.trans(kw).to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
+            else:
+                state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
+            zsum = zsum * keep_old + tl.sum(kw, axis=0)
+            level = new_level
+    else:
+        for start in range(lo, hi, BC):
+            rows = start + offs
+            ok = rows < hi
             qf, _ = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
             if LOW:
                 num = tl.dot(qf.to(tl.bfloat16), state.to(tl.bfloat16), out_dtype=ACC)
