@@ -122,6 +122,11 @@ def test_triton_segments_on_gpu(causal):
     w = gaussian_orthogonal_random_matrix(64, 40, device="cuda", dtype=F64)
     one = favor_attention(xq, xk, v, w, causal=causal, extra_q=a, extra_k=c, segments=1)
     assert_close(favor_attention(xq, xk, v, w, causal=causal, extra_q=a, extra_k=c, segments=5), one)
+    from flt.ops.triton.band import band_attention
+
+    bias = torch.randn(1, 2, 1000, 33, device="cuda", dtype=F64)
+    one = band_attention(xq, xk, v, w, bias, width=16, extra_q=a, extra_k=c, causal=causal, segments=1)
+    assert_close(band_attention(xq, xk, v, w, bias, width=16, extra_q=a, extra_k=c, causal=causal, segments=5), one)
 
 
 @pytest.mark.parametrize("name", ["performer", "flt"])

@@ -231,17 +231,18 @@ def _band_reference(xq, xk, v, w, bias, a, c, width, causal, key_mask=None):
     return band_attention_reference(xq, xk, v, qf, kf, q_shift, k_shift, bias, width=width, causal=causal, key_mask=key_mask)
 
 
-@pytest.mark.parametrize("width", [5, 21])  # within one chunk of 16, and wider (chunks of 32)
+@pytest.mark.parametrize("width", [5, 21])  # within one chunk of 16, and wider (chunks of 32); 2 segments of 32
 @pytest.mark.parametrize("causal", [False, True])
 def test_band_kernel_matches_reference_float64(causal, width):
     from flt.ops.triton.band import band_attention
 
-    xq, xk, v, w, bias, a, c = _band_inputs(width=width)
-    key_mask = torch.ones(B, 45, dtype=torch.bool)
+    xq, xk, v, w, bias, a, c = _band_inputs(n=50, width=width)
+    key_mask = torch.ones(B, 50, dtype=torch.bool)
     key_mask[1, -6:] = False
     key_mask[0, :2] = False
-    for mask in (None, key_mask):
-        out = band_attention(xq, xk, v, w, bias, width=width, extra_q=a, extra_k=c, causal=causal, key_mask=mask, chunk_size=16)
+    for mask, segments in ((None, 1), (key_mask, 1), (key_mask, 2)):  # segments: see favor_attention
+        out = band_attention(xq, xk, v, w, bias, width=width, extra_q=a, extra_k=c, causal=causal, key_mask=mask,
+                             chunk_size=16, segments=segments)
         assert_close(out, _band_reference(xq, xk, v, w, bias, a, c, width, causal, mask))
 
 

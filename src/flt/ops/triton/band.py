@@ -19,7 +19,7 @@ from flt._dtype import compute_dtype
 from flt.ops import band as torch_band
 from flt.ops._common import safe_divide
 from flt.ops.features import favor_plus_features_split
-from flt.ops.triton import TRITON_CHUNK, _check, _kernels, check_device
+from flt.ops.triton import TRITON_CHUNK, _check, _kernels, check_device, combine_segments, segment_count
 
 
 def _check_band(xq, band_bias, width) -> None:
@@ -31,7 +31,7 @@ def _check_band(xq, band_bias, width) -> None:
 
 
 def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None,
-                   chunk_size: int = TRITON_CHUNK):
+                   chunk_size: int = TRITON_CHUNK, segments: int | None = None):
     """Exact weights on the band ``|i - j| <= width``, FAVOR+ estimates elsewhere, by the kernel.
 
     Args:
@@ -44,6 +44,7 @@ def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, ext
         extra_q, extra_k: ``[B or 1, H, N, E]``, the far field's spectral features.
         causal, key_mask: as :func:`flt.ops.band.band_attention`.
         chunk_size: tokens per kernel step, a power of two >= 16 (raised to ``w`` if smaller).
+        segments: as :func:`flt.ops.triton.favor_attention`.
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 for float64 inputs).
@@ -54,8 +55,10 @@ def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, ext
         raise ValueError("extra_q and extra_k are required: the band is FLT's logit coupling")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 (the kernels' tile), got {chunk_size}")
+    if segments is not None:
+        check_positive_int("segments", segments)
     check_device(xq.device)
-    return _BandAttention.apply(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size)
+    return _BandAttention.apply(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments)
 
 
 def band_attention_torch(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None):
@@ -71,7 +74,7 @@ def band_attention_torch(xq, xk, v, projection, band_bias, *, width: int, extra_
     return out.to(cdt)
 
 
-def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size):
+def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments):
     kernels = _kernels()
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
@@ -86,16 +89,34 @@ def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width,
     keep = xq if key_mask is None else key_mask.to(acc).contiguous()
     pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
     bv = min(64, pow2(Dv))
+    n_vb = math.ceil(Dv / bv)
+    chunk = max(chunk_size, pow2(width))
     tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    kernels.band_attention_kernel[(B * H, 1, math.ceil(Dv / bv))](
-        xq, xk, eq, ek, v, w, bias, keep, out,
-        H, N, D, e_dim, m, Dv, width,
-        0 if eq.shape[0] == 1 else H * N * e_dim,
-        0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
-        0.5 * math.log(m),
-        CAUSAL=bool(causal), HAS_EXTRA=True, HAS_KEEP=key_mask is not None, PREC="tf32" if tf32 else "ieee",
-        BC=max(chunk_size, pow2(width)), BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
-    )
+    if segments is None:
+        segments = segment_count(B * H * n_vb, N, chunk, xq.device)
+    seg_len = chunk * math.ceil(N / (segments * chunk))
+    n_seg = math.ceil(N / seg_len)
+
+    def launch(states, levels, states_only, has_init):
+        kernels.band_attention_kernel[(B * H, 1, n_vb * n_seg)](
+            xq, xk, eq, ek, v, w, bias, keep, out, states, levels,
+            H, N, D, e_dim, m, Dv, width,
+            0 if eq.shape[0] == 1 else H * N * e_dim,
+            0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
+            0.5 * math.log(m), seg_len, n_seg, n_vb,
+            CAUSAL=bool(causal), HAS_EXTRA=True, HAS_KEEP=key_mask is not None, PREC="tf32" if tf32 else "ieee",
+            STATES_ONLY=states_only, HAS_INIT=has_init,
+            BC=chunk, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
+        )
+
+    if n_seg == 1:
+        launch(xq, xq, False, False)
+    else:
+        states = torch.empty(B * H, 1, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
+        levels = torch.empty(B * H, 1, n_seg, device=xq.device, dtype=acc)
+        launch(states, levels, True, False)
+        states, levels = combine_segments(states, levels, causal)
+        launch(states.contiguous(), levels.contiguous(), False, True)
     return safe_divide(out[..., :-1], out[..., -1:])
 
 
@@ -103,10 +124,10 @@ class _BandAttention(torch.autograd.Function):
     """Forward: the kernel. Backward: the gradient of :func:`band_attention_torch`, recomputed."""
 
     @staticmethod
-    def forward(ctx, xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size):
+    def forward(ctx, xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments):
         ctx.save_for_backward(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask)
         ctx.width, ctx.causal = width, causal
-        return _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size)
+        return _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments)
 
     @staticmethod
     def backward(ctx, grad):
@@ -121,4 +142,4 @@ class _BandAttention(torch.autograd.Function):
             sources = [t for t, w in zip(leaves, wanted) if w]
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
-        return g[0], g[1], g[2], None, g[3], g[4], g[5], None, None, None, None
+        return g[0], g[1], g[2], None, g[3], g[4], g[5], None, None, None, None, None

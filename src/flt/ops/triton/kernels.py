@@ -255,9 +255,10 @@ def _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, row_ok, start, N, D, EDI
 
 @triton.jit
 def band_attention_kernel(
-    XQ, XK, EQ, EK, V, W, BIAS, KEEP, OUT,
-    H, N, D, EDIM, M, DV, WIDTH, e_batch_stride, bias_batch_stride, log_norm,
+    XQ, XK, EQ, EK, V, W, BIAS, KEEP, OUT, ST, LV,
+    H, N, D, EDIM, M, DV, WIDTH, e_batch_stride, bias_batch_stride, log_norm, SEG, NSEG, NVB,
     CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
+    STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
     """FLT's banded estimator (:func:`flt.ops.band.band_attention`): exact weights
@@ -271,10 +272,14 @@ def band_attention_kernel(
     Row ``i`` is scaled by ``exp(sq_i + L_i + c_i)``: ``sq`` the query's feature shift,
     ``L`` the key level (over ``j <= i`` when causal), ``c_i >= 0`` its largest band
     exponent above ``sq_i + L_i``; every exponent is then ``<= 0``.
-    ``BIAS [B|1, H, N, 2 WIDTH + 1]``; other layouts as :func:`favor_attention_kernel`.
+    ``BIAS [B|1, H, N, 2 WIDTH + 1]``; other layouts, ``ST``, ``LV`` and the segments as
+    :func:`favor_attention_kernel` (``R2 = 1``), except that a causal segment's key state
+    covers the tokens ``[lo - BC, hi - BC)``: what the next segment's state lacks, the chunk
+    before it being part of its first window.
     """
     bh = tl.program_id(0)
-    vb = tl.program_id(2)
+    vb = tl.program_id(2) % NVB
+    seg = tl.program_id(2) // NVB
     b = bh // H
     h = bh % H
     ACC = OUT.dtype.element_ty
@@ -286,6 +291,10 @@ def band_attention_kernel(
     EK += b * e_batch_stride + h * N * EDIM
     BIAS += b * bias_batch_stride + h * N * (2 * WIDTH + 1)
     KEEP += b * N
+    ST += (bh * NSEG + seg) * M * (DV + 1)
+    LV += bh * NSEG + seg
+    lo = seg * SEG
+    hi = tl.minimum(N, lo + SEG)
 
     fm = tl.arange(0, BM)
     fd = tl.arange(0, BD)
@@ -298,16 +307,26 @@ def band_attention_kernel(
     vcol_ok = vcols < DV
     offs = tl.arange(0, BC)
     cols = tl.arange(0, BD)
-    state = tl.zeros([BM, BV], dtype=ACC)
-    zsum = tl.zeros([BM], dtype=ACC)
-    level = tl.full([], _NO_KEY, ACC)
+    state_at = ST + fm[:, None] * (DV + 1) + vcols[None, :]
+    state_ok = (fm[:, None] < M) & vcol_ok[None, :]
+    if HAS_INIT:
+        state = tl.load(state_at, mask=state_ok, other=0.0).to(ACC)
+        zsum = tl.load(ST + fm * (DV + 1) + DV, mask=fm < M, other=0.0).to(ACC)
+        level = tl.load(LV).to(ACC)
+    else:
+        state = tl.zeros([BM, BV], dtype=ACC)
+        zsum = tl.zeros([BM], dtype=ACC)
+        level = tl.full([], _NO_KEY, ACC)
 
-    if not CAUSAL:  # the state of every key, at the level of the largest log scale
-        for start in range(0, N, BC):
+    if STATES_ONLY or (not CAUSAL and not HAS_INIT):  # key states, at the level of their largest log scale
+        first = lo - BC if CAUSAL else lo
+        for start in range(first, first + (hi - lo), BC):
             rows = start + offs
             kf, s, v, _l, _n, _f, key_ok = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, tl.zeros([BC, BD], dtype=ACC), rows, rows < N,
                                                       start, N, D, EDIM, M, DV, WIDTH, vcols, vcol_ok, log_norm,
                                                       CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC, BC, BD, BE, BM)
+            key_ok = key_ok & (rows < first + (hi - lo))
+            s = tl.where(key_ok, s, _NO_KEY)
             new_level = tl.maximum(level, tl.max(s, axis=0))
             kw = kf * tl.where(key_ok, tl.exp(s - new_level), 0.0)[:, None]
             keep_old = tl.exp(level - new_level)
@@ -315,55 +334,61 @@ def band_attention_kernel(
             zsum = zsum * keep_old + tl.sum(kw, axis=0)
             level = new_level
 
-    for start in range(0, N, BC):
-        rows = start + offs
-        ok = rows < N
-        qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
-        xq = tl.load(XQ + rows[:, None] * D + cols[None, :], mask=ok[:, None] & (cols[None, :] < D), other=0.0).to(ACC)
-        kf_p, s_p, v_p, l_p, near_p, far_p, ok_p = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start - BC, N, D, EDIM, M, DV,
-                                                              WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
-                                                              BC, BD, BE, BM)
-        kf_c, s_c, v_c, l_c, near_c, far_c, ok_c = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start, N, D, EDIM, M, DV,
-                                                              WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
-                                                              BC, BD, BE, BM)
-        top = tl.maximum(tl.max(l_p, axis=1), tl.max(l_c, axis=1))
-        if CAUSAL:
-            past = offs[:, None] >= offs[None, :]
-            row_level = tl.maximum(tl.maximum(level, tl.max(s_p, axis=0)), tl.max(tl.where(past, s_c[None, :], _NO_KEY), axis=1))
-        else:
-            row_level = level + tl.zeros([BC], dtype=ACC)
-            kf_n, s_n, v_n, l_n, near_n, far_n, ok_n = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start + BC, N, D, EDIM, M,
-                                                                  DV, WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP,
-                                                                  ACC, PREC, BC, BD, BE, BM)
-            top = tl.maximum(top, tl.max(l_n, axis=1))
-        c = tl.maximum(top - sq - row_level, 0.0)
-        far_ref = row_level + c
-        near_ref = sq + far_ref
-        # Causal: exact weights on the band plus estimates of the window's far keys.
-        # Bidirectional: exact weights on the band less their estimates (the state has them).
-        pick_p = far_p if CAUSAL else near_p
-        pick_c = far_c if CAUSAL else near_c
-        sign = 1.0 if CAUSAL else -1.0
-        w_p = tl.exp(l_p - near_ref[:, None]) + sign * tl.dot(qf, tl.trans(kf_p), input_precision=PREC, out_dtype=ACC) * tl.exp(
-            tl.where(pick_p, s_p[None, :] - far_ref[:, None], float("-inf")))
-        w_c = tl.exp(l_c - near_ref[:, None]) + sign * tl.dot(qf, tl.trans(kf_c), input_precision=PREC, out_dtype=ACC) * tl.exp(
-            tl.where(pick_c, s_c[None, :] - far_ref[:, None], float("-inf")))
-        carry = tl.exp(level - far_ref)
-        num = tl.dot(w_p, v_p, input_precision=PREC, out_dtype=ACC) + tl.dot(w_c, v_c, input_precision=PREC, out_dtype=ACC)
-        num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
-        den = tl.sum(w_p, axis=1) + tl.sum(w_c, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
-        if not CAUSAL:
-            w_n = tl.exp(l_n - near_ref[:, None]) - tl.dot(qf, tl.trans(kf_n), input_precision=PREC, out_dtype=ACC) * tl.exp(
-                tl.where(near_n, s_n[None, :] - far_ref[:, None], float("-inf")))
-            num += tl.dot(w_n, v_n, input_precision=PREC, out_dtype=ACC)
-            den += tl.sum(w_n, axis=1)
-        tl.store(OUT + rows[:, None] * (DV + 1) + vcols[None, :], num, mask=ok[:, None] & vcol_ok[None, :])
+    if STATES_ONLY:
+        tl.store(state_at, state, mask=state_ok)
         if vb == 0:
-            tl.store(OUT + rows * (DV + 1) + DV, den, mask=ok)
-        if CAUSAL:  # chunk t - 1 joins the state: every later query sees it as far
-            new_level = tl.maximum(level, tl.max(s_p, axis=0))
-            kw = kf_p * tl.where(ok_p, tl.exp(s_p - new_level), 0.0)[:, None]
-            keep_old = tl.exp(level - new_level)
-            state = state * keep_old + tl.dot(tl.trans(kw), v_p, input_precision=PREC, out_dtype=ACC)
-            zsum = zsum * keep_old + tl.sum(kw, axis=0)
-            level = new_level
+            tl.store(ST + fm * (DV + 1) + DV, zsum, mask=fm < M)
+            tl.store(LV, level)
+    else:
+        for start in range(lo, hi, BC):
+            rows = start + offs
+            ok = rows < hi
+            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, M, PREC)
+            xq = tl.load(XQ + rows[:, None] * D + cols[None, :], mask=ok[:, None] & (cols[None, :] < D), other=0.0).to(ACC)
+            kf_p, s_p, v_p, l_p, near_p, far_p, ok_p = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start - BC, N, D, EDIM, M, DV,
+                                                                  WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
+                                                                  BC, BD, BE, BM)
+            kf_c, s_c, v_c, l_c, near_c, far_c, ok_c = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start, N, D, EDIM, M, DV,
+                                                                  WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
+                                                                  BC, BD, BE, BM)
+            top = tl.maximum(tl.max(l_p, axis=1), tl.max(l_c, axis=1))
+            if CAUSAL:
+                past = offs[:, None] >= offs[None, :]
+                row_level = tl.maximum(tl.maximum(level, tl.max(s_p, axis=0)), tl.max(tl.where(past, s_c[None, :], _NO_KEY), axis=1))
+            else:
+                row_level = level + tl.zeros([BC], dtype=ACC)
+                kf_n, s_n, v_n, l_n, near_n, far_n, ok_n = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start + BC, N, D, EDIM, M,
+                                                                      DV, WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP,
+                                                                      ACC, PREC, BC, BD, BE, BM)
+                top = tl.maximum(top, tl.max(l_n, axis=1))
+            c = tl.maximum(top - sq - row_level, 0.0)
+            far_ref = row_level + c
+            near_ref = sq + far_ref
+            # Causal: exact weights on the band plus estimates of the window's far keys.
+            # Bidirectional: exact weights on the band less their estimates (the state has them).
+            pick_p = far_p if CAUSAL else near_p
+            pick_c = far_c if CAUSAL else near_c
+            sign = 1.0 if CAUSAL else -1.0
+            w_p = tl.exp(l_p - near_ref[:, None]) + sign * tl.dot(qf, tl.trans(kf_p), input_precision=PREC, out_dtype=ACC) * tl.exp(
+                tl.where(pick_p, s_p[None, :] - far_ref[:, None], float("-inf")))
+            w_c = tl.exp(l_c - near_ref[:, None]) + sign * tl.dot(qf, tl.trans(kf_c), input_precision=PREC, out_dtype=ACC) * tl.exp(
+                tl.where(pick_c, s_c[None, :] - far_ref[:, None], float("-inf")))
+            carry = tl.exp(level - far_ref)
+            num = tl.dot(w_p, v_p, input_precision=PREC, out_dtype=ACC) + tl.dot(w_c, v_c, input_precision=PREC, out_dtype=ACC)
+            num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
+            den = tl.sum(w_p, axis=1) + tl.sum(w_c, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
+            if not CAUSAL:
+                w_n = tl.exp(l_n - near_ref[:, None]) - tl.dot(qf, tl.trans(kf_n), input_precision=PREC, out_dtype=ACC) * tl.exp(
+                    tl.where(near_n, s_n[None, :] - far_ref[:, None], float("-inf")))
+                num += tl.dot(w_n, v_n, input_precision=PREC, out_dtype=ACC)
+                den += tl.sum(w_n, axis=1)
+            tl.store(OUT + rows[:, None] * (DV + 1) + vcols[None, :], num, mask=ok[:, None] & vcol_ok[None, :])
+            if vb == 0:
+                tl.store(OUT + rows * (DV + 1) + DV, den, mask=ok)
+            if CAUSAL:  # chunk t - 1 joins the state: every later query sees it as far
+                new_level = tl.maximum(level, tl.max(s_p, axis=0))
+                kw = kf_p * tl.where(ok_p, tl.exp(s_p - new_level), 0.0)[:, None]
+                keep_old = tl.exp(level - new_level)
+                state = state * keep_old + tl.dot(tl.trans(kw), v_p, input_precision=PREC, out_dtype=ACC)
+                zsum = zsum * keep_old + tl.sum(kw, axis=0)
+                level = new_level
