@@ -30,6 +30,7 @@ row above that level. Every exponent is then ``<= 0``; the common factor cancels
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
@@ -108,7 +109,7 @@ def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, widt
         width: ``w >= 1``.
         causal: token ``i`` attends to ``j <= i``.
         key_mask: optional ``[B, N]`` bool, True marks a valid key.
-        block_size: ``T >= w``, the query blocks of the exact band (default ``max(w, 32)``).
+        block_size: ``T >= w``, the query blocks of the exact band (default ``max(w, 16)``).
         chunk_size: causal only: the chunks of the far field's scan (default
             :func:`flt.ops.linear.causal_chunk_size`, as plain linear attention; it does not
             depend on ``w``).
@@ -118,7 +119,7 @@ def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, widt
         key return zeros.
     """
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask)
-    T = max(width, 32) if block_size is None else int(block_size)
+    T = max(width, 16) if block_size is None else int(block_size)
     if T < width:
         raise ValueError(f"block_size ({T}) must be at least width ({width})")
     if chunk_size is not None:
@@ -226,9 +227,10 @@ def _causal_far_field(qf, kf, vaug, sk, width, chunk_size):
     if chunk_size is None:
         chunk_size = causal_chunk_size(qf.shape[-1], 1, vaug.shape[-1] - 1)
 
-    def delay(t, filler):
-        return torch.cat([filler.expand(*t.shape[:2], shift, *t.shape[3:]), t[:, :, : N - shift]], dim=2)
+    def delay(t):  # one copy each way: the backward of a pad is a pad
+        return F.pad(t, (0, 0) * (t.ndim - 3) + (shift, -shift))
 
-    zero = kf.new_zeros(())
-    sums, level = causal_sums(qf, delay(kf, zero), delay(vaug, zero), None, None, delay(sk, sk[:, :, :1]), chunk_size)
-    return sums, level
+    # The filler keys have zero features and values; their log scale is key 0's, so that
+    # the level is a maximum over keys row i sees.
+    sk = delay(sk - sk[:, :, :1]) + sk[:, :, :1]
+    return causal_sums(qf, delay(kf), delay(vaug), None, None, sk, chunk_size)
