@@ -20,8 +20,14 @@ from __future__ import annotations
 
 import torch
 
-#: Gathered numbers per chunk of queries (about 4 MiB in float32).
-_CHUNK_ELEMENTS = 1 << 20
+#: Gathered numbers per chunk of queries (about 2 MiB in float32).
+_CHUNK_ELEMENTS = 1 << 19
+
+
+def _rows(t, index):
+    """``t[index]`` for ``index [C, k]``: ``[C, k, E]`` (index_select: several times faster
+    than advanced indexing on CPU)."""
+    return torch.index_select(t, 0, index.flatten()).view(*index.shape, t.shape[1])
 
 
 def flat_index(idx: torch.Tensor, B: int, H: int) -> torch.Tensor:
@@ -43,7 +49,7 @@ class _PairDots(torch.autograd.Function):
         ctx.save_for_backward(a, b, index)
         out = a.new_empty(index.shape)
         for s in _chunks(index, a.shape[1]):
-            out[s] = (b[index[s]] @ a[s].unsqueeze(-1)).squeeze(-1)
+            out[s] = (_rows(b, index[s]) * a[s].unsqueeze(1)).sum(-1)
         return out
 
     @staticmethod
@@ -60,7 +66,7 @@ class _GatherSum(torch.autograd.Function):
         ctx.save_for_backward(w, v, index)
         out = v.new_empty(index.shape[0], v.shape[1])
         for s in _chunks(index, v.shape[1]):
-            out[s] = (w[s].unsqueeze(1) @ v[index[s]]).squeeze(1)
+            out[s] = (w[s].unsqueeze(1) @ _rows(v, index[s])).squeeze(1)
         return out
 
     @staticmethod
