@@ -179,16 +179,19 @@ def _spatial_search(pos, k, key_mask, chunk_size):
     candidate is closer than that has its exact set. The others (sparse regions, fewer than
     ``k`` valid keys nearby) are searched over all keys. Host synchronisations fix the grid,
     the list length and the queries left over; a grid that would not pay (more cells than
-    ``8 N``, or a cell holding more than ``N / 3^(P+1)`` points) falls back to the
+    ``8 N``, or lists longer than ``N``) falls back to the
     ``O(N^2)`` search, which gives the same sets.
     """
     B, N, P = pos.shape
     dev = pos.device
     unit_ball = (2.0, math.pi, 4 * math.pi / 3)[P - 1]
     lo = pos.amin(1)  # [B, P]
-    extent = pos.amax(1) - lo
-    extent = extent.clamp_min(extent.amax(-1, keepdim=True) * 1e-3).clamp_min(torch.finfo(pos.dtype).tiny)
-    side = (extent.prod(-1) * 3 * k / (unit_ball * N)) ** (1 / P)  # [B]
+    extent = torch.sort(pos.amax(1) - lo, dim=-1).values.clamp_min(torch.finfo(pos.dtype).tiny)  # [B, P]
+    # Side s: s^P = (3k / (V_P N)) prod_d max(extent_d, s), so that points spread over fewer
+    # dimensions (a plane in 3-D) still get about 3k within s. With the q flattest dimensions
+    # below s, s = (3k / (V_P N) prod_(d >= q) extent_d)^(1 / (P - q)); the largest is the answer.
+    density = 3 * k / (unit_ball * N)
+    side = torch.stack([(density * extent[:, q:].prod(-1)) ** (1 / (P - q)) for q in range(P)]).amax(0)  # [B]
     cell = ((pos - lo.unsqueeze(1)) / side.view(B, 1, 1)).floor().long()  # [B, N, P]
     shape = (cell.amax(1).amax(0) + 1).tolist()
     n_cells = math.prod(shape)
@@ -198,7 +201,7 @@ def _spatial_search(pos, k, key_mask, chunk_size):
     cid = (cell * strides).sum(-1) + n_cells * torch.arange(B, device=dev).view(B, 1)  # [B, N]
     counts = torch.bincount(cid.flatten(), minlength=B * n_cells)
     cap = int(counts.max())
-    if cap * 3 ** (P + 1) > N:
+    if cap * 3 ** P > N:
         return _brute_force_rows(pos, torch.arange(B * N, device=dev), k, key_mask, chunk_size).view(B, N, k)
     # Cell lists [B * cells, cap] of key indices, ascending within a cell (stable sort), -1 empty.
     sorted_cid, order = torch.sort(cid.flatten(), stable=True)
