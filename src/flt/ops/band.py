@@ -14,11 +14,19 @@ with ``j <= i`` as well when causal. ``|i - j|`` is the distance in token order 
 is a window of the sequence), whatever the positions are. Every weight is nonnegative and
 the near ones are exact, so row sums stay positive.
 
-Algorithm: tokens are cut into blocks of ``T >= w``. A query of block ``b`` sees its near
-keys in blocks ``b-1, b, b+1`` (a ``T x 3T`` window: exact weights on the band, estimated
-ones off it), and the far keys of all blocks ``<= b-2`` (and ``>= b+2`` bidirectionally)
-through per-block key states ``sum_j kf_j (x) [v_j, 1]``. Cost
-``O(N (3T (D + m + Dv) + m (Dv + 1)))``, memory ``O(N T + (N / T) m Dv)``.
+Algorithm, so that the band costs little on top of plain FLT:
+
+* the exact band is blocked local attention: queries in blocks of ``T >= w`` tokens, each
+  block against the key blocks ``b - 1, b`` (and ``b + 1`` bidirectionally), exact weights
+  on the pairs inside the band and nothing elsewhere: ``O(N 2T (D + Dv))`` (``3T``);
+* causal far field: every pair ``i - j > w`` and no other is causal linear attention with
+  the keys and values delayed by ``w + 1`` tokens, so it is the chunked scan of plain FLT
+  (:func:`flt.ops.linear.causal_sums`, chunks of 64-256 tokens whatever ``w``, a fixed
+  number of operations), and nothing is subtracted;
+* bidirectional far field: the estimate over all keys (one ``[m, Dv + 1]`` state) minus its
+  band part, computed in the band's blocks.
+
+Memory ``O(N (T + m))``.
 
 Stabilisation: weights of row ``i`` are computed relative to ``exp(sq_i + L_i + c_i)``
 where ``sq_i`` is the query's feature shift, ``L_i`` the key level (the global maximum of

@@ -32,7 +32,7 @@ def causal_chunk_size(m: int, two_r: int, dv: int) -> int:
     """The default chunk length of the causal computation, from the shapes.
 
     Per token, the masked products inside a chunk cost ``2 C (m + 2R + Dv + 1)`` and the
-    scan over chunk states (:func:`_scan`, blocks of ``S`` chunks) ``2 S 2R m (Dv + 1) / C``:
+    scan over chunk states (:func:`_scan`, blocks of up to ``S`` chunks) ``2 S 2R m (Dv + 1) / C``:
     their sum is least at ``C* = sqrt(S 2R m (Dv + 1) / (m + 2R + Dv + 1))``. Returned: the
     power of two nearest ``C*`` in ratio, within ``[64, 256]`` (below 64 the many small
     matrix products run far from the machine's peak). Plain linear attention with
