@@ -28,14 +28,17 @@ never chosen unless fewer than ``k`` valid keys exist (the op then ignores those
 is an integer index, so no gradient flows through the choice; gradients reach the positions
 through the bias ``b_ij`` only.
 
-Cost. The search compares every query with every key: ``O(N^2 P)`` time, done in chunks
-of queries so memory is ``O(chunk N)``; a batch whose positions are shared (one ``[1, N, P]``
-tensor, no padding) is searched once. For sets of tens to a few thousand points it is a
-small part of a layer; for very long sequences a spatial index would be needed and is not
-implemented. The attention itself (:func:`neighbor_attention`) is linear: the estimate over
-all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the near set, plus the exact
-near weights, ``O(N k (D + m + Dv) + N m Dv)`` time and ``O(N k (D + m + Dv))`` memory for the
-gathered near keys. Short sets (``N <= dense_below``, default 128: molecules, small patch
+Cost. From ``SPATIAL_FROM = 1024`` points in up to 3 dimensions the search uses cell lists
+(:func:`_spatial_search`): each query is compared with the keys of the ``3^P`` grid cells
+around it, ``O(N k)`` for evenly spread points, and the queries those cells cannot settle
+fall back to the full comparison. Otherwise (and as the reference the cell lists are
+tested against) it compares every query with every key: ``O(N^2 P)`` time, in chunks of
+queries so memory is ``O(chunk N)``. A batch whose positions are shared (one ``[1, N, P]``
+tensor, no padding) is searched once. The attention itself (:func:`neighbor_attention`) is
+linear: the estimate over all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the
+near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the near keys'
+rows are read in cache-sized chunks (:mod:`flt.ops.pairs`), never gathered into an
+``[N, k, E]`` tensor. Short sets (``N <= dense_below``, default 128: molecules, small patch
 grids) use their ``[N, N]`` weights instead, ``O(N^2 (D + m + Dv))``: the same sums, but
 matrix products beat gathering ``k`` rows per query there.
 
