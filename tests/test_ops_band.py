@@ -47,6 +47,20 @@ def test_band_attention_equals_reference_forward_and_backward(causal, N, w, bloc
         assert_close(a, b)
 
 
+# The causal far field is the chunked linear scan with keys delayed by w + 1 tokens: chunks
+# shorter than the band, equal to it, longer, and one chunk for the whole sequence.
+@pytest.mark.parametrize("chunk_size", [2, 6, 16, 500])
+@pytest.mark.parametrize("N, w, block", [(130, 5, None), (70, 9, 12)])
+def test_causal_far_field_scan_equals_reference_for_any_chunk_size(chunk_size, N, w, block):
+    xq, xk, v, bias = inputs(N=N, w=w)
+    proj = gaussian_orthogonal_random_matrix(8, 4, dtype=F64)
+    key_mask = torch.rand(2, N) > 0.2
+    kw = dict(width=w, causal=True, key_mask=key_mask)
+    out = run(band_attention, xq, xk, v, bias, proj, block_size=block, chunk_size=chunk_size, **kw)
+    ref = run(band_attention_reference, xq, xk, v, bias, proj, **kw)
+    assert_same_gradients(out, ref, (xq, xk, v, bias))
+
+
 def test_reference_is_exact_on_the_band_and_the_favor_estimate_off_it():
     # Width >= N: every pair is near, so the op is exact softmax with the bias.
     N, w = 9, 9

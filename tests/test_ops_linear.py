@@ -80,10 +80,11 @@ def test_linear_attention_equals_reference_forward_and_backward(causal):
     assert_close(fast, flt_attention(qf, kf, v, ones, ones, causal=causal, key_log_scale=kls))
 
 
-# Chunks of the causal scan (ops.linear._scan, blocks of 32 chunks): plain, 256 / 4 = 64 chunks
-# in one group, two full blocks; 300 / 4 = 75 chunks, the last block padded. Kronecker
-# (2R = 8): 400 chunks in groups of 33 (two blocks, the second padded), a state carried
-# from group to group, and a short last group.
+# Chunks of the causal scan (ops.linear._scan, two levels: blocks of ceil(sqrt(G)) <= 32
+# chunks): plain, 256 / 4 = 64 chunks in one group, 8 full blocks of 8; 300 / 4 = 75 chunks
+# in 9 blocks of 9, the last padded. Kronecker (2R = 8): 400 chunks in
+# groups of 33 (6 blocks of 6, the last padded), a state carried from group to group, and
+# a short last group.
 @pytest.mark.parametrize("N, chunk_size, kronecker", [(256, 4, False), (300, 4, False), (800, 2, True)])
 def test_causal_scan_over_several_blocks_and_groups_equals_quadratic_formula(N, chunk_size, kronecker):
     qf, kf, v, a, c, kls = inputs(B=1, H=2, N=N, R2=8)

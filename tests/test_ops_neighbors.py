@@ -12,6 +12,7 @@ import torch
 from conftest import assert_close
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
 from flt.ops.band import band_attention
+from flt.ops import neighbors
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
 
 F64 = torch.float64
@@ -309,3 +310,42 @@ def test_neighbor_attention_rejects_bad_arguments(bad, match):
     extra = {k: kw[k] for k in ("key_mask", "causal", "near_mask") if k in kw}
     with pytest.raises((ValueError, TypeError), match=match):
         neighbor_attention(kw["xq"], xk, v, qf, kf, sq, sk, kw["idx"], kw["bias"], **extra)
+
+
+def spatial_cases():
+    g = torch.Generator().manual_seed(3)
+    uniform = torch.rand(2, 700, 3, generator=g, dtype=F64) * 10
+    grid = torch.randint(0, 9, (1, 700, 3), generator=g).to(F64)  # many exact ties, repeated points
+    plane = torch.cat([torch.rand(1, 500, 2, generator=g, dtype=F64), torch.zeros(1, 500, 1, dtype=F64)], -1)
+    clusters = torch.cat([torch.randn(1, 500, 3, generator=g, dtype=F64) * 0.01,
+                          torch.randn(1, 60, 3, generator=g, dtype=F64) * 50], 1)  # dense cluster, sparse halo
+    line = torch.rand(1, 400, 1, generator=g, dtype=F64)
+    square = torch.randint(0, 20, (2, 400, 2), generator=g).to(F64)
+    return [("uniform", uniform, 8), ("grid", grid, 16), ("plane", plane, 5), ("clusters", clusters, 8),
+            ("line", line, 7), ("square", square, 9), ("uniform k=1", uniform, 1)]
+
+
+@pytest.mark.parametrize("name, pos, k", spatial_cases(), ids=lambda c: c if isinstance(c, str) else "")
+@pytest.mark.parametrize("padded", [False, True])
+def test_spatial_search_gives_the_sets_of_the_quadratic_search(name, pos, k, padded, monkeypatch):
+    left_over = []
+    search_rows = neighbors._brute_force_rows
+    monkeypatch.setattr(neighbors, "_brute_force_rows", lambda pos, rows, *a: left_over.append(rows.numel()) or search_rows(pos, rows, *a))
+    key_mask = (torch.rand(pos.shape[0], pos.shape[1], generator=torch.Generator().manual_seed(1)) > 0.3) if padded else None
+    fast = nearest_keys(pos, k, key_mask=key_mask, spatial=True)
+    if name in ("uniform", "uniform k=1", "plane", "line"):  # evenly spread: the cell lists answered most queries
+        assert sum(left_over) < pos.shape[0] * pos.shape[1] / 4
+    assert torch.equal(fast, nearest_keys(pos, k, key_mask=key_mask, spatial=False))
+    assert torch.equal(nearest_keys(pos.float(), k, key_mask=key_mask, spatial=True),
+                       nearest_keys(pos.float(), k, key_mask=key_mask, spatial=False))
+
+
+def test_spatial_search_is_the_default_for_thousands_of_points_and_agrees_with_a_python_argsort():
+    pos = torch.randint(0, 9, (1, 1100, 3)).to(F64)
+    key_mask = torch.rand(1, 1100) > 0.5
+    idx = nearest_keys(pos, 6, key_mask=key_mask)  # spatial by default (N >= SPATIAL_FROM, P <= 3)
+    rows = torch.randperm(1100)[:60]
+    expected = brute_force_near(pos, 6, key_mask)
+    assert torch.equal(idx[0, rows], expected[0, rows])
+    with pytest.raises(ValueError, match="spatial must be None"):
+        nearest_keys(pos, 6, spatial="yes")

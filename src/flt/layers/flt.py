@@ -74,8 +74,9 @@ class FLTAttention(KernelAttention):
             band and is always evaluated exactly, so a strong local bias costs no
             variance; ``f`` is the far-field bias, estimated by random features as
             without ``near_field``. ``0`` (default) turns it off. The band follows token
-            order: for sequences, not for sets (atoms). Cost ``O(N T (D + m + Dv))``
-            with blocks of ``T = max(w, 32)`` tokens on top of the linear part; see
+            order: for sequences, not for sets (atoms). Cost ``O(N T (D + Dv))``
+            with blocks of ``T = max(w, 16)`` tokens on top of the linear part (causal: the
+            far field is the chunked scan of plain FLT, keys delayed by ``w + 1`` tokens); see
             :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Causal layers
             with a band decode token by token in constant memory (:meth:`step`,
             :mod:`flt.layers.band_decode`: the last ``w + 1`` tokens and the far field's state).
@@ -85,8 +86,9 @@ class FLTAttention(KernelAttention):
             shorter sets) get their exact weights with the mask ``f + f_near`` (logit:
             ``exp(x_q.x_k + f + f_near)``; multiplicative: ``(f + f_near) exp(x_q.x_k)``),
             all other pairs the random-feature estimate, as for the band. For sets of atoms or image patches, whose
-            token order means nothing. The search is ``O(N^2 P)`` in chunks (once per
-            batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
+            token order means nothing. The search uses cell lists from ``N = 1024`` points in
+            up to 3 dimensions (``O(N k)`` for evenly spread points), else ``O(N^2 P)`` in
+            chunks (once per batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
             top of the linear part; see :mod:`flt.ops.neighbors` and docs/math.md section 5.1.1.
         near_relative: the near set's term ``f_near``: ``None`` (default) a second spectrum
             of the same family starting at 0; or the name of any term in
@@ -348,8 +350,11 @@ class FLTAttention(KernelAttention):
         xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
         bias = self.band_bias(batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
         key_mask = None if p.pad is None else ~p.pad
-        op = band_attention_reference if reference else band_attention
-        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal, key_mask=key_mask)
+        if reference:
+            return band_attention_reference(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field,
+                                            causal=self.causal, key_mask=key_mask)
+        return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal,
+                              key_mask=key_mask, chunk_size=self.chunk_size)
 
     def _attend_band_triton(self, p):
         """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""

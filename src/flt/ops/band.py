@@ -14,11 +14,19 @@ with ``j <= i`` as well when causal. ``|i - j|`` is the distance in token order 
 is a window of the sequence), whatever the positions are. Every weight is nonnegative and
 the near ones are exact, so row sums stay positive.
 
-Algorithm: tokens are cut into blocks of ``T >= w``. A query of block ``b`` sees its near
-keys in blocks ``b-1, b, b+1`` (a ``T x 3T`` window: exact weights on the band, estimated
-ones off it), and the far keys of all blocks ``<= b-2`` (and ``>= b+2`` bidirectionally)
-through per-block key states ``sum_j kf_j (x) [v_j, 1]``. Cost
-``O(N (3T (D + m + Dv) + m (Dv + 1)))``, memory ``O(N T + (N / T) m Dv)``.
+Algorithm, so that the band costs little on top of plain FLT:
+
+* the exact band is blocked local attention: queries in blocks of ``T >= w`` tokens, each
+  block against the key blocks ``b - 1, b`` (and ``b + 1`` bidirectionally), exact weights
+  on the pairs inside the band and nothing elsewhere: ``O(N 2T (D + Dv))`` (``3T``);
+* causal far field: every pair ``i - j > w`` and no other is causal linear attention with
+  the keys and values delayed by ``w + 1`` tokens, so it is the chunked scan of plain FLT
+  (:func:`flt.ops.linear.causal_sums`, chunks of 64-256 tokens whatever ``w``, a fixed
+  number of operations), and nothing is subtracted;
+* bidirectional far field: the estimate over all keys (one ``[m, Dv + 1]`` state) minus its
+  band part, computed in the band's blocks.
+
+Memory ``O(N (T + m))``.
 
 Stabilisation: weights of row ``i`` are computed relative to ``exp(sq_i + L_i + c_i)``
 where ``sq_i`` is the query's feature shift, ``L_i`` the key level (the global maximum of
@@ -35,6 +43,7 @@ import torch.nn.functional as F
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
+from flt.ops.linear import causal_chunk_size, causal_sums
 
 
 def band_offsets(width: int) -> torch.Tensor:
@@ -91,7 +100,8 @@ def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bia
     return safe_divide(num, w.sum(-1, keepdim=True))
 
 
-def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None, block_size=None):
+def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None,
+                   block_size=None, chunk_size=None):
     """Attention with exact weights on a band of ``|i - j| <= width`` tokens and FAVOR+
     estimates elsewhere (module docstring), linear in ``N``.
 
@@ -107,126 +117,128 @@ def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, widt
         width: ``w >= 1``.
         causal: token ``i`` attends to ``j <= i``.
         key_mask: optional ``[B, N]`` bool, True marks a valid key.
-        block_size: ``T >= w`` (default ``max(w, 32)``).
+        block_size: ``T >= w``, the query blocks of the exact band (default ``max(w, 16)``).
+        chunk_size: causal only: the chunks of the far field's scan (default
+            :func:`flt.ops.linear.causal_chunk_size`, as plain linear attention; it does not
+            depend on ``w``).
 
     Returns:
         ``[B, H, N, Dv]`` in the promoted dtype (float32 or better). Rows without any valid
         key return zeros.
     """
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask)
-    T = max(width, 32) if block_size is None else int(block_size)
+    T = max(width, 16) if block_size is None else int(block_size)
     if T < width:
         raise ValueError(f"block_size ({T}) must be at least width ({width})")
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
     B, H, N, _ = xq.shape
     cdt = compute_dtype(xq, qf, v)
     xq, xk, qf, kf = (t.to(cdt) for t in (xq, xk, qf, kf))
-    vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1)
-    sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)
     valid = torch.ones(B, N, dtype=torch.bool, device=xq.device) if key_mask is None else key_mask
+    vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1) * valid[:, None, :, None].to(cdt)
+    sq, sk = q_shift.to(cdt), key_log_scale.to(cdt)
     if key_mask is not None:
-        # A padded key never sets a level; its features and values are zeroed below.
+        # A padded key never sets a level; its values (numerator and denominator) are zero.
         floor = sk.detach().masked_fill(~valid[:, None, :], float("inf")).amin(-1, keepdim=True)
         floor = torch.where(torch.isinf(floor), torch.zeros_like(floor), floor)  # no valid key at all
         sk = torch.where(valid[:, None, :], sk, floor.expand_as(sk))
+    level = torch.cummax(sk, dim=-1).values if causal else sk.amax(dim=-1, keepdim=True).expand(B, H, N)
+    row = sq + level  # [B, H, N]: every weight of row i is taken relative to exp(row_i + c_i)
+    near, c, windows = _exact_band(xq, xk, vaug, band_bias.to(cdt), row, valid, width, T, causal)
     if causal:
-        level = torch.cummax(sk, dim=-1).values  # [B, H, N]
+        far, far_level = _causal_far_field(qf, kf, vaug, sk, width, chunk_size)
+        if far is not None:
+            near = near + far * torch.exp(far_level - level - c).unsqueeze(-1)
     else:
-        level = sk.amax(dim=-1, keepdim=True).expand(B, H, N)
-    kw = torch.exp(sk - level if causal else sk - level[..., :1]) * valid[:, None, :]  # key weights <= 1
-    nb = -(-N // T)
-    pad = nb * T - N
-
-    def blocks(t, value=0.0):  # [B, H, N, ...] -> [B, H, nb, T, ...], padded at the end
-        if pad:
-            t = F.pad(t, (0, 0) * (t.ndim - 3) + (0, pad), value=value)
-        return t.unflatten(2, (nb, T))
-
-    def window(t):  # [B, H, nb, T, ...] -> [B, H, nb, 3T, ...]: blocks b-1, b, b+1 (small tensors only)
-        z = torch.zeros_like(t[:, :, :1])
-        return torch.cat([torch.cat([z, t[:, :, :-1]], 2), t, torch.cat([t[:, :, 1:], z], 2)], dim=3)
-
-    def shifted_products(a, b):
-        """``a_b @ b_(b+o)^T`` for the window's three parts ``o = -1, 0, 1`` (each
-        ``[B, H, nb, T, T]``; missing blocks give zeros), never copying the wide ``b``."""
-        z = a.new_zeros(*a.shape[:2], 1, a.shape[3], b.shape[3])
-        prev = torch.cat([z, a[:, :, 1:] @ b[:, :, :-1].transpose(-1, -2)], dim=2)
-        nxt = torch.cat([a[:, :, :-1] @ b[:, :, 1:].transpose(-1, -2), z], dim=2)
-        return prev, a @ b.transpose(-1, -2), nxt
-
-    def apply_parts(parts, vals):  # sum over the window of weights [.., T, T] x 3 times the keys' rows
-        p, c0, n = parts
-        z = vals.new_zeros(*vals.shape[:2], 1, p.shape[-2], vals.shape[-1])
-        out = c0 @ vals
-        out = out + torch.cat([z, p[:, :, 1:] @ vals[:, :, :-1]], dim=2)
-        return out + torch.cat([n[:, :, :-1] @ vals[:, :, 1:], z], dim=2)
-
-    if pad:  # padded queries repeat the last level, so block levels stay nondecreasing
-        level = torch.cat([level, level[..., -1:].expand(B, H, pad)], dim=-1)
-    qb, sqb, lvb = blocks(qf), blocks(sq), level.unflatten(2, (nb, T))
-    kfb = blocks(kf * kw.unsqueeze(-1))  # estimated weights need kf exp(s_j - level)
-    vb = blocks(vaug * valid[:, None, :, None].to(cdt))
-    # Query and key indices of the three window parts, for the band and causal masks.
-    qi = torch.arange(nb * T, device=xq.device).view(nb, T)
-    validb = blocks(valid[:, None, :].expand(B, 1, N), value=False)  # [B, 1, nb, T]
-    bias = blocks(band_bias.to(cdt).expand(B, H, N, 2 * width + 1))  # [B, H, nb, T, 2w+1]
-    row = (sqb + lvb).unsqueeze(-1)
-    logit_parts = shifted_products(blocks(xq), blocks(xk))
-    est_parts = shifted_products(qb, kfb)
-    lvw = None if not causal else (torch.cat([lvb[:, :, :1], lvb[:, :, :-1]], 2), lvb, torch.cat([lvb[:, :, 1:], lvb[:, :, -1:]], 2))
-    vw = (torch.cat([validb[:, :, :1] & False, validb[:, :, :-1]], 2), validb, torch.cat([validb[:, :, 1:], validb[:, :, -1:] & False], 2))
-    expos, fars = [], []
-    for o, (logit, est) in enumerate(zip(logit_parts, est_parts)):
-        kj = qi + (o - 1) * T  # [nb, T]
-        off = kj.unsqueeze(1) - qi.unsqueeze(2)  # [nb, T, T]: j - i
-        keep = ((kj >= 0) & (kj < N)).unsqueeze(1) & vw[o].unsqueeze(-2)  # [B, 1, nb, T, T]
-        if causal:
-            keep = keep & (off <= 0)
-        in_band = off.abs() <= width
-        near, far = keep & in_band, keep & ~in_band
-        # Exact band exponents relative to the row level: x_i.y_j + b_ij - sq_i - L_i.
-        idx = (off.clamp(-width, width) + width).expand(B, H, nb, T, T)
-        expos.append((logit + bias.gather(-1, idx) - row).masked_fill(~near, -float("inf")))
-        if causal:
-            # kf was scaled by exp(s_j - level_j); bring key j to the row's level L_i >= level_j.
-            est = est * torch.exp((lvw[o].unsqueeze(-2) - lvb.unsqueeze(-1)).masked_fill(~far, -float("inf")))
-        fars.append(torch.where(far, est, torch.zeros_like(est)))
-    # Row stabiliser c_i >= 0 (detached: a common factor of the row, it cancels).
-    c = torch.stack([e.detach().amax(dim=-1) for e in expos]).amax(0).clamp_min(0.0)  # [B, H, nb, T]
-    scale = torch.exp(-c).unsqueeze(-1)
-    out = apply_parts([torch.exp(e - c.unsqueeze(-1)) for e in expos], vb)
-    if causal:
-        out = out + apply_parts(fars, vb) * scale + _causal_far_blocks(qb, kfb, vb, lvb, c)
-    else:
-        # Far field = the estimate over all keys minus its window part (near or not),
-        # plus the window's far keys: total - est(window) + est(window far) = total - est(band).
-        # Rounding of order eps * total relative to the far part, only where the far field
-        # is negligible next to the window.
-        total = kfb.flatten(2, 3).transpose(-1, -2) @ vb.flatten(2, 3)  # [B, H, m, Dv+1]
-        band_est = [torch.where(torch.isfinite(e), est, torch.zeros_like(est)) for e, est in zip(expos, est_parts)]
-        out = out + ((qb @ total.unsqueeze(2)) - apply_parts(band_est, vb)) * scale
-    out = out.flatten(2, 3)[:, :, :N]
-    return safe_divide(out[..., :-1], out[..., -1:])
+        # Far field = the estimate over all keys minus its band part. Rounding of order
+        # eps * total relative to the far part, only where the far field is negligible next
+        # to the band.
+        kfw = kf * torch.exp(sk - level[..., :1]).unsqueeze(-1)  # key weights <= 1
+        total = qf @ (kfw.transpose(-1, -2) @ vaug)  # [B, H, N, Dv+1]
+        near = near + (total - _band_estimate(qf, kfw, vaug, windows, T)) * torch.exp(-c).unsqueeze(-1)
+    return safe_divide(near[..., :-1], near[..., -1:])
 
 
-def _causal_far_blocks(qb, kb, vb, lvb, c):
-    """Causal reads of the key states of blocks ``<= b-2`` for every query block ``b``:
-    ``[B, H, nb, T, Dv+1]`` relative to ``exp(sq_i + L_i + c_i)``.
+def _blocks(t, nb, T):
+    """``[B, H, N, ...] -> [B, H, nb, T, ...]``, zero-padded at the end."""
+    return _pad_to(t, nb * T).unflatten(2, (nb, T))
 
-    ``kb [B, H, nb, T, m]`` are key features times ``exp(s_j - level_j)``; ``vb
-    [B, H, nb, T, Dv+1]`` the augmented values of valid keys. Block ``b``'s sums are
-    re-expressed at ``e_b``, the level at its last key (levels only grow: every factor is
-    ``<= 1``), then accumulated block by block.
+
+def _pad_to(t, length):
+    extra = length - t.shape[2]
+    return t if extra == 0 else torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
+
+
+def _window(t, causal):
+    """Key blocks ``b - 1, b`` (and ``b + 1`` when not causal) of every query block ``b``:
+    ``[B, H, nb, T, ...] -> [B, H, nb, 2T or 3T, ...]``, zeros beyond the sequence."""
+    zero = torch.zeros_like(t[:, :, :1])
+    parts = [torch.cat([zero, t[:, :, :-1]], dim=2), t]
+    if not causal:
+        parts.append(torch.cat([t[:, :, 1:], zero], dim=2))
+    return torch.cat(parts, dim=3)
+
+
+def _exact_band(xq, xk, vaug, bias, row, valid, width, T, causal):
+    """The exact band as blocked local attention: each query block of ``T >= w`` tokens
+    against the key blocks ``b - 1, b`` (``b + 1`` too when not causal), the weights of the
+    pairs ``|i - j| <= w`` (``j <= i`` when causal) exact, all others zero.
+
+    Returns ``(sums [B, H, N, Dv+1], c [B, H, N], windows)``: sums relative to
+    ``exp(row_i + c_i)``, ``c_i >= 0`` the largest band exponent of the row above ``row_i``
+    (detached: a common factor of the row, it cancels), and what
+    :func:`_band_estimate` reuses. Cost ``O(N 2T (D + Dv))`` (``3T`` when not causal).
     """
-    B, H, nb = kb.shape[:3]
-    ends = lvb[..., -1]  # [B, H, nb]
-    fresh = (kb * torch.exp(lvb - ends.unsqueeze(-1)).unsqueeze(-1)).transpose(-1, -2) @ vb
-    zero = fresh.new_zeros(B, H, *fresh.shape[3:])
-    states = [zero, zero]
-    st, st_level = zero, ends[:, :, 0]
-    for b in range(nb - 2):
-        st = st * torch.exp(st_level - ends[:, :, b])[..., None, None] + fresh[:, :, b]
-        st_level = ends[:, :, b]
-        states.append(st)
-    prefix = torch.stack(states[:nb], dim=2)  # [B, H, nb, m, Dv+1]: blocks <= b-2 at level e_(b-2)
-    plev = torch.cat([ends[:, :, :1], ends[:, :, :1], ends[:, :, : max(nb - 2, 0)]], dim=2)[:, :, :nb]
-    return (qb @ prefix) * torch.exp(plev.unsqueeze(-1) - lvb - c).unsqueeze(-1)
+    B, H, N, _ = xq.shape
+    nb = -(-N // T)
+    W = (2 if causal else 3) * T
+    # Offsets j - i of the window's keys: key u of block b's window is token (b - 1) T + u.
+    off = torch.arange(W, device=xq.device).view(1, W) - T - torch.arange(T, device=xq.device).view(T, 1)  # [T, W]
+    band = (off <= 0 if causal else off <= width) & (off >= -width)
+    keys = _window(_blocks(valid[:, None, :, None], nb, T), causal).squeeze(-1)  # [B, 1, nb, W], False beyond N
+    keep = band & keys.unsqueeze(-2)  # [B, 1, nb, T, W]
+    bias = _blocks(bias, nb, T)  # [B|1, H, nb, T, 2w+1]
+    index = (off.clamp(-width, width) + width).expand(*bias.shape[:3], T, W)
+    logits = _blocks(xq, nb, T) @ _window(_blocks(xk, nb, T), causal).transpose(-1, -2)  # [B, H, nb, T, W]
+    expo = (logits + bias.gather(-1, index) - _blocks(row.unsqueeze(-1), nb, T)).masked_fill(~keep, -float("inf"))
+    c = expo.detach().amax(dim=-1).clamp_min(0.0)  # [B, H, nb, T]
+    vwin = _window(_blocks(vaug, nb, T), causal)  # [B, H, nb, W, Dv+1]
+    sums = torch.exp(expo - c.unsqueeze(-1)) @ vwin
+    return sums.flatten(2, 3)[:, :, :N], c.flatten(2)[..., :N], (keep, vwin)
+
+
+def _band_estimate(qf, kfw, vaug, windows, T):
+    """The far-field estimate restricted to the band's pairs (bidirectional: subtracted from
+    the total), ``[B, H, N, Dv+1]``, relative to ``exp(row_i)``."""
+    keep, vwin = windows
+    N = qf.shape[2]
+    nb = -(-N // T)
+    est = _blocks(qf, nb, T) @ _window(_blocks(kfw, nb, T), False).transpose(-1, -2)
+    return (est.masked_fill(~keep, 0.0) @ vwin).flatten(2, 3)[:, :, :N]
+
+
+def _causal_far_field(qf, kf, vaug, sk, width, chunk_size):
+    """Causal far field: the estimate of every pair ``i - j > w``, as causal linear attention
+    whose keys, values and key log scales are delayed by ``w + 1`` tokens (key ``j`` enters at
+    token ``j + w + 1``), so the chunked scan itself never sees a band pair and nothing is
+    subtracted. Chunks of :func:`flt.ops.linear.causal_chunk_size` tokens, whatever ``w``.
+
+    Returns ``(sums [B, H, N, Dv+1], level [B, H, N])``, sums relative to ``exp(sq_i +
+    level_i)`` where ``level_i`` is the largest log scale of the keys ``j <= i - w - 1`` (and
+    of key 0, the delay's filler); ``(None, None)`` when no pair is that far apart.
+    """
+    N = qf.shape[2]
+    shift = width + 1
+    if shift >= N:
+        return None, None
+    if chunk_size is None:
+        chunk_size = causal_chunk_size(qf.shape[-1], 1, vaug.shape[-1] - 1)
+
+    def delay(t):  # one copy each way: the backward of a pad is a pad
+        return F.pad(t, (0, 0) * (t.ndim - 3) + (shift, -shift))
+
+    # The filler keys have zero features and values; their log scale is key 0's, so that
+    # the level is a maximum over keys row i sees.
+    sk = delay(sk - sk[:, :, :1]) + sk[:, :, :1]
+    return causal_sums(qf, delay(kf), delay(vaug), None, None, sk, chunk_size)

@@ -32,7 +32,7 @@ def causal_chunk_size(m: int, two_r: int, dv: int) -> int:
     """The default chunk length of the causal computation, from the shapes.
 
     Per token, the masked products inside a chunk cost ``2 C (m + 2R + Dv + 1)`` and the
-    scan over chunk states (:func:`_scan`, blocks of ``S`` chunks) ``2 S 2R m (Dv + 1) / C``:
+    scan over chunk states (:func:`_scan`, blocks of up to ``S`` chunks) ``2 S 2R m (Dv + 1) / C``:
     their sum is least at ``C* = sqrt(S 2R m (Dv + 1) / (m + 2R + Dv + 1))``. Returned: the
     power of two nearest ``C*`` in ratio, within ``[64, 256]`` (below 64 the many small
     matrix products run far from the machine's peak). Plain linear attention with
@@ -211,7 +211,7 @@ def _sums(qf, kf, v, a, c, causal, key_log_scale, chunk_size):
     qf, kf, v = qf.to(dtype), kf.to(dtype), v.to(dtype)
     kls = None if key_log_scale is None else key_log_scale.to(dtype)
     if causal:
-        out = _causal_chunked(qf, kf, v, a, c, kls, chunk_size)
+        out, _ = causal_sums(qf, kf, _augment(v), a, c, kls, chunk_size)
     else:
         out = _bidirectional(qf, kf, v, a, c, kls, chunk_size)
     # Under bfloat16 autocast (plain linear attention only, see full_precision) the products
@@ -240,23 +240,37 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
 
 
-#: Chunks per block of the cross-chunk scan, a [G+1, G] matmul over the chunk index: its
-#: cost is G / chunk_size of the state products, and Python loops over N / (G * C) blocks.
+#: Largest number of chunks per block of the two-level scan over chunk states (:func:`_scan`).
 _SCAN_BLOCK = 32
 
 
-def _causal_chunked(qf, kf, v, a, c, kls, chunk_size):
-    """Causal ``[numerator, denominator]``, ``[B, H, N, Dv + 1]``, in chunks of ``chunk_size``.
+def causal_sums(qf, kf, vaug, a, c, kls, chunk_size):
+    """Causal sums ``sum_(j <= i) w_ij vaug_j`` of every query and the level they are relative to.
 
-    Tokens are cut into ``N // C`` full chunks plus a tail, each viewed as
-    ``[B, H, chunks, C, ...]``: the masked ``C x C`` products inside chunks are one batched
-    matmul over all chunks (:func:`_inside_chunks`). Across chunks (:func:`_across_chunks`):
-    every chunk's key state in one matmul, the states of all earlier tokens by a scan over
-    the chunk index (small triangular matmuls, :func:`_scan`), and one matmul to read them
-    for every query. So that these states take at most twice the memory of the features
-    ``B * H * N * m``, the Kronecker state ``2R * m * (Dv+1)`` is handled for groups of
-    chunks at a time, the state carried from group to group. Never a per-token prefix sum,
-    and few, large operations.
+    ``w_ij = (a_i.c_j) (qf_i.kf_j) exp(s_j - run_i)`` with ``run`` the running maximum of the
+    key log scales ``s = kls`` (no scales: ``run`` is None and the factor is 1). ``qf, kf
+    [B, H, N, m]``, ``vaug [B, H, N, X]``, ``a, c [B|1, H, N, 2R]`` or None, all in one dtype.
+    Returns ``(sums [B, H, N, X], run [B, H, N] or None)``. The building block of
+    :func:`linear_attention`, :func:`flt_attention` and of the banded estimator's far field
+    (:mod:`flt.ops.band`, which shifts the keys by the band's width).
+    """
+    run = None if kls is None else torch.cummax(kls, dim=-1).values
+    return _causal_chunked(qf, kf, vaug, a, c, kls, run, chunk_size), run
+
+
+def _causal_chunked(qf, kf, vaug, a, c, kls, run, chunk_size):
+    """Causal ``[numerator, denominator]``, ``[B, H, N, X]``, in chunks of ``chunk_size``.
+
+    Tokens are padded to ``G`` whole chunks of ``C`` tokens (zero keys and values after the
+    last token, which no real row sees) and viewed as ``[B, H, G, C, ...]``: the masked
+    ``C x C`` products inside chunks are one batched matmul over all chunks
+    (:func:`_inside_chunks`). Across chunks (:func:`_across_chunks`): every chunk's key state
+    in one matmul, the states of all earlier tokens by a two-level scan over the chunk index
+    (:func:`_scan`), and one matmul to read them for every query. So that these states take
+    at most twice the memory of the features ``B * H * N * m``, the Kronecker state
+    ``2R * m * X`` is handled for groups of chunks at a time, the state carried from group to
+    group; the number of groups, ``2R X / (2 C)``, does not depend on ``N``. So neither does
+    the number of operations: no Python loop runs over chunks.
 
     With key log scales ``s_j`` the weights are ``w_ij = qf_i.kf_j * exp(s_j - run_i)``,
     ``run`` the running maximum: inside a chunk ``exp(s_j - run_j) * exp(run_j - run_i)``,
@@ -264,31 +278,32 @@ def _causal_chunked(qf, kf, v, a, c, kls, chunk_size):
     chunk. Every exponent is <= 0, and nothing in row ``i`` depends on a key after ``i``.
     """
     B, H, N, m = qf.shape
-    run = None if kls is None else torch.cummax(kls, dim=-1).values
-    vaug = _augment(v)
-    if N <= chunk_size:  # one chunk: its masked [N, N] weights are everything
-        one = [None if t is None else t.unsqueeze(2) for t in (qf, kf, vaug, a, c, kls, run)]
-        return _inside_chunks(*one).squeeze(2)
-    n_main = N - N % chunk_size
-    segments = [(n, t) for n, t in ((n_main, chunk_size), (N - n_main, N - n_main)) if n]
-
-    def pieces(t):  # [B, H, N, ...] -> per segment [B, H, chunks, T, ...] (views)
-        if t is None:
-            return [None] * len(segments)
-        parts = (t,) if len(segments) == 1 else t.split([n for n, _ in segments], dim=2)
-        return [p.unflatten(2, (-1, T)) for p, (_, T) in zip(parts, segments)]
-
-    R2 = 1 if a is None else a.shape[-1]
-    group = max(1, 2 * qf.numel() // (B * H * R2 * m * (v.shape[-1] + 1)))
-    carry, outs = None, []
-    for q5, k5, v5, a5, c5, s5, r5 in zip(*map(pieces, (qf, kf, vaug, a, c, kls, run))):
-        out = _inside_chunks(q5, k5, v5, a5, c5, s5, r5)
-        cross = []
+    C = min(chunk_size, N)
+    G = -(-N // C)
+    tensors = [_pad_tokens(t, G * C, replicate) for t, replicate in
+               ((qf, False), (kf, False), (vaug, False), (a, False), (c, False), (kls, True), (run, True))]
+    q5, k5, v5, a5, c5, s5, r5 = (None if t is None else t.unflatten(2, (G, C)) for t in tensors)
+    out = _inside_chunks(q5, k5, v5, a5, c5, s5, r5)
+    if G > 1:
+        R2 = 1 if a is None else a.shape[-1]
+        group = max(1, 2 * qf.numel() // (B * H * R2 * m * vaug.shape[-1]))
+        carry, cross = None, []
         for chunks in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5))):
             read, carry = _across_chunks(*chunks, carry)
             cross.append(read)
-        outs.append((out + _cat(cross, dim=2)).flatten(2, 3))
-    return _cat(outs, dim=2)
+        out = out + _cat(cross, dim=2)
+    return out.flatten(2, 3)[:, :, :N]
+
+
+def _pad_tokens(t, length, replicate):
+    """``t [B, H, N, ...]`` or ``[B, H, N]`` padded along dim 2 to ``length`` tokens: zeros,
+    or with ``replicate`` copies of the last entry (so running maxima stay nondecreasing)."""
+    if t is None or t.shape[2] == length:
+        return t
+    extra = length - t.shape[2]
+    if replicate:
+        return torch.cat([t, t[:, :, -1:].expand(*t.shape[:2], extra, *t.shape[3:])], dim=2)
+    return torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
 
 def _groups(t, group):
@@ -304,7 +319,7 @@ def _cat(parts, dim):
 
 
 def _inside_chunks(q, k, vaug, a, c, s, run):
-    """Weights of keys in the same chunk, ``j <= i``: ``[B, H, chunks, T, Dv + 1]``."""
+    """Weights of keys in the same chunk, ``j <= i``: ``[B, H, chunks, T, X]``."""
     w = q @ k.transpose(-1, -2)  # [B, H, chunks, T, T]
     if a is not None:
         w = w * (a @ c.transpose(-1, -2))
@@ -322,22 +337,32 @@ def _across_chunks(q, k, vaug, a, c, s, run, carry):
 
     ``carry = (state, level)`` after the previous group (None at the start): the key sums of
     all earlier tokens relative to ``exp(level)``. Chunk ``g``'s own state is stored relative
-    to ``e_g``, the running max at its last token. Returns ``([B, H, G, T, Dv+1], carry)``.
+    to ``e_g``, the running max at its last token. Returns ``([B, H, G, T, X], carry)``.
     """
     ends = None if run is None else run[..., -1]  # [B, H, G]
     fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
     if carry is None:
         carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
-    prefixes, levels = [], []
-    blocks = zip(_groups(fresh, _SCAN_BLOCK), _groups(ends, _SCAN_BLOCK))
-    for block, block_ends in blocks:
-        prefix, level, carry = _scan(block, block_ends, carry)
-        prefixes.append(prefix)
-        levels.append(level)
-    read = _read(q, a, _cat(prefixes, dim=2))
+    prefix, levels, carry = _scan(fresh, ends, carry)
+    read = _read(q, a, prefix)
     if run is not None:
-        read = read * torch.exp(_cat(levels, dim=-1).unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
+        read = read * torch.exp(levels.unsqueeze(-1) - run).unsqueeze(-1)  # <= 1
     return read, carry
+
+
+def _prefix_matrix(ends, level, n, like):
+    """The ``[.., n + 1, n]`` matrix of one scan level and its row levels.
+
+    Entry ``(g, g')`` is ``exp(e_g' - l_g)`` for ``g' < g``, 0 otherwise, with ``l_0 = level``
+    and ``l_g = e_(g-1)``: row ``g < n`` sums the states before ``g``, row ``n`` all of them.
+    ``ends [.., n]``, ``level [..]``; both None without key scales (entries 1, levels None).
+    ``l`` and ``e`` are nondecreasing, so every exponent is <= 0. Returns ``(matrix, l [.., n + 1])``.
+    """
+    below = torch.ones(n + 1, n, dtype=torch.bool, device=like.device).tril(-1)
+    if ends is None:
+        return below.to(like.dtype), None
+    levels = torch.cat([level.unsqueeze(-1), ends], dim=-1)
+    return torch.exp((ends.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf"))), levels
 
 
 def _scan(fresh, ends, carry):
@@ -346,23 +371,40 @@ def _scan(fresh, ends, carry):
     ``fresh [B, H, G, X, Y]``: chunk ``g``'s key sums relative to ``exp(e_g)`` (``ends``
     ``[B, H, G]``, None without key scales). The state before chunk ``g`` is
     ``P_g = state * exp(level - l_g) + sum_(g' < g) fresh_g' * exp(e_g' - l_g)`` at level
-    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``): one ``[G+1, G]`` matmul over the
-    chunk index, whose last row is the carry. ``l`` and ``e`` are nondecreasing, so every
-    exponent is <= 0. Returns ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
+    ``l_g`` (``level`` for ``g = 0``, else ``e_(g-1)``). Two levels, so a fixed number of
+    operations for any ``G``: the chunks are cut into ``S`` blocks of ``b <= _SCAN_BLOCK``
+    (the last padded with empty chunks); one ``[b + 1, b]`` matmul per block (all blocks at
+    once) gives each chunk the sums of the earlier chunks of its block, and the block its
+    total; one ``[S + 1, S]`` matmul gives each block the sums before it, and the carry after
+    the last. Cost ``(b + S^2 / G) X Y`` per chunk, next to ``C X Y`` for writing the states.
+    Returns ``(P [B, H, G, X, Y], l [B, H, G] or None, carry)``.
     """
     state, level = carry
     G = fresh.shape[2]
-    below = torch.ones(G + 1, G, dtype=torch.bool, device=fresh.device).tril(-1)  # g' < g
-    if ends is None:
-        scan, start, levels = below.to(fresh.dtype), state.unsqueeze(2), None
+    b = min(_SCAN_BLOCK, math.isqrt(G - 1) + 1)
+    S = -(-G // b)
+    flat = _pad_tokens(fresh.flatten(-2), S * b, False).unflatten(2, (S, b))  # [B, H, S, b, XY]
+    e = None if ends is None else _pad_tokens(ends, S * b, True).unflatten(2, (S, b))  # [B, H, S, b]
+    block_ends = None if e is None else e[..., -1]  # E_s, [B, H, S]
+    # Across blocks: the levels lambda_0 = level, lambda_s = E_(s-1) (None without scales).
+    outer, block_levels = _prefix_matrix(block_ends, level, S, flat)
+    starts = None if e is None else block_levels[..., :S]
+    inner, chunk_levels = _prefix_matrix(e, starts, b, flat)
+    within = inner @ flat  # [B, H, S, b + 1, XY]: rows t < b at l_(s,t), row b the block total at E_s
+    start = state.flatten(-2).unsqueeze(2)  # the carry, re-expressed at every block's level
+    if block_levels is not None:
+        start = start * torch.exp(level.unsqueeze(-1) - block_levels).unsqueeze(-1)
+    across = outer @ within[:, :, :, b] + start  # [B, H, S + 1, XY]
+    prefix = within[:, :, :, :b]
+    if e is None:
+        prefix = prefix + across[:, :, :S].unsqueeze(3)
     else:
-        levels = torch.cat([level.unsqueeze(-1), ends], dim=-1)  # l_0 .. l_G: [B, H, G + 1]
-        scan = torch.exp((ends.unsqueeze(-2) - levels.unsqueeze(-1)).masked_fill(~below, -float("inf")))
-        start = state.unsqueeze(2) * torch.exp(level.unsqueeze(-1) - levels)[..., None, None]
-    prefix = (scan @ fresh.flatten(-2)).unflatten(-1, fresh.shape[-2:]) + start  # [B, H, G + 1, X, Y]
-    if ends is None:
-        return prefix[:, :, :G], None, (prefix[:, :, G], None)
-    return prefix[:, :, :G], levels[..., :G], (prefix[:, :, G], levels[..., G])
+        chunk_levels = chunk_levels[..., :b]  # [B, H, S, b]
+        prefix = prefix + across[:, :, :S].unsqueeze(3) * torch.exp(starts.unsqueeze(-1) - chunk_levels).unsqueeze(-1)
+        chunk_levels = chunk_levels.flatten(2)[..., :G]
+    prefix = prefix.flatten(2, 3)[:, :, :G].unflatten(-1, fresh.shape[-2:])
+    carry = (across[:, :, S].unflatten(-1, fresh.shape[-2:]), None if e is None else block_levels[..., S])
+    return prefix, chunk_levels, carry
 
 
 @dataclass

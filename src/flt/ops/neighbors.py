@@ -28,14 +28,17 @@ never chosen unless fewer than ``k`` valid keys exist (the op then ignores those
 is an integer index, so no gradient flows through the choice; gradients reach the positions
 through the bias ``b_ij`` only.
 
-Cost. The search compares every query with every key: ``O(N^2 P)`` time, done in chunks
-of queries so memory is ``O(chunk N)``; a batch whose positions are shared (one ``[1, N, P]``
-tensor, no padding) is searched once. For sets of tens to a few thousand points it is a
-small part of a layer; for very long sequences a spatial index would be needed and is not
-implemented. The attention itself (:func:`neighbor_attention`) is linear: the estimate over
-all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the near set, plus the exact
-near weights, ``O(N k (D + m + Dv) + N m Dv)`` time and ``O(N k (D + m + Dv))`` memory for the
-gathered near keys. Short sets (``N <= dense_below``, default 128: molecules, small patch
+Cost. From ``SPATIAL_FROM = 1024`` points in up to 3 dimensions the search uses cell lists
+(:func:`_spatial_search`): each query is compared with the keys of the ``3^P`` grid cells
+around it, ``O(N k)`` for evenly spread points, and the queries those cells cannot settle
+fall back to the full comparison. Otherwise (and as the reference the cell lists are
+tested against) it compares every query with every key: ``O(N^2 P)`` time, in chunks of
+queries so memory is ``O(chunk N)``. A batch whose positions are shared (one ``[1, N, P]``
+tensor, no padding) is searched once. The attention itself (:func:`neighbor_attention`) is
+linear: the estimate over all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the
+near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the near keys'
+rows are read in cache-sized chunks (:mod:`flt.ops.pairs`), never gathered into an
+``[N, k, E]`` tensor. Short sets (``N <= dense_below``, default 128: molecules, small patch
 grids) use their ``[N, N]`` weights instead, ``O(N^2 (D + m + Dv))``: the same sums, but
 matrix products beat gathering ``k`` rows per query there.
 
@@ -48,12 +51,15 @@ causal order, and ``causal=True`` is rejected.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, _read, _write, full_precision
+from flt.ops.pairs import flat_index, gather_sum, pair_dots
 
 #: Queries per chunk of the neighbour search: the distances of one chunk take ``chunk x N``.
 SEARCH_CHUNK = 256
@@ -67,7 +73,8 @@ def _check_key_mask(key_mask, B, N):
             raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {dtype} {shape}")
 
 
-def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = None, chunk_size: int = SEARCH_CHUNK) -> torch.Tensor:
+def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = None, chunk_size: int = SEARCH_CHUNK,
+                 spatial: bool | None = None) -> torch.Tensor:
     """Indices of the ``k`` keys nearest to each query, self first (module docstring).
 
     Args:
@@ -76,6 +83,10 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
         key_mask: optional ``[B, N]`` bool, True marks a valid key; padded keys come after
             every valid one.
         chunk_size: queries per chunk of the ``O(N^2)`` search.
+        spatial: search only the keys near each query (:func:`_spatial_search`, for
+            thousands of points in up to 3 dimensions); the same sets as the ``O(N^2)``
+            search. None (default): spatial for ``P <= 3``, ``N >= SPATIAL_FROM`` and finite
+            positions; False: always the ``O(N^2)`` search (the reference).
 
     Returns:
         ``[B or 1, N, k]`` int64 (batch 1 only when ``pos`` has batch 1 and there is no
@@ -87,6 +98,8 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
     N = pos.shape[1]
     if k > N:
         raise ValueError(f"k ({k}) must be at most the number of keys N = {N}")
+    if spatial not in (None, True, False):
+        raise ValueError(f"spatial must be None (choose from the shapes), True or False, got {spatial!r}")
     if key_mask is not None:
         _check_key_mask(key_mask, key_mask.shape[0] if isinstance(key_mask, torch.Tensor) else 1, N)
         if pos.shape[0] not in (1, key_mask.shape[0]):
@@ -94,6 +107,10 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
         pos = pos.expand(key_mask.shape[0], -1, -1)
     with torch.no_grad():
         pos = pos.detach().to(compute_dtype(pos))
+        if spatial is None:
+            spatial = pos.shape[-1] <= 3 and N >= SPATIAL_FROM and bool(torch.isfinite(pos).all())
+        if spatial:
+            return _spatial_search(pos, k, key_mask, chunk_size)
         keys = torch.arange(N, device=pos.device)
         out = []
         for start in range(0, N, chunk_size):
@@ -103,19 +120,134 @@ def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = N
             d = torch.where(rows.view(-1, 1) == keys.view(1, -1), torch.full_like(d, -1.0), d)  # self first
             if key_mask is not None:
                 d = d.masked_fill(~key_mask[:, None, :], float("inf"))
-            # The k-th smallest distance t; keys below it are in, keys at it fill the rest by
-            # lower index (ties are common on grids). Then order the k chosen keys by
-            # (distance, index) with a stable sort of k entries, on every device alike.
-            t = torch.kthvalue(d, k, dim=-1, keepdim=True).values
-            at = d == t
-            chosen = (d < t) | (at & (at.cumsum(-1) <= k - (d < t).sum(-1, keepdim=True)))
-            # The chosen keys in ascending index order, without a host synchronisation
-            # (nonzero would need one): the k smallest of distinct scores.
-            score = torch.where(chosen, keys, keys + N)
-            ind = torch.topk(score, k, dim=-1, largest=False, sorted=True).indices
-            order = torch.sort(d.gather(-1, ind), dim=-1, stable=True).indices
-            out.append(ind.gather(-1, order))
+            out.append(_select(d, keys.expand(d.shape[0], 1, N), k)[0])
         return torch.cat(out, dim=1)
+
+
+def _select(d, cand, k):
+    """The ``k`` nearest of candidate keys: ``d [..., Q, L]`` squared distances (self -1,
+    padded keys inf), ``cand [..., 1 or Q, L]`` their key indices in increasing order (slots
+    that hold no key: indices >= N, distance inf). Returns ``[..., Q, k]`` key indices sorted
+    by (distance, index), and the k-th smallest distance ``[..., Q]``.
+
+    The k-th smallest distance t; keys below it are in, keys at it fill the rest by lower
+    index (ties are common on grids). Then the k chosen keys are ordered by (distance,
+    index) with a stable sort of k entries, on every device alike.
+    """
+    L = d.shape[-1]
+    t = torch.topk(d, k, dim=-1, largest=False, sorted=True).values[..., -1:]  # the k-th smallest
+    at = d == t
+    chosen = (d < t) | (at & (at.cumsum(-1) <= k - (d < t).sum(-1, keepdim=True)))
+    # The chosen slots in ascending order, without a host synchronisation (nonzero would
+    # need one): the k smallest of distinct scores.
+    slots = torch.arange(L, device=d.device)
+    ind = torch.topk(torch.where(chosen, slots, slots + L), k, dim=-1, largest=False, sorted=True).indices
+    order = torch.sort(d.gather(-1, ind), dim=-1, stable=True).indices
+    return cand.expand(*d.shape).gather(-1, ind.gather(-1, order)), t.squeeze(-1)
+
+
+#: ``nearest_keys`` searches spatially from this many points on (in up to 3 dimensions).
+SPATIAL_FROM = 1024
+#: Candidate distances per group of queries of the spatial search (bounds its memory).
+_SPATIAL_GROUP = 1 << 22
+
+
+def _brute_force_rows(pos, rows, k, key_mask, chunk_size):
+    """The ``O(N^2)`` search for some queries only: ``rows [R]`` indices into ``pos``'s
+    flattened ``[B N]`` tokens; returns ``[R, k]`` key indices."""
+    B, N, P = pos.shape
+    keys = torch.arange(N, device=pos.device)
+    out = []
+    for start in range(0, rows.numel(), chunk_size):
+        r = rows[start:start + chunk_size]
+        b, i = r // N, r % N
+        d = (pos[b, i].unsqueeze(1) - pos[b]).square().sum(-1)  # [C, N], as in nearest_keys
+        d = torch.where(i.view(-1, 1) == keys.view(1, -1), torch.full_like(d, -1.0), d)
+        if key_mask is not None:
+            d = d.masked_fill(~key_mask[b], float("inf"))
+        out.append(_select(d, keys.expand(1, N), k)[0])
+    return torch.cat(out, dim=0)
+
+
+def _spatial_search(pos, k, key_mask, chunk_size):
+    """The near sets of :func:`nearest_keys` from cell lists: ``O(N L)`` for ``L`` candidates
+    per query instead of ``O(N^2)``.
+
+    A uniform grid of cells of side ``s``, chosen so that a ball of radius ``s`` holds about
+    ``3k`` points on average; a query's candidates are the keys of its own cell and the
+    ``3^P - 1`` around it (lists padded to the fullest cell, sorted by key index), and the
+    selection among them is the ``O(N^2)`` search's (:func:`_select`: the same distances,
+    tie rules and order). Every key outside those cells is farther from the query than
+    ``s`` plus its distance to its own cell's nearest face; a query whose ``k``-th nearest
+    candidate is closer than that has its exact set. The others (sparse regions, fewer than
+    ``k`` valid keys nearby) are searched over all keys. Host synchronisations fix the grid,
+    the list length and the queries left over; a grid that would not pay (more cells than
+    ``8 N``, or lists longer than ``N``) falls back to the
+    ``O(N^2)`` search, which gives the same sets.
+    """
+    B, N, P = pos.shape
+    dev = pos.device
+    unit_ball = (2.0, math.pi, 4 * math.pi / 3)[P - 1]
+    lo = pos.amin(1)  # [B, P]
+    extent = torch.sort(pos.amax(1) - lo, dim=-1).values.clamp_min(torch.finfo(pos.dtype).tiny)  # [B, P]
+    # Side s: s^P = (3k / (V_P N)) prod_d max(extent_d, s), so that points spread over fewer
+    # dimensions (a plane in 3-D) still get about 3k within s. With the q flattest dimensions
+    # below s, s = (3k / (V_P N) prod_(d >= q) extent_d)^(1 / (P - q)); the largest is the answer.
+    density = 3 * k / (unit_ball * N)
+    side = torch.stack([(density * extent[:, q:].prod(-1)) ** (1 / (P - q)) for q in range(P)]).amax(0)  # [B]
+    cell = ((pos - lo.unsqueeze(1)) / side.view(B, 1, 1)).floor().long()  # [B, N, P]
+    shape = (cell.amax(1).amax(0) + 1).tolist()
+    n_cells = math.prod(shape)
+    if n_cells * B > 8 * N * B:
+        return _brute_force_rows(pos, torch.arange(B * N, device=dev), k, key_mask, chunk_size).view(B, N, k)
+    strides = torch.tensor([math.prod(shape[d + 1:]) for d in range(P)], device=dev)
+    cid = (cell * strides).sum(-1) + n_cells * torch.arange(B, device=dev).view(B, 1)  # [B, N]
+    counts = torch.bincount(cid.flatten(), minlength=B * n_cells)
+    cap = int(counts.max())
+    if cap * 3 ** P > N:
+        return _brute_force_rows(pos, torch.arange(B * N, device=dev), k, key_mask, chunk_size).view(B, N, k)
+    # Cell lists [B * cells, cap] of key indices, ascending within a cell (stable sort), -1 empty.
+    sorted_cid, order = torch.sort(cid.flatten(), stable=True)
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(B * N, device=dev) - first[sorted_cid]
+    table = torch.full((B * n_cells, cap), -1, dtype=torch.long, device=dev)
+    table[sorted_cid, rank] = order % N
+    # The candidates of every cell: the keys of the 3^P cells around it, by index, then the
+    # empty slots (index N), cut to the longest list.
+    offsets = torch.cartesian_prod(*[torch.arange(-1, 2, device=dev)] * P).view(-1, P)  # [3^P, P]
+    coords = torch.stack(torch.unravel_index(torch.arange(n_cells, device=dev), tuple(shape)), -1)  # [cells, P]
+    near = coords.unsqueeze(1) + offsets  # [cells, 3^P, P]
+    inside = ((near >= 0) & (near < torch.tensor(shape, device=dev))).all(-1)
+    rows = torch.where(inside, (near.clamp_min(0) * strides).sum(-1), -1)
+    rows = torch.where(rows >= 0, rows + n_cells * torch.arange(B, device=dev).view(B, 1, 1), -1).flatten(0, 1)  # [B cells, 3^P]
+    lists = torch.where(rows.unsqueeze(-1) >= 0, table[rows.clamp_min(0)], -1).flatten(1)  # [B cells, 3^P cap]
+    lists, _ = torch.sort(torch.where(lists < 0, N, lists), dim=-1)
+    L = max(k, int((lists < N).sum(-1).max()))
+    lists = lists[:, :L] if lists.shape[1] >= L else torch.cat([lists, lists.new_full((lists.shape[0], L - lists.shape[1]), N)], 1)
+    keys = torch.arange(N, device=dev)
+    found = torch.empty(B, N, k, dtype=torch.long, device=dev)
+    failed = []
+    group = max(1, _SPATIAL_GROUP // L)
+    for start in range(0, N, group):
+        q = slice(start, start + group)
+        cand = lists[cid[:, q]]  # [B, G, L]
+        real = cand < N
+        safe = cand.clamp_max(N - 1)
+        cpos = pos.gather(1, safe.flatten(1).unsqueeze(-1).expand(-1, -1, P)).view(*safe.shape, P)
+        qpos = pos[:, q]
+        d = (qpos.unsqueeze(2) - cpos).square().sum(-1)  # [B, G, L], as the O(N^2) search
+        d = torch.where(keys[q].view(1, -1, 1) == cand, torch.full_like(d, -1.0), d)  # self first
+        valid = real if key_mask is None else real & key_mask.gather(1, safe.flatten(1)).view_as(real)
+        d = d.masked_fill(~valid, float("inf"))
+        found[:, q], kth = _select(d, cand, k)
+        # Exact when the k-th candidate is nearer than every key outside the searched cells.
+        within = (qpos - lo.unsqueeze(1)) / side.view(B, 1, 1) - cell[:, q]  # in [0, 1) per dimension
+        margin = side.view(B, 1) * (1 + torch.minimum(within, 1 - within).clamp(0, 1).amin(-1))
+        failed.append(~(kth < margin.square() * (1 - 1e-6)))
+    failed = torch.cat(failed, dim=1).flatten().nonzero().squeeze(-1)
+    if failed.numel():
+        found.view(B * N, k)[failed] = _brute_force_rows(pos, failed, k, key_mask, chunk_size)
+    return found
 
 
 def near_offsets(pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -265,23 +397,25 @@ def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_ma
         w = torch.where(near, near_weights(expo, top, full), est * torch.exp(-top))
         out = w @ vaug
         return safe_divide(out[..., :-1], out[..., -1:])
-    # Gather the near keys' rows in a [B, N, H, E] layout: whole rows of H * E numbers per key.
-    flat = (idx.expand(B, N, k) + N * torch.arange(B, device=xq.device).view(B, 1, 1)).reshape(-1)
+    # Products of the listed pairs (flt.ops.pairs): the near keys' rows are never gathered
+    # into a [B, H, N, k, E] tensor, in the forward or the backward.
+    flat = flat_index(idx, B, H)  # [B H N, k]
 
-    def gather(t):  # [B, H, N, E] -> [B, H, N, k, E]
-        rows = t.transpose(1, 2).reshape(B * N, -1)[flat]  # [B N k, H E]
-        return rows.view(B, N, k, H, -1).permute(0, 3, 1, 2, 4)
+    def rows(t):  # [B, H, N, E] -> [B H N, E]
+        return t.reshape(B * H * N, t.shape[-1])
 
-    xk_n, kf_n, v_n = gather(xk), gather(kfw), gather(vaug)
-    near_valid = valid.reshape(-1)[flat].view(B, 1, N, k)
-    expo = (xq.unsqueeze(-2) * xk_n).sum(-1) - row + (0.0 if multiplicative else given)
+    def dots(x, y):  # [B, H, N, k]: x_i . y_j for the near keys j of every query i
+        return pair_dots(rows(x), rows(y), flat).view(B, H, N, k)
+
+    near_valid = valid.gather(1, idx.expand(B, N, k).reshape(B, N * k)).view(B, 1, N, k)
+    expo = dots(xq, xk) - row + (0.0 if multiplicative else given)
     expo = expo.masked_fill(~near_valid, -float("inf"))
     top = expo.detach().amax(-1, keepdim=True).clamp_min(0.0)  # a common factor of the row: it cancels
-    est = (qf.unsqueeze(-2) * kf_n).sum(-1)  # zero for padded keys (kfw is)
+    est = dots(qf, kfw)  # zero for padded keys (kfw is)
     if multiplicative:
-        est = est * (a.unsqueeze(-2) * gather(c)).sum(-1)
+        est = est * dots(a, c)
     weights = near_weights(expo, top, given) - est * torch.exp(-top)
     # Far field = the estimate over all keys minus its near part; near weights replace it.
     total = _write(kfw, c, vaug)  # [B, H, m, Dv + 1], or its Kronecker form
-    out = (weights.unsqueeze(-1) * v_n).sum(-2) + _read(qf, a, total) * torch.exp(-top)
+    out = gather_sum(rows(weights), rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, total) * torch.exp(-top)
     return safe_divide(out[..., :-1], out[..., -1:])

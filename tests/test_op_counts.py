@@ -1,0 +1,48 @@
+"""Causal attention runs a fixed number of operations whatever the length: no Python loop
+over chunks, blocks or tokens (what made long sequences slow on CPU, where every operation
+has a fixed overhead). Counted with torch.profiler over one forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flt.layers.registry import ATTENTION
+
+#: Small features so that the test is fast; chunk, group and block counts follow the shapes
+#: the same way at any width.
+CASES = {
+    "softmax": ("softmax", {}),
+    "performer": ("performer", dict(num_features=16)),
+    "flt": ("flt", dict(num_features=16, num_frequencies=4)),
+    "flt-multiplicative": ("flt", dict(coupling="multiplicative", num_features=16, num_frequencies=4, check_condition=False)),
+    "flt-band": ("flt", dict(num_features=16, num_frequencies=4, near_field=8)),
+    "toeplitz": ("toeplitz", dict(num_features=16)),
+}
+#: The divide-and-conquer product of causal Toeplitz attention has log2(N / block) levels, one
+#: FFT length each (flt.ops.toeplitz): its count grows by a level per doubling of N.
+LOG_LEVELS = {"toeplitz"}
+
+
+def aten_ops(name: str, options: dict, n: int) -> int:
+    """aten operations of one forward and backward of a causal layer (dim 32, 2 heads)."""
+    torch.manual_seed(0)
+    layer = ATTENTION[name](32, 2, causal=True, **options)
+    x = torch.randn(1, n, 32, requires_grad=True)
+    layer(x).sum().backward()  # first-call work (conditioning checks, caches) out of the count
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer(x).sum().backward()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+
+
+def test_every_attention_entry_is_counted():
+    assert {name for name, _ in CASES.values()} == set(ATTENTION)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="log N FFT levels"))
+                                  if CASES[c][0] in LOG_LEVELS else c for c in CASES])
+def test_causal_operation_count_does_not_grow_with_the_length(case):
+    name, options = CASES[case]
+    short, long = aten_ops(name, options, 1024), aten_ops(name, options, 4096)
+    assert long <= 1.1 * short, f"{case}: {short} aten ops at N = 1024, {long} at N = 4096"

@@ -1,0 +1,66 @@
+"""Sparse pair products of near sets against their dense formulas, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt.ops import pairs
+from flt.ops.pairs import flat_index, gather_sum, pair_dots, scatter_sum
+
+F64 = torch.float64
+
+
+def listed(R=37, k=5, E=6, Rb=41):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(R, E, dtype=F64, generator=g).requires_grad_()
+    b = torch.randn(Rb, E, dtype=F64, generator=g).requires_grad_()
+    w = torch.randn(R, k, dtype=F64, generator=g).requires_grad_()
+    index = torch.randint(0, Rb, (R, k), generator=g)  # repeated keys too: their gradients add up
+    return a, b, w, index
+
+
+def dense(index, rows):
+    """``[R, rows]``: how often row r lists each key row (the sparse products as matmuls)."""
+    return torch.zeros(index.shape[0], rows, dtype=F64).scatter_add_(1, index, torch.ones(index.shape, dtype=F64))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 19])  # elements per chunk: one query per chunk, a few, all
+def test_pair_products_equal_their_dense_formulas_forward_and_backward(chunk, monkeypatch):
+    monkeypatch.setattr(pairs, "_CHUNK_ELEMENTS", chunk)
+    a, b, w, index = listed()
+    onehot = torch.nn.functional.one_hot(index, b.shape[0]).to(F64)  # [R, k, Rb]
+    cases = [
+        (lambda: pair_dots(a, b, index), lambda: (onehot @ b) @ a.unsqueeze(-1)),
+        (lambda: gather_sum(w, b, index), lambda: (w.unsqueeze(1) @ (onehot @ b)).squeeze(1)),
+        (lambda: scatter_sum(w, a, index, b.shape[0]), lambda: (onehot * w.unsqueeze(-1)).flatten(0, 1).T @ a.repeat_interleave(index.shape[1], 0)),
+    ]
+    for fast, slow in cases:
+        out, ref = fast(), slow().reshape(fast().shape)
+        assert_close(out, ref)
+        up = torch.randn_like(out)
+        g_out = torch.autograd.grad((out * up).sum(), (a, b, w), allow_unused=True)
+        g_ref = torch.autograd.grad((ref * up).sum(), (a, b, w), allow_unused=True)
+        for x, y in zip(g_out, g_ref):
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert_close(x, y)
+
+
+def test_pair_products_pass_gradcheck_and_second_order():
+    a, b, w, index = listed(R=6, k=3, E=2, Rb=5)
+    assert torch.autograd.gradcheck(lambda a, b: pair_dots(a, b, index), (a, b))
+    assert torch.autograd.gradcheck(lambda w, b: gather_sum(w, b, index), (w, b))
+    assert torch.autograd.gradgradcheck(lambda w, a: scatter_sum(w, a, index, 5), (w, a))
+
+
+def test_flat_index_addresses_rows_of_b_h_n_e_tensors():
+    B, H, N, k = 2, 3, 4, 2
+    idx = torch.randint(0, N, (B, N, k))
+    t = torch.randn(B, H, N, 5)
+    rows = t.reshape(B * H * N, 5)[flat_index(idx, B, H)].view(B, H, N, k, 5)
+    expected = torch.stack([torch.stack([t[b, h][idx[b]] for h in range(H)]) for b in range(B)])
+    assert torch.equal(rows, expected)
+    shared = flat_index(idx[:1], B, H).view(B, H, N, k)  # batch-shared near sets
+    assert torch.equal(shared[1, 2], idx[0] + (1 * H + 2) * N)
