@@ -29,7 +29,22 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config).eval()
 
 
+def tiny_llama_family(config_class, model_class):
+    """A tiny Qwen2 or Mistral: the Llama family's attention module under another name."""
+    def build():
+        config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+                              pad_token_id=0)
+        return model_class(config).eval()
+    return build
+
+
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+FAMILY = {
+    **MODELS,
+    "qwen2": tiny_llama_family(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": tiny_llama_family(transformers.MistralConfig, transformers.MistralForCausalLM),
+}
 
 
 @pytest.fixture(params=sorted(MODELS))
@@ -41,11 +56,12 @@ def tokens(batch=2, length=12):
     return torch.randint(1, VOCAB, (batch, length))
 
 
-def test_exact_core_with_zero_spectrum_reproduces_the_original_logits(build):
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_exact_core_with_zero_spectrum_reproduces_the_original_logits(name):
     """FLT's exact path with f = 0 (spectra start at amplitude 0) and qk_norm=False is
     softmax(q.k / sqrt(D)): any gap between the models would be the conversion's plumbing
-    (projections, rotary embedding, grouped heads, scaling, causal mask)."""
-    model = build().to(F64)
+    (projections and their biases, rotary embedding, grouped heads, scaling, causal mask)."""
+    model = FAMILY[name]().to(F64)
     ids = tokens()
     original = model(ids).logits
     convert(model, "flt", path="exact", qk_norm=False)
