@@ -115,3 +115,22 @@ def test_functional_call_checks_its_arguments():
     core = AttentionCore("performer", heads=HEADS, head_dim=8)
     with pytest.raises(ValueError, match="built with its own"):
         attention(q, q, q, core=core, causal=True)
+
+
+@pytest.mark.parametrize(("mechanism", "options"), [
+    ("flt", {"amplitude": 0.5}),
+    ("flt", {"near_field": 2, "amplitude": 0.5}),
+    ("flt", {"coupling": "multiplicative"}),
+    ("performer", {}),
+    ("softmax", {"relative_bias": "alibi"}),
+])
+def test_prefill_then_steps_equal_the_causal_forward(mechanism, options):
+    extra = {} if mechanism == "softmax" else {"seed": 0, "num_features": 16}
+    core = AttentionCore(mechanism, heads=HEADS, head_dim=8, causal=True, dtype=F64, **extra, **options)
+    q, k, v = (torch.randn(2, HEADS, 9, 8, dtype=F64) for _ in range(3))
+    full = core(q, k, v)
+    out, state = core.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    assert_close(out, full[:, :, :5])
+    for t in range(5, 9):
+        row, state = core.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, pos=torch.tensor([[t]]))
+        assert_close(row, full[:, :, t:t + 1])

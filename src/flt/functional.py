@@ -113,17 +113,51 @@ class AttentionCore(nn.Module):
             # Causal rows are independent: the last rows of the full attention are these
             # queries' outputs, whatever the earlier (zero) queries are.
             q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - nq, q.shape[3]), q], dim=2)
+        out = self._call_layer(lambda layer: getattr(layer, method)(q, pos, key_padding_mask), q, k, v)
+        return out[:, :, -nq:].to(v.dtype)
+
+    def prefill(self, q, k, v, pos=None):
+        """The causal attention of a prompt and the state :meth:`step` continues from
+        (the layer's ``prefill``: for the kernel mechanisms the constant-size linear state,
+        with FLT's band also the last ``w + 1`` keys and values; for softmax a KV cache):
+        ``(out [B, H, N, Dv], state)``."""
+        self._check_decoding("prefill", q, k)
+        q, pos = self._check(q, k, v, pos)
+        out, state = self._call_layer(lambda layer: layer.prefill(q, pos), q, k, v)
+        return out.to(v.dtype), state
+
+    def step(self, q, k, v, state=None, pos=None):
+        """One decoding step from ``state`` (None to start): ``q, k [B, H, 1, D]``, ``v [B,
+        H, 1, Dv]``, ``pos [B|1, 1, P]``, ``[B, 1]`` position ids or None (the next token
+        index) -> ``(out [B, H, 1, Dv], state)``; token by token equals the causal forward."""
+        self._check_decoding("step", q, k)
+        if q.shape[2] != 1:
+            raise ValueError(f"step() takes one token (q [B, H, 1, D]), got q {tuple(q.shape)}; use prefill() for a prompt")
+        if pos is not None:
+            pos = positions(pos, batch=q.shape[0], length=1, pos_dim=self.attention.pos_dim, like=q)[:, 0]
+        self._check(q, k, v, None if pos is None else pos.unsqueeze(1))
+        token = q.new_empty(q.shape[0], self.attention.dim)  # stands for x: only its shape and dtype are read
+        out, state = self._call_layer(lambda layer: layer.step(token, state, pos), q, k, v, squeezed=True)
+        return out.to(v.dtype), state
+
+    def _check_decoding(self, what: str, q, k) -> None:
+        if not (self.causal and getattr(self.attention, "supports_decoding", False)):
+            raise ValueError(f"{what}() needs a causal core of a mechanism that decodes ({self.mechanism_name!r}, causal={self.causal})")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"{what}() takes as many queries as keys (the new tokens); got {q.shape[2]} and {k.shape[2]}")
+
+    def _call_layer(self, call, q, k, v, *, squeezed: bool = False):
+        """``call(layer)`` with the layer's projections replaced by the caller's ``q, k, v``:
+        its ``prepare`` returns them (at the positions and padding the layer's method
+        passes on), its ``finish`` returns the heads unprojected (with a dimension for the
+        ``squeeze(1)`` of the layers' ``step``)."""
         layer = self.attention
-        prepared = Prepared(q, k, v, pos, key_padding_mask)
-        # The layer's methods project x in prepare() and apply to_out in finish(): here the
-        # projections are the caller's, so both are the identity for this call.
-        layer.prepare = lambda x, pos_, pad_: prepared
-        layer.finish = lambda out, like: out
+        layer.prepare = lambda x, pos_, pad_: Prepared(q, k, v, pos_, pad_)
+        layer.finish = (lambda out, like: out.unsqueeze(1)) if squeezed else (lambda out, like: out)
         try:
-            out = getattr(layer, method)(q, pos, key_padding_mask)
+            return call(layer)
         finally:
             del layer.prepare, layer.finish
-        return out[:, :, -nq:].to(v.dtype)
 
     def _check(self, q, k, v, pos):
         for name, t in (("q", q), ("k", k), ("v", v)):
