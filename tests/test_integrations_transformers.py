@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from flt.integrations.transformers import convert, from_pretrained  # noqa: E402
+from flt.integrations.transformers import FLTCache, convert, from_pretrained  # noqa: E402
 
 VOCAB = 50
 F64 = torch.float64
@@ -152,3 +152,44 @@ def test_left_padding_leaves_the_real_tokens_alone():
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(padded, attention_mask=mask, position_ids=position_ids).logits
     torch.testing.assert_close(out[:, 3:], alone, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("options", [{"near_field": 2}, {}, {"coupling": "multiplicative", "amplitude": 1.0}])
+def test_fltcache_decoding_equals_the_full_forward(build, options):
+    """Prompt then token by token through FLTCache (flt's constant-size state) gives the
+    logits of the uncached forward, and generate() with it the default cache's tokens."""
+    model = build().to(F64)
+    options = {"amplitude": 0.5, **options}
+    convert(model, "flt", num_features=16, num_frequencies=4, seed=0, **options)
+    ids = tokens(2, 9)
+    full = model(ids).logits
+    cache = FLTCache()
+    rows = [model(ids[:, :5], cache=cache).logits]
+    rows += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(rows, 1), full, rtol=1e-10, atol=1e-10)
+    expected = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, cache=FLTCache()), expected)
+
+
+def test_fltcache_state_does_not_grow_with_the_prompt(build):
+    model = build()
+    convert(model, "flt", num_features=16, num_frequencies=4, seed=0, near_field=2)
+    sizes = []
+    for length in (8, 64):
+        cache = FLTCache()
+        with torch.no_grad():
+            model(tokens(1, length), cache=cache)
+        sizes.append(cache.state_bytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_fltcache_refuses_what_it_cannot_decode():
+    model = tiny_llama()
+    convert(model, "flt", path="exact", qk_norm=False)
+    with pytest.raises(ValueError, match="path='forward'"):
+        model(tokens(1, 4), cache=FLTCache())
+    model = tiny_llama()
+    convert(model, "flt", num_features=8, num_frequencies=4)
+    mask = torch.tensor([[0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padded batches"):
+        model(tokens(1, 4), attention_mask=mask, cache=FLTCache())

@@ -12,19 +12,22 @@ FLT's relative term sees the same positions as the rotary embedding.
 The settings are stored in ``model.config.flt_attention``; ``save_pretrained`` writes them
 with the core's parameters, and :func:`from_pretrained` rebuilds the converted model.
 
-Decoding: ``model.generate()`` works through the model's own KV cache; each new token is
-the last row of the causal core over all cached keys (``O(t)`` per token, as softmax). The
-constant-size state of flt's decoder (:meth:`flt.layers.kernel.KernelAttention.step`) is
-not wired to a ``transformers`` cache class yet.
+Decoding: ``model.generate()`` works through the model's own KV cache, each new token the
+last row of the causal core over all cached keys (``O(t)`` per token, as softmax), or, with
+``past_key_values=FLTCache()``, from flt's constant-size decoding state
+(:meth:`flt.functional.AttentionCore.prefill` / ``step``): no key or value is kept beyond
+FLT's band, so memory does not grow with the prompt or the generated text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
@@ -71,6 +74,9 @@ def convert(model, attention: str = "flt", *, path: str = "forward", **options):
         module.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=param.device,
                                         dtype=param.dtype, **options)
         module.flt_core.path = path
+        if not hasattr(module, "_flt_cache"):
+            module._flt_cache = None
+            module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
     register()
     model.config.flt_attention = {"attention": attention, "path": path, **options}
     model.set_attn_implementation(IMPLEMENTATION)
@@ -126,10 +132,114 @@ def flt_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if scaling is not None and scaling != head_dim**-0.5:
         # The cores compute exp(q.k / sqrt(D)); the model's logits are scaling * q.k.
         query = query * (scaling * math.sqrt(head_dim))
-    pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
     pad = None if attention_mask is None else ~attention_mask
+    if module._flt_cache is not None:
+        return _decode(module, core, query, key, value, pad, kwargs.get("position_ids")), None
+    pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
     out = getattr(core, core.path)(query, key, value, pos, pad)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _remember_cache(module, args, kwargs):
+    """Forward pre-hook of a converted attention module: the attention function reaches an
+    :class:`FLTCache` through the module (``transformers`` passes the cache to the module,
+    not to the attention function)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    module._flt_cache = cache if isinstance(cache, FLTCache) else None
+
+
+def _decode(module, core, query, key, value, pad, position_ids) -> torch.Tensor:
+    """The new tokens' attention from the layer's state in the :class:`FLTCache` (a
+    prompt by ``core.prefill``, then ``core.step`` per token): ``[B, Nq, H, Dv]``."""
+    if core.path != "forward":
+        raise ValueError(f"FLTCache decodes the estimator (path='forward'); this model was converted with path={core.path!r}: "
+                         "generate with the default cache instead")
+    if pad is not None:
+        raise ValueError("FLTCache does not take padded batches (the decoding state has no key mask): generate them with the default cache")
+    layer = module._flt_cache.layers[module.layer_idx]
+    n = query.shape[2]
+    if position_ids is None:
+        position_ids = torch.arange(layer.length - n, layer.length, device=query.device).view(1, n)
+    pos = position_ids.reshape(-1, n)
+    if layer.state is None:
+        out, layer.state = core.prefill(query, key, value, pos)
+    else:
+        rows = []
+        for t in range(n):
+            row, layer.state = core.step(query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1], layer.state, pos[:, t:t + 1])
+            rows.append(row)
+        out = torch.cat(rows, dim=2)
+    return out.transpose(1, 2).contiguous()
+
+
+class FLTStateLayer(CacheLayerMixin):
+    """One layer of an :class:`FLTCache`: flt's decoding state (``state``) and the number
+    of tokens it has seen, instead of keys and values. ``update`` hands the new keys and
+    values through to the attention function, which folds them into the state."""
+
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.length  # only the new tokens reach the attention function
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        self.state, self.length = None, 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("FLTCache does not reorder its states for beam search; use num_beams=1 or the default cache")
+
+
+class FLTCache(Cache):
+    """A ``transformers`` cache holding flt's constant-size decoding state per layer, for
+    ``model.generate(..., past_key_values=FLTCache())`` on a model converted with
+    ``path="forward"``: the kernel mechanisms keep their linear state (``[B, H, 2R, m,
+    Dv]`` for FLT, ``[B, H, m, Dv]`` for a Performer) and, with FLT's band, the last
+    ``w + 1`` keys and values; its size does not depend on the number of tokens seen
+    (:meth:`state_bytes`). Batches without padding, greedy or sampled decoding, no beam search."""
+
+    def __init__(self, **kwargs):
+        super().__init__(layer_class_to_replicate=FLTStateLayer, **kwargs)
+
+    def state_bytes(self) -> int:
+        """Bytes held by the decoding states of every layer."""
+        return sum(_tensor_bytes(layer.state) for layer in self.layers)
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(_tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
 
 
 def key_positions(position_ids, batch: int, length: int, device) -> torch.Tensor:
