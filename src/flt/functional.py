@@ -1,0 +1,213 @@
+"""Attention cores without projections: ``attention(q, k, v, *, pos=None, core=...)``.
+
+A user who has their own projections (a model of their own, a converted Hugging Face
+decoder, :mod:`flt.integrations.transformers`) passes queries, keys and values
+``[B, H, N, D]`` and gets ``[B, H, N, Dv]`` back. Every mechanism of
+:data:`flt.layers.ATTENTION` is available: FLT in both couplings with its near sets
+(``near_field``, ``near_neighbors``), Performer, Toeplitz, and softmax with any relative
+term. An :class:`AttentionCore` holds only the learned parts of its mechanism (the
+spectrum, the feature map and its projection, the tables, the query-key scaling), never
+the ``to_qkv`` / ``to_out`` projections of the layer.
+
+A core is a layer of :data:`flt.layers.ATTENTION` with its projections removed, run on
+the queries, keys and values it is given: the layer's own ``forward``, ``reference`` and
+``exact`` compute the output, so a core and the layer it comes from agree to the last bit
+(tests/test_functional.py) and a core gains whatever the layer gains.
+
+Shapes: ``q [B, H, Nq, D]``, ``k [B, H, N, D]``, ``v [B, H, N, Dv]``, positions
+``pos [B, N, P]``, ``[N, P]`` or ``[B, N]`` (integer position ids, ``P = 1``), None for
+token indices; ``key_padding_mask [B, N]`` (bool, True marks padding). ``Nq < N`` is
+allowed for causal cores only: the queries are then the last ``Nq`` tokens (decoding
+against cached keys), computed as the last rows of the full causal attention.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from flt._checks import check_tensor
+from flt._dtype import compute_dtype
+from flt.layers.base import Prepared
+from flt.layers.registry import ATTENTION
+
+#: What a layer has that a core leaves out.
+PROJECTIONS = ("to_qkv", "to_out")
+
+
+class AttentionCore(nn.Module):
+    """The learned parts of one attention mechanism, called on queries, keys and values.
+
+    Args:
+        mechanism: a name in :data:`flt.layers.ATTENTION` (``"flt"``, ``"performer"``,
+            ``"softmax"``, ``"toeplitz"``).
+        heads, head_dim: ``H`` and ``D`` of the queries and keys.
+        pos_dim, causal, device, dtype: as every attention layer.
+        **options: the layer's options (``coupling``, ``near_field``, ``near_neighbors``,
+            ``num_features``, ``relative_bias``, ``qk_norm``, ...), checked by name as the
+            layer checks them.
+
+    :meth:`from_layer` makes the core of an existing layer, sharing its parameters.
+    """
+
+    def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
+                 device=None, dtype=None, **options) -> None:
+        super().__init__()
+        if mechanism not in ATTENTION:
+            raise ValueError(f"mechanism must be one of {sorted(ATTENTION)}, got {mechanism!r}")
+        layer = ATTENTION[mechanism](heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+        for name in PROJECTIONS:
+            delattr(layer, name)
+        self.mechanism_name = mechanism
+        self.attention = layer
+
+    @classmethod
+    def from_layer(cls, layer: nn.Module) -> AttentionCore:
+        """The core of ``layer`` (an instance of a class in :data:`flt.layers.ATTENTION`):
+        its learned parts, shared (training the core trains the layer), without its
+        projections; ``layer`` itself keeps them."""
+        names = {type_: name for name, type_ in ATTENTION.items()}
+        if type(layer) not in names:
+            raise TypeError(f"layer must be an instance of a class in flt.layers.ATTENTION, got {type(layer).__name__}")
+        view = copy.copy(layer)  # shares every parameter and buffer, not the dicts that hold them
+        view._modules = {k: m for k, m in layer._modules.items() if k not in PROJECTIONS}
+        view._parameters = dict(layer._parameters)
+        view._buffers = dict(layer._buffers)
+        core = cls.__new__(cls)
+        nn.Module.__init__(core)
+        core.mechanism_name = names[type(layer)]
+        core.attention = view
+        return core
+
+    @property
+    def heads(self) -> int:
+        return self.attention.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim
+
+    @property
+    def causal(self) -> bool:
+        return self.attention.causal
+
+    def forward(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+        """``[B, H, Nq, Dv]``: the mechanism's estimator (the layer's ``forward``)."""
+        return self._run("forward", q, k, v, pos, key_padding_mask)
+
+    def reference(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+        """The same computation by the O(N^2) reference formula (the layer's ``reference``)."""
+        return self._run("reference", q, k, v, pos, key_padding_mask)
+
+    def exact(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+        """The O(N^2) attention the mechanism estimates, with the same parameters (the
+        layer's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
+        return self._run("exact", q, k, v, pos, key_padding_mask)
+
+    def _run(self, method: str, q, k, v, pos, key_padding_mask) -> torch.Tensor:
+        q, pos = self._check(q, k, v, pos)
+        nq = q.shape[2]
+        if nq < k.shape[2]:
+            # Causal rows are independent: the last rows of the full attention are these
+            # queries' outputs, whatever the earlier (zero) queries are.
+            q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - nq, q.shape[3]), q], dim=2)
+        out = self._call_layer(lambda layer: getattr(layer, method)(q, pos, key_padding_mask), q, k, v)
+        return out[:, :, -nq:].to(v.dtype)
+
+    def prefill(self, q, k, v, pos=None):
+        """The causal attention of a prompt and the state :meth:`step` continues from
+        (the layer's ``prefill``: for the kernel mechanisms the constant-size linear state,
+        with FLT's band also the last ``w + 1`` keys and values; for softmax a KV cache):
+        ``(out [B, H, N, Dv], state)``."""
+        self._check_decoding("prefill", q, k)
+        q, pos = self._check(q, k, v, pos)
+        out, state = self._call_layer(lambda layer: layer.prefill(q, pos), q, k, v)
+        return out.to(v.dtype), state
+
+    def step(self, q, k, v, state=None, pos=None):
+        """One decoding step from ``state`` (None to start): ``q, k [B, H, 1, D]``, ``v [B,
+        H, 1, Dv]``, ``pos [B|1, 1, P]``, ``[B, 1]`` position ids or None (the next token
+        index) -> ``(out [B, H, 1, Dv], state)``; token by token equals the causal forward."""
+        self._check_decoding("step", q, k)
+        if q.shape[2] != 1:
+            raise ValueError(f"step() takes one token (q [B, H, 1, D]), got q {tuple(q.shape)}; use prefill() for a prompt")
+        if pos is not None:
+            pos = positions(pos, batch=q.shape[0], length=1, pos_dim=self.attention.pos_dim, like=q)[:, 0]
+        self._check(q, k, v, None if pos is None else pos.unsqueeze(1))
+        token = q.new_empty(q.shape[0], self.attention.dim)  # stands for x: only its shape and dtype are read
+        out, state = self._call_layer(lambda layer: layer.step(token, state, pos), q, k, v, squeezed=True)
+        return out.to(v.dtype), state
+
+    def _check_decoding(self, what: str, q, k) -> None:
+        if not (self.causal and getattr(self.attention, "supports_decoding", False)):
+            raise ValueError(f"{what}() needs a causal core of a mechanism that decodes ({self.mechanism_name!r}, causal={self.causal})")
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"{what}() takes as many queries as keys (the new tokens); got {q.shape[2]} and {k.shape[2]}")
+
+    def _call_layer(self, call, q, k, v, *, squeezed: bool = False):
+        """``call(layer)`` with the layer's projections replaced by the caller's ``q, k, v``:
+        its ``prepare`` returns them (at the positions and padding the layer's method
+        passes on), its ``finish`` returns the heads unprojected (with a dimension for the
+        ``squeeze(1)`` of the layers' ``step``)."""
+        layer = self.attention
+        layer.prepare = lambda x, pos_, pad_: Prepared(q, k, v, pos_, pad_)
+        layer.finish = (lambda out, like: out.unsqueeze(1)) if squeezed else (lambda out, like: out)
+        try:
+            return call(layer)
+        finally:
+            del layer.prepare, layer.finish
+
+    def _check(self, q, k, v, pos):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=4, layout="[B, H, N, D]")
+        B, H, nq, D = q.shape
+        N = k.shape[2]
+        if (H, D) != (self.heads, self.head_dim):
+            raise ValueError(f"q has H = {H} heads of size D = {D}; this core was built for heads={self.heads}, head_dim={self.head_dim}")
+        if k.shape[:2] != (B, H) or k.shape[3] != D or v.shape[:3] != (B, H, N):
+            raise ValueError(f"k must be [B, H, N, D] = [{B}, {H}, N, {D}] and v [B, H, N, Dv] with the same N; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if nq > N or (nq < N and not self.causal):
+            raise ValueError(f"q has {nq} tokens and k {N}: fewer queries than keys (the last tokens) needs a causal core")
+        return q, positions(pos, batch=B, length=N, pos_dim=self.attention.pos_dim, like=q)
+
+
+def positions(pos, *, batch: int, length: int, pos_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """``pos`` as ``[B|1, N, P]`` in the compute dtype of ``like``: token indices for None,
+    ``[B, N]`` integer position ids (Hugging Face's ``position_ids``) as ``P = 1``."""
+    dtype = compute_dtype(like)
+    if pos is None:
+        if pos_dim != 1:
+            raise ValueError(f"pos is required when pos_dim = {pos_dim} (token indices only serve P = 1)")
+        return torch.arange(length, device=like.device, dtype=dtype).view(1, length, 1)
+    if not isinstance(pos, torch.Tensor):
+        raise TypeError(f"pos must be a tensor [B, N, P], [N, P] or [B, N] (position ids), got {type(pos).__name__}")
+    if pos.ndim == 2 and not pos.is_floating_point():
+        pos = pos.unsqueeze(-1)  # position ids
+    if pos.ndim == 2:
+        pos = pos.unsqueeze(0)
+    if pos.ndim != 3 or pos.shape[0] not in (1, batch) or pos.shape[1] != length or pos.shape[2] != pos_dim:
+        raise ValueError(f"pos must be [B|1, N, P] = [{batch}|1, {length}, {pos_dim}] (or [N, P], or [B, N] position ids), got {tuple(pos.shape)}")
+    return pos.to(device=like.device, dtype=dtype)
+
+
+def attention(q, k, v, *, pos=None, core: AttentionCore | str = "softmax", causal: bool | None = None,
+              key_padding_mask=None, **options) -> torch.Tensor:
+    """Attention of ``q [B, H, Nq, D]`` on ``k [B, H, N, D]``, ``v [B, H, N, Dv]`` at
+    positions ``pos``: ``[B, H, Nq, Dv]``.
+
+    ``core`` is an :class:`AttentionCore` (its learned parts are used and trained), or the
+    name of a mechanism, for which a fresh core is built from ``causal`` and ``options``
+    (a learned term at its initial value, random features freshly drawn unless ``seed``
+    is given): ``attention(q, k, v, core="softmax", causal=True)`` is causal softmax,
+    ``attention(q, k, v, core="flt", seed=0)`` FLT at initialisation.
+    """
+    if isinstance(core, str):
+        core = AttentionCore(core, heads=q.shape[1], head_dim=q.shape[-1], causal=bool(causal), device=q.device,
+                             dtype=q.dtype if q.is_floating_point() else None, **options)
+    elif not isinstance(core, AttentionCore):
+        raise TypeError(f"core must be an AttentionCore or a mechanism name in {sorted(ATTENTION)}, got {type(core).__name__}")
+    elif options or causal is not None:
+        raise ValueError(f"causal and options ({sorted(options)}) build a core from a name; core {core.mechanism_name!r} was built with its own")
+    return core(q, k, v, pos, key_padding_mask)

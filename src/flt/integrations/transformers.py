@@ -1,0 +1,286 @@
+"""FLT inside Hugging Face ``transformers`` decoders: :func:`convert` and :func:`from_pretrained`.
+
+:func:`convert` gives every self-attention module of a decoder of the Llama family (Llama,
+Qwen2, Mistral: any model whose attention goes through ``transformers``'
+``AttentionInterface``) or of GPT-2 an :class:`flt.functional.AttentionCore`
+(``module.flt_core``) and switches the model's attention implementation to ``"flt"``. The
+model keeps everything else: the query, key, value and output projections with their
+weights, its rotary embedding (applied by the model before the core sees the queries and
+keys), its KV cache. The core reads the model's ``position_ids`` as 1-D positions, so
+FLT's relative term sees the same positions as the rotary embedding.
+
+The settings are stored in ``model.config.flt_attention``; ``save_pretrained`` writes them
+with the core's parameters, and :func:`from_pretrained` rebuilds the converted model.
+
+Decoding: ``model.generate()`` works through the model's own KV cache, each new token the
+last row of the causal core over all cached keys (``O(t)`` per token, as softmax), or, with
+``past_key_values=FLTCache()``, from flt's constant-size decoding state
+(:meth:`flt.functional.AttentionCore.prefill` / ``step``): no key or value is kept beyond
+FLT's band, so memory does not grow with the prompt or the generated text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.utils import logging
+
+from flt.functional import AttentionCore
+
+#: The name of flt's attention implementation in ``transformers``' registries.
+IMPLEMENTATION = "flt"
+#: The config attribute holding the conversion's settings.
+CONFIG_KEY = "flt_attention"
+#: How a converted core computes: its estimator, its O(N^2) reference of the same
+#: features, or the exact attention it estimates (for FLT's logit coupling with ``f = 0``
+#: and ``qk_norm=False``, softmax itself).
+PATHS = ("forward", "reference", "exact")
+
+
+def convert(model, attention: str = "flt", *, path: str = "forward", **options):
+    """Replace the attention core of a ``transformers`` decoder by flt's, in place.
+
+    Args:
+        model: a ``PreTrainedModel`` whose self-attention modules have ``q_proj`` /
+            ``k_proj`` (the Llama family) or ``c_attn`` (GPT-2) and go through the
+            ``AttentionInterface``.
+        attention: a mechanism of :data:`flt.layers.ATTENTION` (``"flt"``,
+            ``"performer"``, ``"softmax"``, ``"toeplitz"``).
+        path: ``"forward"`` (default, the estimator), ``"reference"`` or ``"exact"``
+            (:data:`PATHS`).
+        **options: the core's options (``coupling``, ``near_field``, ``num_features``,
+            ``qk_norm``, ``seed``, spectrum options, ...); ``causal`` is always True.
+
+    Returns:
+        ``model``, converted: every projection weight kept, one core per layer (its
+        parameters in float32 or the model's dtype), ``model.config.flt_attention`` set.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if "causal" in options:
+        raise ValueError("causal is not an option of convert: a decoder's attention is causal")
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no self-attention module convert() knows (q_proj/k_proj of the Llama family, c_attn of GPT-2)")
+    param = next(model.parameters())
+    for module in modules:
+        heads, head_dim = _heads(model.config, module)
+        module.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=param.device,
+                                        dtype=param.dtype, **options)
+        module.flt_core.path = path
+        if not hasattr(module, "_flt_cache"):
+            module._flt_cache = None
+            module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
+    register()
+    model.config.flt_attention = {"attention": attention, "path": path, **options}
+    model.set_attn_implementation(IMPLEMENTATION)
+    return model
+
+
+def attention_modules(model) -> list:
+    """The self-attention modules of ``model`` that :func:`convert` equips with a core."""
+    found = []
+    for module in model.modules():
+        llama = hasattr(module, "q_proj") and hasattr(module, "k_proj") and hasattr(module, "o_proj")
+        gpt2 = hasattr(module, "c_attn") and not getattr(module, "is_cross_attention", False)
+        if llama or gpt2:
+            found.append(module)
+    return found
+
+
+def _heads(config, module) -> tuple[int, int]:
+    heads = config.num_attention_heads
+    head_dim = getattr(module, "head_dim", None) or config.hidden_size // heads
+    return heads, head_dim
+
+
+def register() -> None:
+    """Register ``"flt"`` in ``transformers``' attention and mask registries (idempotent)."""
+    AttentionInterface.register(IMPLEMENTATION, flt_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, key_padding)
+
+
+def key_padding(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+    """The mask function of ``"flt"``: the 2-D padding mask of the keys ``[B, kv_length]``
+    (True: a real token), or None without padding. The core applies causality itself."""
+    if attention_mask is None:
+        return None
+    if attention_mask.ndim != 2:
+        raise ValueError(f"flt attention takes a 2-D padding mask [B, N]; got shape {tuple(attention_mask.shape)}")
+    valid = attention_mask[:, kv_offset: kv_offset + kv_length].to(torch.bool)
+    return None if bool(valid.all()) else valid
+
+
+def flt_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``transformers``' attention function for ``"flt"``: ``query [B, H, Nq, D]``, ``key``
+    and ``value [B, Hkv, N, D]`` (after the model's rotary embedding and cache) through
+    ``module.flt_core``; returns ``(out [B, Nq, H, D], None)``."""
+    core = module.flt_core
+    if dropout and module.training:
+        raise ValueError(f"attention dropout ({dropout}) has no weights to drop in flt's cores: set the config's attention "
+                         "dropout (attention_dropout, attn_pdrop) to 0 before training a converted model")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    head_dim = query.shape[-1]
+    if scaling is not None and scaling != head_dim**-0.5:
+        # The cores compute exp(q.k / sqrt(D)); the model's logits are scaling * q.k.
+        query = query * (scaling * math.sqrt(head_dim))
+    pad = None if attention_mask is None else ~attention_mask
+    if module._flt_cache is not None:
+        return _decode(module, core, query, key, value, pad, kwargs.get("position_ids")), None
+    pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
+    out = getattr(core, core.path)(query, key, value, pos, pad)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _remember_cache(module, args, kwargs):
+    """Forward pre-hook of a converted attention module: the attention function reaches an
+    :class:`FLTCache` through the module (``transformers`` passes the cache to the module,
+    not to the attention function)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    module._flt_cache = cache if isinstance(cache, FLTCache) else None
+
+
+def _decode(module, core, query, key, value, pad, position_ids) -> torch.Tensor:
+    """The new tokens' attention from the layer's state in the :class:`FLTCache` (a
+    prompt by ``core.prefill``, then ``core.step`` per token): ``[B, Nq, H, Dv]``."""
+    if core.path != "forward":
+        raise ValueError(f"FLTCache decodes the estimator (path='forward'); this model was converted with path={core.path!r}: "
+                         "generate with the default cache instead")
+    if pad is not None:
+        raise ValueError("FLTCache does not take padded batches (the decoding state has no key mask): generate them with the default cache")
+    layer = module._flt_cache.layers[module.layer_idx]
+    n = query.shape[2]
+    if position_ids is None:
+        position_ids = torch.arange(layer.length - n, layer.length, device=query.device).view(1, n)
+    pos = position_ids.reshape(-1, n)
+    if layer.state is None:
+        out, layer.state = core.prefill(query, key, value, pos)
+    else:
+        rows = []
+        for t in range(n):
+            row, layer.state = core.step(query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1], layer.state, pos[:, t:t + 1])
+            rows.append(row)
+        out = torch.cat(rows, dim=2)
+    return out.transpose(1, 2).contiguous()
+
+
+class FLTStateLayer(CacheLayerMixin):
+    """One layer of an :class:`FLTCache`: flt's decoding state (``state``) and the number
+    of tokens it has seen, instead of keys and values. ``update`` hands the new keys and
+    values through to the attention function, which folds them into the state."""
+
+    is_sliding = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.length += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.length  # only the new tokens reach the attention function
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        self.state, self.length = None, 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("FLTCache does not reorder its states for beam search; use num_beams=1 or the default cache")
+
+
+class FLTCache(Cache):
+    """A ``transformers`` cache holding flt's constant-size decoding state per layer, for
+    ``model.generate(..., past_key_values=FLTCache())`` on a model converted with
+    ``path="forward"``: the kernel mechanisms keep their linear state (``[B, H, 2R, m,
+    Dv]`` for FLT, ``[B, H, m, Dv]`` for a Performer) and, with FLT's band, the last
+    ``w + 1`` keys and values; its size does not depend on the number of tokens seen
+    (:meth:`state_bytes`). Batches without padding, greedy or sampled decoding, no beam search."""
+
+    def __init__(self, **kwargs):
+        super().__init__(layer_class_to_replicate=FLTStateLayer, **kwargs)
+
+    def state_bytes(self) -> int:
+        """Bytes held by the decoding states of every layer."""
+        return sum(_tensor_bytes(layer.state) for layer in self.layers)
+
+
+def _tensor_bytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(_tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def key_positions(position_ids, batch: int, length: int, device) -> torch.Tensor:
+    """Positions ``[B|1, N, 1]`` of the ``N`` keys: the model's ``position_ids`` when they
+    cover every key; when they cover only the newest tokens (decoding from a cache), the
+    cached keys are taken to be the consecutive positions before them."""
+    if position_ids is None:
+        return torch.arange(length, device=device).view(1, length, 1)
+    ids = position_ids.reshape(-1, position_ids.shape[-1])
+    if ids.shape[-1] < length:
+        last = ids[:, -1:]
+        ids = last - (length - 1) + torch.arange(length, device=ids.device)
+    return ids[:, -length:].unsqueeze(-1)
+
+
+def from_pretrained(directory, **kwargs):
+    """Load a model saved by ``save_pretrained`` after :func:`convert`: the model by
+    ``AutoModelForCausalLM.from_pretrained(directory, **kwargs)``, converted again with
+    the stored settings, then the cores' parameters from the checkpoint's safetensors files."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config = AutoConfig.from_pretrained(directory)
+    settings = getattr(config, CONFIG_KEY, None)
+    if not settings:
+        raise ValueError(f"{directory} holds no flt settings (config.{CONFIG_KEY}); it was not saved after flt.integrations.transformers.convert")
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report would list the cores' parameters as unexpected
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    finally:
+        logging.set_verbosity(verbosity)
+    settings = dict(settings)
+    convert(model, settings.pop("attention"), **settings)
+    cores = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        cores.update({k: t for k, t in load_file(file).items() if ".flt_core." in k})
+    expected = {k for k in model.state_dict() if ".flt_core." in k}
+    missing = expected - set(cores)
+    if missing:
+        raise ValueError(f"{directory} lacks {len(missing)} parameters of the flt cores, e.g. {sorted(missing)[:3]}")
+    model.load_state_dict(cores, strict=False)
+    return model
+

@@ -1,0 +1,195 @@
+"""flt.integrations.transformers: a converted decoder keeps the original's projections and
+rotary embedding (float64 logits equal when the core is exact softmax), trains, generates,
+and round-trips save_pretrained / from_pretrained. Tiny random configurations, no download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from flt.integrations.transformers import FLTCache, convert, from_pretrained  # noqa: E402
+
+VOCAB = 50
+F64 = torch.float64
+
+
+def tiny_llama(**overrides):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=0, **overrides)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2():
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128, attn_pdrop=0.0, resid_pdrop=0.0,
+                        embd_pdrop=0.0, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama_family(config_class, model_class):
+    """A tiny Qwen2 or Mistral: the Llama family's attention module under another name."""
+    def build():
+        config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=None, bos_token_id=None,
+                              pad_token_id=0)
+        return model_class(config).eval()
+    return build
+
+
+MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2}
+FAMILY = {
+    **MODELS,
+    "qwen2": tiny_llama_family(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": tiny_llama_family(transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def build(request):
+    return MODELS[request.param]
+
+
+def tokens(batch=2, length=12):
+    return torch.randint(1, VOCAB, (batch, length))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_exact_core_with_zero_spectrum_reproduces_the_original_logits(name):
+    """FLT's exact path with f = 0 (spectra start at amplitude 0) and qk_norm=False is
+    softmax(q.k / sqrt(D)): any gap between the models would be the conversion's plumbing
+    (projections and their biases, rotary embedding, grouped heads, scaling, causal mask)."""
+    model = FAMILY[name]().to(F64)
+    ids = tokens()
+    original = model(ids).logits
+    convert(model, "flt", path="exact", qk_norm=False)
+    assert model.config._attn_implementation == "flt"
+    torch.testing.assert_close(model(ids).logits, original, rtol=1e-12, atol=1e-12)
+
+
+def test_the_converted_core_is_the_one_computing(build):
+    """The identity above is not the model's own attention running: a nonzero spectrum changes the logits."""
+    model = build().to(F64)
+    ids = tokens()
+    original = model(ids).logits
+    convert(model, "flt", path="exact", qk_norm=False, amplitude=1.0)
+    assert (model(ids).logits - original).abs().max() > 1e-3
+
+
+def test_projection_weights_are_kept():
+    model = tiny_llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    convert(model, "flt", num_features=16, num_frequencies=4)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert sum(".flt_core." in k for k in after) > 0
+
+
+def test_converted_model_trains(build):
+    model = build().train()
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0)
+    ids = tokens()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    attn = model.model.layers[0].self_attn if hasattr(model, "model") else model.transformer.h[0].attn
+    assert torch.isfinite(loss)
+    assert attn.flt_core.attention.spectrum.mu.grad.abs().sum() > 0
+    projection = attn.q_proj.weight if hasattr(attn, "q_proj") else attn.c_attn.weight
+    assert projection.grad.abs().sum() > 0
+
+
+def test_attention_dropout_in_training_is_refused():
+    model = tiny_llama(attention_dropout=0.1).train()
+    convert(model, "performer", num_features=8)
+    with pytest.raises(ValueError, match="attention dropout"):
+        model(tokens())
+
+
+def test_save_and_load_keep_the_settings_and_the_cores(build, tmp_path):
+    model = build()
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=3, near_field=2)
+    with torch.no_grad():  # a trained spectrum, not the initial one
+        for name, p in model.named_parameters():
+            if "flt_core" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = tokens()
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path).eval()
+    assert loaded.config.flt_attention == {"attention": "flt", "path": "forward", "num_features": 16, "num_frequencies": 4,
+                                           "amplitude": 0.5, "seed": 3, "near_field": 2}
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_from_pretrained_refuses_an_unconverted_model(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no flt settings"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("options", [{"path": "forward", "near_field": 2}, {"path": "forward"}])
+def test_generate_matches_the_full_forward(build, options):
+    """Greedy decoding through the model's cache (each token the last row of the causal
+    core over the cached keys) picks the argmax of the uncached forward at every step."""
+    model = build().to(F64)
+    convert(model, "flt", num_features=32, num_frequencies=4, amplitude=0.5, seed=0, **options)
+    prompt = tokens(1, 6)
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 11)
+    logits = model(out).logits
+    assert torch.equal(logits[0, 5:-1].argmax(-1), out[0, 6:])
+
+
+def test_left_padding_leaves_the_real_tokens_alone():
+    model = tiny_llama().to(F64)
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0)
+    ids = tokens(1, 7)
+    alone = model(ids).logits
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 7, dtype=torch.long)], 1)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(padded, attention_mask=mask, position_ids=position_ids).logits
+    torch.testing.assert_close(out[:, 3:], alone, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("options", [{"near_field": 2}, {}, {"coupling": "multiplicative", "amplitude": 1.0}])
+def test_fltcache_decoding_equals_the_full_forward(build, options):
+    """Prompt then token by token through FLTCache (flt's constant-size state) gives the
+    logits of the uncached forward, and generate() with it the default cache's tokens."""
+    model = build().to(F64)
+    options = {"amplitude": 0.5, **options}
+    convert(model, "flt", num_features=16, num_frequencies=4, seed=0, **options)
+    ids = tokens(2, 9)
+    full = model(ids).logits
+    cache = FLTCache()
+    rows = [model(ids[:, :5], cache=cache).logits]
+    rows += [model(ids[:, t:t + 1], cache=cache).logits for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(rows, 1), full, rtol=1e-10, atol=1e-10)
+    expected = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, cache=FLTCache()), expected)
+
+
+def test_fltcache_state_does_not_grow_with_the_prompt(build):
+    model = build()
+    convert(model, "flt", num_features=16, num_frequencies=4, seed=0, near_field=2)
+    sizes = []
+    for length in (8, 64):
+        cache = FLTCache()
+        with torch.no_grad():
+            model(tokens(1, length), cache=cache)
+        sizes.append(cache.state_bytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_fltcache_refuses_what_it_cannot_decode():
+    model = tiny_llama()
+    convert(model, "flt", path="exact", qk_norm=False)
+    with pytest.raises(ValueError, match="path='forward'"):
+        model(tokens(1, 4), cache=FLTCache())
+    model = tiny_llama()
+    convert(model, "flt", num_features=8, num_frequencies=4)
+    mask = torch.tensor([[0, 1, 1, 1]])
+    with pytest.raises(ValueError, match="padded batches"):
+        model(tokens(1, 4), attention_mask=mask, cache=FLTCache())
