@@ -16,6 +16,7 @@ The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (se
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,12 @@ class FLTAttention(KernelAttention):
             it needs ``near_neighbors``, and ``f_near`` starts at the spectrum's
             ``amplitude`` instead of 0 (at 0 no pair would carry weight and the mask
             would get no gradient). The spectrum's parameters stay in the state dict.
+            ``"near"`` is the control between the two: the spectrum is learnt and ``f`` is
+            used exactly on the near set (``f + f_near`` there, as with ``True``), but its
+            random-feature estimate beyond the near set is dropped (``f = 0`` there: a
+            Performer beyond the band for the logit coupling, zero weight for the
+            multiplicative one). Comparing it with ``True`` measures what the random-feature
+            far field adds; it needs ``near_field`` or ``near_neighbors``.
         check_condition: with the multiplicative coupling, warn (:class:`ConditioningWarning`)
             when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
             float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
@@ -144,7 +151,7 @@ class FLTAttention(KernelAttention):
         near_neighbors: int = 0,
         near_relative: str | None = None,
         near_relative_options: dict | None = None,
-        far_field: bool = True,
+        far_field: bool | Literal["near"] = True,
         check_condition: bool = True,
         backend: str = "torch",
         device=None,
@@ -221,13 +228,16 @@ class FLTAttention(KernelAttention):
             self.supports_decoding = bool(near_field)  # the band decodes (flt.layers.band_decode); near sets do not
         else:
             self.near_spectrum = None
-        if not isinstance(far_field, bool):
-            raise TypeError(f"far_field must be true or false, got {far_field!r}")
-        if not far_field and coupling == "multiplicative" and not near_neighbors:
+        if not (isinstance(far_field, bool) or far_field == "near"):
+            raise TypeError(f"far_field must be true, false or 'near' (f exact on the near set, 0 beyond it), got {far_field!r}")
+        if far_field == "near" and not (near_field or near_neighbors):
+            raise ValueError("far_field='near' keeps f on the near set only: it needs near_field (a token band) or "
+                             "near_neighbors (k nearest keys); without a near set use far_field=false")
+        if far_field is False and coupling == "multiplicative" and not near_neighbors:
             raise ValueError("far_field=False with coupling='multiplicative' leaves no pair any weight (f = 0 "
                              "multiplies every kernel value): add near_neighbors, or use coupling='logit'")
         self.far_field = far_field
-        if not far_field:
+        if far_field is False:
             self.spectrum.requires_grad_(False)
 
     def step(self, x: torch.Tensor, state=None, pos: torch.Tensor | None = None):
@@ -248,16 +258,19 @@ class FLTAttention(KernelAttention):
         return super().prefill(x, pos)
 
     def far_features(self, pos: torch.Tensor | None):
-        """The spectrum's random features ``a(r), c(r)``; zeros with ``far_field=False``."""
+        """The spectrum's random features ``a(r), c(r)``, the estimate of ``f`` beyond the
+        near set; zeros unless ``far_field=True``."""
         a, c = self.spectrum.features(pos)
-        if not self.far_field:
+        if self.far_field is not True:
             a, c = torch.zeros_like(a), torch.zeros_like(c)
         return a, c
 
     def far_mask(self, delta: torch.Tensor) -> torch.Tensor:
-        """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``); zeros with ``far_field=False``."""
+        """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``) as the near set (and
+        :meth:`exact`) uses it; zeros with ``far_field=False``. With ``far_field="near"``
+        it is ``f`` itself: :meth:`exact` zeroes it beyond the near set."""
         f = self.spectrum.mask(delta)
-        return f if self.far_field else torch.zeros_like(f)
+        return torch.zeros_like(f) if self.far_field is False else f
 
     def attend_features(self, f: KernelFeatures, p, *, reference: bool = False) -> torch.Tensor:
         out = super().attend_features(f, p, reference=reference)
@@ -426,6 +439,18 @@ class FLTAttention(KernelAttention):
         f = self.far_mask(delta) + self.near_spectrum.of_offsets(delta)  # [B | 1, N | 1, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
+    def _near_set_matrix(self, p, cdt) -> torch.Tensor | None:
+        """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans (the band
+        ``|i - j| <= w`` or each query's nearest keys); None without a near set."""
+        n = p.q.shape[2]
+        if self.near_field:
+            idx = torch.arange(n, device=p.q.device)
+            return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field).view(1, 1, n, n)
+        if self.near_neighbors:
+            idx = self.near_keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
+            return torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=p.q.device).scatter(-1, idx.unsqueeze(1), True)
+        return None
+
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention this layer approximates, with the same parameters.
 
@@ -434,23 +459,20 @@ class FLTAttention(KernelAttention):
         the multiplicative one; with ``feature_map="relu"``, ``"elu"``, ``"taylor"`` or
         ``"hedgehog"`` the kernel those features estimate instead of ``exp(x_q.x_k)``
         (:meth:`flt.layers.kernel.KernelAttention.exact_attention`). As ``num_features`` and
-        ``num_frequencies`` grow, ``forward`` converges to this.
+        ``num_frequencies`` grow, ``forward`` converges to this. With ``far_field="near"``
+        the mask is ``f + f_near`` on the near set and ``0`` beyond it (a Performer's exact
+        kernel there for the logit coupling, no weight for the multiplicative one).
         """
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         cdt = compute_dtype(xq)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
         f = rearrange(self.far_mask(delta.to(cdt)), "b i j h -> b h i j")
-        if self.near_field:
-            idx = torch.arange(p.q.shape[2], device=x.device)
-            band = (idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field
+        in_set = self._near_set_matrix(p, cdt)
+        if in_set is not None:
             near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
-            f = f + torch.where(band, near, torch.zeros_like(near))
-        if self.near_neighbors:
-            idx = self.near_keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
-            n = idx.shape[1]
-            in_set = torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=x.device).scatter(-1, idx.unsqueeze(1), True)
-            near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
+            if self.far_field == "near":
+                f = torch.where(in_set, f, torch.zeros_like(f))
             f = f + torch.where(in_set, near, torch.zeros_like(near))
         pad = self.padding_mask_matrix(p.pad, cdt)
         v = p.v.to(cdt)
