@@ -20,19 +20,20 @@ def _small_kwargs(task, tmp_path):
         "longlm": {"max_bytes": 200_000},
         "nbody": {"num_particles": 8, "num_train": 2, "num_valid": 1, "num_test": 1},
         "offsets": {"length": 32, "num_train": 2, "num_valid": 1, "num_test": 1, "centers": [4.0], "width": 2.0},
+        "qm9": {"cache_dir": tmp_path},
     }[task]
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_default_datasets_have_train_and_valid(task, tmp_path):
     pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase", "graph": "networkx", "listops": "flt", "longlm": "flt",
-                        "nbody": "flt", "offsets": "flt"}[task])
+                        "nbody": "flt", "offsets": "flt", "qm9": "qm9pack"}[task])
     splits = TASKS[task].dataset(**_small_kwargs(task, tmp_path))
     assert len(splits.train) > 0 and len(splits.valid) > 0
 
 
 def test_registry_names():
-    assert set(TASKS) == {"lm", "image", "molecule", "graph", "listops", "longlm", "nbody", "offsets"}
+    assert set(TASKS) == {"lm", "image", "molecule", "graph", "listops", "longlm", "nbody", "offsets", "qm9"}
 
 
 def test_import_loads_no_optional_dependency():

@@ -11,7 +11,7 @@ from pathlib import Path
 #: Optional modules and the extra that provides each (``pyproject.toml``).
 EXTRA_OF_MODULE = {
     "matplotlib": "plot", "networkx": "graph", "torch_geometric": "graph", "ase": "mol", "sklearn": "train",
-    "skimage": "vision", "tqdm": "train", "PIL": "train", "safetensors": "train",
+    "skimage": "vision", "tqdm": "train", "PIL": "train", "safetensors": "train", "qm9pack": "qm9",
 }
 
 
