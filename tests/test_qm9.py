@@ -136,7 +136,6 @@ def test_without_qm9pack_the_error_names_the_extra(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_the_qm9pack_set_parses_and_is_read_back_from_its_cache(tmp_path, monkeypatch):
-    pytest.importorskip("pandas", reason="qm9pack's own dependency")  # installed with the qm9 extra
     if importlib.util.find_spec("qm9pack") is None:
         pytest.skip("qm9pack is not installed (the qm9 extra)")
     table = load_qm9pack(tmp_path)
