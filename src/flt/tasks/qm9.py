@@ -62,12 +62,13 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train qm9 --preset small``: 3 layers, width 64, 4 heads, 1500 steps of 32 on
     10,000 training molecules (about 5 epochs), target ``gap``, evaluated on 2,000 of the
-    usual validation molecules and on the usual 10,831 test molecules. About 27 min for FLT
-    (0.73-0.77 s/step) and 4-6 min for softmax, Performer and SchNet (``--threads 1`` on the
-    2-core VM under a load average of about 9 from other jobs; FLT's step is 4.4-5.2x
-    SchNet's). Test MAE, seeds 0 and 1 (docs/results.md, "QM9"): FLT 626 +- 22 meV, exact
-    softmax with the same mask 607 +- 14, SchNet 351 +- 2 at this rate and 254 +- 4 at 3e-3;
-    predicting the mean: 1076."""
+    usual validation molecules and on the usual 10,831 test molecules. About 4 min of training steps for FLT
+    at its step time on the idle 2-core VM (144 ms, ``--threads 1``; 4.7x SchNet's 31 ms,
+    softmax 24, Performer 22), but 24-28 min under a load average of about 9 from other
+    jobs, and 4-6 min for the other models then. Test MAE, seeds 0 and 1 (docs/results.md,
+    "QM9"): FLT 626 +- 22 meV at this rate and 523 +- 9 at 3e-3 (its best of 3e-4, 1e-3,
+    3e-3), exact softmax with the same mask 607 +- 14 (best at this rate), SchNet 351 +- 2
+    here and 254 +- 4 at 3e-3, Performer 802; predicting the mean: 1076."""
     model = QM9Config(dim=64, depth=3, heads=4, **mechanism_options(QM9Task, attention, posenc))
     run = RunConfig(steps=1500, batch_size=32, lr=1e-3, warmup_steps=100, eval_every=500, checkpoint_every=500,
                     log_every=50, eval_batch_size=128, draw_gap_batches=4)
