@@ -248,3 +248,7 @@ def test_a_smoke_run_through_the_cli_reports_validation_and_test_mae(qm9_csv, tm
     assert 100 < summary["final"]["mae"] < 5000
     assert ("draw_gap" in summary) == (model == "transformer")
     assert "target gap in meV" in capsys.readouterr().out
+    # The saved run reloads (SchNet's shared filter network is saved under one name) and scores the same.
+    from flt.commands.evaluate import evaluate_run
+
+    assert evaluate_run(str(out), split="test", draws=0, exact=False)["own"] == pytest.approx(summary["test_mae"], rel=1e-6)
