@@ -105,7 +105,8 @@ def test_listops_test_expressions_continue_the_validation_stream(tmp_path):
     assert torch.equal(split.test.labels, stream.labels[6:])
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+# qm9 parses the 130,831 molecules of qm9pack into a fresh cache: about 10 s.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "qm9" else n for n in sorted(TASKS)])
 def test_every_task_batches_its_test_split_like_validation(name, tmp_path, monkeypatch):
     monkeypatch.setenv("FLT_CACHE_DIR", str(tmp_path))
     preset = get_preset(name, "smoke")

@@ -12,6 +12,7 @@ from pathlib import Path
 EXTRA_OF_MODULE = {
     "matplotlib": "plot", "networkx": "graph", "torch_geometric": "graph", "ase": "mol", "sklearn": "train",
     "skimage": "vision", "tqdm": "train", "PIL": "train", "safetensors": "train", "triton": "triton",
+    "qm9pack": "qm9", "transformers": "hf",
 }
 
 

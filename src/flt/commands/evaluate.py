@@ -91,6 +91,11 @@ def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
     draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()
              for b in getattr(mod, "random_feature_buffers", ()) if getattr(mod, b, None) is not None}
     target = model.state_dict()
+    # safetensors keeps one name of a tensor that several modules share (SchNet's filter
+    # network is both ``mlp`` and ``conv.nn``): the other names load from that one.
+    saved_as = {(t.data_ptr(), t.shape): k for k, t in target.items() if k in state}
+    state = {**{k: state[saved_as[(t.data_ptr(), t.shape)]] for k, t in target.items()
+                if k not in state and (t.data_ptr(), t.shape) in saved_as}, **state}
     missing = sorted(k for k in target if k not in state and k not in draws)
     unexpected = sorted(k for k in state if k not in target)
     misfit = sorted(k for k in state if k in target and k not in draws and state[k].shape != target[k].shape)

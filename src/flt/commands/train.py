@@ -78,11 +78,12 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def _shortcut_flags() -> dict[str, tuple[list[str], str]]:
     """Every task's command-line shortcuts (:attr:`flt.tasks.base.Task.shortcuts`):
-    ``{flag: (tasks that define it, help)}``."""
+    ``{flag: (tasks that define it, help)}``; a flag of several tasks joins their helps."""
     flags: dict[str, tuple[list[str], str]] = {}
     for name, task in TASKS.items():
         for flag, (_, _, help_text) in task.shortcuts.items():
-            flags.setdefault(flag, ([], help_text))[0].append(name)
+            tasks, helps = flags.get(flag, ([], ""))
+            flags[flag] = ([*tasks, name], f"{helps}; {help_text}" if helps else help_text)
     return flags
 
 

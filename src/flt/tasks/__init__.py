@@ -44,10 +44,11 @@ from flt.tasks.longlm import LongLMTask
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.nbody import NBodyTask
 from flt.tasks.offsets import OffsetsTask
+from flt.tasks.qm9 import QM9Task
 from flt.tasks.preset import Preset, RunConfig, preset_differences, preset_to_dict, run_config_from_dict
 
 #: Every task, by name, in the order the CLI lists them.
-TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask, QM9Task)}
 
 
 def get_task(name: str) -> type[Task]:

@@ -1,0 +1,171 @@
+"""QM9 property models behind one interface: the molecule regressor (any attention
+mechanism on 3-D positions) and the field's message-passing baselines from
+torch_geometric, SchNet (Schütt et al., 2017) and DimeNet++ (Gasteiger et al., 2020).
+
+Every model maps a padded batch ``z [B, N]``, ``pos [B, N, 3]``, ``key_padding_mask
+[B, N]`` (True = padding) to ``[B]`` in target units, ``target_mean + target_std * out``,
+so the task, the loop and the budget are the same whichever ``encoder`` a config names.
+
+SchNet runs on a radius graph computed here with plain torch (:func:`radius_graph`,
+O(B N^2) for QM9's at most 29 atoms), passed as its ``interaction_graph``, so it needs no
+compiled extension. PyG's DimeNet++ computes its radius graph and its triplets inside its
+``forward`` with ``torch_cluster`` and ``torch_sparse``, compiled extensions; without them
+``encoder="dimenet++"`` raises an ``ImportError`` that says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from flt._checks import check_choice, check_positive_int
+from flt.models.config import READOUTS, LayeredConfig
+from flt.models.molecule import MoleculeRegressor
+
+#: ``QM9Config.encoder`` choices.
+ENCODERS = ("transformer", "schnet", "dimenet++")
+
+
+@dataclass(frozen=True)
+class QM9Config(LayeredConfig):
+    """A QM9 property model. ``encoder``: ``"transformer"`` (:class:`MoleculeRegressor`:
+    ``depth`` layers of ``attention`` of width ``dim``, positions the atom coordinates),
+    ``"schnet"`` (``depth`` interaction blocks of width ``dim``, ``num_gaussians`` radial
+    basis functions up to ``cutoff`` Angstrom) or ``"dimenet++"`` (``depth`` blocks of
+    width ``dim``, PyG's other sizes at their defaults, ``cutoff``). ``readout`` pools atoms
+    by ``"sum"`` or ``"mean"``; None (the default) takes the target's natural one, filled
+    in by the task (sum for extensive properties such as energies, mean for orbital
+    energies and the dipole). ``num_elements`` bounds the atomic numbers (QM9: H to F)."""
+
+    task: ClassVar[str] = "qm9"
+
+    encoder: str = "transformer"
+    num_elements: int = 10
+    readout: str | None = None
+    isotropic: bool = True
+    cutoff: float = 10.0
+    num_gaussians: int = 50
+    target_mean: float = 0.0
+    target_std: float = 1.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("encoder", self.encoder, ENCODERS)
+        check_positive_int("num_elements", self.num_elements)
+        check_positive_int("num_gaussians", self.num_gaussians)
+        if self.readout is not None:
+            check_choice("readout", self.readout, READOUTS)
+        if not self.cutoff > 0:
+            raise ValueError(f"cutoff must be a positive number of Angstrom, got {self.cutoff!r}")
+        if not self.target_std > 0:
+            raise ValueError(f"target_std must be positive, got {self.target_std!r}")
+        if self.encoder != "transformer" and self.layer_attention is not None:
+            raise ValueError(f"layer_attention applies to encoder='transformer', got encoder={self.encoder!r}")
+
+
+def radius_graph(pos: torch.Tensor, batch: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(edge_index [2, E], distance [E])``: every ordered pair ``(i, j)``, ``i != j``, of
+    atoms of one molecule within ``cutoff`` of each other. ``pos [A, 3]`` flat atoms,
+    ``batch [A]`` their molecule, sorted (as PyG batches them). Dense per molecule: the
+    ``[B, N, N]`` distances of a padded copy, cheap for small molecules."""
+    counts = torch.bincount(batch)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(batch.numel(), device=pos.device) - first[batch]
+    n = int(counts.max())
+    dense = pos.new_zeros(counts.numel(), n, 3)
+    dense[batch, slot] = pos.detach()
+    real = torch.zeros(counts.numel(), n, dtype=torch.bool, device=pos.device)
+    real[batch, slot] = True
+    near = torch.cdist(dense, dense) < cutoff
+    near &= real.unsqueeze(1) & real.unsqueeze(2)
+    near &= ~torch.eye(n, dtype=torch.bool, device=pos.device)
+    b, i, j = near.nonzero(as_tuple=True)
+    edge_index = torch.stack([first[b] + i, first[b] + j])
+    # The distance of the real positions, so gradients reach them as in PyG's own graph.
+    return edge_index, (pos[edge_index[0]] - pos[edge_index[1]]).norm(dim=-1)
+
+
+class _RadiusGraph(nn.Module):
+    """SchNet's ``interaction_graph``: ``(pos, batch) -> (edge_index, edge_weight)``."""
+
+    def __init__(self, cutoff: float):
+        super().__init__()
+        self.cutoff = cutoff
+
+    def forward(self, pos: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return radius_graph(pos, batch, self.cutoff)
+
+
+def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor):
+    """The real atoms of a padded batch: ``z [A]``, ``pos [A, 3]``, ``batch [A]``."""
+    real = ~key_padding_mask
+    batch = torch.arange(z.shape[0], device=z.device).unsqueeze(1).expand_as(z)[real]
+    return z[real], pos[real], batch
+
+
+def _check_dimenet_extensions() -> None:
+    import importlib.util
+
+    missing = [name for name in ("torch_cluster", "torch_sparse") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"encoder='dimenet++' runs torch_geometric's DimeNetPlusPlus, which needs the compiled "
+                          f"extensions {missing} (not installed); install them for this torch build, or use "
+                          "encoder='schnet' or 'transformer'")
+
+
+class QM9Regressor(nn.Module):
+    """The model a :class:`QM9Config` names; ``forward(z [B, N], pos [B, N, 3],
+    key_padding_mask [B, N]) -> [B]`` in target units. ``exact=True`` (the transformer's
+    O(N^2) attention) is refused by the message-passing encoders, which estimate nothing."""
+
+    def __init__(self, *, encoder: str, num_elements: int, dim: int, depth: int, heads: int, mlp_ratio: float,
+                 dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
+                 posenc_options: dict[str, Any], readout: str | None, isotropic: bool, cutoff: float, num_gaussians: int,
+                 target_mean: float, target_std: float, layer_attention: list | None = None, device=None, dtype=None):
+        super().__init__()
+        check_choice("encoder", encoder, ENCODERS)
+        readout = readout or "mean"
+        self.encoder, self.readout = encoder, readout
+        self.target_mean, self.target_std = float(target_mean), float(target_std)
+        if encoder == "transformer":
+            self.net = MoleculeRegressor(
+                num_elements=num_elements, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio, dropout=dropout,
+                attention=attention, attention_options=attention_options, posenc=posenc, posenc_options=posenc_options,
+                readout=readout, isotropic=isotropic, target_mean=target_mean, target_std=target_std,
+                layer_attention=layer_attention, device=device, dtype=dtype,
+            )
+            return
+        if encoder == "schnet":
+            from torch_geometric.nn.models import SchNet
+
+            self.net = SchNet(hidden_channels=dim, num_filters=dim, num_interactions=depth, num_gaussians=num_gaussians,
+                              cutoff=cutoff, interaction_graph=_RadiusGraph(cutoff), readout="add" if readout == "sum" else "mean")
+        else:
+            _check_dimenet_extensions()
+            from torch_geometric.nn.models import DimeNetPlusPlus
+
+            self.net = DimeNetPlusPlus(hidden_channels=dim, out_channels=1, num_blocks=depth, int_emb_size=64,
+                                       basis_emb_size=8, out_emb_channels=2 * dim, num_spherical=7, num_radial=6,
+                                       cutoff=cutoff)
+        self.net.to(device=device, dtype=dtype)
+
+    def forward(self, z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
+                exact: bool = False) -> torch.Tensor:
+        """Predicted property ``[B]`` in target units."""
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros(z.shape, dtype=torch.bool, device=z.device)
+        if self.encoder == "transformer":
+            return self.net(z, pos, key_padding_mask, exact=exact)
+        if exact:
+            raise ValueError(f"exact=True is the transformer's exact attention; encoder={self.encoder!r} has none")
+        if z.ndim != 2 or pos.shape != (*z.shape, 3) or key_padding_mask.shape != z.shape:
+            raise ValueError(f"expected z [B, N], pos [B, N, 3] and key_padding_mask [B, N], got {tuple(z.shape)}, "
+                             f"{tuple(pos.shape)} and {tuple(key_padding_mask.shape)}")
+        zf, pf, batch = _flatten(z, pos, key_padding_mask)
+        out = self.net(zf, pf, batch).view(-1)
+        if self.encoder == "dimenet++" and self.readout == "mean":  # PyG's DimeNet++ sums over atoms
+            out = out / (~key_padding_mask).sum(dim=1).to(out.dtype)
+        return self.target_mean + self.target_std * out
