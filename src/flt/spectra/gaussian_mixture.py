@@ -5,6 +5,11 @@
 ``alpha_c`` is signed, so ``f`` need not be positive definite. Sampling is stratified by
 component: ``R / C`` frequencies each, ``xi = mu_c + s_c * eps``, ``w = alpha_c / R_c``
 (unbiased for signed ``alpha`` too).
+
+``min_length`` bounds every component's length from below (``l = min_length + l'`` with
+``l' > 0`` learned), i.e. the spectrum's width from above: a far field restricted to long,
+smooth components, the only ones a few random frequencies estimate well when the short
+range is computed exactly elsewhere (FLT's near set; docs/nbody.md).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ class GaussianMixtureSpectrum(Spectrum):
             so heads see several ranges. ``s = 1 / (2 pi l)``.
         mean_scale: std of the initial component means ``mu`` (0: all at the origin,
             giving nonnegative ``f``).
+        min_length: a floor on every component's length in position units (default 0:
+            none): ``l = min_length + l'`` with the learned ``l' > 0``, so ``s <= 1 / (2 pi
+            min_length)`` however the parameters move. The initial lengths (from
+            ``length_scale``) must exceed it. For a far field that may only hold smooth,
+            long-range components, the ones whose random-feature estimate has a small
+            variance: a Gaussian of length ``l`` in a box of side ``L`` has about
+            ``(L / l)^3`` independent modes to sample.
         **kwargs: ``sampler``, ``seed``, ``shift``, ``shift_scale`` (a learned shift per
             component, :class:`flt.spectra.base.Spectrum`), ``device``, ``dtype``.
     """
@@ -50,6 +62,7 @@ class GaussianMixtureSpectrum(Spectrum):
         length_scale: float = 8.0,
         length_spread: float = 8.0,
         mean_scale: float = 0.0,
+        min_length: float = 0.0,
         **kwargs,
     ) -> None:
         check_positive_int("num_frequencies", num_frequencies)
@@ -61,6 +74,13 @@ class GaussianMixtureSpectrum(Spectrum):
                 raise ValueError(f"{name} must be a positive finite number (position units), got {value!r}")
         if isinstance(mean_scale, bool) or not isinstance(mean_scale, (int, float)) or not (math.isfinite(mean_scale) and mean_scale >= 0):
             raise ValueError(f"mean_scale must be a finite number >= 0 (std of the initial component means), got {mean_scale!r}")
+        if isinstance(min_length, bool) or not isinstance(min_length, (int, float)) or not (math.isfinite(min_length) and min_length >= 0):
+            raise ValueError(f"min_length must be a finite number >= 0 (a floor on the component lengths, position units), got {min_length!r}")
+        if min_length and min(length_scale, length_scale * length_spread) <= min_length:
+            raise ValueError(
+                f"the initial lengths (length_scale {length_scale}, length_spread {length_spread}) must exceed "
+                f"min_length ({min_length}): set length_scale above it"
+            )
         if num_frequencies % components:
             raise ValueError(
                 f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
@@ -73,13 +93,25 @@ class GaussianMixtureSpectrum(Spectrum):
         mu = torch.randn(heads, components, pos_dim, dtype=torch.float64) * mean_scale
         self.mu = nn.Parameter(mu.to(**fk))
         lengths = length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64) if components > 1 else torch.tensor([length_scale], dtype=torch.float64)
-        scales = (1.0 / (2 * math.pi * lengths)).view(1, components, 1)
+        self.min_length = float(min_length)
+        # log_scale holds the learned part l' = l - min_length (all of l without a floor).
+        scales = (1.0 / (2 * math.pi * (lengths - self.min_length))).view(1, components, 1)
         self.log_scale = nn.Parameter(inverse_positive(scales, shape=(heads, components, pos_dim), **fk))
         self._init_shift(components)
 
     def scales(self) -> torch.Tensor:
         """Component standard deviations ``s [H, C, P]``."""
-        return positive(self.log_scale)
+        return self._scales_of(self.log_scale)
+
+    def lengths(self) -> torch.Tensor:
+        """Component lengths ``l = 1 / (2 pi s)`` in position units, ``[H, C, P]`` (at least
+        ``min_length``)."""
+        return 1.0 / (2 * math.pi * self.scales())
+
+    def _scales_of(self, log_scale: torch.Tensor) -> torch.Tensor:
+        """``s`` from the raw parameter: ``1 / s = 1 / s' + 2 pi min_length`` (lengths add)."""
+        s = positive(log_scale)
+        return s / (1 + 2 * math.pi * self.min_length * s) if self.min_length else s
 
     def density(self, xi: torch.Tensor) -> torch.Tensor:
         self._check_points("xi", xi)
@@ -133,6 +165,10 @@ class GaussianMixtureSpectrum(Spectrum):
         per = self.num_frequencies // C
         mu, log_scale, alpha, eps = (as_dtype(t, dtype) for t in (self.mu, self.log_scale, self.alpha, self.eps[..., :P]))
         eps = eps.reshape(H, C, per, P)
-        xi = mu.unsqueeze(-2) + positive(log_scale).unsqueeze(-2) * eps  # [H, C, per, P]
+        xi = mu.unsqueeze(-2) + self._scales_of(log_scale).unsqueeze(-2) * eps  # [H, C, per, P]
         w = (alpha / per).unsqueeze(-1).expand(H, C, per)
         return xi.reshape(H, C * per, P), w.reshape(H, C * per)
+
+    def extra_repr(self) -> str:
+        floor = f", min_length={self.min_length}" if self.min_length else ""
+        return f"{super().extra_repr()}, components={self.components}{floor}"
