@@ -252,3 +252,78 @@ def test_a_smoke_run_through_the_cli_reports_validation_and_test_mae(qm9_csv, tm
     from flt.commands.evaluate import evaluate_run
 
     assert evaluate_run(str(out), split="test", draws=0, exact=False)["own"] == pytest.approx(summary["test_mae"], rel=1e-6)
+
+
+def _xyz_text(index: int, atoms, xyz, gap_au: float, u0_au: float) -> str:
+    """One molecule in QM9's extended-xyz layout (properties on line 2, Mulliken charges,
+    then frequencies, SMILES and InChI, which the reader skips)."""
+    props = [157.7, 157.7, 157.7, 0.0, 13.21, -0.3877, 0.1171, gap_au, 35.36, 0.044749, u0_au, -40.47, -40.47, -40.49, 6.469]
+    lines = [str(len(atoms)), "gdb %d\t" % index + "\t".join(repr(p) for p in props)]
+    lines += [f"{a}\t{p[0]:.10f}\t{p[1]:.10f}\t{p[2]:.6e}\t-0.5357707".replace("e", "*^") for a, p in zip(atoms, xyz)]
+    lines += ["1341.307\t1341.3284\t3151.7078", "C\tC", "InChI=1S/CH4/h1H4\tInChI=1S/CH4/h1H4"]
+    return "\n".join(lines) + "\n"
+
+
+def _write_xyz_folder(folder, rows):
+    """The CSV rows as one xyz file each, written in reverse order of their index."""
+    folder.mkdir()
+    for i, row in reversed(list(enumerate(rows))):
+        atoms = [s.strip("'") for s in row["Elements"].strip("[]").split(",")]
+        xyz = np.array([float(v) for v in row["XYZ_Ang"].replace("[", "").replace("]", "").split(",")]).reshape(-1, 3)
+        text = _xyz_text(i + 1, atoms, xyz, float(row["HOMO_LUMO_gap_au"]), float(row["InternalEnergy_0K_au"]))
+        (folder / f"dsgdb9nsd_{i + 1:06d}.xyz").write_text(text)
+    return folder
+
+
+def test_the_original_xyz_files_give_the_same_table_as_the_csv(tmp_path, qm9_csv):
+    from flt.data.qm9 import read_qm9
+
+    path, rows = qm9_csv
+    rows = rows[:12]
+    folder = _write_xyz_folder(tmp_path / "xyz", rows)
+    csv_table = read_qm9_csv(_write(tmp_path / "few.csv", rows), ["gap", "U0"])
+    xyz_table = read_qm9(folder, ["gap", "U0"])
+    assert np.array_equal(xyz_table.z, csv_table.z) and np.array_equal(xyz_table.offsets, csv_table.offsets)
+    np.testing.assert_allclose(xyz_table.pos, csv_table.pos, atol=1e-6)  # the z column went through '*^'
+    np.testing.assert_allclose(xyz_table.values, csv_table.values, rtol=1e-12)
+    # A tar archive of the same files, read without extracting it, and a single file.
+    import tarfile
+
+    archive = tmp_path / "qm9.tar.bz2"
+    with tarfile.open(archive, "w:bz2") as tar:
+        tar.add(folder, arcname="dsgdb9nsd")
+    np.testing.assert_array_equal(read_qm9(archive, ["gap"]).target("gap"), xyz_table.target("gap"))
+    one = read_qm9(folder / "dsgdb9nsd_000003.xyz", ["gap"])
+    assert len(one) == 1 and one.target("gap")[0] == pytest.approx(csv_table.target("gap")[2])
+
+
+def test_a_malformed_xyz_file_is_named_with_its_line(tmp_path, qm9_csv):
+    from flt.data.qm9 import read_qm9
+
+    _, rows = qm9_csv
+    folder = _write_xyz_folder(tmp_path / "xyz", rows[:3])
+    bad = folder / "dsgdb9nsd_000002.xyz"
+    lines = bad.read_text().splitlines()
+    lines[3] = "Xx 0.0 0.0 0.0 0.0"
+    bad.write_text("\n".join(lines))
+    with pytest.raises(DataError, match=r"dsgdb9nsd_000002\.xyz, line 4: unknown element symbol 'Xx'"):
+        read_qm9(folder, ["gap"])
+    lines[1] = "gdb 2 1.0 2.0"
+    bad.write_text("\n".join(lines))
+    with pytest.raises(DataError, match=r"line 2: expected 'gdb INDEX' and 15 properties"):
+        read_qm9(folder, ["gap"])
+    (folder / "copy.xyz").write_text((folder / "dsgdb9nsd_000001.xyz").read_text())
+    bad.unlink()
+    with pytest.raises(DataError, match="more than once: \\[1\\]"):
+        read_qm9(folder, ["gap"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="holds no .xyz files"):
+        read_qm9(empty, ["gap"])
+
+
+def test_the_task_trains_from_xyz_files(tmp_path, qm9_csv):
+    _, rows = qm9_csv
+    folder = _write_xyz_folder(tmp_path / "xyz", rows)
+    task = QM9Task(path=str(folder), target="gap", num_train=80, num_valid=20, num_test=20)
+    assert len(task.train.y) == 80 and task.target_std > 0

@@ -2,9 +2,10 @@
 kilo molecules"): DFT geometries (B3LYP/6-31G(2df,p), Angstrom) of the 130,831 molecules
 of up to 9 heavy atoms (C, N, O, F) that converged, with their properties.
 
-Two sources, one parser: the ``qm9pack`` wheel (MIT licence, by one of QM9's authors;
-install the ``qm9`` extra), which ships the set as three CSV parts, or any CSV with the
-same columns (``--data PATH``): ``Elements`` (``['C','H',...]``), ``XYZ_Ang``
+Three sources: the ``qm9pack`` wheel (MIT licence, by one of QM9's authors; install the
+``qm9`` extra), which ships the set as three CSV parts; QM9's original xyz files (a folder,
+a file or a tar archive of them: :mod:`flt.data.qm9_xyz`); or any CSV with the same
+columns as qm9pack's (``--data PATH``): ``Elements`` (``['C','H',...]``), ``XYZ_Ang``
 (``[[x,y,z],...]``) and the column of each target read. Nothing is downloaded.
 
 Targets (:data:`TARGETS`) are the 12 of the field (Gilmer et al., 2017; Schütt et al.,
@@ -32,6 +33,7 @@ from flt._io import atomic_write
 
 from .errors import DataError, MissingDataError, require_file
 from .molecules import MoleculeData, default_cache_dir
+from .qm9_xyz import is_xyz_source, iter_xyz_texts, parse_xyz_molecule
 
 #: meV per hartree (CODATA 2018).
 HARTREE_MEV = 27211.386245988
@@ -187,6 +189,32 @@ def read_qm9_csv(paths: str | os.PathLike | Sequence[str | os.PathLike], targets
     )
 
 
+def read_qm9_xyz(path: str | os.PathLike, targets: Sequence[str]) -> QM9Table:
+    """Parse QM9's original xyz files (a folder, one file or a tar archive: see
+    :mod:`flt.data.qm9_xyz`) into a :class:`QM9Table`, molecules in the order of their
+    index; a malformed file raises :class:`DataError` naming it and the line."""
+    specs = {t: check_target(t).scale for t in targets}
+    molecules = [parse_xyz_molecule(text, list(targets), where, ATOMIC_NUMBER, specs) for where, text in iter_xyz_texts(path)]
+    molecules.sort(key=lambda m: m[0])
+    indices = [m[0] for m in molecules]
+    if len(set(indices)) != len(indices):
+        repeated = sorted({i for i in indices if indices.count(i) > 1})[:5]
+        raise DataError(f"QM9 xyz data {path} holds molecule indices more than once: {repeated}")
+    counts = [len(m[1]) for m in molecules]
+    return QM9Table(
+        z=np.asarray([a for m in molecules for a in m[1]], dtype=np.int64),
+        pos=np.concatenate([m[2] for m in molecules]).astype(np.float32),
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        values=np.asarray([m[3] for m in molecules], dtype=np.float64).reshape(len(molecules), len(specs)),
+        targets=tuple(targets),
+    )
+
+
+def read_qm9(path: str | os.PathLike, targets: Sequence[str]) -> QM9Table:
+    """QM9 from ``path``: original xyz files (a folder, an ``.xyz`` file, a tar archive) or a CSV."""
+    return read_qm9_xyz(path, targets) if is_xyz_source(path) else read_qm9_csv(path, targets)
+
+
 def qm9pack_folder() -> tuple[str, str]:
     """``(data folder, version)`` of the installed qm9pack, found without importing it
     (its import needs ``pkg_resources`` and pandas, which reading the CSVs does not)."""
@@ -295,13 +323,13 @@ def _subset(table: QM9Table, idx: np.ndarray, y: np.ndarray) -> MoleculeData:
 def load_qm9(path: str | os.PathLike | None = None, *, target: str = "gap", num_train: int = QM9_TRAIN,
              num_valid: int = QM9_VALID, num_test: int | None = None, split_seed: int = 0,
              cache_dir: str | os.PathLike | None = None) -> QM9Splits:
-    """The molecules of ``target`` split by :func:`split_qm9`, from the CSV at ``path`` or
-    (None) the installed qm9pack set. For targets with ``atomref`` the per-element
+    """The molecules of ``target`` split by :func:`split_qm9`, from ``path`` (a CSV, or
+    QM9's original xyz files: :func:`read_qm9`) or (None) the installed qm9pack set. For targets with ``atomref`` the per-element
     references are fitted on the training molecules (:func:`fit_atom_references`) and
     subtracted from every split, in float64 before the targets become float32 (a total
     energy of about 10^7 meV would otherwise keep only about 1 meV of resolution)."""
     spec = check_target(target)
-    table = load_qm9pack(cache_dir) if path is None else read_qm9_csv(path, [target])
+    table = load_qm9pack(cache_dir) if path is None else read_qm9(path, [target])
     train, valid, test = split_qm9(len(table), num_train, num_valid, num_test, split_seed)
     y = table.target(target)
     present = np.unique(table.z)

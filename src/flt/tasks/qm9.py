@@ -1,7 +1,8 @@
 """``qm9``: one property of the QM9 molecules (:mod:`flt.data.qm9`) from atoms and their 3-D
 DFT geometry; MSE on the standardised target, MAE and RMSE in the target's unit.
 
-Data options: ``path`` (a CSV of qm9pack's columns; default: the installed qm9pack set,
+Data options: ``path`` (a CSV of qm9pack's columns, or QM9's original xyz files as a
+folder, a file or a tar archive; default: the installed qm9pack set,
 the ``qm9`` extra), ``target`` (one of :data:`flt.data.qm9.TARGETS`, default ``gap``),
 ``num_train`` (default 110,000), ``num_valid`` (10,000), ``num_test`` (None: every
 molecule after the training ones, 10,831 on the full set), ``split_seed`` (0) and
@@ -93,7 +94,7 @@ class QM9Task(Task):
     """One QM9 property (MSE on the standardised target; MAE and RMSE in its unit)."""
 
     name = "qm9"
-    description = "one of QM9's 12 properties from 3-D molecular geometry; data: the qm9pack package (the qm9 extra) or a CSV"
+    description = "one of QM9's 12 properties from 3-D molecular geometry; data: the qm9pack package (the qm9 extra), a CSV or the original xyz files"
     config, model = QM9Config, QM9Regressor
     metric, higher_is_better, compare_metrics, unit = "mae", False, ("rmse",), "mol"
     options = ("path", "target", "num_train", "num_valid", "num_test", "split_seed", "cache_dir")
