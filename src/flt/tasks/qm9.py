@@ -23,16 +23,13 @@ docs/qm9.md gives the protocol and docs/results.md the measurements.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-import torch.nn.functional as F
 
-from flt.data import collate_molecules
 from flt.data.qm9 import QM9_TRAIN, QM9_VALID, TARGETS, load_qm9
 from flt.models import replace_fields
 from flt.models.qm9 import ENCODERS, QM9Config, QM9Regressor
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import mechanism_options
+from flt.tasks.molecule import MoleculeTask
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT in the molecule task's form (the FLT paper's multiplicative coupling of a radial
@@ -90,8 +87,9 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(QM9Task.name, model, run, {})
 
 
-class QM9Task(Task):
-    """One QM9 property (MSE on the standardised target; MAE and RMSE in its unit)."""
+class QM9Task(MoleculeTask):
+    """One QM9 property (MSE on the standardised target; MAE and RMSE in its unit). Batches,
+    loss, metrics and the relative-position extent are the molecule task's."""
 
     name = "qm9"
     description = "one of QM9's 12 properties from 3-D molecular geometry; data: the qm9pack package (the qm9 extra), a CSV or the original xyz files"
@@ -119,55 +117,10 @@ class QM9Task(Task):
             self.target_std = 1.0
 
     def configure(self, cfg):
-        zmax = int(max(self.train.z.max(), self.valid.z.max(), self.test.z.max()))
-        if zmax >= cfg.num_elements:
-            raise ValueError(f"the data has atomic number {zmax}, beyond num_elements = {cfg.num_elements}")
-        readout = cfg.readout or ("sum" if self.extensive else "mean")
-        return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std, readout=readout)
-
-    def _collate(self, data, idx):
-        return collate_molecules([data[int(i)] for i in idx])
-
-    def train_batch(self, step, batch_size, seed, rank, world):
-        idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
-        return self._collate(self.train, idx)
-
-    def batch_items(self, batch) -> int:
-        return batch.y.shape[0]
-
-    def loss(self, model, batch):
-        pred = model(batch.z, batch.pos, batch.key_padding_mask)
-        return F.mse_loss((pred.float() - self.target_mean) / self.target_std,
-                          (batch.y.float() - self.target_mean) / self.target_std)
-
-    def _batches(self, data, batch_size, max_batches, rank, world):
-        for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
-            yield self._collate(data, range(sl.start, sl.stop))
-
-    def eval_batches(self, batch_size, max_batches, rank, world):
-        return self._batches(self.valid, batch_size, max_batches, rank, world)
-
-    def test_batches(self, batch_size, max_batches, rank, world):
-        return self._batches(self.test, batch_size, max_batches, rank, world)
-
-    def eval_sums(self, model, batch):
-        err = model(batch.z, batch.pos, batch.key_padding_mask).double() - batch.y.double()
-        return {"sq_norm": float(((err / self.target_std) ** 2).sum()), "abs": float(err.abs().sum()),
-                "sq": float((err**2).sum()), "count": float(err.numel())}
-
-    def metrics(self, sums):
-        n = sums["count"]
-        return {"loss": sums["sq_norm"] / n, "mae": sums["abs"] / n, "rmse": math.sqrt(sums["sq"] / n)}
-
-    def rpe_extent(self, cfg):
-        radius = 0.0
-        for i in range(min(len(self.train), 256)):
-            _, pos, _ = self.train[i]
-            radius = max(radius, float((pos - pos.mean(0)).norm(dim=-1).max()))
-        return max(1.0, 2 * radius), False
-
-    def longest_sequence(self, cfg):
-        return int(max(self.valid.num_atoms().max(), self.test.num_atoms().max()))
+        """The molecule task's checks and target scale, plus a readout that suits the target:
+        a sum over atoms for extensive properties, else a mean (unless ``readout`` is set)."""
+        cfg = super().configure(cfg)
+        return replace_fields(cfg, readout=cfg.readout or ("sum" if self.extensive else "mean"))
 
     def extra(self):
         return {"target": self.target, "unit": self.target_unit, "elements": list(self.elements),
