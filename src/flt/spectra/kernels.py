@@ -204,29 +204,22 @@ class MaternSpectrum(_KernelSpectrum):
         self._check_points("delta", delta)
         cdt = self._cdt(delta)
         d = delta.to(cdt).unsqueeze(-2) / self.lengths().to(cdt)  # [..., H, P]
-        sq = (d * d).sum(-1)
-        # sqrt has an infinite derivative at 0; the double where keeps gradients finite there.
-        nonzero = sq > 0
-        r = torch.where(nonzero, torch.sqrt(torch.where(nonzero, sq, torch.ones_like(sq))), torch.zeros_like(sq))
-        if self.nu == 0.5:
-            k = torch.exp(-r)
-        elif self.nu == 1.5:
-            k = (1 + math.sqrt(3) * r) * torch.exp(-math.sqrt(3) * r)
-        else:
-            k = (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
-        return self.amplitude.to(cdt) * k
+        return self.amplitude.to(cdt) * self._profile((d * d).sum(-1))
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         sq = sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
+        return self.amplitude[h] * self._profile(sq)
+
+    def _profile(self, sq: torch.Tensor) -> torch.Tensor:
+        """``k_nu(r)`` of the squared scaled distance ``sq = r^2``. sqrt has an infinite
+        derivative at 0; the double ``where`` keeps gradients finite there."""
         nonzero = sq > 0
         r = torch.where(nonzero, torch.sqrt(torch.where(nonzero, sq, torch.ones_like(sq))), torch.zeros_like(sq))
         if self.nu == 0.5:
-            k = torch.exp(-r)
-        elif self.nu == 1.5:
-            k = (1 + math.sqrt(3) * r) * torch.exp(-math.sqrt(3) * r)
-        else:
-            k = (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
-        return self.amplitude[h] * k
+            return torch.exp(-r)
+        if self.nu == 1.5:
+            return (1 + math.sqrt(3) * r) * torch.exp(-math.sqrt(3) * r)
+        return (1 + math.sqrt(5) * r + (5.0 / 3.0) * sq) * torch.exp(-math.sqrt(5) * r)
 
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi = z / (2 pi l sqrt(u / (2 nu)))`` ``[H, R, P]``, ``w = a / R`` ``[H, R]``."""
