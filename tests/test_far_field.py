@@ -88,17 +88,22 @@ def test_multiplicative_without_a_near_set_is_refused():
         layer(far_field="no")
 
 
+def decode_token_by_token(lay, x):
+    """The layer's ``step()`` outputs over ``x [B, N, dim]``, one token at a time."""
+    state, outs = None, []
+    for t in range(x.shape[1]):
+        y, state = lay.step(x[:, t], state)
+        outs.append(y.unsqueeze(1))
+    return torch.cat(outs, dim=1)
+
+
 def test_causal_band_decoding_matches_the_forward():
     lay = layer(coupling="logit", causal=True, near_field=3, near_relative="clipped", far_field=False)
     lay.eval()
     torch.manual_seed(3)
     x = torch.randn(1, 12, 16, dtype=F64)
     full = lay(x)
-    state, outs = None, []
-    for t in range(12):
-        y, state = lay.step(x[:, t], state)
-        outs.append(y.unsqueeze(1))
-    assert_close(torch.cat(outs, dim=1), full)
+    assert_close(decode_token_by_token(lay, x), full)
 
 
 # far_field="near": f exact on the near set, its random-feature estimate beyond it dropped.
@@ -199,11 +204,7 @@ def test_near_only_band_decoding_matches_the_causal_forward():
     torch.manual_seed(7)
     x = torch.randn(1, 12, 16, dtype=F64)
     full = lay(x)
-    state, outs = None, []
-    for t in range(12):
-        y, state = lay.step(x[:, t], state)
-        outs.append(y.unsqueeze(1))
-    assert_close(torch.cat(outs, dim=1), full)
+    assert_close(decode_token_by_token(lay, x), full)
     y, state = lay.prefill(x[:, :8])
     assert_close(y, full[:, :8])
     for t in range(8, 12):
