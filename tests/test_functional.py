@@ -134,3 +134,12 @@ def test_prefill_then_steps_equal_the_causal_forward(mechanism, options):
     for t in range(5, 9):
         row, state = core.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state, pos=torch.tensor([[t]]))
         assert_close(row, full[:, :, t:t + 1])
+
+
+def test_non_finite_positions_are_refused_for_every_mechanism():
+    q = torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    pos = torch.rand(1, 8, 2, dtype=torch.float64)
+    pos[0, 3, 1] = float("nan")
+    for core in ("flt", "softmax", "performer"):
+        with pytest.raises(ValueError, match="pos contains 1 non-finite value"):
+            attention(q, q, q, pos=pos, core=core, pos_dim=2)

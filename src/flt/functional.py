@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from flt._checks import check_tensor
+from flt._checks import check_positions, check_tensor
 from flt._dtype import compute_dtype
 from flt.layers.base import Prepared
 from flt.layers.registry import ATTENTION
@@ -183,13 +183,9 @@ def positions(pos, *, batch: int, length: int, pos_dim: int, like: torch.Tensor)
         return torch.arange(length, device=like.device, dtype=dtype).view(1, length, 1)
     if not isinstance(pos, torch.Tensor):
         raise TypeError(f"pos must be a tensor [B, N, P], [N, P] or [B, N] (position ids), got {type(pos).__name__}")
-    if pos.ndim == 2 and not pos.is_floating_point():
-        pos = pos.unsqueeze(-1)  # position ids
-    if pos.ndim == 2:
-        pos = pos.unsqueeze(0)
-    if pos.ndim != 3 or pos.shape[0] not in (1, batch) or pos.shape[1] != length or pos.shape[2] != pos_dim:
-        raise ValueError(f"pos must be [B|1, N, P] = [{batch}|1, {length}, {pos_dim}] (or [N, P], or [B, N] position ids), got {tuple(pos.shape)}")
-    return pos.to(device=like.device, dtype=dtype)
+    if not pos.is_floating_point():
+        pos = (pos.unsqueeze(-1) if pos.ndim == 2 else pos).to(dtype)  # [B, N] are position ids
+    return check_positions("pos", pos, batch=batch, length=length, pos_dim=pos_dim).to(device=like.device, dtype=dtype)
 
 
 def attention(q, k, v, *, pos=None, core: AttentionCore | str = "softmax", causal: bool | None = None,
