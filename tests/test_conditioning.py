@@ -17,7 +17,7 @@ import torch
 
 from flt.layers.flt import ConditioningWarning, FLTAttention
 from flt.ops.linear import kronecker_condition
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 from conftest import assert_close
 
 

@@ -20,7 +20,7 @@ from flt.layers.performer import PerformerAttention
 from flt.layers.softmax import KVCache, SoftmaxAttention
 from flt.models import LMConfig, build_model
 from flt.relative import RELATIVE
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 
 F64 = torch.float64
 

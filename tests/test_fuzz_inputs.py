@@ -25,7 +25,7 @@ from flt.data.errors import DataError
 from flt.layers.registry import ATTENTION
 from flt.models.config import ImageConfig, LMConfig, MoleculeConfig
 from flt.options import ATTENTION_ARGUMENTS, constructor_options
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 from flt.tasks.preset import RunConfig
 
 #: Values of every kind a ``KEY=VALUE`` flag or a Python caller may give: small and huge

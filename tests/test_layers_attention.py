@@ -6,7 +6,7 @@ import torch
 from conftest import assert_close
 from flt import ATTENTION, FLTAttention
 from flt.layers import SoftmaxAttention, ToeplitzAttention
-from flt.posenc.bias import alibi_slopes
+from flt.relative import alibi_slopes
 
 F64 = torch.float64
 NAMES = sorted(ATTENTION)

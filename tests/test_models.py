@@ -21,7 +21,7 @@ from flt.models import (
     replace_fields,
     tie_isotropic,
 )
-from flt.spectra import GaussianKernelSpectrum
+from flt.relative.spectra import GaussianKernelSpectrum
 from flt.train.presets import ATTENTION_DEFAULTS
 
 NAMES = sorted(ATTENTION)

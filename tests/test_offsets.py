@@ -14,8 +14,8 @@ import torch
 from flt.data.offsets import generate_offsets, offset_logits, offset_targets
 from flt.layers.flt import FLTAttention
 from flt.layers.softmax import SoftmaxAttention
-from flt.spectra import GaussianMixtureSpectrum
-from flt.spectra.base import inverse_positive
+from flt.relative.spectra import GaussianMixtureSpectrum
+from flt.relative.spectra.base import inverse_positive
 from flt.tasks import get_preset, load_task
 from flt.tasks.base import Task
 from flt.tasks.offsets import OffsetsTask

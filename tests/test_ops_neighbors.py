@@ -125,7 +125,7 @@ def test_multiplicative_form_with_k_equal_to_n_is_the_exact_masked_attention(pad
 def test_multiplicative_far_weights_are_unbiased():
     # A far pair's weight is FAVOR+'s estimate of exp(xq.xk) times the random-frequency
     # estimate a.c of the mask f, from independent draws: its mean over draws is f exp(xq.xk).
-    from flt.spectra import SPECTRA
+    from flt.relative.spectra import SPECTRA
 
     torch.manual_seed(0)
     H, N, D = 2, 6, 4

@@ -9,7 +9,7 @@ import torch
 from conftest import assert_close
 from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
 from flt.relative import RELATIVE, RelativeTerm, build_relative
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 
 F64 = torch.float64
 ONE_D = {"t5", "clipped"}  # tables over integer offsets
@@ -170,3 +170,35 @@ def test_term_rejects_positions_of_the_wrong_dimension_by_name():
         term.bias(torch.zeros(1, 4, 2))
     with pytest.raises(ValueError, match="pos_q contains 1 non-finite"):
         term.bias(torch.tensor([[[0.0, 0.0, float("nan")]]]))
+
+
+def test_every_registered_term_lives_in_the_relative_package():
+    for name, cls in RELATIVE.items():
+        assert cls.__module__.startswith("flt.relative."), (name, cls.__module__)
+
+
+def test_the_old_import_paths_are_aliases_of_the_relative_package():
+    import flt.posenc
+    import flt.posenc.bias
+    import flt.relative.alibi
+    import flt.relative.tables
+    import flt.spectra
+
+    assert flt.spectra.SPECTRA is SPECTRA
+    assert set(flt.spectra.__all__) <= set(dir(flt.spectra))
+    assert flt.posenc.bias.alibi_bias is flt.relative.alibi.alibi_bias
+    assert flt.posenc.bias.RelativeBiasTable is flt.relative.tables.RelativeBiasTable
+    assert flt.posenc.alibi_slopes is flt.relative.alibi.alibi_slopes
+
+
+@pytest.mark.parametrize("module", ["flt.relative.tables", "flt.relative.alibi", "flt.relative.spectra", "flt.relative.shortest_path"])
+def test_each_relative_module_imports_first_in_a_fresh_interpreter(module):
+    # The package had an import loop (posenc.bias -> relative -> registry -> posenc.bias);
+    # each module must now import on its own, whichever comes first.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", f"import {module}; from flt.relative import RELATIVE; print(len(RELATIVE))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(RELATIVE)

@@ -14,7 +14,7 @@ from conftest import assert_close
 from flt.layers import SoftmaxAttention
 from flt.ops.softmax import flex_attention_available
 from flt.relative import RELATIVE, RelativeTerm, build_relative
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 
 F64 = torch.float64
 ONE_D = {"t5", "clipped"}  # tables over integer offsets

@@ -16,7 +16,7 @@ from scipy import integrate, special
 from torch import nn
 
 from conftest import assert_close
-from flt.spectra import SPECTRA, LocalSpectrum, MaternSpectrum, NeuralSpectrum
+from flt.relative.spectra import SPECTRA, LocalSpectrum, MaternSpectrum, NeuralSpectrum
 
 F64 = torch.float64
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import assert_close, assert_same_gradients
 from flt import FLTAttention
-from flt.spectra import GaussianMixtureSpectrum
+from flt.relative.spectra import GaussianMixtureSpectrum
 
 F64 = torch.float64
 

@@ -3,7 +3,7 @@
 from flt.layers import ATTENTION, FLTAttention
 from flt.perf import compile, keep_freed_memory  # noqa: A004
 from flt.posenc import POSENC
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 
 __version__ = "0.1.0"
 

@@ -7,6 +7,7 @@ was expected.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -126,6 +127,42 @@ def check_nonnegative_int(name: str, value, meaning: str = "") -> None:
     """``value`` is an int ``>= 0`` (not a bool); ``meaning`` goes in the message, in brackets."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {value!r}")
+
+
+def check_positive_float(name: str, value) -> float:
+    """Require a finite real number ``> 0`` and return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_nonnegative_float(name: str, value) -> float:
+    """Require a finite real number ``>= 0`` and return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> None:
+    """Require a bool (not an int or a string that reads as one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def integer_positions(name: str, pos) -> torch.Tensor:
+    """Return integer-valued positions as ``torch.long``.
+
+    Accepts an integer tensor or a floating tensor whose entries are all whole numbers;
+    anything else (bool, fractional or non-finite values) raises.
+    """
+    if not isinstance(pos, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(pos).__name__}")
+    if pos.dtype == torch.bool or pos.is_complex():
+        raise TypeError(f"{name} must have an integer or floating-point dtype, got {pos.dtype}")
+    if pos.is_floating_point():
+        check_finite(name, pos)
+        check_values(name, pos, lambda p: p == p.round(), f"{name} must hold integer-valued positions, got fractional values", tag="integer")
+    return pos.long()
 
 
 def check_positions(name: str, pos, *, batch: int, length: int, pos_dim: int | None) -> torch.Tensor:

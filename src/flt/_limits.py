@@ -118,7 +118,7 @@ def _spectrum_option(cls: type, options: dict, name: str) -> Any:
     """An option of the spectrum a layer builds (its ``spectrum`` option or default)."""
     if name in options:
         return options[name]
-    from flt.spectra import SPECTRA
+    from flt.relative.spectra import SPECTRA
 
     spectrum = _option(cls, options, "spectrum")
     return _option(SPECTRA[spectrum], {}, name) if isinstance(spectrum, str) and spectrum in SPECTRA else None

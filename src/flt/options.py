@@ -15,7 +15,7 @@ is an error (there is no silent precedence); with the same value it is accepted.
 Validation. Options are checked against the constructor signature of the class that takes
 them (names, and types from the annotations): :func:`check_attention_options` for
 :data:`flt.ATTENTION` entries, whose ``**spectrum_options`` are checked against
-``flt.spectra.SPECTRA[spectrum]``, and :func:`check_posenc_options` for
+``flt.relative.spectra.SPECTRA[spectrum]``, and :func:`check_posenc_options` for
 :data:`flt.POSENC` entries. Every attention layer runs the same check when it is built
 (:class:`flt.layers.base.AttentionBase`), so ``FLTAttention(64, 4, num_frequencies="abc")``
 and ``flt train --attn-opt num_frequencies=abc`` fail with the same message, naming the
@@ -193,7 +193,7 @@ class Options:
 
 
 def _spectra():
-    from flt.spectra import SPECTRA
+    from flt.relative.spectra import SPECTRA
 
     return SPECTRA
 

@@ -13,7 +13,7 @@ import torch
 
 from flt.layers import FLTAttention
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
-from flt.spectra import SAMPLERS, SPECTRA
+from flt.relative.spectra import SAMPLERS, SPECTRA
 
 F64 = torch.float64
 

@@ -14,7 +14,7 @@ centre weighs ``e^3 ~ 20`` times one outside, so the target is mostly the mean o
 values 40 to 90 and 230 to 280 tokens back, plus a share (about a fifth at 512 tokens)
 of the mean of all earlier values. It is exactly one attention layer with a relative term and no content
 term (``q.k = 0``): ``softmax(q.k + f(i - j))`` with the bumps as ``f``, which a
-shifted Gaussian-mixture spectrum (:class:`flt.spectra.GaussianMixtureSpectrum` with
+shifted Gaussian-mixture spectrum (:class:`flt.relative.spectra.GaussianMixtureSpectrum` with
 ``shift=True``, ``mu = 0``) is, and which no mechanism can compute from a band of nearby
 tokens when the centres lie far beyond it.
 

@@ -24,7 +24,7 @@ attention of one of the link benchmarks' two kinds:
   :class:`flt.layers.SoftmaxAttention` with ``relative_bias="spectrum"`` and the same
   spectrum options (the pairing ``flt`` / ``softmax:relative_bias=spectrum`` of the
   training presets). The Gaussian spectrum computes its exact bias on ``K > 3``
-  coordinates by a matmul (:meth:`flt.spectra.GaussianKernelSpectrum.pairwise`), without
+  coordinates by a matmul (:meth:`flt.relative.spectra.GaussianKernelSpectrum.pairwise`), without
   the ``[N, N, K]`` tensor of differences.
 
 :class:`LaplacianPE` is the positional baseline: the first ``k`` nontrivial eigenvectors of

@@ -1,7 +1,7 @@
 """One mechanism for the random draws of every random-feature module (docs/math.md section 5.2).
 
 Two kinds of modules hold random draws: :class:`flt.layers.features.FeatureMap` (the
-FAVOR+ or ReLU projection ``W``, buffer ``projection``) and :class:`flt.spectra.Spectrum`
+FAVOR+ or ReLU projection ``W``, buffer ``projection``) and :class:`flt.relative.spectra.Spectrum`
 (the base draws ``eps`` that its parameters turn into frequencies). Both implement a small
 protocol, :class:`RandomFeatures`:
 

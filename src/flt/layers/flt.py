@@ -1,7 +1,7 @@
 """FLTAttention: linear attention with a learned relative positional encoding (FLT).
 
 The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (see
-:mod:`flt.spectra`), estimated with random frequencies as ``a(r_i) . c(r_j)``. Two couplings
+:mod:`flt.relative.spectra`), estimated with random frequencies as ``a(r_i) . c(r_j)``. Two couplings
 (docs/math.md sections 4 and 5):
 
 * ``"logit"`` (default): FAVOR+ on ``[x_q, a(r_i)]`` and ``[x_k, c(r_j)]`` estimates
@@ -30,7 +30,7 @@ from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.linear import kronecker_condition
 from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
 
 COUPLINGS = ("logit", "multiplicative")
 
@@ -50,7 +50,7 @@ class FLTAttention(KernelAttention):
         dim: model width; ``heads`` must divide it.
         heads: ``H``.
         pos_dim: ``P``, dimension of the positions (1 text, 2 patches, 3 atoms, ...).
-        spectrum: a name in :data:`flt.spectra.SPECTRA`.
+        spectrum: a name in :data:`flt.relative.spectra.SPECTRA`.
         coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
         num_features: ``m``, kernel features per head.
         num_frequencies: ``R``, random frequencies per head (features ``2R``).

@@ -20,16 +20,15 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from flt._checks import check_choice
+from flt._checks import check_choice, check_positive_float
 from flt._dtype import compute_dtype
 from flt.layers.base import AttentionBase, batch_shared
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
-from flt.posenc._common import check_positive_float
-from flt.posenc.bias import DEFAULT_TABLE_SCALE
 from flt.posenc.rope import apply_rope
 from flt.relative.base import RelativeTerm
-from flt.spectra import SPECTRA, Spectrum
+from flt.relative.spectra import SPECTRA, Spectrum
+from flt.relative.tables import DEFAULT_TABLE_SCALE
 
 #: The relative terms whose options are the layer's own keywords; other entries of
 #: :data:`flt.relative.RELATIVE` take theirs as ``relative_options``.

@@ -14,8 +14,8 @@ from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, toeplitz_attention, toeplitz_attention_reference
-from flt.posenc.bias import DEFAULT_TABLE_SCALE
 from flt.relative import build_relative
+from flt.relative.tables import DEFAULT_TABLE_SCALE
 
 
 class ToeplitzAttention(KernelAttention):

@@ -31,7 +31,7 @@ from torch.nn.utils import parametrize
 from flt._checks import check_choice
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import READOUTS
-from flt.spectra import GaussianKernelSpectrum, MaternSpectrum, Spectrum
+from flt.relative.spectra import GaussianKernelSpectrum, MaternSpectrum, Spectrum
 
 #: Spectra whose mask is a function of ``|Delta / l|``: radial once the lengths are tied.
 RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum)

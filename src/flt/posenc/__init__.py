@@ -9,8 +9,10 @@ Outside the registry:
 - :class:`CAPE` augments the positions themselves (training only), so it composes with
   any encoding, FLT's spectral RPE included.
 - :func:`apply_rope` / :func:`rope_angles` rotate queries and keys inside attention.
-- :func:`alibi_bias`, :func:`t5_relative_buckets`, :class:`RelativeBiasTable` give
-  relative logit biases ``[B, H, N, Nk]`` for attention layers.
+- Relative terms (tables, ALiBi, spectra) live in :mod:`flt.relative`; the names
+  :func:`alibi_bias`, :func:`alibi_slopes`, :func:`t5_relative_buckets`,
+  :func:`clipped_relative_indices` and :class:`RelativeBiasTable` stay importable from
+  here as aliases.
 - :func:`stable_rank` and :func:`distance_preservation` diagnose embeddings.
 """
 
@@ -21,13 +23,6 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt.posenc._common import check_abs_positions
-from flt.posenc.bias import (
-    RelativeBiasTable,
-    alibi_bias,
-    alibi_slopes,
-    clipped_relative_indices,
-    t5_relative_buckets,
-)
 from flt.posenc.cape import CAPE, CAPEDraws, patch_grid
 from flt.posenc.fourier import LearnableFourierFeatures
 from flt.posenc.rope import apply_rope, rope_angles
@@ -39,6 +34,8 @@ from flt.posenc.shifted_basis import (
     stable_rank,
 )
 from flt.posenc.sinusoidal import LearnedEncoding, SinusoidalEncoding, sinusoidal_frequencies
+from flt.relative.alibi import alibi_bias, alibi_slopes
+from flt.relative.tables import RelativeBiasTable, clipped_relative_indices, t5_relative_buckets
 
 
 class NoEncoding(nn.Module):

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flt._checks import check_positive_int
-from flt.posenc._common import check_abs_positions, check_nonnegative_float, compute_dtype
+from flt._checks import check_nonnegative_float, check_positive_int
+from flt.posenc._common import check_abs_positions, compute_dtype
 
 
 @dataclass(frozen=True)

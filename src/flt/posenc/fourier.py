@@ -24,8 +24,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_positive_int
-from flt.posenc._common import check_abs_positions, check_positive_float, compute_dtype
+from flt._checks import check_positive_float, check_positive_int
+from flt.posenc._common import check_abs_positions, compute_dtype
 
 
 class LearnableFourierFeatures(nn.Module):

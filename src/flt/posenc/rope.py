@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from flt._checks import check_dim, check_finite, check_positions, check_positive_int, check_tensor
-from flt.posenc._common import check_positive_float, compute_dtype
+from flt._checks import check_dim, check_finite, check_positions, check_positive_float, check_positive_int, check_tensor
+from flt.posenc._common import compute_dtype
 from flt.posenc.sinusoidal import sinusoidal_frequencies
 
 

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_choice, check_positive_int, check_tensor
-from flt.posenc._common import check_abs_positions, check_positive_float, compute_dtype
+from flt._checks import check_choice, check_positive_float, check_positive_int, check_tensor
+from flt.posenc._common import check_abs_positions, compute_dtype
 
 KINDS = ("gaussian", "triangle", "square", "impulse", "sine", "rff")
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import inspect
 
 from flt._checks import check_choice
-from flt.posenc.bias import AlibiBias, ClippedBias, T5Bias
+from flt.relative.alibi import AlibiBias
 from flt.relative.base import RelativeTerm
 from flt.relative.shortest_path import ShortestPathBias
-from flt.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA
+from flt.relative.tables import ClippedBias, T5Bias
 
 RELATIVE: dict[str, type[RelativeTerm]] = {
     "t5": T5Bias,

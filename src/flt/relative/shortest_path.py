@@ -37,10 +37,9 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_positive_int
-from flt.posenc._common import check_positive_float
-from flt.posenc.bias import DEFAULT_TABLE_SCALE
+from flt._checks import check_bool, check_positive_float, check_positive_int
 from flt.relative.base import RelativeTerm, pair_positions
+from flt.relative.tables import DEFAULT_TABLE_SCALE
 
 #: Hop estimates at or above this count read as "no path" (:func:`hop_positions` writes an
 #: unreachable reference at twice this).
@@ -76,7 +75,7 @@ class ShortestPathBias(RelativeTerm):
         max_distance: the last hop count with its own row; larger counts share it.
         table_scale, learn_scale: ``bias = scale * table``, the table starting at zero and
             ``scale`` at ``table_scale`` (learned unless ``learn_scale=False``), the
-            learning-rate reparameterisation of :class:`flt.posenc.RelativeBiasTable`.
+            learning-rate reparameterisation of :class:`flt.relative.RelativeBiasTable`.
     """
 
     def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, max_distance: int = 8,
@@ -85,8 +84,7 @@ class ShortestPathBias(RelativeTerm):
         check_positive_int("heads", heads)
         check_positive_int("pos_dim", pos_dim)
         check_positive_int("max_distance", max_distance)
-        if not isinstance(learn_scale, bool):
-            raise TypeError(f"learn_scale must be a bool, got {type(learn_scale).__name__}")
+        check_bool("learn_scale", learn_scale)
         self.heads, self.pos_dim, self.max_distance = heads, pos_dim, max_distance
         self.unit = check_positive_float("unit", unit)
         self.table_scale = check_positive_float("table_scale", table_scale)

@@ -19,8 +19,8 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
-from flt.spectra.kernels import check_amplitude, per_axis
+from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
+from flt.relative.spectra.kernels import check_amplitude, per_axis
 
 _SQRT2 = math.sqrt(2.0)
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
+from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 
 #: Smoothness parameters with closed-form Matern kernels; ``2 nu`` must be an integer
 #: because the chi-square variable is a sum of ``2 nu`` squared base normals.

@@ -24,7 +24,7 @@ from torch import nn
 from flt._checks import check_choice, check_finite, check_positive_int, check_tensor
 from flt._dtype import compute_dtype
 from flt.relative.base import RelativeTerm
-from flt.spectra.sampling import SAMPLERS, standard_normal_draws
+from flt.relative.spectra.sampling import SAMPLERS, standard_normal_draws
 
 # Times 1 / R: weights smaller than this are split unevenly between the query and key
 # features so that w = 0 stays differentiable (see Spectrum.features).

@@ -5,12 +5,12 @@
 an ``amplitude`` option (the initial ``f(0)``; ``0`` gives ``f == 0``).
 """
 
-from flt.spectra.base import Spectrum
-from flt.spectra.gaussian_mixture import GaussianMixtureSpectrum
-from flt.spectra.kernels import MATERN_NU, GaussianKernelSpectrum, MaternSpectrum
-from flt.spectra.local import LocalSpectrum
-from flt.spectra.neural import NeuralSpectrum
-from flt.spectra.sampling import SAMPLERS, standard_normal_draws
+from flt.relative.spectra.base import Spectrum
+from flt.relative.spectra.gaussian_mixture import GaussianMixtureSpectrum
+from flt.relative.spectra.kernels import MATERN_NU, GaussianKernelSpectrum, MaternSpectrum
+from flt.relative.spectra.local import LocalSpectrum
+from flt.relative.spectra.neural import NeuralSpectrum
+from flt.relative.spectra.sampling import SAMPLERS, standard_normal_draws
 
 SPECTRA: dict[str, type[Spectrum]] = {
     "gaussian_mixture": GaussianMixtureSpectrum,

@@ -20,8 +20,8 @@ from torch.nn import functional as F
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
-from flt.spectra.kernels import check_amplitude, per_axis
+from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
+from flt.relative.spectra.kernels import check_amplitude, per_axis
 
 # The quadrature grid covers |u| <= _HALF_WIDTH in envelope units (u = xi / s_e), where the
 # standard normal density is below 1e-16.

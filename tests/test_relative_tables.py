@@ -8,14 +8,8 @@ import pytest
 import torch
 from conftest import assert_close
 
-from flt.posenc import (
-    RelativeBiasTable,
-    alibi_bias,
-    alibi_slopes,
-    clipped_relative_indices,
-    patch_grid,
-    t5_relative_buckets,
-)
+from flt.posenc import patch_grid
+from flt.relative import RelativeBiasTable, alibi_bias, alibi_slopes, clipped_relative_indices, t5_relative_buckets
 
 
 def _t5_reference(offset: int, bidirectional: bool, num_buckets: int, max_distance: int) -> int:

@@ -21,8 +21,8 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.spectra.base import Spectrum, as_dtype, inverse_positive, positive
-from flt.spectra.kernels import check_amplitude
+from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
+from flt.relative.spectra.kernels import check_amplitude
 
 
 class GaussianMixtureSpectrum(Spectrum):
