@@ -122,7 +122,8 @@ def test_every_config_field_is_accepted_or_refused_by_name(case, value):
 @given(field=st.sampled_from(["dim", "depth", "heads", "num_features", "num_frequencies", "near_field", "batch_size"]),
        size=st.sampled_from([10**9, 10**12, 10**18]))
 def test_huge_sizes_are_refused_by_the_memory_estimate_before_allocation(field, size):
-    from flt._limits import MemoryLimitError, check_model_memory
+    from flt._limits import MemoryLimitError
+    from flt.models.memory import check_model_memory
 
     cfg_fields = {"dim": 32, "depth": 2, "heads": 2}
     batch = 8

@@ -10,7 +10,10 @@ estimate and the limit (:class:`MemoryLimitError`, a ``ValueError``).
 The estimates count float32 values and are deliberately simple, one formula per
 mechanism (the largest tensors of a forward pass and, for training, what backward keeps),
 so they are orders of magnitude right, not exact: they catch a size that cannot fit, not
-one that nearly fits.
+one that nearly fits. Here: the limit and the estimate of one attention layer given its
+class (what a layer's constructor checks, so this module sits below :mod:`flt.layers` and
+imports nothing from it); :mod:`flt.models.memory` estimates whole models from their
+configs, which name their mechanisms.
 
 The limit: ``FLT_MEMORY_LIMIT`` (bytes, or a number with a K/M/G/T suffix: ``8G``) if set;
 otherwise the free memory of the CUDA device (``torch.cuda.mem_get_info``), or on the CPU
@@ -19,6 +22,7 @@ the available RAM (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -102,15 +106,36 @@ def check_memory(what: str, nbytes: float, *, device=None, hint: str = "") -> No
 # -- estimates -------------------------------------------------------------------------
 
 
+#: ``**`` parameters that a layer hands to one of its parts rather than to its parent (the
+#: forwarded options of :data:`flt.options.FORWARDS`).
+_TO_A_PART = ("spectrum_options",)
+
+
+def _constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
+    """The keyword parameters of ``cls(...)``: its ``__init__``'s, and the next ``__init__``'s
+    up the MRO while one passes ``**kwargs`` on to its parent (not to a part:
+    :data:`_TO_A_PART`)."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass.__module__.split(".")[0] in ("builtins", "torch"):
+            break
+        signature = list(inspect.signature(init).parameters.values())[1:]
+        for p in signature:
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                params.setdefault(p.name, p)
+        if not any(p.kind is p.VAR_KEYWORD and p.name not in _TO_A_PART for p in signature):
+            break
+    return params
+
+
 def _option(cls: type, options: dict, name: str, default: Any = None) -> Any:
     """``options[name]``, else the default of ``cls``'s constructor (following ``**kwargs``)."""
     if name in options:
         return options[name]
-    import inspect
-
-    from flt.options import constructor_options
-
-    param = constructor_options(cls).params.get(name)
+    param = _constructor_parameters(cls).get(name)
     return default if param is None or param.default is inspect.Parameter.empty else param.default
 
 
@@ -129,19 +154,11 @@ def _int(value, fallback: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
 
 
-def _mechanism(attention) -> type | None:
-    from flt.layers.registry import ATTENTION
-
-    if isinstance(attention, str):
-        return ATTENTION.get(attention)
-    return attention if isinstance(attention, type) else None
-
-
-def attention_parameter_values(attention, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
-    """Values held by one attention layer: projections (``4 dim^2``), the random feature
-    projection (``m x`` its input size), the spectrum's frequencies and parameters
-    (``H R P`` a few times) and relative tables."""
-    cls = _mechanism(attention)
+def attention_parameter_values(cls: type | None, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+    """Values held by one attention layer of class ``cls`` (None: an unknown mechanism, its
+    projections only): projections (``4 dim^2``), the random feature projection (``m x`` its
+    input size), the spectrum's frequencies and parameters (``H R P`` a few times) and
+    relative tables."""
     head_dim = max(dim // max(heads, 1), 1)
     total = 4 * dim * dim + dim
     if cls is None:
@@ -163,10 +180,11 @@ def attention_parameter_values(attention, options: dict, *, dim: int, heads: int
     return total
 
 
-def attention_activation_values(attention, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
+def attention_activation_values(cls: type | None, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
                                 training: bool) -> int:
-    """Values of the largest tensors of one attention layer's forward pass over ``batch``
-    sequences of ``length`` tokens, twice that when training (what backward keeps):
+    """Values of the largest tensors of the forward pass of one attention layer of class
+    ``cls`` (None: an unknown mechanism, counted as softmax) over ``batch`` sequences of
+    ``length`` tokens, twice that when training (what backward keeps):
 
     * softmax: the weights, ``B H N N``;
     * kernel mechanisms (Performer, FLT): the features of queries and keys, ``2 B H N m``,
@@ -176,7 +194,6 @@ def attention_activation_values(attention, options: dict, *, batch: int, heads: 
     * Toeplitz: ``B H N N`` up to ``dense_below`` tokens, else FFTs of ``B H 2N m (Dv + 1)``
       complex values.
     """
-    cls = _mechanism(attention)
     b, h, n, dv = batch, heads, length, head_dim
     if cls is None or "num_features" not in _parameter_names(cls):
         values = b * h * n * n
@@ -195,102 +212,23 @@ def attention_activation_values(attention, options: dict, *, batch: int, heads: 
     return values * (2 if training else 1)
 
 
-def _registry_name(cls) -> str:
-    from flt.layers.registry import ATTENTION
-
-    return next((repr(name) for name, entry in ATTENTION.items() if entry is cls), getattr(cls, "__name__", str(cls)))
-
-
 def _parameter_names(cls: type) -> set[str]:
-    from flt.options import constructor_options
-
-    return set(constructor_options(cls).params)
+    return set(_constructor_parameters(cls))
 
 
-def _layers(cfg) -> list[tuple[str, dict, int]]:
-    """``(attention, options, how many layers)``: one entry for a uniform trunk, so a
-    ``depth`` of 10^9 costs one estimate, not 10^9."""
-    layered = getattr(cfg, "layer_attention", None)
-    if layered:
-        return [(entry["attention"], entry["attention_options"], 1) for entry in layered]
-    return [(getattr(cfg, "attention", None), getattr(cfg, "attention_options", {}), cfg.depth)]
-
-
-def model_parameter_values(cfg) -> int:
-    """Values of a model config's parameters and buffers: the trunk (attention and MLP of
-    every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
-    dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
-    mlp = int(2 * dim * dim * float(getattr(cfg, "mlp_ratio", 4.0)))
-    total = sum((attention_parameter_values(name, options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
-                for name, options, count in _layers(cfg))
-    for field in ("vocab_size", "num_classes", "num_elements", "in_dim"):
-        value = getattr(cfg, field, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            total += value * dim
-    patch, channels = getattr(cfg, "patch_size", None), getattr(cfg, "channels", None)
-    if isinstance(patch, int) and isinstance(channels, int):
-        total += patch * patch * channels * dim
-    return total
-
-
-def _pos_dim(cfg) -> int:
-    return {"image": 2, "molecule": 3}.get(getattr(cfg, "task", ""), 1)
-
-
-def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, int]:
-    """Estimated bytes of a model config at work: ``parameters`` (with gradients and AdamW's
-    two moments when ``training``), ``activations`` (the trunk's ``B N dim (8 + 2 mlp_ratio)``
-    values per layer and :func:`attention_activation_values`; every layer's kept for backward
-    when training, one layer at a time otherwise) and ``total``."""
-    params = model_parameter_values(cfg) * FLOAT_BYTES * (4 if training else 1)
-    head_dim = max(cfg.dim // max(cfg.heads, 1), 1)
-    trunk = batch * length * cfg.dim * (8 + 2 * float(getattr(cfg, "mlp_ratio", 4.0)))
-    per_layer = [(trunk + attention_activation_values(name, options, batch=batch, heads=cfg.heads, length=length,
-                                                      head_dim=head_dim, training=training), count)
-                 for name, options, count in _layers(cfg)]
-    kept = sum(v * count for v, count in per_layer) if training else max((v for v, _ in per_layer), default=0)
-    activations = int(kept * FLOAT_BYTES)
-    return {"parameters": int(params), "activations": activations, "total": int(params) + activations}
-
-
-def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, device=None, purpose: str | None = None) -> None:
-    """Refuse a model config whose estimated memory (:func:`model_bytes`) for ``batch``
-    sequences of ``length`` tokens exceeds the limit, naming the sizes that set it."""
-    if not all(isinstance(getattr(cfg, f, None), int) for f in ("dim", "depth", "heads")):
-        return  # not a Transformer trunk config: nothing to estimate
-    length = max(int(length or 1), 1)
-    est = model_bytes(cfg, batch=batch, length=length, training=training)
-    what = purpose or ("training" if training else "evaluating")
-    options = {k: v for k, v in getattr(cfg, "attention_options", {}).items() if k in _SIZE_OPTIONS}
-    sizes = (f"dim={cfg.dim}, depth={cfg.depth}, heads={cfg.heads}, attention {getattr(cfg, 'attention', None)!r}"
-             f"{' ' + str(options) if options else ''}, batch_size={batch}, {length} tokens")
-    check_memory(
-        f"{what} this model ({sizes}: {format_bytes(est['parameters'])} of parameters"
-        f"{' with gradients and optimizer state' if training else ''}, {format_bytes(est['activations'])} of activations)",
-        est["total"], device=device, hint="make these sizes smaller",
-    )
-
-
-#: Attention options that size a layer (named in :func:`check_model_memory`'s message).
-_SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbors", "max_distance", "dense_below",
+#: Attention options that size a layer (named in the messages of :func:`check_attention_memory`
+#: and :func:`flt.models.memory.check_model_memory`).
+SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbors", "max_distance", "dense_below",
                  "chunk_size", "hidden", "num_buckets")
 
 
-def check_attention_memory(attention, options: dict, *, dim, heads, pos_dim=1, device=None) -> None:
-    """Refuse an attention layer whose parameters and buffers alone exceed the limit (a
-    ``num_features`` or ``num_frequencies`` of 10^9), before its constructor allocates them.
-    Non-int sizes are left to the constructor's own checks."""
+def check_attention_memory(cls: type, options: dict, *, dim, heads, pos_dim=1, device=None) -> None:
+    """Refuse an attention layer of class ``cls`` whose parameters and buffers alone exceed
+    the limit (a ``num_features`` or ``num_frequencies`` of 10^9), before its constructor
+    allocates them. Non-int sizes are left to the constructor's own checks."""
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (dim, heads, pos_dim)):
         return
-    values = attention_parameter_values(attention, options, dim=dim, heads=heads, pos_dim=pos_dim)
-    sizes = {k: v for k, v in options.items() if k in _SIZE_OPTIONS}
-    name = attention if isinstance(attention, str) else _registry_name(attention)
-    check_memory(f"attention {name} (dim={dim}, heads={heads}{''.join(f', {k}={v}' for k, v in sizes.items())})",
+    values = attention_parameter_values(cls, options, dim=dim, heads=heads, pos_dim=pos_dim)
+    sizes = {k: v for k, v in options.items() if k in SIZE_OPTIONS}
+    check_memory(f"attention {cls.__name__} (dim={dim}, heads={heads}{''.join(f', {k}={v}' for k, v in sizes.items())})",
                  values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
-
-
-def check_task_memory(task, cfg, *, batch_size: int, training: bool, device=None) -> None:
-    """:func:`check_model_memory` for ``batch_size`` samples of ``task`` (its
-    ``step_shape``: how many sequences of how many tokens they give the attention layers)."""
-    batch, length = task.step_shape(cfg, batch_size)
-    check_model_memory(cfg, batch=batch, length=length, training=training, device=device)

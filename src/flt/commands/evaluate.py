@@ -187,7 +187,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     cfg = configured
     bs = batch_size or run.eval_batch_size or run.batch_size
     if changed or batch_size or data:  # new sizes are refused with their memory estimate before the model is built
-        from flt._limits import check_task_memory
+        from flt.models.memory import check_task_memory
 
         check_task_memory(task, cfg, batch_size=bs, training=False, device=dev)
     model = type(task).build_model(cfg, device=dev)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from flt._checks import check_positive_int
-from flt._limits import check_model_memory
 from flt.models import config_kwargs
+from flt.models.memory import check_model_memory
 from flt.tasks.preset import Preset
 
 

@@ -53,8 +53,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
 from flt._io import atomic_write_text
-from flt._limits import check_task_memory
 from flt.models.config import config_to_dict
+from flt.models.memory import check_task_memory
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
 from flt.tasks.base import check_data_fields, has_test_split
 from flt.tasks.preset import Preset, RunConfig, default_precision, preset_to_dict, record_differences
