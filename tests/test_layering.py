@@ -209,3 +209,72 @@ def test_the_checks_see_an_upward_import_a_circle_and_a_lab_import(tmp_path):
     assert circles(edges) == [["layers", "ops"]]
     assert set(upward(edges)) == {("ops", "layers"), ("models", "train")}
     assert package_of("flt.train.loop") in LAB and package_of("flt.models") in LIBRARY
+
+
+#: Prepended to the scripts below: numpy is not installed, as far as imports can tell.
+WITHOUT_NUMPY = """
+import importlib.abc, sys
+
+class _NoNumpy(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoNumpy())
+"""
+
+#: Library modules that need an extra of their own, which brings numpy with it
+#: (transformers, the hf extra, imports numpy itself).
+NEEDS_AN_EXTRA = {"flt.integrations.transformers"}
+
+
+def _run_without_numpy(script: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    # Triton's CPU interpreter (the triton extra, which conftest switches on) imports numpy.
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", WITHOUT_NUMPY + script], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_the_library_imports_and_runs_without_numpy():
+    library = sorted(m for m in module_names() if package_of(m) in LIBRARY and m not in NEEDS_AN_EXTRA)
+    script = f"""
+import importlib
+for name in {library!r}:
+    importlib.import_module(name)
+import torch
+from flt import FLTAttention
+from flt.layers import SoftmaxAttention
+from flt.models import LMConfig, build_model
+from flt.relative import RELATIVE, SPECTRA
+
+torch.manual_seed(0)
+x, pos = torch.randn(2, 12, 16), torch.arange(12.0).view(1, 12, 1)
+assert FLTAttention(16, 2, num_features=8, num_frequencies=4)(x, pos).shape == (2, 12, 16)
+for name in ["spectrum", *(n for n in RELATIVE if n not in SPECTRA)]:
+    assert SoftmaxAttention(16, 2, relative_bias=name)(x, pos).isfinite().all(), name
+model = build_model(LMConfig(vocab_size=11, dim=16, depth=1, heads=2, max_len=12, attention="flt"))
+logits = model(torch.randint(0, 11, (2, 12)))
+assert logits.shape == (2, 12, 11) and logits.isfinite().all()
+try:
+    import numpy
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("numpy was importable: the test shows nothing")
+assert "numpy" not in sys.modules
+"""
+    out = _run_without_numpy(script)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_command_without_numpy_names_the_extra_to_install():
+    out = _run_without_numpy("from flt.cli import main\nsys.exit(main(['--help']))")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "this needs numpy" in out.stderr and "[train]" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 #: Optional modules and the extra that provides each (``pyproject.toml``).
 EXTRA_OF_MODULE = {
-    "matplotlib": "plot", "networkx": "graph", "torch_geometric": "graph", "ase": "mol", "sklearn": "train",
+    "numpy": "train", "matplotlib": "plot", "networkx": "graph", "torch_geometric": "graph", "ase": "mol", "sklearn": "train",
     "skimage": "vision", "tqdm": "train", "PIL": "train", "safetensors": "train", "triton": "triton",
     "qm9pack": "qm9", "transformers": "hf",
 }

@@ -57,7 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ImportError as err:
+        # The commands need the lab's dependencies (numpy comes with the train extra), which
+        # the library alone does not install: name the install instead of a traceback.
+        from flt.commands.failures import explain
+
+        failure = explain(err, None)
+        if failure is None:
+            raise
+        print(f"flt: error: {failure.message}", file=sys.stderr, flush=True)
+        return failure.code
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     # The arguments as given, for commands that print how to run them again (flt train
