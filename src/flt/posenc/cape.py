@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flt._checks import check_nonnegative_float, check_positive_int
+from flt._checks import check_bool, check_nonnegative_float, check_positive_int
 from flt.posenc._common import check_abs_positions, compute_dtype
 
 
@@ -98,8 +98,7 @@ class CAPE(nn.Module):
         if scaling < 1.0:
             raise ValueError(f"max_global_scaling must be >= 1 (lambda lies in [1/L, L]), got {max_global_scaling!r}")
         self.max_global_scaling = scaling
-        if not isinstance(mean_center, bool):
-            raise TypeError(f"mean_center must be a bool, got {type(mean_center).__name__}")
+        check_bool("mean_center", mean_center)
         self.mean_center = mean_center
 
     @classmethod

@@ -46,7 +46,7 @@ class GaussianMixtureSpectrum(Spectrum):
             variance: a Gaussian of length ``l`` in a box of side ``L`` has about
             ``(L / l)^3`` independent modes to sample.
         **kwargs: ``sampler``, ``seed``, ``shift``, ``shift_scale`` (a learned shift per
-            component, :class:`flt.spectra.base.Spectrum`), ``device``, ``dtype``.
+            component, :class:`flt.relative.spectra.base.Spectrum`), ``device``, ``dtype``.
     """
 
     supports_shift = True

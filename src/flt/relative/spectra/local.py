@@ -55,7 +55,7 @@ class LocalSpectrum(Spectrum):
             so that window ``c`` contributes ``amplitude / W`` at ``Delta = 0`` (its own
             ``f_c(0) = a_c prod_p erf(w_cp / (sqrt2 tau_cp))``). ``0`` gives ``f == 0``.
         **kwargs: ``sampler``, ``seed``, ``redraw``, ``shift``, ``shift_scale`` (a learned
-            shift per window, :class:`flt.spectra.base.Spectrum`: window ``c`` then covers
+            shift per window, :class:`flt.relative.spectra.base.Spectrum`: window ``c`` then covers
             ``|Delta - delta_c| < w_c``, e.g. "the keys 100 to 500 tokens to my left"),
             ``device``, ``dtype``.
     """
