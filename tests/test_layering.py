@@ -237,7 +237,7 @@ def _run_without_numpy(script: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     # Triton's CPU interpreter (the triton extra, which conftest switches on) imports numpy.
     env.pop("TRITON_INTERPRET", None)
-    return subprocess.run([sys.executable, "-W", "ignore", "-c", WITHOUT_NUMPY + script], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", WITHOUT_NUMPY + script], check=False, capture_output=True, text=True,
                           timeout=300, env=env)
 
 
