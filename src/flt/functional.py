@@ -28,7 +28,7 @@ import copy
 import torch
 from torch import nn
 
-from flt._checks import check_positions, check_tensor
+from flt._checks import check_choice, check_positions, check_tensor
 from flt._dtype import compute_dtype
 from flt.layers.base import Prepared
 from flt.layers.registry import ATTENTION
@@ -55,8 +55,7 @@ class AttentionCore(nn.Module):
     def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
                  device=None, dtype=None, **options) -> None:
         super().__init__()
-        if mechanism not in ATTENTION:
-            raise ValueError(f"mechanism must be one of {sorted(ATTENTION)}, got {mechanism!r}")
+        check_choice("mechanism", mechanism, sorted(ATTENTION))
         layer = ATTENTION[mechanism](heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
         for name in PROJECTIONS:
             delattr(layer, name)

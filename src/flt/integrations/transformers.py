@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
+from flt._checks import check_choice
 from flt.functional import AttentionCore
 
 #: The name of flt's attention implementation in ``transformers``' registries.
@@ -61,8 +62,7 @@ def convert(model, attention: str = "flt", *, path: str = "forward", **options):
         ``model``, converted: every projection weight kept, one core per layer (its
         parameters in float32 or the model's dtype), ``model.config.flt_attention`` set.
     """
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    check_choice("path", path, PATHS)
     if "causal" in options:
         raise ValueError("causal is not an option of convert: a decoder's attention is causal")
     modules = attention_modules(model)
