@@ -104,21 +104,29 @@ class _Progress:
     steps: int = 0
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(model: nn.Module, weight_decay: float, exclude=()) -> list[dict[str, Any]]:
     """Decay the weights of linear, convolution and embedding layers; nothing else.
 
     Norms, biases, learned temperatures and spectral parameters (amplitudes, log lengths)
     are left alone: decaying a log length to 0 would pull every length scale towards 1.
+    Parameters in ``exclude`` (a search's architecture weights, which have an optimizer of
+    their own) are left out.
     """
     decay = set()
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             decay.add(id(module.weight))
-    params = [p for p in model.parameters() if p.requires_grad]
+    excluded = {id(p) for p in exclude}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in excluded]
     return [
         {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
         {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
     ]
+
+
+def weights_optimizer(model: nn.Module, run: RunConfig, exclude=()) -> torch.optim.Optimizer:
+    """AdamW over :func:`parameter_groups` at the run's peak learning rate."""
+    return torch.optim.AdamW(parameter_groups(model, run.weight_decay, exclude), lr=run.lr, betas=(0.9, 0.95))
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, str]:
@@ -172,6 +180,15 @@ def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_
     keys = sorted(set().union(*gathered))
     totals = D.all_reduce_sum(ctx, [sums.get(k, 0.0) for k in keys])
     return task.metrics(dict(zip(keys, totals)))
+
+
+def evaluate_on_draw(task: Task, model: nn.Module, ctx: D.Context, run: RunConfig, max_batches: int | None, *,
+                     split: str = "valid", keep: bool = False) -> dict[str, float]:
+    """:func:`evaluate` on the run's fixed evaluation draw (:func:`flt.train.drawgap.evaluation_draw`;
+    ``keep`` leaves the model on it) in batches of ``run.eval_batch_size`` (default: the
+    training batch size)."""
+    with DG.evaluation_draw(model, run, keep=keep):
+        return evaluate(task, model, ctx, run.eval_batch_size or run.batch_size, max_batches, split)
 
 
 def _to_device(batch, device):
@@ -296,9 +313,38 @@ class _Origin:
     preset: Preset | None = None
 
 
+class StepHooks:
+    """What a client of the loop adds to its steps; these defaults add nothing, and
+    :func:`train` is the loop with them. :mod:`flt.search` is the other client: its
+    architecture step runs in :meth:`before_update`, its progress lines in :meth:`validate`,
+    and its architecture optimizer and decisions travel in every checkpoint
+    (:meth:`state`, :meth:`record`), so that a resumed search continues bit for bit."""
+
+    def before_update(self, r: _Run, step: int) -> None:
+        """Runs in step ``step`` after the draw of the step, before the weights' loss; it
+        must leave no gradient on the weights."""
+
+    def validate(self, r: _Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
+        """The periodic evaluation after step ``step`` (whose training loss is ``loss``):
+        by default the validation split (:func:`_validate`)."""
+        return _validate(r, step, logger, say)
+
+    def state(self) -> dict[str, Any]:
+        """Extra trainer state for every checkpoint (tensors and plain containers)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` saved, from a checkpoint's whole trainer state."""
+
+    def record(self) -> dict[str, Any]:
+        """Extra entries of every checkpoint's ``config.json`` (JSON)."""
+        return {}
+
+
 @dataclass
 class _Run:
-    """What a run holds while it trains, built once by :func:`_train`."""
+    """What a run holds while it trains, built once by :func:`_train` (or by a client of
+    the loop, :class:`StepHooks`)."""
 
     preset: Preset
     out_dir: str
@@ -319,6 +365,10 @@ class _Run:
     step_times: list[float]
     #: The newest checkpoint written or resumed from, named by :class:`TrainingDiverged`.
     last_checkpoint: str | None = None
+    #: What a client adds to the steps; the parameters whose gradient norm ``grad_clip``
+    #: bounds (None: every parameter of the model).
+    hooks: StepHooks = field(default_factory=StepHooks)
+    clipped: list[nn.Parameter] | None = None
 
 
 @dataclass
@@ -354,7 +404,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
         raise ValueError("the processes were given different configurations")
     task, model_cfg = _load_task(preset, ctx)
     model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
-    start, window, step_times = _restore(origin, model, optimizer, preset.run, ctx)
+    start, window, step_times = _restore(origin, model, optimizer, preset.run, ctx, StepHooks())
     r = _Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
@@ -468,14 +518,14 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
     if run.eval_batch_size:
         check_task_memory(task, model_cfg, batch_size=run.eval_batch_size, training=False, device=ctx.device)
     model = task.build_model(model_cfg, device=ctx.device)
-    optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
-    return model, optimizer
+    return model, weights_optimizer(model, run)
 
 
 def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
-             ctx: D.Context) -> tuple[int, _Window, list[float]]:
-    """Load the checkpoint's weights, optimizer and random states (or, for a fresh run, the
-    weights of its ``init_from`` checkpoint if any, and seed this process's training noise);
+             ctx: D.Context, hooks: StepHooks) -> tuple[int, _Window, list[float]]:
+    """Load the checkpoint's weights, optimizer, random states and the state of ``hooks``
+    (or, for a fresh run, the weights of its ``init_from`` checkpoint if any, and seed this
+    process's training noise);
     returns the last step already trained, this process's partly filled logging window and
     the step times so far (checkpoints written before they were saved have neither: an
     empty window and no times)."""
@@ -492,6 +542,7 @@ def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer
         raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"][ctx.rank], model)
+    hooks.load_state(state)
     if origin.step == origin.saved_steps < run.steps:
         _restore_training_draw(model, run, origin.step)
     window = _Window(**state["log_window"][ctx.rank]) if "log_window" in state else _Window()
@@ -552,7 +603,7 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
     r.model.train()
     for step in range(r.start + 1, run.steps + 1):
         t0 = time.perf_counter()
-        loss, items = _train_step(r, step)
+        loss, items = _train_step(r, step, run.lr_at(step))
         dt = time.perf_counter() - t0
         step_times.append(dt)
         window.add(loss, items, dt)
@@ -564,7 +615,7 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.4f}  {items / dt:,.0f} {r.task.unit}/s")
         if step % run.eval_every == 0 or last:
-            last_valid = _validate(r, step, logger, say)
+            last_valid = r.hooks.validate(r, step, loss, logger, say)
         if step % run.checkpoint_every == 0 or last:
             _checkpoint(r, step, window, step_times)
         reached.step = step
@@ -573,19 +624,21 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
     return last_valid, step_times
 
 
-def _train_step(r: _Run, step: int) -> tuple[float, int]:
-    """One optimizer step; returns the loss and the number of ``task.unit`` in the global batch."""
+def _train_step(r: _Run, step: int, lr: float) -> tuple[float, int]:
+    """One optimizer step at learning rate ``lr`` (after the client's :meth:`StepHooks.before_update`);
+    returns the loss and the number of ``task.unit`` in the global batch."""
     run, ctx = r.preset.run, r.ctx
-    for group in r.optimizer.param_groups:
-        group["lr"] = run.lr_at(step)
-    batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
+    r.hooks.before_update(r, step)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=run.precision == "bf16"):
         loss = r.task.loss(r.ddp, batch)
     value = _check_finite(r, loss, step)
     loss.backward()
     if run.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(r.model.parameters(), run.grad_clip)
+        torch.nn.utils.clip_grad_norm_(r.model.parameters() if r.clipped is None else r.clipped, run.grad_clip)
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
     return value, r.task.batch_items(batch) * ctx.world
@@ -622,8 +675,7 @@ def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -
     validation split, periodic ones may be capped."""
     run = r.preset.run
     last = step == run.steps
-    with DG.evaluation_draw(r.model, run, keep=last):
-        metrics = evaluate(r.task, r.model, r.ctx, run.eval_batch_size or run.batch_size, None if last else run.eval_batches)
+    metrics = evaluate_on_draw(r.task, r.model, r.ctx, run, None if last else run.eval_batches, keep=last)
     if logger is not None:
         logger.log(step, "valid", **metrics)
     say(f"step {step}: valid {_format(metrics)}")
@@ -632,13 +684,14 @@ def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -
 
 def _checkpoint(r: _Run, step: int, window: _Window, step_times: list[float]) -> None:
     """Save step ``step``: weights, optimizer, every process's RNG and logging window
-    (``window``, the records' sums since the last ``train`` record), and the step times."""
+    (``window``, the records' sums since the last ``train`` record), the step times and
+    what the client adds (:meth:`StepHooks.state`, :meth:`StepHooks.record`)."""
     rngs = D.all_gather(r.ctx, rng_state(r.model))
     windows = D.all_gather(r.ctx, dataclasses.asdict(window))
     if r.ctx.is_main:
         state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world,
-                 "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64)}
-        r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config=r.record, trainer_state=state,
+                 "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64), **r.hooks.state()}
+        r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config={**r.record, **r.hooks.record()}, trainer_state=state,
                                             keep=r.preset.run.keep_checkpoints)
     D.barrier(r.ctx)
 
@@ -649,12 +702,10 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
     eval_bs = run.eval_batch_size or run.batch_size
     if not last_valid:
         # Resumed at the final step: nothing left to train, report the final weights.
-        with DG.evaluation_draw(r.model, run):
-            last_valid = evaluate(r.task, r.model, ctx, eval_bs, None)
+        last_valid = evaluate_on_draw(r.task, r.model, ctx, run, None)
     test = None
     if has_test_split(r.task):  # the held-out test split, read once, on the draw the final checkpoint keeps
-        with DG.evaluation_draw(r.model, run):
-            test = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        test = evaluate_on_draw(r.task, r.model, ctx, run, None, split="test")
         say(f"test {_format(test)}")
     # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
     gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
