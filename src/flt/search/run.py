@@ -152,18 +152,9 @@ def _record(preset: Preset, config: SearchConfig) -> dict[str, Any]:
     return {"preset": preset_to_dict(preset), "search": config.to_dict()}
 
 
-def search(
-    preset: Preset,
-    config: SearchConfig,
-    out_dir: str,
-    *,
-    resume: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    plots: bool = True,
-    say: Callable[[str], None] | None = None,
-    on_step: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+def search(preset: Preset, config: SearchConfig, out_dir: str, *, resume: bool = False, device: str = "cpu",
+           progress: bool = True, plots: bool = True, say: Callable[[str], None] | None = None,
+           on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run the search of ``preset`` with ``config`` in ``out_dir``; returns the result (also
     in ``search.json``). ``say`` receives the progress lines (default: print when
     ``progress``); ``on_step`` is called with the step number after every step.
