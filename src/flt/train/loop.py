@@ -29,6 +29,11 @@ load the task's data (:func:`_load_task`), build the model (:func:`_build_model`
 a checkpoint (:func:`_restore`), open the run directory, loop over the steps
 (:func:`_loop`: :func:`_train_step`, :func:`_log_training`, :func:`_validate`,
 :func:`_checkpoint`) and finish (:func:`_finish`: draw gap, summary, plots).
+
+The loop has one other client, :func:`flt.search.search`: it goes through the same data,
+step, checkpoint and resume functions with a :class:`StepHooks` of its own (an
+architecture step before each weights step, its evaluation on a held-out part, its extra
+checkpoint state), then adds its selection step.
 """
 
 from __future__ import annotations
