@@ -52,7 +52,7 @@ from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint
 from flt.train.lock import lock_run_dir
-from flt.train.loop import _load_task, _loop, _Origin, _Progress, _restore, _resumable, _Run, weights_optimizer
+from flt.train.loop import Origin, Progress, Run, load_data, restore, resumable_checkpoint, run_steps, weights_optimizer
 from flt.train.rng import seed_everything
 
 __all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search", "supernet_model"]
@@ -168,7 +168,7 @@ def search(preset: Preset, config: SearchConfig, out_dir: str, *, resume: bool =
     if ctx.world > 1:
         D.teardown(ctx)
         raise ValueError("flt search runs in one process")
-    reached = _Progress(steps=preset.run.steps)
+    reached = Progress(steps=preset.run.steps)
     lock = None
     try:
         # One writer per directory, as for flt train (flt.train.lock).
@@ -177,33 +177,33 @@ def search(preset: Preset, config: SearchConfig, out_dir: str, *, resume: bool =
             say(lock.note)
         return _search(preset, config, out_dir, ctx, resume=resume, plots=plots, say=say, on_step=on_step, reached=reached)
     except KeyboardInterrupt as e:
-        raise SearchInterrupted(out_dir, reached.step, _resumable(out_dir)) from e
+        raise SearchInterrupted(out_dir, reached.step, resumable_checkpoint(out_dir)) from e
     finally:
         if lock is not None:
             lock.release()
         D.teardown(ctx)
 
 
-def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reached: _Progress) -> dict[str, Any]:
+def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reached: Progress) -> dict[str, Any]:
     """The training loop's steps with the search as their client (:class:`Supernet`): the
     data and its held-out part, the supernet, the restored checkpoint, the supernet's
     steps, then the selection step and the result."""
     wall, run = time.perf_counter(), preset.run
     record = _record(preset, config)
     origin, progress = _origin(out_dir, record, resume, say)
-    task, model_cfg = _load_task(preset, ctx)
+    task, model_cfg = load_data(preset, ctx)
     weights_task, alpha_task = split_task(task, config.holdout, holdout_seed(type(task), preset.data))
     seed_everything(run.seed)
     model = supernet_model(type(task), model_cfg, config, device=ctx.device)
     supernet = Supernet(model, config, alpha_task, run, ctx, progress, say)
     optimizer = weights_optimizer(model, run, exclude=supernet.alphas)
-    start, window, step_times = _restore(origin, model, optimizer, run, ctx, supernet)
+    start, window, step_times = restore(origin, model, optimizer, run, ctx, supernet)
     reached.step = start
-    r = _Run(preset=preset, out_dir=out_dir, ctx=ctx, task=weights_task, model_cfg=model_cfg, model=model, ddp=model,
-             optimizer=optimizer, record={**record, "model": config_to_dict(model_cfg)}, start=start,
-             parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
-             last_checkpoint=origin.checkpoint, hooks=supernet,
-             clipped=[p for group in optimizer.param_groups for p in group["params"]])
+    r = Run(preset=preset, out_dir=out_dir, ctx=ctx, task=weights_task, model_cfg=model_cfg, model=model, ddp=model,
+            optimizer=optimizer, record={**record, "model": config_to_dict(model_cfg)}, start=start,
+            parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
+            last_checkpoint=origin.checkpoint, hooks=supernet,
+            clipped=[p for group in optimizer.param_groups for p in group["params"]])
     _announce(r, supernet, say)
 
     def write(step: int, done: bool = False) -> dict[str, Any]:
@@ -213,20 +213,20 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reache
         atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
         return result
 
-    _loop(r, None, None, say, on_step, reached)
+    run_steps(r, None, None, say, on_step, reached)
     step = supernet.select(r, max(start, run.steps), reached, on_step, write)
     if not progress["slots"]:
         raise ValueError("the model has no slots to decide")
     return _finish(write(step, done=True), out_dir, plots, say)
 
 
-def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[_Origin, dict[str, Any]]:
+def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[Origin, dict[str, Any]]:
     """``(where the search starts, its progress so far)``: a fresh start in a directory
     that holds no search yet, or the latest checkpoint of the same configuration."""
     if not resume:
         if has_checkpoint(out_dir):
             raise ValueError(f"{out_dir} already holds a search; pass --resume to continue it or choose another --out-dir")
-        return _Origin(), empty_progress()
+        return Origin(), empty_progress()
     ckpt, meta = locate_checkpoint(out_dir, report=say)
     diffs = _differences(meta, record)
     if diffs:
@@ -235,10 +235,10 @@ def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[_O
         raise ValueError(f"{ckpt} was written by an earlier version of flt search, whose checkpoints this one does not "
                          "resume; start the search again in another --out-dir")
     steps = record["preset"]["run"]["steps"]
-    return _Origin(ckpt, int(meta["step"]), steps), meta["progress"]
+    return Origin(ckpt, int(meta["step"]), steps), meta["progress"]
 
 
-def _announce(r: _Run, supernet: Supernet, say) -> None:
+def _announce(r: Run, supernet: Supernet, say) -> None:
     """The first lines: where a resumed search continues, what the supernet mixes."""
     run, config = r.preset.run, supernet.config
     if r.last_checkpoint is not None:

@@ -28,7 +28,7 @@ from flt.search.select import magnitude_choice, select_slot
 from flt.tasks import Task, step_generator
 from flt.tasks.preset import RunConfig
 from flt.train import distributed as D
-from flt.train.loop import StepHooks, _checkpoint, _Progress, _Run, _to_device, _train_step, evaluate_on_draw
+from flt.train.loop import Progress, Run, StepHooks, checkpoint_step, evaluate_on_draw, to_device, train_step
 
 __all__ = ["ALPHA_SEED_OFFSET", "ORDER_STREAM", "Supernet", "empty_progress"]
 
@@ -71,12 +71,12 @@ class Supernet(StepHooks):
         self.progress, self.say = progress, say
         self.phase, self.mark = "supernet", time.perf_counter()
 
-    def before_update(self, r: _Run, step: int) -> None:
+    def before_update(self, r: Run, step: int) -> None:
         """The architecture step: ``alpha`` (of the slots still undecided) on a held-out batch."""
         if not self.config.fixed_alpha and any(a.requires_grad for a in self.alphas):
             self.alpha_optimizer.zero_grad(set_to_none=True)
             batch = self.alpha_task.train_batch(step, self.alpha_batch, self.run.seed + ALPHA_SEED_OFFSET, 0, 1)
-            self.alpha_task.loss(self.model, _to_device(batch, self.ctx.device)).backward()
+            self.alpha_task.loss(self.model, to_device(batch, self.ctx.device)).backward()
             self.alpha_optimizer.step()
         # The held-out loss left gradients on the weights too: the weights learn from the
         # training batch alone.
@@ -87,7 +87,7 @@ class Supernet(StepHooks):
         """The headline metric on the held-out part, on the run's fixed evaluation draw."""
         return evaluate_on_draw(self.alpha_task, self.model, self.ctx, self.run, self.run.eval_batches)[self.metric]
 
-    def validate(self, r: _Run, step: int, loss: float, logger, say) -> dict[str, float]:
+    def validate(self, r: Run, step: int, loss: float, logger, say) -> dict[str, float]:
         """The held-out metric and ``softmax(alpha)`` into the history and a progress line;
         after the supernet's last step, the magnitude choice of every slot."""
         metric = self.holdout_metric()
@@ -95,10 +95,10 @@ class Supernet(StepHooks):
         self.progress["history"].append({"step": step, "loss": loss, self.metric: metric, "alpha": probs})
         labels = [c.label for c in self.config.candidates]
         mean = torch.stack([s.probabilities() for s in self.slots[:self.depth]]).mean(0).tolist()
-        self.say(f"supernet step {step}/{self.run.steps}: loss {loss:.4g}, held-out {self.metric} {metric:.4g}; mean softmax(alpha) "
-                 + "  ".join(f"{k} {v:.3f}" for k, v in zip(labels, mean))
-                 + ("; encoding " + "  ".join(f"{c.label} {v:.3f}" for c, v in zip(self.config.posenc_candidates, probs[-1]))
-                    if self.encoding is not None else ""))
+        say(f"supernet step {step}/{self.run.steps}: loss {loss:.4g}, held-out {self.metric} {metric:.4g}; mean softmax(alpha) "
+            + "  ".join(f"{k} {v:.3f}" for k, v in zip(labels, mean))
+            + ("; encoding " + "  ".join(f"{c.label} {v:.3f}" for c, v in zip(self.config.posenc_candidates, probs[-1]))
+               if self.encoding is not None else ""))
         if step == self.run.steps:
             # With alpha frozen uniform the argmax says nothing: no magnitude choice.
             self.progress["magnitude"] = None if self.config.fixed_alpha else [s.labels[magnitude_choice(s)] for s in self.slots]
@@ -124,7 +124,7 @@ class Supernet(StepHooks):
         self.progress["seconds"][self.phase] += now - self.mark
         self.mark = now
 
-    def select(self, r: _Run, step: int, reached: _Progress, on_step: Callable[[int], None] | None,
+    def select(self, r: Run, step: int, reached: Progress, on_step: Callable[[int], None] | None,
                decided: Callable[[int], None]) -> int:
         """The selection step: decide the open slots in the seeded order, each followed by
         ``tune_steps`` steps of the loop at the schedule's final learning rate, a checkpoint
@@ -138,13 +138,13 @@ class Supernet(StepHooks):
             entry = self._decide(index)
             for _ in range(self.config.tune_steps):
                 step += 1
-                _train_step(r, step, self.run.lr_at(self.run.steps))
+                train_step(r, step, self.run.lr_at(self.run.steps))
                 reached.step = step
                 if on_step is not None:
                     on_step(step)
             entry["tuned_metric"] = self.holdout_metric() if self.config.tune_steps else entry["metric"]
             self.progress["slots"].append(entry)
-            _checkpoint(r, step, r.window, r.step_times)
+            checkpoint_step(r, step, r.window, r.step_times)
             decided(step)
         return step
 

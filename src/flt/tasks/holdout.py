@@ -44,7 +44,7 @@ def check_holdout(fraction, seed) -> None:
 
 def held_count(n: int, fraction: float, what: str) -> int:
     """How many of ``n`` items ``fraction`` holds out; both parts must be non-empty."""
-    held = int(round(fraction * n))
+    held = round(fraction * n)
     if held < 1 or n - held < 1:
         raise ValueError(f"holdout {fraction} of {n} {what} leaves an empty part; the search needs both a training and a held-out part")
     return held

@@ -25,10 +25,10 @@ Files in the run directory: ``run.json`` (configuration and environment),
 ``rpe_functions.png`` (models with a spectrum), and ``.lock`` while a trainer runs.
 
 :func:`_train` reads top to bottom: find where the run starts (:func:`_find_origin`),
-load the task's data (:func:`_load_task`), build the model (:func:`_build_model`), restore
-a checkpoint (:func:`_restore`), open the run directory, loop over the steps
-(:func:`_loop`: :func:`_train_step`, :func:`_log_training`, :func:`_validate`,
-:func:`_checkpoint`) and finish (:func:`_finish`: draw gap, summary, plots).
+load the task's data (:func:`load_data`), build the model (:func:`_build_model`), restore
+a checkpoint (:func:`restore`), open the run directory, loop over the steps
+(:func:`run_steps`: :func:`train_step`, :func:`_log_training`, :func:`_validate`,
+:func:`checkpoint_step`) and finish (:func:`_finish`: draw gap, summary, plots).
 
 The loop has one other client, :func:`flt.search.search`: it goes through the same data,
 step, checkpoint and resume functions with a :class:`StepHooks` of its own (an
@@ -102,8 +102,9 @@ class TrainingDiverged(FloatingPointError, ValueError):
 
 
 @dataclass
-class _Progress:
-    """How far :func:`_train` got, and the step budget in force, for :class:`TrainingInterrupted`."""
+class Progress:
+    """How far a run got, and the step budget in force, for :class:`TrainingInterrupted`
+    (and :class:`flt.search.SearchInterrupted`)."""
 
     step: int = 0
     steps: int = 0
@@ -175,7 +176,7 @@ def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_
     sums: dict[str, float] = {}
     try:
         for batch in batches(batch_size, max_batches, ctx.rank, ctx.world):
-            for k, v in task.eval_sums(model, _to_device(batch, ctx.device)).items():
+            for k, v in task.eval_sums(model, to_device(batch, ctx.device)).items():
                 sums[k] = sums.get(k, 0.0) + v
     finally:
         model.train(was_training)
@@ -196,11 +197,11 @@ def evaluate_on_draw(task: Task, model: nn.Module, ctx: D.Context, run: RunConfi
         return evaluate(task, model, ctx, run.eval_batch_size or run.batch_size, max_batches, split)
 
 
-def _to_device(batch, device):
+def to_device(batch, device):
     if hasattr(batch, "to") and not isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        return type(batch)(to_device(b, device) for b in batch)
     return batch.to(device)
 
 
@@ -261,14 +262,14 @@ def train(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ctx = D.setup(device)
-    reached = _Progress(steps=preset.run.steps)
+    reached = Progress(steps=preset.run.steps)
     lock = None
     try:
         lock = _lock(out_dir, ctx)
         return _train(preset, out_dir, ctx, resume=resume, keep_steps=keep_steps, progress=progress, plots=plots,
                       on_step=on_step, reached=reached, lock=lock)
     except KeyboardInterrupt as e:
-        raise TrainingInterrupted(out_dir, reached.step, reached.steps, _resumable(out_dir), ctx.is_main) from e
+        raise TrainingInterrupted(out_dir, reached.step, reached.steps, resumable_checkpoint(out_dir), ctx.is_main) from e
     finally:
         if lock is not None:
             lock.release()
@@ -293,7 +294,7 @@ def _lock(out_dir: str, ctx: D.Context) -> RunLock | None:
     return lock
 
 
-def _resumable(out_dir: str) -> str | None:
+def resumable_checkpoint(out_dir: str) -> str | None:
     """The checkpoint ``resume=True`` would start from, or None."""
     try:
         return find_checkpoint(out_dir, report=lambda message: None)
@@ -302,7 +303,7 @@ def _resumable(out_dir: str) -> str | None:
 
 
 @dataclass
-class _Origin:
+class Origin:
     """Where a run starts: a fresh run (no checkpoint) or the checkpoint it resumes from."""
 
     checkpoint: str | None = None
@@ -325,11 +326,11 @@ class StepHooks:
     and its architecture optimizer and decisions travel in every checkpoint
     (:meth:`state`, :meth:`record`), so that a resumed search continues bit for bit."""
 
-    def before_update(self, r: _Run, step: int) -> None:
+    def before_update(self, r: Run, step: int) -> None:
         """Runs in step ``step`` after the draw of the step, before the weights' loss; it
         must leave no gradient on the weights."""
 
-    def validate(self, r: _Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
+    def validate(self, r: Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
         """The periodic evaluation after step ``step`` (whose training loss is ``loss``):
         by default the validation split (:func:`_validate`)."""
         return _validate(r, step, logger, say)
@@ -347,7 +348,7 @@ class StepHooks:
 
 
 @dataclass
-class _Run:
+class Run:
     """What a run holds while it trains, built once by :func:`_train` (or by a client of
     the loop, :class:`StepHooks`)."""
 
@@ -392,7 +393,7 @@ class _Window:
         self.loss, self.steps, self.items, self.seconds = 0.0, 0, 0, 0.0
 
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: _Progress,
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: Progress,
            lock: RunLock | None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     check_preset(preset)
@@ -407,10 +408,10 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
     reached.step, reached.steps = origin.step, preset.run.steps
     if not D.all_equal(ctx, json.dumps(preset_record, sort_keys=True)):
         raise ValueError("the processes were given different configurations")
-    task, model_cfg = _load_task(preset, ctx)
+    task, model_cfg = load_data(preset, ctx)
     model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
-    start, window, step_times = _restore(origin, model, optimizer, preset.run, ctx, StepHooks())
-    r = _Run(
+    start, window, step_times = restore(origin, model, optimizer, preset.run, ctx, StepHooks())
+    r = Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
         record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra(), "init": origin.init},
@@ -424,7 +425,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
         bar = stack.enter_context(_progress_bar(r)) if ctx.is_main and progress else None
         say = _Printer(ctx, bar)
         _announce(r, origin, say)
-        last_valid, step_times = _loop(r, logger, bar, say, on_step, reached)
+        last_valid, step_times = run_steps(r, logger, bar, say, on_step, reached)
     return _finish(r, say, last_valid, step_times, plots, wall_start)
 
 
@@ -437,7 +438,7 @@ def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Mo
     return perf.compile(module, dynamic=None) if run.compile else module
 
 
-def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, keep_steps: bool) -> _Origin:
+def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, keep_steps: bool) -> Origin:
     """The checkpoint to resume from (checked against ``preset``; with ``keep_steps`` the
     preset takes the saved step budget), or a fresh start in an ``out_dir`` that holds no
     run yet."""
@@ -457,24 +458,24 @@ def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, kee
     if keep_steps:
         preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
     _check_resume(saved, preset_to_dict(preset), preset, step, out_dir)
-    return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
+    return Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
 
 
 def _with_precision(preset: Preset, precision: str) -> Preset:
     return dataclasses.replace(preset, run=dataclasses.replace(preset.run, precision=precision))
 
 
-def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
+def _init_origin(preset: Preset, ctx: D.Context) -> Origin:
     """A fresh run; with ``init_from``, the checkpoint it starts from, resolved before any
     data is loaded (the same in every process, of the same task)."""
     if preset.run.init_from is None:
-        return _Origin()
+        return Origin()
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(preset.run.init_from, ctx, notes, "in init_from")
     task = meta["preset"]["task"]
     if task != preset.task:
         raise ValueError(f"init_from: {ckpt} holds a {task!r} model; this run trains {preset.task!r}")
-    return _Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
+    return Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
 
 
 def _shared_checkpoint(path: str, ctx: D.Context, notes: list[str], where: str) -> tuple[str, dict[str, Any]]:
@@ -500,7 +501,7 @@ def _check_resume(saved: Preset, preset_record: dict[str, Any], preset: Preset, 
                          f"pass --steps {saved.run.steps} to continue it, or more to extend it")
 
 
-def _load_task(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
+def load_data(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
     """The task with its data loaded, and the model config with its data-dependent fields."""
     seed_everything(preset.run.seed)
     # The main process loads first so that a generated dataset is cached once.
@@ -526,7 +527,7 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
     return model, weights_optimizer(model, run)
 
 
-def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
+def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
              ctx: D.Context, hooks: StepHooks) -> tuple[int, _Window, list[float]]:
     """Load the checkpoint's weights, optimizer, random states and the state of ``hooks``
     (or, for a fresh run, the weights of its ``init_from`` checkpoint if any, and seed this
@@ -566,7 +567,7 @@ def _restore_training_draw(model: nn.Module, run, start: int) -> None:
         DG.redraw_for_step(model, run, last_redraw)
 
 
-def _open_run_dir(r: _Run, origin: _Origin) -> MetricsLogger:
+def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
     """Write ``run.json`` (configuration and environment) and open ``metrics.jsonl``."""
     os.makedirs(r.out_dir, exist_ok=True)
     atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps({
@@ -576,14 +577,14 @@ def _open_run_dir(r: _Run, origin: _Origin) -> MetricsLogger:
     return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
 
 
-def _progress_bar(r: _Run):
+def _progress_bar(r: Run):
     # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
     from tqdm.auto import tqdm
 
     return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
 
 
-def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
+def _announce(r: Run, origin: Origin, say: _Printer) -> None:
     """The first lines: notes about the checkpoint, an extension, what trains where."""
     run = r.preset.run
     for note in origin.notes:
@@ -597,7 +598,8 @@ def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
 
-def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, reached: _Progress) -> tuple[dict[str, float], list[float]]:
+def run_steps(r: Run, logger: MetricsLogger | None, bar, say: Callable[[str], None], on_step,
+              reached: Progress) -> tuple[dict[str, float], list[float]]:
     """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
     run, ctx = r.preset.run, r.ctx
     if ctx.device.type == "cuda":
@@ -608,7 +610,7 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
     r.model.train()
     for step in range(r.start + 1, run.steps + 1):
         t0 = time.perf_counter()
-        loss, items = _train_step(r, step, run.lr_at(step))
+        loss, items = train_step(r, step, run.lr_at(step))
         dt = time.perf_counter() - t0
         step_times.append(dt)
         window.add(loss, items, dt)
@@ -622,14 +624,14 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
         if step % run.eval_every == 0 or last:
             last_valid = r.hooks.validate(r, step, loss, logger, say)
         if step % run.checkpoint_every == 0 or last:
-            _checkpoint(r, step, window, step_times)
+            checkpoint_step(r, step, window, step_times)
         reached.step = step
         if on_step is not None:
             on_step(step)
     return last_valid, step_times
 
 
-def _train_step(r: _Run, step: int, lr: float) -> tuple[float, int]:
+def train_step(r: Run, step: int, lr: float) -> tuple[float, int]:
     """One optimizer step at learning rate ``lr`` (after the client's :meth:`StepHooks.before_update`);
     returns the loss and the number of ``task.unit`` in the global batch."""
     run, ctx = r.preset.run, r.ctx
@@ -637,7 +639,7 @@ def _train_step(r: _Run, step: int, lr: float) -> tuple[float, int]:
     r.hooks.before_update(r, step)
     for group in r.optimizer.param_groups:
         group["lr"] = lr
-    batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
+    batch = to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=run.precision == "bf16"):
         loss = r.task.loss(r.ddp, batch)
     value = _check_finite(r, loss, step)
@@ -649,7 +651,7 @@ def _train_step(r: _Run, step: int, lr: float) -> tuple[float, int]:
     return value, r.task.batch_items(batch) * ctx.world
 
 
-def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
+def _check_finite(r: Run, loss: torch.Tensor, step: int) -> float:
     """The loss as a float; raises :class:`TrainingDiverged` before a non-finite loss
     reaches the weights, in every process at once (one process's NaN would otherwise leave
     the others waiting in the gradient reduction)."""
@@ -666,7 +668,7 @@ def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
                            f"{where}; lower --lr or check the data")
 
 
-def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
+def _log_training(r: Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
     """A ``train`` record: the mean loss over the window and processes, the learning rate, the throughput."""
     mean_loss = D.all_reduce_sum(r.ctx, [window.loss / window.steps])[0] / r.ctx.world
     if logger is not None:
@@ -674,7 +676,7 @@ def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: 
         logger.log(step, "train", loss=mean_loss, lr=r.preset.run.lr_at(step), **{f"{r.task.unit}_per_s": rate})
 
 
-def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
+def _validate(r: Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
     """Validation metrics of ``step``, logged and printed. All on one fixed draw, which the
     final checkpoint keeps (flt.train.drawgap); the final evaluation covers the whole
     validation split, periodic ones may be capped."""
@@ -687,7 +689,7 @@ def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -
     return metrics
 
 
-def _checkpoint(r: _Run, step: int, window: _Window, step_times: list[float]) -> None:
+def checkpoint_step(r: Run, step: int, window: _Window, step_times: list[float]) -> None:
     """Save step ``step``: weights, optimizer, every process's RNG and logging window
     (``window``, the records' sums since the last ``train`` record), the step times and
     what the client adds (:meth:`StepHooks.state`, :meth:`StepHooks.record`)."""
@@ -701,7 +703,7 @@ def _checkpoint(r: _Run, step: int, window: _Window, step_times: list[float]) ->
     D.barrier(r.ctx)
 
 
-def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
+def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
     """Final evaluation if none ran, draw gap, ``summary.json``, plots and the last lines."""
     run, ctx = r.preset.run, r.ctx
     eval_bs = run.eval_batch_size or run.batch_size
@@ -734,7 +736,7 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
     return summary
 
 
-def _summary(r: _Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
+def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
     """The contents of ``summary.json``; the peak memory is the largest over processes."""
     run, ctx = r.preset.run, r.ctx
     memory, memory_kind = peak_memory_mib(ctx.device)
@@ -751,7 +753,7 @@ def _summary(r: _Run, last_valid: dict[str, float], step_times: list[float], gap
     return summary
 
 
-def _plots(r: _Run) -> list[str]:
+def _plots(r: Run) -> list[str]:
     """Write the PNG plots; returns their file names."""
     # matplotlib is an optional dependency, imported only when plots are wanted.
     from flt.train.plots import plot_learning_curves, plot_rpe_functions
