@@ -528,7 +528,7 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
 
 
 def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
-             ctx: D.Context, hooks: StepHooks) -> tuple[int, _Window, list[float]]:
+            ctx: D.Context, hooks: StepHooks) -> tuple[int, _Window, list[float]]:
     """Load the checkpoint's weights, optimizer, random states and the state of ``hooks``
     (or, for a fresh run, the weights of its ``init_from`` checkpoint if any, and seed this
     process's training noise);
