@@ -28,6 +28,7 @@ from flt.search import (
 )
 from flt.search.holdout import split_task
 from flt.tasks import get_preset, get_task, load_task
+from flt.train.checkpoint import find_checkpoint, load_trainer_state
 from flt.models import replace_fields
 
 
@@ -179,7 +180,7 @@ def test_search_is_reproducible_from_its_seed_and_resumes_to_the_same_result(tmp
 
     # Stopped during the fine-tuning after the first decision (step 8; the last checkpoint
     # is the supernet's, step 6): the resume ends with the uninterrupted result.
-    _stop_and_resume(tmp_path / "stop-8", cfg, 8, first)
+    _stop_and_resume(tmp_path / "stop-8", cfg, 8, first, tmp_path / "a")
     # A different configuration is refused on resume, and a fresh start in a used directory.
     with pytest.raises(ValueError, match="differ"):
         search(_tiny(), _config(alpha_lr=1e-2), str(tmp_path / "a"), resume=True, progress=False, plots=False)
@@ -187,7 +188,10 @@ def test_search_is_reproducible_from_its_seed_and_resumes_to_the_same_result(tmp
         search(_tiny(), cfg, str(tmp_path / "a"), progress=False, plots=False)
 
 
-def _stop_and_resume(out, cfg, stop_at: int, expected: dict) -> None:
+def _stop_and_resume(out, cfg, stop_at: int, expected: dict, expected_dir) -> None:
+    """Stop a search after step ``stop_at``, resume it, and compare it with the uninterrupted
+    search in ``expected_dir``: the same record (selection, history, metrics) and, in the
+    final checkpoint, the same weights and the same optimizer states, byte for byte."""
     def stop(step):
         if step == stop_at:
             raise KeyboardInterrupt
@@ -197,13 +201,31 @@ def _stop_and_resume(out, cfg, stop_at: int, expected: dict) -> None:
     assert info.value.checkpoint is not None and info.value.step == stop_at
     resumed = search(_tiny(), cfg, str(out), resume=True, progress=False, plots=False)
     assert _stable(resumed) == _stable(expected)
+    ours, theirs = find_checkpoint(str(out)), find_checkpoint(str(expected_dir))
+    assert os.path.basename(ours) == os.path.basename(theirs) == f"step-{expected['steps']:08d}"
+    with open(os.path.join(ours, "model.safetensors"), "rb") as a, open(os.path.join(theirs, "model.safetensors"), "rb") as b:
+        assert a.read() == b.read()
+    state, uninterrupted = load_trainer_state(ours), load_trainer_state(theirs)
+    for key in ("optimizer", "alpha_optimizer", "rng"):
+        assert _same(state[key], uninterrupted[key]), key
+
+
+def _same(a, b) -> bool:
+    """Equal nested containers of tensors and plain values (tensors equal bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def test_search_resumes_from_the_supernet_phase(tmp_path):
     torch.set_num_threads(1)
     cfg = _config()
     expected = search(_tiny(), cfg, str(tmp_path / "a"), progress=False, plots=False)
-    _stop_and_resume(tmp_path / "stop-4", cfg, 4, expected)  # checkpoint of step 3, mid-supernet
+    _stop_and_resume(tmp_path / "stop-4", cfg, 4, expected, tmp_path / "a")  # checkpoint of step 3, mid-supernet
 
 
 def test_fixed_alpha_stays_uniform_and_has_no_magnitude_choice(tmp_path):

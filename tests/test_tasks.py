@@ -3,6 +3,7 @@ task defined in this file) is trained, compared, plotted and reloaded with no ot
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import subprocess
@@ -273,3 +274,35 @@ def test_a_registered_task_is_compared_with_its_metric_and_columns(toy, tmp_path
     assert [r["label"] for r in result["rows"]] == ["flt", "performer"] and not any(r["failed"] for r in result["rows"])
     assert "| mae (mean ± std) | loss |" in (out / "compare.md").read_text()
     assert "mae: lower is better" in capsys.readouterr().out
+
+
+class SearchableToyTask(ToyTask):
+    """The toy task with a held-out part of its training split: what ``flt search`` needs."""
+
+    def holdout_split(self, fraction, seed):
+        cut = len(self.train_x) - max(1, round(fraction * len(self.train_x)))
+        weights, alpha = copy.copy(self), copy.copy(self)
+        weights.train_x, weights.train_y = self.train_x[:cut], self.train_y[:cut]
+        alpha.train_x, alpha.train_y = alpha.valid_x, alpha.valid_y = self.train_x[cut:], self.train_y[cut:]
+        return weights, alpha
+
+    def fit_batch_size(self, batch_size):
+        return min(batch_size, len(self.train_x))
+
+
+def test_flt_search_offers_the_tasks_that_declare_a_held_out_part(monkeypatch, tmp_path, capsys):
+    from flt.search import SearchConfig, parse_candidates, search
+    from flt.search.holdout import split_task
+    from flt.tasks import holdout_tasks
+
+    monkeypatch.setitem(TASKS, ToyTask.name, ToyTask)
+    assert "toy" not in holdout_tasks() and ",toy}" not in _help(capsys, "search")
+    with pytest.raises(ValueError, match="declares no held-out part"):
+        split_task(ToyTask(), 0.2)
+    monkeypatch.setitem(TASKS, ToyTask.name, SearchableToyTask)
+    torch.set_num_threads(1)
+    assert "toy" in holdout_tasks() and ",toy}" in _help(capsys, "search")
+    # One file and one registry line: the toy task's search runs and decides its layer.
+    config = SearchConfig(tuple(parse_candidates("flt,softmax", SearchableToyTask)), tune_steps=1)
+    result = search(toy_smoke(), config, str(tmp_path / "s"), progress=False, plots=False)
+    assert result["complete"] and result["perturbation"][0] in ("flt", "softmax") and result["task"] == "toy"

@@ -10,13 +10,14 @@ run directories and caches are meant to be shared like any other output.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 
 _UMASK_LOCK = threading.Lock()
 
@@ -161,3 +162,15 @@ def confined_path(folder: str, name: object, what: str, error: type[ValueError] 
     if os.path.dirname(os.path.realpath(path)) != real_folder:
         raise error(f"{what} names {name!r}, a link to {os.path.realpath(path)}, outside {folder}; refusing to open it")
     return path
+
+
+def read_json(path: str, missing: str, corrupt: Callable[[Exception], Exception]) -> Any:
+    """The JSON document in ``path``: no such file raises ``FileNotFoundError(missing)``,
+    text that is not UTF-8 JSON raises ``corrupt(error)``."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(missing)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise corrupt(e) from None

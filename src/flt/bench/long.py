@@ -50,12 +50,12 @@ LENGTHS = (1024, 2048, 4096, 8192)
 def build(name: str, n: int):
     from dataclasses import replace
 
-    from flt.tasks import get_preset, get_task
+    from flt.tasks.longlm import LongLMTask
 
     attention, options = MECHANISMS[name]
-    cfg = get_preset("longlm", "small", attention).model
+    cfg = LongLMTask.presets["small"](attention).model
     cfg = replace(cfg, max_len=n, vocab_size=256, **({} if options is None else {"attention_options": dict(options)}))
-    return get_task("longlm").build_model(cfg)
+    return LongLMTask.build_model(cfg)
 
 
 def worker(cfg: dict) -> dict:

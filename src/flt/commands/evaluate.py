@@ -155,7 +155,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from flt.train import checkpoint as ckpt_io
     from flt.train import drawgap as DG
     from flt.train.distributed import Context, resolve_device
-    from flt.train.loop import _to_device, evaluate
+    from flt.train.loop import evaluate, to_device
 
     if split not in ("valid", "test"):
         raise ValueError(f"--split must be 'valid' or 'test', got {split!r}")
@@ -206,7 +206,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
         from flt.train.fidelity import layer_fidelity
 
         split_batches = task.eval_batches if split == "valid" else task.test_batches
-        rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, _to_device(b, dev)))
+        rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, to_device(b, dev)))
 
     fresh = []
     for i in range(draws):

@@ -37,10 +37,7 @@ import shlex
 import sys
 
 from flt.commands.train import preset_from_args
-from flt.search.holdout import SUPPORTED
-
-#: Tasks flt search can cut a held-out part from.
-SEARCH_TASKS = SUPPORTED
+from flt.tasks import holdout_tasks
 
 
 def add_parser(subparsers) -> None:
@@ -48,7 +45,8 @@ def add_parser(subparsers) -> None:
         "search", help="choose the attention mechanism of every layer (DARTS-PT perturbation selection)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("task", choices=list(SEARCH_TASKS))
+    # The tasks that declare a held-out part of their training split.
+    p.add_argument("task", choices=holdout_tasks())
     p.add_argument("--candidates", required=True, metavar="A,B[:KEY=VALUE...],...",
                    help="comma-separated mechanisms every layer chooses from (at least two)")
     p.add_argument("--posenc-candidates", metavar="E,F[:KEY=VALUE...],...",

@@ -1,7 +1,7 @@
 """Models for the built-in tasks, each taking any :data:`flt.ATTENTION` mechanism and any
 :data:`flt.posenc.POSENC` encoding by name.
 
-``MODELS[config.task]`` is the model class of a config of :data:`CONFIGS`;
+``MODELS[type(config)]`` is the model class of a config of :data:`CONFIGS`;
 ``build_model(config)`` builds it from its frozen config (:mod:`flt.models.config`). Tasks
 name their config and model class in their own file (:mod:`flt.tasks`); a task with a
 model of its own does not need to be listed here.
@@ -25,8 +25,8 @@ from flt.models.lm import CausalLM, LMState, sample_next
 from flt.models.molecule import RADIAL_SPECTRA, MoleculeRegressor, tie_isotropic
 from flt.models.vit import ViTClassifier
 
-#: Model class per task; the constructor's keyword arguments are its config's fields.
-MODELS: dict[str, type] = {"lm": CausalLM, "image": ViTClassifier, "molecule": MoleculeRegressor}
+#: Model class per config class; the constructor's keyword arguments are the config's fields.
+MODELS: dict[type, type] = {LMConfig: CausalLM, ImageConfig: ViTClassifier, MoleculeConfig: MoleculeRegressor}
 
 
 def config_kwargs(config) -> dict:
@@ -39,9 +39,9 @@ def config_kwargs(config) -> dict:
 def build_model(config, *, device=None, dtype=None):
     """Build the model of ``config`` (one of :data:`CONFIGS`); the config's fields become
     constructor arguments (:func:`config_kwargs`)."""
-    if type(config) not in CONFIGS.values():
-        raise TypeError(f"expected one of {[c.__name__ for c in CONFIGS.values()]}, got {type(config).__name__}")
-    return MODELS[config.task](**config_kwargs(config), device=device, dtype=dtype)
+    if type(config) not in MODELS:
+        raise TypeError(f"expected one of {[c.__name__ for c in MODELS]}, got {type(config).__name__}")
+    return MODELS[type(config)](**config_kwargs(config), device=device, dtype=dtype)
 
 
 __all__ = [

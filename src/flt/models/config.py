@@ -61,6 +61,12 @@ class TrunkConfig:
     attention_options: dict[str, Any] = field(default_factory=dict)
     posenc: str = "none"
     posenc_options: dict[str, Any] = field(default_factory=dict)
+    #: The key of the config's saved form (:func:`config_to_dict`), which checkpoints of
+    #: every version carry: the name of the task whose config it is.
+    task: ClassVar[str]
+    #: Coordinates per position the model gives its attention (``P``), for the memory
+    #: estimate made before a model is built (:mod:`flt._limits`).
+    position_dims: ClassVar[int] = 1
 
     def __post_init__(self):
         _check_trunk(self)
@@ -129,6 +135,7 @@ class ImageConfig(LayeredConfig):
     """
 
     task: ClassVar[str] = "image"
+    position_dims: ClassVar[int] = 2
 
     image_size: int = 8
     channels: int = 1
@@ -158,6 +165,7 @@ class MoleculeConfig(LayeredConfig):
     """
 
     task: ClassVar[str] = "molecule"
+    position_dims: ClassVar[int] = 3
 
     num_elements: int = 119
     depth: int = 3
@@ -178,9 +186,9 @@ class MoleculeConfig(LayeredConfig):
             raise ValueError(f"target_mean must be a finite number, got {self.target_mean!r}")
 
 
-#: Config class of each model of this package, by its ``task`` name. Tasks are registered
-#: in :data:`flt.tasks.TASKS`, which may add configs of their own; this is not that list.
-CONFIGS: dict[str, type] = {"lm": LMConfig, "image": ImageConfig, "molecule": MoleculeConfig}
+#: Config class of each model of this package, by its saved key (``task``). Tasks are
+#: registered in :data:`flt.tasks.TASKS`, which may add configs of their own; this is not that list.
+CONFIGS: dict[str, type] = {cls.task: cls for cls in (LMConfig, ImageConfig, MoleculeConfig)}
 
 
 def config_to_dict(cfg) -> dict[str, Any]:

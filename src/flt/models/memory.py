@@ -45,7 +45,7 @@ def model_parameter_values(cfg) -> int:
 
 
 def _pos_dim(cfg) -> int:
-    return {"image": 2, "molecule": 3}.get(getattr(cfg, "task", ""), 1)
+    return getattr(cfg, "position_dims", 1)
 
 
 def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, int]:

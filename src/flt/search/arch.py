@@ -3,9 +3,10 @@ the search mixed it) that ``flt train --arch`` builds."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
+
+from flt._io import read_json
 
 #: Which selection of ``search.json`` to train.
 SELECTIONS = ("perturbation", "magnitude")
@@ -15,13 +16,7 @@ def read_search(path: str) -> dict[str, Any]:
     """The contents of a ``search.json`` (a file, or the search directory holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "search.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--arch: no search result at {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--arch: {path} is not valid JSON: {e}") from None
+    data = read_json(path, f"--arch: no search result at {path}", lambda e: ValueError(f"--arch: {path} is not valid JSON: {e}"))
     if not isinstance(data, dict) or data.get("format") != "flt-search-1":
         raise ValueError(f"--arch: {path} is not a search.json written by flt search")
     missing = [key for key in ("task", "candidates") if key not in data]

@@ -4,11 +4,12 @@
 with every block's attention replaced by a mixed op over the candidates
 (:mod:`flt.search.mixed`), in a run directory:
 
-1. **Supernet**, ``run.steps`` steps (``preset.run``'s learning-rate schedule, batches,
-   redraws, gradient clipping): each step first updates the architecture weights
-   ``alpha`` on a batch of the held-out part of the training split
-   (:mod:`flt.search.holdout`; first order: the gradient at the current weights), then the
-   network weights on a training batch. ``SearchConfig.fixed_alpha`` keeps ``alpha`` at
+1. **Supernet**, ``run.steps`` steps of the training loop (:mod:`flt.train.loop`: the
+   learning-rate schedule, batches, redraws, gradient clipping, checkpoints and resume of
+   ``preset.run``) with the search as its client (:class:`flt.search.supernet.Supernet`):
+   each step first updates the architecture weights ``alpha`` on a batch of the held-out
+   part of the training split (:mod:`flt.search.holdout`; first order: the gradient at the
+   current weights), then the network weights on a training batch. ``SearchConfig.fixed_alpha`` keeps ``alpha`` at
    zero (uniform mixing) and skips its update.
 2. **Selection**: the slots are visited in a random order drawn from the seed; each is
    measured by perturbation and decided (:func:`flt.search.select.select_slot`, on the
@@ -33,11 +34,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
 from flt._io import atomic_write_text
-from flt.models.config import config_to_dict, replace_fields
-from flt.search.holdout import SUPPORTED, heldout_batch_size, split_task
+from flt.models.config import config_to_dict
+from flt.search.holdout import holdout_seed, split_task
 from flt.search.mixed import (
     Candidate,
     EncodingCandidate,
@@ -46,32 +45,18 @@ from flt.search.mixed import (
     check_candidates,
     check_posenc_candidates,
     encoding_owner,
-    encoding_slot,
-    mixed_slots,
 )
-from flt.search.select import magnitude_choice, select_slot
-from flt.tasks import check_preset, load_task, step_generator
+from flt.search.supernet import Supernet, empty_progress
+from flt.tasks import check_preset, holdout_tasks
 from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
-from flt.train import drawgap as DG
-from flt.train.checkpoint import (
-    find_checkpoint,
-    has_checkpoint,
-    load_trainer_state,
-    load_weights,
-    read_checkpoint_config,
-    save_checkpoint,
-)
+from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint
 from flt.train.lock import lock_run_dir
-from flt.train.loop import _to_device, evaluate, parameter_groups
-from flt.train.rng import rng_state, seed_everything, set_rng_state
+from flt.train.loop import Origin, Progress, Run, load_data, restore, resumable_checkpoint, run_steps, weights_optimizer
+from flt.train.rng import seed_everything
 
 __all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search", "supernet_model"]
 
-#: ``step_generator`` stream of the order in which slots are decided.
-ORDER_STREAM = 11
-#: Seed offset of the held-out batches (they must not repeat the training batches' order).
-ALPHA_SEED_OFFSET = 104729
 RESULT = "search.json"
 
 
@@ -132,22 +117,13 @@ def check_search(preset: Preset, config: SearchConfig) -> None:
     """Everything that can be checked before data loads: the preset, the task, and that
     every candidate constructs at the model's width and position geometry."""
     task_cls = check_preset(preset)
-    if task_cls.name not in SUPPORTED:
-        raise ValueError(f"flt search supports the tasks {', '.join(SUPPORTED)}; got {task_cls.name!r}")
-    if task_cls.name == "graph" and getattr(preset.model, "encoder", "transformer") != "transformer":
-        raise ValueError(f"flt search graph chooses the attention of the transformer encoder; encoder={preset.model.encoder!r} "
-                         "has no attention layers (leave out --model-opt encoder=)")
+    if task_cls.name not in holdout_tasks():
+        raise ValueError(f"flt search supports the tasks {', '.join(holdout_tasks())}; got {task_cls.name!r}")
+    # The preset's model with what the data sets of its geometry: cheap, and it tells the
+    # position dimension and causality of its attention layers.
+    probe_cfg = task_cls.probe_config(preset.model, preset.data)
     if getattr(preset.model, "layer_attention", None) is not None:
         raise ValueError("flt search mixes every layer itself; leave out layer_attention")
-    # The preset's model with its default data-dependent fields: cheap, and it tells the
-    # position dimension and causality of its attention layers.
-    probe_cfg = preset.model
-    if task_cls.name == "graph":
-        # The width of the positions the graph's data gives (the anchors by default).
-        positions = preset.data.get("positions", "anchor")
-        width = {"rwse": preset.data.get("walk_steps", 16), "laplacian": preset.data.get("eigenvectors", 16)}.get(positions)
-        if isinstance(width, int) and not isinstance(width, bool) and width > 0:
-            probe_cfg = replace_fields(probe_cfg, in_dim=width)
     probe = task_cls.build_model(probe_cfg)
     block, attr = attention_blocks(probe)[0]
     attn = getattr(block, attr)
@@ -155,27 +131,20 @@ def check_search(preset: Preset, config: SearchConfig) -> None:
     if config.posenc_candidates:
         encoding_owner(probe)
         check_posenc_candidates(list(config.posenc_candidates), dim=attn.dim, pos_dim=attn.pos_dim)
-    # The supernet itself, for the model's own constraints on its mechanisms (the molecule
-    # model's isotropic spectra).
+    # The supernet itself, for the model's own constraints on its mechanisms
+    # (:meth:`flt.tasks.Task.constrain_supernet`).
     supernet_model(task_cls, probe_cfg, config)
 
 
 def supernet_model(task, model_cfg, config: SearchConfig, *, device=None):
     """The supernet of the search: ``task``'s model of ``model_cfg`` with every layer's
     attention (and, with ``config.posenc_candidates``, the absolute encoding) mixed over the
-    candidates (:func:`flt.search.mixed.build_supernet`). A molecule model with
-    ``isotropic`` ties the per-axis length scales of its candidates' radial spectra as it
-    ties its own (a candidate with another spectrum is refused, as ``flt train`` refuses it)."""
+    candidates (:func:`flt.search.mixed.build_supernet`), under the task's constraints on
+    its mechanisms (:meth:`flt.tasks.Task.constrain_supernet`)."""
     model = task.build_model(model_cfg, device=device)
     build_supernet(model, list(config.candidates), frozen=config.fixed_alpha,
                    posenc_candidates=list(config.posenc_candidates) or None)
-    if getattr(model_cfg, "isotropic", False) and task.name == "molecule":
-        from flt.models.molecule import tie_isotropic
-
-        try:
-            tie_isotropic(model.trunk)
-        except ValueError as err:
-            raise ValueError(f"--candidates: a candidate of the molecule model does not fit isotropic=true: {err}") from None
+    task.constrain_supernet(model, model_cfg)
     return model
 
 
@@ -183,18 +152,9 @@ def _record(preset: Preset, config: SearchConfig) -> dict[str, Any]:
     return {"preset": preset_to_dict(preset), "search": config.to_dict()}
 
 
-def search(
-    preset: Preset,
-    config: SearchConfig,
-    out_dir: str,
-    *,
-    resume: bool = False,
-    device: str = "cpu",
-    progress: bool = True,
-    plots: bool = True,
-    say: Callable[[str], None] | None = None,
-    on_step: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+def search(preset: Preset, config: SearchConfig, out_dir: str, *, resume: bool = False, device: str = "cpu",
+           progress: bool = True, plots: bool = True, say: Callable[[str], None] | None = None,
+           on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run the search of ``preset`` with ``config`` in ``out_dir``; returns the result (also
     in ``search.json``). ``say`` receives the progress lines (default: print when
     ``progress``); ``on_step`` is called with the step number after every step.
@@ -208,187 +168,92 @@ def search(
     if ctx.world > 1:
         D.teardown(ctx)
         raise ValueError("flt search runs in one process")
-    state = {"step": 0}
+    reached = Progress(steps=preset.run.steps)
     lock = None
     try:
         # One writer per directory, as for flt train (flt.train.lock).
         lock = lock_run_dir(out_dir, "flt search")
         if lock.note:
             say(lock.note)
-        return _search(preset, config, out_dir, ctx, resume=resume, plots=plots, say=say, on_step=on_step, state=state)
+        return _search(preset, config, out_dir, ctx, resume=resume, plots=plots, say=say, on_step=on_step, reached=reached)
     except KeyboardInterrupt as e:
-        try:
-            ckpt = find_checkpoint(out_dir, report=lambda m: None)
-        except (FileNotFoundError, ValueError):
-            ckpt = None
-        raise SearchInterrupted(out_dir, state["step"], ckpt) from e
+        raise SearchInterrupted(out_dir, reached.step, resumable_checkpoint(out_dir)) from e
     finally:
         if lock is not None:
             lock.release()
         D.teardown(ctx)
 
 
-def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, state) -> dict[str, Any]:
-    wall = time.perf_counter()
-    run = preset.run
+def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reached: Progress) -> dict[str, Any]:
+    """The training loop's steps with the search as their client (:class:`Supernet`): the
+    data and its held-out part, the supernet, the restored checkpoint, the supernet's
+    steps, then the selection step and the result."""
+    wall, run = time.perf_counter(), preset.run
     record = _record(preset, config)
-    progress_record: dict[str, Any] = {"slots": [], "magnitude": None, "alpha_end": None, "history": [],
-                                       "seconds": {"supernet": 0.0, "selection": 0.0}}
-    ckpt = None
-    if resume:
-        ckpt = find_checkpoint(out_dir, report=say)
-        meta = read_checkpoint_config(ckpt)
-        diffs = _differences(meta, record)
-        if diffs:
-            raise ValueError(f"--resume needs the configuration of the search in {out_dir}; these differ: {', '.join(diffs)}")
-        progress_record = meta["progress"]
-    elif has_checkpoint(out_dir):
-        raise ValueError(f"{out_dir} already holds a search; pass --resume to continue it or choose another --out-dir")
-
-    # Data, then the model from the seed alone (as flt train does).
+    origin, progress = _origin(out_dir, record, resume, say)
+    task, model_cfg = load_data(preset, ctx)
+    weights_task, alpha_task = split_task(task, config.holdout, holdout_seed(type(task), preset.data))
     seed_everything(run.seed)
-    task = load_task(preset.task, preset.data)
-    model_cfg = task.configure(preset.model)
-    weights_task, alpha_task = split_task(task, config.holdout, holdout_seed(preset))
-    seed_everything(run.seed)
-    model = supernet_model(task, model_cfg, config, device=ctx.device)
-    # The slots: every layer's attention, then the absolute encoding when it is searched.
-    slots = mixed_slots(model)
-    depth = len(slots)
-    encoding = encoding_slot(model)
-    if encoding is not None:
-        slots.append(encoding)
-    names = [*range(depth), *(["posenc"] if encoding is not None else [])]
-    alpha_batch = heldout_batch_size(alpha_task, run.batch_size)
-    alphas = [s.alpha for s in slots]
-    alpha_ids = {id(a) for a in alphas}
-    groups = [{**g, "params": [p for p in g["params"] if id(p) not in alpha_ids]} for g in parameter_groups(model, run.weight_decay)]
-    w_opt = torch.optim.AdamW(groups, lr=run.lr, betas=(0.9, 0.95))
-    a_opt = torch.optim.Adam(alphas, lr=config.alpha_lr, betas=(0.5, 0.999), weight_decay=config.alpha_weight_decay)
-    full = {"preset": record["preset"], "search": record["search"], "model": config_to_dict(model_cfg)}
+    model = supernet_model(type(task), model_cfg, config, device=ctx.device)
+    supernet = Supernet(model, config, alpha_task, run, ctx, progress, say)
+    optimizer = weights_optimizer(model, run, exclude=supernet.alphas)
+    start, window, step_times = restore(origin, model, optimizer, run, ctx, supernet)
+    reached.step = start
+    r = Run(preset=preset, out_dir=out_dir, ctx=ctx, task=weights_task, model_cfg=model_cfg, model=model, ddp=model,
+            optimizer=optimizer, record={**record, "model": config_to_dict(model_cfg)}, start=start,
+            parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
+            last_checkpoint=origin.checkpoint, hooks=supernet,
+            clipped=[p for group in optimizer.param_groups for p in group["params"]])
+    _announce(r, supernet, say)
 
-    step = 0
-    if ckpt is not None:
-        load_weights(ckpt, model)
-        trainer = load_trainer_state(ckpt)
-        w_opt.load_state_dict(trainer["weights_optimizer"])
-        a_opt.load_state_dict(trainer["alpha_optimizer"])
-        set_rng_state(trainer["rng"], model)
-        step = int(trainer["step"])
-        for s in slots:
-            if s.is_decided:
-                s.alpha.requires_grad_(False)
-        say(f"resuming the search in {out_dir} from step {step} ({len(progress_record['slots'])} of {len(slots)} slots decided)")
-    else:
-        torch.manual_seed(run.seed + 7919)
-    state["step"] = step
-    labels = [c.label for c in config.candidates]
+    def write(step: int, done: bool = False) -> dict[str, Any]:
+        result = _result(preset, config, model_cfg, progress, supernet.slots, task, step, done=done)
+        if done:
+            result.update(final_metric=supernet.holdout_metric(), wall_time_s=time.perf_counter() - wall)
+        atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
+        return result
+
+    run_steps(r, None, None, say, on_step, reached)
+    step = supernet.select(r, max(start, run.steps), reached, on_step, write)
+    if not progress["slots"]:
+        raise ValueError("the model has no slots to decide")
+    return _finish(write(step, done=True), out_dir, plots, say)
+
+
+def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[Origin, dict[str, Any]]:
+    """``(where the search starts, its progress so far)``: a fresh start in a directory
+    that holds no search yet, or the latest checkpoint of the same configuration."""
+    if not resume:
+        if has_checkpoint(out_dir):
+            raise ValueError(f"{out_dir} already holds a search; pass --resume to continue it or choose another --out-dir")
+        return Origin(), empty_progress()
+    ckpt, meta = locate_checkpoint(out_dir, report=say)
+    diffs = _differences(meta, record)
+    if diffs:
+        raise ValueError(f"--resume needs the configuration of the search in {out_dir}; these differ: {', '.join(diffs)}")
+    if "optimizer" not in load_trainer_state(ckpt):
+        raise ValueError(f"{ckpt} was written by an earlier version of flt search, whose checkpoints this one does not "
+                         "resume; start the search again in another --out-dir")
+    steps = record["preset"]["run"]["steps"]
+    return Origin(ckpt, int(meta["step"]), steps), meta["progress"]
+
+
+def _announce(r: Run, supernet: Supernet, say) -> None:
+    """The first lines: where a resumed search continues, what the supernet mixes."""
+    run, config = r.preset.run, supernet.config
+    if r.last_checkpoint is not None:
+        say(f"resuming the search in {r.out_dir} from step {r.start} "
+            f"({len(supernet.progress['slots'])} of {len(supernet.slots)} slots decided)")
     posenc_labels = [c.label for c in config.posenc_candidates]
-    n_params = sum(p.numel() for p in model.parameters())
-    say(f"{preset.task} search over {', '.join(labels)}"
+    say(f"{r.preset.task} search over {', '.join(c.label for c in config.candidates)}"
         + (f" and the absolute encodings {', '.join(posenc_labels)}" if posenc_labels else "")
-        + f": {len(slots)} slots, {n_params:,} parameters in the supernet, "
+        + f": {len(supernet.slots)} slots, {r.parameters:,} parameters in the supernet, "
         f"{run.steps} supernet steps, {config.tune_steps} fine-tuning steps per decision"
         + (", alpha frozen uniform" if config.fixed_alpha else ""))
 
-    def checkpoint(at: int) -> None:
-        trainer = {"step": at, "weights_optimizer": w_opt.state_dict(), "alpha_optimizer": a_opt.state_dict(),
-                   "rng": rng_state(model)}
-        save_checkpoint(out_dir, at, model, config={**full, "progress": progress_record}, trainer_state=trainer,
-                        keep=run.keep_checkpoints)
 
-    def holdout_metric() -> float:
-        with DG.evaluation_draw(model, run):
-            return evaluate(alpha_task, model, ctx, run.eval_batch_size or run.batch_size, run.eval_batches)[task.metric]
-
-    def train_step(at: int, lr: float) -> float:
-        DG.redraw_for_step(model, run, at)
-        if not config.fixed_alpha and any(a.requires_grad for a in alphas):
-            a_opt.zero_grad(set_to_none=True)
-            batch = _to_device(alpha_task.train_batch(at, alpha_batch, run.seed + ALPHA_SEED_OFFSET, 0, 1), ctx.device)
-            alpha_task.loss(model, batch).backward()
-            a_opt.step()
-        # The held-out loss left gradients on the weights too: the weights learn from the
-        # training batch alone.
-        a_opt.zero_grad(set_to_none=True)
-        w_opt.zero_grad(set_to_none=True)
-        for g in w_opt.param_groups:
-            g["lr"] = lr
-        batch = _to_device(weights_task.train_batch(at, run.batch_size, run.seed, 0, 1), ctx.device)
-        loss = weights_task.loss(model, batch)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the supernet's training loss is {float(loss)} at step {at}; lower --lr")
-        loss.backward()
-        if run.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_([p for g in w_opt.param_groups for p in g["params"]], run.grad_clip)
-        w_opt.step()
-        w_opt.zero_grad(set_to_none=True)
-        a_opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    model.train()
-    # 1. Supernet.
-    t0 = time.perf_counter()
-    while step < run.steps:
-        step += 1
-        loss = train_step(step, run.lr_at(step))
-        state["step"] = step
-        if step % run.eval_every == 0 or step == run.steps:
-            metric = holdout_metric()
-            mix = {label: p for label, p in zip(labels, _mean_probabilities(slots[:depth]))}
-            progress_record["history"].append({"step": step, "loss": loss, task.metric: metric,
-                                               "alpha": [s.probabilities().tolist() for s in slots]})
-            say(f"supernet step {step}/{run.steps}: loss {loss:.4g}, held-out {task.metric} {metric:.4g}; mean softmax(alpha) "
-                + "  ".join(f"{k} {v:.3f}" for k, v in mix.items())
-                + ("; encoding " + "  ".join(f"{k} {v:.3f}" for k, v in zip(posenc_labels, encoding.probabilities().tolist()))
-                   if encoding is not None else ""))
-        if step % run.checkpoint_every == 0 or step == run.steps:
-            if step == run.steps:
-                # With alpha frozen uniform the argmax says nothing: no magnitude choice.
-                progress_record["magnitude"] = None if config.fixed_alpha else [s.labels[magnitude_choice(s)] for s in slots]
-                progress_record["alpha_end"] = [s.probabilities().tolist() for s in slots]
-            progress_record["seconds"]["supernet"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            checkpoint(step)
-        if on_step is not None:
-            on_step(step)
-    progress_record["seconds"]["supernet"] += time.perf_counter() - t0
-
-    # 2. Selection, one slot at a time in a seeded order.
-    order = torch.randperm(len(slots), generator=step_generator(run.seed, 0, ORDER_STREAM)).tolist()
-    tune_lr = run.lr_at(run.steps)
-    for index in order:
-        if slots[index].is_decided:
-            continue
-        t0 = time.perf_counter()
-        model.eval()
-        entry = select_slot(slots[index], holdout_metric, task.higher_is_better)
-        model.train()
-        entry = {"layer": names[index], **entry, "magnitude": progress_record["magnitude"][index] if not config.fixed_alpha else None}
-        removed = "  ".join(f"{k} {v:.4g}" for k, v in entry["removed"].items())
-        where = "absolute encoding" if names[index] == "posenc" else f"layer {index}"
-        say(f"slot {len(progress_record['slots']) + 1}/{len(slots)} ({where}): held-out {task.metric} {entry['metric']:.4g}; "
-            f"without each candidate: {removed}; chosen {entry['chosen']}"
-            + (f" (magnitude: {entry['magnitude']})" if entry["magnitude"] is not None else ""))
-        for _ in range(config.tune_steps):
-            step += 1
-            train_step(step, tune_lr)
-            state["step"] = step
-            if on_step is not None:
-                on_step(step)
-        entry["tuned_metric"] = holdout_metric() if config.tune_steps else entry["metric"]
-        progress_record["slots"].append(entry)
-        progress_record["seconds"]["selection"] += time.perf_counter() - t0
-        checkpoint(step)
-        result = _result(preset, config, model_cfg, progress_record, slots, task, step, done=False)
-        atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
-
-    if not progress_record["slots"]:
-        raise ValueError("the model has no slots to decide")
-    result = _result(preset, config, model_cfg, progress_record, slots, task, step, done=True)
-    result["final_metric"] = holdout_metric()
-    result["wall_time_s"] = time.perf_counter() - wall
-    atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
+def _finish(result: dict[str, Any], out_dir: str, plots: bool, say) -> dict[str, Any]:
+    """The last lines and ``search.png``."""
     say(f"perturbation: {', '.join(result['perturbation'])}")
     if result["magnitude"] is not None:
         say(f"magnitude:    {', '.join(result['magnitude'])}")
@@ -413,11 +278,6 @@ def _differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:
     saved, now = json.loads(json.dumps(meta["search"])), json.loads(json.dumps(record["search"]))
     diffs += [f"search.{k}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     return diffs
-
-
-def _mean_probabilities(slots) -> list[float]:
-    probs = torch.stack([s.probabilities() for s in slots])
-    return probs.mean(0).tolist()
 
 
 def _result(preset, config, model_cfg, progress, slots, task, step, *, done: bool) -> dict[str, Any]:
@@ -458,13 +318,3 @@ def _result(preset, config, model_cfg, progress, slots, task, step, *, done: boo
             "magnitude": magnitude[depth] if magnitude is not None else None,
         } if done else None
     return out
-
-
-def holdout_seed(preset: Preset) -> int:
-    """The seed of the held-out draw: the data's own seed (``split_seed`` of molecules,
-    ``seed`` of graphs; 0 without one)."""
-    for key in ("split_seed", "seed"):
-        value = preset.data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return 0

@@ -116,6 +116,12 @@ def change_data(name: str, data: dict[str, Any], changes: dict[str, Any], source
     return out
 
 
+def holdout_tasks() -> list[str]:
+    """The tasks that declare a held-out part of their training split
+    (:meth:`Task.holdout_split`): those ``flt search`` can search, in registry order."""
+    return [name for name, task in TASKS.items() if task.holdout_split is not Task.holdout_split]
+
+
 def get_preset(task: str, name: str, attention: str = "flt", posenc: str = "none") -> Preset:
     """``TASKS[task].presets[name](attention, posenc)`` with clear errors for unknown names."""
     presets = get_task(task).presets
@@ -180,6 +186,7 @@ __all__ = [
     "generate_text",
     "get_preset",
     "get_task",
+    "holdout_tasks",
     "load_task",
     "mechanism_options",
     "preset_differences",

@@ -122,6 +122,9 @@ class Task:
     #: ``{flag: (where, field, help)}``, ``--flag VALUE`` meaning ``--model-opt field=VALUE``
     #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``).
     shortcuts: ClassVar[dict[str, tuple[str, str, str]]] = {}
+    #: The data option whose value seeds the held-out draw of :meth:`holdout_split` (None,
+    #: or the option not given: seed 0).
+    holdout_seed_option: ClassVar[str | None] = None
 
     @classmethod
     def build_model(cls, config, *, device=None, dtype=None):
@@ -185,6 +188,31 @@ class Task:
     def extra(self) -> dict[str, Any]:
         """JSON data a checkpoint needs besides the configs (e.g. the tokenizer)."""
         return {}
+
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task, Task]:
+        """``(weights_task, alpha_task)``: this (configured) task with ``fraction`` of its
+        training split held out, for ``flt search`` (:mod:`flt.tasks.holdout`); ``seed`` is
+        the data's seed (:attr:`holdout_seed_option`). A task that does not override it
+        cannot be searched."""
+        raise ValueError(f"task {self.name!r} declares no held-out part of its training split; flt search supports "
+                         "the tasks that do (flt.tasks.holdout_tasks)")
+
+    def fit_batch_size(self, batch_size: int) -> int:
+        """The training batch size this task's training split allows, at most ``batch_size``
+        (a held-out part can be smaller than a batch)."""
+        return batch_size
+
+    @classmethod
+    def probe_config(cls, cfg, data: dict[str, Any]):
+        """The model config that tells ``flt search`` its attention geometry before any data
+        loads: ``cfg`` with what the data options ``data`` set; raises if the model has no
+        attention layers to choose."""
+        return cfg
+
+    @classmethod
+    def constrain_supernet(cls, model, cfg) -> None:
+        """Impose the model's own constraints on the mechanisms ``flt search`` put into it
+        (its candidates); raises ``ValueError`` naming the constraint a candidate breaks."""
 
     def report(self, model, device) -> str | None:
         """A line or two printed at the end of training (e.g. a generated sample)."""

@@ -64,6 +64,7 @@ from flt.graphs.link import TASK_ENCODERS
 from flt.models import replace_fields
 from flt.models.config import LayeredConfig
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.holdout import labelled, permutation, split_indices
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: the Gaussian spectrum of docs/graphs.md (per head and per axis length scale,
@@ -183,6 +184,7 @@ class GraphTask(Task):
     dataset = staticmethod(generated_split)
     presets = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    holdout_seed_option = "seed"
     axes = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
             "offset": "hops / √K"}
     shortcuts = {
@@ -251,6 +253,46 @@ class GraphTask(Task):
         other = copy.copy(self)
         other._set_structure(edges)
         return other
+
+    def holdout_split(self, fraction, seed):
+        """Pairs: a random ``fraction`` of the labelled training pairs. Links: a random
+        ``fraction`` of the training edges (with as many training negatives), taken out of
+        the structure too (:mod:`flt.tasks.holdout`)."""
+        pairs, labels = self.train
+        if self.kind == "pair":
+            rest, hold = split_indices(len(labels), fraction, seed, "labelled training pairs")
+            weights, alpha = copy.copy(self), copy.copy(self)
+            weights.train = (pairs[rest], labels[rest])
+            alpha.train = alpha.valid = (pairs[hold], labels[hold])
+            return weights, alpha
+        # Links: the training pairs are the training edges (label 1) then as many negatives.
+        pos, neg = pairs[labels == 1], pairs[labels == 0]
+        rest_idx, hold_idx = split_indices(len(pos), fraction, seed, "training edges")
+        rest_pos, hold_pos = pos[rest_idx], pos[hold_idx]
+        perm_neg = permutation(len(neg), seed + 1)
+        keep_neg = min(len(neg), len(hold_idx))
+        rest_neg, hold_neg = neg[perm_neg[keep_neg:].sort().values], neg[perm_neg[:keep_neg].sort().values]
+        # The held-out edges leave the structure: anchors and positions of the remaining edges.
+        structure = self.with_structure(rest_pos)
+        weights, alpha = copy.copy(structure), copy.copy(structure)
+        weights.train = labelled(rest_pos, rest_neg)
+        alpha.train = alpha.valid = labelled(hold_pos, hold_neg)
+        return weights, alpha
+
+    def fit_batch_size(self, batch_size):
+        return min(batch_size, len(self.train[1]))
+
+    @classmethod
+    def probe_config(cls, cfg, data):
+        """The transformer encoder only (the others have no attention), with the width of
+        the positions the data gives (the anchors by default)."""
+        if cfg.encoder != "transformer":
+            raise ValueError(f"flt search graph chooses the attention of the transformer encoder; encoder={cfg.encoder!r} "
+                             "has no attention layers (leave out --model-opt encoder=)")
+        width = {"rwse": data.get("walk_steps", 16), "laplacian": data.get("eigenvectors", 16)}.get(data.get("positions", "anchor"))
+        if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+            return replace_fields(cfg, in_dim=width)
+        return cfg
 
     def configure(self, cfg):
         """The config with ``num_anchors`` and ``in_dim`` of the data; a ``softmax`` run that

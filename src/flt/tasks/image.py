@@ -10,13 +10,15 @@ split), so validation is the same images as without it.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 
+import torch
 import torch.nn.functional as F
 
 from flt.data import load_cifar10, load_digits, load_image_folder
-from flt.data.images import CIFAR10_META, CIFAR10_TEST_BATCH, CIFAR10_TRAIN_BATCHES
+from flt.data.images import CIFAR10_META, CIFAR10_TEST_BATCH, CIFAR10_TRAIN_BATCHES, ImageData
 from flt.models import ImageConfig, ViTClassifier, replace_fields
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
@@ -121,6 +123,21 @@ class ImageTask(Task):
         if h != w:
             raise ValueError(f"the classifier needs square images, got {h}x{w}; pass --data-opt size=[S,S]")
         return replace_fields(cfg, image_size=h, channels=c, num_classes=self.train.num_classes)
+
+    def holdout_split(self, fraction, seed):
+        """A fixed random fraction of the training images (generator seed 0; ``seed`` unused)."""
+        data = self.train
+        n = len(data)
+        held = max(1, int(round(fraction * n)))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+        rest, hold = perm[held:].sort().values, perm[:held].sort().values
+        weights, alpha = copy.copy(self), copy.copy(self)
+        weights.train = ImageData(data.images[rest], data.labels[rest], data.class_names)
+        alpha.train = alpha.valid = ImageData(data.images[hold], data.labels[hold], data.class_names)
+        return weights, alpha
+
+    def fit_batch_size(self, batch_size):
+        return min(batch_size, len(self.train))
 
     def train_batch(self, step, batch_size, seed, rank, world):
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]

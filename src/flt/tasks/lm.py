@@ -15,6 +15,7 @@ model (:func:`generate_text`, ``flt generate``) lives here too.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from typing import Any
@@ -133,6 +134,17 @@ class LMTask(Task):
         self.valid_set = LMDataset(self.valid_tokens, self.seq_len)
         self.test_set = LMDataset(self.test_tokens, self.seq_len)
         return replace_fields(cfg, vocab_size=self.tokenizer.vocab_size)
+
+    def holdout_split(self, fraction, seed):
+        """The last ``fraction`` of the training tokens (``seed`` unused)."""
+        cut = int(round((1 - fraction) * self.train_tokens.numel()))
+        weights, alpha = copy.copy(self), copy.copy(self)
+        weights.train_set = LMDataset(self.train_tokens[:cut], self.seq_len)
+        alpha.train_set = alpha.valid_set = LMDataset(self.train_tokens[cut:], self.seq_len)
+        for part, what in ((weights.train_set, "training"), (alpha.train_set, "held-out")):
+            if len(part) < 1:
+                raise ValueError(f"the {what} part of the text is shorter than one window of {self.seq_len} tokens")
+        return weights, alpha
 
     def train_batch(self, step, batch_size, seed, rank, world):
         x, y = self.train_set.sample(batch_size, generator=step_generator(seed, step))

@@ -21,7 +21,7 @@ import torch
 from flt.data import ByteTokenizer
 from flt.data.pysource import load_python_source
 from flt.models import LMConfig
-from flt.tasks.base import mechanism_options
+from flt.tasks.base import Task, mechanism_options
 from flt.tasks.lm import LMTask, generate_text
 from flt.tasks.preset import Preset, RunConfig
 
@@ -94,6 +94,8 @@ class LongLMTask(LMTask):
     dataset = staticmethod(load_python_source)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    # Not searched (yet): its held-out part and search presets are not chosen.
+    holdout_split = Task.holdout_split
 
     def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0):
         if not 0.0 < test_fraction < 1.0:

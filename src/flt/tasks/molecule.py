@@ -14,13 +14,15 @@ structures carved from the training part (:func:`flt.data._split.carve_test`).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch.nn.functional as F
 
 from flt.data import collate_molecules, load_ase, load_catalysis, split_molecules
-from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields
+from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields, tie_isotropic
 from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.holdout import split_indices
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: a radial Gaussian (rotation invariant with tied lengths) in the FLT paper's
@@ -93,6 +95,7 @@ class MoleculeTask(Task):
     dataset = staticmethod(load_catalysis)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    holdout_seed_option = "split_seed"
     axes = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
             "rmse": "RMSE (target units, eV by default)", "offset": "Å"}
 
@@ -119,6 +122,32 @@ class MoleculeTask(Task):
         if zmax >= cfg.num_elements:
             raise ValueError(f"the data has atomic number {zmax}, beyond num_elements = {cfg.num_elements}")
         return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
+
+    def holdout_split(self, fraction, seed):
+        """Whole structures: a random ``fraction`` of the training structures, drawn from
+        ``seed`` (the data's ``split_seed``). The target standardisation (``target_mean``,
+        ``target_std``: the model's output scale) stays the whole training split's, as in
+        the run the search stands for."""
+        rest, hold = split_indices(len(self.train), fraction, seed, "training structures")
+        weights, alpha = copy.copy(self), copy.copy(self)
+        weights.train = self.train.subset(rest.numpy())
+        alpha.train = alpha.valid = self.train.subset(hold.numpy())
+        return weights, alpha
+
+    def fit_batch_size(self, batch_size):
+        return min(batch_size, len(self.train))
+
+    @classmethod
+    def constrain_supernet(cls, model, cfg):
+        """With ``isotropic``, the candidates' radial spectra tie their per-axis length
+        scales as the model ties its own (a candidate with another spectrum is refused, as
+        ``flt train`` refuses it)."""
+        if not cfg.isotropic:
+            return
+        try:
+            tie_isotropic(model.trunk)
+        except ValueError as err:
+            raise ValueError(f"--candidates: a candidate of the molecule model does not fit isotropic=true: {err}") from None
 
     def _collate(self, data, idx):
         return collate_molecules([data[int(i)] for i in idx])

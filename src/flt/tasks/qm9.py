@@ -28,7 +28,7 @@ import numpy as np
 from flt.data.qm9 import QM9_TRAIN, QM9_VALID, TARGETS, load_qm9
 from flt.models import replace_fields
 from flt.models.qm9 import ENCODERS, QM9Config, QM9Regressor
-from flt.tasks.base import mechanism_options
+from flt.tasks.base import Task, mechanism_options
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.preset import Preset, RunConfig
 
@@ -100,6 +100,8 @@ class QM9Task(MoleculeTask):
     dataset = staticmethod(load_qm9)
     presets = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
+    # Not searched (yet): its held-out part and search presets are not chosen.
+    holdout_split = Task.holdout_split
     axes = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (the target's unit; meV for energies)",
             "rmse": "RMSE (the target's unit; meV for energies)", "offset": "Å"}
     shortcuts = {"model": ("model", "encoder", f"qm9: the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}

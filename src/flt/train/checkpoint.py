@@ -53,6 +53,7 @@ from flt._io import (
     fsync_dir,
     fsync_file,
     make_temp_dir,
+    read_json,
     remove_temporaries,
     sha256_file,
 )
@@ -267,13 +268,7 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
     checked before any file is opened."""
     path = os.path.join(ckpt, CONFIG_FILE)
     confined_path(ckpt, CONFIG_FILE, f"checkpoint {ckpt}", CheckpointError)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"checkpoint file missing: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: {e}") from None
+    meta = read_json(path, f"checkpoint file missing: {path}", lambda e: CheckpointError(f"checkpoint file {path} is corrupt: {e}"))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{path} is not an flt checkpoint config (format {FORMAT!r})")
     files = {fname: (confined_path(ckpt, fname, path, CheckpointError), info) for fname, info in meta["files"].items()}

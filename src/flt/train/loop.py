@@ -25,10 +25,15 @@ Files in the run directory: ``run.json`` (configuration and environment),
 ``rpe_functions.png`` (models with a spectrum), and ``.lock`` while a trainer runs.
 
 :func:`_train` reads top to bottom: find where the run starts (:func:`_find_origin`),
-load the task's data (:func:`_load_task`), build the model (:func:`_build_model`), restore
-a checkpoint (:func:`_restore`), open the run directory, loop over the steps
-(:func:`_loop`: :func:`_train_step`, :func:`_log_training`, :func:`_validate`,
-:func:`_checkpoint`) and finish (:func:`_finish`: draw gap, summary, plots).
+load the task's data (:func:`load_data`), build the model (:func:`_build_model`), restore
+a checkpoint (:func:`restore`), open the run directory, loop over the steps
+(:func:`run_steps`: :func:`train_step`, :func:`_log_training`, :func:`_validate`,
+:func:`checkpoint_step`) and finish (:func:`_finish`: draw gap, summary, plots).
+
+The loop has one other client, :func:`flt.search.search`: it goes through the same data,
+step, checkpoint and resume functions with a :class:`StepHooks` of its own (an
+architecture step before each weights step, its evaluation on a held-out part, its extra
+checkpoint state), then adds its selection step.
 """
 
 from __future__ import annotations
@@ -97,28 +102,37 @@ class TrainingDiverged(FloatingPointError, ValueError):
 
 
 @dataclass
-class _Progress:
-    """How far :func:`_train` got, and the step budget in force, for :class:`TrainingInterrupted`."""
+class Progress:
+    """How far a run got, and the step budget in force, for :class:`TrainingInterrupted`
+    (and :class:`flt.search.SearchInterrupted`)."""
 
     step: int = 0
     steps: int = 0
 
 
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def parameter_groups(model: nn.Module, weight_decay: float, exclude=()) -> list[dict[str, Any]]:
     """Decay the weights of linear, convolution and embedding layers; nothing else.
 
     Norms, biases, learned temperatures and spectral parameters (amplitudes, log lengths)
     are left alone: decaying a log length to 0 would pull every length scale towards 1.
+    Parameters in ``exclude`` (a search's architecture weights, which have an optimizer of
+    their own) are left out.
     """
     decay = set()
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             decay.add(id(module.weight))
-    params = [p for p in model.parameters() if p.requires_grad]
+    excluded = {id(p) for p in exclude}
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in excluded]
     return [
         {"params": [p for p in params if id(p) in decay], "weight_decay": weight_decay},
         {"params": [p for p in params if id(p) not in decay], "weight_decay": 0.0},
     ]
+
+
+def weights_optimizer(model: nn.Module, run: RunConfig, exclude=()) -> torch.optim.Optimizer:
+    """AdamW over :func:`parameter_groups` at the run's peak learning rate."""
+    return torch.optim.AdamW(parameter_groups(model, run.weight_decay, exclude), lr=run.lr, betas=(0.9, 0.95))
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, str]:
@@ -162,7 +176,7 @@ def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_
     sums: dict[str, float] = {}
     try:
         for batch in batches(batch_size, max_batches, ctx.rank, ctx.world):
-            for k, v in task.eval_sums(model, _to_device(batch, ctx.device)).items():
+            for k, v in task.eval_sums(model, to_device(batch, ctx.device)).items():
                 sums[k] = sums.get(k, 0.0) + v
     finally:
         model.train(was_training)
@@ -174,11 +188,20 @@ def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_
     return task.metrics(dict(zip(keys, totals)))
 
 
-def _to_device(batch, device):
+def evaluate_on_draw(task: Task, model: nn.Module, ctx: D.Context, run: RunConfig, max_batches: int | None, *,
+                     split: str = "valid", keep: bool = False) -> dict[str, float]:
+    """:func:`evaluate` on the run's fixed evaluation draw (:func:`flt.train.drawgap.evaluation_draw`;
+    ``keep`` leaves the model on it) in batches of ``run.eval_batch_size`` (default: the
+    training batch size)."""
+    with DG.evaluation_draw(model, run, keep=keep):
+        return evaluate(task, model, ctx, run.eval_batch_size or run.batch_size, max_batches, split)
+
+
+def to_device(batch, device):
     if hasattr(batch, "to") and not isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        return type(batch)(to_device(b, device) for b in batch)
     return batch.to(device)
 
 
@@ -239,14 +262,14 @@ def train(
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     ctx = D.setup(device)
-    reached = _Progress(steps=preset.run.steps)
+    reached = Progress(steps=preset.run.steps)
     lock = None
     try:
         lock = _lock(out_dir, ctx)
         return _train(preset, out_dir, ctx, resume=resume, keep_steps=keep_steps, progress=progress, plots=plots,
                       on_step=on_step, reached=reached, lock=lock)
     except KeyboardInterrupt as e:
-        raise TrainingInterrupted(out_dir, reached.step, reached.steps, _resumable(out_dir), ctx.is_main) from e
+        raise TrainingInterrupted(out_dir, reached.step, reached.steps, resumable_checkpoint(out_dir), ctx.is_main) from e
     finally:
         if lock is not None:
             lock.release()
@@ -271,7 +294,7 @@ def _lock(out_dir: str, ctx: D.Context) -> RunLock | None:
     return lock
 
 
-def _resumable(out_dir: str) -> str | None:
+def resumable_checkpoint(out_dir: str) -> str | None:
     """The checkpoint ``resume=True`` would start from, or None."""
     try:
         return find_checkpoint(out_dir, report=lambda message: None)
@@ -280,7 +303,7 @@ def _resumable(out_dir: str) -> str | None:
 
 
 @dataclass
-class _Origin:
+class Origin:
     """Where a run starts: a fresh run (no checkpoint) or the checkpoint it resumes from."""
 
     checkpoint: str | None = None
@@ -296,9 +319,38 @@ class _Origin:
     preset: Preset | None = None
 
 
+class StepHooks:
+    """What a client of the loop adds to its steps; these defaults add nothing, and
+    :func:`train` is the loop with them. :mod:`flt.search` is the other client: its
+    architecture step runs in :meth:`before_update`, its progress lines in :meth:`validate`,
+    and its architecture optimizer and decisions travel in every checkpoint
+    (:meth:`state`, :meth:`record`), so that a resumed search continues bit for bit."""
+
+    def before_update(self, r: Run, step: int) -> None:
+        """Runs in step ``step`` after the draw of the step, before the weights' loss; it
+        must leave no gradient on the weights."""
+
+    def validate(self, r: Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
+        """The periodic evaluation after step ``step`` (whose training loss is ``loss``):
+        by default the validation split (:func:`_validate`)."""
+        return _validate(r, step, logger, say)
+
+    def state(self) -> dict[str, Any]:
+        """Extra trainer state for every checkpoint (tensors and plain containers)."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state` saved, from a checkpoint's whole trainer state."""
+
+    def record(self) -> dict[str, Any]:
+        """Extra entries of every checkpoint's ``config.json`` (JSON)."""
+        return {}
+
+
 @dataclass
-class _Run:
-    """What a run holds while it trains, built once by :func:`_train`."""
+class Run:
+    """What a run holds while it trains, built once by :func:`_train` (or by a client of
+    the loop, :class:`StepHooks`)."""
 
     preset: Preset
     out_dir: str
@@ -319,6 +371,10 @@ class _Run:
     step_times: list[float]
     #: The newest checkpoint written or resumed from, named by :class:`TrainingDiverged`.
     last_checkpoint: str | None = None
+    #: What a client adds to the steps; the parameters whose gradient norm ``grad_clip``
+    #: bounds (None: every parameter of the model).
+    hooks: StepHooks = field(default_factory=StepHooks)
+    clipped: list[nn.Parameter] | None = None
 
 
 @dataclass
@@ -337,7 +393,7 @@ class _Window:
         self.loss, self.steps, self.items, self.seconds = 0.0, 0, 0, 0.0
 
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: _Progress,
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: Progress,
            lock: RunLock | None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     check_preset(preset)
@@ -352,10 +408,10 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
     reached.step, reached.steps = origin.step, preset.run.steps
     if not D.all_equal(ctx, json.dumps(preset_record, sort_keys=True)):
         raise ValueError("the processes were given different configurations")
-    task, model_cfg = _load_task(preset, ctx)
+    task, model_cfg = load_data(preset, ctx)
     model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
-    start, window, step_times = _restore(origin, model, optimizer, preset.run, ctx)
-    r = _Run(
+    start, window, step_times = restore(origin, model, optimizer, preset.run, ctx, StepHooks())
+    r = Run(
         preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
         record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra(), "init": origin.init},
@@ -369,7 +425,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
         bar = stack.enter_context(_progress_bar(r)) if ctx.is_main and progress else None
         say = _Printer(ctx, bar)
         _announce(r, origin, say)
-        last_valid, step_times = _loop(r, logger, bar, say, on_step, reached)
+        last_valid, step_times = run_steps(r, logger, bar, say, on_step, reached)
     return _finish(r, say, last_valid, step_times, plots, wall_start)
 
 
@@ -382,7 +438,7 @@ def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Mo
     return perf.compile(module, dynamic=None) if run.compile else module
 
 
-def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, keep_steps: bool) -> _Origin:
+def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, keep_steps: bool) -> Origin:
     """The checkpoint to resume from (checked against ``preset``; with ``keep_steps`` the
     preset takes the saved step budget), or a fresh start in an ``out_dir`` that holds no
     run yet."""
@@ -402,24 +458,24 @@ def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, kee
     if keep_steps:
         preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
     _check_resume(saved, preset_to_dict(preset), preset, step, out_dir)
-    return _Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
+    return Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
 
 
 def _with_precision(preset: Preset, precision: str) -> Preset:
     return dataclasses.replace(preset, run=dataclasses.replace(preset.run, precision=precision))
 
 
-def _init_origin(preset: Preset, ctx: D.Context) -> _Origin:
+def _init_origin(preset: Preset, ctx: D.Context) -> Origin:
     """A fresh run; with ``init_from``, the checkpoint it starts from, resolved before any
     data is loaded (the same in every process, of the same task)."""
     if preset.run.init_from is None:
-        return _Origin()
+        return Origin()
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(preset.run.init_from, ctx, notes, "in init_from")
     task = meta["preset"]["task"]
     if task != preset.task:
         raise ValueError(f"init_from: {ckpt} holds a {task!r} model; this run trains {preset.task!r}")
-    return _Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
+    return Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
 
 
 def _shared_checkpoint(path: str, ctx: D.Context, notes: list[str], where: str) -> tuple[str, dict[str, Any]]:
@@ -445,7 +501,7 @@ def _check_resume(saved: Preset, preset_record: dict[str, Any], preset: Preset, 
                          f"pass --steps {saved.run.steps} to continue it, or more to extend it")
 
 
-def _load_task(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
+def load_data(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
     """The task with its data loaded, and the model config with its data-dependent fields."""
     seed_everything(preset.run.seed)
     # The main process loads first so that a generated dataset is cached once.
@@ -468,14 +524,14 @@ def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple
     if run.eval_batch_size:
         check_task_memory(task, model_cfg, batch_size=run.eval_batch_size, training=False, device=ctx.device)
     model = task.build_model(model_cfg, device=ctx.device)
-    optimizer = torch.optim.AdamW(parameter_groups(model, run.weight_decay), lr=run.lr, betas=(0.9, 0.95))
-    return model, optimizer
+    return model, weights_optimizer(model, run)
 
 
-def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
-             ctx: D.Context) -> tuple[int, _Window, list[float]]:
-    """Load the checkpoint's weights, optimizer and random states (or, for a fresh run, the
-    weights of its ``init_from`` checkpoint if any, and seed this process's training noise);
+def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
+            ctx: D.Context, hooks: StepHooks) -> tuple[int, _Window, list[float]]:
+    """Load the checkpoint's weights, optimizer, random states and the state of ``hooks``
+    (or, for a fresh run, the weights of its ``init_from`` checkpoint if any, and seed this
+    process's training noise);
     returns the last step already trained, this process's partly filled logging window and
     the step times so far (checkpoints written before they were saved have neither: an
     empty window and no times)."""
@@ -492,6 +548,7 @@ def _restore(origin: _Origin, model: nn.Module, optimizer: torch.optim.Optimizer
         raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
     optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"][ctx.rank], model)
+    hooks.load_state(state)
     if origin.step == origin.saved_steps < run.steps:
         _restore_training_draw(model, run, origin.step)
     window = _Window(**state["log_window"][ctx.rank]) if "log_window" in state else _Window()
@@ -510,7 +567,7 @@ def _restore_training_draw(model: nn.Module, run, start: int) -> None:
         DG.redraw_for_step(model, run, last_redraw)
 
 
-def _open_run_dir(r: _Run, origin: _Origin) -> MetricsLogger:
+def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
     """Write ``run.json`` (configuration and environment) and open ``metrics.jsonl``."""
     os.makedirs(r.out_dir, exist_ok=True)
     atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps({
@@ -520,14 +577,14 @@ def _open_run_dir(r: _Run, origin: _Origin) -> MetricsLogger:
     return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
 
 
-def _progress_bar(r: _Run):
+def _progress_bar(r: Run):
     # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
     from tqdm.auto import tqdm
 
     return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
 
 
-def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
+def _announce(r: Run, origin: Origin, say: _Printer) -> None:
     """The first lines: notes about the checkpoint, an extension, what trains where."""
     run = r.preset.run
     for note in origin.notes:
@@ -541,7 +598,8 @@ def _announce(r: _Run, origin: _Origin, say: _Printer) -> None:
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
 
-def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, reached: _Progress) -> tuple[dict[str, float], list[float]]:
+def run_steps(r: Run, logger: MetricsLogger | None, bar, say: Callable[[str], None], on_step,
+              reached: Progress) -> tuple[dict[str, float], list[float]]:
     """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
     run, ctx = r.preset.run, r.ctx
     if ctx.device.type == "cuda":
@@ -552,7 +610,7 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
     r.model.train()
     for step in range(r.start + 1, run.steps + 1):
         t0 = time.perf_counter()
-        loss, items = _train_step(r, step)
+        loss, items = train_step(r, step, run.lr_at(step))
         dt = time.perf_counter() - t0
         step_times.append(dt)
         window.add(loss, items, dt)
@@ -564,34 +622,36 @@ def _loop(r: _Run, logger: MetricsLogger | None, bar, say: _Printer, on_step, re
             bar.update(1)
             bar.set_postfix_str(f"loss {loss:.4f}  {items / dt:,.0f} {r.task.unit}/s")
         if step % run.eval_every == 0 or last:
-            last_valid = _validate(r, step, logger, say)
+            last_valid = r.hooks.validate(r, step, loss, logger, say)
         if step % run.checkpoint_every == 0 or last:
-            _checkpoint(r, step, window, step_times)
+            checkpoint_step(r, step, window, step_times)
         reached.step = step
         if on_step is not None:
             on_step(step)
     return last_valid, step_times
 
 
-def _train_step(r: _Run, step: int) -> tuple[float, int]:
-    """One optimizer step; returns the loss and the number of ``task.unit`` in the global batch."""
+def train_step(r: Run, step: int, lr: float) -> tuple[float, int]:
+    """One optimizer step at learning rate ``lr`` (after the client's :meth:`StepHooks.before_update`);
+    returns the loss and the number of ``task.unit`` in the global batch."""
     run, ctx = r.preset.run, r.ctx
-    for group in r.optimizer.param_groups:
-        group["lr"] = run.lr_at(step)
-    batch = _to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
+    r.hooks.before_update(r, step)
+    for group in r.optimizer.param_groups:
+        group["lr"] = lr
+    batch = to_device(r.task.train_batch(step, run.batch_size, run.seed, ctx.rank, ctx.world), ctx.device)
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=run.precision == "bf16"):
         loss = r.task.loss(r.ddp, batch)
     value = _check_finite(r, loss, step)
     loss.backward()
     if run.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(r.model.parameters(), run.grad_clip)
+        torch.nn.utils.clip_grad_norm_(r.model.parameters() if r.clipped is None else r.clipped, run.grad_clip)
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=True)
     return value, r.task.batch_items(batch) * ctx.world
 
 
-def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
+def _check_finite(r: Run, loss: torch.Tensor, step: int) -> float:
     """The loss as a float; raises :class:`TrainingDiverged` before a non-finite loss
     reaches the weights, in every process at once (one process's NaN would otherwise leave
     the others waiting in the gradient reduction)."""
@@ -608,7 +668,7 @@ def _check_finite(r: _Run, loss: torch.Tensor, step: int) -> float:
                            f"{where}; lower --lr or check the data")
 
 
-def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
+def _log_training(r: Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
     """A ``train`` record: the mean loss over the window and processes, the learning rate, the throughput."""
     mean_loss = D.all_reduce_sum(r.ctx, [window.loss / window.steps])[0] / r.ctx.world
     if logger is not None:
@@ -616,45 +676,43 @@ def _log_training(r: _Run, logger: MetricsLogger | None, window: _Window, step: 
         logger.log(step, "train", loss=mean_loss, lr=r.preset.run.lr_at(step), **{f"{r.task.unit}_per_s": rate})
 
 
-def _validate(r: _Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
+def _validate(r: Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
     """Validation metrics of ``step``, logged and printed. All on one fixed draw, which the
     final checkpoint keeps (flt.train.drawgap); the final evaluation covers the whole
     validation split, periodic ones may be capped."""
     run = r.preset.run
     last = step == run.steps
-    with DG.evaluation_draw(r.model, run, keep=last):
-        metrics = evaluate(r.task, r.model, r.ctx, run.eval_batch_size or run.batch_size, None if last else run.eval_batches)
+    metrics = evaluate_on_draw(r.task, r.model, r.ctx, run, None if last else run.eval_batches, keep=last)
     if logger is not None:
         logger.log(step, "valid", **metrics)
     say(f"step {step}: valid {_format(metrics)}")
     return metrics
 
 
-def _checkpoint(r: _Run, step: int, window: _Window, step_times: list[float]) -> None:
+def checkpoint_step(r: Run, step: int, window: _Window, step_times: list[float]) -> None:
     """Save step ``step``: weights, optimizer, every process's RNG and logging window
-    (``window``, the records' sums since the last ``train`` record), and the step times."""
+    (``window``, the records' sums since the last ``train`` record), the step times and
+    what the client adds (:meth:`StepHooks.state`, :meth:`StepHooks.record`)."""
     rngs = D.all_gather(r.ctx, rng_state(r.model))
     windows = D.all_gather(r.ctx, dataclasses.asdict(window))
     if r.ctx.is_main:
         state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world,
-                 "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64)}
-        r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config=r.record, trainer_state=state,
+                 "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64), **r.hooks.state()}
+        r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config={**r.record, **r.hooks.record()}, trainer_state=state,
                                             keep=r.preset.run.keep_checkpoints)
     D.barrier(r.ctx)
 
 
-def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
+def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
     """Final evaluation if none ran, draw gap, ``summary.json``, plots and the last lines."""
     run, ctx = r.preset.run, r.ctx
     eval_bs = run.eval_batch_size or run.batch_size
     if not last_valid:
         # Resumed at the final step: nothing left to train, report the final weights.
-        with DG.evaluation_draw(r.model, run):
-            last_valid = evaluate(r.task, r.model, ctx, eval_bs, None)
+        last_valid = evaluate_on_draw(r.task, r.model, ctx, run, None)
     test = None
     if has_test_split(r.task):  # the held-out test split, read once, on the draw the final checkpoint keeps
-        with DG.evaluation_draw(r.model, run):
-            test = evaluate(r.task, r.model, ctx, eval_bs, None, split="test")
+        test = evaluate_on_draw(r.task, r.model, ctx, run, None, split="test")
         say(f"test {_format(test)}")
     # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
     gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, run.draw_gap_batches), eval_bs,
@@ -678,7 +736,7 @@ def _finish(r: _Run, say: _Printer, last_valid: dict[str, float], step_times: li
     return summary
 
 
-def _summary(r: _Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
+def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
     """The contents of ``summary.json``; the peak memory is the largest over processes."""
     run, ctx = r.preset.run, r.ctx
     memory, memory_kind = peak_memory_mib(ctx.device)
@@ -695,7 +753,7 @@ def _summary(r: _Run, last_valid: dict[str, float], step_times: list[float], gap
     return summary
 
 
-def _plots(r: _Run) -> list[str]:
+def _plots(r: Run) -> list[str]:
     """Write the PNG plots; returns their file names."""
     # matplotlib is an optional dependency, imported only when plots are wanted.
     from flt.train.plots import plot_learning_curves, plot_rpe_functions
