@@ -7,7 +7,7 @@ in two stages, as Hedgehog and LoLCATs linearise pretrained models:
 1. **attention transfer** (``transfer_steps``): every converted attention module sees the
    *teacher's* input to that layer (the original softmax model's hidden states, captured by
    forward hooks) and is trained to reproduce the teacher layer's output (after its output
-   projection), by the mean squared error summed over layers. Only the flt cores' parameters
+   projection), by the relative squared error (:func:`relative_error`) summed over layers. Only the flt cores' parameters
    train (spectrum, feature maps, near-field terms, temperatures); every weight of the
    original model is frozen. Each layer learns from the teacher's inputs, not from the
    student's own earlier layers, so the layers train independently in one pass.
@@ -300,11 +300,20 @@ def load_softmax_model(model_dir: str | os.PathLike, device=None):
     return model.to(device).eval()
 
 
+def relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``mean((out - target)^2) / mean(target^2)`` in float32: the MSE in units of the
+    teacher's output power, so layers of different scales weigh alike and 1 means an output
+    no better than zeros."""
+    target = target.float()
+    return F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(torch.finfo(torch.float32).tiny)
+
+
 class LayerMatching:
     """Attention transfer by hooks: the teacher's (softmax) attention modules record their
     input hidden states and outputs; the student's converted modules take the teacher's
-    inputs in place of their own and record their outputs. :meth:`loss` is the mean squared
-    error of each layer's output against the teacher's, ``[L]`` (one value per layer). The
+    inputs in place of their own and record their outputs. :meth:`loss` is the relative
+    squared error of each layer's output against the teacher's (:func:`relative_error`),
+    ``[L]`` (one value per layer). The
     hooks act only inside :meth:`loss`: elsewhere both models run as they are."""
 
     def __init__(self, teacher, student):
@@ -344,7 +353,7 @@ class LayerMatching:
         return hook
 
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-layer MSE ``[L]`` of the student's attention outputs on ``input_ids [B, T]``."""
+        """Per-layer relative squared error ``[L]`` of the student's attention outputs on ``input_ids [B, T]``."""
         self.active = True
         try:
             with torch.no_grad():
@@ -352,11 +361,11 @@ class LayerMatching:
             self.student(input_ids=input_ids)
         finally:
             self.active = False
-        return torch.stack([F.mse_loss(out.float(), target.float()) for out, target in zip(self.outputs, self.targets)])
+        return torch.stack([relative_error(out, target) for out, target in zip(self.outputs, self.targets)])
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None, device=None) -> list[float]:
-        """Mean per-layer MSE over the validation windows (:func:`eval_windows`)."""
+        """Mean per-layer relative squared error over the validation windows (:func:`eval_windows`)."""
         was_training = self.student.training
         self.student.eval()
         total, batches = None, 0
@@ -549,7 +558,7 @@ def _baselines(r: _Run) -> None:
     softmax, converted = _evaluate(r, r.teacher), _evaluate(r, r.student)
     r.logger.log(0, "softmax", **softmax)
     r.logger.log(0, "valid", stage="converted", **converted)
-    r.logger.log(0, "matching", mse=_matching(r))
+    r.logger.log(0, "matching", error=_matching(r))
     print(f"softmax model: valid ppl {softmax[METRIC]:.4g}; converted, before training: valid ppl {converted[METRIC]:.4g}", flush=True)
 
 
@@ -602,7 +611,7 @@ def _loop(r: _Run, start: int, progress: bool, on_step, reached: list[int]) -> N
                 valid = _evaluate(r, r.student)
                 r.logger.log(step, "valid", stage=r.stage, **valid)
                 if r.stage == "transfer" and step == c.transfer_steps:
-                    r.logger.log(step, "matching", mse=_matching(r))
+                    r.logger.log(step, "matching", error=_matching(r))
                 message = f"step {step} ({r.stage}): valid ppl {valid[METRIC]:.4g}"
                 bar.write(message) if bar is not None else print(message, flush=True)
             if step % c.checkpoint_every == 0 or stage_end:
@@ -666,7 +675,7 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     c = r.config
     records = read_metrics(os.path.join(r.out_dir, "metrics.jsonl"))
     valid = {rec["step"]: rec for rec in records if rec["split"] == "valid"}
-    matching = {rec["step"]: rec["mse"] for rec in records if rec["split"] == "matching"}
+    matching = {rec["step"]: rec["error"] for rec in records if rec["split"] == "matching"}
     softmax = next(rec for rec in records if rec["split"] == "softmax")
     ppl = {"softmax": softmax[METRIC], "converted": valid[0][METRIC],
            "transferred": valid[c.transfer_steps][METRIC] if c.transfer_steps else None,
@@ -678,7 +687,7 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
         **r.record, "attention": c.attention, "attention_options": c.attention_options, "metric": METRIC,
         "steps": c.steps, "transfer_steps": c.transfer_steps, "finetune_steps": c.finetune_steps, "finetune": c.finetune,
         "ppl": ppl, "ppl_ratio": final / ppl["softmax"], "eval_tokens": softmax["tokens"],
-        "matching_mse": {"before": matching.get(0), "after": matching.get(c.transfer_steps) if c.transfer_steps else None},
+        "matching_error": {"before": matching.get(0), "after": matching.get(c.transfer_steps) if c.transfer_steps else None},
         "time_per_step_s": {k: statistics.median(v) if v else None for k, v in times.items()},
         "train_time_s": sum(r.step_times), "wall_time_s": time.perf_counter() - wall_start,
         "peak_memory_mib": memory, "memory_kind": memory_kind, "device": str(r.device),
