@@ -206,3 +206,47 @@ def test_converted_model_is_not_linearized_again(checkpoints, text_file, tmp_pat
     linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
     with pytest.raises(ValueError, match="converted by flt already"):
         linearize(tmp_path / "run" / "model", str(tmp_path / "again"), config, progress=False, plots=False)
+
+
+def test_cli_flt_options_override_the_defaults_one_by_one():
+    from flt.cli import build_parser
+    from flt.commands.linearize import config_from_args
+
+    args = build_parser().parse_args(["linearize", "m", "--out-dir", "o", "--attention", "flt:near_field=8", "--attn-opt", "seed=3"])
+    assert config_from_args(args).attention_options == {**LinearizeConfig().attention_options, "near_field": 8, "seed": 3}
+    args = build_parser().parse_args(["linearize", "m", "--out-dir", "o", "--attention", "performer:num_features=32"])
+    assert config_from_args(args).attention_options == {"num_features": 32}
+
+
+def test_text_that_does_not_fit_the_model_is_refused(checkpoints, tmp_path, one_thread):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1") * 50)
+    config = small_config(latin1, transfer_steps=1, finetune_steps=0)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    small = tmp_path / "small-vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 eos_token_id=None, bos_token_id=None, pad_token_id=None)).save_pretrained(small)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    with pytest.raises(ValueError, match="has no tokenizer and its vocabulary"):
+        linearize(small, str(tmp_path / "run2"), small_config(text), progress=False, plots=False)
+
+
+def test_a_checkpoint_with_a_tokenizer_is_read_with_it(tmp_path, one_thread):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    directory = save_gpt2(tmp_path / "model")
+    tokenizer.save_pretrained(directory)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    config = small_config(text, seq_len=8, transfer_steps=1, finetune_steps=1)
+    summary = linearize(directory, str(tmp_path / "run"), config, progress=False, plots=False)
+    assert summary["tokens"] != "bytes"
+    # Word tokens: far fewer than the text's bytes.
+    assert summary["eval_tokens"] < len(TEXT.encode()) * config.valid_fraction / 3

@@ -43,7 +43,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out-dir", required=True, help="run directory")
     p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
                    help="mechanism and options for flt.integrations.transformers.convert, as in flt train "
-                   "(default: flt with near_field=32, qk_norm=false, num_features=64, seed=0; options given replace these)")
+                   "(default: flt with near_field=32, qk_norm=false, num_features=64, seed=0; for flt, options given override these "
+                   "one by one; other mechanisms take only the options given)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
     p.add_argument("--finetune", choices=("all", "attention", "cores"), default="all",
                    help="what trains in fine-tuning: the whole model, the attention modules, or the flt cores (default: all)")
@@ -66,8 +67,9 @@ def config_from_args(args):
     name, entry = parse_attention(args.attention)
     options = merge_options(entry, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=f"--attention {args.attention}")
     changes = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k) is not None}
-    if name != "flt" or options:
-        changes["attention_options"] = options
+    if name == "flt":  # the options given override the defaults for FLT one by one
+        options = {**LinearizeConfig().attention_options, **options}
+    changes["attention_options"] = options
     config = LinearizeConfig(attention=name, data=args.data, finetune=args.finetune, **changes)
     check_attention(config)
     return config
