@@ -477,6 +477,7 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, r
                reached: list[int], lock_note: str | None) -> dict[str, Any]:
     from flt.integrations.transformers import convert
     from flt.train.checkpoint import has_checkpoint, remove_leftovers
+    from flt.train.metrics import MetricsLogger
     from flt.train.rng import seed_everything
 
     wall_start = time.perf_counter()
@@ -508,8 +509,6 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, r
     start = 0 if origin is None else _restore(r, origin, meta)
     for note in notes:
         print(f"note: {note}", flush=True)
-    from flt.train.metrics import MetricsLogger
-
     os.makedirs(out_dir, exist_ok=True)
     _write_run_json(r, teacher, student)
     with contextlib.closing(MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), resume_step=start if origin else None)) as r.logger:
