@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flt.integrations.linearize import byte_ids, load_text, next_token_loss, perplexity, window_batch
+from flt.integrations.linearize import (
+    byte_ids,
+    load_text,
+    next_token_loss,
+    perplexity,
+    window_batch,
+)
 from flt.tasks.preset import RunConfig
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from flt.cli import main  # noqa: E402
-from flt.integrations.linearize import (  # noqa: E402
+from flt.cli import main
+from flt.integrations.linearize import (
     LinearizeConfig,
     LinearizeInterrupted,
     byte_ids,
@@ -23,8 +23,8 @@ from flt.integrations.linearize import (  # noqa: E402
     load_text,
     perplexity,
 )
-from flt.integrations.transformers import from_pretrained  # noqa: E402
-from flt.train.metrics import read_metrics  # noqa: E402
+from flt.integrations.transformers import from_pretrained
+from flt.train.metrics import read_metrics
 
 #: A small text: both stages and every evaluation read it in well under a second.
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(120))
@@ -78,8 +78,8 @@ def text_file(tmp_path):
 
 
 def small_config(text_file, **changes) -> LinearizeConfig:
-    base = dict(data=str(text_file), seq_len=24, batch_size=2, transfer_steps=3, finetune_steps=3, warmup_steps=1,
-                eval_every=2, eval_batches=2, checkpoint_every=2, attention_options=BAND)
+    base = {"data": str(text_file), "seq_len": 24, "batch_size": 2, "transfer_steps": 3, "finetune_steps": 3, "warmup_steps": 1,
+            "eval_every": 2, "eval_batches": 2, "checkpoint_every": 2, "attention_options": BAND}
     return LinearizeConfig(**{**base, **changes})
 
 

@@ -390,7 +390,7 @@ def trainable_parameters(model, what: str) -> list[torch.nn.Parameter]:
     from flt.integrations.transformers import attention_modules
 
     if what == "all":
-        chosen = set(id(p) for p in model.parameters())
+        chosen = {id(p) for p in model.parameters()}
     elif what == "attention":
         chosen = {id(p) for m in attention_modules(model) for p in m.parameters()}
     else:
