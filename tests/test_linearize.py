@@ -250,3 +250,14 @@ def test_a_checkpoint_with_a_tokenizer_is_read_with_it(tmp_path, one_thread):
     assert summary["tokens"] != "bytes"
     # Word tokens: far fewer than the text's bytes.
     assert summary["eval_tokens"] < len(TEXT.encode()) * config.valid_fraction / 3
+
+
+def test_a_core_without_learned_parts_has_nothing_to_transfer(checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, attention="softmax", attention_options={})
+    with pytest.raises(ValueError, match="no learned parameters for attention transfer"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    # Fine-tuning alone works: the control of a linearisation (the softmax model, trained as long).
+    summary = linearize(checkpoints["llama"], str(tmp_path / "run2"), dataclasses.replace(config, transfer_steps=0),
+                        progress=False, plots=False)
+    assert summary["ppl"]["converted"] == pytest.approx(summary["ppl"]["softmax"], rel=1e-5)
+    assert summary["ppl"]["transferred"] is None and summary["matching_error"]["after"] is None
