@@ -89,8 +89,9 @@ def test_cli_linearizes_a_checkpoint_into_a_run_directory(name, checkpoints, tex
     code = main(["linearize", str(checkpoints[name]), "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
                  "--batch-size", "2", "--transfer-steps", "3", "--finetune-steps", "3", "--warmup-steps", "1",
                  "--eval-every", "2", "--eval-batches", "2", "--attention", "flt:near_field=4:qk_norm=false:num_features=16",
-                 "--no-progress", "--no-plots"])
+                 "--no-progress"])
     assert code == 0
+    assert (out / "learning_curves.png").stat().st_size > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens"] == "bytes" and summary["steps"] == 6
     assert set(summary["ppl"]) == {"softmax", "converted", "transferred", "finetuned"}

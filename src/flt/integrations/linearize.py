@@ -694,10 +694,8 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     atomic_write_text(os.path.join(r.out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
     _save_model(r)
     if plots:
-        from flt.train.plots import plot_learning_curves
-
-        plot_learning_curves(os.path.join(r.out_dir, "metrics.jsonl"), os.path.join(r.out_dir, "learning_curves.png"),
-                             metric=METRIC, title=f"linearize: {c.attention} from softmax", task="lm")
+        plot_linearization(records, os.path.join(r.out_dir, "learning_curves.png"), transfer_steps=c.transfer_steps,
+                           title=f"linearize {r.record['model_dir']}: {c.attention}")
     print(f"done: valid ppl softmax {ppl['softmax']:.4g}, converted {ppl['converted']:.4g}, "
           f"after transfer {_show(ppl['transferred'])}, after fine-tuning {_show(ppl['finetuned'])} "
           f"({summary['ppl_ratio']:.3f}x softmax); model in {os.path.join(r.out_dir, 'model')}", flush=True)
@@ -725,3 +723,41 @@ def _save_model(r: _Run) -> None:
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
+
+
+def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer_steps: int, title: str = ""):
+    """Three panels against the step: each layer's matching error during transfer (log
+    scale), the fine-tuning loss with the validation loss, and the validation perplexity
+    with the softmax model's as a dashed line; a dotted line marks the end of transfer.
+    Returns the saved ``matplotlib.figure.Figure``."""
+    from flt.train.plots import STEP_LABEL, _figure
+
+    transfer = [rec for rec in records if rec["split"] == "transfer"]
+    train = [rec for rec in records if rec["split"] == "train"]
+    valid = [rec for rec in records if rec["split"] == "valid"]
+    softmax = next(rec for rec in records if rec["split"] == "softmax")
+    fig = _figure(13, 3.8)
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    for layer in range(len(transfer[0]["layers"]) if transfer else 0):
+        ax1.plot([rec["step"] for rec in transfer], [rec["layers"][layer] for rec in transfer], lw=1, label=f"layer {layer}")
+    if transfer:
+        ax1.set_yscale("log")
+        ax1.legend(fontsize=8)
+    ax1.set(xlabel=STEP_LABEL, ylabel="relative squared error", title="attention transfer: matching error")
+    ax2.plot([rec["step"] for rec in train], [rec["loss"] for rec in train], lw=1, label="fine-tuning (train)")
+    ax2.plot([rec["step"] for rec in valid], [rec["loss"] for rec in valid], "o-", ms=3, label="valid")
+    ax2.axhline(softmax["loss"], color="k", ls="--", lw=1, label="softmax model (valid)")
+    ax2.set(xlabel=STEP_LABEL, ylabel="cross-entropy (nats/token)", title="loss")
+    ax2.legend(fontsize=8)
+    ax3.plot([rec["step"] for rec in valid], [rec[METRIC] for rec in valid], "o-", ms=3, color="C1", label="converted model")
+    ax3.axhline(softmax[METRIC], color="k", ls="--", lw=1, label="softmax model")
+    ax3.set(xlabel=STEP_LABEL, ylabel="perplexity (per token)", title="validation perplexity")
+    ax3.legend(fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.grid(alpha=0.3)
+        if transfer_steps:
+            ax.axvline(transfer_steps, color="grey", ls=":", lw=1)
+    if title:
+        fig.suptitle(title)
+    fig.savefig(out_path)
+    return fig
