@@ -16,23 +16,39 @@ Examples::
 
     python scripts/train_tiny_llama.py --out-dir runs/tiny-llama
     flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --transfer-steps 100 --finetune-steps 200
-    flt linearize runs/tiny-llama --attention flt:coupling=multiplicative:feature_map=hedgehog:num_features=64 \\
-        --out-dir runs/tiny-llama-hedgehog
+    flt linearize runs/tiny-llama --attention flt:near_field=8 --out-dir runs/tiny-llama-band8   # a narrower band
+    flt linearize runs/tiny-llama --attention performer:feature_map=hedgehog:num_features=64 --out-dir runs/tiny-llama-hedgehog
     flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --resume   # continue a stopped run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
-#: Flags that set a :class:`flt.integrations.linearize.LinearizeConfig` field of the same name.
-CONFIG_FLAGS = {"seq_len": int, "batch_size": int, "transfer_steps": int, "finetune_steps": int, "transfer_lr": float,
-                "finetune_lr": float, "warmup_steps": int, "eval_every": int, "eval_batches": int,
-                "checkpoint_every": int, "seed": int, "valid_fraction": float}
+#: Flags that set a :class:`flt.integrations.linearize.LinearizeConfig` field of the same
+#: name: ``{field: (type, help)}``; the defaults are the config's.
+CONFIG_FLAGS = {
+    "seq_len": (int, "tokens per training and validation window"),
+    "batch_size": (int, "windows per step (and per validation batch)"),
+    "transfer_steps": (int, "steps of attention transfer (0: none)"),
+    "finetune_steps": (int, "steps of fine-tuning (0: none)"),
+    "transfer_lr": (float, "peak learning rate of attention transfer"),
+    "finetune_lr": (float, "peak learning rate of fine-tuning"),
+    "warmup_steps": (int, "linear warm-up at the start of each stage"),
+    "eval_every": (int, "steps between validations (each stage's end is validated too)"),
+    "eval_batches": (int, "validation batches per evaluation, the same windows every time"),
+    "checkpoint_every": (int, "steps between checkpoints (each stage's end is saved too)"),
+    "seed": (int, "seed of the random features (unless --attention sets one) and of the batches"),
+    "valid_fraction": (float, "share of --data kept for validation"),
+}
 
 
 def add_parser(subparsers) -> None:
+    from flt.integrations.linearize import LinearizeConfig
+
+    defaults = LinearizeConfig()
     p = subparsers.add_parser(
         "linearize", help="convert a trained transformers decoder to FLT: attention transfer, then fine-tuning",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -42,14 +58,14 @@ def add_parser(subparsers) -> None:
                    "(default: the embedded Python-documentation corpus)")
     p.add_argument("--out-dir", required=True, help="run directory")
     p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
-                   help="mechanism and options for flt.integrations.transformers.convert, as in flt train "
-                   "(default: flt with near_field=32, qk_norm=false, num_features=64, seed=0; for flt, options given override these "
-                   "one by one; other mechanisms take only the options given)")
+                   help="mechanism and options for flt.integrations.transformers.convert, as in flt train (default: flt with "
+                   f"{':'.join(f'{k}={json.dumps(v)}' for k, v in defaults.attention_options.items())}; for flt, options given "
+                   "override these one by one; other mechanisms take only the options given)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
     p.add_argument("--finetune", choices=("all", "attention", "cores"), default="all",
                    help="what trains in fine-tuning: the whole model, the attention modules, or the flt cores (default: all)")
-    for name, kind in CONFIG_FLAGS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"LinearizeConfig.{name}")
+    for name, (kind, text) in CONFIG_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{text} (default: {getattr(defaults, name)})")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint (same options)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
