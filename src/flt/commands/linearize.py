@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 #: Flags that set a :class:`flt.integrations.linearize.LinearizeConfig` field of the same
@@ -86,7 +87,9 @@ def config_from_args(args):
     if name == "flt":  # the options given override the defaults for FLT one by one
         options = {**LinearizeConfig().attention_options, **options}
     changes["attention_options"] = options
-    config = LinearizeConfig(attention=name, data=args.data, finetune=args.finetune, **changes)
+    # Recorded absolute, so that --resume from another directory finds the same text.
+    data = None if args.data is None else os.path.abspath(args.data)
+    config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, **changes)
     check_attention(config)
     return config
 
