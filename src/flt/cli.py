@@ -18,7 +18,7 @@ import importlib
 import sys
 
 #: Subcommand modules, in the order ``flt --help`` lists them.
-COMMANDS = ("approx", "bench", "train", "evaluate", "compare", "search", "generate", "fit")
+COMMANDS = ("approx", "bench", "train", "evaluate", "compare", "search", "generate", "fit", "linearize")
 
 
 def version() -> str:

@@ -1,0 +1,264 @@
+"""flt linearize: a softmax decoder saved by ``save_pretrained`` is converted, its cores
+trained to match the softmax layers (attention transfer), then fine-tuned, in a run
+directory that resumes bit for bit. Tiny random Llama and GPT-2 checkpoints, built here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from flt.cli import main
+from flt.integrations.linearize import (
+    LinearizeConfig,
+    LinearizeInterrupted,
+    byte_ids,
+    linearize,
+    load_text,
+    perplexity,
+)
+from flt.integrations.transformers import from_pretrained
+from flt.train.metrics import read_metrics
+
+#: A small text: both stages and every evaluation read it in well under a second.
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(120))
+BAND = {"near_field": 4, "qk_norm": False, "num_features": 16, "seed": 0}
+
+
+def save_llama(directory):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+                         pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def save_gpt2(directory):
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=256, eos_token_id=None,
+                        bos_token_id=None, pad_token_id=None)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def save_sharp_llama(directory):
+    """A random Llama whose attention is peaked (query and key weights scaled up), unlike a
+    freshly initialised one's near-uniform attention, which any linear core matches already."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(save_llama(directory))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(12)
+            layer.self_attn.k_proj.weight.mul_(12)
+    model.save_pretrained(directory)
+    return directory
+
+
+SAVERS = {"llama": save_llama, "gpt2": save_gpt2, "sharp": save_sharp_llama}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("softmax")
+    return {name: save(root / name) for name, save in SAVERS.items()}
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "code.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def small_config(text_file, **changes) -> LinearizeConfig:
+    base = {"data": str(text_file), "seq_len": 24, "batch_size": 2, "transfer_steps": 3, "finetune_steps": 3, "warmup_steps": 1,
+            "eval_every": 2, "eval_batches": 2, "checkpoint_every": 2, "attention_options": BAND}
+    return LinearizeConfig(**{**base, **changes})
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_cli_linearizes_a_checkpoint_into_a_run_directory(name, checkpoints, text_file, tmp_path, isolated_cli):
+    out = tmp_path / "run"
+    code = main(["linearize", str(checkpoints[name]), "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
+                 "--batch-size", "2", "--transfer-steps", "3", "--finetune-steps", "3", "--warmup-steps", "1",
+                 "--eval-every", "2", "--eval-batches", "2", "--attention", "flt:near_field=4:qk_norm=false:num_features=16",
+                 "--no-progress"])
+    assert code == 0
+    assert (out / "learning_curves.png").stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens"] == "bytes" and summary["steps"] == 6
+    assert set(summary["ppl"]) == {"softmax", "converted", "transferred", "finetuned"}
+    assert all(math.isfinite(v) and v > 1 for v in summary["ppl"].values())
+    # The band of 4 covers most of 24 tokens and f starts at 0: the converted model starts near softmax.
+    assert summary["ppl"]["converted"] == pytest.approx(summary["ppl"]["softmax"], rel=0.05)
+    records = read_metrics(str(out / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["split"] == "transfer"] == [1, 2, 3]
+    assert [r["step"] for r in records if r["split"] == "train"] == [4, 5, 6]
+    assert len(records[[r["split"] for r in records].index("transfer")]["layers"]) == 2
+    # The saved model is the linearised one: reloaded, it scores the summary's final perplexity.
+    model = from_pretrained(out / "model")
+    assert model.config.flt_attention["attention"] == "flt"
+    valid = byte_ids(load_text(str(text_file))[1])
+    again = perplexity(model, valid, seq_len=24, batch_size=2, max_batches=2)
+    assert again["ppl"] == pytest.approx(summary["ppl"]["finetuned"], rel=1e-5)
+
+
+def test_attention_transfer_reduces_every_layers_matching_error(checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, transfer_steps=12, finetune_steps=0, transfer_lr=1e-2, eval_every=12, checkpoint_every=12)
+    summary = linearize(checkpoints["sharp"], str(tmp_path / "run"), config, progress=False, plots=False)
+    before, after = summary["matching_error"]["before"], summary["matching_error"]["after"]
+    assert len(before) == len(after) == 2
+    for layer, (b, a) in enumerate(zip(before, after)):
+        assert a < 0.97 * b, f"layer {layer}: matching error {b:.3g} -> {a:.3g}"
+    assert summary["ppl"]["finetuned"] is None and summary["ppl"]["transferred"] is not None
+
+
+def test_transfer_trains_the_cores_only(checkpoints, text_file, tmp_path, one_thread):
+    from safetensors.torch import load_file
+
+    config = small_config(text_file, transfer_steps=2, finetune_steps=0, eval_every=2)
+    linearize(checkpoints["gpt2"], str(tmp_path / "run"), config, progress=False, plots=False)
+    original, trained = load_file(checkpoints["gpt2"] / "model.safetensors"), load_file(tmp_path / "run" / "model" / "model.safetensors")
+    shared = set(original) & set(trained)
+    assert shared and all(torch.equal(original[k], trained[k]) for k in shared)
+    # What the model gained is the cores' parameters (the spectra of f and f_near), nothing else.
+    fresh = {k for k in trained if ".flt_core." in k}
+    assert fresh and fresh == set(trained) - set(original)
+
+
+class _StopAt:
+    """An ``on_step`` that presses Ctrl-C after ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self, step):
+        if step == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("stop", [2, 3, 5])
+def test_resume_continues_bit_for_bit(stop, checkpoints, text_file, tmp_path, one_thread):
+    """Stopped inside transfer (2), at the stage boundary (3: fine-tuning starts with a fresh
+    optimizer) or inside fine-tuning (5: its optimizer and GPT-2's dropout noise restored),
+    then resumed, the run ends with the same records and weights as an uninterrupted one."""
+    from safetensors.torch import load_file
+
+    config = small_config(text_file, checkpoint_every=1)
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    linearize(checkpoints["gpt2"], str(whole), config, progress=False, plots=False)
+    with pytest.raises(LinearizeInterrupted) as info:
+        linearize(checkpoints["gpt2"], str(parts), config, progress=False, plots=False, on_step=_StopAt(stop))
+    assert info.value.step == stop and info.value.checkpoint.endswith(f"step-{stop:08d}")
+    linearize(checkpoints["gpt2"], str(parts), config, resume=True, progress=False, plots=False)
+    assert read_metrics(str(parts / "metrics.jsonl")) == read_metrics(str(whole / "metrics.jsonl"))
+    a, b = load_file(whole / "model" / "model.safetensors"), load_file(parts / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_other_options(checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, transfer_steps=1, finetune_steps=0)
+    linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    with pytest.raises(ValueError, match="already holds a run"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    with pytest.raises(ValueError, match="differ: transfer_lr"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), dataclasses.replace(config, transfer_lr=0.5), resume=True,
+                  progress=False, plots=False)
+
+
+def _cli_error(argv, capsys) -> str:
+    assert main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_bad_model_dir_is_one_line_error(checkpoints, tmp_path, capsys, isolated_cli):
+    out = str(tmp_path / "run")
+    assert "MODEL_DIR" in _cli_error(["linearize", str(tmp_path / "missing"), "--out-dir", out], capsys)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "not a transformers checkpoint: it has no config.json" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    (empty / "config.json").write_text("{}")
+    assert "has no model_type" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "no loadable weights" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("attention, message", [
+    ("flt:bogus=1", "unknown option 'bogus'"),
+    ("nope", "attention must be one of"),
+    ("flt:near_field", "options must be KEY=VALUE"),
+    ("flt:causal=true", "causal is not an attention option"),
+])
+def test_bad_attention_is_refused_before_loading(attention, message, checkpoints, tmp_path, capsys, isolated_cli):
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--attention", attention], capsys)
+    assert message in err and "Traceback" not in err
+
+
+def test_converted_model_is_not_linearized_again(checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, transfer_steps=1, finetune_steps=0)
+    linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    with pytest.raises(ValueError, match="converted by flt already"):
+        linearize(tmp_path / "run" / "model", str(tmp_path / "again"), config, progress=False, plots=False)
+
+
+def test_cli_flt_options_override_the_defaults_one_by_one():
+    from flt.cli import build_parser
+    from flt.commands.linearize import config_from_args
+
+    args = build_parser().parse_args(["linearize", "m", "--out-dir", "o", "--attention", "flt:near_field=8", "--attn-opt", "seed=3"])
+    assert config_from_args(args).attention_options == {**LinearizeConfig().attention_options, "near_field": 8, "seed": 3}
+    args = build_parser().parse_args(["linearize", "m", "--out-dir", "o", "--attention", "performer:num_features=32"])
+    assert config_from_args(args).attention_options == {"num_features": 32}
+
+
+def test_text_that_does_not_fit_the_model_is_refused(checkpoints, tmp_path, one_thread):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1") * 50)
+    config = small_config(latin1, transfer_steps=1, finetune_steps=0)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    small = tmp_path / "small-vocab"
+    LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 eos_token_id=None, bos_token_id=None, pad_token_id=None)).save_pretrained(small)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    with pytest.raises(ValueError, match="has no tokenizer and its vocabulary"):
+        linearize(small, str(tmp_path / "run2"), small_config(text), progress=False, plots=False)
+
+
+def test_a_checkpoint_with_a_tokenizer_is_read_with_it(tmp_path, one_thread):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    directory = save_gpt2(tmp_path / "model")
+    tokenizer.save_pretrained(directory)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    config = small_config(text, seq_len=8, transfer_steps=1, finetune_steps=1)
+    summary = linearize(directory, str(tmp_path / "run"), config, progress=False, plots=False)
+    assert summary["tokens"] != "bytes"
+    # Word tokens: far fewer than the text's bytes.
+    assert summary["eval_tokens"] < len(TEXT.encode()) * config.valid_fraction / 3
+
+
+def test_a_core_without_learned_parts_has_nothing_to_transfer(checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, attention="softmax", attention_options={})
+    with pytest.raises(ValueError, match="no learned parameters for attention transfer"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
+    # Fine-tuning alone works: the control of a linearisation (the softmax model, trained as long).
+    summary = linearize(checkpoints["llama"], str(tmp_path / "run2"), dataclasses.replace(config, transfer_steps=0),
+                        progress=False, plots=False)
+    assert summary["ppl"]["converted"] == pytest.approx(summary["ppl"]["softmax"], rel=1e-5)
+    assert summary["ppl"]["transferred"] is None and summary["matching_error"]["after"] is None
