@@ -21,7 +21,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from flt.integrations.linearize import byte_ids, load_text
+from flt.train.linearize import byte_ids, load_text
 from flt.integrations.transformers import FLTCache, from_pretrained
 
 

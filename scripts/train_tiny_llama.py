@@ -8,8 +8,8 @@ through ``transformers``, and save it with ``save_pretrained``: the model that
 
 Tokens are bytes (``vocab_size = 256``, no tokenizer files: ``flt linearize`` reads such a
 checkpoint as bytes). Batches are random windows drawn from ``(seed, step)``
-(:func:`flt.integrations.linearize.window_batch`); AdamW with a linear warm-up and a cosine
-decay; validation perplexity by :func:`flt.integrations.linearize.perplexity`, the function
+(:func:`flt.train.linearize.window_batch`); AdamW with a linear warm-up and a cosine
+decay; validation perplexity by :func:`flt.train.linearize.perplexity`, the function
 ``flt linearize`` reports with, written with the settings to ``OUT/train_summary.json``.
 Measured run time and perplexity are in docs/integrations.md.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flt.integrations.linearize import (
+from flt.train.linearize import (
     byte_ids,
     load_text,
     next_token_loss,

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flt.cli import main
-from flt.integrations.linearize import (
+from flt.train.linearize import (
     LinearizeConfig,
     LinearizeInterrupted,
     byte_ids,

@@ -1,5 +1,5 @@
 """``flt linearize MODEL_DIR``: turn a trained softmax decoder into an FLT model by
-attention transfer and fine-tuning (:mod:`flt.integrations.linearize`).
+attention transfer and fine-tuning (:mod:`flt.train.linearize`).
 
 ``MODEL_DIR`` is any local ``transformers`` checkpoint of a causal LM of the Llama family
 (Llama, Qwen2, Mistral) or GPT-2 (``save_pretrained``; nothing is downloaded). Its
@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-#: Flags that set a :class:`flt.integrations.linearize.LinearizeConfig` field of the same
+#: Flags that set a :class:`flt.train.linearize.LinearizeConfig` field of the same
 #: name: ``{field: (type, help)}``; the defaults are the config's.
 CONFIG_FLAGS = {
     "seq_len": (int, "tokens per training and validation window"),
@@ -47,7 +47,7 @@ CONFIG_FLAGS = {
 
 
 def add_parser(subparsers) -> None:
-    from flt.integrations.linearize import LinearizeConfig
+    from flt.train.linearize import LinearizeConfig
 
     defaults = LinearizeConfig()
     p = subparsers.add_parser(
@@ -76,9 +76,9 @@ def add_parser(subparsers) -> None:
 
 
 def config_from_args(args):
-    """The :class:`~flt.integrations.linearize.LinearizeConfig` the flags describe; the
+    """The :class:`~flt.train.linearize.LinearizeConfig` the flags describe; the
     attention options are checked here, before any model loads."""
-    from flt.integrations.linearize import LinearizeConfig, check_attention
+    from flt.train.linearize import LinearizeConfig, check_attention
     from flt.options import merge_options, parse_assignments, parse_attention
 
     name, entry = parse_attention(args.attention)
@@ -106,7 +106,7 @@ def run(args) -> int:
     config = config_from_args(args)
     check_output_dir(args.out_dir)
     plots = not args.no_plots and plots_available("linearize")
-    from flt.integrations.linearize import LinearizeInterrupted, linearize
+    from flt.train.linearize import LinearizeInterrupted, linearize
 
     try:
         linearize(args.model_dir, args.out_dir, config, resume=args.resume, device=args.device,
