@@ -229,15 +229,15 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     # Kronecker: stream the Khatri-Rao intermediate [block, min(2R, m) * (Dv+1)] over blocks
     # of tokens, as large as keeps it within the size of the features (few, large matmuls)
     # and at least chunk_size. split, not slicing: the backward concatenates block gradients once.
-    B, H, N, m = qf.shape
+    _, _, N, m = qf.shape
     if N <= chunk_size:  # one block: the [N, N] weights cost less than the Kronecker state
         return ((qf @ kf.transpose(-1, -2)) * (a @ c.transpose(-1, -2))) @ vaug
     block = max(chunk_size, (N * m) // (min(a.shape[-1], m) * vaug.shape[-1]))
     state = None
-    for kb, cb, vb in zip(kf.split(block, 2), c.split(block, 2), vaug.split(block, 2)):
+    for kb, cb, vb in zip(kf.split(block, 2), c.split(block, 2), vaug.split(block, 2), strict=True):
         part = _write(kb, cb, vb)
         state = part if state is None else state + part
-    return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
+    return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2), strict=True)], dim=2)
 
 
 #: Largest number of chunks per block of the two-level scan over chunk states (:func:`_scan`).
@@ -288,8 +288,9 @@ def _causal_chunked(qf, kf, vaug, a, c, kls, run, chunk_size):
         R2 = 1 if a is None else a.shape[-1]
         group = max(1, 2 * qf.numel() // (B * H * R2 * m * vaug.shape[-1]))
         carry, cross = None, []
-        for chunks in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5))):
-            read, carry = _across_chunks(*chunks, carry)
+        # strict=False: _groups repeats None endlessly for an absent tensor.
+        for qg, kg, vg, ag, cg, sg, rg in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5)), strict=False):
+            read, carry = _across_chunks(qg, kg, vg, ag, cg, sg, rg, carry)
             cross.append(read)
         out = out + _cat(cross, dim=2)
     return out.flatten(2, 3)[:, :, :N]
@@ -339,8 +340,11 @@ def _across_chunks(q, k, vaug, a, c, s, run, carry):
     all earlier tokens relative to ``exp(level)``. Chunk ``g``'s own state is stored relative
     to ``e_g``, the running max at its last token. Returns ``([B, H, G, T, X], carry)``.
     """
-    ends = None if run is None else run[..., -1]  # [B, H, G]
-    fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
+    if run is None:
+        ends, fresh = None, _write(k, c, vaug)
+    else:
+        ends = run[..., -1]  # [B, H, G]
+        fresh = _write(k, c, vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
     if carry is None:
         carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
     prefix, levels, carry = _scan(fresh, ends, carry)
@@ -399,6 +403,7 @@ def _scan(fresh, ends, carry):
     if e is None:
         prefix = prefix + across[:, :, :S].unsqueeze(3)
     else:
+        assert starts is not None and chunk_levels is not None  # both set when e is
         chunk_levels = chunk_levels[..., :b]  # [B, H, S, b]
         prefix = prefix + across[:, :, :S].unsqueeze(3) * torch.exp(starts.unsqueeze(-1) - chunk_levels).unsqueeze(-1)
         chunk_levels = chunk_levels.flatten(2)[..., :G]

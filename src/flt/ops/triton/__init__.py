@@ -87,7 +87,7 @@ def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
     for pair, names in (((extra_q, extra_k), ("extra_q", "extra_k")), ((a, c), ("a", "c"))):
         if (pair[0] is None) != (pair[1] is None):
             raise ValueError(f"{names[0]} and {names[1]} must be given together")
-        for name, t in zip(names, pair):
+        for name, t in zip(names, pair, strict=True):
             if t is None:
                 continue
             check_tensor(name, t, ndim=4, layout="[B or 1, H, N, F]")
@@ -252,12 +252,12 @@ class _FavorAttention(torch.autograd.Function):
     def backward(ctx, grad):
         xq, xk, v, projection, extra_q, extra_k, a, c, key_mask = ctx.saved_tensors
         inputs = [xq, xk, v, extra_q, extra_k, a, c]
-        wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:8])]
-        leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(inputs, wanted)]
+        wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:8], strict=True)]
+        leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(inputs, wanted, strict=True)]
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
             out = favor_attention_torch(leaves[0], leaves[1], leaves[2], projection, causal=ctx.causal,
                                         extra_q=leaves[3], extra_k=leaves[4], a=leaves[5], c=leaves[6], key_mask=key_mask)
-            sources = [t for t, w in zip(leaves, wanted) if w]
+            sources = [t for t, w in zip(leaves, wanted, strict=True) if w and t is not None]
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
         return g[0], g[1], g[2], None, g[3], g[4], g[5], g[6], None, None, None, None
