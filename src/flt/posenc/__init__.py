@@ -75,9 +75,9 @@ POSENC: dict[str, type[nn.Module]] = {
 
 __all__ = [
     "CAPE",
-    "CAPEDraws",
     "POSENC",
     "SHIFTED_BASIS_KINDS",
+    "CAPEDraws",
     "LearnableFourierFeatures",
     "LearnedEncoding",
     "NoEncoding",

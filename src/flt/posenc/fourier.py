@@ -80,8 +80,9 @@ class LearnableFourierFeatures(nn.Module):
     def reset_parameters(self) -> None:
         # Variance gamma^-2 (std 1/gamma): see the module docstring for the convention.
         nn.init.normal_(self.w_r, mean=0.0, std=1.0 / self.gamma)
-        for layer in (self.mlp[0], self.mlp[2]):
-            layer.reset_parameters()
+        for layer in self.mlp:
+            if isinstance(layer, nn.Linear):  # the two linear layers, not the GELU
+                layer.reset_parameters()
 
     def fourier_features(self, pos: torch.Tensor) -> torch.Tensor:
         """``r_x``: ``[B, N, P] -> [B, N, G, F]``, computed in float32 or better."""

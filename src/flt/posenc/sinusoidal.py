@@ -10,7 +10,12 @@ from einops import rearrange
 from torch import nn
 
 from flt._checks import check_positive_int
-from flt.posenc._common import check_abs_positions, check_positive_float, compute_dtype, integer_positions
+from flt.posenc._common import (
+    check_abs_positions,
+    check_positive_float,
+    compute_dtype,
+    integer_positions,
+)
 
 
 def sinusoidal_frequencies(dim: int, *, base: float = 10000.0, device=None, dtype=torch.float64) -> torch.Tensor:
