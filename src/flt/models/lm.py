@@ -27,7 +27,7 @@ from flt.posenc import CAPE
 class LMState:
     """Recurrent decoding state: one state per layer and the next token's position."""
 
-    layers: list
+    layers: list | None
     position: int = 0
 
 
@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
 
     def _check_decoding(self, what: str) -> None:
         if not self.supports_decoding:
-            names = sorted({b.attention_name for b in self.trunk.blocks if not getattr(b.attn, "supports_decoding", False)})
+            names = sorted({b.attention_name for b in self.trunk.block_list if not getattr(b.attn, "supports_decoding", False)})
             raise ValueError(f"{what}() needs attention layers that decode token by token (supports_decoding); {names} do not")
 
     def step(self, tokens: torch.Tensor, state: LMState | None = None) -> tuple[torch.Tensor, LMState]:

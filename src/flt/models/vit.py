@@ -30,6 +30,8 @@ class ViTClassifier(nn.Module):
     Shapes: ``forward(images [B, C, S, S]) -> logits [B, num_classes]``.
     """
 
+    patch_pos: torch.Tensor  # buffer [N, 2]
+
     def __init__(
         self,
         *,
