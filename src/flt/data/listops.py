@@ -22,6 +22,7 @@ import hashlib
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -261,7 +262,7 @@ def load_listops(*, num_train: int = 2000, num_valid: int = 200, seed: int = 0, 
     training and validation are those without it). The original has 96k / 2k / 2k."""
     if isinstance(num_test, bool) or not isinstance(num_test, int) or num_test < 0:
         raise ValueError(f"num_test must be a non-negative int, got {num_test!r}")
-    spec = dict(min_length=min_length, max_length=max_length, max_depth=max_depth, max_args=max_args, branch_prob=branch_prob)
+    spec: dict[str, Any] = {"min_length": min_length, "max_length": max_length, "max_depth": max_depth, "max_args": max_args, "branch_prob": branch_prob}
     folder = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
     out = []
     parts = [("train", num_train, 2 * seed), ("valid", num_valid, 2 * seed + 1)]
