@@ -21,7 +21,6 @@ import torch
 from flt._checks import check_positive_int
 from flt.data.errors import DataError, require_file
 
-
 #: Node ids must fit int64.
 MAX_NODE_ID = 2**63 - 1
 #: Bytes a node takes at least once a graph task holds it (features, positions, anchor
@@ -221,7 +220,12 @@ def _pyg_safe_globals() -> list:
     """The PyG classes a pickled ``Data`` object holds, allowlisted for ``weights_only`` loading."""
     try:
         from torch_geometric.data.data import Data, DataEdgeAttr, DataTensorAttr
-        from torch_geometric.data.storage import BaseStorage, EdgeStorage, GlobalStorage, NodeStorage
+        from torch_geometric.data.storage import (
+            BaseStorage,
+            EdgeStorage,
+            GlobalStorage,
+            NodeStorage,
+        )
     except ImportError:
         return []
     return [Data, DataEdgeAttr, DataTensorAttr, BaseStorage, EdgeStorage, GlobalStorage, NodeStorage]

@@ -224,7 +224,7 @@ class GIRPathEncoder(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * hidden + 2, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
         self.norm = nn.LayerNorm(hidden) if norm else nn.Identity()
         if combine == "concat":
-            self.head = nn.Linear(num_anchors * hidden, out_dim)
+            self.head: nn.Module = nn.Linear(num_anchors * hidden, out_dim)
         else:
             self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
 

@@ -33,6 +33,7 @@ structure as arguments so that the task's trainer can run it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -124,7 +125,7 @@ class GCN(nn.Module):
         self.num_nodes = num_nodes
         self.adjacency = gcn_adjacency(num_nodes, edges)
         dims = [in_dim] + [hidden] * (layers - 1) + [out_dim]
-        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, lin in enumerate(self.linears):
@@ -148,7 +149,8 @@ class _Encoder(nn.Module):
         self.edges, self.anchors, self.initial_anchors = train_edges, anchors, anchors
         if kind in ("flt", "softmax-spectrum"):
             self.x, self.pos = anchor_inputs(num_nodes, train_edges, anchors)
-            self.net = GraphTransformer(len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
+            self.net: GraphTransformer | LaplacianPE | StructuralEncoder = GraphTransformer(
+                len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
         elif kind == "lap-pe":
             self.net = LaplacianPE(num_nodes, train_edges, out_dim=dim, seed=seed, **options)
         else:
@@ -203,7 +205,9 @@ class PairHead(nn.Sequential):
         fk = {"device": device, "dtype": dtype}
         super().__init__(nn.Linear(2 * dim, dim, **fk), nn.ReLU(), nn.Linear(dim, 1, **fk))
 
-    def forward(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    # A pair scorer's signature, not Sequential's: subclassing Sequential keeps the
+    # parameter names ("0.weight", ...) of saved models.
+    def forward(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         zu, zv = z[pairs[:, 0]], z[pairs[:, 1]]
         return super().forward(torch.cat([zu * zv, (zu - zv).abs()], dim=-1)).squeeze(-1)
 
@@ -273,6 +277,8 @@ class LinkTransformer(nn.Module):
     The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
     """
 
+    position_basis: torch.Tensor  # buffer [in_dim, gir_positions], when gir_positions > 0
+
     def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
                  encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
@@ -281,7 +287,7 @@ class LinkTransformer(nn.Module):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
-        self.position_encoder = None
+        self.position_encoder: StructuralEncoder | None = None
         if gir_positions and encoder != "transformer":
             raise ValueError(f"gir_positions applies to encoder='transformer', got encoder={encoder!r}")
         if layer_attention is not None and encoder != "transformer":
@@ -297,7 +303,7 @@ class LinkTransformer(nn.Module):
                                                        gir_steps=gir_steps or None).to(device=device, dtype=dtype)
                 basis, _ = torch.linalg.qr(torch.randn(dim, gir_positions, dtype=torch.float64))
                 self.register_buffer("position_basis", basis.to(device=device, dtype=dtype or torch.get_default_dtype()))
-            self.encoder = NodeTransformer(
+            self.encoder: NodeTransformer | StructuralEncoder = NodeTransformer(
                 in_dim, gir_positions or in_dim, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
                 layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
                 posenc_options=posenc_options, layer_attention=layer_attention, device=device, dtype=dtype,
@@ -393,7 +399,8 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
     best = LinkResult(test_auc=float("nan"), valid_auc=-1.0, best_step=0)
     draws = redraw_features and has_random_features(model)
     draw_gen = torch.Generator().manual_seed(seed)
-    encoder = model.encoder if isinstance(getattr(model, "encoder", None), _Encoder) else None
+    found = getattr(model, "encoder", None)
+    encoder = found if isinstance(found, _Encoder) else None
     if resample_anchors and (encoder is None or not encoder.structural):
         raise ValueError("resample_anchors=True needs a structural model kind (gir, anchor-distance or a GNN)")
     with torch.random.fork_rng(devices=[]):
@@ -402,7 +409,7 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
             model.train()
             if draws:
                 redraw(model, draw_gen)
-            if resample_anchors:
+            if resample_anchors and encoder is not None:  # not None: checked above
                 encoder.resample_anchors(seed * 1_000_003 + step)
             loss = F.binary_cross_entropy_with_logits(model(train_pairs), train_y)
             opt.zero_grad(set_to_none=True)

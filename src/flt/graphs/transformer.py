@@ -39,7 +39,7 @@ address that.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -76,6 +76,14 @@ def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors, dtype: torch.dty
     return distance_features(dist, dtype), anchor_coordinates(dist, dtype)
 
 
+class _Checkable(Protocol):
+    """An attention layer with the O(N^2) forms its fast path is checked against."""
+
+    def reference(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+
+    def exact(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+
+
 class _Block(nn.Module):
     """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
 
@@ -93,9 +101,9 @@ class _Block(nn.Module):
         if mode == "fast":
             a = self.attention(x, pos)
         elif mode == "reference":
-            a = self.attention.reference(x, pos)
+            a = cast(_Checkable, self.attention).reference(x, pos)
         else:
-            a = self.attention.exact(x, pos)
+            a = cast(_Checkable, self.attention).exact(x, pos)
         h = h + self.drop(a)
         return h + self.drop(self.mlp(self.norm2(h)))
 
@@ -173,7 +181,7 @@ def graph_attention(kind: str, *, spectrum: str = "gaussian", length_scale: floa
     is FLT with the given spectrum, ``"softmax-spectrum"`` softmax with the same spectrum's
     exact ``f`` as relative bias (``num_features`` is FLT's only)."""
     check_choice("attention", kind, GRAPH_ATTENTIONS)
-    spec = dict(spectrum=spectrum, coupling=coupling, num_frequencies=num_frequencies, length_scale=length_scale, amplitude=amplitude)
+    spec = {"spectrum": spectrum, "coupling": coupling, "num_frequencies": num_frequencies, "length_scale": length_scale, "amplitude": amplitude}
     if kind == "flt":
         return "flt", {"num_features": num_features, **spec}
     return "softmax", {"relative_bias": "spectrum", **spec}
@@ -275,6 +283,8 @@ class LaplacianPE(nn.Module):
     that their entries are of order one. The flips come from a generator seeded with
     ``seed``, so training is reproducible and the global generator is not touched.
     """
+
+    pe: torch.Tensor  # buffer [N, k]
 
     def __init__(self, num_nodes: int, edges: torch.Tensor, *, k: int = 32, hidden: int = 64, out_dim: int = 32, sign_flip: bool = True, seed: int = 0):
         super().__init__()
