@@ -15,7 +15,9 @@ signal: the same draw of random frequencies for all of them.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -105,7 +107,7 @@ class StackedNetwork(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
-        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             if h.ndim == 2:
                 # Inputs shared by the S networks: one [N, D] x [D, S out] product rather
                 # than S products with copies of the inputs (and the same for the gradient).
@@ -125,7 +127,7 @@ def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype=None) -> nn
         return nn.Sequential(nn.Linear(in_dim, out_dim, dtype=dtype))
     sizes = [in_dim] + [config.width] * (config.depth - 1)
     layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b, dtype=dtype), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(sizes[-1], out_dim, dtype=dtype))
 
@@ -200,7 +202,7 @@ def fit_problem(problem: Problem, config: FitConfig, *, device: str | torch.devi
     nets = []
     for s in range(num_signals):
         torch.manual_seed(config.seed + s)
-        nets.append(build_net(config, encoder.dim if learnable else inputs.shape[-1], channels, dtype=dtype))
+        nets.append(build_net(config, cast(int, encoder.dim) if learnable else inputs.shape[-1], channels, dtype=dtype))
     network = StackedNetwork(nets, config.resolved_output).to(device)
     trained = list(network.parameters())
     if learnable:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -120,7 +121,7 @@ class AxisEncoding(nn.Module):
             raise ValueError(f"combine must be 'concat' or 'product', got {combine!r}")
         self.axes, self.combine = nn.ModuleList(axes), combine
         self.pos_dim = len(axes)
-        sizes = [a.dim for a in axes]
+        sizes = [cast(int, a.dim) for a in axes]  # every encoding declares its width as .dim
         self.dim = sum(sizes) if combine == "concat" else math.prod(sizes)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
@@ -167,9 +168,9 @@ def axis_encoding(encoder: nn.Module, name: str, options: dict, *, seed: int = 0
     features (for the shifted bases exactly the per-axis embedding)."""
     if isinstance(encoder, AxisEncoding):
         return encoder.axes[0]
-    pos_dim = encoder.pos_dim
+    pos_dim = cast(int, encoder.pos_dim)  # declared by every encoding, as .dim
     if pos_dim == 1:
         return encoder
     if name in FIXED_DIM:
         return _build_one(name, FIXED_DIM[name](1), 1, options, seed, dtype)
-    return _build_one(name, max(encoder.dim // pos_dim, 2), 1, options, seed, dtype)
+    return _build_one(name, max(cast(int, encoder.dim) // pos_dim, 2), 1, options, seed, dtype)

@@ -43,7 +43,7 @@ def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, tra
     rows = min(len(targets), max_rows)
     fig = _figure(9, 1.9 * rows + 0.6)
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
-    for ax, t, p, label in zip(axes, targets, preds, labels):
+    for ax, t, p, label in zip(axes, targets, preds, labels, strict=False):
         ax.plot(coords, t, color="0.6", lw=1.0, label="signal (all samples)")
         ax.plot(coords[train], t[train], ".", ms=2.5, color="k", label="training samples")
         ax.plot(coords, p, color="C3", lw=1.0, label="network")
@@ -133,11 +133,12 @@ def plot_sweep_reconstructions(key: str, points: list[dict], target: np.ndarray,
     ``coords`` and ``train``) as curves, 2-D as images after the target."""
     n = len(points)
     if target.ndim == 1:
+        assert coords is not None and train is not None  # given for 1-D targets (docstring)
         cols = min(n, 4)
         rows = math.ceil(n / cols)
         fig = _figure(3.2 * cols + 0.4, 2.4 * rows + 0.5)
         axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
-        for ax, point, pred in zip(axes, points, preds):
+        for ax, point, pred in zip(axes, points, preds, strict=False):
             ax.plot(coords, target, color="0.6", lw=0.9)
             ax.plot(coords[train], target[train], ".", ms=1.5, color="k")
             ax.plot(coords, pred, color="C3", lw=0.9)
@@ -151,7 +152,7 @@ def plot_sweep_reconstructions(key: str, points: list[dict], target: np.ndarray,
         fig = _figure(2.3 * cols, 2.7)
         axes = fig.subplots(1, cols, squeeze=False)[0]
         _show_image(axes[0], target, "target")
-        for ax, point, pred in zip(axes[1:], points, preds):
+        for ax, point, pred in zip(axes[1:], points, preds, strict=True):
             _show_image(ax, pred, f"{key} = {point['value']:g}\ntest {point['final']['psnr_test']:.1f} dB")
     save(fig, path)
     return fig

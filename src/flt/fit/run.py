@@ -161,7 +161,7 @@ def run_sweep(config: FitConfig, key: str, values: list, out_dir: str | None = N
     problem = load_problem(config)
     start = time.perf_counter()
     points, preds = [], []
-    for i, (value, c) in enumerate(zip(values, configs)):
+    for i, (value, c) in enumerate(zip(values, configs, strict=True)):
         result = fit_problem(problem, c, device=device, progress=progress, desc=f"{key}={value} ({i + 1}/{len(values)})")
         points.append({"value": value, **_result_dict(result)})
         preds.append(_grid(result.prediction, problem))
