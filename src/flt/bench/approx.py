@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import torch
 
@@ -106,7 +107,7 @@ class FidelityError:
 #: Estimators of a strong local mask, as FLTAttention options. ``where`` says which spectrum
 #: carries the mask: the far-field ``spectrum`` (random features) or the ``near_spectrum``
 #: (exact inside the band).
-FIDELITY_ESTIMATORS = {
+FIDELITY_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
     "concat (logit, no band)": ({"coupling": "logit"}, "spectrum"),
     "band w=8, mask in f_near": ({"coupling": "logit", "near_field": 8}, "near_spectrum"),
     "band w=16, mask in f_near": ({"coupling": "logit", "near_field": 16}, "near_spectrum"),
@@ -186,7 +187,7 @@ POINT_SETS = {
 
 #: Estimators of a strong Gaussian bump on point sets, as FLTAttention options, and the
 #: spectrum that carries the bump (as in FIDELITY_ESTIMATORS).
-SPATIAL_ESTIMATORS = {
+SPATIAL_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
     "concat (logit, no near set)": ({"coupling": "logit"}, "spectrum"),
     "multiplicative, gaussian f": ({"coupling": "multiplicative"}, "spectrum"),
     "k=8 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 8}, "near_spectrum"),
@@ -236,7 +237,7 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
                             getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
-                            layer.spectrum.log_length.add_(math.log(far_length))
+                            cast(torch.Tensor, layer.spectrum.log_length).add_(math.log(far_length))  # the gaussian spectrum's
                         x = torch.randn(2, pos.shape[0], dim, dtype=F64)
                         with torch.no_grad():
                             out, exact = layer(x, pos), layer.exact(x, pos)
@@ -291,7 +292,7 @@ def mask_error_pivot(rows: list[MaskError]) -> str:
     table = {(r.spectrum, r.sampler, r.pos_dim, r.R): r.max_error for r in rows}
     lines = ["| spectrum | sampler | P | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|---|---|" + "---|" * len(Rs)]
     for key in keys:
-        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(f"{table[key + (R,)]:.3g}" for R in Rs) + " |")
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(f"{table[(*key, R)]:.3g}" for R in Rs) + " |")
     return "\n".join(lines)
 
 
@@ -305,7 +306,7 @@ def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
     names = names or sorted(SPECTRA)
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
     delta = offsets(1, extent, 401)
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes[0], names, strict=True):
         spec = SPECTRA[name](heads=1, pos_dim=1, num_frequencies=R, seed=0).double()
         with torch.no_grad():
             ax.plot(delta[:, 0], spec.mask(delta)[:, 0], label="exact f", lw=2)

@@ -48,10 +48,10 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
 
     spectra = sorted({r.spectrum for r in masks})
     fig, axes = plt.subplots(1, len(spectra) + 2, figsize=(3.4 * (len(spectra) + 2), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], spectra):
+    for ax, name in zip(axes[0], spectra, strict=False):
         for sampler, pos_dim in sorted({(r.sampler, r.pos_dim) for r in masks if r.spectrum == name}):
-            rows = sorted((r for r in masks if (r.spectrum, r.sampler, r.pos_dim) == (name, sampler, pos_dim)), key=lambda r: r.R)
-            ax.loglog([r.R for r in rows], [r.max_error for r in rows], marker="o", ms=3, label=f"{sampler}, P={pos_dim}")
+            points = sorted((r for r in masks if (r.spectrum, r.sampler, r.pos_dim) == (name, sampler, pos_dim)), key=lambda r: r.R)
+            ax.loglog([r.R for r in points], [r.max_error for r in points], marker="o", ms=3, label=f"{sampler}, P={pos_dim}")
         first = sorted((r for r in masks if r.spectrum == name), key=lambda r: r.R)
         _guide(ax, [r.R for r in first], [r.max_error for r in first], -0.5, "R^-1/2")
         ax.set_title(f"mask: {name}", fontsize=9)
@@ -59,7 +59,7 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
         _size_ticks(ax, [r.R for r in first])
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("max |a.c - f| / |f(0)|")
-    for ax, (key, xname) in zip(axes[0][len(spectra):], (("vs_m", "m"), ("vs_R", "R"))):
+    for ax, (key, xname) in zip(axes[0][len(spectra):], (("vs_m", "m"), ("vs_R", "R")), strict=True):
         rows = sweeps[key]
         for coupling, causal in sorted({(r.coupling, r.causal) for r in rows}):
             sel = [r for r in rows if (r.coupling, r.causal) == (coupling, causal)]

@@ -22,7 +22,9 @@ before and after the rows; the best is used).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 
@@ -123,7 +125,8 @@ def check_row(name: str, shape: str, causal: bool, n: int = 300) -> str:
         for p in layer.parameters():  # zero-initialised relative terms act
             p.add_(0.02 * torch.randn_like(p))
         x = torch.randn(2, n, SHAPES[shape].H * SHAPES[shape].D, device="cuda", dtype=torch.float64)
-        out, ref = layer(x), layer.reference(x)
+        reference = cast(Callable[[torch.Tensor], torch.Tensor], layer.reference)  # every row's layer has one
+        out, ref = layer(x), reference(x)
     err = float((out - ref).norm() / ref.norm())
     return "" if err < 1e-6 else f"relative error {err:.2e} against the reference"
 
@@ -173,7 +176,7 @@ def run(*, rows=None, lengths=DEFAULT_LENGTHS, precisions=PRECISIONS, modes=MODE
         row = GPU_ROWS[name]
         try:
             problem = check_row(name, shape, causal)
-        except Exception as err:  # reported in the table: a row that cannot run here is a result too
+        except Exception as err:  # noqa: BLE001 (reported in the table: a row that cannot run here is a result too)
             problem = f"{type(err).__name__}: {err}"
         for precision in precisions:
             for mode in modes:
@@ -249,7 +252,7 @@ def markdown(data: dict, command: str) -> str:
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
             lines.append("")
     notes = [f"- {n}: {row['note']}" for n, row in data["rows"].items() if row["note"]]
-    return "\n".join(lines + ["Rows:", "", *notes, ""])
+    return "\n".join([*lines, "Rows:", "", *notes, ""])
 
 
 def _cell(r: dict | None) -> str:
@@ -271,11 +274,11 @@ def plot(data: dict, path) -> None:
     results = [r for r in data["results"] if r["status"] == "ok"]
     panels = sorted({(r["precision"], r["mode"]) for r in results})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
-    for ax, (precision, mode) in zip(axes[0], panels):
+    for ax, (precision, mode) in zip(axes[0], panels, strict=False):
         for name in data["rows"]:
             pts = sorted((r["N"], 1e3 * r["median_s"]) for r in results if (r["row"], r["precision"], r["mode"]) == (name, precision, mode))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="N (tokens)", ylabel="ms per call", title=f"{precision}, {mode}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)

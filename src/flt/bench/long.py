@@ -28,6 +28,7 @@ exact softmax), with the bytes the state holds. Results: ``decode.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -82,7 +83,8 @@ def worker(cfg: dict) -> dict:
         opt.step()
 
     step()  # warm-up (also allocates AdamW's state)
-    times, start = [], time.perf_counter()
+    times: list[float] = []
+    start = time.perf_counter()
     while len(times) < cfg["repeats"] and (len(times) < 2 or time.perf_counter() - start < cfg["budget_s"]):
         t0 = time.perf_counter()
         step()
@@ -175,7 +177,7 @@ def crossover(rows: list[dict], fast: str, exact: str, key: str = "ms_per_step")
         return None
     if a[ns[0]] <= b[ns[0]]:
         return float(ns[0])
-    for lo, hi in zip(ns, ns[1:]):
+    for lo, hi in itertools.pairwise(ns):
         if a[hi] <= b[hi]:
             r_lo, r_hi = math.log(a[lo] / b[lo]), math.log(a[hi] / b[hi])
             t = r_lo / (r_lo - r_hi)
@@ -219,7 +221,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         for m in MECHANISMS:
             pts = sorted((r["n"], r[key]) for r in rows if r["mechanism"] == m)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=m)
         x = crossover(rows, "flt", "softmax+t5", key)
         if x is not None:
             ax.axvline(x, color="grey", linestyle=":", label=f"FLT = exact softmax+T5 at N = {x:.0f}")

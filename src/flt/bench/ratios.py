@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ def comparisons(n: int, *, dim: int, heads: int, m: int, R: int, width: int, k: 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, n, dim, generator=g)
     points = torch.rand(1, n, 3, generator=g) * (n ** (1 / 3))  # unit density: about 1 point per unit cube
-    common = dict(num_features=m, num_frequencies=R, seed=seed)
+    common: dict[str, Any] = {"num_features": m, "num_frequencies": R, "seed": seed}
     return {
         f"band{width}/plain causal": ((x, None), {
             "plain": FLTAttention(dim, heads, causal=True, **common),
@@ -59,7 +60,7 @@ def interleaved(layers: dict, x, pos, repeats: int) -> dict:
     """Seconds per repetition of every layer, the layers taking turns within a repetition."""
     for layer in layers.values():  # warm-up
         time_fwd_bwd(layer, x, pos)
-    times = {label: [] for label in layers}
+    times: dict[str, list[float]] = {label: [] for label in layers}
     for _ in range(repeats):
         for label, layer in layers.items():
             times[label].append(time_fwd_bwd(layer, x, pos))
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
                 continue
             times = interleaved(layers, x, pos, args.repeats)
             base, near = times.values()
-            ratios = sorted(b / a for a, b in zip(base, near))
+            ratios = sorted(b / a for a, b in zip(base, near, strict=True))
             print(json.dumps({
                 "comparison": name, "N": n, "threads": args.threads, "repeats": args.repeats,
                 "seconds": {label: round(statistics.median(t), 4) for label, t in times.items()},

@@ -64,20 +64,31 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from flt.bench.measure import CHECK_SIZE, CHECK_TOLERANCE, SPREAD_LIMIT, Config, _child, check_allocator, measure, timing_flags  # noqa: F401
+from flt.bench.measure import (  # noqa: F401
+    CHECK_SIZE,
+    CHECK_TOLERANCE,
+    SPREAD_LIMIT,
+    Config,
+    _child,
+    check_allocator,
+    measure,
+    timing_flags,
+)
 from flt.bench.variants import PRESETS, SHAPES, VARIANTS, Preset, Run, Shape, Variant  # noqa: F401
-
-
 
 # -- runner side -------------------------------------------------------------------------
 
 
 def mem_available_bytes() -> int:
     text = Path("/proc/meminfo").read_text()
-    return int(re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M).group(1)) * 1024
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M)
+    if found is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    return int(found.group(1)) * 1024
 
 
 def _cpu_model() -> str:
@@ -173,8 +184,9 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
             return {"config": asdict(cfg), "status": "error", "note": f"worker died: {why}"}
         return result
 
-    common = dict(threads=threads, warmup=preset.warmup, repeats=preset.repeats, min_repeats=preset.min_repeats, budget_s=preset.budget_s,
-                  allocator=allocator)
+    common: dict[str, Any] = {"threads": threads, "warmup": preset.warmup, "repeats": preset.repeats,
+                              "min_repeats": preset.min_repeats, "budget_s": preset.budget_s, "allocator": allocator}
+
     def probe() -> dict:
         """This machine's float32 matmul throughput now (the machine may be shared)."""
         r = launch(Config("matmul", "-", preset.matmul_n, "matmul", False, **common), 600)
@@ -185,7 +197,8 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         return r
 
     matmul, matmul_kronecker = probe(), None
-    results, last = [], {}
+    results: list[dict] = []
+    last: dict[tuple, dict] = {}
     if shapes:
         preset = dataclasses.replace(preset, shapes=tuple(shapes))
     for variant, shape, causal, mode, N in plan(preset, variants, lengths):
