@@ -52,7 +52,7 @@ def _remember(x: torch.Tensor, tag: str) -> None:
     if marks is None:
         marks = {}
         try:
-            x._flt_checked = marks
+            x._flt_checked = marks  # type: ignore[attr-defined]  # a private mark on the tensor object
         except AttributeError:  # tensor subclasses without a __dict__
             return
     marks[tag] = version

@@ -22,7 +22,10 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 #: Bytes of one value in the estimates (float32).
 FLOAT_BYTES = 4
@@ -72,7 +75,7 @@ def _cpu_available() -> tuple[int, str]:
         return 2**62, "unknown RAM"
 
 
-def memory_limit(device=None) -> tuple[int, str]:
+def memory_limit(device: torch.device | str | None = None) -> tuple[int, str]:
     """``(bytes, where the number comes from)``: ``FLT_MEMORY_LIMIT``, else the free memory
     of ``device`` (a CUDA device), else the available RAM."""
     text = os.environ.get(LIMIT_VARIABLE)
@@ -87,7 +90,7 @@ def memory_limit(device=None) -> tuple[int, str]:
     return _cpu_available()
 
 
-def check_memory(what: str, nbytes: float, *, device=None, hint: str = "") -> None:
+def check_memory(what: str, nbytes: float, *, device: torch.device | str | None = None, hint: str = "") -> None:
     """Raise :class:`MemoryLimitError` when ``nbytes`` (an estimate for ``what``) exceeds
     the limit of ``device`` (:func:`memory_limit`); ``hint`` says how to shrink it."""
     limit, source = memory_limit(device)
@@ -124,12 +127,12 @@ def _spectrum_option(cls: type, options: dict, name: str) -> Any:
     return _option(SPECTRA[spectrum], {}, name) if isinstance(spectrum, str) and spectrum in SPECTRA else None
 
 
-def _int(value, fallback: int = 0) -> int:
+def _int(value: object, fallback: int = 0) -> int:
     """An int option's value, or ``fallback`` for anything else (the constructor reports it)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
 
 
-def _mechanism(attention) -> type | None:
+def _mechanism(attention: str | type | None) -> type | None:
     from flt.layers.registry import ATTENTION
 
     if isinstance(attention, str):
@@ -137,7 +140,7 @@ def _mechanism(attention) -> type | None:
     return attention if isinstance(attention, type) else None
 
 
-def attention_parameter_values(attention, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+def attention_parameter_values(attention: str | type | None, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
     """Values held by one attention layer: projections (``4 dim^2``), the random feature
     projection (``m x`` its input size), the spectrum's frequencies and parameters
     (``H R P`` a few times) and relative tables."""
@@ -163,7 +166,7 @@ def attention_parameter_values(attention, options: dict, *, dim: int, heads: int
     return total
 
 
-def attention_activation_values(attention, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
+def attention_activation_values(attention: str | type | None, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
                                 training: bool) -> int:
     """Values of the largest tensors of one attention layer's forward pass over ``batch``
     sequences of ``length`` tokens, twice that when training (what backward keeps):
@@ -195,7 +198,7 @@ def attention_activation_values(attention, options: dict, *, batch: int, heads: 
     return values * (2 if training else 1)
 
 
-def _registry_name(cls) -> str:
+def _registry_name(cls: type | None) -> str:
     from flt.layers.registry import ATTENTION
 
     return next((repr(name) for name, entry in ATTENTION.items() if entry is cls), getattr(cls, "__name__", str(cls)))
@@ -207,7 +210,7 @@ def _parameter_names(cls: type) -> set[str]:
     return set(constructor_options(cls).params)
 
 
-def _layers(cfg) -> list[tuple[str, dict, int]]:
+def _layers(cfg: Any) -> list[tuple[str | type | None, dict, int]]:
     """``(attention, options, how many layers)``: one entry for a uniform trunk, so a
     ``depth`` of 10^9 costs one estimate, not 10^9."""
     layered = getattr(cfg, "layer_attention", None)
@@ -216,7 +219,7 @@ def _layers(cfg) -> list[tuple[str, dict, int]]:
     return [(getattr(cfg, "attention", None), getattr(cfg, "attention_options", {}), cfg.depth)]
 
 
-def model_parameter_values(cfg) -> int:
+def model_parameter_values(cfg: Any) -> int:
     """Values of a model config's parameters and buffers: the trunk (attention and MLP of
     every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
     dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
@@ -233,11 +236,11 @@ def model_parameter_values(cfg) -> int:
     return total
 
 
-def _pos_dim(cfg) -> int:
+def _pos_dim(cfg: Any) -> int:
     return {"image": 2, "molecule": 3}.get(getattr(cfg, "task", ""), 1)
 
 
-def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, int]:
+def model_bytes(cfg: Any, *, batch: int, length: int, training: bool) -> dict[str, int]:
     """Estimated bytes of a model config at work: ``parameters`` (with gradients and AdamW's
     two moments when ``training``), ``activations`` (the trunk's ``B N dim (8 + 2 mlp_ratio)``
     values per layer and :func:`attention_activation_values`; every layer's kept for backward
@@ -253,7 +256,7 @@ def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, in
     return {"parameters": int(params), "activations": activations, "total": int(params) + activations}
 
 
-def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, device=None, purpose: str | None = None) -> None:
+def check_model_memory(cfg: Any, *, batch: int, length: int | None, training: bool, device: torch.device | str | None = None, purpose: str | None = None) -> None:
     """Refuse a model config whose estimated memory (:func:`model_bytes`) for ``batch``
     sequences of ``length`` tokens exceeds the limit, naming the sizes that set it."""
     if not all(isinstance(getattr(cfg, f, None), int) for f in ("dim", "depth", "heads")):
@@ -276,7 +279,8 @@ _SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbor
                  "chunk_size", "hidden", "num_buckets")
 
 
-def check_attention_memory(attention, options: dict, *, dim, heads, pos_dim=1, device=None) -> None:
+def check_attention_memory(attention: str | type | None, options: dict, *, dim: int, heads: int, pos_dim: int = 1,
+                           device: torch.device | str | None = None) -> None:
     """Refuse an attention layer whose parameters and buffers alone exceed the limit (a
     ``num_features`` or ``num_frequencies`` of 10^9), before its constructor allocates them.
     Non-int sizes are left to the constructor's own checks."""
@@ -289,7 +293,7 @@ def check_attention_memory(attention, options: dict, *, dim, heads, pos_dim=1, d
                  values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
 
 
-def check_task_memory(task, cfg, *, batch_size: int, training: bool, device=None) -> None:
+def check_task_memory(task: Any, cfg: Any, *, batch_size: int, training: bool, device: torch.device | str | None = None) -> None:
     """:func:`check_model_memory` for ``batch_size`` samples of ``task`` (its
     ``step_shape``: how many sequences of how many tokens they give the attention layers)."""
     batch, length = task.step_shape(cfg, batch_size)

@@ -39,7 +39,12 @@ import subprocess
 import sys
 import time
 
-from flt.commands.train import add_config_arguments, add_runtime_arguments, preset_from_args, task_list
+from flt.commands.train import (
+    add_config_arguments,
+    add_runtime_arguments,
+    preset_from_args,
+    task_list,
+)
 from flt.options import parse_attention_list
 from flt.tasks import TASKS, get_task
 
@@ -187,7 +192,7 @@ def _train_one(args, label: str, name: str, options: dict, seed: int, run_dir: s
         if proc.returncode < 0:
             return None, None, f"seed {seed} killed by signal {-proc.returncode}"
         return None, None, f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
-    return _read_run(run_dir, metric) + ("",)
+    return (*_read_run(run_dir, metric), "")
 
 
 def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
@@ -236,7 +241,9 @@ def run(args) -> int:
         args.no_plots = True  # the runs make no plots either
     os.makedirs(out, exist_ok=True)
 
-    rows, curves, total = [], {}, len(entries) * len(seeds)
+    rows: list[dict] = []
+    curves: dict[str, list[list[tuple[int, float]]]] = {}
+    total = len(entries) * len(seeds)
     done = 0
     for label, name, options in entries:
         summaries, curves[label], failed = [], [], ""
@@ -287,10 +294,10 @@ def run(args) -> int:
         f.write(table + "\n\n" + note + "\n")
     with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
         json.dump({"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows}, f, indent=2)
-    if not args.no_plots:
-        # None (nothing written) when no run reached a validation: an empty plot says nothing.
-        if plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:
-            why = "every run failed" if all(r["failed"] for r in rows) else "no run logged a validation"
-            print(f"no compare.png: {why} (see the table and each run's train.log)")
+    # plot_comparison returns None (nothing written) when no run reached a validation: an
+    # empty plot says nothing.
+    if not args.no_plots and plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:
+        why = "every run failed" if all(r["failed"] for r in rows) else "no run logged a validation"
+        print(f"no compare.png: {why} (see the table and each run's train.log)")
     print(f"results in {out}")
     return 1 if any(r["failed"] for r in rows) else 0

@@ -152,8 +152,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from flt.tasks import change_data, config_from_dict, load_task
     from flt.tasks.base import has_test_split
     from flt.tasks.preset import run_config_from_dict
-    from flt.train import checkpoint as ckpt_io
-    from flt.train import drawgap as DG
+    from flt.train import checkpoint as ckpt_io, drawgap as DG
     from flt.train.distributed import Context, resolve_device
     from flt.train.loop import _to_device, evaluate
 

@@ -125,7 +125,7 @@ def _missing_extra(err, args) -> Failure | None:
 def _os_error(err, args) -> Failure | None:
     """A file or directory that cannot be used as given: bad input; any other OSError
     (an I/O error of the device): a failure at run time."""
-    if not isinstance(err, OSError) or isinstance(err, FileNotFoundError) and err.filename is None:
+    if not isinstance(err, OSError) or (isinstance(err, FileNotFoundError) and err.filename is None):
         return None
     what = err.strerror or str(err)
     where = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)

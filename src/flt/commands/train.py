@@ -42,8 +42,7 @@ import shutil
 import sys
 
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
-from flt.options import parse_assignments, parse_value  # noqa: F401
-
+from flt.options import parse_assignments, parse_value
 from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
 
 #: Shortcut flags for RunConfig fields.
@@ -176,7 +175,13 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     from flt._checks import check_choice
     from flt.layers import ATTENTION
     from flt.models import replace_fields
-    from flt.options import ATTENTION_ARGUMENTS, POSENC_ARGUMENTS, check_attention_options, check_posenc_options, merge_options
+    from flt.options import (
+        ATTENTION_ARGUMENTS,
+        POSENC_ARGUMENTS,
+        check_attention_options,
+        check_posenc_options,
+        merge_options,
+    )
     from flt.posenc import POSENC
     from flt.train import Preset, get_preset
 
