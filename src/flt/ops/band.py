@@ -73,7 +73,8 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask
         raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {key_mask.dtype} {tuple(key_mask.shape)}")
 
 
-def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None):
+def band_attention_reference(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, band_bias: torch.Tensor, *,
+                             width: int, causal: bool = False, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The O(N^2) formula of :func:`band_attention`, for tests.
 
     Args as in :func:`band_attention`. Returns ``[B, H, N, Dv]``.
@@ -99,8 +100,9 @@ def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bia
     return safe_divide(num, w.sum(-1, keepdim=True))
 
 
-def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None,
-                   block_size=None, chunk_size=None):
+def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, band_bias: torch.Tensor, *,
+                   width: int, causal: bool = False, key_mask: torch.Tensor | None = None, block_size: int | None = None,
+                   chunk_size: int | None = None) -> torch.Tensor:
     """Attention with exact weights on a band of ``|i - j| <= width`` tokens and FAVOR+
     estimates elsewhere (module docstring), linear in ``N``.
 

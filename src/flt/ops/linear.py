@@ -66,7 +66,8 @@ def _check_features(q_feat, k_feat, v, a=None, c=None, key_log_scale=None) -> No
             raise ValueError(f"key_log_scale must be [B, H, N] = {tuple(k_feat.shape[:3])}, got {tuple(key_log_scale.shape)}")
 
 
-def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def linear_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                     chunk_size: int | None = None) -> torch.Tensor:
     """Normalised linear attention ``out_i = qf_i^T S / qf_i^T z`` from nonnegative features.
 
     Args:
@@ -87,7 +88,8 @@ def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=N
     return _attend(q_feat, k_feat, v, None, None, causal, key_log_scale, chunk_size)
 
 
-def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def flt_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                  chunk_size: int | None = None) -> torch.Tensor:
     """FLT with the multiplicative coupling (docs/math.md section 4), linear in N.
 
     ``out_i = sum_j (a_i.c_j)(qf_i.kf_j) v_j / sum_j (a_i.c_j)(qf_i.kf_j)``: linear attention
@@ -149,7 +151,7 @@ def _read(qf, a, state):
     return (qf.unsqueeze(-2) @ t).squeeze(-2)
 
 
-def full_precision(x: torch.Tensor, signed: bool):
+def full_precision(x: torch.Tensor, signed: bool) -> contextlib.AbstractContextManager:
     """The context the sums over keys run in: autocast off (so in the features' float32 or
     better) for signed weights (``signed``: the Kronecker coupling) and under float16
     autocast; otherwise a no-op, leaving bfloat16 autocast its fast products.
@@ -166,7 +168,8 @@ def full_precision(x: torch.Tensor, signed: bool):
     return contextlib.nullcontext()
 
 
-def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def kronecker_condition(q_feat: torch.Tensor, k_feat: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                        chunk_size: int | None = None) -> torch.Tensor:
     """How much the multiplicative coupling's row sums cancel: ``[B, H, N]``, at least 1.
 
     ``kappa_i = |a_i| sum_j |c_j| w_ij / |sum_j (a_i.c_j) w_ij|`` with ``w_ij = qf_i.kf_j
@@ -244,7 +247,7 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
 _SCAN_BLOCK = 32
 
 
-def causal_sums(qf, kf, vaug, a, c, kls, chunk_size):
+def causal_sums(qf: torch.Tensor, kf: torch.Tensor, vaug: torch.Tensor, a: torch.Tensor | None, c: torch.Tensor | None, kls: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal sums ``sum_(j <= i) w_ij vaug_j`` of every query and the level they are relative to.
 
     ``w_ij = (a_i.c_j) (qf_i.kf_j) exp(s_j - run_i)`` with ``run`` the running maximum of the
@@ -427,7 +430,8 @@ class RecurrentState:
     position: int = 0
 
 
-def recurrent_step(q_feat, k_feat, v, state: RecurrentState | None = None, *, a=None, c=None, key_log_scale=None):
+def recurrent_step(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, state: RecurrentState | None = None, *, a: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                   key_log_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RecurrentState]:
     """One token of causal linear (``a = c = None``) or multiplicative FLT attention.
 
     Args:

@@ -42,7 +42,7 @@ from flt.ops.reference import rpe_attention_reference
 BACKENDS = ("sdpa", "flex", "reference")
 
 
-def flex_attention_available(device, requires_grad: bool) -> tuple[bool, str]:
+def flex_attention_available(device: torch.device | str, requires_grad: bool) -> tuple[bool, str]:
     """Whether eager FlexAttention runs on ``device``, with gradients if ``requires_grad``.
 
     Decided by running it once on a tiny input the first time a ``(device, requires_grad)``

@@ -234,10 +234,10 @@ def _dead_rows(den: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 
 def toeplitz_attention(
-    q_feat,
-    k_feat,
-    v,
-    bias,
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
     *,
     causal: bool = False,
     key_log_scale: torch.Tensor | None = None,
@@ -450,7 +450,8 @@ def _level(qf, kf, vv1, beta_c, kls, s: int):
     return num_den, log_scale, floor
 
 
-def toeplitz_attention_reference(q_feat, k_feat, v, bias, *, causal: bool = False, key_log_scale=None) -> torch.Tensor:
+def toeplitz_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, *, causal: bool = False,
+                                 key_log_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The quadratic formula behind :func:`toeplitz_attention`, O(N^2) memory.
 
     Weights ``w_ij = exp(beta_(i-j) + s_j - M_i) (qf_i . kf_j)`` with

@@ -37,8 +37,9 @@ def _check_band(xq, band_bias, width) -> None:
         raise ValueError(f"band_bias must be [B or 1, H, N, 2w + 1] = [{B} or 1, {H}, {N}, {2 * width + 1}], got {tuple(band_bias.shape)}")
 
 
-def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None,
-                   chunk_size: int = TRITON_CHUNK, segments: int | None = None):
+def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, band_bias: torch.Tensor, *, width: int, extra_q: torch.Tensor, extra_k: torch.Tensor,
+                   causal: bool = False, key_mask: torch.Tensor | None = None, chunk_size: int = TRITON_CHUNK,
+                   segments: int | None = None) -> torch.Tensor:
     """Exact weights on the band ``|i - j| <= width``, FAVOR+ estimates elsewhere, by the kernel.
 
     Args:
@@ -68,7 +69,8 @@ def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, ext
     return _BandAttention.apply(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments)
 
 
-def band_attention_torch(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None):
+def band_attention_torch(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, band_bias: torch.Tensor, *, width: int, extra_q: torch.Tensor,
+                         extra_k: torch.Tensor, causal: bool = False, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`band_attention` by the PyTorch ops (features by
     :func:`flt.ops.features.favor_plus_features_split`, sums by :func:`flt.ops.band.band_attention`)."""
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
