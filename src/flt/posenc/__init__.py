@@ -49,7 +49,7 @@ class NoEncoding(nn.Module):
     every registry entry. Output dtype: ``dtype`` if given, else the positions' dtype.
     """
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("pos_dim", pos_dim)

@@ -10,14 +10,14 @@ from flt._checks import check_dim, check_finite, check_tensor, check_values
 from flt._dtype import compute_dtype  # noqa: F401 (the posenc modules import it from here)
 
 
-def check_abs_positions(name: str, pos, pos_dim: int) -> None:
+def check_abs_positions(name: str, pos: torch.Tensor, pos_dim: int) -> None:
     """Require floating positions ``[B, N, P]`` with ``P == pos_dim`` and finite entries."""
     check_tensor(name, pos, ndim=3, layout="[B, N, P]")
     check_dim(name, pos, 2, pos_dim, "position dimension P")
     check_finite(name, pos)
 
 
-def integer_positions(name: str, pos) -> torch.Tensor:
+def integer_positions(name: str, pos: torch.Tensor) -> torch.Tensor:
     """Return integer-valued positions as ``torch.long``.
 
     Accepts an integer tensor or a floating tensor whose entries are all whole numbers;
@@ -33,14 +33,14 @@ def integer_positions(name: str, pos) -> torch.Tensor:
     return pos.long()
 
 
-def check_positive_float(name: str, value) -> float:
+def check_positive_float(name: str, value: object) -> float:
     """Require a finite real number ``> 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-def check_nonnegative_float(name: str, value) -> float:
+def check_nonnegative_float(name: str, value: object) -> float:
     """Require a finite real number ``>= 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -73,8 +73,8 @@ class ShiftedBasisEmbedding(nn.Module):
         width: float | None = None,
         domain: Sequence[float] = (0.0, 1.0),
         generator: torch.Generator | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("dim", dim)
@@ -113,7 +113,7 @@ class ShiftedBasisEmbedding(nn.Module):
         else:
             self.freqs = None
 
-    def centres(self, *, device=None, dtype=torch.float64) -> torch.Tensor:
+    def centres(self, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The ``dim / P`` centres ``t_d`` of one axis: ``[D_axis]`` (empty for ``rff``)."""
         a, b = self.domain
         h = (b - a) / max(self.num_centres, 1)
