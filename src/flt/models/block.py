@@ -163,7 +163,7 @@ class Trunk(nn.Module):
         return [b.attn for b in self.block_list]
 
 
-def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
+def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``."""
     check_choice("posenc", name, POSENC)
     return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)
@@ -172,11 +172,11 @@ def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], dev
 def build_token_body(model: nn.Module, *, vocab_size: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                      dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
                      posenc_options: dict[str, Any], layer_attention: list | None, causal: bool,
-                     device=None, dtype=None) -> None:
+                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
     """Give ``model`` the body of a model over token sequences (positions are token indices):
     ``embed`` (std 0.02), ``posenc``, ``drop`` and the attention ``trunk``. Attributes, not a
     submodule, so the state-dict keys of the models that use it stay as they were."""
-    fk = {"device": device, "dtype": dtype}
+    fk: dict[str, Any] = {"device": device, "dtype": dtype}
     model.embed = nn.Embedding(vocab_size, dim, **fk)
     nn.init.normal_(model.embed.weight, std=0.02)
     model.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)

@@ -53,11 +53,11 @@ class CausalLM(nn.Module):
         posenc_options: dict[str, Any],
         cape: bool = False,
         layer_attention: list | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.vocab_size, self.max_len = vocab_size, max_len
         self.embed = nn.Embedding(vocab_size, dim, **fk)
         # Small init: the same matrix is the output head, and N(0, 1) rows would start
