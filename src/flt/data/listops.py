@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ class ListOpsData:
         pad = torch.arange(longest).unsqueeze(0) >= self.lengths[idx].unsqueeze(1)
         return tokens, pad, self.labels[idx]
 
-    def subset(self, idx) -> ListOpsData:
+    def subset(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> ListOpsData:
         """The expressions at ``idx`` (1-D integer indices), in that order."""
         idx = torch.as_tensor(idx, dtype=torch.int64)
         return ListOpsData(self.tokens[idx], self.lengths[idx], self.labels[idx])
@@ -218,7 +219,7 @@ def generate_listops(num_samples: int, *, seed: int = 0, min_length: int = 500, 
     return ListOpsData.from_sequences(seqs, labels)
 
 
-def decode(ids) -> list[str]:
+def decode(ids: torch.Tensor | np.ndarray | Sequence[int]) -> list[str]:
     """Token strings of one sequence of ids (padding dropped)."""
     return [VOCAB[int(i)] for i in ids if int(i) != PAD]
 

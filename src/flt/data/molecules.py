@@ -88,7 +88,7 @@ class MoleculeBatch(NamedTuple):
     key_padding_mask: torch.Tensor
     y: torch.Tensor
 
-    def to(self, device=None, dtype=None) -> MoleculeBatch:
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MoleculeBatch:
         """Move to ``device``; ``dtype`` applies to the floating tensors ``pos`` and ``y``."""
         return MoleculeBatch(self.z.to(device), self.pos.to(device, dtype), self.key_padding_mask.to(device), self.y.to(device, dtype))
 
@@ -119,7 +119,8 @@ class MoleculeData(torch.utils.data.Dataset):
     ``info`` maps names to per-structure numpy arrays ``[M]`` (e.g. metal, adsorbate).
     """
 
-    def __init__(self, z, pos, offsets, y, *, name: str = "", info: dict | None = None):
+    def __init__(self, z: torch.Tensor | np.ndarray | Sequence, pos: torch.Tensor | np.ndarray | Sequence, offsets: torch.Tensor | np.ndarray | Sequence, y: torch.Tensor | np.ndarray | Sequence, *, name: str = "",
+                 info: dict | None = None) -> None:
         self.z = torch.as_tensor(z, dtype=torch.int64)
         self.pos = torch.as_tensor(pos, dtype=torch.float32)
         self.offsets = torch.as_tensor(offsets, dtype=torch.int64)
@@ -139,7 +140,7 @@ class MoleculeData(torch.utils.data.Dataset):
                 raise ValueError(f"info[{k!r}] has shape {v.shape}, expected [{m}]")
 
     @classmethod
-    def from_lists(cls, zs, positions, ys, *, name: str = "", info: dict | None = None) -> MoleculeData:
+    def from_lists(cls, zs: Sequence, positions: Sequence, ys: Sequence, *, name: str = "", info: dict | None = None) -> MoleculeData:
         """Build from per-structure ``z [n_i]``, ``pos [n_i, 3]`` and scalar targets."""
         counts = [len(z) for z in zs]
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -163,7 +164,7 @@ class MoleculeData(torch.utils.data.Dataset):
         """Atoms per structure ``[M]``."""
         return self.offsets[1:] - self.offsets[:-1]
 
-    def subset(self, indices) -> MoleculeData:
+    def subset(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> MoleculeData:
         """The structures at ``indices`` (a 1-D integer array), in that order."""
         idx = np.asarray(indices, dtype=np.int64)
         counts = self.num_atoms().numpy()[idx]

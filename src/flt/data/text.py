@@ -247,7 +247,7 @@ def load_text_files(
     return TextSplits(name=os.path.basename(train_path), **parts)
 
 
-def _as_id_array(ids) -> np.ndarray:
+def _as_id_array(ids: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
     arr = np.asarray(ids)
@@ -273,11 +273,11 @@ class ByteTokenizer:
         # bytearray gives torch.frombuffer a writable buffer (it warns on read-only bytes).
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dtype) if data else torch.zeros(0, dtype=dtype)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> str:
         """Ids ``[N]`` -> text; byte runs that are not UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids) -> bytes:
+    def decode_bytes(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> bytes:
         arr = _as_id_array(ids)
         if arr.size and (arr.min() < 0 or arr.max() > 255):
             raise ValueError(f"byte token ids must lie in [0, 255], got range [{arr.min()}, {arr.max()}]")
@@ -315,7 +315,7 @@ class CharTokenizer:
         ids = np.where(found, idx + 1, 0).astype(np.int64)
         return torch.from_numpy(ids).to(dtype)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> str:
         """Ids ``[N]`` -> text; id 0 becomes U+FFFD."""
         arr = _as_id_array(ids)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
