@@ -154,7 +154,7 @@ class StructuralEncoder(nn.Module):
             if fusion:
                 self.fuse = nn.Linear(2 * dim, dim)
 
-    def structure(self, num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor, device=None) -> dict:
+    def structure(self, num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor, device: torch.device | str | None = None) -> dict:
         """What this kind needs of ``(edges, anchors)``, recomputed only when they change:
         ``edge_index``, ``dist`` (distance features), ``indicators``, ``dag``."""
         edges = edges.detach().to("cpu", torch.int64)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -201,8 +202,8 @@ class PairHead(nn.Sequential):
     """The symmetric pair scorer: ``forward(z [N, D], pairs [M, 2]) -> logits [M]``, the
     logit of ``(u, v)`` being ``MLP([z_u * z_v, |z_u - z_v|])`` (hidden width ``D``)."""
 
-    def __init__(self, dim: int, *, device=None, dtype=None):
-        fk = {"device": device, "dtype": dtype}
+    def __init__(self, dim: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(nn.Linear(2 * dim, dim, **fk), nn.ReLU(), nn.Linear(dim, 1, **fk))
 
     # A pair scorer's signature, not Sequential's: subclassing Sequential keeps the
@@ -283,7 +284,7 @@ class LinkTransformer(nn.Module):
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
                  encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
                  gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0,
-                 layer_attention: list | None = None, device=None, dtype=None):
+                 layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
@@ -338,7 +339,7 @@ class LinkTransformer(nn.Module):
         return self.head(self.embeddings(features, pos, edges, anchors, exact=exact), pairs)
 
 
-def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options: Any) -> LinkModel:
     """A :class:`LinkModel` of the given kind over ``num_nodes`` nodes whose structure is ``edges`` and nothing else.
 
     Anchors (``num_anchors`` of them, capped at ``N``) and the initial weights are drawn
@@ -358,7 +359,7 @@ def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: in
         return LinkModel(encoder, dim)
 
 
-def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options: Any) -> LinkModel:
     """A :class:`LinkModel` of the given kind whose structure comes from ``split.train_pos`` only
     (:func:`build_pair_model` with ``edges = split.train_pos``)."""
     check_choice("kind", kind, MODEL_KINDS)
@@ -429,14 +430,14 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
     return best
 
 
-def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0, **training) -> LinkResult:
+def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0, **training: Any) -> LinkResult:
     """:func:`train_pair_model` on the training positives and their fixed negatives,
     validated and tested on the held-out pairs of ``split``."""
     return train_pair_model(model, split.train, split.valid, split.test, steps=steps, lr=lr, eval_every=eval_every, seed=seed, **training)
 
 
 def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10,
-                        resample_anchors: bool = False, redraw_features: bool = True, **model_options) -> LinkResult:
+                        resample_anchors: bool = False, redraw_features: bool = True, **model_options: Any) -> LinkResult:
     """Split ``graph`` (a :class:`Graph`, ``"grid"`` or ``"communities"``) with ``seed``, build
     a ``model_kind`` model (:data:`MODEL_KINDS`) with ``seed`` and train it for ``steps``
     steps; ``result.test_auc`` is the ROC AUC at the best validation step.

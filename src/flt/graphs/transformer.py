@@ -39,6 +39,7 @@ address that.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -68,7 +69,7 @@ def anchor_coordinates(dist: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return d.to(dtype) / math.sqrt(dist.shape[1])
 
 
-def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor | Sequence[int], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features [N, K], pos [N, K])`` of a :class:`NodeTransformer` over anchor space: the
     distance features ``1 / (1 + d)`` and the coordinates :func:`anchor_coordinates` of the
     hop distances ``d`` to ``anchors`` along ``edges`` (pass the training edges only)."""
@@ -87,9 +88,9 @@ class _Checkable(Protocol):
 class _Block(nn.Module):
     """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
 
-    def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device=None, dtype=None):
+    def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.norm1, self.norm2 = nn.LayerNorm(dim, **fk), nn.LayerNorm(dim, **fk)
         self.attention = attention
         hidden = max(1, int(round(dim * mlp_ratio)))
@@ -146,13 +147,13 @@ class NodeTransformer(nn.Module):
         posenc: str = "none",
         posenc_options: dict[str, Any] | None = None,
         layer_attention: list[dict[str, Any]] | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("layers", layers)
         mechanisms = layer_mechanisms(attention, attention_options, layer_attention, layers)
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.mode = "fast"
         self.embed = nn.Linear(in_dim, dim, **fk)
         self.posenc = build_posenc(posenc, dim, pos_dim, dict(posenc_options or {}), **fk)
