@@ -40,7 +40,7 @@ class Problem:
     labels: tuple[str, ...]
 
 
-def grid_coords(shape: tuple[int, ...], dtype=torch.float64) -> torch.Tensor:
+def grid_coords(shape: tuple[int, ...], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Coordinates ``i_p / n_p`` of a regular grid ``shape = (n_1, ..., n_P)``, row-major: ``[prod(shape), P]``."""
     axes = [torch.arange(n, dtype=dtype) / n for n in shape]
     mesh = torch.meshgrid(*axes, indexing="ij")
@@ -120,7 +120,7 @@ class StackedNetwork(nn.Module):
         return torch.sigmoid(h) if self.output == "sigmoid" else h
 
 
-def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype=None) -> nn.Sequential:
+def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype: torch.dtype | None = None) -> nn.Sequential:
     """``linear``: one layer ``D -> C``; ``mlp``: ``depth`` layers, ``depth - 1`` hidden
     ReLU layers of ``width`` (the paper's 4 x 256)."""
     if config.model == "linear":

@@ -36,7 +36,7 @@ from flt.posenc._common import check_abs_positions, compute_dtype
 class RawCoordinates(nn.Module):
     """The coordinates themselves: ``[B, N, P] -> [B, N, P]`` (``dim`` must equal ``P``)."""
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if dim != pos_dim:
             raise ValueError(f"the raw encoding has dim = P = {pos_dim}, got dim = {dim}")
@@ -50,7 +50,7 @@ class RawCoordinates(nn.Module):
 class BasicEncoding(nn.Module):
     """One period per axis: ``[sin 2 pi x_p, cos 2 pi x_p]_p``, ``[B, N, P] -> [B, N, 2P]``."""
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if dim != 2 * pos_dim:
             raise ValueError(f"the basic encoding has dim = 2P = {2 * pos_dim}, got dim = {dim}")
@@ -135,7 +135,7 @@ class AxisEncoding(nn.Module):
         return out
 
 
-def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: str = "joint", seed: int = 0, dtype=None) -> nn.Module:
+def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: str = "joint", seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """The encoding ``name`` with ``dim`` features in total for ``P = pos_dim``.
 
     ``axes`` (see the module docstring) must be ``joint`` when ``P = 1``. Random draws
@@ -162,7 +162,7 @@ def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: st
     return AxisEncoding([_build_one(name, per_axis, 1, options, seed + p, dtype) for p in range(pos_dim)], axes)
 
 
-def axis_encoding(encoder: nn.Module, name: str, options: dict, *, seed: int = 0, dtype=None) -> nn.Module:
+def axis_encoding(encoder: nn.Module, name: str, options: dict, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """A 1-D encoding whose diagnostics stand for ``encoder``'s: itself when ``P = 1``, its
     first axis when separable, else the same encoding built for ``P = 1`` with ``dim / P``
     features (for the shifted bases exactly the per-axis embedding)."""

@@ -8,13 +8,18 @@ of a plain ``open()`` (:func:`flt._io.atomic_write`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flt._io import atomic_write
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-def _figure(width: float, height: float, dpi: int = 110):
+
+def _figure(width: float, height: float, dpi: int = 110) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -24,7 +29,7 @@ def _figure(width: float, height: float, dpi: int = 110):
     return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
 
 
-def save(fig, path: str) -> None:
+def save(fig: Figure, path: str) -> None:
     atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
 
 
@@ -36,8 +41,8 @@ def _show_image(ax, img: np.ndarray, title: str) -> None:
     ax.set_yticks([])
 
 
-def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, train: np.ndarray, labels, path: str,
-                 *, title: str = "", max_rows: int = 4):
+def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, train: np.ndarray, labels: Sequence[str], path: str,
+                 *, title: str = "", max_rows: int = 4) -> Figure:
     """Up to ``max_rows`` 1-D fits: ground truth, training samples and the network, one
     panel each. ``coords [N]``, ``targets`` and ``preds [S, N]``, ``train [N]`` bool."""
     rows = min(len(targets), max_rows)
@@ -57,7 +62,7 @@ def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, tra
     return fig
 
 
-def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = ""):
+def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = "") -> Figure:
     """Target, reconstruction and absolute error of a 2-D fit (``[H, W]`` or ``[H, W, 3]``)."""
     fig = _figure(9, 3.4)
     axes = fig.subplots(1, 3)
@@ -76,7 +81,7 @@ def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = 
     return fig
 
 
-def plot_history(history: list[dict], path: str, *, title: str = ""):
+def plot_history(history: list[dict], path: str, *, title: str = "") -> Figure:
     """Train, test (all samples) and held-out (odd samples) PSNR against the epoch."""
     fig = _figure(6, 3.6)
     ax = fig.subplots()
@@ -97,7 +102,7 @@ def _is_log(values: list[float]) -> bool:
     return all(v > 0 for v in values) and max(values) / min(values) >= 10
 
 
-def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = ""):
+def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = "") -> Figure:
     """Train and test PSNR against the swept ``key`` (left axis) and, on the right axis, the
     two diagnostics of the encoding, each divided by its largest value over the sweep so
     that both lie in ``[0, 1]``: the stable rank of the training embedding and the distance
@@ -121,14 +126,14 @@ def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = ""):
         ax.set_xscale("log")
     ax.grid(alpha=0.3)
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=2, fontsize=8)
+    fig.legend(handles, [str(h.get_label()) for h in handles], loc="outside lower center", ncols=2, fontsize=8)
     ax.set_title(title or f"test PSNR against {key}", fontsize=9)
     save(fig, path)
     return fig
 
 
 def plot_sweep_reconstructions(key: str, points: list[dict], target: np.ndarray, preds: list[np.ndarray], path: str,
-                               *, coords: np.ndarray | None = None, train: np.ndarray | None = None):
+                               *, coords: np.ndarray | None = None, train: np.ndarray | None = None) -> Figure:
     """The reconstructions of every sweep value side by side: 1-D (``target [N]``, with
     ``coords`` and ``train``) as curves, 2-D as images after the target."""
     n = len(points)
