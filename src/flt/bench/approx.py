@@ -7,6 +7,8 @@ nothing is a stored number. Used by ``flt approx`` and ``flt bench approx``.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -54,7 +56,8 @@ def offsets(pos_dim: int, extent: float = 32.0, points: int = 257) -> torch.Tens
 
 
 def mask_errors(
-    names=None, samplers=SAMPLERS, Rs=(8, 32, 128, 512, 1024), pos_dims=(1,), seeds=(0, 1, 2), heads: int = 2
+    names: Sequence[str] | None = None, samplers: Sequence[str] = SAMPLERS, Rs: Sequence[int] = (8, 32, 128, 512, 1024),
+    pos_dims: Sequence[int] = (1,), seeds: Sequence[int] = (0, 1, 2), heads: int = 2
 ) -> list[MaskError]:
     """``max |a.c - f|`` over offsets for every spectrum, sampler and R (relative to f(0))."""
     rows = []
@@ -77,7 +80,8 @@ def mask_errors(
     return rows
 
 
-def attention_errors(settings=((64, 8), (256, 32), (1024, 128)), *, N: int = 65, dim: int = 32, heads: int = 2, seeds=(0, 1)) -> list[AttentionError]:
+def attention_errors(settings: Sequence[tuple[int, int]] = ((64, 8), (256, 32), (1024, 128)), *, N: int = 65, dim: int = 32,
+                     heads: int = 2, seeds: Sequence[int] = (0, 1)) -> list[AttentionError]:
     """Relative error of ``FLTAttention.forward`` against ``FLTAttention.exact``."""
     rows = []
     for coupling in ("logit", "multiplicative"):
@@ -130,8 +134,9 @@ def _set_local_amplitude(spectrum, amplitude: float) -> None:
         assert torch.allclose(spectrum.mask(zero)[0], torch.full_like(spectrum.mask(zero)[0], amplitude))
 
 
-def fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((64, 16), (256, 32)), *, estimators=None, N: int = 256,
-                    dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[FidelityError]:
+def fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5.0), settings: Sequence[tuple[int, int]] = ((64, 16), (256, 32)),
+                    *, estimators: Sequence[str] | None = None, N: int = 256, dim: int = 128, heads: int = 2,
+                    seeds: Sequence[int] = (0, 1)) -> list[FidelityError]:
     """Relative error of ``FLTAttention.forward`` against ``exact`` for a local mask of
     growing ``f(0)`` (four smoothed windows of half-widths 1..16 tokens), default qk-norm,
     random inputs, 1-D token positions. The multiplicative coupling's mask is the local
@@ -208,8 +213,10 @@ SPATIAL_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256, 32),), *, point_sets=None, estimators=None,
-                            length_scale: float = 1.0, dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[SpatialFidelityError]:
+def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5.0), settings: Sequence[tuple[int, int]] = ((256, 32),),
+                            *, point_sets: Sequence[str] | None = None, estimators: Sequence[str] | None = None,
+                            length_scale: float = 1.0, dim: int = 128, heads: int = 2,
+                            seeds: Sequence[int] = (0, 1)) -> list[SpatialFidelityError]:
     """Relative error of ``FLTAttention.forward`` against ``exact`` for a Gaussian bump
     ``f(Delta) = f(0) exp(-|Delta|^2 / 2 l^2)`` on 2-D and 3-D point sets (default qk-norm,
     random inputs, batch 2 on the same points).
@@ -252,7 +259,8 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
     return rows
 
 
-def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=(1.0, 2.0, 4.0)) -> list[KernelScaleError]:
+def kernel_scale_errors(D: int = 64, ms: Sequence[int] = (256, 4096), N: int = 256,
+                        temperatures: Sequence[float] = (1.0, 2.0, 4.0)) -> list[KernelScaleError]:
     """FAVOR+ error for raw unit-variance q, k (``|x|^2 = sqrt(D)``) and for L2-normalised
     q, k with temperature t (``|x|^2 = t``): why FAVOR+-based layers normalise by default."""
     gen = torch.Generator().manual_seed(0)
@@ -273,7 +281,7 @@ def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=
     return rows
 
 
-def markdown_table(rows, columns=None) -> str:
+def markdown_table(rows: Sequence, columns: Sequence[str] | None = None) -> str:
     """Render dataclass rows as a markdown table."""
     if not rows:
         return "(no rows)"
@@ -296,7 +304,7 @@ def mask_error_pivot(rows: list[MaskError]) -> str:
     return "\n".join(lines)
 
 
-def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
+def plot_masks(path: str | os.PathLike, names: Sequence[str] | None = None, R: int = 64, extent: float = 32.0) -> None:
     """Save a PNG with, per spectrum, the exact f of head 0 against its R-frequency estimate."""
     import matplotlib
 

@@ -6,10 +6,13 @@ references); this module only sweeps and draws them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 from flt.bench.approx import AttentionError, MaskError, attention_errors
 
 
-def attention_error_sweeps(ms, Rs, *, fixed_R: int, fixed_m: int, seeds=(0, 1), N: int = 65) -> dict[str, list[AttentionError]]:
+def attention_error_sweeps(ms: Sequence[int], Rs: Sequence[int], *, fixed_R: int, fixed_m: int, seeds: Sequence[int] = (0, 1), N: int = 65) -> dict[str, list[AttentionError]]:
     """FLT vs its exact layer for both couplings, bidirectional and causal:
     ``"vs_m"`` sweeps ``m`` at ``R = fixed_R``, ``"vs_R"`` sweeps ``R`` at ``m = fixed_m``."""
     return {
@@ -38,7 +41,7 @@ def _size_ticks(ax, values) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionError]], path) -> None:
+def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionError]], path: str | os.PathLike) -> None:
     """One panel per spectrum (max mask error vs R, a line per sampler and P) and two panels
     of attention error (vs m, vs R), a line per coupling and causality; log-log."""
     import matplotlib

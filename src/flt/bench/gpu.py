@@ -21,8 +21,9 @@ before and after the rows; the best is used).
 
 from __future__ import annotations
 
+import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -92,7 +93,7 @@ def matmul_flops(n: int) -> float:
     return 2.0 * n**3
 
 
-def cuda_times(fn, *, warmup: int, repeats: int) -> list[float]:
+def cuda_times(fn: Callable[[], object], *, warmup: int, repeats: int) -> list[float]:
     """Seconds per call of ``fn`` by CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -108,7 +109,7 @@ def cuda_times(fn, *, warmup: int, repeats: int) -> list[float]:
     return times
 
 
-def build_row(name: str, shape: str, *, causal: bool, device=None, dtype=None) -> torch.nn.Module:
+def build_row(name: str, shape: str, *, causal: bool, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The layer of row ``name`` at ``shape`` (not compiled)."""
     from flt.layers.registry import ATTENTION
 
@@ -161,8 +162,9 @@ def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: b
             "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}
 
 
-def run(*, rows=None, lengths=DEFAULT_LENGTHS, precisions=PRECISIONS, modes=MODES, shape: str = "lm", causal: bool = True,
-        warmup: int = 3, repeats: int = 10, log=print) -> dict:
+def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS, precisions: Sequence[str] = PRECISIONS,
+        modes: Sequence[str] = MODES, shape: str = "lm", causal: bool = True, warmup: int = 3, repeats: int = 10,
+        log: Callable[[str], object] = print) -> dict:
     """Measure; returns ``{"machine", "matmul_bf16_tflops", "results", ...}`` (JSON-able)."""
     check_cuda()
     rows = list(rows or GPU_ROWS)
@@ -264,7 +266,7 @@ def _cell(r: dict | None) -> str:
     return f"{1e3 * r['median_s']:.3f} ({r['peak_mib']:.0f} MiB" + (f", {floor:.1f}x" if floor else "") + ")"
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Log-log median time against N per row, one panel per precision and mode."""
     import matplotlib
 

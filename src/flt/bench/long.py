@@ -36,6 +36,10 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # torch is imported after the worker's memory limit is set
+    from flt.models import CausalLM
 
 #: name -> (attention, options replacing the task's defaults for it, or None for the defaults)
 MECHANISMS = {
@@ -48,7 +52,7 @@ MECHANISMS = {
 LENGTHS = (1024, 2048, 4096, 8192)
 
 
-def build(name: str, n: int):
+def build(name: str, n: int) -> CausalLM:
     from dataclasses import replace
 
     from flt.tasks import get_preset, get_task
@@ -56,7 +60,7 @@ def build(name: str, n: int):
     attention, options = MECHANISMS[name]
     cfg = get_preset("longlm", "small", attention).model
     cfg = replace(cfg, max_len=n, vocab_size=256, **({} if options is None else {"attention_options": dict(options)}))
-    return get_task("longlm").build_model(cfg)
+    return cast("CausalLM", get_task("longlm").build_model(cfg))
 
 
 def worker(cfg: dict) -> dict:
@@ -122,7 +126,7 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
     torch.manual_seed(0)
     model = build(mechanism, prompt_len).eval()
     prompt = load_python_source(max_bytes=prompt_len * 4).train[:prompt_len].long()[None]
-    out = {"mechanism": mechanism, "prompt": prompt_len, "new_tokens": new_tokens, "recurrent": model.supports_decoding}
+    out: dict[str, Any] = {"mechanism": mechanism, "prompt": prompt_len, "new_tokens": new_tokens, "recurrent": model.supports_decoding}
     with torch.no_grad():
         if model.supports_decoding:
             t0 = time.perf_counter()
@@ -133,8 +137,9 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
             for _ in range(new_tokens):
                 logits, state = model.step(sample_next(logits, 0, None, None), state)
             out["decode_s"] = time.perf_counter() - t0
-            out["state"] = sorted({type(layer).__name__ for layer in state.layers})
-            out["state_bytes"] = state_bytes(state.layers)
+            layers = state.layers or []  # a list after prefill
+            out["state"] = sorted({type(layer).__name__ for layer in layers})
+            out["state_bytes"] = state_bytes(layers)
         else:
             t0 = time.perf_counter()
             model.generate(prompt, new_tokens, temperature=0, recurrent=False)
@@ -143,7 +148,7 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
     return out
 
 
-def state_bytes(state) -> int:
+def state_bytes(state: object) -> int:
     """Bytes of the distinct tensor storages reachable from a decoding state (dataclasses,
     lists and tuples of them): the memory it holds, spare capacity of a KV cache included."""
     import dataclasses

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from flt.bench.variants import SHAPES, VARIANTS, Shape
+from flt.bench.variants import SHAPES, VARIANTS, Shape, Variant
 from flt.perf import compile as compile_module, keep_freed_memory
 
 #: Relative error (max abs difference / max abs reference) above which a fast path is refused.
@@ -30,7 +30,7 @@ CHECK_SIZE = {"B": 2, "N": 300, "dim": 32, "heads": 2}
 ALLOCATORS = ("keep", "default")
 
 
-def check_allocator(name: str, value) -> None:
+def check_allocator(name: str, value: object) -> None:
     if value not in ALLOCATORS:
         raise ValueError(f"{name} must be 'keep' or 'default', got {value!r}")
 
@@ -117,7 +117,7 @@ def _randomise_zeros(module: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
 
 
-def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
+def build_module(variant: str, shape: Shape, causal: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The module a variant names, at a shape: ``forward(x [B, N, H*D]) -> [B, N, H*D]``."""
     from flt.bench.peers import build_peer
     from flt.layers import ATTENTION
@@ -147,7 +147,7 @@ def _autocast(v):
     return torch.autocast("cpu", dtype=getattr(torch, v.autocast))
 
 
-def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v, x: torch.Tensor, backward: bool) -> dict:
+def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v: Variant, x: torch.Tensor, backward: bool) -> dict:
     """Relative error (max abs difference / max abs reference) of a variant under autocast
     against a float64 copy of the same module, at the timed input: the output, and for
     ``fwd+bwd`` the input gradient."""
@@ -211,15 +211,16 @@ def reference_check(variant: str, causal: bool) -> dict:
         # autocast (the same code; its bfloat16 accuracy is measured at the timed size).
         fast = _maybe_compile(module, v)
         fast_fn = lambda: fast(x)  # noqa: E731
-        ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: module.reference(x))
+        reference = cast(Callable[[torch.Tensor], torch.Tensor], getattr(module, "reference", None))  # every non-peer layer has one
+        ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: reference(x))
         wrt = [x]
         against = "quadratic formula of its own features" if v.kind == "peer" else "layer.reference"
-    fast = fast_fn()
-    up = torch.randn(fast.shape, generator=gen, dtype=torch.float64)
-    g_fast = torch.autograd.grad((fast * up).sum(), wrt)
+    fast_out = fast_fn()
+    up = torch.randn(fast_out.shape, generator=gen, dtype=torch.float64)
+    g_fast = torch.autograd.grad((fast_out * up).sum(), wrt)
     ref = ref_fn()
     g_ref = torch.autograd.grad((ref * up).sum(), wrt)
-    out_err = _relative(fast.detach(), ref.detach())
+    out_err = _relative(fast_out.detach(), ref.detach())
     grad_err = max(_relative(a, b) for a, b in zip(g_fast, g_ref, strict=True))
     ok = math.isfinite(out_err) and math.isfinite(grad_err) and max(out_err, grad_err) <= CHECK_TOLERANCE
     return {"passed": ok, "output_rel_error": out_err, "grad_rel_error": grad_err, "tolerance": CHECK_TOLERANCE, "against": against, "N": N}

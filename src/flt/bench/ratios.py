@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def comparisons(n: int, *, dim: int, heads: int, m: int, R: int, width: int, k: 
     }
 
 
-def time_fwd_bwd(layer, x, pos) -> float:
+def time_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, pos: torch.Tensor | None) -> float:
     """Wall seconds of one ``layer(x, pos)`` forward and backward (input gradient included)."""
     x = x.detach().requires_grad_()
     layer.zero_grad(set_to_none=True)
@@ -56,7 +57,7 @@ def time_fwd_bwd(layer, x, pos) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(layers: dict, x, pos, repeats: int) -> dict:
+def interleaved(layers: dict, x: torch.Tensor, pos: torch.Tensor | None, repeats: int) -> dict:
     """Seconds per repetition of every layer, the layers taking turns within a repetition."""
     for layer in layers.values():  # warm-up
         time_fwd_bwd(layer, x, pos)
@@ -67,7 +68,7 @@ def interleaved(layers: dict, x, pos, repeats: int) -> dict:
     return times
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[16384], help="sequence lengths")
     parser.add_argument("--repeats", type=int, default=5)

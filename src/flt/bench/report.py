@@ -13,6 +13,7 @@ fraction of it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import defaultdict
 
@@ -442,7 +443,7 @@ def _series_keys(results):
     return seen
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Log-log time and peak memory against N, one line per series, fitted exponents in the legend."""
     import matplotlib
 

@@ -62,6 +62,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,8 @@ def machine_info(threads: int) -> dict:
     }
 
 
-def plan(preset: Preset, variants=None, lengths=None, shapes=None) -> list[tuple[str, str, bool, str, int]]:
+def plan(preset: Preset, variants: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
+         shapes: Sequence[str] | None = None) -> list[tuple[str, str, bool, str, int]]:
     """``(variant, shape, causal, mode, N)`` in the order they run (N ascending per series)."""
     runs = [r for r in preset.runs if variants is None or r.variant in variants]
     kron = [v for v in preset.kronecker if variants is None or v in variants]
@@ -149,8 +151,9 @@ def _predict(previous: dict | None, variant: Variant, N: int) -> tuple[float, fl
     return previous["peak_mb"] * ratio**mem_order, previous["median_s"] * ratio**time_order
 
 
-def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: int | None = None, allocator: str = "keep",
-        log=print) -> dict:
+def run(preset: Preset, *, variants: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
+        shapes: Sequence[str] | None = None, threads: int | None = None, allocator: str = "keep",
+        log: Callable[[str], object] = print) -> dict:
     """Measure a preset; returns ``{"machine", "preset", "matmul", "matmul_kronecker", "results"}``
     (the matmul probes: at the start, and just before the op-level Kronecker runs)."""
     from flt.bench.peers import peer_status
