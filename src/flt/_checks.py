@@ -8,12 +8,12 @@ was expected.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 
-def check_tensor(name: str, x, *, ndim: int | Sequence[int] | None = None, layout: str = "") -> None:
+def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None, layout: str = "") -> None:
     """Require a floating-point tensor, optionally of a given rank."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -53,13 +53,13 @@ def _remember(x: torch.Tensor, tag: str) -> None:
     if marks is None:
         marks = {}
         try:
-            x._flt_checked = marks
+            x._flt_checked = marks  # type: ignore[attr-defined]  # a private mark on the tensor object
         except AttributeError:  # tensor subclasses without a __dict__
             return
     marks[tag] = version
 
 
-def check_values(name: str, x: torch.Tensor, ok, message: str, *, tag: str, error: type[Exception] = ValueError) -> None:
+def check_values(name: str, x: torch.Tensor, ok: Callable[[torch.Tensor], torch.Tensor], message: str, *, tag: str, error: type[Exception] = ValueError) -> None:
     """Require ``ok(x)`` (a bool tensor) to hold everywhere; raise ``error(message)``.
 
     A data-dependent check costs a host synchronisation, so it runs once per tensor: a
@@ -111,19 +111,19 @@ def check_broadcast(name: str, x: torch.Tensor, target: Sequence[int], layout: s
         raise ValueError(f"{name} of shape {tuple(x.shape)} would enlarge {layout} = {tuple(target)}")
 
 
-def check_choice(name: str, value, choices: Iterable) -> None:
+def check_choice(name: str, value: object, choices: Iterable) -> None:
     """Require ``value`` to be one of ``choices``."""
     choices = list(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def check_nonnegative_int(name: str, value, meaning: str = "") -> None:
+def check_nonnegative_int(name: str, value: object, meaning: str = "") -> None:
     """``value`` is an int ``>= 0`` (not a bool); ``meaning`` goes in the message, in brackets."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {value!r}")
@@ -165,7 +165,7 @@ def integer_positions(name: str, pos) -> torch.Tensor:
     return pos.long()
 
 
-def check_positions(name: str, pos, *, batch: int, length: int, pos_dim: int | None) -> torch.Tensor:
+def check_positions(name: str, pos: torch.Tensor, *, batch: int, length: int, pos_dim: int | None) -> torch.Tensor:
     """Validate positions ``[B, N, P]`` or ``[N, P]`` and return them as ``[B or 1, N, P]``."""
     check_tensor(name, pos, ndim=(2, 3), layout="[B, N, P] or [N, P]")
     if pos.ndim == 2:

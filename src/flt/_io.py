@@ -91,7 +91,8 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False) -> None:
+# ``write``'s return value (a count of characters, say) is ignored.
+def atomic_write(path: str, write: Callable[[IO], object], *, binary: bool = False) -> None:
     """Call ``write(file)`` on a temporary file next to ``path``, fsync it and ``os.replace``
     it onto ``path``: readers see the old file or the whole new one, even if the process is
     killed mid-write. The temporary file never outlives a failure. ``path`` gets the
@@ -100,7 +101,7 @@ def atomic_write(path: str, write: Callable[[IO], None], *, binary: bool = False
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+        with os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
             # mkstemp creates the file 0600; give it the mode open() would have.
             os.chmod(tmp, file_mode())
             write(f)

@@ -37,7 +37,8 @@ def version() -> str:
 class _VersionAction(argparse.Action):
     """``--version``, looked up only when asked for (keeps ``flt --help`` fast)."""
 
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+    # argparse passes `help` by that name.
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: object = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):

@@ -24,6 +24,7 @@ against cached keys), computed as the last rows of the full causal attention.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class AttentionCore(nn.Module):
     """
 
     def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
-                 device=None, dtype=None, **options) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_choice("mechanism", mechanism, sorted(ATTENTION))
         layer = ATTENTION[mechanism](heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
@@ -92,15 +93,15 @@ class AttentionCore(nn.Module):
     def causal(self) -> bool:
         return self.attention.causal
 
-    def forward(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, H, Nq, Dv]``: the mechanism's estimator (the layer's ``forward``)."""
         return self._run("forward", q, k, v, pos, key_padding_mask)
 
-    def reference(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same computation by the O(N^2) reference formula (the layer's ``reference``)."""
         return self._run("reference", q, k, v, pos, key_padding_mask)
 
-    def exact(self, q, k, v, pos=None, key_padding_mask=None) -> torch.Tensor:
+    def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention the mechanism estimates, with the same parameters (the
         layer's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
         return self._run("exact", q, k, v, pos, key_padding_mask)
@@ -115,7 +116,7 @@ class AttentionCore(nn.Module):
         out = self._call_layer(lambda layer: getattr(layer, method)(q, pos, key_padding_mask), q, k, v)
         return out[:, :, -nq:].to(v.dtype)
 
-    def prefill(self, q, k, v, pos=None):
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """The causal attention of a prompt and the state :meth:`step` continues from
         (the layer's ``prefill``: for the kernel mechanisms the constant-size linear state,
         with FLT's band also the last ``w + 1`` keys and values; for softmax a KV cache):
@@ -125,7 +126,7 @@ class AttentionCore(nn.Module):
         out, state = self._call_layer(lambda layer: layer.prefill(q, pos), q, k, v)
         return out.to(v.dtype), state
 
-    def step(self, q, k, v, state=None, pos=None):
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """One decoding step from ``state`` (None to start): ``q, k [B, H, 1, D]``, ``v [B,
         H, 1, Dv]``, ``pos [B|1, 1, P]``, ``[B, 1]`` position ids or None (the next token
         index) -> ``(out [B, H, 1, Dv], state)``; token by token equals the causal forward."""
@@ -172,7 +173,7 @@ class AttentionCore(nn.Module):
         return q, positions(pos, batch=B, length=N, pos_dim=self.attention.pos_dim, like=q)
 
 
-def positions(pos, *, batch: int, length: int, pos_dim: int, like: torch.Tensor) -> torch.Tensor:
+def positions(pos: torch.Tensor | None, *, batch: int, length: int, pos_dim: int, like: torch.Tensor) -> torch.Tensor:
     """``pos`` as ``[B|1, N, P]`` in the compute dtype of ``like``: token indices for None,
     ``[B, N]`` integer position ids (Hugging Face's ``position_ids``) as ``P = 1``."""
     dtype = compute_dtype(like)
@@ -187,8 +188,8 @@ def positions(pos, *, batch: int, length: int, pos_dim: int, like: torch.Tensor)
     return check_positions("pos", pos, batch=batch, length=length, pos_dim=pos_dim).to(device=like.device, dtype=dtype)
 
 
-def attention(q, k, v, *, pos=None, core: AttentionCore | str = "softmax", causal: bool | None = None,
-              key_padding_mask=None, **options) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pos: torch.Tensor | None = None, core: AttentionCore | str = "softmax", causal: bool | None = None,
+              key_padding_mask: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     """Attention of ``q [B, H, Nq, D]`` on ``k [B, H, N, D]``, ``v [B, H, N, Dv]`` at
     positions ``pos``: ``[B, H, Nq, Dv]``.
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Any, cast
 
 import torch
 
@@ -73,7 +74,7 @@ def keep_freed_memory(enable: bool = True) -> bool:
     return ok
 
 
-def compile(module: torch.nn.Module, *, keep_memory: bool = True, **options) -> torch.nn.Module:  # noqa: A001
+def compile(module: torch.nn.Module, *, keep_memory: bool = True, **options: Any) -> torch.nn.Module:  # noqa: A001
     """``torch.compile(module)`` with the settings flt's speed figures are measured with.
 
     Args:
@@ -92,4 +93,5 @@ def compile(module: torch.nn.Module, *, keep_memory: bool = True, **options) -> 
     if keep_memory:
         keep_freed_memory()
     options.setdefault("dynamic", False)
-    return torch.compile(module, **options)
+    # torch.compile types its result as a callable; given a module it returns an OptimizedModule.
+    return cast(torch.nn.Module, torch.compile(module, **options))

@@ -7,7 +7,10 @@ nothing is a stored number. Used by ``flt approx`` and ``flt bench approx``.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import torch
 
@@ -53,7 +56,8 @@ def offsets(pos_dim: int, extent: float = 32.0, points: int = 257) -> torch.Tens
 
 
 def mask_errors(
-    names=None, samplers=SAMPLERS, Rs=(8, 32, 128, 512, 1024), pos_dims=(1,), seeds=(0, 1, 2), heads: int = 2
+    names: Sequence[str] | None = None, samplers: Sequence[str] = SAMPLERS, Rs: Sequence[int] = (8, 32, 128, 512, 1024),
+    pos_dims: Sequence[int] = (1,), seeds: Sequence[int] = (0, 1, 2), heads: int = 2
 ) -> list[MaskError]:
     """``max |a.c - f|`` over offsets for every spectrum, sampler and R (relative to f(0))."""
     rows = []
@@ -76,7 +80,8 @@ def mask_errors(
     return rows
 
 
-def attention_errors(settings=((64, 8), (256, 32), (1024, 128)), *, N: int = 65, dim: int = 32, heads: int = 2, seeds=(0, 1)) -> list[AttentionError]:
+def attention_errors(settings: Sequence[tuple[int, int]] = ((64, 8), (256, 32), (1024, 128)), *, N: int = 65, dim: int = 32,
+                     heads: int = 2, seeds: Sequence[int] = (0, 1)) -> list[AttentionError]:
     """Relative error of ``FLTAttention.forward`` against ``FLTAttention.exact``."""
     rows = []
     for coupling in ("logit", "multiplicative"):
@@ -106,7 +111,7 @@ class FidelityError:
 #: Estimators of a strong local mask, as FLTAttention options. ``where`` says which spectrum
 #: carries the mask: the far-field ``spectrum`` (random features) or the ``near_spectrum``
 #: (exact inside the band).
-FIDELITY_ESTIMATORS = {
+FIDELITY_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
     "concat (logit, no band)": ({"coupling": "logit"}, "spectrum"),
     "band w=8, mask in f_near": ({"coupling": "logit", "near_field": 8}, "near_spectrum"),
     "band w=16, mask in f_near": ({"coupling": "logit", "near_field": 16}, "near_spectrum"),
@@ -129,8 +134,9 @@ def _set_local_amplitude(spectrum, amplitude: float) -> None:
         assert torch.allclose(spectrum.mask(zero)[0], torch.full_like(spectrum.mask(zero)[0], amplitude))
 
 
-def fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((64, 16), (256, 32)), *, estimators=None, N: int = 256,
-                    dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[FidelityError]:
+def fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5.0), settings: Sequence[tuple[int, int]] = ((64, 16), (256, 32)),
+                    *, estimators: Sequence[str] | None = None, N: int = 256, dim: int = 128, heads: int = 2,
+                    seeds: Sequence[int] = (0, 1)) -> list[FidelityError]:
     """Relative error of ``FLTAttention.forward`` against ``exact`` for a local mask of
     growing ``f(0)`` (four smoothed windows of half-widths 1..16 tokens), default qk-norm,
     random inputs, 1-D token positions. The multiplicative coupling's mask is the local
@@ -186,7 +192,7 @@ POINT_SETS = {
 
 #: Estimators of a strong Gaussian bump on point sets, as FLTAttention options, and the
 #: spectrum that carries the bump (as in FIDELITY_ESTIMATORS).
-SPATIAL_ESTIMATORS = {
+SPATIAL_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
     "concat (logit, no near set)": ({"coupling": "logit"}, "spectrum"),
     "multiplicative, gaussian f": ({"coupling": "multiplicative"}, "spectrum"),
     "k=8 nearest, mask in f_near": ({"coupling": "logit", "near_neighbors": 8}, "near_spectrum"),
@@ -207,8 +213,10 @@ SPATIAL_ESTIMATORS = {
 }
 
 
-def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256, 32),), *, point_sets=None, estimators=None,
-                            length_scale: float = 1.0, dim: int = 128, heads: int = 2, seeds=(0, 1)) -> list[SpatialFidelityError]:
+def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5.0), settings: Sequence[tuple[int, int]] = ((256, 32),),
+                            *, point_sets: Sequence[str] | None = None, estimators: Sequence[str] | None = None,
+                            length_scale: float = 1.0, dim: int = 128, heads: int = 2,
+                            seeds: Sequence[int] = (0, 1)) -> list[SpatialFidelityError]:
     """Relative error of ``FLTAttention.forward`` against ``exact`` for a Gaussian bump
     ``f(Delta) = f(0) exp(-|Delta|^2 / 2 l^2)`` on 2-D and 3-D point sets (default qk-norm,
     random inputs, batch 2 on the same points).
@@ -236,7 +244,7 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
                             getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
-                            layer.spectrum.log_length.add_(math.log(far_length))
+                            cast(torch.Tensor, layer.spectrum.log_length).add_(math.log(far_length))  # the gaussian spectrum's
                         x = torch.randn(2, pos.shape[0], dim, dtype=F64)
                         with torch.no_grad():
                             out, exact = layer(x, pos), layer.exact(x, pos)
@@ -251,7 +259,8 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
     return rows
 
 
-def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=(1.0, 2.0, 4.0)) -> list[KernelScaleError]:
+def kernel_scale_errors(D: int = 64, ms: Sequence[int] = (256, 4096), N: int = 256,
+                        temperatures: Sequence[float] = (1.0, 2.0, 4.0)) -> list[KernelScaleError]:
     """FAVOR+ error for raw unit-variance q, k (``|x|^2 = sqrt(D)``) and for L2-normalised
     q, k with temperature t (``|x|^2 = t``): why FAVOR+-based layers normalise by default."""
     gen = torch.Generator().manual_seed(0)
@@ -272,7 +281,7 @@ def kernel_scale_errors(D: int = 64, ms=(256, 4096), N: int = 256, temperatures=
     return rows
 
 
-def markdown_table(rows, columns=None) -> str:
+def markdown_table(rows: Sequence, columns: Sequence[str] | None = None) -> str:
     """Render dataclass rows as a markdown table."""
     if not rows:
         return "(no rows)"
@@ -291,11 +300,11 @@ def mask_error_pivot(rows: list[MaskError]) -> str:
     table = {(r.spectrum, r.sampler, r.pos_dim, r.R): r.max_error for r in rows}
     lines = ["| spectrum | sampler | P | " + " | ".join(f"R={R}" for R in Rs) + " |", "|---|---|---|" + "---|" * len(Rs)]
     for key in keys:
-        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(f"{table[key + (R,)]:.3g}" for R in Rs) + " |")
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(f"{table[(*key, R)]:.3g}" for R in Rs) + " |")
     return "\n".join(lines)
 
 
-def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
+def plot_masks(path: str | os.PathLike, names: Sequence[str] | None = None, R: int = 64, extent: float = 32.0) -> None:
     """Save a PNG with, per spectrum, the exact f of head 0 against its R-frequency estimate."""
     import matplotlib
 
@@ -305,7 +314,7 @@ def plot_masks(path, names=None, R: int = 64, extent: float = 32.0) -> None:
     names = names or sorted(SPECTRA)
     fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 2.8), squeeze=False)
     delta = offsets(1, extent, 401)
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes[0], names, strict=True):
         spec = SPECTRA[name](heads=1, pos_dim=1, num_frequencies=R, seed=0).double()
         with torch.no_grad():
             ax.plot(delta[:, 0], spec.mask(delta)[:, 0], label="exact f", lw=2)

@@ -6,10 +6,13 @@ references); this module only sweeps and draws them.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 from flt.bench.approx import AttentionError, MaskError, attention_errors
 
 
-def attention_error_sweeps(ms, Rs, *, fixed_R: int, fixed_m: int, seeds=(0, 1), N: int = 65) -> dict[str, list[AttentionError]]:
+def attention_error_sweeps(ms: Sequence[int], Rs: Sequence[int], *, fixed_R: int, fixed_m: int, seeds: Sequence[int] = (0, 1), N: int = 65) -> dict[str, list[AttentionError]]:
     """FLT vs its exact layer for both couplings, bidirectional and causal:
     ``"vs_m"`` sweeps ``m`` at ``R = fixed_R``, ``"vs_R"`` sweeps ``R`` at ``m = fixed_m``."""
     return {
@@ -38,7 +41,7 @@ def _size_ticks(ax, values) -> None:
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
-def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionError]], path) -> None:
+def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionError]], path: str | os.PathLike) -> None:
     """One panel per spectrum (max mask error vs R, a line per sampler and P) and two panels
     of attention error (vs m, vs R), a line per coupling and causality; log-log."""
     import matplotlib
@@ -48,10 +51,10 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
 
     spectra = sorted({r.spectrum for r in masks})
     fig, axes = plt.subplots(1, len(spectra) + 2, figsize=(3.4 * (len(spectra) + 2), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], spectra):
+    for ax, name in zip(axes[0], spectra, strict=False):
         for sampler, pos_dim in sorted({(r.sampler, r.pos_dim) for r in masks if r.spectrum == name}):
-            rows = sorted((r for r in masks if (r.spectrum, r.sampler, r.pos_dim) == (name, sampler, pos_dim)), key=lambda r: r.R)
-            ax.loglog([r.R for r in rows], [r.max_error for r in rows], marker="o", ms=3, label=f"{sampler}, P={pos_dim}")
+            points = sorted((r for r in masks if (r.spectrum, r.sampler, r.pos_dim) == (name, sampler, pos_dim)), key=lambda r: r.R)
+            ax.loglog([r.R for r in points], [r.max_error for r in points], marker="o", ms=3, label=f"{sampler}, P={pos_dim}")
         first = sorted((r for r in masks if r.spectrum == name), key=lambda r: r.R)
         _guide(ax, [r.R for r in first], [r.max_error for r in first], -0.5, "R^-1/2")
         ax.set_title(f"mask: {name}", fontsize=9)
@@ -59,7 +62,7 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
         _size_ticks(ax, [r.R for r in first])
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("max |a.c - f| / |f(0)|")
-    for ax, (key, xname) in zip(axes[0][len(spectra):], (("vs_m", "m"), ("vs_R", "R"))):
+    for ax, (key, xname) in zip(axes[0][len(spectra):], (("vs_m", "m"), ("vs_R", "R")), strict=True):
         rows = sweeps[key]
         for coupling, causal in sorted({(r.coupling, r.causal) for r in rows}):
             sel = [r for r in rows if (r.coupling, r.causal) == (coupling, causal)]

@@ -49,7 +49,7 @@ def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, f
     d = H * D
     opts = v.kwargs
     bhn = B * H * N
-    parts = {"projections": 4 * 2 * B * N * d * d}
+    parts: dict[str, float] = {"projections": 4 * 2 * B * N * d * d}
     if v.mechanism == "softmax" and v.kind == "layer":
         parts["scores and values"] = 2 * 2 * B * H * N * N * D * (0.5 if causal else 1.0)
         return parts

@@ -21,8 +21,11 @@ before and after the rows; the best is used).
 
 from __future__ import annotations
 
+import os
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from typing import cast
 
 import torch
 
@@ -90,7 +93,7 @@ def matmul_flops(n: int) -> float:
     return 2.0 * n**3
 
 
-def cuda_times(fn, *, warmup: int, repeats: int) -> list[float]:
+def cuda_times(fn: Callable[[], object], *, warmup: int, repeats: int) -> list[float]:
     """Seconds per call of ``fn`` by CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -106,7 +109,7 @@ def cuda_times(fn, *, warmup: int, repeats: int) -> list[float]:
     return times
 
 
-def build_row(name: str, shape: str, *, causal: bool, device=None, dtype=None) -> torch.nn.Module:
+def build_row(name: str, shape: str, *, causal: bool, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The layer of row ``name`` at ``shape`` (not compiled)."""
     from flt.layers.registry import ATTENTION
 
@@ -123,7 +126,8 @@ def check_row(name: str, shape: str, causal: bool, n: int = 300) -> str:
         for p in layer.parameters():  # zero-initialised relative terms act
             p.add_(0.02 * torch.randn_like(p))
         x = torch.randn(2, n, SHAPES[shape].H * SHAPES[shape].D, device="cuda", dtype=torch.float64)
-        out, ref = layer(x), layer.reference(x)
+        reference = cast(Callable[[torch.Tensor], torch.Tensor], layer.reference)  # every row's layer has one
+        out, ref = layer(x), reference(x)
     err = float((out - ref).norm() / ref.norm())
     return "" if err < 1e-6 else f"relative error {err:.2e} against the reference"
 
@@ -158,8 +162,9 @@ def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: b
             "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}
 
 
-def run(*, rows=None, lengths=DEFAULT_LENGTHS, precisions=PRECISIONS, modes=MODES, shape: str = "lm", causal: bool = True,
-        warmup: int = 3, repeats: int = 10, log=print) -> dict:
+def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS, precisions: Sequence[str] = PRECISIONS,
+        modes: Sequence[str] = MODES, shape: str = "lm", causal: bool = True, warmup: int = 3, repeats: int = 10,
+        log: Callable[[str], object] = print) -> dict:
     """Measure; returns ``{"machine", "matmul_bf16_tflops", "results", ...}`` (JSON-able)."""
     check_cuda()
     rows = list(rows or GPU_ROWS)
@@ -173,7 +178,7 @@ def run(*, rows=None, lengths=DEFAULT_LENGTHS, precisions=PRECISIONS, modes=MODE
         row = GPU_ROWS[name]
         try:
             problem = check_row(name, shape, causal)
-        except Exception as err:  # reported in the table: a row that cannot run here is a result too
+        except Exception as err:  # noqa: BLE001 (reported in the table: a row that cannot run here is a result too)
             problem = f"{type(err).__name__}: {err}"
         for precision in precisions:
             for mode in modes:
@@ -249,7 +254,7 @@ def markdown(data: dict, command: str) -> str:
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
             lines.append("")
     notes = [f"- {n}: {row['note']}" for n, row in data["rows"].items() if row["note"]]
-    return "\n".join(lines + ["Rows:", "", *notes, ""])
+    return "\n".join([*lines, "Rows:", "", *notes, ""])
 
 
 def _cell(r: dict | None) -> str:
@@ -261,7 +266,7 @@ def _cell(r: dict | None) -> str:
     return f"{1e3 * r['median_s']:.3f} ({r['peak_mib']:.0f} MiB" + (f", {floor:.1f}x" if floor else "") + ")"
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Log-log median time against N per row, one panel per precision and mode."""
     import matplotlib
 
@@ -271,11 +276,11 @@ def plot(data: dict, path) -> None:
     results = [r for r in data["results"] if r["status"] == "ok"]
     panels = sorted({(r["precision"], r["mode"]) for r in results})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
-    for ax, (precision, mode) in zip(axes[0], panels):
+    for ax, (precision, mode) in zip(axes[0], panels, strict=False):
         for name in data["rows"]:
             pts = sorted((r["N"], 1e3 * r["median_s"]) for r in results if (r["row"], r["precision"], r["mode"]) == (name, precision, mode))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="N (tokens)", ylabel="ms per call", title=f"{precision}, {mode}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)

@@ -28,6 +28,7 @@ exact softmax), with the bytes the state holds. Results: ``decode.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,10 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # torch is imported after the worker's memory limit is set
+    from flt.models import CausalLM
 
 #: name -> (attention, options replacing the task's defaults for it, or None for the defaults)
 MECHANISMS = {
@@ -47,7 +52,7 @@ MECHANISMS = {
 LENGTHS = (1024, 2048, 4096, 8192)
 
 
-def build(name: str, n: int):
+def build(name: str, n: int) -> CausalLM:
     from dataclasses import replace
 
     from flt.tasks.longlm import LongLMTask
@@ -55,7 +60,7 @@ def build(name: str, n: int):
     attention, options = MECHANISMS[name]
     cfg = LongLMTask.presets["small"](attention).model
     cfg = replace(cfg, max_len=n, vocab_size=256, **({} if options is None else {"attention_options": dict(options)}))
-    return LongLMTask.build_model(cfg)
+    return cast("CausalLM", LongLMTask.build_model(cfg))
 
 
 def worker(cfg: dict) -> dict:
@@ -82,7 +87,8 @@ def worker(cfg: dict) -> dict:
         opt.step()
 
     step()  # warm-up (also allocates AdamW's state)
-    times, start = [], time.perf_counter()
+    times: list[float] = []
+    start = time.perf_counter()
     while len(times) < cfg["repeats"] and (len(times) < 2 or time.perf_counter() - start < cfg["budget_s"]):
         t0 = time.perf_counter()
         step()
@@ -120,7 +126,7 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
     torch.manual_seed(0)
     model = build(mechanism, prompt_len).eval()
     prompt = load_python_source(max_bytes=prompt_len * 4).train[:prompt_len].long()[None]
-    out = {"mechanism": mechanism, "prompt": prompt_len, "new_tokens": new_tokens, "recurrent": model.supports_decoding}
+    out: dict[str, Any] = {"mechanism": mechanism, "prompt": prompt_len, "new_tokens": new_tokens, "recurrent": model.supports_decoding}
     with torch.no_grad():
         if model.supports_decoding:
             t0 = time.perf_counter()
@@ -131,8 +137,9 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
             for _ in range(new_tokens):
                 logits, state = model.step(sample_next(logits, 0, None, None), state)
             out["decode_s"] = time.perf_counter() - t0
-            out["state"] = sorted({type(layer).__name__ for layer in state.layers})
-            out["state_bytes"] = state_bytes(state.layers)
+            layers = state.layers or []  # a list after prefill
+            out["state"] = sorted({type(layer).__name__ for layer in layers})
+            out["state_bytes"] = state_bytes(layers)
         else:
             t0 = time.perf_counter()
             model.generate(prompt, new_tokens, temperature=0, recurrent=False)
@@ -141,7 +148,7 @@ def decode_speed(mechanism: str, prompt_len: int = 4096, new_tokens: int = 32, t
     return out
 
 
-def state_bytes(state) -> int:
+def state_bytes(state: object) -> int:
     """Bytes of the distinct tensor storages reachable from a decoding state (dataclasses,
     lists and tuples of them): the memory it holds, spare capacity of a KV cache included."""
     import dataclasses
@@ -175,7 +182,7 @@ def crossover(rows: list[dict], fast: str, exact: str, key: str = "ms_per_step")
         return None
     if a[ns[0]] <= b[ns[0]]:
         return float(ns[0])
-    for lo, hi in zip(ns, ns[1:]):
+    for lo, hi in itertools.pairwise(ns):
         if a[hi] <= b[hi]:
             r_lo, r_hi = math.log(a[lo] / b[lo]), math.log(a[hi] / b[hi])
             t = r_lo / (r_lo - r_hi)
@@ -219,7 +226,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         for m in MECHANISMS:
             pts = sorted((r["n"], r[key]) for r in rows if r["mechanism"] == m)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=m)
+                ax.plot(*zip(*pts, strict=True), marker="o", label=m)
         x = crossover(rows, "flt", "softmax+t5", key)
         if x is not None:
             ax.axvline(x, color="grey", linestyle=":", label=f"FLT = exact softmax+T5 at N = {x:.0f}")

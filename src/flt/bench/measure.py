@@ -12,15 +12,15 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-from flt.bench.variants import SHAPES, VARIANTS, Shape
-from flt.perf import compile as compile_module
-from flt.perf import keep_freed_memory
-
+from flt.bench.variants import SHAPES, VARIANTS, Shape, Variant
+from flt.perf import compile as compile_module, keep_freed_memory
 
 #: Relative error (max abs difference / max abs reference) above which a fast path is refused.
 CHECK_TOLERANCE = 1e-8
@@ -30,7 +30,7 @@ CHECK_SIZE = {"B": 2, "N": 300, "dim": 32, "heads": 2}
 ALLOCATORS = ("keep", "default")
 
 
-def check_allocator(name: str, value) -> None:
+def check_allocator(name: str, value: object) -> None:
     if value not in ALLOCATORS:
         raise ValueError(f"{name} must be 'keep' or 'default', got {value!r}")
 
@@ -80,7 +80,13 @@ def timing_flags(wall: list[float], limit: float = SPREAD_LIMIT) -> dict:
 
 def _status_mb() -> dict[str, float]:
     text = Path("/proc/self/status").read_text()
-    return {key: int(re.search(rf"^{key}:\s+(\d+) kB", text, re.M).group(1)) / 1024 for key in ("VmRSS", "VmHWM", "VmSize")}
+    out = {}
+    for key in ("VmRSS", "VmHWM", "VmSize"):
+        found = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+        if found is None:
+            raise RuntimeError(f"/proc/self/status has no {key} line")
+        out[key] = int(found.group(1)) / 1024
+    return out
 
 
 def _reset_peak() -> bool:
@@ -111,7 +117,7 @@ def _randomise_zeros(module: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
 
 
-def build_module(variant: str, shape: Shape, causal: bool, dtype=torch.float32):
+def build_module(variant: str, shape: Shape, causal: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The module a variant names, at a shape: ``forward(x [B, N, H*D]) -> [B, N, H*D]``."""
     from flt.bench.peers import build_peer
     from flt.layers import ATTENTION
@@ -141,7 +147,7 @@ def _autocast(v):
     return torch.autocast("cpu", dtype=getattr(torch, v.autocast))
 
 
-def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v, x: torch.Tensor, backward: bool) -> dict:
+def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v: Variant, x: torch.Tensor, backward: bool) -> dict:
     """Relative error (max abs difference / max abs reference) of a variant under autocast
     against a float64 copy of the same module, at the timed input: the output, and for
     ``fwd+bwd`` the input gradient."""
@@ -160,6 +166,7 @@ def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v, x: torc
             up = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
             out.backward(up.to(out.dtype))
             ref.backward(up)
+            assert xs.grad is not None and x64.grad is not None  # both require grad
             result["grad_rel_error"] = _relative(xs.grad.double(), x64.grad)
     return result
 
@@ -204,21 +211,35 @@ def reference_check(variant: str, causal: bool) -> dict:
         # autocast (the same code; its bfloat16 accuracy is measured at the timed size).
         fast = _maybe_compile(module, v)
         fast_fn = lambda: fast(x)  # noqa: E731
-        ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: module.reference(x))
+        reference = cast(Callable[[torch.Tensor], torch.Tensor], getattr(module, "reference", None))  # every non-peer layer has one
+        ref_fn = (lambda: peer_reference(module, x)) if v.kind == "peer" else (lambda: reference(x))
         wrt = [x]
         against = "quadratic formula of its own features" if v.kind == "peer" else "layer.reference"
-    fast = fast_fn()
-    up = torch.randn(fast.shape, generator=gen, dtype=torch.float64)
-    g_fast = torch.autograd.grad((fast * up).sum(), wrt)
+    fast_out = fast_fn()
+    up = torch.randn(fast_out.shape, generator=gen, dtype=torch.float64)
+    g_fast = torch.autograd.grad((fast_out * up).sum(), wrt)
     ref = ref_fn()
     g_ref = torch.autograd.grad((ref * up).sum(), wrt)
-    out_err = _relative(fast.detach(), ref.detach())
-    grad_err = max(_relative(a, b) for a, b in zip(g_fast, g_ref))
+    out_err = _relative(fast_out.detach(), ref.detach())
+    grad_err = max(_relative(a, b) for a, b in zip(g_fast, g_ref, strict=True))
     ok = math.isfinite(out_err) and math.isfinite(grad_err) and max(out_err, grad_err) <= CHECK_TOLERANCE
     return {"passed": ok, "output_rel_error": out_err, "grad_rel_error": grad_err, "tolerance": CHECK_TOLERANCE, "against": against, "N": N}
 
 
-def _timed_step(cfg: Config):
+@dataclass(frozen=True)
+class _LayerStep:
+    """One timed call of a layer (``run``) and what :func:`autocast_accuracy` needs of it."""
+
+    run: Callable[[], None]
+    module: torch.nn.Module
+    fast: torch.nn.Module
+    x: torch.Tensor
+
+    def __call__(self) -> None:
+        self.run()
+
+
+def _timed_step(cfg: Config) -> Callable[[], None]:
     """A closure running one timed call of the configuration, and what it computes."""
     from flt.ops import flt_attention
 
@@ -230,44 +251,42 @@ def _timed_step(cfg: Config):
     if v.kind == "op":
         tensors = _kronecker_inputs(shape, cfg.N, v.kwargs["num_features"], v.kwargs["num_frequencies"], torch.float32, gen)
         if not backward:
-            def step():
+            def op_forward() -> None:
                 with torch.no_grad():
                     flt_attention(*tensors[:5], causal=cfg.causal, key_log_scale=tensors[5])
-            return step
+            return op_forward
         for t in tensors[:5]:
             t.requires_grad_()
         up = torch.randn(shape.B, shape.H, cfg.N, shape.D, generator=gen)
 
-        def step():
+        def op_backward() -> None:
             flt_attention(*tensors[:5], causal=cfg.causal, key_log_scale=tensors[5]).backward(up)
             for t in tensors[:5]:
                 t.grad = None
-        return step
+        return op_backward
     module = build_module(cfg.variant, shape, cfg.causal)
     fast = _maybe_compile(module, v)
     x = torch.randn(shape.B, cfg.N, shape.H * shape.D, generator=gen)
     if not backward:
         module.eval()
 
-        def step():
+        def forward() -> None:
             with torch.no_grad(), _autocast(v):
                 fast(x)
-        step.module, step.fast, step.x = module, fast, x
-        return step
+        return _LayerStep(forward, module, fast, x)
     module.train()
     x.requires_grad_()
     up = torch.randn(x.shape, generator=gen)
     params = [p for p in module.parameters() if p.requires_grad]
 
-    def step():
+    def forward_backward() -> None:
         with _autocast(v):
             out = fast(x)
         out.backward(up.to(out.dtype))
         x.grad = None
         for p in params:
             p.grad = None
-    step.module, step.fast, step.x = module, fast, x
-    return step
+    return _LayerStep(forward_backward, module, fast, x)
 
 
 def _matmul_step(n: int):
@@ -300,7 +319,7 @@ def measure(cfg: Config) -> dict:
         soft_hard = resource.getrlimit(resource.RLIMIT_AS)
         limit = int(_status_mb()["VmSize"] * 2**20) + cfg.mem_limit_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, soft_hard[1]))
-    result = {"config": asdict(cfg), "status": "ok", "note": ""}
+    result: dict[str, Any] = {"config": asdict(cfg), "status": "ok", "note": ""}
     check_allocator("allocator", cfg.allocator)
     result["allocator_kept"] = keep_freed_memory() if cfg.allocator == "keep" else False
     ceiling = []
@@ -324,7 +343,8 @@ def measure(cfg: Config) -> dict:
             step()
             first = time.perf_counter() - t0 if first is None else first
         switches = resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
-        wall, cpu = [], []
+        wall: list[float] = []
+        cpu: list[float] = []
         while len(wall) < cfg.repeats and (len(wall) < cfg.min_repeats or sum(wall) < cfg.budget_s):
             t0, c0 = time.perf_counter(), time.process_time()
             step()
@@ -345,7 +365,7 @@ def measure(cfg: Config) -> dict:
         if cfg.ceiling_n:
             ceiling.append(_matmul_best_s(cfg.ceiling_n))
         v = VARIANTS.get(cfg.variant)
-        if v is not None and v.autocast and hasattr(step, "module"):
+        if v is not None and v.autocast and isinstance(step, _LayerStep):
             result["accuracy"] = autocast_accuracy(step.module, step.fast, v, step.x, cfg.mode == "fwd+bwd")
     except (RuntimeError, MemoryError) as err:  # allocation refused under the address-space limit, or a kernel error
         result.update(status="error", note=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
@@ -367,7 +387,7 @@ def _child(cfg_json: str, conn) -> None:
     cfg = Config(**json.loads(cfg_json))
     try:
         result = measure(cfg)
-    except Exception as err:  # reported as this configuration's error row, with the message
+    except Exception as err:  # noqa: BLE001 (reported as this configuration's error row, with the message)
         result = {"config": asdict(cfg), "status": "error", "note": f"{type(err).__name__}: {err}"}
     except KeyboardInterrupt:
         # Ctrl-C reaches every process of the terminal: the parent reports it in one line,

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import io
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -36,7 +37,7 @@ def peer_status(name: str) -> tuple[bool, str]:
     return True, importlib.metadata.version(dist)
 
 
-def build_peer(name: str, dim: int, heads: int, *, causal: bool = False, num_features: int = 256, dtype=None):
+def build_peer(name: str, dim: int, heads: int, *, causal: bool = False, num_features: int = 256, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The peer's self-attention module, ``forward(x [B, N, dim]) -> [B, N, dim]``."""
     if name != "performer-pytorch":
         raise ValueError(f"unknown peer {name!r}; known: {sorted(PEERS)}")
@@ -48,7 +49,7 @@ def build_peer(name: str, dim: int, heads: int, *, causal: bool = False, num_fea
     return module.to(dtype) if dtype is not None else module
 
 
-def peer_reference(module, x: torch.Tensor) -> torch.Tensor:
+def peer_reference(module: Any, x: torch.Tensor) -> torch.Tensor:
     """performer-pytorch's attention written as its quadratic formula, O(N^2).
 
     Its own feature map (``softmax_kernel``, stabilised by a per-query max and one max over

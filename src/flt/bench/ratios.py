@@ -20,6 +20,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +35,7 @@ def comparisons(n: int, *, dim: int, heads: int, m: int, R: int, width: int, k: 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, n, dim, generator=g)
     points = torch.rand(1, n, 3, generator=g) * (n ** (1 / 3))  # unit density: about 1 point per unit cube
-    common = dict(num_features=m, num_frequencies=R, seed=seed)
+    common: dict[str, Any] = {"num_features": m, "num_frequencies": R, "seed": seed}
     return {
         f"band{width}/plain causal": ((x, None), {
             "plain": FLTAttention(dim, heads, causal=True, **common),
@@ -46,7 +48,7 @@ def comparisons(n: int, *, dim: int, heads: int, m: int, R: int, width: int, k: 
     }
 
 
-def time_fwd_bwd(layer, x, pos) -> float:
+def time_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, pos: torch.Tensor | None) -> float:
     """Wall seconds of one ``layer(x, pos)`` forward and backward (input gradient included)."""
     x = x.detach().requires_grad_()
     layer.zero_grad(set_to_none=True)
@@ -55,18 +57,18 @@ def time_fwd_bwd(layer, x, pos) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(layers: dict, x, pos, repeats: int) -> dict:
+def interleaved(layers: dict, x: torch.Tensor, pos: torch.Tensor | None, repeats: int) -> dict:
     """Seconds per repetition of every layer, the layers taking turns within a repetition."""
     for layer in layers.values():  # warm-up
         time_fwd_bwd(layer, x, pos)
-    times = {label: [] for label in layers}
+    times: dict[str, list[float]] = {label: [] for label in layers}
     for _ in range(repeats):
         for label, layer in layers.items():
             times[label].append(time_fwd_bwd(layer, x, pos))
     return times
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[16384], help="sequence lengths")
     parser.add_argument("--repeats", type=int, default=5)
@@ -91,7 +93,7 @@ def main(argv=None) -> None:
                 continue
             times = interleaved(layers, x, pos, args.repeats)
             base, near = times.values()
-            ratios = sorted(b / a for a, b in zip(base, near))
+            ratios = sorted(b / a for a, b in zip(base, near, strict=True))
             print(json.dumps({
                 "comparison": name, "N": n, "threads": args.threads, "repeats": args.repeats,
                 "seconds": {label: round(statistics.median(t), 4) for label, t in times.items()},

@@ -13,6 +13,7 @@ fraction of it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import defaultdict
 
@@ -53,7 +54,7 @@ def reliability(r: dict) -> tuple[bool, str]:
 
 def series(results: list[dict]) -> dict[tuple, dict[int, dict]]:
     """``(variant, shape, causal, mode) -> {N: result}`` for the successful results."""
-    out = defaultdict(dict)
+    out: dict[tuple, dict[int, dict]] = defaultdict(dict)
     for r in results:
         c = r["config"]
         if r["status"] == "ok" and c["mode"] != "matmul":
@@ -357,7 +358,7 @@ def markdown(data: dict, command: str = "") -> str:
                 continue
             Ns = sorted({r["config"]["N"] for r in results if r["config"]["shape"] == shape_name and r["config"]["mode"] == mode})
             lines += [f"## {mode}, shape {shape_name} (B={s.B}, H={s.H}, D={s.D})", ""]
-            lines.append("| variant | causal | " + " | ".join(f"N={n}" for n in Ns) + f" | time exp. | memory exp. |")
+            lines.append("| variant | causal | " + " | ".join(f"N={n}" for n in Ns) + " | time exp. | memory exp. |")
             lines.append("|---|---|" + "---|" * len(Ns) + "---|---|")
             for key in keys:
                 variant, _, causal, _ = key
@@ -399,7 +400,7 @@ def markdown(data: dict, command: str = "") -> str:
     kron = kronecker_model(data)
     if kron:
         lines += ["## Multiplicative (Kronecker) coupling against its cost model (op level, `flt_attention`)", ""]
-        lines += [kronecker_model.__doc__.split("\n\n")[1].replace("\n    ", " ").strip(), ""]
+        lines += [(kronecker_model.__doc__ or "").split("\n\n")[1].replace("\n    ", " ").strip(), ""]
         lines += ["| m | R | N | causal | time | model GFLOP | achieved GFLOP/s | fraction of matmul |", "|---|---|---|---|---|---|---|---|"]
         for k in kron:
             if not k["reliable"]:
@@ -442,7 +443,7 @@ def _series_keys(results):
     return seen
 
 
-def plot(data: dict, path) -> None:
+def plot(data: dict, path: str | os.PathLike) -> None:
     """Log-log time and peak memory against N, one line per series, fitted exponents in the legend."""
     import matplotlib
 

@@ -62,22 +62,34 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from flt.bench.measure import CHECK_SIZE, CHECK_TOLERANCE, SPREAD_LIMIT, Config, _child, check_allocator, measure, timing_flags  # noqa: F401
+from flt.bench.measure import (  # noqa: F401
+    CHECK_SIZE,
+    CHECK_TOLERANCE,
+    SPREAD_LIMIT,
+    Config,
+    _child,
+    check_allocator,
+    measure,
+    timing_flags,
+)
 from flt.bench.variants import PRESETS, SHAPES, VARIANTS, Preset, Run, Shape, Variant  # noqa: F401
-
-
 
 # -- runner side -------------------------------------------------------------------------
 
 
 def mem_available_bytes() -> int:
     text = Path("/proc/meminfo").read_text()
-    return int(re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M).group(1)) * 1024
+    found = re.search(r"^MemAvailable:\s+(\d+) kB", text, re.M)
+    if found is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    return int(found.group(1)) * 1024
 
 
 def _cpu_model() -> str:
@@ -113,7 +125,8 @@ def machine_info(threads: int) -> dict:
     }
 
 
-def plan(preset: Preset, variants=None, lengths=None, shapes=None) -> list[tuple[str, str, bool, str, int]]:
+def plan(preset: Preset, variants: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
+         shapes: Sequence[str] | None = None) -> list[tuple[str, str, bool, str, int]]:
     """``(variant, shape, causal, mode, N)`` in the order they run (N ascending per series)."""
     runs = [r for r in preset.runs if variants is None or r.variant in variants]
     kron = [v for v in preset.kronecker if variants is None or v in variants]
@@ -138,8 +151,9 @@ def _predict(previous: dict | None, variant: Variant, N: int) -> tuple[float, fl
     return previous["peak_mb"] * ratio**mem_order, previous["median_s"] * ratio**time_order
 
 
-def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: int | None = None, allocator: str = "keep",
-        log=print) -> dict:
+def run(preset: Preset, *, variants: Sequence[str] | None = None, lengths: Sequence[int] | None = None,
+        shapes: Sequence[str] | None = None, threads: int | None = None, allocator: str = "keep",
+        log: Callable[[str], object] = print) -> dict:
     """Measure a preset; returns ``{"machine", "preset", "matmul", "matmul_kronecker", "results"}``
     (the matmul probes: at the start, and just before the op-level Kronecker runs)."""
     from flt.bench.peers import peer_status
@@ -173,8 +187,9 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
             return {"config": asdict(cfg), "status": "error", "note": f"worker died: {why}"}
         return result
 
-    common = dict(threads=threads, warmup=preset.warmup, repeats=preset.repeats, min_repeats=preset.min_repeats, budget_s=preset.budget_s,
-                  allocator=allocator)
+    common: dict[str, Any] = {"threads": threads, "warmup": preset.warmup, "repeats": preset.repeats,
+                              "min_repeats": preset.min_repeats, "budget_s": preset.budget_s, "allocator": allocator}
+
     def probe() -> dict:
         """This machine's float32 matmul throughput now (the machine may be shared)."""
         r = launch(Config("matmul", "-", preset.matmul_n, "matmul", False, **common), 600)
@@ -185,7 +200,8 @@ def run(preset: Preset, *, variants=None, lengths=None, shapes=None, threads: in
         return r
 
     matmul, matmul_kronecker = probe(), None
-    results, last = [], {}
+    results: list[dict] = []
+    last: dict[tuple, dict] = {}
     if shapes:
         preset = dataclasses.replace(preset, shapes=tuple(shapes))
     for variant, shape, causal, mode, N in plan(preset, variants, lengths):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Shape:
     """A named problem shape; ``N`` is swept separately. Model width is ``H * D``."""
@@ -75,11 +76,11 @@ VARIANTS["flt-logit/m256/R32+bf16"] = Variant(_HEAD.mechanism, _HEAD.options, au
                                                note="bf16 autocast; exponentials and normalisers in float32")
 VARIANTS["flt-logit/m256/R32+compile+bf16"] = Variant(_HEAD.mechanism, _HEAD.options, compile=True, autocast="bfloat16",
                                                       note="torch.compile and bf16 autocast")
-VARIANTS["flt-logit/m256/R32/near16"] = Variant(_HEAD.mechanism, _HEAD.options + (("near_neighbors", 16),),
+VARIANTS["flt-logit/m256/R32/near16"] = Variant(_HEAD.mechanism, (*_HEAD.options, ("near_neighbors", 16)),
                                                 note="nearest-keys estimator: exact on the 16 nearest keys")
-VARIANTS["flt-logit/m256/R32/band8"] = Variant(_HEAD.mechanism, _HEAD.options + (("near_field", 8),),
+VARIANTS["flt-logit/m256/R32/band8"] = Variant(_HEAD.mechanism, (*_HEAD.options, ("near_field", 8)),
                                                note="near field: exact on the band of offsets -8..8")
-VARIANTS["flt-mult/m64/R8/near16"] = Variant("flt", _flt("multiplicative", 64, 8).options + (("near_neighbors", 16),),
+VARIANTS["flt-mult/m64/R8/near16"] = Variant("flt", (*_flt("multiplicative", 64, 8).options, ("near_neighbors", 16)),
                                              note="multiplicative coupling, exact on the 16 nearest keys")
 VARIANTS["flt-mult-hedgehog/m32/R256"] = Variant(
     "flt", (("coupling", "multiplicative"), ("feature_map", "hedgehog"), ("num_features", 32), ("num_frequencies", 256), ("sampler", "qmc")),

@@ -11,13 +11,14 @@ and the k-nearest-keys near set (``FLTAttention(near_neighbors=k)``); writes spa
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("approx", help="approximation error of the spectral masks and FLT attention", description=__doc__)
     p.add_argument("--out-dir", default="flt-out/approx", help="where the PNG and JSON go (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and seeds (seconds instead of a minute)")
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.bench import approx
@@ -63,7 +64,7 @@ def run(args) -> int:
     return 0
 
 
-def run_spatial(args, out: Path, t0: float) -> int:
+def run_spatial(args: argparse.Namespace, out: Path, t0: float) -> int:
     from flt.bench import approx
 
     amplitudes = (0.0, 3.5) if args.quick else (0.0, 1.0, 2.0, 3.5, 5.0)

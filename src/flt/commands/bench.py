@@ -41,7 +41,7 @@ strong local masks per estimator. Writes approx.md, approx.json and approx.png t
 """
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="speed/memory and approximation benchmarks", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
@@ -73,7 +73,7 @@ def add_parser(sub) -> None:
     a.set_defaults(func=run_approx)
 
 
-def run_speed(args) -> int:
+def run_speed(args: argparse.Namespace) -> int:
     from flt.bench import report, speed
     from flt.commands.outputs import check_output_dir, plots_available
 
@@ -125,7 +125,7 @@ def run_speed(args) -> int:
     return 0
 
 
-def cuda_options(args) -> dict:
+def cuda_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of :func:`flt.bench.gpu.run` from ``flt bench speed --device cuda``
     arguments; refuses the CPU runner's options."""
     from flt.bench import gpu
@@ -153,7 +153,7 @@ def cuda_options(args) -> dict:
     }
 
 
-def run_speed_cuda(args) -> int:
+def run_speed_cuda(args: argparse.Namespace) -> int:
     from flt.bench import gpu
     from flt.commands.outputs import check_output_dir, plots_available
 
@@ -179,7 +179,7 @@ def run_speed_cuda(args) -> int:
     return 0
 
 
-def run_approx(args) -> int:
+def run_approx(args: argparse.Namespace) -> int:
     import torch
 
     from flt.bench import approx, convergence

@@ -39,12 +39,17 @@ import subprocess
 import sys
 import time
 
-from flt.commands.train import add_config_arguments, add_runtime_arguments, preset_from_args, task_list
+from flt.commands.train import (
+    add_config_arguments,
+    add_runtime_arguments,
+    preset_from_args,
+    task_list,
+)
 from flt.options import parse_attention_list
 from flt.tasks import TASKS, get_task
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "compare", help="train several attention mechanisms with the same budget and compare",
         description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -82,7 +87,7 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
 
 
-def _child_argv(args, name: str, options: dict, seed: int, out_dir: str) -> list[str]:
+def _child_argv(args: argparse.Namespace, name: str, options: dict, seed: int, out_dir: str) -> list[str]:
     # The entry in the one --attention syntax (flt.options), so that the child checks it as flt train does.
     entry = name + "".join(f":{key}={json.dumps(value)}" for key, value in options.items())
     argv = [sys.executable, "-m", "flt.cli", "train", args.task, "--attention", entry, "--seed", str(seed),
@@ -148,7 +153,7 @@ def _run_state(run_dir: str, expected: dict) -> str:
     return "resume" if has_checkpoint(run_dir) else "restart"
 
 
-def _expected_preset(args, name: str, options: dict, seed: int) -> dict:
+def _expected_preset(args: argparse.Namespace, name: str, options: dict, seed: int) -> dict:
     """The preset record (``run.json``'s ``preset``) that ``flt train`` would save for one run."""
     from flt.tasks.preset import preset_to_dict
 
@@ -156,7 +161,7 @@ def _expected_preset(args, name: str, options: dict, seed: int) -> dict:
     return json.loads(json.dumps(preset_to_dict(preset_from_args(one, name, options))))
 
 
-def _check_arguments(args, entries) -> None:
+def _check_arguments(args: argparse.Namespace, entries) -> None:
     """Everything that can be refused before the first run: every entry's options, the
     seeds and the output directory."""
     from flt.commands.outputs import check_output_dir
@@ -170,11 +175,11 @@ def _check_arguments(args, entries) -> None:
     check_output_dir(_out_dir(args))
 
 
-def _out_dir(args) -> str:
+def _out_dir(args: argparse.Namespace) -> str:
     return args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
 
 
-def _train_one(args, label: str, name: str, options: dict, seed: int, run_dir: str, state: str, metric: str):
+def _train_one(args: argparse.Namespace, label: str, name: str, options: dict, seed: int, run_dir: str, state: str, metric: str):
     """Train (or continue) one run in its own process; returns ``(summary, curve, failed)``."""
     argv = _child_argv(args, name, options, seed, run_dir) + (["--resume"] if state == "resume" else [])
     os.makedirs(run_dir, exist_ok=True)
@@ -187,7 +192,7 @@ def _train_one(args, label: str, name: str, options: dict, seed: int, run_dir: s
         if proc.returncode < 0:
             return None, None, f"seed {seed} killed by signal {-proc.returncode}"
         return None, None, f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
-    return _read_run(run_dir, metric) + ("",)
+    return (*_read_run(run_dir, metric), "")
 
 
 def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
@@ -201,7 +206,7 @@ def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
     return summary, curve
 
 
-def _interrupted_message(args, label: str, seed: int, out: str) -> str:
+def _interrupted_message(args: argparse.Namespace, label: str, seed: int, out: str) -> str:
     """The one line on Ctrl-C: where it stopped and the command that continues."""
     import shlex
 
@@ -215,7 +220,7 @@ def _interrupted_message(args, label: str, seed: int, out: str) -> str:
     return f"{head}; continue with: {shlex.join([*prefix, *argv, *([] if '--resume' in argv else ['--resume'])])}"
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from flt.commands.outputs import plots_available
     from flt.train.plots import plot_comparison
 
@@ -236,7 +241,9 @@ def run(args) -> int:
         args.no_plots = True  # the runs make no plots either
     os.makedirs(out, exist_ok=True)
 
-    rows, curves, total = [], {}, len(entries) * len(seeds)
+    rows: list[dict] = []
+    curves: dict[str, list[list[tuple[int, float]]]] = {}
+    total = len(entries) * len(seeds)
     done = 0
     for label, name, options in entries:
         summaries, curves[label], failed = [], [], ""
@@ -287,10 +294,10 @@ def run(args) -> int:
         f.write(table + "\n\n" + note + "\n")
     with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
         json.dump({"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows}, f, indent=2)
-    if not args.no_plots:
-        # None (nothing written) when no run reached a validation: an empty plot says nothing.
-        if plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:
-            why = "every run failed" if all(r["failed"] for r in rows) else "no run logged a validation"
-            print(f"no compare.png: {why} (see the table and each run's train.log)")
+    # plot_comparison returns None (nothing written) when no run reached a validation: an
+    # empty plot says nothing.
+    if not args.no_plots and plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:
+        why = "every run failed" if all(r["failed"] for r in rows) else "no run logged a validation"
+        print(f"no compare.png: {why} (see the table and each run's train.log)")
     print(f"results in {out}")
     return 1 if any(r["failed"] for r in rows) else 0

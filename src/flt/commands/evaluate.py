@@ -39,9 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "evaluate", help="re-evaluate a trained run on fresh draws, exactly, with other estimator settings or on other data",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,7 +82,7 @@ def _positive(name: str, value, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def load_with_draws(model, state: dict, changed: dict[str, dict]) -> bool:
+def load_with_draws(model: torch.nn.Module, state: dict, changed: dict[str, dict]) -> bool:
     """Load ``state`` into ``model``, where only the random draws may differ in shape.
 
     Returns True when the checkpoint's draws were all loaded, False when some draw buffer
@@ -130,7 +134,7 @@ def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict,
 
 
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
-                 batch_size: int | None = None, max_batches: int | None = None, device="cpu",
+                 batch_size: int | None = None, max_batches: int | None = None, device: torch.device | str = "cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid",
                  fidelity: bool = False) -> dict:
     """The metrics of a saved run on ``split`` (``"valid"`` or ``"test"``): ``{"metric",
@@ -152,8 +156,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from flt.tasks import change_data, config_from_dict, load_task
     from flt.tasks.base import has_test_split
     from flt.tasks.preset import run_config_from_dict
-    from flt.train import checkpoint as ckpt_io
-    from flt.train import drawgap as DG
+    from flt.train import checkpoint as ckpt_io, drawgap as DG
     from flt.train.distributed import Context, resolve_device
     from flt.train.loop import evaluate, to_device
 
@@ -226,7 +229,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     }
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_file, check_run_path

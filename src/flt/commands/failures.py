@@ -8,6 +8,7 @@ Ctrl-C. ``flt --debug`` shows the traceback of any of them instead.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
@@ -39,14 +40,14 @@ class Failure:
         return f"flt {command}: " + (f"{self.kind}: " if self.kind else "") + self.message
 
 
-def command_name(args) -> str:
+def command_name(args: argparse.Namespace) -> str:
     """``train``, ``bench speed``: the words after ``flt`` that name the command."""
     name = getattr(args, "command", None) or "?"
     sub = getattr(args, "bench_command", None)
     return f"{name} {sub}" if sub else name
 
 
-def explain(err: BaseException, args) -> Failure | None:
+def explain(err: BaseException, args: argparse.Namespace) -> Failure | None:
     """The exit status and the one line for an expected failure; None for a bug (an
     exception no user input or machine condition explains), which keeps its traceback."""
     for explainer in (_interrupted, _no_space, _out_of_memory, _torch_writer, _safetensors, _diverged, _missing_extra,
@@ -125,7 +126,7 @@ def _missing_extra(err, args) -> Failure | None:
 def _os_error(err, args) -> Failure | None:
     """A file or directory that cannot be used as given: bad input; any other OSError
     (an I/O error of the device): a failure at run time."""
-    if not isinstance(err, OSError) or isinstance(err, FileNotFoundError) and err.filename is None:
+    if not isinstance(err, OSError) or (isinstance(err, FileNotFoundError) and err.filename is None):
         return None
     what = err.strerror or str(err)
     where = " -> ".join(str(p) for p in (err.filename, err.filename2) if p is not None)
@@ -143,7 +144,7 @@ def _bad_input(err, args) -> Failure | None:
     return None
 
 
-def _written_path(err: BaseException, args) -> str:
+def _written_path(err: BaseException, args: argparse.Namespace) -> str:
     """The file a failed write was writing: the error's own, the one a writer in the
     traceback held, or else the command's output directory."""
     if isinstance(err, OSError) and err.filename is not None:
@@ -184,7 +185,7 @@ def _path_in_traceback(err: BaseException) -> str | None:
     return None
 
 
-def _after_write_failure(args) -> str:
+def _after_write_failure(args: argparse.Namespace) -> str:
     """What the user can do after a write failed: free space, and continue a run from its
     last checkpoint where it has one (``args.out_dir`` is the run directory; the commands
     that train set it to the one they chose)."""

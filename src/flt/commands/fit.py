@@ -25,9 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flt.fit import FitConfig
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from flt.fit.config import TASKS
 
     p = subparsers.add_parser(
@@ -76,7 +80,7 @@ def _rows(text: str):
     return tuple(items)
 
 
-def config_from_args(args):
+def config_from_args(args: argparse.Namespace) -> FitConfig:
     """The :class:`flt.fit.FitConfig` the arguments describe (options validated here, before
     any image is read)."""
     from flt.fit.config import get_preset
@@ -97,7 +101,7 @@ def config_from_args(args):
     return get_preset(args.task, args.preset, **changes)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_dir, plots_available

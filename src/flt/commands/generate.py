@@ -16,7 +16,7 @@ import argparse
 import math
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text from a language-model checkpoint",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -33,7 +33,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def check_arguments(args) -> None:
+def check_arguments(args: argparse.Namespace) -> None:
     """Refuse values that would fail (or sample garbage) only once the model is loaded."""
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -47,7 +47,7 @@ def check_arguments(args) -> None:
         raise ValueError(f"--threads must be a positive integer, got {args.threads}")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from flt.commands.outputs import check_run_path
 
     check_arguments(args)

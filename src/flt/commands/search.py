@@ -35,12 +35,17 @@ import argparse
 import os
 import shlex
 import sys
+from typing import TYPE_CHECKING
 
 from flt.commands.train import preset_from_args
 from flt.tasks import holdout_tasks
 
+if TYPE_CHECKING:
+    from flt.search import SearchConfig
+    from flt.train import Preset
 
-def add_parser(subparsers) -> None:
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "search", help="choose the attention mechanism of every layer (DARTS-PT perturbation selection)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -75,7 +80,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def build(args):
+def build(args: argparse.Namespace) -> tuple[Preset, SearchConfig]:
     """``(preset, SearchConfig)`` from the arguments, every candidate checked (no data loaded)."""
     from flt.search import SearchConfig, check_search, parse_candidates, parse_posenc_candidates
     from flt.tasks import get_task
@@ -101,7 +106,7 @@ def build(args):
     return preset, config
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_dir, plots_available

@@ -40,11 +40,15 @@ import os
 import shlex
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
-from flt.options import parse_assignments, parse_value  # noqa: F401
-
+from flt.options import parse_assignments, parse_value
 from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
+
+if TYPE_CHECKING:
+    from flt.train import Preset
+    from flt.train.loop import TrainingInterrupted
 
 #: Shortcut flags for RunConfig fields.
 RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "checkpoint_every": int, "compile": bool,
@@ -87,7 +91,7 @@ def _shortcut_flags() -> dict[str, tuple[list[str], str]]:
     return flags
 
 
-def _apply_shortcuts(args, model_changes: dict, data_changes: dict) -> list[str]:
+def _apply_shortcuts(args: argparse.Namespace, model_changes: dict, data_changes: dict) -> list[str]:
     """Turn the shortcut flags given into model / data options of ``args.task``; a flag the
     task does not define, or one that contradicts its ``--model-opt`` / ``--data-opt``, is an error.
     Returns the flags that set data options (named in data errors)."""
@@ -118,7 +122,7 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="no PNG plots")
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train", help=f"train a model of one of the tasks ({', '.join(TASKS)})",
         description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -166,7 +170,7 @@ def task_list() -> str:
     return "tasks:\n" + "\n".join(f"  {name:<10} {task.description}" for name, task in TASKS.items())
 
 
-def preset_from_args(args, attention: str, attention_options: dict | None = None, *, options_source: str = "--attention"):
+def preset_from_args(args: argparse.Namespace, attention: str, attention_options: dict | None = None, *, options_source: str = "--attention") -> Preset:
     """The :class:`flt.train.Preset` the options describe.
 
     ``attention_options`` (those of an ``--attention NAME:KEY=VALUE`` entry, named
@@ -176,7 +180,13 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     from flt._checks import check_choice
     from flt.layers import ATTENTION
     from flt.models import replace_fields
-    from flt.options import ATTENTION_ARGUMENTS, POSENC_ARGUMENTS, check_attention_options, check_posenc_options, merge_options
+    from flt.options import (
+        ATTENTION_ARGUMENTS,
+        POSENC_ARGUMENTS,
+        check_attention_options,
+        check_posenc_options,
+        merge_options,
+    )
     from flt.posenc import POSENC
     from flt.train import Preset, get_preset
 
@@ -211,7 +221,7 @@ def preset_from_args(args, attention: str, attention_options: dict | None = None
     return Preset(preset.task, model, run_cfg, data)
 
 
-def _merge_seed(args, run_changes: dict) -> None:
+def _merge_seed(args: argparse.Namespace, run_changes: dict) -> None:
     """Put ``--seed`` into the ``--run-opt`` changes: given both, they must agree (a
     default never overrides an explicit ``--run-opt seed=N``), and a seed is never negative."""
     seed = getattr(args, "seed", None)
@@ -250,7 +260,7 @@ def launcher() -> list[str] | None:
     return [interpreter, *target] if interpreter else target
 
 
-def interrupted_message(stop, argv: list[str] | None) -> str:
+def interrupted_message(stop: TrainingInterrupted, argv: list[str] | None) -> str:
     """The one line ``flt train`` prints on Ctrl-C for ``stop``, a
     :class:`flt.train.loop.TrainingInterrupted`: the step reached, the last checkpoint and
     the command to resume (``argv`` with ``--resume`` added, shell-quoted)."""
@@ -269,7 +279,7 @@ def interrupted_message(stop, argv: list[str] | None) -> str:
     return f"flt train: {head}; {verb} with: {shlex.join([*prefix, *command])}"
 
 
-def arch_preset(args):
+def arch_preset(args: argparse.Namespace) -> Preset:
     """The preset of ``--arch SEARCH.JSON``: the task's preset with every layer's mechanism
     (``layer_attention``) and, when the search mixed it, the absolute encoding as the search
     chose them (:func:`flt.search.arch_fields`)."""
@@ -294,7 +304,7 @@ def arch_preset(args):
     return type(preset)(preset.task, model, preset.run, preset.data)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.list_presets:
         print(preset_listing(args.task))
         return 0

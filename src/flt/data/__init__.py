@@ -7,8 +7,16 @@ Each task names its bundled loader (``flt.tasks.TASKS[name].dataset``: keyword a
 only, all with defaults, returning an object with ``.train`` and ``.valid`` splits).
 """
 
+from ._split import split_indices
 from .errors import DataError, MissingDataError
-from .images import ImageData, ImageSplits, load_cifar10, load_digits, load_image_folder, safe_unpickle
+from .images import (
+    ImageData,
+    ImageSplits,
+    load_cifar10,
+    load_digits,
+    load_image_folder,
+    safe_unpickle,
+)
 from .molecules import (
     MoleculeBatch,
     MoleculeData,
@@ -30,13 +38,32 @@ from .text import (
     load_python_docs,
     load_text_files,
 )
-from ._split import split_indices
 
 __all__ = [
-    "TOKENIZERS", "DataError", "MissingDataError",
-    "TextSplits", "ByteTokenizer", "CharTokenizer", "LMDataset", "load_python_docs", "load_text_files",
-    "ImageData", "ImageSplits", "load_digits", "load_cifar10", "load_image_folder", "safe_unpickle",
-    "MoleculeData", "MoleculeSplits", "MoleculeBatch", "collate_molecules", "generate_catalysis",
-    "load_catalysis", "catalysis_cache_path", "default_cache_dir", "load_ase", "split_molecules",
+    "TOKENIZERS",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "DataError",
+    "ImageData",
+    "ImageSplits",
+    "LMDataset",
+    "MissingDataError",
+    "MoleculeBatch",
+    "MoleculeData",
+    "MoleculeSplits",
+    "TextSplits",
+    "catalysis_cache_path",
+    "collate_molecules",
+    "default_cache_dir",
+    "generate_catalysis",
+    "load_ase",
+    "load_catalysis",
+    "load_cifar10",
+    "load_digits",
+    "load_image_folder",
+    "load_python_docs",
+    "load_text_files",
+    "safe_unpickle",
     "split_indices",
+    "split_molecules",
 ]

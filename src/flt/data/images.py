@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,7 +202,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise DataError(f"refusing to load {self._path}: the pickle uses persistent ids")
 
 
-def safe_unpickle(path: str | os.PathLike, what: str = "pickle file"):
+def safe_unpickle(path: str | os.PathLike, what: str = "pickle file") -> Any:
     """Load a pickle of plain data (dicts, lists, str, bytes, numbers, numpy arrays) safely.
 
     Raises :class:`DataError` naming ``path`` for a forbidden global, or a truncated or

@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,7 +63,7 @@ class ListOpsData:
         pad = torch.arange(longest).unsqueeze(0) >= self.lengths[idx].unsqueeze(1)
         return tokens, pad, self.labels[idx]
 
-    def subset(self, idx) -> ListOpsData:
+    def subset(self, idx: torch.Tensor | np.ndarray | Sequence[int]) -> ListOpsData:
         """The expressions at ``idx`` (1-D integer indices), in that order."""
         idx = torch.as_tensor(idx, dtype=torch.int64)
         return ListOpsData(self.tokens[idx], self.lengths[idx], self.labels[idx])
@@ -217,7 +219,7 @@ def generate_listops(num_samples: int, *, seed: int = 0, min_length: int = 500, 
     return ListOpsData.from_sequences(seqs, labels)
 
 
-def decode(ids) -> list[str]:
+def decode(ids: torch.Tensor | np.ndarray | Sequence[int]) -> list[str]:
     """Token strings of one sequence of ids (padding dropped)."""
     return [VOCAB[int(i)] for i in ids if int(i) != PAD]
 
@@ -261,7 +263,7 @@ def load_listops(*, num_train: int = 2000, num_valid: int = 200, seed: int = 0, 
     training and validation are those without it). The original has 96k / 2k / 2k."""
     if isinstance(num_test, bool) or not isinstance(num_test, int) or num_test < 0:
         raise ValueError(f"num_test must be a non-negative int, got {num_test!r}")
-    spec = dict(min_length=min_length, max_length=max_length, max_depth=max_depth, max_args=max_args, branch_prob=branch_prob)
+    spec: dict[str, Any] = {"min_length": min_length, "max_length": max_length, "max_depth": max_depth, "max_args": max_args, "branch_prob": branch_prob}
     folder = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
     out = []
     parts = [("train", num_train, 2 * seed), ("valid", num_valid, 2 * seed + 1)]

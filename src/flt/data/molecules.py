@@ -23,7 +23,7 @@ import sqlite3
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -88,7 +88,7 @@ class MoleculeBatch(NamedTuple):
     key_padding_mask: torch.Tensor
     y: torch.Tensor
 
-    def to(self, device=None, dtype=None) -> MoleculeBatch:
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> MoleculeBatch:
         """Move to ``device``; ``dtype`` applies to the floating tensors ``pos`` and ``y``."""
         return MoleculeBatch(self.z.to(device), self.pos.to(device, dtype), self.key_padding_mask.to(device), self.y.to(device, dtype))
 
@@ -119,7 +119,8 @@ class MoleculeData(torch.utils.data.Dataset):
     ``info`` maps names to per-structure numpy arrays ``[M]`` (e.g. metal, adsorbate).
     """
 
-    def __init__(self, z, pos, offsets, y, *, name: str = "", info: dict | None = None):
+    def __init__(self, z: torch.Tensor | np.ndarray | Sequence, pos: torch.Tensor | np.ndarray | Sequence, offsets: torch.Tensor | np.ndarray | Sequence, y: torch.Tensor | np.ndarray | Sequence, *, name: str = "",
+                 info: dict | None = None) -> None:
         self.z = torch.as_tensor(z, dtype=torch.int64)
         self.pos = torch.as_tensor(pos, dtype=torch.float32)
         self.offsets = torch.as_tensor(offsets, dtype=torch.int64)
@@ -139,7 +140,7 @@ class MoleculeData(torch.utils.data.Dataset):
                 raise ValueError(f"info[{k!r}] has shape {v.shape}, expected [{m}]")
 
     @classmethod
-    def from_lists(cls, zs, positions, ys, *, name: str = "", info: dict | None = None) -> MoleculeData:
+    def from_lists(cls, zs: Sequence, positions: Sequence, ys: Sequence, *, name: str = "", info: dict | None = None) -> MoleculeData:
         """Build from per-structure ``z [n_i]``, ``pos [n_i, 3]`` and scalar targets."""
         counts = [len(z) for z in zs]
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -163,12 +164,12 @@ class MoleculeData(torch.utils.data.Dataset):
         """Atoms per structure ``[M]``."""
         return self.offsets[1:] - self.offsets[:-1]
 
-    def subset(self, indices) -> MoleculeData:
+    def subset(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> MoleculeData:
         """The structures at ``indices`` (a 1-D integer array), in that order."""
         idx = np.asarray(indices, dtype=np.int64)
         counts = self.num_atoms().numpy()[idx]
         starts = self.offsets[:-1].numpy()[idx]
-        atom_idx = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)]) if idx.size else np.zeros(0, np.int64)
+        atom_idx = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]) if idx.size else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         info = {k: v[idx] for k, v in self.info.items()}
         return MoleculeData(self.z[atom_idx], self.pos[atom_idx], offsets, self.y[idx], name=self.name, info=info)
@@ -212,7 +213,7 @@ def _relax(atoms, steps: int, fmax: float) -> tuple[float, int, bool]:
         return float(atoms.get_potential_energy()), 0, False
     # LBFGS rather than BFGS: BFGS diagonalises its Hessian every step, and with a threaded
     # BLAS on a busy machine that eigh made relaxations ten times slower.
-    opt = LBFGS(atoms, logfile=None)
+    opt = LBFGS(atoms, logfile=os.devnull)  # what ASE opens for logfile=None
     converged = bool(opt.run(fmax=fmax, steps=steps))
     return float(atoms.get_potential_energy()), int(opt.get_number_of_steps()), converged
 
@@ -246,7 +247,7 @@ def _generate_one(seed: int, index: int, relax_steps: int, fmax: float, clean: d
     shift = rng.normal(0.0, _LATERAL_JITTER, size=2)
     height = SITE_HEIGHTS[site] + rng.uniform(-_HEIGHT_JITTER, _HEIGHT_JITTER)
 
-    symbols, coords = zip(*ADSORBATES[ads_name])
+    symbols, coords = zip(*ADSORBATES[ads_name], strict=True)
     ads = Atoms(symbols, positions=coords)
     ads.rotate(tilt, "x", center=(0, 0, 0))
     ads.rotate(spin, "z", center=(0, 0, 0))
@@ -429,7 +430,7 @@ def _cached_catalysis(num_samples: int, first: int, *, seed, relax_steps, fmax, 
     if os.path.exists(path) and not refresh:
         return _load_cache(path, params)
     data = generate_catalysis(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, progress=progress, first=first)
-    arrays = {
+    arrays: dict[str, Any] = {
         "params": np.asarray(params), "z": data.z.numpy(), "pos": data.pos.numpy(),
         "offsets": data.offsets.numpy(), "y": data.y.numpy(),
         **{f"info_{k}": data.info[k] for k in _INFO_KEYS},
@@ -523,7 +524,7 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
         positions = [a.get_positions() for a in frames]
     if not ys:
         raise DataError(f"structure file {path} contains no structures")
-    for i, (z, p) in enumerate(zip(zs, positions)):
+    for i, (z, p) in enumerate(zip(zs, positions, strict=True)):
         if len(z) == 0:
             raise DataError(f"{path}: structure {i} has no atoms")
         if not np.isfinite(p).all():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,7 +141,7 @@ def cloud_splits(*, num_particles: int = 256, eval_particles: int | None = None,
     for name, value in (("num_particles", num_particles), ("eval_particles", eval_particles)):
         if value < 2 or value % 2:
             raise ValueError(f"{name} must be an even number >= 2 (neutral clouds: as many +1 as -1 charges), got {value}")
-    common = {"seed": seed, "layout": layout, "density": density, "screening": screening, "softening": softening}
+    common: dict[str, Any] = {"seed": seed, "layout": layout, "density": density, "screening": screening, "softening": softening}
     return CloudSplits(generate_clouds(num_train, num_particles, split="train", **common),
                        generate_clouds(num_valid, eval_particles, split="valid", **common),
                        generate_clouds(num_test, eval_particles, split="test", **common))

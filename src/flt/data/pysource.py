@@ -66,13 +66,13 @@ def source_files(root: str | os.PathLike | None = None) -> list[str]:
 
 def is_valid_file(relative_path: str, valid_fraction: float, seed: int) -> bool:
     """Whether a file goes to validation (module docstring): a function of its path and ``seed``."""
-    return zlib.crc32(f"{seed}:{relative_path}".encode("utf-8")) / 2**32 < valid_fraction
+    return zlib.crc32(f"{seed}:{relative_path}".encode()) / 2**32 < valid_fraction
 
 
 def is_test_file(relative_path: str, test_fraction: float, seed: int) -> bool:
     """Whether a training file goes to the test split: a function of its path and ``seed``,
     hashed apart from :func:`is_valid_file`'s draw."""
-    return zlib.crc32(f"test:{seed}:{relative_path}".encode("utf-8")) / 2**32 < test_fraction
+    return zlib.crc32(f"test:{seed}:{relative_path}".encode()) / 2**32 < test_fraction
 
 
 def split_files(files: list[str], valid_fraction: float = 0.1, seed: int = 0) -> tuple[list[str], list[str]]:
@@ -125,9 +125,14 @@ def load_python_source(*, root: str | os.PathLike | None = None, valid_fraction:
     if test_fraction and (not test_files or len(test_files) == len(train_files)):
         raise DataError(f"the source tree {root!r} gives an empty split for test_fraction {test_fraction}")
     train_files = [f for f in train_files if f not in set(test_files)]
-    n_valid = None if max_bytes is None else max(1, int(round(max_bytes * valid_fraction)))
-    n_test = None if max_bytes is None else max(1, int(round(max_bytes * test_fraction)))
-    train = _join(root, train_files, None if max_bytes is None else max_bytes - n_valid - (n_test if test_files else 0))
+    n_valid: int | None = None
+    n_test: int | None = None
+    n_train: int | None = None
+    if max_bytes is not None:
+        n_valid = max(1, int(round(max_bytes * valid_fraction)))
+        n_test = max(1, int(round(max_bytes * test_fraction)))
+        n_train = max_bytes - n_valid - (n_test if test_files else 0)
+    train = _join(root, train_files, n_train)
     valid = _join(root, valid_files, n_valid)
     test = _join(root, test_files, n_test) if test_files else None
     return SourceSplits(train, valid, tuple(train_files), tuple(valid_files), root, test=test, test_files=tuple(test_files))

@@ -26,6 +26,7 @@ import os
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class QM9Table:
             raise ValueError(f"target {name!r} was not read; this table holds {list(self.targets)}")
         return self.values[:, self.targets.index(name)]
 
-    def counts(self, elements: Sequence[int]) -> np.ndarray:
+    def counts(self, elements: Sequence[int] | np.ndarray) -> np.ndarray:
         """``[M, len(elements)]`` float64: how many atoms of each element every molecule has."""
         mol = np.repeat(np.arange(len(self)), np.diff(self.offsets))
         out = np.zeros((len(self), len(elements)))
@@ -168,7 +169,7 @@ def read_qm9_csv(paths: str | os.PathLike | Sequence[str | os.PathLike], targets
                 z = _parse_elements(row[cols[0]], f"{where}, column 'Elements'")
                 xyz = _parse_xyz(row[cols[1]], len(z), f"{where}, column 'XYZ_Ang'")
                 vals = []
-                for spec, c in zip(specs, cols[2:]):
+                for spec, c in zip(specs, cols[2:], strict=True):
                     try:
                         v = float(row[c])
                     except ValueError:
@@ -224,7 +225,7 @@ def qm9pack_folder() -> tuple[str, str]:
 
         raise MissingDataError(f"the QM9 data ships in the qm9pack package, which is not installed: {install_hint('qm9')} "
                                "(or give a CSV of the same columns with --data PATH)")
-    folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    folder = os.path.join(next(iter(spec.submodule_search_locations)), "data")
     return folder, importlib.metadata.version("qm9pack")
 
 
@@ -249,7 +250,7 @@ def load_qm9pack(cache_dir: str | os.PathLike | None = None) -> QM9Table:
     if os.path.exists(path):
         return _read_cache(path, params)
     table = read_qm9_csv([os.path.join(folder, p) for p in QM9PACK_PARTS], list(TARGETS))
-    arrays = {"params": np.asarray(params), "z": table.z.astype(np.int8), "pos": table.pos, "offsets": table.offsets,
+    arrays: dict[str, Any] = {"params": np.asarray(params), "z": table.z.astype(np.int8), "pos": table.pos, "offsets": table.offsets,
               "values": table.values}
     atomic_write(path, lambda f: np.savez(f, **arrays), binary=True)
     return table
@@ -316,7 +317,7 @@ class QM9Splits:
 def _subset(table: QM9Table, idx: np.ndarray, y: np.ndarray) -> MoleculeData:
     counts = np.diff(table.offsets)[idx]
     starts = table.offsets[:-1][idx]
-    atoms = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+    atoms = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
     return MoleculeData(table.z[atoms], table.pos[atoms], np.concatenate([[0], np.cumsum(counts)]), y[idx], name="qm9")
 
 

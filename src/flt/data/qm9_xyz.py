@@ -95,7 +95,7 @@ def iter_xyz_texts(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
             yield os.fspath(path), fh.read()
         return
     try:
-        archive = tarfile.open(path, "r:*")
+        archive = tarfile.open(path, "r:*")  # noqa: SIM115 (closed by the `with archive` below; opened apart so only its errors read as "not an archive")
     except (tarfile.TarError, OSError) as exc:
         raise DataError(f"QM9 archive {path} cannot be read as a tar archive: {exc}") from None
     found = False
@@ -104,6 +104,7 @@ def iter_xyz_texts(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
             if member.isfile() and member.name.endswith(".xyz"):
                 found = True
                 handle = archive.extractfile(member)
+                assert handle is not None  # a regular file (member.isfile())
                 yield f"{path}:{member.name}", handle.read().decode("utf-8")
     if not found:
         raise DataError(f"QM9 archive {path} holds no .xyz files")

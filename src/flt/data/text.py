@@ -68,8 +68,11 @@ def _utf8_boundary(data: bytes, i: int) -> int:
 def _python_docs_documents() -> list[tuple[str, bytes]]:
     """``(name, text)`` pairs: every pydoc topic (sorted by key), then :data:`STDLIB_SOURCES`."""
     docs: list[tuple[str, bytes]] = []
+    topics: dict[str, str]
     try:
-        from pydoc_data.topics import topics
+        from pydoc_data import topics as pydoc_topics
+
+        topics = pydoc_topics.topics
     except ImportError:
         # Some distributions strip pydoc_data; the corpus is then the sources alone,
         # which is still deterministic for that installation.
@@ -108,7 +111,7 @@ def load_python_docs(*, max_bytes: int | None = None, valid_fraction: float = 0.
     docs = _python_docs_documents()
     where = [zlib.crc32(name.encode("utf-8")) / 2**32 for name, _ in docs]
     part = ["valid" if u < valid_fraction else "test" if u < valid_fraction + test_fraction else "train" for u in where]
-    train, valid, test = (_DOC_SEPARATOR.join(text for (_, text), p in zip(docs, part) if p == name)
+    train, valid, test = (_DOC_SEPARATOR.join(text for (_, text), p in zip(docs, part, strict=True) if p == name)
                           for name in ("train", "valid", "test"))
     if max_bytes is not None:
         n_valid = max(1, int(round(max_bytes * valid_fraction)))
@@ -206,10 +209,12 @@ def load_text_files(
             if paths[s] is None:
                 tried = " or ".join(os.path.join(root, n) for n in WIKITEXT_FILES[s])
                 raise MissingDataError(f"WikiText {s} file not found: tried {tried}")
-        test = _read_bytes(paths["test"], "WikiText test file", require_utf8) if paths["test"] else None
+        train_file, valid_file, test_file = paths["train"], paths["valid"], paths["test"]
+        assert train_file is not None and valid_file is not None  # checked above
+        test = _read_bytes(test_file, "WikiText test file", require_utf8) if test_file else None
         return TextSplits(
-            train=_read_bytes(paths["train"], "WikiText train file", require_utf8),
-            valid=_read_bytes(paths["valid"], "WikiText valid file", require_utf8),
+            train=_read_bytes(train_file, "WikiText train file", require_utf8),
+            valid=_read_bytes(valid_file, "WikiText valid file", require_utf8),
             test=test,
             name=os.path.basename(os.path.normpath(root)),
         )
@@ -242,7 +247,7 @@ def load_text_files(
     return TextSplits(name=os.path.basename(train_path), **parts)
 
 
-def _as_id_array(ids) -> np.ndarray:
+def _as_id_array(ids: torch.Tensor | np.ndarray | Sequence[int]) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.detach().cpu().numpy()
     arr = np.asarray(ids)
@@ -268,11 +273,11 @@ class ByteTokenizer:
         # bytearray gives torch.frombuffer a writable buffer (it warns on read-only bytes).
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dtype) if data else torch.zeros(0, dtype=dtype)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> str:
         """Ids ``[N]`` -> text; byte runs that are not UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids) -> bytes:
+    def decode_bytes(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> bytes:
         arr = _as_id_array(ids)
         if arr.size and (arr.min() < 0 or arr.max() > 255):
             raise ValueError(f"byte token ids must lie in [0, 255], got range [{arr.min()}, {arr.max()}]")
@@ -310,7 +315,7 @@ class CharTokenizer:
         ids = np.where(found, idx + 1, 0).astype(np.int64)
         return torch.from_numpy(ids).to(dtype)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: torch.Tensor | np.ndarray | Sequence[int]) -> str:
         """Ids ``[N]`` -> text; id 0 becomes U+FFFD."""
         arr = _as_id_array(ids)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):

@@ -7,7 +7,15 @@ every positional encoding, and measure why some encodings interpolate and others
 """
 
 from flt.fit.config import PRESETS, FitConfig, get_preset, row_indices
-from flt.fit.core import Problem, StackedNetwork, fit_problem, grid_coords, image_problem, psnr, signal_problem
+from flt.fit.core import (
+    Problem,
+    StackedNetwork,
+    fit_problem,
+    grid_coords,
+    image_problem,
+    psnr,
+    signal_problem,
+)
 from flt.fit.encodings import ENCODINGS, AxisEncoding, BasicEncoding, RawCoordinates, build_encoding
 from flt.fit.run import load_problem, parse_sweep, run_fit, run_sweep
 

@@ -15,6 +15,7 @@ Every field can be changed from the command line (``--epochs``, ``--rows``, ...)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from flt._checks import check_choice, check_positive_int
 
@@ -116,7 +117,7 @@ PRESETS: dict[str, dict[str, FitConfig]] = {
 }
 
 
-def get_preset(task: str, name: str, **changes) -> FitConfig:
+def get_preset(task: str, name: str, **changes: Any) -> FitConfig:
     """The preset ``name`` of ``task`` with ``changes`` applied (validated)."""
     check_choice("task", task, TASKS)
     check_choice("--preset", name, PRESETS[task])

@@ -15,7 +15,9 @@ signal: the same draw of random frequencies for all of them.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ class Problem:
     labels: tuple[str, ...]
 
 
-def grid_coords(shape: tuple[int, ...], dtype=torch.float64) -> torch.Tensor:
+def grid_coords(shape: tuple[int, ...], dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Coordinates ``i_p / n_p`` of a regular grid ``shape = (n_1, ..., n_P)``, row-major: ``[prod(shape), P]``."""
     axes = [torch.arange(n, dtype=dtype) / n for n in shape]
     mesh = torch.meshgrid(*axes, indexing="ij")
@@ -105,7 +107,7 @@ class StackedNetwork(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
-        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             if h.ndim == 2:
                 # Inputs shared by the S networks: one [N, D] x [D, S out] product rather
                 # than S products with copies of the inputs (and the same for the gradient).
@@ -118,14 +120,14 @@ class StackedNetwork(nn.Module):
         return torch.sigmoid(h) if self.output == "sigmoid" else h
 
 
-def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype=None) -> nn.Sequential:
+def build_net(config: FitConfig, in_dim: int, out_dim: int, *, dtype: torch.dtype | None = None) -> nn.Sequential:
     """``linear``: one layer ``D -> C``; ``mlp``: ``depth`` layers, ``depth - 1`` hidden
     ReLU layers of ``width`` (the paper's 4 x 256)."""
     if config.model == "linear":
         return nn.Sequential(nn.Linear(in_dim, out_dim, dtype=dtype))
     sizes = [in_dim] + [config.width] * (config.depth - 1)
     layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
+    for a, b in itertools.pairwise(sizes):
         layers += [nn.Linear(a, b, dtype=dtype), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(sizes[-1], out_dim, dtype=dtype))
 
@@ -200,7 +202,7 @@ def fit_problem(problem: Problem, config: FitConfig, *, device: str | torch.devi
     nets = []
     for s in range(num_signals):
         torch.manual_seed(config.seed + s)
-        nets.append(build_net(config, encoder.dim if learnable else inputs.shape[-1], channels, dtype=dtype))
+        nets.append(build_net(config, cast(int, encoder.dim) if learnable else inputs.shape[-1], channels, dtype=dtype))
     network = StackedNetwork(nets, config.resolved_output).to(device)
     trained = list(network.parameters())
     if learnable:

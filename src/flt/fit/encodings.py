@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ from flt.posenc._common import check_abs_positions, compute_dtype
 class RawCoordinates(nn.Module):
     """The coordinates themselves: ``[B, N, P] -> [B, N, P]`` (``dim`` must equal ``P``)."""
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if dim != pos_dim:
             raise ValueError(f"the raw encoding has dim = P = {pos_dim}, got dim = {dim}")
@@ -49,7 +50,7 @@ class RawCoordinates(nn.Module):
 class BasicEncoding(nn.Module):
     """One period per axis: ``[sin 2 pi x_p, cos 2 pi x_p]_p``, ``[B, N, P] -> [B, N, 2P]``."""
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         if dim != 2 * pos_dim:
             raise ValueError(f"the basic encoding has dim = 2P = {2 * pos_dim}, got dim = {dim}")
@@ -120,7 +121,7 @@ class AxisEncoding(nn.Module):
             raise ValueError(f"combine must be 'concat' or 'product', got {combine!r}")
         self.axes, self.combine = nn.ModuleList(axes), combine
         self.pos_dim = len(axes)
-        sizes = [a.dim for a in axes]
+        sizes = [cast(int, a.dim) for a in axes]  # every encoding declares its width as .dim
         self.dim = sum(sizes) if combine == "concat" else math.prod(sizes)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,7 @@ class AxisEncoding(nn.Module):
         return out
 
 
-def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: str = "joint", seed: int = 0, dtype=None) -> nn.Module:
+def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: str = "joint", seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """The encoding ``name`` with ``dim`` features in total for ``P = pos_dim``.
 
     ``axes`` (see the module docstring) must be ``joint`` when ``P = 1``. Random draws
@@ -161,15 +162,15 @@ def build_encoding(name: str, dim: int, pos_dim: int, options: dict, *, axes: st
     return AxisEncoding([_build_one(name, per_axis, 1, options, seed + p, dtype) for p in range(pos_dim)], axes)
 
 
-def axis_encoding(encoder: nn.Module, name: str, options: dict, *, seed: int = 0, dtype=None) -> nn.Module:
+def axis_encoding(encoder: nn.Module, name: str, options: dict, *, seed: int = 0, dtype: torch.dtype | None = None) -> nn.Module:
     """A 1-D encoding whose diagnostics stand for ``encoder``'s: itself when ``P = 1``, its
     first axis when separable, else the same encoding built for ``P = 1`` with ``dim / P``
     features (for the shifted bases exactly the per-axis embedding)."""
     if isinstance(encoder, AxisEncoding):
         return encoder.axes[0]
-    pos_dim = encoder.pos_dim
+    pos_dim = cast(int, encoder.pos_dim)  # declared by every encoding, as .dim
     if pos_dim == 1:
         return encoder
     if name in FIXED_DIM:
         return _build_one(name, FIXED_DIM[name](1), 1, options, seed, dtype)
-    return _build_one(name, max(encoder.dim // pos_dim, 2), 1, options, seed, dtype)
+    return _build_one(name, max(cast(int, encoder.dim) // pos_dim, 2), 1, options, seed, dtype)

@@ -8,13 +8,18 @@ of a plain ``open()`` (:func:`flt._io.atomic_write`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flt._io import atomic_write
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
-def _figure(width: float, height: float, dpi: int = 110):
+
+def _figure(width: float, height: float, dpi: int = 110) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -24,7 +29,7 @@ def _figure(width: float, height: float, dpi: int = 110):
     return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
 
 
-def save(fig, path: str) -> None:
+def save(fig: Figure, path: str) -> None:
     atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
 
 
@@ -36,14 +41,14 @@ def _show_image(ax, img: np.ndarray, title: str) -> None:
     ax.set_yticks([])
 
 
-def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, train: np.ndarray, labels, path: str,
-                 *, title: str = "", max_rows: int = 4):
+def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, train: np.ndarray, labels: Sequence[str], path: str,
+                 *, title: str = "", max_rows: int = 4) -> Figure:
     """Up to ``max_rows`` 1-D fits: ground truth, training samples and the network, one
     panel each. ``coords [N]``, ``targets`` and ``preds [S, N]``, ``train [N]`` bool."""
     rows = min(len(targets), max_rows)
     fig = _figure(9, 1.9 * rows + 0.6)
     axes = fig.subplots(rows, 1, squeeze=False)[:, 0]
-    for ax, t, p, label in zip(axes, targets, preds, labels):
+    for ax, t, p, label in zip(axes, targets, preds, labels, strict=False):
         ax.plot(coords, t, color="0.6", lw=1.0, label="signal (all samples)")
         ax.plot(coords[train], t[train], ".", ms=2.5, color="k", label="training samples")
         ax.plot(coords, p, color="C3", lw=1.0, label="network")
@@ -57,7 +62,7 @@ def plot_signals(coords: np.ndarray, targets: np.ndarray, preds: np.ndarray, tra
     return fig
 
 
-def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = ""):
+def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = "") -> Figure:
     """Target, reconstruction and absolute error of a 2-D fit (``[H, W]`` or ``[H, W, 3]``)."""
     fig = _figure(9, 3.4)
     axes = fig.subplots(1, 3)
@@ -76,7 +81,7 @@ def plot_image(target: np.ndarray, pred: np.ndarray, path: str, *, title: str = 
     return fig
 
 
-def plot_history(history: list[dict], path: str, *, title: str = ""):
+def plot_history(history: list[dict], path: str, *, title: str = "") -> Figure:
     """Train, test (all samples) and held-out (odd samples) PSNR against the epoch."""
     fig = _figure(6, 3.6)
     ax = fig.subplots()
@@ -97,7 +102,7 @@ def _is_log(values: list[float]) -> bool:
     return all(v > 0 for v in values) and max(values) / min(values) >= 10
 
 
-def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = ""):
+def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = "") -> Figure:
     """Train and test PSNR against the swept ``key`` (left axis) and, on the right axis, the
     two diagnostics of the encoding, each divided by its largest value over the sweep so
     that both lie in ``[0, 1]``: the stable rank of the training embedding and the distance
@@ -121,23 +126,24 @@ def plot_tradeoff(key: str, points: list[dict], path: str, *, title: str = ""):
         ax.set_xscale("log")
     ax.grid(alpha=0.3)
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    fig.legend(handles, [h.get_label() for h in handles], loc="outside lower center", ncols=2, fontsize=8)
+    fig.legend(handles, [str(h.get_label()) for h in handles], loc="outside lower center", ncols=2, fontsize=8)
     ax.set_title(title or f"test PSNR against {key}", fontsize=9)
     save(fig, path)
     return fig
 
 
 def plot_sweep_reconstructions(key: str, points: list[dict], target: np.ndarray, preds: list[np.ndarray], path: str,
-                               *, coords: np.ndarray | None = None, train: np.ndarray | None = None):
+                               *, coords: np.ndarray | None = None, train: np.ndarray | None = None) -> Figure:
     """The reconstructions of every sweep value side by side: 1-D (``target [N]``, with
     ``coords`` and ``train``) as curves, 2-D as images after the target."""
     n = len(points)
     if target.ndim == 1:
+        assert coords is not None and train is not None  # given for 1-D targets (docstring)
         cols = min(n, 4)
         rows = math.ceil(n / cols)
         fig = _figure(3.2 * cols + 0.4, 2.4 * rows + 0.5)
         axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
-        for ax, point, pred in zip(axes, points, preds):
+        for ax, point, pred in zip(axes, points, preds, strict=False):
             ax.plot(coords, target, color="0.6", lw=0.9)
             ax.plot(coords[train], target[train], ".", ms=1.5, color="k")
             ax.plot(coords, pred, color="C3", lw=0.9)
@@ -151,7 +157,7 @@ def plot_sweep_reconstructions(key: str, points: list[dict], target: np.ndarray,
         fig = _figure(2.3 * cols, 2.7)
         axes = fig.subplots(1, cols, squeeze=False)[0]
         _show_image(axes[0], target, "target")
-        for ax, point, pred in zip(axes[1:], points, preds):
+        for ax, point, pred in zip(axes[1:], points, preds, strict=True):
             _show_image(ax, pred, f"{key} = {point['value']:g}\ntest {point['final']['psnr_test']:.1f} dB")
     save(fig, path)
     return fig

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -81,7 +82,7 @@ def _title(config: FitConfig, result: FitResult) -> str:
 
 
 def run_fit(config: FitConfig, out_dir: str | None = None, *, device: str = "cpu", progress: bool = False,
-            plots: bool = True, say=print) -> dict:
+            plots: bool = True, say: Callable[[str], object] = print) -> dict:
     """Fit ``config``; with ``out_dir``, write ``summary.json`` (configuration, ``final``
     PSNRs, per-signal PSNRs, diagnostics, history), ``prediction.npy`` and the figures
     (``reconstruction.png``, ``psnr.png``). Returns the summary."""
@@ -149,7 +150,7 @@ def sweep_configs(config: FitConfig, key: str, values: list) -> list[FitConfig]:
 
 
 def run_sweep(config: FitConfig, key: str, values: list, out_dir: str | None = None, *, device: str = "cpu",
-              progress: bool = False, plots: bool = True, say=print) -> dict:
+              progress: bool = False, plots: bool = True, say: Callable[[str], object] = print) -> dict:
     """One fit per value of ``key``; ``summary.json`` holds every point (``sweep.points``)
     and, as ``final``, the point with the best test PSNR; ``prediction.npy`` stacks the
     predictions of every value; ``sweep.png`` draws the
@@ -161,7 +162,7 @@ def run_sweep(config: FitConfig, key: str, values: list, out_dir: str | None = N
     problem = load_problem(config)
     start = time.perf_counter()
     points, preds = [], []
-    for i, (value, c) in enumerate(zip(values, configs)):
+    for i, (value, c) in enumerate(zip(values, configs, strict=True)):
         result = fit_problem(problem, c, device=device, progress=progress, desc=f"{key}={value} ({i + 1}/{len(values)})")
         points.append({"value": value, **_result_dict(result)})
         preds.append(_grid(result.prediction, problem))

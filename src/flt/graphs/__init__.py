@@ -23,10 +23,32 @@ Nothing is generated or read at import time; the generators need ``networkx``
 * :mod:`~flt.graphs.pairs`: :func:`run_pair_classification` (same community or not).
 """
 
-from .anchors import UNREACHABLE, anchor_distances, anchor_indicators, degrees, distance_features, indicate, select_anchors
-from .data import Graph, canonical_edges, communities, grid_graph, load_edge_list, load_graph, load_pyg
+from .anchors import (
+    UNREACHABLE,
+    anchor_distances,
+    anchor_indicators,
+    degrees,
+    distance_features,
+    indicate,
+    select_anchors,
+)
+from .data import (
+    Graph,
+    canonical_edges,
+    communities,
+    grid_graph,
+    load_edge_list,
+    load_graph,
+    load_pyg,
+)
+from .gir import (
+    GIRPathEncoder,
+    ShortestPathDAG,
+    count_shortest_paths,
+    dag_propagate,
+    shortest_path_dag,
+)
 from .gnn import GNN, GNN_KINDS, StructuralEncoder
-from .gir import GIRPathEncoder, ShortestPathDAG, count_shortest_paths, dag_propagate, shortest_path_dag
 from .link import (
     GCN,
     MODEL_KINDS,
@@ -59,7 +81,6 @@ __all__ = [
     "GCN",
     "GNN",
     "GNN_KINDS",
-    "StructuralEncoder",
     "MODEL_KINDS",
     "UNREACHABLE",
     "GIRPathEncoder",
@@ -73,10 +94,11 @@ __all__ = [
     "NodeTransformer",
     "PairHead",
     "ShortestPathDAG",
+    "StructuralEncoder",
     "anchor_coordinates",
     "anchor_distances",
-    "anchor_inputs",
     "anchor_indicators",
+    "anchor_inputs",
     "build_link_model",
     "build_pair_model",
     "canonical_edges",

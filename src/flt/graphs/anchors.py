@@ -15,6 +15,8 @@ no held-out edge shortens a distance.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -34,7 +36,7 @@ def _check_edges(edges, num_nodes: int) -> torch.Tensor:
     return edges.to(torch.int64)
 
 
-def check_anchors(anchors, num_nodes: int) -> torch.Tensor:
+def check_anchors(anchors: torch.Tensor | Sequence[int], num_nodes: int) -> torch.Tensor:
     """Require distinct anchor ids ``[K]`` in ``[0, num_nodes)``; return them as int64."""
     a = torch.as_tensor(anchors)
     if a.ndim != 1 or a.numel() == 0 or a.is_floating_point() or a.dtype == torch.bool:
@@ -79,7 +81,7 @@ def select_anchors(num_nodes: int, k: int, *, seed: int = 0, edges: torch.Tensor
     return torch.from_numpy(np.sort(chosen).astype(np.int64))
 
 
-def anchor_distances(num_nodes: int, edges: torch.Tensor, anchors) -> torch.Tensor:
+def anchor_distances(num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Hop distances ``d(v, a_k)``: ``[N, K]`` int64, :data:`UNREACHABLE` where there is no path.
 
     One breadth-first search per anchor, all ``K`` run together as a frontier of ``[N, K]``
@@ -111,7 +113,7 @@ def distance_features(dist: torch.Tensor, dtype: torch.dtype = torch.float32) ->
     return torch.where(dist == UNREACHABLE, torch.zeros((), dtype=dtype), out)
 
 
-def anchor_indicators(num_nodes: int, anchors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def anchor_indicators(num_nodes: int, anchors: torch.Tensor | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[N, K]`` indicator channels: entry ``(v, k)`` is 1 iff ``v == a_k``."""
     anchors = check_anchors(anchors, num_nodes)
     ind = torch.zeros(num_nodes, len(anchors), dtype=dtype)
@@ -119,7 +121,7 @@ def anchor_indicators(num_nodes: int, anchors, dtype: torch.dtype = torch.float3
     return ind
 
 
-def indicate(x: torch.Tensor, anchors) -> torch.Tensor:
+def indicate(x: torch.Tensor, anchors: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """Node features ``x [N, F]`` with the ``K`` anchor-indicator channels appended: ``[N, F + K]``."""
     if not isinstance(x, torch.Tensor) or x.ndim != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating [N, F] tensor of node features, got {getattr(x, 'shape', type(x).__name__)}")

@@ -13,6 +13,7 @@ The generators need ``networkx`` (the ``graph`` extra); the loader does not.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,6 @@ import torch
 
 from flt._checks import check_positive_int
 from flt.data.errors import DataError, require_file
-
 
 #: Node ids must fit int64.
 MAX_NODE_ID = 2**63 - 1
@@ -39,7 +39,7 @@ def _import_networkx():
     return networkx
 
 
-def canonical_edges(edges, num_nodes: int) -> torch.Tensor:
+def canonical_edges(edges: torch.Tensor | np.ndarray | Sequence, num_nodes: int) -> torch.Tensor:
     """Undirected edges as ``[E, 2]`` int64 with ``u < v``, unique, sorted; self-loops dropped.
 
     ``edges`` is anything ``torch.as_tensor`` turns into ``[E, 2]`` integers; every id must
@@ -221,13 +221,18 @@ def _pyg_safe_globals() -> list:
     """The PyG classes a pickled ``Data`` object holds, allowlisted for ``weights_only`` loading."""
     try:
         from torch_geometric.data.data import Data, DataEdgeAttr, DataTensorAttr
-        from torch_geometric.data.storage import BaseStorage, EdgeStorage, GlobalStorage, NodeStorage
+        from torch_geometric.data.storage import (
+            BaseStorage,
+            EdgeStorage,
+            GlobalStorage,
+            NodeStorage,
+        )
     except ImportError:
         return []
     return [Data, DataEdgeAttr, DataTensorAttr, BaseStorage, EdgeStorage, GlobalStorage, NodeStorage]
 
 
-def load_pyg(path, *, name: str | None = None) -> Graph:
+def load_pyg(path: str | os.PathLike, *, name: str | None = None) -> Graph:
     """Read a graph saved with ``torch.save`` in PyTorch Geometric's layout.
 
     The file holds a ``torch_geometric.data.Data`` object or a plain dict (what
@@ -275,7 +280,7 @@ def load_pyg(path, *, name: str | None = None) -> Graph:
     return Graph(num_nodes, ei.T, labels=labels, name=name or os.path.basename(path))
 
 
-def load_graph(path, *, name: str | None = None) -> Graph:
+def load_graph(path: str | os.PathLike, *, name: str | None = None) -> Graph:
     """:func:`load_pyg` for ``.pt`` / ``.pth`` files, :func:`load_edge_list` for any other."""
     if str(path).endswith((".pt", ".pth")):
         return load_pyg(path, name=name)

@@ -27,7 +27,7 @@ followed by an MLP.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +74,7 @@ class ShortestPathDAG:
         return len(self.levels)
 
 
-def shortest_path_dag(num_nodes: int, edges: torch.Tensor, anchors, dist: torch.Tensor | None = None) -> ShortestPathDAG:
+def shortest_path_dag(num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor | Sequence[int], dist: torch.Tensor | None = None) -> ShortestPathDAG:
     """Build the DAGs of ``anchors`` over the undirected ``edges`` (the training edges).
 
     ``dist`` may pass precomputed :func:`anchor_distances` over the same edges.
@@ -147,7 +147,7 @@ def dag_propagate(
     return state.reshape(k, n, h)
 
 
-def count_shortest_paths(num_nodes: int, edges: torch.Tensor, anchors, *, steps: int | None = None) -> torch.Tensor:
+def count_shortest_paths(num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor | Sequence[int], *, steps: int | None = None) -> torch.Tensor:
     """Number of shortest paths from each anchor to each node, ``[N, K]`` float64, by sum
     propagation on the DAG (0 beyond ``steps`` hops or where unreachable; 1 at the anchor)."""
     return _sum_propagate_indicator(shortest_path_dag(num_nodes, edges, anchors), steps)
@@ -224,7 +224,7 @@ class GIRPathEncoder(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(2 * hidden + 2, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
         self.norm = nn.LayerNorm(hidden) if norm else nn.Identity()
         if combine == "concat":
-            self.head = nn.Linear(num_anchors * hidden, out_dim)
+            self.head: nn.Module = nn.Linear(num_anchors * hidden, out_dim)
         else:
             self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
 

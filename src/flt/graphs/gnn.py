@@ -28,6 +28,8 @@ parameters alone. Kinds:
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -80,7 +82,7 @@ class GNN(nn.Module):
                 return pyg.GATConv(a, b, heads=heads, concat=False)
             return pyg.GINConv(nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, b)), train_eps=True)
 
-        self.convs = nn.ModuleList(conv(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.convs = nn.ModuleList(conv(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
         for i, conv in enumerate(self.convs):
@@ -90,11 +92,11 @@ class GNN(nn.Module):
         return x
 
 
-def _dag_to(dag: ShortestPathDAG, device) -> ShortestPathDAG:
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    levels = tuple(tuple(move(t) for t in level) for level in dag.levels)
-    return ShortestPathDAG(dag.num_nodes, move(dag.anchors), move(dag.dist), move(dag.anchor), move(dag.src),
-                           move(dag.dst), levels, move(dag.path_counts))
+def _dag_to(dag: ShortestPathDAG, device: torch.device | str | None) -> ShortestPathDAG:
+    levels = tuple(tuple(None if t is None else t.to(device) for t in level) for level in dag.levels)
+    counts = None if dag.path_counts is None else dag.path_counts.to(device)
+    return ShortestPathDAG(dag.num_nodes, dag.anchors.to(device), dag.dist.to(device), dag.anchor.to(device), dag.src.to(device),
+                           dag.dst.to(device), levels, counts)
 
 
 class StructuralEncoder(nn.Module):
@@ -137,7 +139,10 @@ class StructuralEncoder(nn.Module):
         self.kind, self.num_anchors = kind, num_anchors
         self.indication, self.fusion = bool(indication), bool(fusion)
         self._cache: tuple | None = None
-        self.gir = self.gnn = self.mlp = self.fuse = None
+        self.gir: GIRPathEncoder | None = None
+        self.gnn: GNN | None = None
+        self.mlp: nn.Sequential | None = None
+        self.fuse: nn.Linear | None = None
         if kind == "gir" or fusion:
             self.gir = GIRPathEncoder(1, num_anchors, hidden=gir_hidden, out_dim=dim, steps=gir_steps, combine=gir_combine,
                                       aggregation=gir_aggregation, norm=gir_norm)
@@ -149,7 +154,7 @@ class StructuralEncoder(nn.Module):
             if fusion:
                 self.fuse = nn.Linear(2 * dim, dim)
 
-    def structure(self, num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor, device=None) -> dict:
+    def structure(self, num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor, device: torch.device | str | None = None) -> dict:
         """What this kind needs of ``(edges, anchors)``, recomputed only when they change:
         ``edge_index``, ``dist`` (distance features), ``indicators``, ``dag``."""
         edges = edges.detach().to("cpu", torch.int64)
@@ -177,12 +182,16 @@ class StructuralEncoder(nn.Module):
         s = self.structure(num_nodes, edges, anchors, param.device)
         ones = torch.ones(num_nodes, 1, dtype=param.dtype, device=param.device)
         if self.kind == "anchor-distance":
+            assert self.mlp is not None  # built for this kind
             return self.mlp(s["dist"].to(param.dtype))
         if self.kind == "gir":
+            assert self.gir is not None  # built for this kind
             return self.gir(ones, s["dag"])
+        assert self.gnn is not None  # the GNN kinds
         x = torch.cat([ones, s["indicators"].to(param.dtype)], dim=1) if self.indication else ones
         z = self.gnn(x, s["edge_index"])
         if self.fusion:
+            assert self.fuse is not None and self.gir is not None  # built with fusion=True
             z = self.fuse(torch.cat([z, self.gir(ones, s["dag"])], dim=1))
         return z
 

@@ -33,7 +33,9 @@ structure as arguments so that the task's trainer can run it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +126,7 @@ class GCN(nn.Module):
         self.num_nodes = num_nodes
         self.adjacency = gcn_adjacency(num_nodes, edges)
         dims = [in_dim] + [hidden] * (layers - 1) + [out_dim]
-        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.linears = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, lin in enumerate(self.linears):
@@ -148,7 +150,8 @@ class _Encoder(nn.Module):
         self.edges, self.anchors, self.initial_anchors = train_edges, anchors, anchors
         if kind in ("flt", "softmax-spectrum"):
             self.x, self.pos = anchor_inputs(num_nodes, train_edges, anchors)
-            self.net = GraphTransformer(len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
+            self.net: GraphTransformer | LaplacianPE | StructuralEncoder = GraphTransformer(
+                len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
         elif kind == "lap-pe":
             self.net = LaplacianPE(num_nodes, train_edges, out_dim=dim, seed=seed, **options)
         else:
@@ -199,11 +202,13 @@ class PairHead(nn.Sequential):
     """The symmetric pair scorer: ``forward(z [N, D], pairs [M, 2]) -> logits [M]``, the
     logit of ``(u, v)`` being ``MLP([z_u * z_v, |z_u - z_v|])`` (hidden width ``D``)."""
 
-    def __init__(self, dim: int, *, device=None, dtype=None):
-        fk = {"device": device, "dtype": dtype}
+    def __init__(self, dim: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         super().__init__(nn.Linear(2 * dim, dim, **fk), nn.ReLU(), nn.Linear(dim, 1, **fk))
 
-    def forward(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    # A pair scorer's signature, not Sequential's: subclassing Sequential keeps the
+    # parameter names ("0.weight", ...) of saved models.
+    def forward(self, z: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         zu, zv = z[pairs[:, 0]], z[pairs[:, 1]]
         return super().forward(torch.cat([zu * zv, (zu - zv).abs()], dim=-1)).squeeze(-1)
 
@@ -273,15 +278,17 @@ class LinkTransformer(nn.Module):
     The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
     """
 
+    position_basis: torch.Tensor  # buffer [in_dim, gir_positions], when gir_positions > 0
+
     def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
                  attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
                  encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
                  gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0,
-                 layer_attention: list | None = None, device=None, dtype=None):
+                 layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
-        self.position_encoder = None
+        self.position_encoder: StructuralEncoder | None = None
         if gir_positions and encoder != "transformer":
             raise ValueError(f"gir_positions applies to encoder='transformer', got encoder={encoder!r}")
         if layer_attention is not None and encoder != "transformer":
@@ -297,7 +304,7 @@ class LinkTransformer(nn.Module):
                                                        gir_steps=gir_steps or None).to(device=device, dtype=dtype)
                 basis, _ = torch.linalg.qr(torch.randn(dim, gir_positions, dtype=torch.float64))
                 self.register_buffer("position_basis", basis.to(device=device, dtype=dtype or torch.get_default_dtype()))
-            self.encoder = NodeTransformer(
+            self.encoder: NodeTransformer | StructuralEncoder = NodeTransformer(
                 in_dim, gir_positions or in_dim, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
                 layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
                 posenc_options=posenc_options, layer_attention=layer_attention, device=device, dtype=dtype,
@@ -332,7 +339,7 @@ class LinkTransformer(nn.Module):
         return self.head(self.embeddings(features, pos, edges, anchors, exact=exact), pairs)
 
 
-def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options: Any) -> LinkModel:
     """A :class:`LinkModel` of the given kind over ``num_nodes`` nodes whose structure is ``edges`` and nothing else.
 
     Anchors (``num_anchors`` of them, capped at ``N``) and the initial weights are drawn
@@ -352,7 +359,7 @@ def build_pair_model(kind: str, num_nodes: int, edges: torch.Tensor, *, seed: in
         return LinkModel(encoder, dim)
 
 
-def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options) -> LinkModel:
+def build_link_model(kind: str, split: LinkSplit, *, seed: int = 0, num_anchors: int = 64, dim: int = 32, stratified: bool = False, **options: Any) -> LinkModel:
     """A :class:`LinkModel` of the given kind whose structure comes from ``split.train_pos`` only
     (:func:`build_pair_model` with ``edges = split.train_pos``)."""
     check_choice("kind", kind, MODEL_KINDS)
@@ -393,7 +400,8 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
     best = LinkResult(test_auc=float("nan"), valid_auc=-1.0, best_step=0)
     draws = redraw_features and has_random_features(model)
     draw_gen = torch.Generator().manual_seed(seed)
-    encoder = model.encoder if isinstance(getattr(model, "encoder", None), _Encoder) else None
+    found = getattr(model, "encoder", None)
+    encoder = found if isinstance(found, _Encoder) else None
     if resample_anchors and (encoder is None or not encoder.structural):
         raise ValueError("resample_anchors=True needs a structural model kind (gir, anchor-distance or a GNN)")
     with torch.random.fork_rng(devices=[]):
@@ -402,7 +410,7 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
             model.train()
             if draws:
                 redraw(model, draw_gen)
-            if resample_anchors:
+            if resample_anchors and encoder is not None:  # not None: checked above
                 encoder.resample_anchors(seed * 1_000_003 + step)
             loss = F.binary_cross_entropy_with_logits(model(train_pairs), train_y)
             opt.zero_grad(set_to_none=True)
@@ -422,14 +430,14 @@ def train_pair_model(model: LinkModel, train: tuple, valid: tuple, test: tuple, 
     return best
 
 
-def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0, **training) -> LinkResult:
+def train_link_model(model: LinkModel, split: LinkSplit, *, steps: int = 200, lr: float = 0.01, eval_every: int = 10, seed: int = 0, **training: Any) -> LinkResult:
     """:func:`train_pair_model` on the training positives and their fixed negatives,
     validated and tested on the held-out pairs of ``split``."""
     return train_pair_model(model, split.train, split.valid, split.test, steps=steps, lr=lr, eval_every=eval_every, seed=seed, **training)
 
 
 def run_link_prediction(graph: Graph | str, model_kind: str, seed: int = 0, steps: int = 200, *, lr: float = 0.01, eval_every: int = 10,
-                        resample_anchors: bool = False, redraw_features: bool = True, **model_options) -> LinkResult:
+                        resample_anchors: bool = False, redraw_features: bool = True, **model_options: Any) -> LinkResult:
     """Split ``graph`` (a :class:`Graph`, ``"grid"`` or ``"communities"``) with ``seed``, build
     a ``model_kind`` model (:data:`MODEL_KINDS`) with ``seed`` and train it for ``steps``
     steps; ``result.test_auc`` is the ROC AUC at the best validation step.

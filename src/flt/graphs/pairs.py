@@ -12,6 +12,8 @@ trained by :func:`flt.graphs.link.train_pair_model`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from flt._checks import check_choice, check_positive_int
 
 from .data import Graph
@@ -46,7 +48,7 @@ def run_pair_classification(
     eval_every: int = 10,
     resample_anchors: bool = False,
     redraw_features: bool = True,
-    **model_options,
+    **model_options: Any,
 ) -> LinkResult:
     """Sample ``num_pairs`` labelled pairs of ``graph`` with ``seed``, build a
     ``model_kind`` model (:data:`flt.graphs.MODEL_KINDS`) on all of the graph's edges with

@@ -78,7 +78,7 @@ def _sample_non_edges(n: int, count: int, forbidden: set[int], rng: np.random.Ge
         need = count - len(chosen)
         u = rng.integers(0, n, size=2 * need + 16)
         v = rng.integers(0, n, size=2 * need + 16)
-        for a, b in zip(u.tolist(), v.tolist()):
+        for a, b in zip(u.tolist(), v.tolist(), strict=True):
             if a == b:
                 continue
             key = min(a, b) * n + max(a, b)

@@ -39,7 +39,8 @@ address that.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def anchor_coordinates(dist: torch.Tensor, dtype: torch.dtype = torch.float32) -
     return d.to(dtype) / math.sqrt(dist.shape[1])
 
 
-def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors: torch.Tensor | Sequence[int], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features [N, K], pos [N, K])`` of a :class:`NodeTransformer` over anchor space: the
     distance features ``1 / (1 + d)`` and the coordinates :func:`anchor_coordinates` of the
     hop distances ``d`` to ``anchors`` along ``edges`` (pass the training edges only)."""
@@ -76,12 +77,20 @@ def anchor_inputs(num_nodes: int, edges: torch.Tensor, anchors, dtype: torch.dty
     return distance_features(dist, dtype), anchor_coordinates(dist, dtype)
 
 
+class _Checkable(Protocol):
+    """An attention layer with the O(N^2) forms its fast path is checked against."""
+
+    def reference(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+
+    def exact(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+
+
 class _Block(nn.Module):
     """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
 
-    def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device=None, dtype=None):
+    def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.norm1, self.norm2 = nn.LayerNorm(dim, **fk), nn.LayerNorm(dim, **fk)
         self.attention = attention
         hidden = max(1, int(round(dim * mlp_ratio)))
@@ -93,9 +102,9 @@ class _Block(nn.Module):
         if mode == "fast":
             a = self.attention(x, pos)
         elif mode == "reference":
-            a = self.attention.reference(x, pos)
+            a = cast(_Checkable, self.attention).reference(x, pos)
         else:
-            a = self.attention.exact(x, pos)
+            a = cast(_Checkable, self.attention).exact(x, pos)
         h = h + self.drop(a)
         return h + self.drop(self.mlp(self.norm2(h)))
 
@@ -138,13 +147,13 @@ class NodeTransformer(nn.Module):
         posenc: str = "none",
         posenc_options: dict[str, Any] | None = None,
         layer_attention: list[dict[str, Any]] | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("layers", layers)
         mechanisms = layer_mechanisms(attention, attention_options, layer_attention, layers)
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.mode = "fast"
         self.embed = nn.Linear(in_dim, dim, **fk)
         self.posenc = build_posenc(posenc, dim, pos_dim, dict(posenc_options or {}), **fk)
@@ -173,7 +182,7 @@ def graph_attention(kind: str, *, spectrum: str = "gaussian", length_scale: floa
     is FLT with the given spectrum, ``"softmax-spectrum"`` softmax with the same spectrum's
     exact ``f`` as relative bias (``num_features`` is FLT's only)."""
     check_choice("attention", kind, GRAPH_ATTENTIONS)
-    spec = dict(spectrum=spectrum, coupling=coupling, num_frequencies=num_frequencies, length_scale=length_scale, amplitude=amplitude)
+    spec = {"spectrum": spectrum, "coupling": coupling, "num_frequencies": num_frequencies, "length_scale": length_scale, "amplitude": amplitude}
     if kind == "flt":
         return "flt", {"num_features": num_features, **spec}
     return "softmax", {"relative_bias": "spectrum", **spec}
@@ -275,6 +284,8 @@ class LaplacianPE(nn.Module):
     that their entries are of order one. The flips come from a generator seeded with
     ``seed``, so training is reproducible and the global generator is not touched.
     """
+
+    pe: torch.Tensor  # buffer [N, k]
 
     def __init__(self, num_nodes: int, edges: torch.Tensor, *, k: int = 32, hidden: int = 64, out_dim: int = 32, sign_flip: bool = True, seed: int = 0):
         super().__init__()

@@ -7,7 +7,8 @@ positions ``pos [B, N, P]``, ``key_padding_mask [B, N]`` (bool, True = padded).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -17,7 +18,16 @@ from flt.layers import ATTENTION
 from flt.posenc import POSENC
 
 
-def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
+class Decoder(Protocol):
+    """What a causal attention layer that decodes token by token offers (``supports_decoding``)."""
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]: ...
+
+    def step(self, x: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]: ...
+
+
+def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any],
+                    device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """``ATTENTION[name](dim, heads, pos_dim=, causal=, **options)`` with a clear error for a bad name."""
     check_choice("attention", name, ATTENTION)
     return ATTENTION[name](dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
@@ -44,11 +54,11 @@ class Block(nn.Module):
         causal: bool,
         mlp_ratio: float,
         dropout: float,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.attention_name = attention
         self.norm1 = nn.LayerNorm(dim, **fk)
         self.attn = build_attention(attention, dim, heads, pos_dim=pos_dim, causal=causal, options=attention_options, **fk)
@@ -74,16 +84,16 @@ class Block(nn.Module):
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x)))
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor):
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """The forward over a prompt ``x [B, N, dim]`` that also returns the attention layer's
         decoding state (its ``prefill``): ``-> (y [B, N, dim], state)``."""
-        a, state = self.attn.prefill(self.norm1(x), pos)
+        a, state = cast(Decoder, self.attn).prefill(self.norm1(x), pos)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x))), state
 
-    def step(self, x: torch.Tensor, state, pos: torch.Tensor | None = None):
+    def step(self, x: torch.Tensor, state: Any, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """One token ``x [B, dim]`` with the layer's decoding state: ``-> (y [B, dim], state)``."""
-        a, state = self.attn.step(self.norm1(x), state, pos)
+        a, state = cast(Decoder, self.attn).step(self.norm1(x), state, pos)
         x = x + self.drop(a)
         return x + self.drop(self.mlp(self.norm2(x))), state
 
@@ -105,7 +115,7 @@ class Trunk(nn.Module):
     ``{"attention": NAME, "attention_options": {...}}`` per block) gives each block its own mechanism."""
 
     def __init__(self, dim: int, depth: int, heads: int, *, norm_out: bool = True, layer_attention: list | None = None,
-                 device=None, dtype=None, **block_options) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **block_options: Any) -> None:
         super().__init__()
         attention, options = block_options.pop("attention"), block_options.pop("attention_options")
         self.blocks = nn.ModuleList(
@@ -113,6 +123,11 @@ class Trunk(nn.Module):
             for name, opts in layer_mechanisms(attention, options, layer_attention, depth)
         )
         self.norm = nn.LayerNorm(dim, device=device, dtype=dtype) if norm_out else nn.Identity()
+
+    @property
+    def block_list(self) -> Sequence[Block]:
+        """The blocks, in order (``self.blocks`` typed as what it holds)."""
+        return cast(Sequence[Block], self.blocks)
 
     @property
     def supports_decoding(self) -> bool:
@@ -125,30 +140,30 @@ class Trunk(nn.Module):
             x = block(x, pos, key_padding_mask, exact=exact)
         return self.norm(x)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor):
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
         """``x [B, N, dim]`` at ``pos [B, N, P]`` in one pass -> ``(y [B, N, dim], states)``:
         ``y`` is :meth:`forward`'s, ``states`` what :meth:`step` continues from."""
         states = []
-        for block in self.blocks:
+        for block in self.block_list:
             x, state = block.prefill(x, pos)
             states.append(state)
         return self.norm(x), states
 
-    def step(self, x: torch.Tensor, states: list | None, pos: torch.Tensor | None = None):
+    def step(self, x: torch.Tensor, states: list | None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Any]]:
         """``x [B, dim]``, per-layer states (``None`` to start) -> ``(y [B, dim], states)``."""
         states = states if states is not None else [None] * len(self.blocks)
         new = []
-        for block, state in zip(self.blocks, states):
+        for block, state in zip(self.block_list, states, strict=True):
             x, state = block.step(x, state, pos)
             new.append(state)
         return self.norm(x), new
 
     def attention_layers(self) -> list[nn.Module]:
         """The attention module of every block, in order."""
-        return [b.attn for b in self.blocks]
+        return [b.attn for b in self.block_list]
 
 
-def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
+def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``."""
     check_choice("posenc", name, POSENC)
     return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)
@@ -157,11 +172,11 @@ def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], dev
 def build_token_body(model: nn.Module, *, vocab_size: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                      dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
                      posenc_options: dict[str, Any], layer_attention: list | None, causal: bool,
-                     device=None, dtype=None) -> None:
+                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
     """Give ``model`` the body of a model over token sequences (positions are token indices):
     ``embed`` (std 0.02), ``posenc``, ``drop`` and the attention ``trunk``. Attributes, not a
     submodule, so the state-dict keys of the models that use it stay as they were."""
-    fk = {"device": device, "dtype": dtype}
+    fk: dict[str, Any] = {"device": device, "dtype": dtype}
     model.embed = nn.Embedding(vocab_size, dim, **fk)
     nn.init.normal_(model.embed.weight, std=0.02)
     model.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)

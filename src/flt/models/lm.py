@@ -27,7 +27,7 @@ from flt.posenc import CAPE
 class LMState:
     """Recurrent decoding state: one state per layer and the next token's position."""
 
-    layers: list
+    layers: list | None
     position: int = 0
 
 
@@ -53,11 +53,11 @@ class CausalLM(nn.Module):
         posenc_options: dict[str, Any],
         cape: bool = False,
         layer_attention: list | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.vocab_size, self.max_len = vocab_size, max_len
         self.embed = nn.Embedding(vocab_size, dim, **fk)
         # Small init: the same matrix is the output head, and N(0, 1) rows would start
@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
 
     def _check_decoding(self, what: str) -> None:
         if not self.supports_decoding:
-            names = sorted({b.attention_name for b in self.trunk.blocks if not getattr(b.attn, "supports_decoding", False)})
+            names = sorted({b.attention_name for b in self.trunk.block_list if not getattr(b.attn, "supports_decoding", False)})
             raise ValueError(f"{what}() needs attention layers that decode token by token (supports_decoding); {names} do not")
 
     def step(self, tokens: torch.Tensor, state: LMState | None = None) -> tuple[torch.Tensor, LMState]:

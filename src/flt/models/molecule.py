@@ -94,12 +94,12 @@ class MoleculeRegressor(nn.Module):
         target_mean: float = 0.0,
         target_std: float = 1.0,
         layer_attention: list | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_choice("readout", readout, READOUTS)
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_elements, self.readout = num_elements, readout
         self.target_mean, self.target_std = float(target_mean), float(target_std)
         self.embed = nn.Embedding(num_elements, dim, **fk)

@@ -54,9 +54,9 @@ class ParticleRegressor(nn.Module):
     def __init__(self, *, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float, attention: str,
                  attention_options: dict[str, Any], posenc: str, posenc_options: dict[str, Any],
                  isotropic: bool = False, target_mean: float = 0.0, target_std: float = 1.0,
-                 layer_attention: list | None = None, device=None, dtype=None) -> None:
+                 layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.target_mean, self.target_std = float(target_mean), float(target_std)
         self.embed = nn.Embedding(2, dim, **fk)
         self.posenc = build_posenc(posenc, dim, 3, posenc_options, **fk)

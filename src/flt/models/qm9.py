@@ -124,7 +124,7 @@ class QM9Regressor(nn.Module):
     def __init__(self, *, encoder: str, num_elements: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
                  posenc_options: dict[str, Any], readout: str | None, isotropic: bool, cutoff: float, num_gaussians: int,
-                 target_mean: float, target_std: float, layer_attention: list | None = None, device=None, dtype=None):
+                 target_mean: float, target_std: float, layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_choice("encoder", encoder, ENCODERS)
         readout = readout or "mean"

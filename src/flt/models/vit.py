@@ -30,6 +30,8 @@ class ViTClassifier(nn.Module):
     Shapes: ``forward(images [B, C, S, S]) -> logits [B, num_classes]``.
     """
 
+    patch_pos: torch.Tensor  # buffer [N, 2]
+
     def __init__(
         self,
         *,
@@ -49,14 +51,14 @@ class ViTClassifier(nn.Module):
         pooling: str = "mean",
         cape: bool = False,
         layer_attention: list | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_choice("pooling", pooling, POOLINGS)
         if image_size % patch_size:
             raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.image_size, self.patch_size, self.channels, self.pooling = image_size, patch_size, channels, pooling
         self.grid = image_size // patch_size
         self.to_patch = nn.Linear(channels * patch_size * patch_size, dim, **fk)

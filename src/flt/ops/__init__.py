@@ -19,47 +19,62 @@ features ``[B, H, N, m]``; spectral features ``[B or 1, H, N, 2R]``.
 
 from flt.ops.features import (
     elu_features,
-    hedgehog_features,
     favor_plus_features,
     gaussian_orthogonal_random_matrix,
+    hedgehog_features,
     relu_features,
     relu_kernel,
     taylor_features,
     taylor_kernel,
 )
-from flt.ops.linear import RecurrentState, flt_attention, kronecker_condition, linear_attention, recurrent_step
-from flt.ops.softmax import BACKENDS as SOFTMAX_BACKENDS
-from flt.ops.softmax import flex_attention_available, softmax_attention
-from flt.ops.toeplitz import fft_length, toeplitz_attention, toeplitz_attention_reference, toeplitz_matrix, toeplitz_matvec
+from flt.ops.linear import (
+    RecurrentState,
+    flt_attention,
+    kronecker_condition,
+    linear_attention,
+    recurrent_step,
+)
 from flt.ops.reference import (
     flt_attention_reference,
     linear_attention_reference,
     rpe_attention_reference,
 )
+from flt.ops.softmax import (
+    BACKENDS as SOFTMAX_BACKENDS,
+    flex_attention_available,
+    softmax_attention,
+)
+from flt.ops.toeplitz import (
+    fft_length,
+    toeplitz_attention,
+    toeplitz_attention_reference,
+    toeplitz_matrix,
+    toeplitz_matvec,
+)
 
 __all__ = [
     "SOFTMAX_BACKENDS",
     "RecurrentState",
+    "elu_features",
+    "favor_plus_features",
     "fft_length",
     "flex_attention_available",
-    "softmax_attention",
-    "toeplitz_attention",
-    "toeplitz_attention_reference",
-    "toeplitz_matrix",
-    "toeplitz_matvec",
-    "elu_features",
-    "hedgehog_features",
-    "favor_plus_features",
     "flt_attention",
     "flt_attention_reference",
     "gaussian_orthogonal_random_matrix",
+    "hedgehog_features",
     "kronecker_condition",
     "linear_attention",
     "linear_attention_reference",
     "recurrent_step",
     "relu_features",
     "relu_kernel",
+    "rpe_attention_reference",
+    "softmax_attention",
     "taylor_features",
     "taylor_kernel",
-    "rpe_attention_reference",
+    "toeplitz_attention",
+    "toeplitz_attention_reference",
+    "toeplitz_matrix",
+    "toeplitz_matvec",
 ]

@@ -69,18 +69,18 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask
     check_tensor("band_bias", band_bias, ndim=4, layout="[B or 1, H, N, 2w + 1]")
     if band_bias.shape[0] not in (1, B) or band_bias.shape[1:] != (H, N, 2 * width + 1):
         raise ValueError(f"band_bias must be [B or 1, H, N, 2w + 1] = [{B} or 1, {H}, {N}, {2 * width + 1}], got {tuple(band_bias.shape)}")
-    if key_mask is not None:
-        if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, N):
-            raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {key_mask.dtype} {tuple(key_mask.shape)}")
+    if key_mask is not None and (not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, N)):
+        raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {key_mask.dtype} {tuple(key_mask.shape)}")
 
 
-def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None):
+def band_attention_reference(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, band_bias: torch.Tensor, *,
+                             width: int, causal: bool = False, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The O(N^2) formula of :func:`band_attention`, for tests.
 
     Args as in :func:`band_attention`. Returns ``[B, H, N, Dv]``.
     """
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask)
-    B, H, N, _ = xq.shape
+    _, H, N, _ = xq.shape
     cdt = compute_dtype(xq)
     i = torch.arange(N, device=xq.device)
     off = i.view(1, -1) - i.view(-1, 1)  # j - i
@@ -100,8 +100,9 @@ def band_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bia
     return safe_divide(num, w.sum(-1, keepdim=True))
 
 
-def band_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, *, width, causal=False, key_mask=None,
-                   block_size=None, chunk_size=None):
+def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, band_bias: torch.Tensor, *,
+                   width: int, causal: bool = False, key_mask: torch.Tensor | None = None, block_size: int | None = None,
+                   chunk_size: int | None = None) -> torch.Tensor:
     """Attention with exact weights on a band of ``|i - j| <= width`` tokens and FAVOR+
     estimates elsewhere (module docstring), linear in ``N``.
 
@@ -190,7 +191,7 @@ def _exact_band(xq, xk, vaug, bias, row, valid, width, T, causal):
     (detached: a common factor of the row, it cancels), and what
     :func:`_band_estimate` reuses. Cost ``O(N 2T (D + Dv))`` (``3T`` when not causal).
     """
-    B, H, N, _ = xq.shape
+    N = xq.shape[2]
     nb = -(-N // T)
     W = (2 if causal else 3) * T
     # Offsets j - i of the window's keys: key u of block b's window is token (b - 1) T + u.

@@ -21,8 +21,8 @@ def gaussian_orthogonal_random_matrix(
     *,
     orthogonal: bool = True,
     generator: torch.Generator | None = None,
-    device=None,
-    dtype=None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Draw the ``[m, D]`` FAVOR+ projection.
 

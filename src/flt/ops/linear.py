@@ -66,7 +66,8 @@ def _check_features(q_feat, k_feat, v, a=None, c=None, key_log_scale=None) -> No
             raise ValueError(f"key_log_scale must be [B, H, N] = {tuple(k_feat.shape[:3])}, got {tuple(key_log_scale.shape)}")
 
 
-def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def linear_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                     chunk_size: int | None = None) -> torch.Tensor:
     """Normalised linear attention ``out_i = qf_i^T S / qf_i^T z`` from nonnegative features.
 
     Args:
@@ -87,7 +88,8 @@ def linear_attention(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=N
     return _attend(q_feat, k_feat, v, None, None, causal, key_log_scale, chunk_size)
 
 
-def flt_attention(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def flt_attention(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                  chunk_size: int | None = None) -> torch.Tensor:
     """FLT with the multiplicative coupling (docs/math.md section 4), linear in N.
 
     ``out_i = sum_j (a_i.c_j)(qf_i.kf_j) v_j / sum_j (a_i.c_j)(qf_i.kf_j)``: linear attention
@@ -149,7 +151,7 @@ def _read(qf, a, state):
     return (qf.unsqueeze(-2) @ t).squeeze(-2)
 
 
-def full_precision(x: torch.Tensor, signed: bool):
+def full_precision(x: torch.Tensor, signed: bool) -> contextlib.AbstractContextManager:
     """The context the sums over keys run in: autocast off (so in the features' float32 or
     better) for signed weights (``signed``: the Kronecker coupling) and under float16
     autocast; otherwise a no-op, leaving bfloat16 autocast its fast products.
@@ -166,7 +168,8 @@ def full_precision(x: torch.Tensor, signed: bool):
     return contextlib.nullcontext()
 
 
-def kronecker_condition(q_feat, k_feat, a, c, *, causal: bool = False, key_log_scale=None, chunk_size: int | None = None):
+def kronecker_condition(q_feat: torch.Tensor, k_feat: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None,
+                        chunk_size: int | None = None) -> torch.Tensor:
     """How much the multiplicative coupling's row sums cancel: ``[B, H, N]``, at least 1.
 
     ``kappa_i = |a_i| sum_j |c_j| w_ij / |sum_j (a_i.c_j) w_ij|`` with ``w_ij = qf_i.kf_j
@@ -229,22 +232,22 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     # Kronecker: stream the Khatri-Rao intermediate [block, min(2R, m) * (Dv+1)] over blocks
     # of tokens, as large as keeps it within the size of the features (few, large matmuls)
     # and at least chunk_size. split, not slicing: the backward concatenates block gradients once.
-    B, H, N, m = qf.shape
+    _, _, N, m = qf.shape
     if N <= chunk_size:  # one block: the [N, N] weights cost less than the Kronecker state
         return ((qf @ kf.transpose(-1, -2)) * (a @ c.transpose(-1, -2))) @ vaug
     block = max(chunk_size, (N * m) // (min(a.shape[-1], m) * vaug.shape[-1]))
     state = None
-    for kb, cb, vb in zip(kf.split(block, 2), c.split(block, 2), vaug.split(block, 2)):
+    for kb, cb, vb in zip(kf.split(block, 2), c.split(block, 2), vaug.split(block, 2), strict=True):
         part = _write(kb, cb, vb)
         state = part if state is None else state + part
-    return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2))], dim=2)
+    return torch.cat([_read(qb, ab, state) for qb, ab in zip(qf.split(block, 2), a.split(block, 2), strict=True)], dim=2)
 
 
 #: Largest number of chunks per block of the two-level scan over chunk states (:func:`_scan`).
 _SCAN_BLOCK = 32
 
 
-def causal_sums(qf, kf, vaug, a, c, kls, chunk_size):
+def causal_sums(qf: torch.Tensor, kf: torch.Tensor, vaug: torch.Tensor, a: torch.Tensor | None, c: torch.Tensor | None, kls: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal sums ``sum_(j <= i) w_ij vaug_j`` of every query and the level they are relative to.
 
     ``w_ij = (a_i.c_j) (qf_i.kf_j) exp(s_j - run_i)`` with ``run`` the running maximum of the
@@ -288,8 +291,9 @@ def _causal_chunked(qf, kf, vaug, a, c, kls, run, chunk_size):
         R2 = 1 if a is None else a.shape[-1]
         group = max(1, 2 * qf.numel() // (B * H * R2 * m * vaug.shape[-1]))
         carry, cross = None, []
-        for chunks in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5))):
-            read, carry = _across_chunks(*chunks, carry)
+        # strict=False: _groups repeats None endlessly for an absent tensor.
+        for qg, kg, vg, ag, cg, sg, rg in zip(*(_groups(t, group) for t in (q5, k5, v5, a5, c5, s5, r5)), strict=False):
+            read, carry = _across_chunks(qg, kg, vg, ag, cg, sg, rg, carry)
             cross.append(read)
         out = out + _cat(cross, dim=2)
     return out.flatten(2, 3)[:, :, :N]
@@ -339,8 +343,11 @@ def _across_chunks(q, k, vaug, a, c, s, run, carry):
     all earlier tokens relative to ``exp(level)``. Chunk ``g``'s own state is stored relative
     to ``e_g``, the running max at its last token. Returns ``([B, H, G, T, X], carry)``.
     """
-    ends = None if run is None else run[..., -1]  # [B, H, G]
-    fresh = _write(k, c, vaug if run is None else vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
+    if run is None:
+        ends, fresh = None, _write(k, c, vaug)
+    else:
+        ends = run[..., -1]  # [B, H, G]
+        fresh = _write(k, c, vaug * torch.exp(s - ends.unsqueeze(-1)).unsqueeze(-1))
     if carry is None:
         carry = (torch.zeros_like(fresh[:, :, 0]), None if run is None else run[..., 0, 0])
     prefix, levels, carry = _scan(fresh, ends, carry)
@@ -399,6 +406,7 @@ def _scan(fresh, ends, carry):
     if e is None:
         prefix = prefix + across[:, :, :S].unsqueeze(3)
     else:
+        assert starts is not None and chunk_levels is not None  # both set when e is
         chunk_levels = chunk_levels[..., :b]  # [B, H, S, b]
         prefix = prefix + across[:, :, :S].unsqueeze(3) * torch.exp(starts.unsqueeze(-1) - chunk_levels).unsqueeze(-1)
         chunk_levels = chunk_levels.flatten(2)[..., :G]
@@ -422,7 +430,8 @@ class RecurrentState:
     position: int = 0
 
 
-def recurrent_step(q_feat, k_feat, v, state: RecurrentState | None = None, *, a=None, c=None, key_log_scale=None):
+def recurrent_step(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, state: RecurrentState | None = None, *, a: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                   key_log_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, RecurrentState]:
     """One token of causal linear (``a = c = None``) or multiplicative FLT attention.
 
     Args:

@@ -28,7 +28,8 @@ def _check_qkv(q, k, v, qk_name=("q", "k")) -> None:
         raise ValueError(f"{qk_name[1]} and v must have the same length N, got {k.shape[2]} and {v.shape[2]}")
 
 
-def rpe_attention_reference(q, k, v, *, mask=None, bias=None, causal: bool = False, scale: float | None = None):
+def rpe_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, causal: bool = False,
+                            scale: float | None = None) -> torch.Tensor:
     """Exact attention with a relative positional mask and/or bias, O(N^2).
 
     Weights are proportional to ``mask_ij * exp(q_i.k_j * scale + bias_ij)`` and are
@@ -76,7 +77,8 @@ def rpe_attention_reference(q, k, v, *, mask=None, bias=None, causal: bool = Fal
     return safe_divide(num, den)
 
 
-def flt_attention_reference(q_feat, k_feat, v, a, c, *, causal: bool = False, key_log_scale=None):
+def flt_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *, causal: bool = False,
+                            key_log_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The multiplicative FLT coupling written as its quadratic formula, O(N^2).
 
     ``out = ((a c^T) * (qf kf^T)) v / row sums``, i.e. weights
@@ -87,7 +89,7 @@ def flt_attention_reference(q_feat, k_feat, v, a, c, *, causal: bool = False, ke
     return _weighted(weights, v, causal, key_log_scale)
 
 
-def linear_attention_reference(q_feat, k_feat, v, *, causal: bool = False, key_log_scale=None):
+def linear_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, *, causal: bool = False, key_log_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Linear attention written as its quadratic formula: ``(qf kf^T) v / row sums``, O(N^2)."""
     weights = torch.einsum("bhis,bhjs->bhij", q_feat, k_feat)
     return _weighted(weights, v, causal, key_log_scale)

@@ -42,7 +42,7 @@ from flt.ops.reference import rpe_attention_reference
 BACKENDS = ("sdpa", "flex", "reference")
 
 
-def flex_attention_available(device, requires_grad: bool) -> tuple[bool, str]:
+def flex_attention_available(device: torch.device | str, requires_grad: bool) -> tuple[bool, str]:
     """Whether eager FlexAttention runs on ``device``, with gradients if ``requires_grad``.
 
     Decided by running it once on a tiny input the first time a ``(device, requires_grad)``
@@ -54,7 +54,7 @@ def flex_attention_available(device, requires_grad: bool) -> tuple[bool, str]:
     return _probe_flex(str(torch.device(device)), bool(requires_grad))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_flex(device: str, requires_grad: bool) -> tuple[bool, str]:
     try:
         from torch.nn.attention.flex_attention import flex_attention
@@ -172,6 +172,7 @@ def _sdpa(q, k, v, bias, causal, scale, key_padding_mask):
         pad = torch.zeros(key_padding_mask.shape, dtype=q.dtype, device=q.device)
         pad = pad.masked_fill(~key_padding_mask, -math.inf)[:, None, None, :]  # [B, 1, 1, Nk]
         mask = pad if mask is None else mask + pad
+    assert mask is not None  # bias or key_padding_mask is given (the early return above)
     if causal:
         future = torch.ones(N, Nk, dtype=torch.bool, device=q.device).triu(1)
         mask = mask + torch.zeros(N, Nk, dtype=q.dtype, device=q.device).masked_fill(future, -math.inf)

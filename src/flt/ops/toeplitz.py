@@ -212,7 +212,7 @@ def _bias_to_coeffs(bias: torch.Tensor) -> torch.Tensor:
     return torch.exp(bias - shift)
 
 
-def _scaled_keys(k_feat: torch.Tensor, key_log_scale: torch.Tensor | None, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scaled_keys(k_feat: torch.Tensor, key_log_scale: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_feat * exp(s - S), S)`` with ``S`` the max of ``s`` over ``dim`` among live keys.
 
     ``k_feat [..., n, m]``, ``key_log_scale [..., n]``; ``dim`` indexes ``key_log_scale``.
@@ -234,10 +234,10 @@ def _dead_rows(den: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 
 def toeplitz_attention(
-    q_feat,
-    k_feat,
-    v,
-    bias,
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
     *,
     causal: bool = False,
     key_log_scale: torch.Tensor | None = None,
@@ -303,7 +303,7 @@ def toeplitz_attention(
 
 def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
     """One FFT product of all channels (keys already carry their scales)."""
-    B, H, N, m = qf.shape
+    B, H, N, _ = qf.shape
     Dv = vv.shape[-1]
     cdt = qf.dtype
     coeffs = _bias_to_coeffs(beta)
@@ -358,8 +358,8 @@ def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
     log_scales = torch.stack([p[1] for p in parts])  # [levels + 1, B, H, N]
     top = _finite_or_zero(log_scales.amax(dim=0))
     weights = torch.exp(log_scales - top)  # 0 where a part is absent (log scale -inf)
-    num_den = sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts))
-    floor = sum(w * p[2] for w, p in zip(weights, parts)).unsqueeze(-1)
+    num_den = sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts, strict=True))
+    floor = sum(w * p[2] for w, p in zip(weights, parts, strict=True)).unsqueeze(-1)
     num, den = num_den[..., :Dv], num_den[..., Dv:]
     return safe_divide(num, _dead_rows(den, floor))
 
@@ -450,7 +450,8 @@ def _level(qf, kf, vv1, beta_c, kls, s: int):
     return num_den, log_scale, floor
 
 
-def toeplitz_attention_reference(q_feat, k_feat, v, bias, *, causal: bool = False, key_log_scale=None) -> torch.Tensor:
+def toeplitz_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, *, causal: bool = False,
+                                 key_log_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The quadratic formula behind :func:`toeplitz_attention`, O(N^2) memory.
 
     Weights ``w_ij = exp(beta_(i-j) + s_j - M_i) (qf_i . kf_j)`` with

@@ -46,7 +46,7 @@ class NoEncoding(nn.Module):
     every registry entry. Output dtype: ``dtype`` if given, else the positions' dtype.
     """
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("pos_dim", pos_dim)
@@ -72,9 +72,9 @@ POSENC: dict[str, type[nn.Module]] = {
 
 __all__ = [
     "CAPE",
-    "CAPEDraws",
     "POSENC",
     "SHIFTED_BASIS_KINDS",
+    "CAPEDraws",
     "LearnableFourierFeatures",
     "LearnedEncoding",
     "NoEncoding",

@@ -52,7 +52,7 @@ class CAPEDraws:
         return self.log_scale.exp() * (pos + self.shift + self.local)
 
 
-def patch_grid(num_patches_per_side: int, *, device=None, dtype=None) -> torch.Tensor:
+def patch_grid(num_patches_per_side: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Centres of an ``n x n`` grid of patches on ``[-1, 1]^2``: ``[n * n, 2]``, row-major.
 
     Centres are ``-1 + (2k + 1)/n``, spacing ``2/n``, so ``CAPE.for_2d_patches``'s local
@@ -146,8 +146,8 @@ class CAPE(nn.Module):
         length: int,
         *,
         generator: torch.Generator | None = None,
-        device=None,
-        dtype=torch.float32,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> CAPEDraws:
         """Draw ``(Delta, eps, log lambda)`` for ``batch`` samples of ``length`` tokens.
 

@@ -19,6 +19,7 @@ docs/math.md. Implementations derived from the authors' snippet (e.g. LightGlue'
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -52,8 +53,8 @@ class LearnableFourierFeatures(nn.Module):
         num_fourier: int = 64,
         hidden: int = 32,
         gamma: float = 1.0,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         sizes = {"dim": dim, "pos_dim": pos_dim, "groups": groups, "num_fourier": num_fourier, "hidden": hidden}
@@ -68,7 +69,7 @@ class LearnableFourierFeatures(nn.Module):
         self.dim, self.pos_dim, self.groups = dim, pos_dim, groups
         self.num_fourier, self.hidden = num_fourier, hidden
         self.gamma = check_positive_float("gamma", gamma)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.w_r = nn.Parameter(torch.empty(num_fourier // 2, pos_dim // groups, **factory))
         self.mlp = nn.Sequential(
             nn.Linear(num_fourier, hidden, **factory),
@@ -80,8 +81,9 @@ class LearnableFourierFeatures(nn.Module):
     def reset_parameters(self) -> None:
         # Variance gamma^-2 (std 1/gamma): see the module docstring for the convention.
         nn.init.normal_(self.w_r, mean=0.0, std=1.0 / self.gamma)
-        for layer in (self.mlp[0], self.mlp[2]):
-            layer.reset_parameters()
+        for layer in self.mlp:
+            if isinstance(layer, nn.Linear):  # the two linear layers, not the GELU
+                layer.reset_parameters()
 
     def fourier_features(self, pos: torch.Tensor) -> torch.Tensor:
         """``r_x``: ``[B, N, P] -> [B, N, G, F]``, computed in float32 or better."""

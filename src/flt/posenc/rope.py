@@ -65,7 +65,7 @@ def apply_rope(
         ``[B, H, N, D]`` in ``x``'s dtype; the rotation runs in float32 or better.
     """
     check_tensor("x", x, ndim=4, layout="[B, H, N, D]")
-    B, H, N, D = x.shape
+    B, _, N, D = x.shape
     if (pos is None) == (angles is None):
         raise ValueError("give exactly one of pos or angles")
     if D % 2 != 0:
@@ -74,6 +74,7 @@ def apply_rope(
         pos = check_positions("pos", pos, batch=B, length=N, pos_dim=None)
         angles = rope_angles(pos, D, base=base)
     else:
+        assert angles is not None  # exactly one of pos and angles (checked above)
         check_tensor("angles", angles, ndim=3, layout="[B or 1, N, D/2]")
         check_finite("angles", angles)
         if angles.shape[0] not in (1, B):

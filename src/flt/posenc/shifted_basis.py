@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,8 @@ class ShiftedBasisEmbedding(nn.Module):
         width: float | None = None,
         domain: Sequence[float] = (0.0, 1.0),
         generator: torch.Generator | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("dim", dim)
@@ -105,13 +106,14 @@ class ShiftedBasisEmbedding(nn.Module):
             self.width = check_positive_float("width", width)
         if kind == "rff":
             # Standard normal draws scaled by 1/(2 pi w): E[cos(2 pi xi (x - y))] = exp(-(x-y)^2/(2 w^2)).
+            assert self.width is not None  # set above for every kind but impulse
             eps = torch.randn(dim // 2, pos_dim, generator=generator, dtype=torch.float64)
             freqs = eps / (2.0 * math.pi * self.width)
             self.register_buffer("freqs", freqs.to(device=device, dtype=dtype or torch.get_default_dtype()))
         else:
             self.freqs = None
 
-    def centres(self, *, device=None, dtype=torch.float64) -> torch.Tensor:
+    def centres(self, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The ``dim / P`` centres ``t_d`` of one axis: ``[D_axis]`` (empty for ``rff``)."""
         a, b = self.domain
         h = (b - a) / max(self.num_centres, 1)
@@ -121,8 +123,10 @@ class ShiftedBasisEmbedding(nn.Module):
         check_abs_positions("pos", pos, self.pos_dim)
         out_dtype = self.out_dtype or pos.dtype
         if self.kind == "rff":
-            cdt = compute_dtype(pos, self.freqs)
-            phase = 2.0 * math.pi * (pos.to(cdt) @ self.freqs.to(cdt).T)  # [B, N, dim/2]
+            freqs = self.freqs
+            assert freqs is not None  # a buffer for kind="rff"
+            cdt = compute_dtype(pos, freqs)
+            phase = 2.0 * math.pi * (pos.to(cdt) @ freqs.to(cdt).T)  # [B, N, dim/2]
             out = torch.cat((phase.cos(), phase.sin()), dim=-1) / math.sqrt(self.dim // 2)
             return out.to(out_dtype)
         cdt = compute_dtype(pos)
@@ -139,7 +143,8 @@ def _impulse(u: torch.Tensor, _width) -> torch.Tensor:
     return F.one_hot(nearest, u.shape[-1]).to(u.dtype)
 
 
-_BASIS: dict[str, Callable[[torch.Tensor, float | None], torch.Tensor]] = {
+# Each basis takes the offsets ``u`` and the width (a float; None for "impulse", which has none).
+_BASIS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "gaussian": lambda u, w: torch.exp(-0.5 * (u / w) ** 2),
     "triangle": lambda u, w: torch.clamp(1.0 - u.abs() / w, min=0.0),
     "square": lambda u, w: (u.abs() <= w).to(u.dtype),

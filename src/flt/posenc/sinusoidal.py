@@ -13,7 +13,7 @@ from flt._checks import check_positive_float, check_positive_int, integer_positi
 from flt.posenc._common import check_abs_positions, compute_dtype
 
 
-def sinusoidal_frequencies(dim: int, *, base: float = 10000.0, device=None, dtype=torch.float64) -> torch.Tensor:
+def sinusoidal_frequencies(dim: int, *, base: float = 10000.0, device: torch.device | str | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Angular frequencies ``omega_k = base^(-2k/dim)``, ``k = 0 .. dim/2 - 1``: ``[dim/2]``."""
     exponents = torch.arange(0, dim, 2, device=device, dtype=dtype) / dim
     return base ** (-exponents)
@@ -41,7 +41,7 @@ class SinusoidalEncoding(nn.Module):
     Shapes: ``forward(pos [B, N, P]) -> [B, N, dim]``.
     """
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, base: float = 10000.0, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, base: float = 10000.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("pos_dim", pos_dim)
@@ -80,7 +80,7 @@ class LearnedEncoding(nn.Module):
     Shapes: ``forward(pos [B, N, 1]) -> [B, N, dim]`` in the table's dtype.
     """
 
-    def __init__(self, dim: int, pos_dim: int = 1, *, max_len: int = 2048, device=None, dtype=None):
+    def __init__(self, dim: int, pos_dim: int = 1, *, max_len: int = 2048, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("max_len", max_len)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
     for pair, names in (((extra_q, extra_k), ("extra_q", "extra_k")), ((a, c), ("a", "c"))):
         if (pair[0] is None) != (pair[1] is None):
             raise ValueError(f"{names[0]} and {names[1]} must be given together")
-        for name, t in zip(names, pair):
+        for name, t in zip(names, pair, strict=True):
             if t is None:
                 continue
             check_tensor(name, t, ndim=4, layout="[B or 1, H, N, F]")
@@ -102,8 +103,9 @@ def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
         raise ValueError(f"key_mask must be a bool [B, N] = [{B}, {N}] tensor (True: a real key), got {key_mask.dtype} {tuple(key_mask.shape)}")
 
 
-def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
-                    key_mask=None, chunk_size: int = TRITON_CHUNK, segments: int | None = None):
+def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False, extra_q: torch.Tensor | None = None,
+                    extra_k: torch.Tensor | None = None, a: torch.Tensor | None = None, c: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                    chunk_size: int = TRITON_CHUNK, segments: int | None = None) -> torch.Tensor:
     """FAVOR+ attention by the Triton kernel (module docstring for the three cases).
 
     Args:
@@ -132,8 +134,9 @@ def favor_attention(xq, xk, v, projection, *, causal: bool = False, extra_q=None
     return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments)
 
 
-def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_q=None, extra_k=None, a=None, c=None,
-                          key_mask=None, chunk_size: int | None = None):
+def favor_attention_torch(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False, extra_q: torch.Tensor | None = None,
+                          extra_k: torch.Tensor | None = None, a: torch.Tensor | None = None, c: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                          chunk_size: int | None = None) -> torch.Tensor:
     """:func:`favor_attention` by the PyTorch ops (features by :mod:`flt.ops.features`, sums by
     :mod:`flt.ops.linear`); same arguments and result."""
     _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
@@ -141,6 +144,7 @@ def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_
         qf, _ = favor_plus_features(xq, projection)
         kf, kls = favor_plus_features(xk, projection)
     else:
+        assert extra_k is not None  # given together with extra_q (_check)
         qf, _ = favor_plus_features_split(xq, extra_q, projection)
         kf, kls = favor_plus_features_split(xk, extra_k, projection)
     if key_mask is not None:
@@ -149,6 +153,7 @@ def favor_attention_torch(xq, xk, v, projection, *, causal: bool = False, extra_
     if a is None:
         out = linear_attention(qf, kf, v, causal=causal, key_log_scale=kls, chunk_size=chunk_size)
     else:
+        assert c is not None  # given together with a (_check)
         out = flt_attention(qf, kf, v, a, c, causal=causal, key_log_scale=kls, chunk_size=chunk_size)
     return out.to(compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None)))
 
@@ -216,7 +221,7 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     return safe_divide(out[..., :-1], out[..., -1:])
 
 
-def combine_segments(states, levels, causal: bool):
+def combine_segments(states: torch.Tensor, levels: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The state each segment starts from, from the segments' own key states ``[..., S, m, Dv+1]``
     relative to their levels ``[..., S]``: the keys of the earlier segments (causal) or of all
     segments, relative to the largest level among them; every factor ``exp(l - L) <= 1``."""
@@ -252,12 +257,12 @@ class _FavorAttention(torch.autograd.Function):
     def backward(ctx, grad):
         xq, xk, v, projection, extra_q, extra_k, a, c, key_mask = ctx.saved_tensors
         inputs = [xq, xk, v, extra_q, extra_k, a, c]
-        wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:8])]
-        leaves = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(inputs, wanted)]
+        wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad[:3] + ctx.needs_input_grad[4:8], strict=True)]
+        leaves: list[Any] = [t.detach().requires_grad_(w) if t is not None else None for t, w in zip(inputs, wanted, strict=True)]
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
             out = favor_attention_torch(leaves[0], leaves[1], leaves[2], projection, causal=ctx.causal,
                                         extra_q=leaves[3], extra_k=leaves[4], a=leaves[5], c=leaves[6], key_mask=key_mask)
-            sources = [t for t, w in zip(leaves, wanted) if w]
+            sources = [t for t, w in zip(leaves, wanted, strict=True) if w and t is not None]
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
         return g[0], g[1], g[2], None, g[3], g[4], g[5], g[6], None, None, None, None

@@ -19,7 +19,14 @@ from flt._dtype import compute_dtype
 from flt.ops import band as torch_band
 from flt.ops._common import safe_divide
 from flt.ops.features import favor_plus_features_split
-from flt.ops.triton import TRITON_CHUNK, _check, _kernels, check_device, combine_segments, segment_count
+from flt.ops.triton import (
+    TRITON_CHUNK,
+    _check,
+    _kernels,
+    check_device,
+    combine_segments,
+    segment_count,
+)
 
 
 def _check_band(xq, band_bias, width) -> None:
@@ -30,8 +37,9 @@ def _check_band(xq, band_bias, width) -> None:
         raise ValueError(f"band_bias must be [B or 1, H, N, 2w + 1] = [{B} or 1, {H}, {N}, {2 * width + 1}], got {tuple(band_bias.shape)}")
 
 
-def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None,
-                   chunk_size: int = TRITON_CHUNK, segments: int | None = None):
+def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, band_bias: torch.Tensor, *, width: int, extra_q: torch.Tensor, extra_k: torch.Tensor,
+                   causal: bool = False, key_mask: torch.Tensor | None = None, chunk_size: int = TRITON_CHUNK,
+                   segments: int | None = None) -> torch.Tensor:
     """Exact weights on the band ``|i - j| <= width``, FAVOR+ estimates elsewhere, by the kernel.
 
     Args:
@@ -61,7 +69,8 @@ def band_attention(xq, xk, v, projection, band_bias, *, width: int, extra_q, ext
     return _BandAttention.apply(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width, causal, chunk_size, segments)
 
 
-def band_attention_torch(xq, xk, v, projection, band_bias, *, width: int, extra_q, extra_k, causal: bool = False, key_mask=None):
+def band_attention_torch(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, band_bias: torch.Tensor, *, width: int, extra_q: torch.Tensor,
+                         extra_k: torch.Tensor, causal: bool = False, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`band_attention` by the PyTorch ops (features by
     :func:`flt.ops.features.favor_plus_features_split`, sums by :func:`flt.ops.band.band_attention`)."""
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
@@ -135,11 +144,11 @@ class _BandAttention(torch.autograd.Function):
         inputs = [xq, xk, v, band_bias, extra_q, extra_k]
         needs = ctx.needs_input_grad
         wanted = [needs[0], needs[1], needs[2], needs[4], needs[5], needs[6]]
-        leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        leaves = [t.detach().requires_grad_(w) for t, w in zip(inputs, wanted, strict=True)]
         with torch.enable_grad(), torch.autocast(grad.device.type, enabled=False):
             out = band_attention_torch(leaves[0], leaves[1], leaves[2], projection, leaves[3], width=ctx.width,
                                        extra_q=leaves[4], extra_k=leaves[5], causal=ctx.causal, key_mask=key_mask)
-            sources = [t for t, w in zip(leaves, wanted) if w]
+            sources = [t for t, w in zip(leaves, wanted, strict=True) if w]
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
         return g[0], g[1], g[2], None, g[3], g[4], g[5], None, None, None, None, None

@@ -348,7 +348,7 @@ def band_attention_kernel(
             kf_p, s_p, v_p, l_p, near_p, far_p, ok_p = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start - BC, N, D, EDIM, M, DV,
                                                                   WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
                                                                   BC, BD, BE, BM)
-            kf_c, s_c, v_c, l_c, near_c, far_c, ok_c = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start, N, D, EDIM, M, DV,
+            kf_c, s_c, v_c, l_c, near_c, far_c, _ok_c = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start, N, D, EDIM, M, DV,
                                                                   WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC,
                                                                   BC, BD, BE, BM)
             top = tl.maximum(tl.max(l_p, axis=1), tl.max(l_c, axis=1))
@@ -357,7 +357,7 @@ def band_attention_kernel(
                 row_level = tl.maximum(tl.maximum(level, tl.max(s_p, axis=0)), tl.max(tl.where(past, s_c[None, :], _NO_KEY), axis=1))
             else:
                 row_level = level + tl.zeros([BC], dtype=ACC)
-                kf_n, s_n, v_n, l_n, near_n, far_n, ok_n = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start + BC, N, D, EDIM, M,
+                kf_n, s_n, v_n, l_n, near_n, _far_n, _ok_n = _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, ok, start + BC, N, D, EDIM, M,
                                                                       DV, WIDTH, vcols, vcol_ok, log_norm, CAUSAL, HAS_EXTRA, HAS_KEEP,
                                                                       ACC, PREC, BC, BD, BE, BM)
                 top = tl.maximum(top, tl.max(l_n, axis=1))
