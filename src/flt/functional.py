@@ -57,7 +57,7 @@ class AttentionCore(nn.Module):
         super().__init__()
         if mechanism not in ATTENTION:
             raise ValueError(f"mechanism must be one of {sorted(ATTENTION)}, got {mechanism!r}")
-        layer = ATTENTION[mechanism](heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+        layer = ATTENTION[mechanism].from_options(heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
         for name in PROJECTIONS:
             delattr(layer, name)
         self.mechanism_name = mechanism

@@ -85,7 +85,7 @@ def attention_errors(settings=((64, 8), (256, 32), (1024, 128)), *, N: int = 65,
                 errs = []
                 for seed in seeds:
                     torch.manual_seed(seed)
-                    layer = FLTAttention(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, amplitude=0.5, length_scale=4.0).double()
+                    layer = FLTAttention.from_options(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, amplitude=0.5, length_scale=4.0).double()
                     x = torch.randn(2, N, dim, dtype=F64)
                     with torch.no_grad():
                         exact = layer.exact(x)
@@ -143,7 +143,7 @@ def fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((64, 16), (2
                 errs = []
                 for seed in seeds:
                     torch.manual_seed(seed)
-                    layer = FLTAttention(dim, heads, spectrum="local", num_features=m, num_frequencies=R, **options).double()
+                    layer = FLTAttention.from_options(dim, heads, spectrum="local", num_features=m, num_frequencies=R, **options).double()
                     if amplitude > 0 and options["coupling"] == "logit":
                         _set_local_amplitude(getattr(layer, where), amplitude)
                     x = torch.randn(2, N, dim, dtype=F64)
@@ -232,7 +232,7 @@ def spatial_fidelity_errors(amplitudes=(0.0, 1.0, 2.0, 3.5, 5.0), settings=((256
                     for seed in seeds:
                         torch.manual_seed(seed)
                         pos = make(torch.Generator().manual_seed(seed))
-                        layer = FLTAttention(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
+                        layer = FLTAttention.from_options(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
                             getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))

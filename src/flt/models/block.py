@@ -20,7 +20,7 @@ from flt.posenc import POSENC
 def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
     """``ATTENTION[name](dim, heads, pos_dim=, causal=, **options)`` with a clear error for a bad name."""
     check_choice("attention", name, ATTENTION)
-    return ATTENTION[name](dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+    return ATTENTION[name].from_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
 
 
 class Block(nn.Module):
