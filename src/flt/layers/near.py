@@ -53,6 +53,17 @@ class NearSet:
     def size(self) -> int:
         raise NotImplementedError
 
+    def _normalise_term(self) -> None:
+        """A term given by name becomes a :class:`flt.layers.parts.Term` (equal parts compare equal)."""
+        from flt.layers.parts import Term
+        from flt.relative.base import RelativeTerm
+
+        if isinstance(self.term, str):
+            object.__setattr__(self, "term", Term(self.term))
+        elif not (self.term is None or isinstance(self.term, (Term, RelativeTerm))):
+            raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
+                            f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
+
     def build_term(self, relative, *, heads: int, pos_dim: int, causal: bool, start: float, device=None, dtype=None):
         """The module ``f_near`` for a layer whose far term is ``relative`` (a
         :class:`flt.layers.parts.Term` or a module); a spectrum starts at amplitude ``start``."""
@@ -71,8 +82,6 @@ class NearSet:
                 # Only its exact f is used; its frequencies are never sampled (nor seeded).
                 options = {k: v for k, v in relative.options.items() if k != "seed"}
                 term = Term(relative.name, **{**options, "amplitude": start})
-            elif isinstance(term, str):
-                term = Term(term)
             defaults: dict = {}
             if term.name == "clipped":
                 defaults["max_distance"] = max(self.size, 1) if isinstance(self, Band) else 1
@@ -99,6 +108,7 @@ class Band(NearSet):
 
     def __post_init__(self) -> None:
         check_positive_int("width", self.width)
+        self._normalise_term()
 
     @property
     def size(self) -> int:
@@ -259,6 +269,7 @@ class Neighbors(NearSet):
 
     def __post_init__(self) -> None:
         check_positive_int("k", self.k)
+        self._normalise_term()
 
     @property
     def size(self) -> int:
