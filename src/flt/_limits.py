@@ -108,7 +108,7 @@ def _option(cls: type, options: dict, name: str, default: Any = None) -> Any:
         return options[name]
     import inspect
 
-    from flt.options import constructor_options
+    from flt._signatures import constructor_options
 
     param = constructor_options(cls).params.get(name)
     return default if param is None or param.default is inspect.Parameter.empty else param.default
@@ -196,13 +196,12 @@ def attention_activation_values(attention, options: dict, *, batch: int, heads: 
 
 
 def _registry_name(cls) -> str:
-    from flt.layers.registry import ATTENTION
-
-    return next((repr(name) for name, entry in ATTENTION.items() if entry is cls), getattr(cls, "__name__", str(cls)))
+    name = getattr(cls, "__dict__", {}).get("registry_name")
+    return repr(name) if name else getattr(cls, "__name__", str(cls))
 
 
 def _parameter_names(cls: type) -> set[str]:
-    from flt.options import constructor_options
+    from flt._signatures import constructor_options
 
     return set(constructor_options(cls).params)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +92,7 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
     them (:func:`flt._signatures.check_options`), reported against its registry name
     (``attention 'flt': unknown option 'numfreq'; ...``). ``reserved`` names the arguments
     the caller sets itself (the command line reserves :data:`ATTENTION_ARGUMENTS`)."""
-    from flt.layers.registry import ATTENTION  # the registry imports the layers: looked up when called
-
-    name = next((n for n, entry in ATTENTION.items() if entry is cls), None)
+    name = cls.__dict__.get("registry_name")  # a subclass of a registered layer is not that entry
     owner = f"attention {name!r}" if name else cls.__name__
     # feature_dim: how a kernel layer subclass sizes its feature map's input; not listed.
     check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
@@ -101,6 +100,10 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
 
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers."""
+
+    #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
+    #: its definition; the registry is built from it).
+    registry_name: ClassVar[str | None] = None
 
     @classmethod
     def from_options(cls, dim: int, heads: int, **options) -> AttentionBase:

@@ -116,6 +116,8 @@ class FLTAttention(KernelAttention):
     -> [B, N, dim]``.
     """
 
+    registry_name = "flt"
+
     def __init__(
         self,
         dim: int,

@@ -165,6 +165,7 @@ class SoftmaxAttention(AttentionBase):
     prompt in one pass and returns its :class:`KVCache`, :meth:`step` one token at a time.
     """
 
+    registry_name = "softmax"
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
 

@@ -18,7 +18,8 @@ from flt.posenc import POSENC
 
 
 def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any], device=None, dtype=None) -> nn.Module:
-    """``ATTENTION[name](dim, heads, pos_dim=, causal=, **options)`` with a clear error for a bad name."""
+    """``ATTENTION[name].from_options(dim, heads, pos_dim=, causal=, **options)`` (the flat
+    options checked, then the layer's parts built) with a clear error for a bad name."""
     check_choice("attention", name, ATTENTION)
     return ATTENTION[name].from_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
 
