@@ -45,6 +45,10 @@ from flt._signatures import (
 from flt.layers.base import ATTENTION_ARGUMENTS, check_layer_options
 
 __all__ = [
+    "ATTENTION_ARGUMENTS",
+    "FORWARDS",
+    "Option",
+    "Options",
     "UnknownOptionError",
     "check_attention_options",
     "check_fields",

@@ -19,7 +19,6 @@ import warnings
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
