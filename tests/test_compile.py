@@ -15,10 +15,10 @@ from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4),
-        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4, spectrum="local", near_field=3),
-        lambda: FLTAttention(16, 2, num_features=8, num_frequencies=4, near_neighbors=4),
-        lambda: SoftmaxAttention(16, 2, relative_bias="t5"),
+        lambda: FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4),
+        lambda: FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, spectrum="local", near_field=3),
+        lambda: FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, near_neighbors=4),
+        lambda: SoftmaxAttention.from_options(16, 2, relative_bias="t5"),
         lambda: ToeplitzAttention(16, 2, num_features=8),
     ],
     ids=["flt", "flt-banded", "flt-near-neighbors", "softmax-t5", "toeplitz"],
@@ -50,7 +50,7 @@ def test_finite_check_runs_once_per_tensor_and_again_after_an_in_place_change(mo
 def test_model_checks_positions_once_per_forward(monkeypatch):
     from flt import _checks
 
-    layers = torch.nn.ModuleList(FLTAttention(8, 2, num_features=4, num_frequencies=4) for _ in range(3))
+    layers = torch.nn.ModuleList(FLTAttention.from_options(8, 2, num_features=4, num_frequencies=4) for _ in range(3))
     x, pos = torch.randn(1, 5, 8), torch.arange(5.0).view(1, 5, 1)
     seen = []
     real = _checks._remember
@@ -61,7 +61,7 @@ def test_model_checks_positions_once_per_forward(monkeypatch):
 
 
 def test_compiled_layer_rejects_nan_positions_by_name():
-    layer = FLTAttention(8, 2, num_features=4, num_frequencies=4)
+    layer = FLTAttention.from_options(8, 2, num_features=4, num_frequencies=4)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     x = torch.randn(1, 5, 8)
     assert torch.allclose(compiled(x, torch.arange(5.0).view(1, 5, 1)), layer(x, torch.arange(5.0).view(1, 5, 1)), atol=1e-6)
@@ -84,7 +84,7 @@ def test_compiled_flt_layer_equals_eager_forward_and_backward(causal, backend):
     # The bench's +compile switch is torch.compile (inductor) of the layer, as a user would
     # write it; aot_eager traces the same forward and backward graphs without generating code.
     torch.manual_seed(0)
-    layer = FLTAttention(16, 2, num_features=8, num_frequencies=4, causal=causal, chunk_size=8).double()
+    layer = FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, causal=causal, chunk_size=8).double()
     with torch.no_grad():
         for p in layer.parameters():  # zero-initialised amplitudes and biases: give them work
             if p.abs().sum() == 0:
@@ -113,7 +113,7 @@ def test_inductor_compiled_multiplicative_causal_layer_has_eager_gradients():
     test and aot_eager, yet inductor's backward gave input gradients off by a factor 1e4
     here; this test would fail on it."""
     torch.manual_seed(0)
-    layer = FLTAttention(32, 2, causal=True, coupling="multiplicative", num_features=64, num_frequencies=8).double()
+    layer = FLTAttention.from_options(32, 2, causal=True, coupling="multiplicative", num_features=64, num_frequencies=8).double()
     with torch.no_grad():
         for p in layer.parameters():
             if p.abs().sum() == 0:

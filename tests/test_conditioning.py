@@ -27,7 +27,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def layer_and_input(n: int, *, coupling="multiplicative", qk_norm=None, scale=1.0, **options):
-    layer = FLTAttention(64, 2, coupling=coupling, qk_norm=qk_norm, seed=0, **options)
+    layer = FLTAttention.from_options(64, 2, coupling=coupling, qk_norm=qk_norm, seed=0, **options)
     x = torch.randn(1, n, 64, generator=torch.Generator().manual_seed(1)) * scale
     return layer, x
 

@@ -30,7 +30,7 @@ CASES = [(name, i) for name in NAMES for i in range(len(OPTIONS.get(name, [{}]))
 
 def build(name, i, causal, dtype=F64):
     torch.manual_seed(0)
-    layer = ATTENTION[name](32, 2, causal=causal, device="cuda", dtype=dtype, **OPTIONS.get(name, [{}])[i])
+    layer = ATTENTION[name].from_options(32, 2, causal=causal, device="cuda", dtype=dtype, **OPTIONS.get(name, [{}])[i])
     with torch.no_grad():  # give zero-initialised relative terms something to do
         for p in layer.parameters():
             if p.abs().sum() == 0:
@@ -96,8 +96,8 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
     if interpreted():
         pytest.skip("the kernels were built for the interpreter (TRITON_INTERPRET=1)")
     kw = dict(causal=causal, num_features=64, device="cuda", dtype=dtype, seed=3, **options)
-    torch_layer = ATTENTION[name](64, 2, **kw)
-    triton_layer = ATTENTION[name](64, 2, backend="triton", **kw)
+    torch_layer = ATTENTION[name].from_options(64, 2, **kw)
+    triton_layer = ATTENTION[name].from_options(64, 2, backend="triton", **kw)
     triton_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 333, 64, device="cuda", dtype=dtype, requires_grad=True)
     out, ref = triton_layer(x), torch_layer(x)
@@ -134,8 +134,8 @@ def test_triton_backend_under_bfloat16_autocast(name):
     """bfloat16 operands in the kernel's products (positive weights): within bfloat16's
     tolerance of the float32 layer."""
     pytest.importorskip("triton", reason="the triton extra is not installed")
-    torch_layer = ATTENTION[name](64, 2, causal=True, num_features=64, device="cuda", seed=3)
-    triton_layer = ATTENTION[name](64, 2, causal=True, num_features=64, device="cuda", seed=3, backend="triton")
+    torch_layer = ATTENTION[name].from_options(64, 2, causal=True, num_features=64, device="cuda", seed=3)
+    triton_layer = ATTENTION[name].from_options(64, 2, causal=True, num_features=64, device="cuda", seed=3, backend="triton")
     triton_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 1000, 64, device="cuda")
     with torch.no_grad():

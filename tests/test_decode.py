@@ -72,7 +72,7 @@ def test_the_relative_terms_cover_the_registry():
 
 @pytest.mark.parametrize("term", list(SOFTMAX_TERMS))
 def test_softmax_steps_from_a_kv_cache_equal_the_causal_forward(term):
-    layer = randomised(SoftmaxAttention(16, 2, causal=True, **SOFTMAX_TERMS[term]))
+    layer = randomised(SoftmaxAttention.from_options(16, 2, causal=True, **SOFTMAX_TERMS[term]))
     assert layer.supports_decoding
     x = torch.randn(2, 21, 16, dtype=F64)
     pos = integer_positions(2, 21)
@@ -87,7 +87,7 @@ def test_softmax_steps_from_a_kv_cache_equal_the_causal_forward(term):
 @pytest.mark.parametrize("term", ["t5", "alibi", "gaussian_mixture-multiplicative", "rope"])
 @pytest.mark.parametrize("prompt", [1, 6, 20])
 def test_softmax_prefill_then_steps_equal_the_causal_forward(term, prompt):
-    layer = randomised(SoftmaxAttention(16, 2, causal=True, **SOFTMAX_TERMS[term]))
+    layer = randomised(SoftmaxAttention.from_options(16, 2, causal=True, **SOFTMAX_TERMS[term]))
     x = torch.randn(2, 20, 16, dtype=F64)
     pos = integer_positions(2, 20)
     full = layer(x, pos)
@@ -102,7 +102,7 @@ def test_softmax_prefill_then_steps_equal_the_causal_forward(term, prompt):
 def test_a_kv_cache_can_be_branched():
     # Two continuations of one state share its buffer's spare capacity: the second must
     # not overwrite the first's token, and neither may see the other's.
-    layer = randomised(SoftmaxAttention(16, 2, causal=True, relative_bias="alibi"))
+    layer = randomised(SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="alibi"))
     x = torch.randn(1, 8, 16, dtype=F64)
     p, q, r = torch.randn(3, 1, 16, dtype=F64)
     with torch.no_grad():  # with autograd the cache is concatenated, never shared
@@ -121,7 +121,7 @@ def test_a_kv_cache_can_be_branched():
 
 
 def test_softmax_decoding_keeps_gradients():
-    layer = randomised(SoftmaxAttention(16, 2, causal=True, relative_bias="t5"))
+    layer = randomised(SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="t5"))
     x = torch.randn(2, 9, 16, dtype=F64, requires_grad=True)
     up = torch.randn(2, 9, 16, dtype=F64)
     y, cache = layer.prefill(x[:, :4])
@@ -132,19 +132,19 @@ def test_softmax_decoding_keeps_gradients():
 
 
 KERNEL_LAYERS = {
-    "flt-logit": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4),
-    "flt-multiplicative": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", amplitude=0.5,
+    "flt-logit": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4),
+    "flt-multiplicative": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", amplitude=0.5,
                                                chunk_size=4),  # the prefill state sums in several chunks
-    "flt-multiplicative-relu": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", feature_map="relu"),
-    "flt-band": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0),
-    "flt-band-shifted": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0,
+    "flt-multiplicative-relu": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, coupling="multiplicative", feature_map="relu"),
+    "flt-band": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0),
+    "flt-band-shifted": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=4, spectrum="local", amplitude=1.0,
                                              windows=2, shift=True, shift_scale=4.0),  # far and near windows moved off the origin
-    "flt-band-rope": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=3, rope=True),
-    "flt-band-wider-than-prompts": lambda: FLTAttention(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=30),
+    "flt-band-rope": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=3, rope=True),
+    "flt-band-wider-than-prompts": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=30),
     "performer": lambda: PerformerAttention(16, 2, causal=True, num_features=8),
     "performer-rope": lambda: PerformerAttention(16, 2, causal=True, num_features=8, rope=True),
-    "softmax-t5": lambda: SoftmaxAttention(16, 2, causal=True, relative_bias="t5", max_distance=12, num_buckets=8),
-    "softmax-alibi": lambda: SoftmaxAttention(16, 2, causal=True, relative_bias="alibi"),
+    "softmax-t5": lambda: SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="t5", max_distance=12, num_buckets=8),
+    "softmax-alibi": lambda: SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="alibi"),
 }
 
 
@@ -196,9 +196,9 @@ def test_linear_prefill_builds_the_state_the_steps_build():
 @pytest.mark.parametrize(
     "layer",
     [
-        lambda: SoftmaxAttention(16, 2),
+        lambda: SoftmaxAttention.from_options(16, 2),
         lambda: PerformerAttention(16, 2),
-        lambda: FLTAttention(16, 2, near_field=2),
+        lambda: FLTAttention.from_options(16, 2, near_field=2),
     ],
     ids=["softmax", "performer", "flt-band"],
 )
@@ -211,9 +211,9 @@ def test_bidirectional_layers_refuse_to_decode(layer):
 
 
 def test_softmax_decodes_only_when_causal_and_names_bad_states():
-    assert SoftmaxAttention(16, 2, causal=True).supports_decoding
-    assert not SoftmaxAttention(16, 2).supports_decoding
-    layer = SoftmaxAttention(16, 2, causal=True)
+    assert SoftmaxAttention.from_options(16, 2, causal=True).supports_decoding
+    assert not SoftmaxAttention.from_options(16, 2).supports_decoding
+    layer = SoftmaxAttention.from_options(16, 2, causal=True)
     with pytest.raises(TypeError, match="KVCache"):
         layer.step(torch.randn(1, 16), DecodeState())
     with pytest.raises(ValueError, match=r"x must be \[B, dim\]|\[B, dim\]"):

@@ -17,9 +17,9 @@ def model():
     """One of each random-feature mechanism: FLT (both couplings, one with a near field),
     Performer and Toeplitz."""
     return nn.ModuleDict({
-        "logit": FLTAttention(16, 2, num_features=16, num_frequencies=4, amplitude=0.5),
-        "mult": FLTAttention(16, 2, coupling="multiplicative", num_features=16, num_frequencies=4, spectrum="gaussian"),
-        "near": FLTAttention(16, 2, num_features=16, num_frequencies=4, spectrum="local", near_field=2, causal=True),
+        "logit": FLTAttention.from_options(16, 2, num_features=16, num_frequencies=4, amplitude=0.5),
+        "mult": FLTAttention.from_options(16, 2, coupling="multiplicative", num_features=16, num_frequencies=4, spectrum="gaussian"),
+        "near": FLTAttention.from_options(16, 2, num_features=16, num_frequencies=4, spectrum="local", near_field=2, causal=True),
         "performer": PerformerAttention(16, 2, num_features=16),
         "toeplitz": ToeplitzAttention(16, 2, num_features=16, max_distance=8),
     })
@@ -40,7 +40,7 @@ def test_every_mechanism_takes_part_and_only_sampled_draws_count():
         "near.feature_map", "near.spectrum", "performer.feature_map", "toeplitz.feature_map",
     ]  # near.near_spectrum: only its exact mask is used
     assert has_random_features(model())
-    assert not has_random_features(SoftmaxAttention(16, 2, relative_bias="alibi"))
+    assert not has_random_features(SoftmaxAttention.from_options(16, 2, relative_bias="alibi"))
     assert not has_random_features(PerformerAttention(16, 2, feature_map="elu"))
     assert has_random_features(PerformerAttention(16, 2, feature_map="relu"))
 
@@ -104,7 +104,7 @@ def test_fixed_draw_names_ignore_ddp_style_wrappers():
 @pytest.mark.parametrize("coupling, spectrum", [("logit", "gaussian_mixture"), ("multiplicative", "gaussian"), ("logit", "local")])
 def test_gradients_reach_spectral_parameters_after_a_redraw(coupling, spectrum):
     torch.manual_seed(0)
-    lay = FLTAttention(16, 2, coupling=coupling, spectrum=spectrum, num_features=16, num_frequencies=4, amplitude=0.5).double()
+    lay = FLTAttention.from_options(16, 2, coupling=coupling, spectrum=spectrum, num_features=16, num_frequencies=4, amplitude=0.5).double()
     x = torch.randn(2, 7, 16, dtype=torch.float64)
     before = lay(x).detach()
     redraw(lay, torch.Generator().manual_seed(0))
@@ -120,7 +120,7 @@ def test_layer_redraw_interval_is_a_thin_wrapper_around_redraw():
     """``redraw_interval=k`` on a layer redraws all of its draws (projection and spectrum)
     every k-th training forward call, from the seeded generator; never in eval mode."""
     def build():
-        return FLTAttention(16, 2, num_features=16, num_frequencies=4, amplitude=0.5, redraw_interval=2, seed=3)
+        return FLTAttention.from_options(16, 2, num_features=16, num_frequencies=4, amplitude=0.5, redraw_interval=2, seed=3)
 
     lay, twin = build(), build()
     x = torch.randn(1, 5, 16)
@@ -143,7 +143,7 @@ def test_layer_redraw_interval_is_a_thin_wrapper_around_redraw():
     twin.load_state_dict(lay.state_dict())
     assert int(twin.redraw_calls) == 3
     with pytest.raises(ValueError, match="redraw_interval"):
-        FLTAttention(16, 2, redraw_interval=0)
+        FLTAttention.from_options(16, 2, redraw_interval=0)
 
 
 def test_checkpoints_from_before_the_protocol_load():

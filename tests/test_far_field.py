@@ -17,7 +17,7 @@ F64 = torch.float64
 
 def layer(**kw):
     torch.manual_seed(0)
-    return FLTAttention(16, 2, num_features=32, num_frequencies=8, **kw).double()
+    return FLTAttention.from_options(16, 2, num_features=32, num_frequencies=8, **kw).double()
 
 
 def perturb_spectrum(lay):

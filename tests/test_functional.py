@@ -40,8 +40,8 @@ def through_out(layer, out):
 @pytest.mark.parametrize("method", ["forward", "reference", "exact"])
 @pytest.mark.parametrize(("mechanism", "options"), CASES, ids=[f"{m}-{'-'.join(map(str, o.values()))}" for m, o in CASES])
 def test_core_equals_its_layer(mechanism, options, method):
-    layer = ATTENTION[mechanism](DIM, HEADS, dtype=F64, seed=1, **options) if mechanism != "softmax" else \
-        ATTENTION[mechanism](DIM, HEADS, dtype=F64, **options)
+    layer = ATTENTION[mechanism].from_options(DIM, HEADS, dtype=F64, seed=1, **options) if mechanism != "softmax" else \
+        ATTENTION[mechanism].from_options(DIM, HEADS, dtype=F64, **options)
     x = torch.randn(2, 11, DIM, dtype=F64)
     pos = torch.randn(2, 11, 1, dtype=F64).cumsum(1)
     core = AttentionCore.from_layer(layer)
@@ -51,7 +51,7 @@ def test_core_equals_its_layer(mechanism, options, method):
 
 
 def test_core_holds_no_projections_and_shares_the_layers_parameters():
-    layer = ATTENTION["flt"](DIM, HEADS, dtype=F64, near_field=2)
+    layer = ATTENTION["flt"].from_options(DIM, HEADS, dtype=F64, near_field=2)
     core = AttentionCore.from_layer(layer)
     assert not any(name.startswith(("attention.to_qkv", "attention.to_out")) for name in core.state_dict())
     assert "to_qkv.weight" in layer.state_dict()  # the layer keeps them

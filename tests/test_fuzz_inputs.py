@@ -85,7 +85,7 @@ def _build_attention(case, value) -> None:
         options["spectrum"] = spectrum
         if spectrum in ("gaussian_mixture", "local"):
             options.setdefault("num_frequencies", 8)
-    _accepted_or_named(lambda: ATTENTION[mechanism](16, 2, **options), option)
+    _accepted_or_named(lambda: ATTENTION[mechanism].from_options(16, 2, **options), option)
 
 
 @settings(max_examples=60, deadline=20000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -96,7 +96,7 @@ def test_gradient_reaches_the_rows_in_use_and_the_scale_through_softmax_attentio
     torch.manual_seed(0)
     edges = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 4]])
     pos = hop_positions(anchor_distances(5, edges, torch.tensor([0, 4])), dtype=F64).unsqueeze(0)
-    layer = SoftmaxAttention(8, 2, pos_dim=2, relative_bias="spd", relative_options={"max_distance": 6}, backend="reference").double()
+    layer = SoftmaxAttention.from_options(8, 2, pos_dim=2, relative_bias="spd", relative_options={"max_distance": 6}, backend="reference").double()
     with torch.no_grad():
         layer.relative.table.normal_()
     x = torch.randn(1, 5, 8, dtype=F64)

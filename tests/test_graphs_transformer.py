@@ -88,13 +88,13 @@ def test_flt_converges_to_the_exact_attention_on_graph_coordinates(one_thread):
 
 def test_flt_exact_attention_is_the_softmax_spectrum_counterpart(one_thread):
     """With the same weights (and plain 1/sqrt(D) scaling) FLTAttention.exact on anchor
-    coordinates is SoftmaxAttention(relative_bias='spectrum'), the softmax-spectrum kind's
+    coordinates is SoftmaxAttention.from_options(relative_bias='spectrum'), the softmax-spectrum kind's
     layer, whose Gaussian bias on K > 3 coordinates (a matmul) equals the offsets' formula."""
     x, pos = graph_inputs(grid(5), 6)
     h = torch.randn(1, 25, 8, dtype=F64)
     opts = dict(pos_dim=6, spectrum="gaussian", num_frequencies=8, length_scale=[1.0, 2.0, 0.5, 1.5, 1.0, 3.0], amplitude=0.8)
-    flt = FLTAttention(8, 2, num_features=16, qk_norm=False, **opts).double()
-    soft = SoftmaxAttention(8, 2, relative_bias="spectrum", **opts).double()
+    flt = FLTAttention.from_options(8, 2, num_features=16, qk_norm=False, **opts).double()
+    soft = SoftmaxAttention.from_options(8, 2, relative_bias="spectrum", **opts).double()
     soft.load_state_dict(flt.state_dict(), strict=False)
     p = pos.unsqueeze(0)
     offsets = soft.spectrum.of_offsets(p.unsqueeze(2) - p.unsqueeze(1)).permute(0, 3, 1, 2)

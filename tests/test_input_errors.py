@@ -69,8 +69,8 @@ def test_the_attention_estimates_follow_each_mechanisms_closed_form():
 def test_a_layer_too_large_for_memory_is_refused_before_it_allocates(option, limit):
     limit("1G")
     start = time.perf_counter()
-    with pytest.raises(MemoryLimitError, match=rf"attention FLTAttention \(dim=32, heads=2, {option}=1000000000\) needs about"):
-        ATTENTION["flt"](32, 2, **{option: 10**9})
+    with pytest.raises(MemoryLimitError, match=rf"attention 'flt' \(dim=32, heads=2, {option}=1000000000\) needs about"):
+        ATTENTION["flt"].from_options(32, 2, **{option: 10**9})
     assert time.perf_counter() - start < 30  # minutes before (the draws were allocated and orthogonalised)
 
 
@@ -196,10 +196,10 @@ def test_a_model_field_that_the_data_sets_is_refused_when_given_otherwise():
 @pytest.mark.parametrize("name", ["flt", "performer"])
 def test_chunk_size_zero_is_refused_by_name_and_none_is_the_default(name):
     with pytest.raises(ValueError, match=r"chunk_size must be a positive int, or None for the default .* got 0"):
-        ATTENTION[name](16, 2, causal=True, chunk_size=0)
+        ATTENTION[name].from_options(16, 2, causal=True, chunk_size=0)
     with pytest.raises(ValueError, match="chunk_size"):
-        ATTENTION[name](16, 2, causal=True, chunk_size=-4)
-    assert ATTENTION[name](16, 2, causal=True, chunk_size=None).chunk_size is None
+        ATTENTION[name].from_options(16, 2, causal=True, chunk_size=-4)
+    assert ATTENTION[name].from_options(16, 2, causal=True, chunk_size=None).chunk_size is None
 
 
 def test_atom_positions_and_numbers_are_bounded(tmp_path):
@@ -224,13 +224,13 @@ def test_atom_positions_and_numbers_are_bounded(tmp_path):
 @pytest.mark.parametrize("option", ["length_scale", "length_spread"])
 def test_gaussian_mixture_lengths_are_checked_by_name(option, value):
     with pytest.raises(ValueError, match=rf"{option} must be a positive finite number"):
-        ATTENTION["flt"](16, 2, spectrum="gaussian_mixture", **{option: value})
+        ATTENTION["flt"].from_options(16, 2, spectrum="gaussian_mixture", **{option: value})
 
 
 @pytest.mark.parametrize("spectrum", ["local", "gaussian_mixture"])
 def test_a_negative_number_of_frequencies_is_told_it_must_be_positive(spectrum):
     with pytest.raises(ValueError, match=r"^num_frequencies must be a positive integer, got -3$"):
-        ATTENTION["flt"](16, 2, spectrum=spectrum, num_frequencies=-3)
+        ATTENTION["flt"].from_options(16, 2, spectrum=spectrum, num_frequencies=-3)
 
 
 def test_an_edge_id_beyond_int64_names_the_file_and_line(tmp_path):

@@ -19,7 +19,7 @@ RELATIVE = {
 
 
 def build(name, causal=False, **kw):
-    return ATTENTION[name](16, 2, causal=causal, **kw).double()
+    return ATTENTION[name].from_options(16, 2, causal=causal, **kw).double()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -44,7 +44,7 @@ def test_fast_path_equals_its_reference_forward_and_backward(name, causal):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_entry_trains(name):
-    lay = ATTENTION[name](16, 2)
+    lay = ATTENTION[name].from_options(16, 2)
     x = torch.randn(2, 9, 16, requires_grad=True)
     lay(x).square().mean().backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
@@ -89,8 +89,8 @@ def test_causal_outputs_do_not_see_the_future(name):
 def test_softmax_with_spectrum_bias_is_the_exact_counterpart_of_flt():
     torch.manual_seed(0)
     for coupling in ("logit", "multiplicative"):
-        flt_layer = FLTAttention(16, 2, coupling=coupling, qk_norm=False, amplitude=0.7, mean_scale=0.05).double()
-        soft = SoftmaxAttention(16, 2, relative_bias="spectrum", coupling=coupling).double()
+        flt_layer = FLTAttention.from_options(16, 2, coupling=coupling, qk_norm=False, amplitude=0.7, mean_scale=0.05).double()
+        soft = SoftmaxAttention.from_options(16, 2, relative_bias="spectrum", coupling=coupling).double()
         soft.to_qkv.load_state_dict(flt_layer.to_qkv.state_dict())
         soft.to_out.load_state_dict(flt_layer.to_out.state_dict())
         soft.spectrum.load_state_dict(flt_layer.spectrum.state_dict())
@@ -103,7 +103,7 @@ def test_shared_positions_give_one_term_and_the_same_outputs(bias):
     """Positions equal across the batch: the bias is computed once, outputs and gradients unchanged."""
     torch.manual_seed(0)
     opts = {"amplitude": 0.5} if bias == "spectrum" else {}
-    layer = SoftmaxAttention(16, 2, relative_bias=bias, causal=True, **opts).double()
+    layer = SoftmaxAttention.from_options(16, 2, relative_bias=bias, causal=True, **opts).double()
     x = torch.randn(3, 9, 16, dtype=F64, requires_grad=True)
     shared = torch.arange(9, dtype=F64).view(1, 9, 1)
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -129,18 +129,18 @@ def test_shared_positions_give_one_term_and_the_same_outputs(bias):
 
 
 def test_alibi_and_table_biases_against_hand_built_matrices():
-    soft = SoftmaxAttention(16, 2, relative_bias="alibi").double()
+    soft = SoftmaxAttention.from_options(16, 2, relative_bias="alibi").double()
     pos = torch.tensor([0.0, 1.0, 3.0], dtype=F64).view(1, 3, 1)
     slopes = alibi_slopes(2).double()
     dist = torch.tensor([[0, 1, 3], [1, 0, 2], [3, 2, 0]], dtype=F64)
     assert_close(soft.positional_term(pos, F64)[0], -slopes.view(2, 1, 1) * dist)
-    t5 = SoftmaxAttention(16, 2, relative_bias="clipped", max_distance=1).double()
+    t5 = SoftmaxAttention.from_options(16, 2, relative_bias="clipped", max_distance=1).double()
     with torch.no_grad():
         t5.table.table.copy_(torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]], dtype=F64))  # offsets -1, 0, +1
     pos = torch.arange(3, dtype=F64).view(1, 3, 1)
     expected_h0 = torch.tensor([[2, 3, 3], [1, 2, 3], [1, 1, 2]], dtype=F64)  # offset = key - query, clipped
     assert_close(t5.positional_term(pos, F64)[0, 0], 16.0 * expected_h0)  # default table_scale = 16
-    bare = SoftmaxAttention(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
+    bare = SoftmaxAttention.from_options(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
     bare.table.table.data.copy_(t5.table.table)
     assert_close(bare.positional_term(pos, F64)[0, 0], expected_h0)
     assert "relative.scale" not in dict(bare.named_parameters()) and "relative.scale" in dict(t5.named_parameters())
@@ -150,7 +150,7 @@ def test_alibi_and_table_biases_against_hand_built_matrices():
 def test_softmax_table_scale_multiplies_the_bias_and_learns(relative_bias):
     torch.manual_seed(0)
     layers = [
-        SoftmaxAttention(16, 2, relative_bias=relative_bias, max_distance=20, table_scale=s).double() for s in (1.0, 4.0)
+        SoftmaxAttention.from_options(16, 2, relative_bias=relative_bias, max_distance=20, table_scale=s).double() for s in (1.0, 4.0)
     ]
     with torch.no_grad():
         for lay in layers:
@@ -168,15 +168,15 @@ def test_softmax_alibi_distance_unit_and_learnable_slopes():
     x = torch.randn(2, 16, 16, dtype=F64)
     grid = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).view(1, 16, 2).double()
     patches = -0.75 + 0.5 * grid  # the 4 x 4 patch centres on [-1, 1]^2, spacing 0.5
-    per_token = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi").double()
-    per_patch = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5).double()
+    per_token = SoftmaxAttention.from_options(16, 2, pos_dim=2, relative_bias="alibi").double()
+    per_patch = SoftmaxAttention.from_options(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5).double()
     per_patch.load_state_dict(per_token.state_dict())
     # Measured in patch spacings, the patch centres are the integer grid.
     assert_close(per_patch.positional_term(patches, F64), per_token.positional_term(grid, F64))
     assert_close(per_patch(x, patches), per_token(x, grid))
     assert_close(per_patch(x, patches), per_patch(x, patches + 3.0))  # still relative
     # Learnable slopes: start at ALiBi's, stored as logs, trained.
-    learned = SoftmaxAttention(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5, alibi_learnable=True).double()
+    learned = SoftmaxAttention.from_options(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5, alibi_learnable=True).double()
     learned.load_state_dict(per_patch.state_dict(), strict=False)
     # (built in float32 and converted: the logs are float32-accurate)
     assert_close(learned.relative.log_slopes.exp(), alibi_slopes(2).double(), dtype=torch.float32)
@@ -184,7 +184,7 @@ def test_softmax_alibi_distance_unit_and_learnable_slopes():
     learned(x, patches).square().sum().backward()
     assert learned.relative.log_slopes.grad is not None and bool(torch.all(learned.relative.log_slopes.grad != 0))
     with pytest.raises(ValueError, match="alibi_unit"):
-        SoftmaxAttention(16, 2, relative_bias="alibi", alibi_unit=0.0)
+        SoftmaxAttention.from_options(16, 2, relative_bias="alibi", alibi_unit=0.0)
 
 
 def test_toeplitz_bias_is_the_shared_clipped_table():
@@ -260,11 +260,11 @@ def test_rope_option_makes_scores_relative(name):
 
 
 def test_flex_backend_says_it_cannot_train_on_cpu():
-    soft = SoftmaxAttention(16, 2, relative_bias="alibi", backend="flex")
+    soft = SoftmaxAttention.from_options(16, 2, relative_bias="alibi", backend="flex")
     with pytest.raises(NotImplementedError, match="backward on CPU"):
         soft(torch.randn(1, 5, 16))
     with torch.no_grad():
-        reference = SoftmaxAttention(16, 2, relative_bias="alibi", backend="reference")
+        reference = SoftmaxAttention.from_options(16, 2, relative_bias="alibi", backend="reference")
         reference.load_state_dict(soft.state_dict())
         x = torch.randn(1, 5, 16)
         torch.testing.assert_close(soft(x), reference(x), rtol=1e-5, atol=1e-6)
@@ -277,13 +277,13 @@ def test_flex_backend_says_it_cannot_train_on_cpu():
         (lambda: ToeplitzAttention(16, 2, dense_below=-1), ValueError, "dense_below must be a nonnegative int"),
         (lambda: ToeplitzAttention(16, 2)(torch.randn(1, 4, 16), torch.tensor([[0.0], [1.0], [3.0], [4.0]])), ValueError, "regular 1-D grid"),
         (lambda: ToeplitzAttention(16, 2, causal=True).step(torch.randn(1, 16)), NotImplementedError, "recurrent state"),
-        (lambda: SoftmaxAttention(16, 2, relative_bias="t5", pos_dim=2), ValueError, "1-D integer offsets"),
-        (lambda: SoftmaxAttention(16, 2, relative_bias="rotary"), ValueError, "relative_bias must be one of"),
-        (lambda: SoftmaxAttention(16, 2, amplitude=1.0), ValueError, "spectrum options need relative_bias='spectrum'"),
-        (lambda: SoftmaxAttention(16, 2, coupling="multiplicative"), ValueError, "relative_bias='spectrum' only"),
-        (lambda: SoftmaxAttention(16, 2, backend="cuda"), ValueError, "backend must be one of"),
-        (lambda: ATTENTION["performer"](16, 2, rope=True, pos_dim=3), ValueError, "rope needs head_dim"),
-        (lambda: ATTENTION["performer"](16, 2)(torch.randn(1, 4, 16), torch.randn(1, 5, 1)), ValueError, "pos has 5 positions"),
+        (lambda: SoftmaxAttention.from_options(16, 2, relative_bias="t5", pos_dim=2), ValueError, "1-D integer offsets"),
+        (lambda: SoftmaxAttention.from_options(16, 2, relative_bias="rotary"), ValueError, "relative_bias must be one of"),
+        (lambda: SoftmaxAttention.from_options(16, 2, amplitude=1.0), ValueError, "spectrum options need relative_bias='spectrum'"),
+        (lambda: SoftmaxAttention.from_options(16, 2, coupling="multiplicative"), ValueError, "relative_bias='spectrum' only"),
+        (lambda: SoftmaxAttention.from_options(16, 2, backend="cuda"), ValueError, "backend must be one of"),
+        (lambda: ATTENTION["performer"].from_options(16, 2, rope=True, pos_dim=3), ValueError, "rope needs head_dim"),
+        (lambda: ATTENTION["performer"].from_options(16, 2)(torch.randn(1, 4, 16), torch.randn(1, 5, 1)), ValueError, "pos has 5 positions"),
     ],
 )
 def test_bad_input_is_rejected(call, err, match):
@@ -295,7 +295,7 @@ def test_bad_input_is_rejected(call, err, match):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_matches_float32(name, dtype):
     torch.manual_seed(0)
-    lay = ATTENTION[name](16, 2, causal=True)
+    lay = ATTENTION[name].from_options(16, 2, causal=True)
     x = torch.randn(2, 9, 16)
     ref = lay(x)
     out = lay.to(dtype)(x.to(dtype))

@@ -12,7 +12,7 @@ COUPLINGS = ["logit", "multiplicative"]
 
 
 def layer(coupling="logit", *, dim=16, heads=2, m=32, R=8, causal=False, pos_dim=1, **kw):
-    return FLTAttention(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, pos_dim=pos_dim, **kw).double()
+    return FLTAttention.from_options(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, pos_dim=pos_dim, **kw).double()
 
 
 def rel(a, b):
@@ -159,7 +159,7 @@ def test_decoding_state_has_constant_size():
 
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_causal_past_outputs_do_not_change_when_the_future_does(coupling):
-    lay = FLTAttention(16, 2, coupling=coupling, num_features=32, num_frequencies=8, causal=True, chunk_size=8, qk_norm=False)
+    lay = FLTAttention.from_options(16, 2, coupling=coupling, num_features=32, num_frequencies=8, causal=True, chunk_size=8, qk_norm=False)
     x = torch.randn(1, 30, 16)
     x2 = x.clone()
     x2[:, 20:] = torch.randn(1, 10, 16) * 30  # large future tokens
@@ -205,7 +205,7 @@ def test_gradcheck_layer(coupling):
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_every_spectrum_trains_through_the_layer(name, coupling):
     options = {"components": 2} if name == "gaussian_mixture" else {}
-    lay = FLTAttention(16, 2, pos_dim=2, spectrum=name, coupling=coupling, num_features=16, num_frequencies=8, amplitude=0.5, **options)
+    lay = FLTAttention.from_options(16, 2, pos_dim=2, spectrum=name, coupling=coupling, num_features=16, num_frequencies=8, amplitude=0.5, **options)
     x = torch.randn(2, 7, 16)
     pos = torch.randn(2, 7, 2)
     lay(x, pos).square().mean().backward()
@@ -218,7 +218,7 @@ def test_every_spectrum_trains_through_the_layer(name, coupling):
 @pytest.mark.parametrize("coupling", COUPLINGS)
 def test_half_precision_runs_with_float32_exponentials(dtype, coupling):
     torch.manual_seed(0)
-    lay = FLTAttention(16, 2, coupling=coupling, num_features=32, num_frequencies=8, amplitude=0.5)
+    lay = FLTAttention.from_options(16, 2, coupling=coupling, num_features=32, num_frequencies=8, amplitude=0.5)
     x = torch.randn(2, 12, 16)
     ref = lay(x)
     half = lay.to(dtype)
@@ -261,7 +261,7 @@ def test_bad_input_is_rejected(build, call, err, match):
     kwargs.update(build)
     dim, heads = kwargs.pop("dim"), kwargs.pop("heads")
     with pytest.raises(err, match=match):
-        lay = FLTAttention(dim, heads, **kwargs)
+        lay = FLTAttention.from_options(dim, heads, **kwargs)
         call(lay)
 
 
@@ -281,7 +281,7 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     kp = None if causal else pad
     assert torch.allclose(perf(x, key_padding_mask=kp), perf.exact(x, key_padding_mask=kp), atol=1e-12)
     for fm in ("elu", "taylor", "hedgehog"):
-        flat = FLTAttention(16, 2, causal=causal, coupling="multiplicative", feature_map=fm, spectrum="gaussian",
+        flat = FLTAttention.from_options(16, 2, causal=causal, coupling="multiplicative", feature_map=fm, spectrum="gaussian",
                             length_scale=1e7, amplitude=1.5, dtype=torch.float64)  # f = 1.5 at every offset
         assert torch.allclose(flat(x, pos, kp), flat.exact(x, pos, kp), atol=1e-9), fm
     # hedgehog's W is learned: the linear path and the O(N^2) reference agree on its gradient too.
@@ -299,4 +299,4 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     out, ref = relu(x), relu.exact(x)
     assert ((out - ref).norm() / ref.norm()).item() < 0.05
     with pytest.raises(ValueError, match="near sets .* need feature_map='favor\\+'"):
-        FLTAttention(16, 2, coupling="multiplicative", feature_map="elu", near_neighbors=4)
+        FLTAttention.from_options(16, 2, coupling="multiplicative", feature_map="elu", near_neighbors=4)

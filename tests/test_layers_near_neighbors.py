@@ -15,7 +15,7 @@ F64 = torch.float64
 
 def strong_layer(k=6, P=3, spectrum="gaussian", amplitude=2.0, **kw):
     options = {"length_scale": 1.0} if spectrum == "gaussian" else {}
-    layer = FLTAttention(32, 2, pos_dim=P, spectrum=spectrum, num_features=16, num_frequencies=8, near_neighbors=k,
+    layer = FLTAttention.from_options(32, 2, pos_dim=P, spectrum=spectrum, num_features=16, num_frequencies=8, near_neighbors=k,
                          **options, **kw).double()
     with torch.no_grad():
         for module in (layer.spectrum, layer.near_spectrum):
@@ -123,7 +123,7 @@ def test_strong_local_mask_in_the_near_spectrum_costs_no_variance():
     x = torch.randn(2, N, 32, dtype=F64)
     errs = {}
     for name, k in (("plain", 0), ("near", 16)):
-        layer = FLTAttention(32, 2, pos_dim=3, spectrum="gaussian", length_scale=1.0, num_features=64, num_frequencies=16,
+        layer = FLTAttention.from_options(32, 2, pos_dim=3, spectrum="gaussian", length_scale=1.0, num_features=64, num_frequencies=16,
                              near_neighbors=k).double()
         with torch.no_grad():
             (layer.near_spectrum if k else layer.spectrum).amplitude.fill_(3.5)
@@ -182,7 +182,7 @@ def test_multiplicative_near_set_makes_a_strong_local_mask_stable():
         pos = torch.rand(2, N, 3, dtype=F64) * N ** (1 / 3)
         x = torch.randn(2, N, 32, dtype=F64)
         for name, k in (("plain", 0), ("near", 16)):
-            layer = FLTAttention(32, 2, pos_dim=3, spectrum="gaussian", coupling="multiplicative", length_scale=1.0,
+            layer = FLTAttention.from_options(32, 2, pos_dim=3, spectrum="gaussian", coupling="multiplicative", length_scale=1.0,
                                  num_features=64, num_frequencies=32, near_neighbors=k).double()
             with torch.no_grad():
                 (layer.near_spectrum if k else layer.spectrum).amplitude.fill_(3.5)
@@ -197,23 +197,23 @@ def test_near_set_is_the_k_nearest_valid_keys():
     layer = strong_layer(k=3, P=2)
     pos = torch.tensor([[[0.0, 0.0], [5.0, 0.0], [0.1, 0.0], [0.0, 0.2], [0.05, 0.0]]], dtype=F64)
     pad = torch.tensor([[False, False, False, False, True]])
-    idx = layer.near_keys(pos, ~pad)
+    idx = layer.near.keys(pos, ~pad)
     assert idx[0, 0].tolist() == [0, 2, 3]
     assert torch.equal(idx, nearest_keys(pos, 3, key_mask=~pad))
 
 
 def test_option_errors():
     with pytest.raises(ValueError, match="near_neighbors must be a nonnegative int"):
-        FLTAttention(32, 2, near_neighbors=-1)
+        FLTAttention.from_options(32, 2, near_neighbors=-1)
     with pytest.raises((TypeError, ValueError), match="near_neighbors"):
-        FLTAttention(32, 2, near_neighbors=2.5)
+        FLTAttention.from_options(32, 2, near_neighbors=2.5)
     with pytest.raises(ValueError, match="exclusive"):
-        FLTAttention(32, 2, near_neighbors=4, near_field=4)
+        FLTAttention.from_options(32, 2, near_neighbors=4, near_field=4)
     with pytest.raises(ValueError, match="near_field needs coupling='logit'"):
-        FLTAttention(32, 2, near_field=4, coupling="multiplicative")
+        FLTAttention.from_options(32, 2, near_field=4, coupling="multiplicative")
     with pytest.raises(ValueError, match="causal=False"):
-        FLTAttention(32, 2, near_neighbors=4, causal=True)
-    layer = FLTAttention(32, 2, near_neighbors=4)
+        FLTAttention.from_options(32, 2, near_neighbors=4, causal=True)
+    layer = FLTAttention.from_options(32, 2, near_neighbors=4)
     assert layer.near_spectrum is not None and layer.near_spectrum.has_random_features is False
 
 

@@ -10,7 +10,7 @@ import torch
 
 from flt.data.errors import DataError
 from flt.data.pysource import EXCLUDED_DIRS, load_python_source, source_files, split_files, stdlib_dir
-from flt.layers.band_decode import BandDecodeState, band_step
+from flt.layers.band_decode import BandDecodeState
 from flt.layers.flt import FLTAttention
 
 
@@ -80,7 +80,7 @@ def test_smoke_preset_trains_in_seconds(tmp_path):
 
 
 def banded_layer(width, *, rope=False, seed=0, **kw):
-    layer = FLTAttention(16, 2, causal=True, spectrum="local", num_features=8, num_frequencies=4, near_field=width,
+    layer = FLTAttention.from_options(16, 2, causal=True, spectrum="local", num_features=8, num_frequencies=4, near_field=width,
                          seed=seed, rope=rope, amplitude=1.0, dtype=torch.float64, **kw).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_band_decoding_equals_the_full_forward_in_float64(width, length, rope):
     full = layer(x)
     state, outs = None, []
     for t in range(length):
-        y, state = band_step(layer, x[:, t], state)
+        y, state = layer.step(x[:, t], state)
         outs.append(y)
     torch.testing.assert_close(torch.stack(outs, 1), full, rtol=1e-10, atol=1e-12)
     # Constant memory: the ring buffer holds w + 1 tokens whatever the length.
@@ -112,7 +112,7 @@ def test_band_decoding_with_given_positions_and_a_large_logit_scale():
     full = layer(x, pos)
     state, outs = None, []
     for t in range(12):
-        y, state = band_step(layer, x[:, t], state, pos[0, t])
+        y, state = layer.step(x[:, t], state, pos[0, t])
         outs.append(y)
     out = torch.stack(outs, 1)
     assert torch.isfinite(out).all()
@@ -122,15 +122,15 @@ def test_band_decoding_with_given_positions_and_a_large_logit_scale():
 def test_band_decoding_checks_its_inputs():
     layer = banded_layer(2)
     with pytest.raises(ValueError, match=r"x must"):
-        band_step(layer, torch.randn(2, 3, 16, dtype=torch.float64))
+        layer.step(torch.randn(2, 3, 16, dtype=torch.float64))
     with pytest.raises(TypeError, match="BandDecodeState"):
-        band_step(layer, torch.randn(2, 16, dtype=torch.float64), state=object())
-    _, state = band_step(layer, torch.randn(2, 16, dtype=torch.float64))
+        layer.step(torch.randn(2, 16, dtype=torch.float64), state=object())
+    _, state = layer.step(torch.randn(2, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="batch 2"):
-        band_step(layer, torch.randn(3, 16, dtype=torch.float64), state)
-    bidirectional = FLTAttention(16, 2, near_field=2, dtype=torch.float64)
+        layer.step(torch.randn(3, 16, dtype=torch.float64), state)
+    bidirectional = FLTAttention.from_options(16, 2, near_field=2, dtype=torch.float64)
     with pytest.raises(ValueError, match="causal=True"):
-        band_step(bidirectional, torch.randn(2, 16, dtype=torch.float64))
+        bidirectional.step(torch.randn(2, 16, dtype=torch.float64))
 
 
 def test_the_crossover_is_interpolated_between_measured_lengths():

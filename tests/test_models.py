@@ -247,10 +247,10 @@ def test_isotropic_lengths_stay_tied_through_training():
 def test_tie_isotropic_rejects_non_radial_spectra():
     from flt.layers import FLTAttention
 
-    layer = FLTAttention(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=8)
+    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=8)
     with pytest.raises(ValueError, match="radial"):
         tie_isotropic(layer)
-    assert tie_isotropic(FLTAttention(16, 2, pos_dim=3, spectrum="matern", num_frequencies=8)) == 1
+    assert tie_isotropic(FLTAttention.from_options(16, 2, pos_dim=3, spectrum="matern", num_frequencies=8)) == 1
 
 
 @pytest.mark.parametrize("attention", NAMES)

@@ -100,10 +100,10 @@ def test_one_layer_with_the_true_term_computes_the_target(mechanism):
     k = TINY["value_dim"]
     spec = true_spectrum(TINY["centers"], TINY["width"], TINY["amplitude"])
     if mechanism == "softmax":
-        layer = SoftmaxAttention(k, 1, causal=True, relative_bias=spec, backend="reference", dtype=torch.float64)
+        layer = SoftmaxAttention.from_options(k, 1, causal=True, relative_bias=spec, backend="reference", dtype=torch.float64)
         run = layer
     else:
-        layer = FLTAttention(k, 1, causal=True, spectrum="gaussian_mixture", components=2, num_frequencies=4,
+        layer = FLTAttention.from_options(k, 1, causal=True, spectrum="gaussian_mixture", components=2, num_frequencies=4,
                              shift=True, shift_scale=64.0, qk_norm=False, dtype=torch.float64)
         layer.spectrum.load_state_dict(spec.state_dict())
         run = layer.exact
@@ -115,7 +115,7 @@ def test_one_layer_with_the_true_term_computes_the_target(mechanism):
 def test_toeplitz_spectrum_term_equals_pairwise():
     """Softmax's spectrum term on token indices (gathered from the 2N - 1 offsets) is the
     pairwise term, values and gradients."""
-    layer = SoftmaxAttention(8, 2, causal=True, relative_bias="spectrum", spectrum="gaussian_mixture", shift=True,
+    layer = SoftmaxAttention.from_options(8, 2, causal=True, relative_bias="spectrum", spectrum="gaussian_mixture", shift=True,
                              amplitude=1.0, mean_scale=0.1, dtype=torch.float64)
     pos = (torch.arange(37, dtype=torch.float64) + 5).view(1, -1, 1)
     fast = layer.positional_term(pos, torch.float64)

@@ -28,7 +28,7 @@ LOG_LEVELS = {"toeplitz"}
 def aten_ops(name: str, options: dict, n: int) -> int:
     """aten operations of one forward and backward of a causal layer (dim 32, 2 heads)."""
     torch.manual_seed(0)
-    layer = ATTENTION[name](32, 2, causal=True, **options)
+    layer = ATTENTION[name].from_options(32, 2, causal=True, **options)
     x = torch.randn(1, n, 32, requires_grad=True)
     layer(x).sum().backward()  # first-call work (conditioning checks, caches) out of the count
     with profile(activities=[ProfilerActivity.CPU]) as prof:

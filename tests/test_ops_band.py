@@ -1,5 +1,5 @@
 """The banded estimator (exact near field, FAVOR+ far field) against its O(N^2) formula,
-and FLTAttention(near_field=w) against the attention it claims to be."""
+and FLTAttention.from_options(near_field=w) against the attention it claims to be."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_band_attention_rejects_bad_arguments(bad, match):
 
 
 def strong_layer(causal=False, near=16, amplitude=3.5, spectrum="local", **kw):
-    layer = FLTAttention(64, 2, spectrum=spectrum, num_features=32, num_frequencies=8, causal=causal, near_field=near, **kw).double()
+    layer = FLTAttention.from_options(64, 2, spectrum=spectrum, num_features=32, num_frequencies=8, causal=causal, near_field=near, **kw).double()
     with torch.no_grad():
         for module in (layer.spectrum, layer.near_spectrum):
             for name, p in module.named_parameters():
@@ -149,7 +149,7 @@ def test_near_field_layer_forward_equals_reference_forward_and_backward(causal, 
 def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(causal, monkeypatch):
     """Equally spaced 1-D positions: the band's f is evaluated on its 2w + 1 offsets and
     broadcast over the rows; outputs and every gradient equal the per-row computation."""
-    import flt.layers.flt as flt_layer
+    import flt.layers.near as flt_layer
     from flt.layers.base import regular_step
 
     assert regular_step(torch.arange(6, dtype=F64).view(1, 6, 1) * 0.5 + 3).item() == 0.5
@@ -160,7 +160,7 @@ def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(
     layer = strong_layer(causal, near=4, spectrum="local", near_relative="clipped")
     x = torch.randn(2, 23, 64, dtype=F64)
     pos = (torch.arange(23, dtype=F64) + 2.0).view(1, 23, 1).expand(2, 23, 1)
-    once = layer.band_bias(pos[:1])
+    once = layer.near.bias(layer, pos[:1])
     assert once.stride(2) == 0  # a view over the rows, not N copies
     results = []
     for patched in (False, True):
@@ -169,7 +169,7 @@ def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(
         xg = x.clone().requires_grad_(True)
         out = layer(xg, pos)
         grads = torch.autograd.grad(out.square().sum(), [xg] + list(layer.parameters()), allow_unused=True)
-        results.append((out, grads, layer.band_bias(pos[:1])))
+        results.append((out, grads, layer.near.bias(layer, pos[:1])))
     (out, grads, _), (out_rows, grads_rows, per_row) = results
     w = 4
     assert torch.allclose(once[:, :, w:-w], per_row[:, :, w:-w], atol=1e-12)  # interior rows (the ends hold junk)
@@ -190,7 +190,7 @@ def test_near_field_layer_converges_to_exact_and_is_exact_when_the_band_covers_e
 
     _set_local_amplitude(strong.near_spectrum, 3.5)
     x = torch.randn(2, 128, 64, dtype=F64)
-    plain = FLTAttention(64, 2, spectrum="local", num_features=32, num_frequencies=8).double()
+    plain = FLTAttention.from_options(64, 2, spectrum="local", num_features=32, num_frequencies=8).double()
     plain.load_state_dict({k: v for k, v in strong.state_dict().items() if not k.startswith("near_spectrum")})
     _set_local_amplitude(plain.spectrum, 3.5)
     with torch.no_grad():
@@ -214,7 +214,7 @@ def test_shifted_spectra_in_the_band_keep_the_sign_of_the_offsets(causal):
 
     layer = shifted(40)
     with torch.no_grad():
-        row = layer.band_bias(torch.arange(9, dtype=F64).view(1, 9, 1))[0, :, 4]  # offsets +40 .. -40
+        row = layer.near.bias(layer, torch.arange(9, dtype=F64).view(1, 9, 1))[0, :, 4]  # offsets +40 .. -40
         assert (row - row.flip(-1)).abs().max() > 0.1  # the mask is not even
         x = torch.randn(2, 33, 64, dtype=F64)
         assert_close(layer(x), layer.exact(x))  # every pair is in the band
@@ -245,7 +245,7 @@ def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
 @pytest.mark.parametrize("causal", [False, True])
 def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causal):
     # f_near may be any offset term of flt.relative: a clipped table, one entry per offset.
-    layer = FLTAttention(64, 2, spectrum="local", num_features=32, num_frequencies=8, causal=causal, near_field=3,
+    layer = FLTAttention.from_options(64, 2, spectrum="local", num_features=32, num_frequencies=8, causal=causal, near_field=3,
                          near_relative="clipped").double()
     assert type(layer.near_spectrum).__name__ == "ClippedBias" and layer.near_spectrum.max_distance == 3
     with torch.no_grad():
@@ -272,38 +272,38 @@ def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causa
 
 def test_near_field_option_errors():
     with pytest.raises(ValueError, match="near_field"):
-        FLTAttention(64, 2, near_field=-1)
+        FLTAttention.from_options(64, 2, near_field=-1)
     with pytest.raises(TypeError, match="near_field.*must be an int"):
-        FLTAttention(64, 2, near_field=2.5)
+        FLTAttention.from_options(64, 2, near_field=2.5)
     with pytest.raises(ValueError, match="coupling='logit'"):
-        FLTAttention(64, 2, near_field=4, coupling="multiplicative")
+        FLTAttention.from_options(64, 2, near_field=4, coupling="multiplicative")
     with pytest.raises(ValueError, match="near_relative .* needs near_field or near_neighbors"):
-        FLTAttention(64, 2, near_relative="clipped")
+        FLTAttention.from_options(64, 2, near_relative="clipped")
     with pytest.raises(ValueError, match="near_relative_options need near_relative"):
-        FLTAttention(64, 2, near_field=2, near_relative_options={"max_distance": 2})
+        FLTAttention.from_options(64, 2, near_field=2, near_relative_options={"max_distance": 2})
     with pytest.raises(ValueError, match="relative term"):
-        FLTAttention(64, 2, near_field=2, near_relative="nope")
+        FLTAttention.from_options(64, 2, near_field=2, near_relative="nope")
     # A spectrum of its own options as the near term starts at f_near = 0 like the default one.
-    other = FLTAttention(64, 2, spectrum="local", near_field=2, near_relative="gaussian", near_relative_options={"length_scale": 3.0})
+    other = FLTAttention.from_options(64, 2, spectrum="local", near_field=2, near_relative="gaussian", near_relative_options={"length_scale": 3.0})
     assert type(other.near_spectrum).__name__ == "GaussianKernelSpectrum"
     assert float(other.near_spectrum.amplitude.abs().max()) == 0.0 and other.near_spectrum.has_random_features is False
-    assert FLTAttention(64, 2, near_field=4, causal=True).supports_decoding is True  # flt.layers.band_decode
-    assert FLTAttention(64, 2, near_neighbors=4).supports_decoding is False
+    assert FLTAttention.from_options(64, 2, near_field=4, causal=True).supports_decoding is True  # flt.layers.band_decode
+    assert FLTAttention.from_options(64, 2, near_neighbors=4).supports_decoding is False
 
 
 def test_band_bias_of_batch_shared_positions_is_computed_once_and_equals_the_full_one():
-    layer = FLTAttention(16, 2, near_field=3, spectrum="local", amplitude=1.0).double()
+    layer = FLTAttention.from_options(16, 2, near_field=3, spectrum="local", amplitude=1.0).double()
     with torch.no_grad():
         for p in layer.near_spectrum.parameters():
             p.add_(0.3)
     grid = torch.arange(10, dtype=torch.float64).view(1, 10, 1)
     shared = grid.expand(4, 10, 1)
     assert batch_shared(shared).shape[0] == 1
-    full = layer.band_bias(shared.contiguous())
+    full = layer.near.bias(layer, shared.contiguous())
     assert full.shape[0] == 4
     # Interior rows (the first and last w rows hold junk the band op ignores; token indices
     # take the once-per-offset path, the batch of 4 the per-row one).
-    assert torch.equal(layer.band_bias(batch_shared(shared)).expand_as(full)[:, :, 3:-3], full[:, :, 3:-3])
+    assert torch.equal(layer.near.bias(layer, batch_shared(shared)).expand_as(full)[:, :, 3:-3], full[:, :, 3:-3])
     distinct = shared + torch.arange(4, dtype=torch.float64).view(4, 1, 1) * torch.linspace(0, 1, 10, dtype=torch.float64).view(1, 10, 1)
     assert batch_shared(distinct) is distinct
     x = torch.randn(4, 10, 16, dtype=torch.float64)

@@ -163,7 +163,7 @@ def test_cpu_without_interpreter_refuses():
         "from flt.layers.registry import ATTENTION\n"
         "x = torch.randn(1, 1, 4, 4)\n"
         "for run in (lambda: favor_attention(x, x, x, torch.randn(16, 4)),\n"
-        "            lambda: ATTENTION['flt'](8, 2, backend='triton')(torch.randn(1, 4, 8))):\n"
+        "            lambda: ATTENTION['flt'].from_options(8, 2, backend='triton')(torch.randn(1, 4, 8))):\n"
         "    try:\n"
         "        run()\n"
         "    except ValueError as err:\n"
@@ -190,8 +190,8 @@ def test_layer_backend_triton_matches_torch(name, options, causal):
     from flt.layers.registry import ATTENTION
 
     kw = dict(pos_dim=1, causal=causal, num_features=16, dtype=torch.float64, seed=1, **options)
-    torch_layer = ATTENTION[name](16, 2, **kw)
-    triton_layer = ATTENTION[name](16, 2, backend="triton", **kw)
+    torch_layer = ATTENTION[name].from_options(16, 2, **kw)
+    triton_layer = ATTENTION[name].from_options(16, 2, backend="triton", **kw)
     triton_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 19, 16, dtype=torch.float64, requires_grad=True)
     pad = None if causal else torch.zeros(2, 19, dtype=torch.bool).index_fill_(1, torch.tensor([17, 18]), True)
@@ -208,13 +208,13 @@ def test_layer_backend_refusals():
     from flt.layers.registry import ATTENTION
 
     with pytest.raises(ValueError, match="feature_map='favor\\+'"):
-        ATTENTION["performer"](16, 2, backend="triton", feature_map="relu")
+        ATTENTION["performer"].from_options(16, 2, backend="triton", feature_map="relu")
     with pytest.raises(ValueError, match="near_neighbors"):
-        ATTENTION["flt"](16, 2, backend="triton", near_neighbors=2)
+        ATTENTION["flt"].from_options(16, 2, backend="triton", near_neighbors=2)
     with pytest.raises(ValueError, match="backend"):
-        ATTENTION["toeplitz"](16, 2, backend="triton")
+        ATTENTION["toeplitz"].from_options(16, 2, backend="triton")
     with pytest.raises(ValueError, match="backend"):
-        ATTENTION["flt"](16, 2, backend="cuda")
+        ATTENTION["flt"].from_options(16, 2, backend="cuda")
 
 
 def _band_inputs(n=45, width=5):
@@ -264,8 +264,8 @@ def test_layer_band_backend_triton_matches_torch(causal):
     from flt.layers.registry import ATTENTION
 
     kw = dict(causal=causal, num_features=16, num_frequencies=4, near_field=4, near_relative="clipped", dtype=torch.float64, seed=2)
-    torch_layer = ATTENTION["flt"](16, 2, **kw)
-    triton_layer = ATTENTION["flt"](16, 2, backend="triton", **kw)
+    torch_layer = ATTENTION["flt"].from_options(16, 2, **kw)
+    triton_layer = ATTENTION["flt"].from_options(16, 2, backend="triton", **kw)
     with torch.no_grad():
         for p in torch_layer.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -36,7 +36,7 @@ INT_OPTION = {"flt": "num_features", "performer": "num_features", "toeplitz": "m
 
 def test_flt_num_frequencies_of_the_wrong_type_is_named_with_its_type():
     with pytest.raises(TypeError) as err:
-        FLTAttention(16, 2, num_frequencies="abc")
+        FLTAttention.from_options(16, 2, num_frequencies="abc")
     assert str(err.value) == "attention 'flt': option 'num_frequencies' must be an int, got 'abc' (str)"
 
 
@@ -51,7 +51,7 @@ def test_cli_num_frequencies_of_the_wrong_type_is_one_line(capsys):
 def test_every_entry_rejects_an_int_option_of_another_type(name, value, shown):
     option = INT_OPTION[name]
     with pytest.raises(TypeError, match=re.escape(f"attention '{name}': option '{option}' must be an int, got {shown}")):
-        ATTENTION[name](16, 2, **{option: value})
+        ATTENTION[name].from_options(16, 2, **{option: value})
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_every_entry_rejects_an_int_option_of_another_type(name, value, shown):
 )
 def test_flt_and_spectrum_options_are_type_checked(options, message):
     with pytest.raises(TypeError, match=re.escape(f"attention 'flt': {message}")):
-        FLTAttention(16, 2, **options)
+        FLTAttention.from_options(16, 2, **options)
 
 
 @pytest.mark.parametrize("spectrum", ["gaussian", "matern", "neural"])
@@ -90,10 +90,10 @@ def test_shift_on_a_family_without_components_is_refused_before_the_model(spectr
 
 
 def test_numbers_accept_ints_and_sequences_accept_tuples_and_tensors():
-    layer = FLTAttention(16, 2, spectrum="local", smoothing=[1, 2.0, 4, 8], shift=True, shift_scale=100)
+    layer = FLTAttention.from_options(16, 2, spectrum="local", smoothing=[1, 2.0, 4, 8], shift=True, shift_scale=100)
     assert layer.spectrum.shift.shape == (2, 4, 1) and layer.spectrum.shift_scale == 100.0
-    FLTAttention(16, 2, temperature=2, spectrum="gaussian", length_scale=(1.0, 2), pos_dim=2)
-    FLTAttention(16, 2, spectrum="gaussian", length_scale=torch.tensor([1.0, 2.0]), pos_dim=2)
+    FLTAttention.from_options(16, 2, temperature=2, spectrum="gaussian", length_scale=(1.0, 2), pos_dim=2)
+    FLTAttention.from_options(16, 2, spectrum="gaussian", length_scale=torch.tensor([1.0, 2.0]), pos_dim=2)
 
 
 def test_cli_values_arrive_parsed_as_json():
@@ -141,7 +141,7 @@ def test_every_preset_option_passes():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_entry_reports_an_unknown_option_against_its_registry_name(name):
     with pytest.raises(UnknownOptionError) as err:
-        ATTENTION[name](16, 2, foo=1)
+        ATTENTION[name].from_options(16, 2, foo=1)
     text = str(err.value)
     assert text.startswith(f"attention '{name}': unknown option 'foo'")
     assert f"{ATTENTION[name].__name__} takes " in text and INT_OPTION[name] in text
@@ -150,7 +150,7 @@ def test_every_entry_reports_an_unknown_option_against_its_registry_name(name):
 
 def test_flt_unknown_option_suggests_and_lists_the_layer_and_spectrum_options():
     with pytest.raises(UnknownOptionError) as err:
-        FLTAttention(16, 2, numfreq=3)
+        FLTAttention.from_options(16, 2, numfreq=3)
     text = str(err.value)
     assert text.startswith("attention 'flt': unknown option 'numfreq'; did you mean 'num_frequencies'")
     assert "FLTAttention takes backend, check_condition, chunk_size, coupling," in text
@@ -160,15 +160,15 @@ def test_flt_unknown_option_suggests_and_lists_the_layer_and_spectrum_options():
 
 def test_an_option_of_another_spectrum_says_which():
     with pytest.raises(UnknownOptionError, match=r"'length_scale' is an option of the spectrum 'gaussian_mixture', .* not of 'local'"):
-        FLTAttention(16, 2, spectrum="local", length_scale=2.0)
+        FLTAttention.from_options(16, 2, spectrum="local", length_scale=2.0)
 
 
 def test_softmax_spectrum_options_are_checked_against_the_spectrum():
     with pytest.raises(UnknownOptionError, match=r"attention 'softmax': unknown option 'componets'; did you mean 'components'\?"):
-        ATTENTION["softmax"](16, 2, relative_bias="spectrum", componets=2)
+        ATTENTION["softmax"].from_options(16, 2, relative_bias="spectrum", componets=2)
     # A valid spectrum option without relative_bias="spectrum" keeps the layer's own message.
     with pytest.raises(ValueError, match="spectrum options need relative_bias='spectrum'"):
-        ATTENTION["softmax"](16, 2, amplitude=1.0)
+        ATTENTION["softmax"].from_options(16, 2, amplitude=1.0)
 
 
 def test_cli_unknown_option_is_one_line_with_a_suggestion(capsys):
@@ -192,7 +192,7 @@ def test_posenc_unknown_option(capsys):
 
 
 def test_layers_still_copy_and_pickle():
-    lay = FLTAttention(16, 2, num_frequencies=8, causal=True)
+    lay = FLTAttention.from_options(16, 2, num_frequencies=8, causal=True)
     for other in (copy.deepcopy(lay), pickle.loads(pickle.dumps(lay))):
         assert other.spectrum.num_frequencies == 8 and other.causal
 
@@ -277,7 +277,7 @@ def test_every_command_with_attention_uses_the_shared_parser():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_entry_names_a_dtype_mismatch(name):
-    lay = ATTENTION[name](16, 2)
+    lay = ATTENTION[name].from_options(16, 2)
     with pytest.raises(TypeError) as err:
         lay(torch.randn(2, 5, 16, dtype=torch.float64))
     assert str(err.value) == (
@@ -289,18 +289,18 @@ def test_every_entry_names_a_dtype_mismatch(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_every_entry_names_an_empty_sequence(name):
     with pytest.raises(ValueError, match=re.escape("x has no tokens (N = 0, shape (2, 0, 16)); attention needs at least one token")):
-        ATTENTION[name](16, 2)(torch.randn(2, 0, 16))
+        ATTENTION[name].from_options(16, 2)(torch.randn(2, 0, 16))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_entry_names_a_device_mismatch(name):
     with pytest.raises(ValueError, match=re.escape("x is on meta but the layer's parameters are on cpu")):
-        ATTENTION[name](16, 2)(torch.empty(2, 5, 16, device="meta"))
+        ATTENTION[name].from_options(16, 2)(torch.empty(2, 5, 16, device="meta"))
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_autocast_still_mixes_dtypes(name):
-    lay = ATTENTION[name](16, 2)
+    lay = ATTENTION[name].from_options(16, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = lay(torch.randn(1, 4, 16, dtype=torch.bfloat16))
     assert out.shape == (1, 4, 16)

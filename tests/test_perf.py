@@ -72,7 +72,7 @@ def test_flt_compile_equals_eager_in_float64(causal, monkeypatch):
     kept = []
     monkeypatch.setattr("flt.perf.keep_freed_memory", lambda enable=True: kept.append(enable) or True)
     torch.manual_seed(0)
-    layer = flt.FLTAttention(16, 2, num_features=8, num_frequencies=4, causal=causal, dtype=torch.float64)
+    layer = flt.FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, causal=causal, dtype=torch.float64)
     x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)
     torch._dynamo.reset()
     fast = flt.compile(layer, backend="aot_eager")

@@ -72,7 +72,7 @@ def test_softmax_layer_adds_the_term_it_is_given_as_a_module(name):
     torch.manual_seed(2)
     P = 1 if name in ONE_D else 2
     term = _build(name, P)
-    layer = SoftmaxAttention(12, 3, pos_dim=P, relative_bias=term, backend="reference").double()
+    layer = SoftmaxAttention.from_options(12, 3, pos_dim=P, relative_bias=term, backend="reference").double()
     x, pos = torch.randn(2, 5, 12, dtype=F64), _positions(name, P, 5)
     q, k, v = layer.to_qkv(x).view(2, 5, 3, 3, 4).permute(2, 0, 3, 1, 4)
     logits = q @ k.transpose(-1, -2) / 2.0 + term.bias(pos)
@@ -93,30 +93,30 @@ def test_a_term_registered_beyond_the_built_ins_reaches_softmax_by_name_with_its
             return delta[..., :1] * self.strength
 
     monkeypatch.setitem(RELATIVE, "dipole", Dipole)
-    layer = SoftmaxAttention(8, 2, relative_bias="dipole", relative_options={"strength": 0.5}).double()
+    layer = SoftmaxAttention.from_options(8, 2, relative_bias="dipole", relative_options={"strength": 0.5}).double()
     pos = torch.arange(4, dtype=F64).view(1, 4, 1)
     assert_close(layer.positional_term(pos, F64)[0, 1], 0.5 * (pos[0] - pos[0].T))
     with pytest.raises(ValueError, match="relative_bias must be one of"):
-        SoftmaxAttention(8, 2, relative_bias="dipol")
+        SoftmaxAttention.from_options(8, 2, relative_bias="dipol")
 
 
 def test_relative_options_are_refused_for_the_built_in_terms():
     with pytest.raises(ValueError, match="relative_options"):
-        SoftmaxAttention(8, 2, relative_bias="t5", relative_options={"max_distance": 4})
+        SoftmaxAttention.from_options(8, 2, relative_bias="t5", relative_options={"max_distance": 4})
 
 
 def test_softmax_state_dicts_from_before_the_registry_load(tmp_path):
     torch.manual_seed(3)
-    lay = SoftmaxAttention(8, 2, relative_bias="t5").double()
+    lay = SoftmaxAttention.from_options(8, 2, relative_bias="t5").double()
     with torch.no_grad():
         lay.relative.table.normal_()
     old = {k.replace("relative.", "table."): v for k, v in lay.state_dict().items()}
-    fresh = SoftmaxAttention(8, 2, relative_bias="t5").double()
+    fresh = SoftmaxAttention.from_options(8, 2, relative_bias="t5").double()
     fresh.load_state_dict(old)
     x = torch.randn(1, 6, 8, dtype=F64)
     assert_close(fresh(x), lay(x))
-    alibi = SoftmaxAttention(8, 2, relative_bias="alibi", alibi_learnable=True).double()
-    fresh = SoftmaxAttention(8, 2, relative_bias="alibi", alibi_learnable=True).double()
+    alibi = SoftmaxAttention.from_options(8, 2, relative_bias="alibi", alibi_learnable=True).double()
+    fresh = SoftmaxAttention.from_options(8, 2, relative_bias="alibi", alibi_learnable=True).double()
     with torch.no_grad():
         alibi.relative.log_slopes.add_(0.3)
     fresh.load_state_dict({"log_slopes" if k == "relative.log_slopes" else k: v for k, v in alibi.state_dict().items()})
@@ -125,7 +125,7 @@ def test_softmax_state_dicts_from_before_the_registry_load(tmp_path):
 
 def test_flt_takes_a_spectrum_module_and_its_exact_path_uses_the_terms_bias():
     torch.manual_seed(4)
-    lay = FLTAttention(8, 2, num_features=16, num_frequencies=4, spectrum="gaussian", amplitude=1.0).double()
+    lay = FLTAttention.from_options(8, 2, num_features=16, num_frequencies=4, spectrum="gaussian", amplitude=1.0).double()
     x, pos = torch.randn(1, 5, 8, dtype=F64), torch.randn(1, 5, 1, dtype=F64)
     p = lay.prepare(x, pos, None)
     xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
@@ -156,7 +156,7 @@ def test_toeplitz_exact_is_softmax_with_the_same_clipped_table(causal):
     torch.manual_seed(6)
     kw = {"max_distance": 3, "causal": causal}
     toe = ToeplitzAttention(8, 2, qk_norm=False, num_features=8, **kw).double()
-    soft = SoftmaxAttention(8, 2, relative_bias="clipped", backend="reference", **kw).double()
+    soft = SoftmaxAttention.from_options(8, 2, relative_bias="clipped", backend="reference", **kw).double()
     with torch.no_grad():
         toe.table.table.normal_()
     soft.load_state_dict({k.replace("table.", "relative."): v for k, v in toe.state_dict().items() if not k.startswith(("feature_map", "scaling"))})

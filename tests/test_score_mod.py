@@ -118,7 +118,7 @@ def test_flex_attention_with_score_mod_matches_dense_bias(name):
 @pytest.mark.parametrize("relative_bias", ["t5", "alibi", "spectrum"])
 def test_softmax_flex_backend_matches_sdpa_without_a_dense_bias(relative_bias, causal, monkeypatch):
     torch.manual_seed(2)
-    layer = SoftmaxAttention(24, H, causal=causal, relative_bias=relative_bias, backend="flex")
+    layer = SoftmaxAttention.from_options(24, H, causal=causal, relative_bias=relative_bias, backend="flex")
     with torch.no_grad():
         for p in layer.relative.parameters():
             p.add_(0.3 * torch.randn_like(p))

@@ -78,7 +78,7 @@ def test_near_set_layer_with_a_smooth_far_field_equals_its_reference(coupling):
     """The layer the nbody task uses: exact near set with a sharp ``f_near`` of its own
     (``near_relative``) and a far field floored at ``min_length``; the fast path equals the
     O(N^2) reference with the same draws, forward and backward, in float64."""
-    layer = FLTAttention(32, 2, pos_dim=3, coupling=coupling, num_features=16, num_frequencies=8, near_neighbors=5,
+    layer = FLTAttention.from_options(32, 2, pos_dim=3, coupling=coupling, num_features=16, num_frequencies=8, near_neighbors=5,
                          components=2, length_scale=4.0, length_spread=4.0, min_length=3.0,
                          near_relative="gaussian_mixture", near_relative_options={"components": 2, "length_scale": 0.5,
                                                                                   "length_spread": 4.0}).double()

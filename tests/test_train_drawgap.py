@@ -217,7 +217,7 @@ def test_softmax_with_an_exact_spectrum_bias_has_no_random_features():
     from flt.layers.draws import has_random_features
     from flt.layers.softmax import SoftmaxAttention
 
-    layer = SoftmaxAttention(16, 2, relative_bias="spectrum", spectrum="gaussian", amplitude=0.5)
+    layer = SoftmaxAttention.from_options(16, 2, relative_bias="spectrum", spectrum="gaussian", amplitude=0.5)
     assert not has_random_features(layer)
     before = layer.spectrum.eps.clone()
     from flt.layers.draws import redraw

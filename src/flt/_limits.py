@@ -28,6 +28,8 @@ import os
 import re
 from typing import Any
 
+from flt._signatures import constructor_options
+
 #: Bytes of one value in the estimates (float32).
 FLOAT_BYTES = 4
 #: Environment variable that overrides the limit.
@@ -106,36 +108,11 @@ def check_memory(what: str, nbytes: float, *, device=None, hint: str = "") -> No
 # -- estimates -------------------------------------------------------------------------
 
 
-#: ``**`` parameters that a layer hands to one of its parts rather than to its parent (the
-#: forwarded options of :data:`flt.options.FORWARDS`).
-_TO_A_PART = ("spectrum_options",)
-
-
-def _constructor_parameters(cls: type) -> dict[str, inspect.Parameter]:
-    """The keyword parameters of ``cls(...)``: its ``__init__``'s, and the next ``__init__``'s
-    up the MRO while one passes ``**kwargs`` on to its parent (not to a part:
-    :data:`_TO_A_PART`)."""
-    params: dict[str, inspect.Parameter] = {}
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        if klass.__module__.split(".")[0] in ("builtins", "torch"):
-            break
-        signature = list(inspect.signature(init).parameters.values())[1:]
-        for p in signature:
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                params.setdefault(p.name, p)
-        if not any(p.kind is p.VAR_KEYWORD and p.name not in _TO_A_PART for p in signature):
-            break
-    return params
-
-
 def _option(cls: type, options: dict, name: str, default: Any = None) -> Any:
     """``options[name]``, else the default of ``cls``'s constructor (following ``**kwargs``)."""
     if name in options:
         return options[name]
-    param = _constructor_parameters(cls).get(name)
+    param = constructor_options(cls).params.get(name)
     return default if param is None or param.default is inspect.Parameter.empty else param.default
 
 
@@ -212,8 +189,13 @@ def attention_activation_values(cls: type | None, options: dict, *, batch: int, 
     return values * (2 if training else 1)
 
 
+def _registry_name(cls) -> str:
+    name = getattr(cls, "__dict__", {}).get("registry_name")
+    return repr(name) if name else getattr(cls, "__name__", str(cls))
+
+
 def _parameter_names(cls: type) -> set[str]:
-    return set(_constructor_parameters(cls))
+    return set(constructor_options(cls).params)
 
 
 #: Attention options that size a layer (named in the messages of :func:`check_attention_memory`
@@ -230,5 +212,5 @@ def check_attention_memory(cls: type, options: dict, *, dim, heads, pos_dim=1, d
         return
     values = attention_parameter_values(cls, options, dim=dim, heads=heads, pos_dim=pos_dim)
     sizes = {k: v for k, v in options.items() if k in SIZE_OPTIONS}
-    check_memory(f"attention {cls.__name__} (dim={dim}, heads={heads}{''.join(f', {k}={v}' for k, v in sizes.items())})",
+    check_memory(f"attention {_registry_name(cls)} (dim={dim}, heads={heads}{''.join(f', {k}={v}' for k, v in sizes.items())})",
                  values * FLOAT_BYTES, device=device, hint="make these sizes smaller")

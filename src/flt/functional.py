@@ -57,7 +57,7 @@ class AttentionCore(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_choice("mechanism", mechanism, sorted(ATTENTION))
-        layer = ATTENTION[mechanism](heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+        layer = ATTENTION[mechanism].from_options(heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
         for name in PROJECTIONS:
             delattr(layer, name)
         self.mechanism_name = mechanism

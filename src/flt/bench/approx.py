@@ -90,7 +90,7 @@ def attention_errors(settings: Sequence[tuple[int, int]] = ((64, 8), (256, 32), 
                 errs = []
                 for seed in seeds:
                     torch.manual_seed(seed)
-                    layer = FLTAttention(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, amplitude=0.5, length_scale=4.0).double()
+                    layer = FLTAttention.from_options(dim, heads, coupling=coupling, num_features=m, num_frequencies=R, causal=causal, amplitude=0.5, length_scale=4.0).double()
                     x = torch.randn(2, N, dim, dtype=F64)
                     with torch.no_grad():
                         exact = layer.exact(x)
@@ -149,7 +149,7 @@ def fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5.0), set
                 errs = []
                 for seed in seeds:
                     torch.manual_seed(seed)
-                    layer = FLTAttention(dim, heads, spectrum="local", num_features=m, num_frequencies=R, **options).double()
+                    layer = FLTAttention.from_options(dim, heads, spectrum="local", num_features=m, num_frequencies=R, **options).double()
                     if amplitude > 0 and options["coupling"] == "logit":
                         _set_local_amplitude(getattr(layer, where), amplitude)
                     x = torch.randn(2, N, dim, dtype=F64)
@@ -240,7 +240,7 @@ def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5
                     for seed in seeds:
                         torch.manual_seed(seed)
                         pos = make(torch.Generator().manual_seed(seed))
-                        layer = FLTAttention(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
+                        layer = FLTAttention.from_options(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
                             getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))

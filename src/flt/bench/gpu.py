@@ -115,7 +115,7 @@ def build_row(name: str, shape: str, *, causal: bool, device: torch.device | str
 
     row, s = GPU_ROWS[name], SHAPES[shape]
     torch.manual_seed(0)
-    return ATTENTION[VARIANTS[row.variant].mechanism](s.H * s.D, s.H, causal=causal, device=device, dtype=dtype, **row.kwargs)
+    return ATTENTION[VARIANTS[row.variant].mechanism].from_options(s.H * s.D, s.H, causal=causal, device=device, dtype=dtype, **row.kwargs)
 
 
 def check_row(name: str, shape: str, causal: bool, n: int = 300) -> str:

@@ -126,7 +126,7 @@ def build_module(variant: str, shape: Shape, causal: bool, dtype: torch.dtype = 
     dim = shape.H * shape.D
     if v.kind == "peer":
         return build_peer(v.mechanism, dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
-    return ATTENTION[v.mechanism](dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
+    return ATTENTION[v.mechanism].from_options(dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
 
 
 def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:

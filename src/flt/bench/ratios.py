@@ -38,12 +38,12 @@ def comparisons(n: int, *, dim: int, heads: int, m: int, R: int, width: int, k: 
     common: dict[str, Any] = {"num_features": m, "num_frequencies": R, "seed": seed}
     return {
         f"band{width}/plain causal": ((x, None), {
-            "plain": FLTAttention(dim, heads, causal=True, **common),
-            f"near_field={width}": FLTAttention(dim, heads, causal=True, near_field=width, **common),
+            "plain": FLTAttention.from_options(dim, heads, causal=True, **common),
+            f"near_field={width}": FLTAttention.from_options(dim, heads, causal=True, near_field=width, **common),
         }),
         f"near{k}/plain 3-D points": ((x, points), {
-            "plain": FLTAttention(dim, heads, pos_dim=3, **common),
-            f"near_neighbors={k}": FLTAttention(dim, heads, pos_dim=3, near_neighbors=k, **common),
+            "plain": FLTAttention.from_options(dim, heads, pos_dim=3, **common),
+            f"near_neighbors={k}": FLTAttention.from_options(dim, heads, pos_dim=3, near_neighbors=k, **common),
         }),
     }
 

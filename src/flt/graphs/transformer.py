@@ -115,7 +115,7 @@ class NodeTransformer(nn.Module):
     ``forward(features [N, F], pos [N, P], *, exact=False) -> [N, out_dim]``: the node
     features are embedded by a linear map (plus the absolute encoding ``posenc`` of
     ``pos``, :data:`flt.posenc.POSENC`; ``"none"`` adds nothing), pass ``layers`` pre-norm
-    transformer layers whose attention ``ATTENTION[attention](dim, heads, pos_dim=P,
+    transformer layers whose attention ``ATTENTION[attention].from_options(dim, heads, pos_dim=P,
     **attention_options)`` spans all ``N`` nodes at positions ``pos``, and a final
     LayerNorm and linear map. :attr:`mode` (:data:`ATTENTION_MODES`) chooses how the
     attention is evaluated; ``exact=True`` evaluates this call in ``"exact"`` mode whatever

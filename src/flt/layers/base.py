@@ -4,18 +4,23 @@ All layers take ``x [B, N, dim]``, positions ``pos [B, N, P]`` (or ``[N, P]``; t
 by default when ``P = 1``) and ``key_padding_mask [B, N]`` (bool, True marks a padded key
 that no query may attend to, the convention of ``torch.nn.MultiheadAttention``).
 
-Every subclass gets two checks from here. Its constructor's keyword arguments are checked
-against its signature (and, for ``**spectrum_options``, the spectrum's) before its
-``__init__`` runs (:func:`flt.options.check_attention_options`), so a misspelt option or a
-value of the wrong type is reported by name. :meth:`AttentionBase.prepare` checks the input
-of every forward call: rank, feature size, at least one token, and the dtype and device of
-the layer's parameters (metadata only: no host synchronisation).
+Options enter a layer in one of two ways. :meth:`AttentionBase.from_options` takes the
+flat options of presets and the command line (``near_field=16``): it checks them once,
+against the signature that lists them (:func:`flt._signatures.check_options`; for
+``**spectrum_options`` the spectrum's too), so a misspelt option or a value of the wrong
+type is reported by name, and refuses sizes too large for memory before anything is
+allocated; then it builds the layer. A constructor called directly checks its own
+arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
+:meth:`AttentionBase.prepare` checks the input of every forward call: rank, feature size,
+at least one token, and the dtype and device of the layer's parameters (metadata only: no
+host synchronisation).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +30,11 @@ from torch import nn
 from flt._checks import check_dim, check_positions, check_positive_int, check_tensor, compiling
 from flt._dtype import compute_dtype
 from flt._limits import check_attention_memory
-from flt.options import check_attention_options
+from flt._signatures import check_options
+
+#: Arguments of every :data:`flt.ATTENTION` constructor that the caller (the model) sets:
+#: not options.
+ATTENTION_ARGUMENTS = ("dim", "heads", "pos_dim", "causal", "device", "dtype")
 
 #: ``layer.double()`` etc.: how to cast a layer to a dtype, for the dtype error.
 _CASTS = {torch.float64: "double", torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat16"}
@@ -78,19 +87,40 @@ class Prepared:
     pad: torch.Tensor | None  # [B, N] bool, True = padded key
 
 
+def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] = ()) -> None:
+    """Check flat ``options`` of the layer class ``cls`` against the signature that lists
+    them (:func:`flt._signatures.check_options`), reported against its registry name
+    (``attention 'flt': unknown option 'numfreq'; ...``). ``reserved`` names the arguments
+    the caller sets itself (the command line reserves :data:`ATTENTION_ARGUMENTS`)."""
+    name = cls.__dict__.get("registry_name")  # a subclass of a registered layer is not that entry
+    owner = f"attention {name!r}" if name else cls.__name__
+    # feature_dim: how a kernel layer subclass sizes its feature map's input; not listed.
+    check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
+
+
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers."""
 
-    def __new__(cls, *args, **kwargs):
-        # Before any __init__ runs (a subclass may compute with its options first): check the
-        # keyword arguments against the signature of the class being built. Copies and
-        # unpickling call __new__ without arguments.
-        if kwargs:
-            check_attention_options(cls, kwargs)
-        if len(args) >= 2:  # sizes such as num_features=10**9: refused before they are allocated
-            check_attention_memory(cls, kwargs, dim=args[0], heads=args[1], pos_dim=kwargs.get("pos_dim", 1),
-                                   device=kwargs.get("device"))
-        return super().__new__(cls)
+    #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
+    #: its definition; the registry is built from it).
+    registry_name: ClassVar[str | None] = None
+
+    @classmethod
+    def from_options(cls, dim: int, heads: int, **options) -> AttentionBase:
+        """The layer from flat options (those of presets and ``--attn-opt``), checked once:
+        names and types (:func:`check_layer_options`, the same check as the command line's),
+        then sizes too large for memory (a ``num_features`` of 10^9) before anything is
+        allocated; :meth:`_from_options` then builds it."""
+        check_layer_options(cls, options)
+        check_attention_memory(cls, options, dim=dim, heads=heads, pos_dim=options.get("pos_dim", 1),
+                               device=options.get("device"))
+        return cls._from_options(dim, heads, **options)
+
+    @classmethod
+    def _from_options(cls, dim: int, heads: int, **options) -> AttentionBase:
+        """Build from checked flat options: the constructor itself, unless a layer's parts
+        need translating (``FLTAttention``, ``SoftmaxAttention``)."""
+        return cls(dim, heads, **options)
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device=None, dtype=None) -> None:
         super().__init__()

@@ -19,18 +19,17 @@ import warnings
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_choice, check_nonnegative_int, compiling
+from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
 from flt._dtype import compute_dtype
-from flt.layers.band_decode import band_prefill, band_step
-from flt.layers.base import batch_shared, regular_step
+from flt._signatures import flat_options
 from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
-from flt.ops.band import band_attention, band_attention_reference
+from flt.layers.near import Band, Neighbors
+from flt.layers.parts import FavorPlus, Features, Settings, Term, features_from
+from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
-from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
-from flt.relative.spectra import SPECTRA
+from flt.relative.spectra import SPECTRA, Spectrum
 
 COUPLINGS = ("logit", "multiplicative")
 
@@ -46,89 +45,146 @@ class ConditioningWarning(RuntimeWarning):
 class FLTAttention(KernelAttention):
     """Multi-head FourierLearner-Transformer attention, linear in the sequence length.
 
+    A layer is its projections (``to_qkv``, ``to_out``) plus a core made of parts
+    (:mod:`flt.layers.parts`, :mod:`flt.layers.near`), each with its own options::
+
+        FLTAttention(64, 4, relative=Term("local", num_frequencies=16),
+                     features=FavorPlus(num_features=64, seed=0), near=Band(16, term="clipped"))
+
+    The flat option names of presets and the command line build the same parts through
+    :meth:`from_options` (``FLTAttention.from_options(64, 4, spectrum="local",
+    num_frequencies=16, num_features=64, seed=0, near_field=16, near_relative="clipped")``).
+    Which parts combine is ruled in :mod:`flt.layers.rules`.
+
     Args:
         dim: model width; ``heads`` must divide it.
         heads: ``H``.
         pos_dim: ``P``, dimension of the positions (1 text, 2 patches, 3 atoms, ...).
-        spectrum: a name in :data:`flt.relative.spectra.SPECTRA`.
-        coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
-        num_features: ``m``, kernel features per head.
-        num_frequencies: ``R``, random frequencies per head (features ``2R``).
         causal: token ``i`` attends to ``j <= i``; enables :meth:`step`.
-        feature_map: ``"favor+"`` (default), ``"relu"``, ``"elu"``, ``"taylor"`` or ``"hedgehog"``
-            (learned features; multiplicative only: the logit coupling needs the exponential kernel).
-        qk_norm: L2-normalise queries and keys with a learned temperature (default on for
-            FAVOR+, whose error grows exponentially with ``|q|^2``).
-        temperature: initial temperature for ``qk_norm``.
-        orthogonal, seed: passed to :class:`flt.layers.features.FeatureMap`.
-        redraw_interval: a layer-level redraw schedule of the projection and the spectrum's
-            draws (:class:`flt.layers.kernel.KernelAttention`; ``flt train`` redraws by
-            ``RunConfig.redraw_interval`` instead, see :mod:`flt.layers.draws`).
-        rope, rope_base: also rotate queries and keys by RoPE at the same positions.
-        chunk_size: block size of the chunked computations (None: chosen from the shapes,
-            :func:`flt.ops.linear.causal_chunk_size` when causal).
-        near_field: ``w >= 1`` turns on the banded estimator (logit coupling only): pairs
-            with ``|i - j| <= w`` in token order get their exact weights
-            ``exp(x_q.x_k + f(r_i - r_j) + f_near(r_i - r_j))``, all other pairs the FAVOR+
-            estimate of ``exp(x_q.x_k + f)``. ``f_near`` is a second spectrum of the same
-            family (its own parameters, also starting at 0) that acts only inside the
-            band and is always evaluated exactly, so a strong local bias costs no
-            variance; ``f`` is the far-field bias, estimated by random features as
-            without ``near_field``. ``0`` (default) turns it off. The band follows token
-            order: for sequences, not for sets (atoms). Cost ``O(N T (D + Dv))``
-            with blocks of ``T = max(w, 16)`` tokens on top of the linear part (causal: the
-            far field is the chunked scan of plain FLT, keys delayed by ``w + 1`` tokens); see
-            :func:`flt.ops.band.band_attention` and docs/math.md section 5.1. Causal layers
-            with a band decode token by token in constant memory (:meth:`step`,
-            :mod:`flt.layers.band_decode`: the last ``w + 1`` tokens and the far field's state).
-        near_neighbors: ``k >= 1`` turns on the spatial near field instead (either coupling,
-            ``causal=False``; exclusive with ``near_field``): each query's ``k`` nearest keys
-            in position space (itself included, padded keys excluded, ``min(k, N)`` for
-            shorter sets) get their exact weights with the mask ``f + f_near`` (logit:
-            ``exp(x_q.x_k + f + f_near)``; multiplicative: ``(f + f_near) exp(x_q.x_k)``),
-            all other pairs the random-feature estimate, as for the band. For sets of atoms or image patches, whose
-            token order means nothing. The search uses cell lists from ``N = 1024`` points in
-            up to 3 dimensions (``O(N k)`` for evenly spread points), else ``O(N^2 P)`` in
-            chunks (once per batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
-            top of the linear part; see :mod:`flt.ops.neighbors` and docs/math.md section 5.1.1.
-        near_relative: the near set's term ``f_near``: ``None`` (default) a second spectrum
-            of the same family starting at 0; or the name of any term in
-            :data:`flt.relative.RELATIVE` that is a function of the offset, e.g.
-            ``"clipped"``, a learned table with one entry per offset of the band
-            (``max_distance`` defaults to ``near_field``; its output scale is learned, as
-            for softmax's tables). Only its exact values are used, so it needs no features.
-        near_relative_options: keyword options of that term.
+        relative: the far term ``f``, a spectrum (:data:`flt.spectra.SPECTRA`) with random
+            features ``a(r), c(r)``: a name, a :class:`flt.layers.parts.Term` (name and options:
+            ``num_frequencies`` ``R`` (default 32), ``seed``, the family's own), or a spectrum
+            module. Default ``"gaussian_mixture"``; a spectrum built here starts at ``amplitude``
+            0 for the logit coupling and 1 for the multiplicative one.
+        features: the kernel features (:class:`flt.layers.parts.FavorPlus`, the default, with
+            ``num_features`` ``m = 256``; ``ReLUFeatures``, ``EluFeatures``, ``TaylorFeatures``,
+            ``Hedgehog``: multiplicative coupling only, the logit coupling needs the
+            exponential kernel).
+        near: ``None`` or a near set whose pairs get their exact weights with the mask
+            ``f + f_near`` (:mod:`flt.layers.near`): :class:`~flt.layers.near.Band` ``(w)``, the
+            token band ``|i - j| <= w`` (logit coupling; sequences; causal layers decode it
+            token by token in constant memory), or :class:`~flt.layers.near.Neighbors` ``(k)``,
+            each query's ``k`` nearest keys in position space (either coupling; sets, not
+            causal). ``f_near`` is the near set's own term (``term``; by default a second
+            spectrum of the far term's family starting at 0), exact only, so a strong local
+            bias costs no variance. See docs/math.md sections 5.1 and 5.1.1.
+        coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
         far_field: ``False`` fixes the far-field mask at ``f = 0`` and freezes the spectrum:
             a control for measuring what the random-feature relative term contributes.
             With the logit coupling the layer is then a Performer (plus the exact near set
             and its ``f_near``, if one is set: the local + linear hybrid); with the
             multiplicative coupling only the near set carries weight (a cutoff model), so
-            it needs ``near_neighbors``, and ``f_near`` starts at the spectrum's
-            ``amplitude`` instead of 0 (at 0 no pair would carry weight and the mask
-            would get no gradient). The spectrum's parameters stay in the state dict.
+            it needs :class:`~flt.layers.near.Neighbors`, and ``f_near`` starts at the
+            spectrum's ``amplitude`` instead of 0 (at 0 no pair would carry weight and the
+            mask would get no gradient). The spectrum's parameters stay in the state dict.
             ``"near"`` is the control between the two: the spectrum is learnt and ``f`` is
             used exactly on the near set (``f + f_near`` there, as with ``True``), but its
-            random-feature estimate beyond the near set is dropped (``f = 0`` there: a
-            Performer beyond the band for the logit coupling, zero weight for the
-            multiplicative one). Comparing it with ``True`` measures what the random-feature
-            far field adds; it needs ``near_field`` or ``near_neighbors``.
-        check_condition: with the multiplicative coupling, warn (:class:`ConditioningWarning`)
-            when its row sums cancel so much that rounding can reach ``1e-4`` of an output in
-            float32, or swamp it in bfloat16 / float16 (:meth:`check_conditioning`; default
-            on: one extra ``O(N 2R m)`` pass and one host synchronisation per forward call).
-        backend: ``"torch"`` (default) or ``"triton"``: the forward pass by the Triton kernels
-            :func:`flt.ops.triton.favor_attention` and, with ``near_field``,
-            :func:`flt.ops.triton.band.band_attention` (CUDA; FAVOR+; not with
-            ``near_neighbors``; :class:`flt.layers.kernel.KernelAttention`).
-        **spectrum_options: forwarded to the spectrum (``amplitude`` defaults to 0 for the
-            logit coupling and 1 for the multiplicative one).
+            random-feature estimate beyond the near set is dropped (``f = 0`` there).
+            Comparing it with ``True`` measures what the random-feature far field adds; it
+            needs a near set.
+        settings: :class:`flt.layers.parts.Settings`: ``rope``/``rope_base`` (also rotate
+            queries and keys by RoPE), ``chunk_size`` (None: chosen from the shapes),
+            ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
+            :func:`flt.ops.triton.favor_attention` and, with a band,
+            :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
+            :class:`~flt.layers.near.Neighbors`), ``redraw_interval`` (a layer-level redraw
+            schedule, :class:`flt.layers.kernel.KernelAttention`; ``flt train`` redraws by
+            ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
+            multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums
+            cancel so much that rounding can reach ``1e-4`` of an output in float32, or swamp
+            it in bfloat16 / float16; :meth:`check_conditioning`; default on: one extra
+            ``O(N 2R m)`` pass and one host synchronisation per forward call).
+        device, dtype: of the parameters and buffers.
+
+    The layer keeps its parts (``layer.kernel``: the features, ``layer.near``, ``layer.settings``) and the
+    modules they build: ``spectrum`` (``f``), ``near_spectrum`` (``f_near``, or None),
+    ``feature_map`` and ``scaling``; ``near_field`` and ``near_neighbors`` are the band's width
+    and the neighbours' ``k`` (0 without).
 
     Shapes: ``forward(x [B, N, dim], pos [B, N, P] | [N, P] | None, key_padding_mask [B, N])
     -> [B, N, dim]``.
     """
 
+    registry_name = "flt"
+
     def __init__(
         self,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        relative: str | Term | Spectrum | None = None,
+        features: Features | None = None,
+        near: Band | Neighbors | None = None,
+        coupling: str = "logit",
+        far_field: bool | Literal["near"] = True,
+        settings: Settings | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        check_choice("coupling", coupling, COUPLINGS)
+        features = FavorPlus() if features is None else features
+        settings = Settings() if settings is None else settings
+        relative = _far_term(relative, coupling)
+        _check_parts(features, near, settings)
+        if not (isinstance(far_field, bool) or far_field == "near"):
+            raise TypeError(f"far_field must be true, false or 'near' (f exact on the near set, 0 beyond it), got {far_field!r}")
+        if not isinstance(settings.check_condition, bool):
+            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
+        check_positive_int("dim", dim)
+        check_positive_int("heads", heads)
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
+                                settings=settings, head_dim=dim // heads, pos_dim=pos_dim))
+        num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
+        super().__init__(
+            dim, heads, pos_dim=pos_dim, causal=causal,
+            feature_dim=dim // heads + 2 * num_frequencies if coupling == "logit" else dim // heads,
+            **features.map_options(), **settings.kernel_options(), device=device, dtype=dtype,
+        )
+        self.coupling, self.kernel, self.near, self.settings = coupling, features, near, settings
+        self.check_condition = settings.check_condition
+        self._condition_warned: set = set()  # precisions warned about: once each per layer, then no check
+        self._condition_trained: set = set()  # precisions checked in training mode (first step only)
+        if isinstance(relative, Term):
+            self.spectrum = SPECTRA[relative.name](heads=heads, pos_dim=pos_dim, device=device, dtype=dtype, **relative.options)
+        else:
+            self.spectrum = relative
+        self.near_field = near.width if isinstance(near, Band) else 0
+        self.near_neighbors = near.k if isinstance(near, Neighbors) else 0
+        if near is not None:
+            # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
+            # with the far one's mask; but a multiplicative layer without a far field has
+            # f = 0, and f_near = 0 would give every pair weight 0 and the mask no gradient
+            # (the cutoff model could never learn): there f_near starts where f would.
+            start = 0.0
+            if coupling == "multiplicative" and far_field is False:
+                start = relative.options["amplitude"] if isinstance(relative, Term) else 1.0
+            self.near_spectrum = near.build_term(relative, heads=heads, pos_dim=pos_dim, causal=causal, start=start,
+                                                 device=device, dtype=dtype)
+            self.supports_decoding = near.decodes  # the band decodes; the nearest keys do not
+        else:
+            self.near_spectrum = None
+        self.far_field = far_field
+        if far_field is False:
+            self.spectrum.requires_grad_(False)
+
+    @classmethod
+    @flat_options
+    def _from_options(
+        cls,
         dim: int,
         heads: int,
         *,
@@ -144,6 +200,7 @@ class FLTAttention(KernelAttention):
         orthogonal: bool = True,
         redraw_interval: int | None = None,
         seed: int | None = None,
+        spectrum_seed: int | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
         chunk_size: int | None = None,
@@ -157,104 +214,49 @@ class FLTAttention(KernelAttention):
         device=None,
         dtype=None,
         **spectrum_options,
-    ) -> None:
+    ) -> FLTAttention:
+        """The layer from the flat options of presets and the command line (checked by
+        :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``
+        (the feature map's), ``qk_norm``, ``temperature`` make the features part;
+        ``spectrum``, ``num_frequencies``, ``spectrum_seed`` (the spectrum's own ``seed``) and
+        ``**spectrum_options`` the far term; ``near_field`` (``w >= 1``: a band; 0 off) or
+        ``near_neighbors`` (``k >= 1``: the nearest keys; 0 off), with ``near_relative`` and
+        ``near_relative_options`` as its term, the near set; ``rope``, ``rope_base``,
+        ``chunk_size``, ``backend``, ``redraw_interval``, ``check_condition`` the settings."""
         check_choice("coupling", coupling, COUPLINGS)
         check_choice("spectrum", spectrum, SPECTRA)
-        if coupling == "logit" and feature_map != "favor+":
-            raise ValueError(f"coupling='logit' needs feature_map='favor+' (it estimates exp(q.k + f)), got {feature_map!r}")
-        if dim % heads:
-            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
-        head_dim = dim // heads
-        super().__init__(
-            dim, heads, pos_dim=pos_dim, causal=causal,
-            feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
-            num_features=num_features, feature_map=feature_map, qk_norm=qk_norm, temperature=temperature,
-            orthogonal=orthogonal, redraw_interval=redraw_interval, seed=seed, rope=rope, rope_base=rope_base,
-            chunk_size=chunk_size, backend=backend, device=device, dtype=dtype,
-        )
-        if backend == "triton" and near_neighbors:
-            raise ValueError("backend='triton' has no kernel for near_neighbors (the band, near_field, has one); use backend='torch'")
-        self.coupling = coupling
-        if not isinstance(check_condition, bool):
-            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {check_condition!r}")
-        self.check_condition = check_condition
-        self._condition_warned: set = set()  # precisions warned about: once each per layer, then no check
-        self._condition_trained: set = set()  # precisions checked in training mode (first step only)
-        spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
-        self.spectrum = SPECTRA[spectrum](
-            heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **spectrum_options
-        )
         check_nonnegative_int("near_field", near_field, "the band half-width w in tokens; 0 = off")
-        self.near_field = near_field
         check_nonnegative_int("near_neighbors", near_neighbors, "k nearest keys in position space; 0 = off")
-        self.near_neighbors = near_neighbors
-        if near_field and near_neighbors:
-            raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")
-        if (near_field or near_neighbors) and feature_map != "favor+":
-            raise ValueError(f"near sets hold exact softmax weights exp(x_q.x_k) next to the estimate: they need feature_map='favor+', got {feature_map!r}")
-        if near_neighbors and causal:
-            raise ValueError("near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, or near_field for causal sequences")
-        if near_field and coupling != "logit":
-            raise ValueError("near_field needs coupling='logit' (the band op holds exact softmax weights); pass near_field=0 "
-                             "to turn it off, or use near_neighbors, which takes both couplings")
-        if near_relative is not None and not (near_field or near_neighbors):
-            raise ValueError(f"near_relative ({near_relative!r}) is the near set's term: it needs near_field or near_neighbors")
-        if near_relative_options is not None and near_relative is None:
-            raise ValueError("near_relative_options need near_relative (the name of a term in flt.relative.RELATIVE)")
-        if near_field or near_neighbors:
-            # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
-            # with the far one's mask; but a multiplicative layer without a far field has
-            # f = 0, and f_near = 0 would give every pair weight 0 and the mask no gradient
-            # (the cutoff model could never learn): there f_near starts where f would.
-            near_amplitude = spectrum_options["amplitude"] if coupling == "multiplicative" and far_field is False else 0.0
-            if near_relative is None:
-                # Only its exact f is used; its frequencies are never sampled.
-                near_options = {**spectrum_options, "amplitude": near_amplitude}
-                self.near_spectrum = SPECTRA[spectrum](
-                    heads=heads, pos_dim=pos_dim, num_frequencies=num_frequencies, device=device, dtype=dtype, **near_options
-                )
-            else:
-                from flt.relative import build_relative
-
-                options = dict(near_relative_options or {})
-                if near_relative == "clipped":
-                    options.setdefault("max_distance", max(near_field, 1))  # one entry per offset of the band
-                if near_relative in SPECTRA:  # a spectrum of another family or other options: starts at 0
-                    options.setdefault("num_frequencies", num_frequencies)
-                    options.setdefault("amplitude", near_amplitude)
-                self.near_spectrum = build_relative(near_relative, heads=heads, pos_dim=pos_dim, causal=causal,
-                                                    device=device, dtype=dtype, **options)
-            self.near_spectrum.has_random_features = False  # flt.layers.draws leaves it alone
-            self.supports_decoding = bool(near_field)  # the band decodes (flt.layers.band_decode); near sets do not
-        else:
-            self.near_spectrum = None
-        if not (isinstance(far_field, bool) or far_field == "near"):
-            raise TypeError(f"far_field must be true, false or 'near' (f exact on the near set, 0 beyond it), got {far_field!r}")
-        if far_field == "near" and not (near_field or near_neighbors):
-            raise ValueError("far_field='near' keeps f on the near set only: it needs near_field (a token band) or "
-                             "near_neighbors (k nearest keys); without a near set use far_field=false")
-        if far_field is False and coupling == "multiplicative" and not near_neighbors:
-            raise ValueError("far_field=False with coupling='multiplicative' leaves no pair any weight (f = 0 "
-                             "multiplies every kernel value): add near_neighbors, or use coupling='logit'")
-        self.far_field = far_field
-        if far_field is False:
-            self.spectrum.requires_grad_(False)
+        # The rules that only flat options can break (two near sets, a term without a set).
+        check_rules(Facts(features=feature_map, coupling=coupling, near_field=near_field, near_neighbors=near_neighbors,
+                          near_term=near_relative, near_term_options=near_relative_options is not None,
+                          far_field=far_field, causal=causal, backend=backend, spectrum_term=True))
+        features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                 qk_norm=qk_norm, temperature=temperature)
+        if spectrum_seed is not None:
+            spectrum_options["seed"] = spectrum_seed
+        relative = Term(spectrum, num_frequencies=num_frequencies, **spectrum_options)
+        term = None if near_relative is None else Term(near_relative, **(near_relative_options or {}))
+        near = Band(near_field, term) if near_field else Neighbors(near_neighbors, term) if near_neighbors else None
+        settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend,
+                            redraw_interval=redraw_interval, check_condition=check_condition)
+        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
+                   coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
 
     def step(self, x: torch.Tensor, state=None, pos: torch.Tensor | None = None):
-        """Decode one token (``causal=True``); with ``near_field`` through
-        :func:`flt.layers.band_decode.band_step` (exact band from a ring buffer, far field
+        """Decode one token (``causal=True``); with a band through
+        :meth:`flt.layers.near.Band.step` (exact band from a ring buffer, far field
         from the linear state), else :meth:`flt.layers.kernel.KernelAttention.step`."""
-        if self.near_field:
-            return band_step(self, x, state, pos)
+        if isinstance(self.near, Band):
+            return self.near.step(self, x, state, pos)
         return super().step(x, state, pos)
 
     def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None):
         """The causal forward over a prompt and the decoding state :meth:`step` continues
-        from: with ``near_field`` the band's ring buffer and far field
-        (:func:`flt.layers.band_decode.band_prefill`), else the linear state
-        (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
-        if self.near_field:
-            return band_prefill(self, x, pos)
+        from: with a band its ring buffer and far field (:meth:`flt.layers.near.Band.prefill`),
+        else the linear state (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
+        if isinstance(self.near, Band):
+            return self.near.prefill(self, x, pos)
         return super().prefill(x, pos)
 
     def far_features(self, pos: torch.Tensor | None):
@@ -354,36 +356,14 @@ class FLTAttention(KernelAttention):
         return KernelFeatures(qf, kf, kls, a, c)
 
     def attend(self, p, *, reference: bool = False) -> torch.Tensor:
-        if self.near_neighbors:
-            return self._attend_neighbors(p, reference)
-        if not self.near_field:
-            return super().attend(p, reference=reference)
-        if self.backend == "triton" and not reference:
-            return self._attend_band_triton(p)
-        xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
-        bias = self.band_bias(batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
-        key_mask = None if p.pad is None else ~p.pad
-        if reference:
-            return band_attention_reference(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field,
-                                            causal=self.causal, key_mask=key_mask)
-        return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.near_field, causal=self.causal,
-                              key_mask=key_mask, chunk_size=self.chunk_size)
+        if self.near is not None:
+            return self.near.attend(self, p, reference=reference)
+        return super().attend(p, reference=reference)
 
-    def _attend_band_triton(self, p):
-        """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
-        from flt.ops.triton.band import band_attention as band_kernel
-
-        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        a, c = self.far_features(p.pos)
-        bias = self.band_bias(batch_shared(p.pos).to(compute_dtype(xq, a)))
-        key_mask = None if p.pad is None else ~p.pad
-        return band_kernel(xq, xk, p.v, self.feature_map.projection, bias, width=self.near_field, extra_q=a, extra_k=c,
-                           causal=self.causal, key_mask=key_mask)
-
-    def _near_set_features(self, p):
-        """What both near-set estimators need: the scaled ``x_q, x_k`` (exact weights on the
-        near set) and the FAVOR+ features of ``[x_q, a(r)]``, ``[x_k, c(r)]`` with their
-        shifts (the far field), all in one compute dtype."""
+    def near_set_features(self, p):
+        """What both near sets need: the scaled ``x_q, x_k`` (exact weights on the near set)
+        and the FAVOR+ features of ``[x_q, a(r)]``, ``[x_k, c(r)]`` with their shifts (the
+        far field), all in one compute dtype."""
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         a, c = self.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
@@ -392,64 +372,9 @@ class FLTAttention(KernelAttention):
         kf, k_shift = self.feature_map.forward_split(xk, c.to(cdt))
         return xq, xk, qf, kf, q_shift, k_shift
 
-    def _attend_neighbors(self, p, reference: bool) -> torch.Tensor:
-        key_mask = None if p.pad is None else ~p.pad
-        op = neighbor_attention_reference if reference else neighbor_attention
-        if self.coupling == "logit":
-            xq, xk, qf, kf, q_shift, k_shift = self._near_set_features(p)
-            pos = batch_shared(p.pos).to(xq.dtype)
-            idx = self.near_keys(pos, key_mask)
-            return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
-        # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
-        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        a, c = self.far_features(p.pos)
-        cdt = torch.promote_types(xq.dtype, a.dtype)
-        xq, xk = xq.to(cdt), xk.to(cdt)
-        qf, q_shift = self.feature_map(xq)
-        kf, k_shift = self.feature_map(xk)
-        pos = batch_shared(p.pos).to(cdt)
-        idx = self.near_keys(pos, key_mask)
-        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
-                  near_mask=self.neighbor_bias(pos, idx))
-
-    def near_keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
-        (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
-        return nearest_keys(pos, min(self.near_neighbors, pos.shape[1]), key_mask=key_mask)
-
-    def neighbor_bias(self, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
-        ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
-        delta = near_offsets(pos, idx)
-        return rearrange(self.far_mask(delta) + self.near_spectrum.of_offsets(delta), "b n k h -> b h n k")
-
-    def band_bias(self, pos: torch.Tensor) -> torch.Tensor:
-        """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
-        ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
-        band op ignores)."""
-        w = self.near_field
-        step = regular_step(pos)
-        if step is not None:
-            # Token indices: every query sees the same offsets, so f is evaluated on 2w + 1
-            # offsets instead of N (2w + 1), and the bias is a broadcast view over the rows.
-            delta = (torch.arange(w, -w - 1, -1, device=pos.device, dtype=pos.dtype) * step).view(1, 1, 2 * w + 1, 1)
-        else:
-            neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
-            delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
-        f = self.far_mask(delta) + self.near_spectrum.of_offsets(delta)  # [B | 1, N | 1, 2w+1, H]
-        return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
-
-    def _near_set_matrix(self, p, cdt) -> torch.Tensor | None:
-        """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans (the band
-        ``|i - j| <= w`` or each query's nearest keys); None without a near set."""
-        n = p.q.shape[2]
-        if self.near_field:
-            idx = torch.arange(n, device=p.q.device)
-            return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.near_field).view(1, 1, n, n)
-        if self.near_neighbors:
-            idx = self.near_keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
-            return torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=p.q.device).scatter(-1, idx.unsqueeze(1), True)
-        return None
+    def near_mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The near set's exact mask ``f + f_near`` at offsets ``delta [..., P] -> [..., H]``."""
+        return self.far_mask(delta) + self.near_spectrum.of_offsets(delta)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention this layer approximates, with the same parameters.
@@ -468,8 +393,8 @@ class FLTAttention(KernelAttention):
         cdt = compute_dtype(xq)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
         f = rearrange(self.far_mask(delta.to(cdt)), "b i j h -> b h i j")
-        in_set = self._near_set_matrix(p, cdt)
-        if in_set is not None:
+        if self.near is not None:
+            in_set = self.near.pairs(self, p, cdt)
             near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
             if self.far_field == "near":
                 f = torch.where(in_set, f, torch.zeros_like(f))
@@ -481,3 +406,34 @@ class FLTAttention(KernelAttention):
         else:
             out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, mask=f if pad is None else f * pad)
         return self.finish(out, x)
+
+
+def _far_term(relative, coupling: str):
+    """The far term as a :class:`flt.layers.parts.Term` with the layer's defaults
+    (``num_frequencies=32``, ``amplitude`` 0 for the logit coupling and 1 for the
+    multiplicative one), or the spectrum module given."""
+    if relative is None or isinstance(relative, str):
+        relative = Term("gaussian_mixture" if relative is None else relative)
+    if isinstance(relative, Term):
+        check_choice("spectrum", relative.name, SPECTRA)
+        return relative.with_defaults(num_frequencies=32, amplitude=0.0 if coupling == "logit" else 1.0)
+    if not isinstance(relative, Spectrum):
+        raise TypeError(f"relative must be a spectrum (a name in flt.spectra.SPECTRA, a Term or a Spectrum module: the far "
+                        f"term needs random features), got {type(relative).__name__}")
+    return relative
+
+
+def _check_parts(features, near, settings) -> None:
+    """Each part is of its kind (its own values are checked when it is made)."""
+    for name, value, kind, what in (("features", features, Features, "a flt.layers.parts.Features (e.g. FavorPlus())"),
+                                    ("settings", settings, Settings, "a flt.layers.parts.Settings"),
+                                    ("near", near, (Band, Neighbors, type(None)), "None, Band(w) or Neighbors(k)")):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def layer_facts(*, features, near, coupling, far_field, causal, settings, head_dim, pos_dim) -> Facts:
+    """The :class:`flt.layers.rules.Facts` of an FLT layer made of these parts."""
+    return Facts(features=features.kind, coupling=coupling, near_field=near.width if isinstance(near, Band) else 0,
+                 near_neighbors=near.k if isinstance(near, Neighbors) else 0, far_field=far_field, causal=causal,
+                 backend=settings.backend, rope=settings.rope, head_dim=head_dim, pos_dim=pos_dim, spectrum_term=True)

@@ -16,6 +16,7 @@ from flt._checks import check_choice, check_positive_int
 from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
+from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, full_precision, linear_attention, recurrent_step
 from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
 from flt.posenc.rope import apply_rope
@@ -100,11 +101,8 @@ class KernelAttention(AttentionBase):
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         check_choice("backend", backend, KERNEL_BACKENDS)
-        if backend == "triton" and feature_map != "favor+":
-            raise ValueError(f"backend='triton' computes FAVOR+ features inside its kernel: it needs feature_map='favor+', got {feature_map!r}")
+        check_rules(Facts(features=feature_map, backend=backend, rope=rope, head_dim=self.head_dim, pos_dim=pos_dim))
         self.backend = backend
-        if rope and self.head_dim % (2 * pos_dim):
-            raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {chunk_size!r}")
         self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
@@ -236,7 +234,7 @@ class KernelAttention(AttentionBase):
             ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos)`` and ``state`` the one
             :meth:`step` would hold after the ``N`` tokens (the linear state of the whole
             prompt; :class:`flt.layers.flt.FLTAttention` with a band overrides this with
-            :func:`flt.layers.band_decode.band_prefill`), so :meth:`step` continues the sequence.
+            :meth:`flt.layers.near.Band.prefill`), so :meth:`step` continues the sequence.
         """
         if not self.causal:
             raise ValueError("prefill() decodes causal attention; build the layer with causal=True")

@@ -30,6 +30,8 @@ class PerformerAttention(KernelAttention):
     these options are declared once for every kernel layer.
     """
 
+    registry_name = "performer"
+
     def exact(self, x, pos=None, key_padding_mask=None):
         """The attention the features estimate, with the same parameters: softmax
         ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the

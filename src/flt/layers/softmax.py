@@ -22,7 +22,9 @@ from einops import rearrange
 
 from flt._checks import check_choice, check_positive_float
 from flt._dtype import compute_dtype
+from flt._signatures import flat_options
 from flt.layers.base import AttentionBase, batch_shared
+from flt.layers.rules import BUILT_IN, Facts, check_rules
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
 from flt.posenc.rope import apply_rope
@@ -30,9 +32,6 @@ from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
 from flt.relative.tables import DEFAULT_TABLE_SCALE
 
-#: The relative terms whose options are the layer's own keywords; other entries of
-#: :data:`flt.relative.RELATIVE` take theirs as ``relative_options``.
-BUILT_IN = ("t5", "clipped", "alibi", "spectrum")
 RELATIVE_BIASES = (None, *BUILT_IN)
 
 
@@ -131,25 +130,18 @@ class SoftmaxAttention(AttentionBase):
 
     Args:
         dim, heads, pos_dim, causal: as every attention layer.
-        relative_bias: ``None``, ``"t5"`` / ``"clipped"`` (learned table over 1-D integer
-            offsets; ``max_distance``, ``num_buckets``, ``table_scale``), ``"alibi"``
-            (``-slope_h |r_i - r_j| / alibi_unit``, Euclidean for ``P > 1``) or
-            ``"spectrum"`` (the exact mask ``f`` of ``SPECTRA[spectrum]``, learned, any ``P``),
-            another name of :data:`flt.relative.RELATIVE` (its options in
-            ``relative_options``), or a :class:`flt.relative.RelativeTerm` module. The term
-            is ``layer.relative``; its ``bias(pos_q, pos_k)`` is what the layer adds.
-        table_scale, learn_table_scale: the tables' bias is ``scale_h * table`` with ``scale``
-            starting at ``table_scale`` (default 16) and learned unless
-            ``learn_table_scale=False``: it multiplies the bias's effective learning rate
-            (:class:`flt.posenc.RelativeBiasTable`). ``table_scale=1.0,
-            learn_table_scale=False`` is the bare table.
-        alibi_unit: the distance counted as one step by ALiBi (default 1: token indices).
-            For positions on another scale pass their typical spacing, e.g. ``2 / n`` for the
-            ``n x n`` patch centres on ``[-1, 1]^2`` (0.5 for the 8x8 digits in 2x2 patches).
-        alibi_learnable: learn the ALiBi slopes, stored as ``log slope_h`` (so they stay
-            positive) and initialised at :func:`flt.posenc.alibi_slopes`; fixed by default,
-            as in the paper.
-        coupling: with ``relative_bias="spectrum"``: ``"logit"`` adds ``f`` to the logits,
+        relative_bias: the relative term: ``None``; a name in :data:`flt.relative.RELATIVE`
+            (``"t5"`` / ``"clipped"``: a learned table over 1-D integer offsets; ``"alibi"``:
+            ``-slope_h |r_i - r_j| / unit``, Euclidean for ``P > 1``; a spectrum's name, or
+            ``"spectrum"`` with the family in ``relative_options["spectrum"]``: the exact mask
+            ``f`` of that spectrum, learned, any ``P``; any other registered term) built with
+            ``relative_options``; or a :class:`flt.relative.RelativeTerm` module. The term is
+            ``layer.relative``; its ``bias(pos_q, pos_k)`` is what the layer adds.
+        relative_options: the options of the term built by name (e.g. ``{"max_distance": 64,
+            "table_scale": 1.0, "learn_scale": False}`` for a table, ``{"unit": 0.5,
+            "learnable": True}`` for ALiBi; a spectrum's ``amplitude`` defaults to 0 for
+            logit, 1 for multiplicative).
+        coupling: with a spectrum: ``"logit"`` adds ``f`` to the logits,
             ``"multiplicative"`` multiplies the weights by ``f`` (computed by the reference
             backend, since it is not a softmax).
         rope, rope_base: rotate queries and keys by RoPE at ``pos`` (1-D or axial).
@@ -157,19 +149,79 @@ class SoftmaxAttention(AttentionBase):
             ``score_mod`` (:meth:`flt.relative.RelativeTerm.score_mod`), so no ``[N, N]`` bias
             is formed; raises where it cannot run, e.g. backward on CPU) or ``"reference"``. :meth:`step` attends one query with
             SDPA, or with the reference backend when ``backend="reference"``.
-        **spectrum_options: for ``relative_bias="spectrum"``: ``num_frequencies`` is unused
-            by the exact mask but kept so the spectrum matches an FLT layer's; other options
-            go to the spectrum (``amplitude`` defaults to 0 for logit, 1 for multiplicative).
+
+    :meth:`from_options` takes the flat options of presets and the command line
+    (``relative_bias="t5", max_distance=64``; :meth:`_from_options` lists them): the tables'
+    ``max_distance``, ``num_buckets``, ``table_scale`` (default 16: it multiplies the bias's
+    effective learning rate, :class:`flt.posenc.RelativeBiasTable`) and
+    ``learn_table_scale``; ALiBi's ``alibi_unit`` (the distance counted as one step, e.g.
+    ``2 / n`` for the ``n x n`` patch centres on ``[-1, 1]^2``) and ``alibi_learnable``
+    (log slopes learned from :func:`flt.posenc.alibi_slopes`; fixed by default, as in the
+    paper); and the spectrum's ``spectrum``, ``num_frequencies`` (unused by the exact mask,
+    kept so the spectrum matches an FLT layer's) and ``**spectrum_options``.
 
     Causal layers decode (``supports_decoding`` is True for them): :meth:`prefill` takes a
     prompt in one pass and returns its :class:`KVCache`, :meth:`step` one token at a time.
     """
 
+    registry_name = "softmax"
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
 
     def __init__(
         self,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        relative_bias: str | RelativeTerm | None = None,
+        relative_options: dict | None = None,
+        coupling: str = "logit",
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        backend: str = "sdpa",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        from flt.relative import RELATIVE, build_relative
+
+        if not isinstance(relative_bias, RelativeTerm):
+            check_choice("relative_bias", relative_bias, (None, "spectrum", *RELATIVE))
+        check_choice("backend", backend, BACKENDS)
+        check_choice("coupling", coupling, ("logit", "multiplicative"))
+        if relative_options is not None and not isinstance(relative_options, dict):
+            raise TypeError(f"relative_options must be a dict of the term's options, got {type(relative_options).__name__}")
+        if relative_options and isinstance(relative_bias, RelativeTerm):
+            raise ValueError("relative_options are the options of a term built by name; a RelativeTerm module comes built")
+        options = dict(relative_options or {})
+        name = relative_bias
+        if relative_bias == "spectrum":
+            name = options.pop("spectrum", "gaussian_mixture")
+            check_choice("spectrum", name, SPECTRA)
+        is_spectrum = name in SPECTRA if isinstance(name, str) else isinstance(relative_bias, Spectrum)
+        check_rules(Facts(coupling=coupling, relative=relative_bias, spectrum_term=is_spectrum, pos_dim=pos_dim,
+                          rope=rope, head_dim=self.head_dim))
+        self.coupling, self.backend = coupling, backend
+        self.rope, self.rope_base = bool(rope), rope_base
+        term = None
+        if isinstance(relative_bias, RelativeTerm):
+            term, relative_bias = relative_bias, type(relative_bias).__name__
+        elif is_spectrum:
+            options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
+            term = build_relative(name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+            term.has_random_features = False  # only its exact mask is used: nothing to redraw
+            relative_bias = "spectrum"
+        elif relative_bias is not None:
+            term = build_relative(relative_bias, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+        self.relative_bias, self.relative = relative_bias, term
+        self.supports_decoding = self.causal
+
+    @classmethod
+    @flat_options
+    def _from_options(
+        cls,
         dim: int,
         heads: int,
         *,
@@ -192,52 +244,37 @@ class SoftmaxAttention(AttentionBase):
         device=None,
         dtype=None,
         **spectrum_options,
-    ) -> None:
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        from flt.relative import RELATIVE, build_relative
+    ) -> SoftmaxAttention:
+        """The layer from the flat options of presets and the command line (checked by
+        :meth:`from_options`): the options of the built-in terms become ``relative_options``
+        (``max_distance``, ``num_buckets``, ``table_scale``, ``learn_table_scale`` for the
+        tables, ``alibi_unit``, ``alibi_learnable`` for ALiBi, ``spectrum``,
+        ``num_frequencies`` and ``**spectrum_options`` for ``relative_bias="spectrum"``).
+        Options of the other terms are accepted and unused, so a preset's options survive
+        an override of ``relative_bias``."""
+        from flt.relative import RELATIVE
 
         if not isinstance(relative_bias, RelativeTerm):
             check_choice("relative_bias", relative_bias, (None, "spectrum", *(n for n in RELATIVE if n not in SPECTRA)))
         check_choice("backend", backend, BACKENDS)
         check_choice("coupling", coupling, ("logit", "multiplicative"))
         is_spectrum = relative_bias == "spectrum" or isinstance(relative_bias, Spectrum)
-        if coupling == "multiplicative" and not is_spectrum:
-            raise ValueError("coupling='multiplicative' applies to relative_bias='spectrum' only")
-        if relative_bias in ("t5", "clipped") and pos_dim != 1:
-            raise ValueError(f"relative_bias={relative_bias!r} is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
-        if spectrum_options and relative_bias != "spectrum":
-            raise ValueError(f"unexpected options {sorted(spectrum_options)} (spectrum options need relative_bias='spectrum')")
-        if relative_options is not None and (not isinstance(relative_bias, str) or relative_bias in BUILT_IN):
-            raise ValueError("relative_options are for relative terms registered beyond t5, clipped, alibi and spectrum (whose options are keywords)")
-        if rope and self.head_dim % (2 * pos_dim):
-            raise ValueError(f"rope needs head_dim ({self.head_dim}) divisible by 2 * pos_dim ({2 * pos_dim})")
-        self.coupling, self.backend = coupling, backend
-        self.rope, self.rope_base = bool(rope), rope_base
-        # Options of the other biases are accepted and unused (as max_distance is), so a
-        # preset's options survive an override of relative_bias.
+        check_rules(Facts(coupling=coupling, relative=relative_bias, spectrum_term=is_spectrum, pos_dim=pos_dim,
+                          spectrum_options=tuple(spectrum_options), flat_relative_options=relative_options is not None))
         check_positive_float("alibi_unit", alibi_unit)
         if not isinstance(alibi_learnable, bool):
             raise TypeError(f"alibi_learnable must be a bool, got {type(alibi_learnable).__name__}")
-        fk = {"heads": heads, "pos_dim": pos_dim, "causal": causal, "device": device, "dtype": dtype}
-        term = None
-        if isinstance(relative_bias, RelativeTerm):
-            term, relative_bias = relative_bias, type(relative_bias).__name__
-        elif relative_bias in ("t5", "clipped"):
+        options = relative_options
+        if relative_bias in ("t5", "clipped"):
             options = {"max_distance": max_distance, "table_scale": table_scale, "learn_scale": learn_table_scale}
             if relative_bias == "t5":
                 options["num_buckets"] = num_buckets
-            term = build_relative(relative_bias, **fk, **options)
         elif relative_bias == "alibi":
-            term = build_relative("alibi", **fk, unit=alibi_unit, learnable=alibi_learnable)
+            options = {"unit": alibi_unit, "learnable": alibi_learnable}
         elif relative_bias == "spectrum":
-            spectrum_options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
-            check_choice("spectrum", spectrum, SPECTRA)
-            term = build_relative(spectrum, **fk, num_frequencies=num_frequencies, **spectrum_options)
-            term.has_random_features = False  # only its exact mask is used: nothing to redraw
-        elif relative_bias is not None:
-            term = build_relative(relative_bias, **fk, **(relative_options or {}))
-        self.relative_bias, self.relative = relative_bias, term
-        self.supports_decoding = self.causal
+            options = {"spectrum": spectrum, "num_frequencies": num_frequencies, **spectrum_options}
+        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative_bias=relative_bias, relative_options=options,
+                   coupling=coupling, rope=rope, rope_base=rope_base, backend=backend, device=device, dtype=dtype)
 
     @property
     def spectrum(self) -> Spectrum | None:

@@ -52,6 +52,7 @@ class ToeplitzAttention(KernelAttention):
     start: the bias depends only on offsets); anything else is rejected.
     """
 
+    registry_name = "toeplitz"
     supports_decoding = False
 
     def __init__(

@@ -28,9 +28,10 @@ class Decoder(Protocol):
 
 def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any],
                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """``ATTENTION[name](dim, heads, pos_dim=, causal=, **options)`` with a clear error for a bad name."""
+    """``ATTENTION[name].from_options(dim, heads, pos_dim=, causal=, **options)`` (the flat
+    options checked, then the layer's parts built) with a clear error for a bad name."""
     check_choice("attention", name, ATTENTION)
-    return ATTENTION[name](dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+    return ATTENTION[name].from_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
 
 
 class Block(nn.Module):

@@ -47,6 +47,9 @@ class _KernelSpectrum(Spectrum):
 
     def _init_kernel(self, amplitude: float, lengths: torch.Tensor) -> None:
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
+        largest = torch.finfo(fk["dtype"] or torch.get_default_dtype()).max
+        if not abs(float(amplitude)) <= largest:  # NaN too: a parameter that no step could change
+            raise ValueError(f"amplitude must be finite and at most {largest:.3g} in magnitude (the parameters' dtype), got {amplitude!r}")
         self.amplitude = nn.Parameter(torch.full((self.heads,), amplitude, **fk))
         self.log_length = nn.Parameter(inverse_positive(lengths, shape=(self.heads, self.pos_dim), **fk))
 

@@ -1,0 +1,313 @@
+"""The near sets of :class:`flt.layers.flt.FLTAttention`: pairs whose weights are exact.
+
+A near set holds, for every query, the keys whose weights the layer computes exactly
+(``exp(x_q.x_k + f + f_near)`` for the logit coupling, ``(f + f_near) exp(x_q.x_k)`` for the
+multiplicative one); all other pairs get the random-feature estimate (docs/math.md 5.1).
+``f_near`` is the near set's own term, exact only, so a strong local bias costs no variance.
+
+* :class:`Band` ``(w)``: the keys with ``|i - j| <= w`` in token order (sequences), by
+  :func:`flt.ops.band.band_attention`; a causal band decodes token by token in constant
+  memory (:meth:`Band.step`, the ring buffer of :mod:`flt.layers.band_decode`).
+* :class:`Neighbors` ``(k)``: each query's ``k`` nearest keys in position space (sets of
+  atoms, patches), by :func:`flt.ops.neighbors.neighbor_attention`.
+
+Each is a small frozen value (``width``/``k`` and ``term``) whose methods take the layer
+they belong to, for its features and terms (:meth:`flt.layers.flt.FLTAttention.near_set_features`,
+:meth:`~flt.layers.flt.FLTAttention.near_mask`). The rules about which couplings, features
+and settings a near set takes are in :mod:`flt.layers.rules`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
+from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
+from flt.layers.base import Prepared, batch_shared, regular_step
+from flt.ops.band import band_attention, band_attention_reference
+from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
+
+
+class NearSet:
+    """What both near sets share: the term ``f_near`` and how it is built.
+
+    ``term``: ``None`` (default) a second spectrum of the far term's family with its
+    options, starting at 0; a name in :data:`flt.relative.RELATIVE` that is a function of
+    the offset, e.g. ``"clipped"`` (a learned table with one entry per offset of the band;
+    ``max_distance`` defaults to the band's width); a :class:`flt.layers.parts.Term`
+    (name and options); or a :class:`flt.relative.RelativeTerm` module. Only its exact
+    values are used, so it needs no features.
+    """
+
+    term: Any
+    #: The near set decodes token by token (:meth:`Band.step`).
+    decodes = False
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def _normalise_term(self) -> None:
+        """A term given by name becomes a :class:`flt.layers.parts.Term` (equal parts compare equal)."""
+        from flt.layers.parts import Term
+        from flt.relative.base import RelativeTerm
+
+        if isinstance(self.term, str):
+            object.__setattr__(self, "term", Term(self.term))
+        elif not (self.term is None or isinstance(self.term, (Term, RelativeTerm))):
+            raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
+                            f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
+
+    def build_term(self, relative, *, heads: int, pos_dim: int, causal: bool, start: float, device=None, dtype=None):
+        """The module ``f_near`` for a layer whose far term is ``relative`` (a
+        :class:`flt.layers.parts.Term` or a module); a spectrum starts at amplitude ``start``."""
+        from flt.layers.parts import Term
+        from flt.relative.base import RelativeTerm
+        from flt.relative.spectra import SPECTRA
+
+        term = self.term
+        if isinstance(term, RelativeTerm):
+            module = term
+        else:
+            if term is None:
+                if not isinstance(relative, Term):
+                    raise ValueError("a near set's default term is a copy of the far term's family, which needs the far term "
+                                     "as a Term (name and options); with a module as relative, give the near set its term")
+                # Only its exact f is used; its frequencies are never sampled (nor seeded).
+                options = {k: v for k, v in relative.options.items() if k != "seed"}
+                term = Term(relative.name, **{**options, "amplitude": start})
+            defaults: dict = {}
+            if term.name == "clipped":
+                defaults["max_distance"] = max(self.size, 1) if isinstance(self, Band) else 1
+            if term.name in SPECTRA:  # a spectrum of another family or other options: starts at `start`
+                defaults["num_frequencies"] = relative.options.get("num_frequencies", 32) if isinstance(relative, Term) else relative.num_frequencies
+                defaults["amplitude"] = start
+            module = term.with_defaults(**defaults).build(heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        module.has_random_features = False  # flt.layers.draws leaves it alone
+        return module
+
+
+@dataclass(frozen=True)
+class Band(NearSet):
+    """The token band ``|i - j| <= width`` (logit coupling only; sequences, not sets).
+
+    Cost ``O(N T (D + Dv))`` with blocks of ``T = max(w, 16)`` tokens on top of the linear
+    part (causal: the far field is the chunked scan of plain FLT, keys delayed by ``w + 1``
+    tokens); see :func:`flt.ops.band.band_attention`.
+    """
+
+    width: int
+    term: Any = None
+    decodes = True
+
+    def __post_init__(self) -> None:
+        check_positive_int("width", self.width)
+        self._normalise_term()
+
+    @property
+    def size(self) -> int:
+        return self.width
+
+    def attend(self, layer, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """``[B, H, N, Dv]``: exact weights on the band, the FAVOR+ estimate beyond it."""
+        if layer.backend == "triton" and not reference:
+            return self._attend_triton(layer, p)
+        xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)
+        bias = self.bias(layer, batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
+        key_mask = None if p.pad is None else ~p.pad
+        if reference:
+            return band_attention_reference(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width,
+                                            causal=layer.causal, key_mask=key_mask)
+        return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width, causal=layer.causal,
+                              key_mask=key_mask, chunk_size=layer.chunk_size)
+
+    def _attend_triton(self, layer, p: Prepared) -> torch.Tensor:
+        """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
+        from flt.ops.triton.band import band_attention as band_kernel
+
+        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+        a, c = layer.far_features(p.pos)
+        bias = self.bias(layer, batch_shared(p.pos).to(compute_dtype(xq, a)))
+        key_mask = None if p.pad is None else ~p.pad
+        return band_kernel(xq, xk, p.v, layer.feature_map.projection, bias, width=self.width, extra_q=a, extra_k=c,
+                           causal=layer.causal, key_mask=key_mask)
+
+    def bias(self, layer, pos: torch.Tensor) -> torch.Tensor:
+        """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
+        ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
+        band op ignores)."""
+        w = self.width
+        step = regular_step(pos)
+        if step is not None:
+            # Token indices: every query sees the same offsets, so f is evaluated on 2w + 1
+            # offsets instead of N (2w + 1), and the bias is a broadcast view over the rows.
+            delta = (torch.arange(w, -w - 1, -1, device=pos.device, dtype=pos.dtype) * step).view(1, 1, 2 * w + 1, 1)
+        else:
+            neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
+            delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
+        f = layer.near_mask(delta)  # [B | 1, N | 1, 2w+1, H]
+        return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
+
+    def pairs(self, layer, p: Prepared, cdt) -> torch.Tensor:
+        """Which pairs the band holds, ``[1, 1, N, N]`` booleans."""
+        n = p.q.shape[2]
+        idx = torch.arange(n, device=p.q.device)
+        return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.width).view(1, 1, n, n)
+
+    def step(self, layer, x: torch.Tensor, state: BandDecodeState | None = None, pos: torch.Tensor | None = None):
+        """One token of a causal banded layer: exact band from the ring buffer of the last
+        ``w + 1`` tokens, far field from the linear state (:mod:`flt.layers.band_decode`).
+
+        Args:
+            x: ``[B, dim]``, the next token's input.
+            state: from the previous call or :meth:`prefill`, ``None`` to start.
+            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
+
+        Returns:
+            ``(y [B, dim], state)``; a sequence fed token by token gives ``layer.forward``'s
+            outputs (same draws, eval mode).
+        """
+        if not layer.causal:
+            raise ValueError("step() decodes causal attention; build the layer with causal=True")
+        if state is not None and not isinstance(state, BandDecodeState):
+            raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
+        _, pos_seq = layer.step_input(x, pos, 0 if state is None else state.position)
+        w = self.width
+        p: Prepared = layer.prepare(x.unsqueeze(1), pos_seq, None)
+        xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)  # [B, H, 1, *]
+        B = xq.shape[0]
+        cdt = xq.dtype
+        v = p.v.to(cdt)
+        pos = p.pos.to(cdt).expand(B, 1, p.pos.shape[-1])  # [B, 1, P]
+        if state is None:
+            state = empty_state(w, xk, v, kf, pos)
+        elif state.xk.shape[0] != B or state.xk.dtype != cdt:
+            raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
+        t = state.position
+        slot = t % (w + 1)
+        state = BandDecodeState(**{name: getattr(state, name).clone() if name != "position" else t
+                                   for name in BandDecodeState.__dataclass_fields__})
+        if t > w:  # token t - w - 1 leaves the band now
+            fold_into_far(state, slot)
+        state.xk[:, :, slot] = xk[:, :, 0]
+        state.v[:, :, slot] = v[:, :, 0]
+        state.kf[:, :, slot] = kf[:, :, 0]
+        state.kls[:, :, slot] = k_shift[:, :, 0]
+        state.pos[:, slot] = pos[:, 0]
+        filled = min(t + 1, w + 1)  # slots 0 .. filled-1 hold tokens max(0, t - w) .. t
+        delta = pos - state.pos[:, :filled]  # [B, K, P]: r_i - r_j
+        bias = rearrange(layer.near_mask(delta.unsqueeze(1)), "b one k h -> b h (one k)").to(cdt)  # [B, H, K]
+        logits = (xq @ state.xk[:, :, :filled].transpose(-1, -2)).squeeze(-2) + bias  # [B, H, K]
+        far_log = q_shift[:, :, 0] + state.level  # [B, H], -inf while the far field is empty
+        top = torch.maximum(logits.amax(dim=-1), far_log)
+        near_w = torch.exp(logits - top.unsqueeze(-1))
+        far_scale = torch.exp(far_log - top)  # [B, H]
+        q = qf[:, :, 0]
+        num = (near_w.unsqueeze(-1) * state.v[:, :, :filled]).sum(-2) + far_scale.unsqueeze(-1) * (q.unsqueeze(-2) @ state.kv).squeeze(-2)
+        den = near_w.sum(-1) + far_scale * (q * state.z).sum(-1)
+        out = num / den.unsqueeze(-1)  # den >= exp(0) from the largest exact weight or the far part
+        state.position = t + 1
+        return layer.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), state
+
+    def prefill(self, layer, x: torch.Tensor, pos: torch.Tensor | None = None):
+        """The causal forward over a prompt, with the state :meth:`step` would hold after it.
+
+        Returns:
+            ``(y [B, N, dim], state)``: ``y`` is ``layer.forward(x, pos)``; the ring buffer holds
+            tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot ``t % (w + 1)``) and the far
+            field tokens ``0 .. N - w - 2``, relative to their largest key log scale.
+        """
+        if not layer.causal:
+            raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
+        w = self.width
+        p: Prepared = layer.prepare(x, pos, None)
+        y = layer.finish(layer.attend(p), x)
+        _, xk, _, kf, _, k_shift = layer.near_set_features(p)  # [B, H, N, *]
+        B, _, N, _ = xk.shape
+        cdt = xk.dtype
+        v = p.v.to(cdt)
+        pos = p.pos.to(cdt).expand(B, N, p.pos.shape[-1])
+        state = empty_state(w, xk, v, kf, pos)
+        ring = torch.arange(max(0, N - w - 1), N, device=x.device)
+        slots = ring % (w + 1)
+        state.xk[:, :, slots] = xk[:, :, ring]
+        state.v[:, :, slots] = v[:, :, ring]
+        state.kf[:, :, slots] = kf[:, :, ring]
+        state.kls[:, :, slots] = k_shift[:, :, ring]
+        state.pos[:, slots] = pos[:, ring]
+        far = N - w - 1  # tokens 0 .. far - 1 have left the band
+        if far > 0:
+            kls = k_shift[:, :, :far]
+            state.level = kls.amax(dim=-1)  # [B, H]
+            kf_far = kf[:, :, :far] * torch.exp(kls - state.level.unsqueeze(-1)).unsqueeze(-1)
+            state.kv = kf_far.transpose(-1, -2) @ v[:, :, :far]  # [B, H, m, Dv]
+            state.z = kf_far.sum(dim=-2)
+        state.position = N
+        return y, state
+
+
+@dataclass(frozen=True)
+class Neighbors(NearSet):
+    """Each query's ``k`` nearest keys in position space (itself included, padded keys
+    excluded, ``min(k, N)`` for shorter sets): for sets of atoms or image patches, whose
+    token order means nothing. Bidirectional; either coupling.
+
+    The search uses cell lists from ``N = 1024`` points in up to 3 dimensions (``O(N k)`` for
+    evenly spread points), else ``O(N^2 P)`` in chunks (once per batch when the positions are
+    shared), the attention ``O(N k (D + m + Dv))`` on top of the linear part; see
+    :mod:`flt.ops.neighbors` and docs/math.md section 5.1.1.
+    """
+
+    k: int
+    term: Any = None
+
+    def __post_init__(self) -> None:
+        check_positive_int("k", self.k)
+        self._normalise_term()
+
+    @property
+    def size(self) -> int:
+        return self.k
+
+    def attend(self, layer, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """``[B, H, N, Dv]``: exact weights on the near keys, the estimate elsewhere."""
+        key_mask = None if p.pad is None else ~p.pad
+        op = neighbor_attention_reference if reference else neighbor_attention
+        if layer.coupling == "logit":
+            xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)
+            pos = batch_shared(p.pos).to(xq.dtype)
+            idx = self.keys(pos, key_mask)
+            return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.bias(layer, pos, idx), key_mask=key_mask)
+        # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
+        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+        a, c = layer.far_features(p.pos)
+        cdt = torch.promote_types(xq.dtype, a.dtype)
+        xq, xk = xq.to(cdt), xk.to(cdt)
+        qf, q_shift = layer.feature_map(xq)
+        kf, k_shift = layer.feature_map(xk)
+        pos = batch_shared(p.pos).to(cdt)
+        idx = self.keys(pos, key_mask)
+        return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
+                  near_mask=self.bias(layer, pos, idx))
+
+    def keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
+        (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
+        return nearest_keys(pos, min(self.k, pos.shape[1]), key_mask=key_mask)
+
+    def bias(self, layer, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
+        ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
+        return rearrange(layer.near_mask(near_offsets(pos, idx)), "b n k h -> b h n k")
+
+    def pairs(self, layer, p: Prepared, cdt) -> torch.Tensor:
+        """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans."""
+        n = p.q.shape[2]
+        idx = self.keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)
+        return torch.zeros(idx.shape[0], 1, n, n, dtype=torch.bool, device=p.q.device).scatter(-1, idx.unsqueeze(1), True)
