@@ -47,9 +47,10 @@ def command_name(args: argparse.Namespace) -> str:
     return f"{name} {sub}" if sub else name
 
 
-def explain(err: BaseException, args: argparse.Namespace) -> Failure | None:
+def explain(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     """The exit status and the one line for an expected failure; None for a bug (an
-    exception no user input or machine condition explains), which keeps its traceback."""
+    exception no user input or machine condition explains), which keeps its traceback.
+    ``args`` is None when the failure came before the command line was parsed."""
     for explainer in (_interrupted, _no_space, _out_of_memory, _torch_writer, _safetensors, _diverged, _missing_extra,
                       _os_error, _bad_input):
         failure = explainer(err, args)
@@ -144,7 +145,7 @@ def _bad_input(err, args) -> Failure | None:
     return None
 
 
-def _written_path(err: BaseException, args: argparse.Namespace) -> str:
+def _written_path(err: BaseException, args: argparse.Namespace | None) -> str:
     """The file a failed write was writing: the error's own, the one a writer in the
     traceback held, or else the command's output directory."""
     if isinstance(err, OSError) and err.filename is not None:
@@ -185,7 +186,7 @@ def _path_in_traceback(err: BaseException) -> str | None:
     return None
 
 
-def _after_write_failure(args: argparse.Namespace) -> str:
+def _after_write_failure(args: argparse.Namespace | None) -> str:
     """What the user can do after a write failed: free space, and continue a run from its
     last checkpoint where it has one (``args.out_dir`` is the run directory; the commands
     that train set it to the one they chose)."""

@@ -78,8 +78,8 @@ def add_parser(subparsers) -> None:
 def config_from_args(args):
     """The :class:`~flt.train.linearize.LinearizeConfig` the flags describe; the
     attention options are checked here, before any model loads."""
-    from flt.train.linearize import LinearizeConfig, check_attention
     from flt.options import merge_options, parse_assignments, parse_attention
+    from flt.train.linearize import LinearizeConfig, check_attention
 
     name, entry = parse_attention(args.attention)
     options = merge_options(entry, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=f"--attention {args.attention}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -334,7 +334,7 @@ def _to_text(data: bytes | str) -> str:
 
 
 #: Tokenizer constructors, one signature: ``fit(train_bytes_or_text) -> tokenizer``.
-TOKENIZERS = {"byte": ByteTokenizer.fit, "char": CharTokenizer.fit}
+TOKENIZERS: dict[str, Callable[[bytes | str], ByteTokenizer | CharTokenizer]] = {"byte": ByteTokenizer.fit, "char": CharTokenizer.fit}
 
 
 class LMDataset(torch.utils.data.Dataset):

@@ -229,7 +229,12 @@ class FLTCache(Cache):
 
     def state_bytes(self) -> int:
         """Bytes held by the decoding states of every layer."""
-        return sum(_tensor_bytes(layer.state) for layer in self.layers)
+        total = 0
+        for layer in self.layers:
+            if not isinstance(layer, FLTStateLayer):
+                raise TypeError(f"an FLTCache holds FLTStateLayer layers, got {type(layer).__name__}")
+            total += _tensor_bytes(layer.state)
+        return total
 
 
 def _tensor_bytes(obj) -> int:

@@ -18,13 +18,18 @@ from flt._limits import (
 from flt.layers.registry import ATTENTION
 
 
-def _layers(cfg) -> list[tuple[str, dict, int]]:
-    """``(attention, options, how many layers)``: one entry for a uniform trunk, so a
-    ``depth`` of 10^9 costs one estimate, not 10^9."""
+def _layers(cfg) -> list[tuple[type | None, dict, int]]:
+    """``(attention class, options, how many layers)``: one entry for a uniform trunk, so a
+    ``depth`` of 10^9 costs one estimate, not 10^9. The class is None for a config without
+    an attention or with an unknown one."""
     layered = getattr(cfg, "layer_attention", None)
     if layered:
-        return [(entry["attention"], entry["attention_options"], 1) for entry in layered]
-    return [(getattr(cfg, "attention", None), getattr(cfg, "attention_options", {}), cfg.depth)]
+        return [(_attention_class(entry["attention"]), entry["attention_options"], 1) for entry in layered]
+    return [(_attention_class(getattr(cfg, "attention", None)), getattr(cfg, "attention_options", {}), cfg.depth)]
+
+
+def _attention_class(name: str | None) -> type | None:
+    return ATTENTION.get(name) if name is not None else None
 
 
 def model_parameter_values(cfg) -> int:
@@ -32,8 +37,8 @@ def model_parameter_values(cfg) -> int:
     every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
     dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
     mlp = int(2 * dim * dim * float(getattr(cfg, "mlp_ratio", 4.0)))
-    total = sum((attention_parameter_values(ATTENTION.get(name), options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
-                for name, options, count in _layers(cfg))
+    total = sum((attention_parameter_values(cls, options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
+                for cls, options, count in _layers(cfg))
     for field in ("vocab_size", "num_classes", "num_elements", "in_dim"):
         value = getattr(cfg, field, None)
         if isinstance(value, int) and not isinstance(value, bool):
@@ -56,9 +61,9 @@ def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, in
     params = model_parameter_values(cfg) * FLOAT_BYTES * (4 if training else 1)
     head_dim = max(cfg.dim // max(cfg.heads, 1), 1)
     trunk = batch * length * cfg.dim * (8 + 2 * float(getattr(cfg, "mlp_ratio", 4.0)))
-    per_layer = [(trunk + attention_activation_values(ATTENTION.get(name), options, batch=batch, heads=cfg.heads, length=length,
+    per_layer = [(trunk + attention_activation_values(cls, options, batch=batch, heads=cfg.heads, length=length,
                                                       head_dim=head_dim, training=training), count)
-                 for name, options, count in _layers(cfg)]
+                 for cls, options, count in _layers(cfg)]
     kept = sum(v * count for v, count in per_layer) if training else max((v for v, _ in per_layer), default=0)
     activations = int(kept * FLOAT_BYTES)
     return {"parameters": int(params), "activations": activations, "total": int(params) + activations}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from flt._checks import check_dim, check_finite, check_tensor
 from flt._dtype import compute_dtype  # noqa: F401 (the posenc modules import it from here)
 

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from flt._checks import check_dim, check_finite, check_positions, check_positive_float, check_positive_int, check_tensor
+from flt._checks import (
+    check_dim,
+    check_finite,
+    check_positions,
+    check_positive_float,
+    check_positive_int,
+    check_tensor,
+)
 from flt.posenc._common import compute_dtype
 from flt.posenc.sinusoidal import sinusoidal_frequencies
 

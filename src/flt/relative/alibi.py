@@ -10,9 +10,15 @@ import math
 import torch
 from torch import nn
 
-from flt._checks import check_bool, check_finite, check_positive_float, check_positive_int, check_tensor
+from flt._checks import (
+    check_bool,
+    check_finite,
+    check_positive_float,
+    check_positive_int,
+    check_tensor,
+)
 from flt._dtype import compute_dtype
-from flt.relative.base import RelativeTerm, pair_positions
+from flt.relative.base import RelativeTerm, pair_positions, tensor_sum
 
 
 def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
@@ -86,6 +92,8 @@ class AlibiBias(RelativeTerm):
             otherwise they are a fixed (non-persistent) buffer ``slopes``, as in the paper.
     """
 
+    slopes: torch.Tensor  # registered buffer (learnable=False)
+
     def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, learnable: bool = False, device=None, dtype=None):
         super().__init__()
         check_positive_int("heads", heads)
@@ -115,7 +123,7 @@ class AlibiBias(RelativeTerm):
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         slope = self.log_slopes[h].exp() if self.learnable else self.slopes[h]
-        sq = sum(d * d for d in delta)
+        sq = tensor_sum(d * d for d in delta)
         # sqrt's derivative is infinite at 0: the double where keeps gradients finite there.
         dist = torch.where(sq > 0, torch.sqrt(torch.where(sq > 0, sq, torch.ones_like(sq))), torch.zeros_like(sq))
         return -slope * dist / self.unit

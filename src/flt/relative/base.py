@@ -23,6 +23,8 @@ linear-time features:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from einops import rearrange
 from torch import nn
@@ -51,6 +53,15 @@ def pair_positions(pos_q, pos_k=None) -> tuple[torch.Tensor, torch.Tensor]:
     return pos_q, pos_k
 
 
+def tensor_sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``sum(terms)`` of one or more tensors (e.g. over the ``P`` axes of a
+    :meth:`RelativeTerm.head_value` offset), typed as a tensor: ``sum`` starts from the int 0."""
+    total = sum(terms)
+    if not isinstance(total, torch.Tensor):
+        raise ValueError("tensor_sum needs at least one tensor")
+    return total
+
+
 class RelativeTerm(nn.Module):
     """Base class of the relative positional terms (module docstring).
 
@@ -75,8 +86,9 @@ class RelativeTerm(nn.Module):
         pos_q, pos_k = pair_positions(pos_q, pos_k)
         P = pos_q.shape[-1]
         own = getattr(self, "pos_dim", None)
-        if self.pos_dims is not None and P not in self.pos_dims or isinstance(own, int) and P != own:
-            want = own if isinstance(own, int) else " or ".join(map(str, self.pos_dims))
+        allowed = self.pos_dims
+        if (allowed is not None and P not in allowed) or (isinstance(own, int) and P != own):
+            want = own if isinstance(own, int) else " or ".join(map(str, allowed or ()))
             raise ValueError(f"{type(self).__name__} takes positions of dimension P = {want}, got P = {P}")
         return pos_q, pos_k
 

@@ -16,7 +16,13 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_bool, check_choice, check_positive_float, check_positive_int, integer_positions
+from flt._checks import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    integer_positions,
+)
 from flt.relative.base import RelativeTerm
 
 
@@ -178,6 +184,7 @@ class RelativeBiasTable(RelativeTerm):
     def indices(self, offsets: torch.Tensor) -> torch.Tensor:
         """Table row of each integer offset ``key - query`` (any shape, ``torch.long``)."""
         if self.mode == "t5":
+            assert self.num_buckets is not None, "the constructor sets num_buckets in mode 't5'"
             return t5_relative_buckets(
                 offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
             )

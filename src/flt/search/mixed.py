@@ -25,7 +25,12 @@ from torch import nn
 from flt._checks import check_choice
 from flt.layers import ATTENTION
 from flt.models.block import build_attention, build_posenc
-from flt.options import POSENC_ARGUMENTS, check_attention_options, check_posenc_options, parse_attention_list
+from flt.options import (
+    POSENC_ARGUMENTS,
+    check_attention_options,
+    check_posenc_options,
+    parse_attention_list,
+)
 from flt.posenc import POSENC
 
 __all__ = [
@@ -131,21 +136,24 @@ class MixedOp(nn.Module):
     (zeros: uniform weights); ``frozen=True`` keeps it there (no gradient).
     """
 
+    keep: torch.Tensor  # registered buffer [K]: 1 for a candidate still in, 0 once removed
+    decided: torch.Tensor  # registered buffer []: -1 while undecided, else the chosen index
+
     def __init__(self, ops: list[nn.Module], labels: list[str], *, frozen: bool = False) -> None:
         super().__init__()
         if len(ops) != len(labels) or len(ops) < 2:
             raise ValueError(f"a mixed op needs at least two candidates and one label each, got {len(ops)} and {len(labels)}")
         self.ops = nn.ModuleList(ops)
         self.labels = list(labels)
-        ref = next((p for op in ops for p in op.parameters()), None)
+        ref: torch.Tensor | None = next((p for op in ops for p in op.parameters()), None)
         if ref is None:
             ref = next((b for op in ops for b in op.buffers() if b.is_floating_point()), None)
         # alpha in the candidates' precision when that is float64, else float32.
         dtype = torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32
-        fk = {"device": ref.device if ref is not None else None}
-        self.alpha = nn.Parameter(torch.zeros(len(ops), dtype=dtype, **fk), requires_grad=not frozen)
-        self.register_buffer("keep", torch.ones(len(ops), **fk))
-        self.register_buffer("decided", torch.tensor(-1, dtype=torch.long, device=fk["device"]))
+        device = ref.device if ref is not None else None
+        self.alpha = nn.Parameter(torch.zeros(len(ops), dtype=dtype, device=device), requires_grad=not frozen)
+        self.register_buffer("keep", torch.ones(len(ops), device=device))
+        self.register_buffer("decided", torch.tensor(-1, dtype=torch.long, device=device))
 
     @property
     def is_decided(self) -> bool:
@@ -282,14 +290,15 @@ def build_supernet(model: nn.Module, candidates: list[Candidate], *, frozen: boo
     # The encoding is added to the token embeddings: the width and positions of the attention.
     width, pos_dim = first.dim, first.pos_dim
     ref = next(model.parameters())
-    fk = {"device": ref.device, "dtype": ref.dtype}
+    fk: dict[str, Any] = {"device": ref.device, "dtype": ref.dtype}
     for block, attr in blocks:
         old = getattr(block, attr)
         ops = [build_attention(c.name, old.dim, old.heads, pos_dim=old.pos_dim, causal=old.causal, options=c.options, **fk)
                for c in candidates]
         setattr(block, attr, MixedAttention(ops, [c.label for c in candidates], frozen=frozen))
         if hasattr(block, "attention_name"):
-            block.attention_name = "mixed"
+            # By name: the type checker reads a module's unknown attributes as submodules or tensors.
+            setattr(block, "attention_name", "mixed")  # noqa: B010
     if posenc_candidates:
         owner = encoding_owner(model)
         ops = [build_posenc(c.name, width, pos_dim, c.options, **fk) for c in posenc_candidates]

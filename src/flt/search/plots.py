@@ -31,9 +31,9 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
         top.axhline(entry["metric"], color="black", lw=1, ls="--", label="nothing removed")
         top.vlines(xs, entry["metric"], removed, colors=colours, lw=2)
         top.scatter(xs, removed, color=colours, zorder=3)
-        for x, value in zip(xs, removed):
+        for x, value in zip(xs, removed, strict=True):
             top.annotate(f"{value:.4g}", (x, value), textcoords="offset points", xytext=(5, 0), va="center", fontsize=7)
-        lo, hi = min(removed + [entry["metric"]]), max(removed + [entry["metric"]])
+        lo, hi = min([*removed, entry["metric"]]), max([*removed, entry["metric"]])
         pad = 0.15 * (hi - lo) or 0.05 * abs(hi) or 0.1
         top.set_ylim(lo - pad, hi + pad)
         top.set_xlim(-0.5, len(labels) - 0.5)

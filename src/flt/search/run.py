@@ -52,7 +52,16 @@ from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint
 from flt.train.lock import lock_run_dir
-from flt.train.loop import Origin, Progress, Run, load_data, restore, resumable_checkpoint, run_steps, weights_optimizer
+from flt.train.loop import (
+    Origin,
+    Progress,
+    Run,
+    load_data,
+    restore,
+    resumable_checkpoint,
+    run_steps,
+    weights_optimizer,
+)
 from flt.train.rng import seed_everything
 
 __all__ = ["SearchConfig", "SearchInterrupted", "check_search", "search", "supernet_model"]

@@ -66,9 +66,9 @@ def select_slot(slot: MixedOp, evaluate: Callable[[], float], higher_is_better: 
     chosen = perturbation_choice(removed, higher_is_better)
     slot.decide(chosen)
     return {
-        "alpha": dict(zip(slot.labels, alpha)),
+        "alpha": dict(zip(slot.labels, alpha, strict=True)),
         "metric": base,
-        "removed": {label: m for label, m in zip(slot.labels, removed) if m is not None},
+        "removed": {label: m for label, m in zip(slot.labels, removed, strict=True) if m is not None},
         "chosen": slot.labels[chosen],
         "magnitude": slot.labels[magnitude],
     }

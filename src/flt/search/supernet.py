@@ -23,12 +23,20 @@ from typing import Any
 
 import torch
 
-from flt.search.mixed import encoding_slot, mixed_slots
+from flt.search.mixed import MixedOp, encoding_slot, mixed_slots
 from flt.search.select import magnitude_choice, select_slot
 from flt.tasks import Task, step_generator
 from flt.tasks.preset import RunConfig
 from flt.train import distributed as D
-from flt.train.loop import Progress, Run, StepHooks, checkpoint_step, evaluate_on_draw, to_device, train_step
+from flt.train.loop import (
+    Progress,
+    Run,
+    StepHooks,
+    checkpoint_step,
+    evaluate_on_draw,
+    to_device,
+    train_step,
+)
 
 __all__ = ["ALPHA_SEED_OFFSET", "ORDER_STREAM", "Supernet", "empty_progress"]
 
@@ -58,7 +66,7 @@ class Supernet(StepHooks):
                  progress: dict[str, Any], say: Callable[[str], None]):
         self.model, self.config, self.alpha_task, self.run, self.ctx = model, config, alpha_task, run, ctx
         self.metric, self.higher_is_better = alpha_task.metric, alpha_task.higher_is_better
-        self.slots = mixed_slots(model)
+        self.slots: list[MixedOp] = list(mixed_slots(model))
         self.depth = len(self.slots)
         self.encoding = encoding_slot(model)
         if self.encoding is not None:
@@ -96,8 +104,8 @@ class Supernet(StepHooks):
         labels = [c.label for c in self.config.candidates]
         mean = torch.stack([s.probabilities() for s in self.slots[:self.depth]]).mean(0).tolist()
         say(f"supernet step {step}/{self.run.steps}: loss {loss:.4g}, held-out {self.metric} {metric:.4g}; mean softmax(alpha) "
-            + "  ".join(f"{k} {v:.3f}" for k, v in zip(labels, mean))
-            + ("; encoding " + "  ".join(f"{c.label} {v:.3f}" for c, v in zip(self.config.posenc_candidates, probs[-1]))
+            + "  ".join(f"{k} {v:.3f}" for k, v in zip(labels, mean, strict=True))
+            + ("; encoding " + "  ".join(f"{c.label} {v:.3f}" for c, v in zip(self.config.posenc_candidates, probs[-1], strict=True))
                if self.encoding is not None else ""))
         if step == self.run.steps:
             # With alpha frozen uniform the argmax says nothing: no magnitude choice.
@@ -125,7 +133,7 @@ class Supernet(StepHooks):
         self.mark = now
 
     def select(self, r: Run, step: int, reached: Progress, on_step: Callable[[int], None] | None,
-               decided: Callable[[int], None]) -> int:
+               decided: Callable[[int], object]) -> int:
         """The selection step: decide the open slots in the seeded order, each followed by
         ``tune_steps`` steps of the loop at the schedule's final learning rate, a checkpoint
         and ``decided(step)``; returns the last step."""

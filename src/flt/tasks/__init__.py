@@ -33,8 +33,8 @@ import os
 from typing import Any
 
 from flt._checks import check_choice
-from flt.options import check_keyword_types
 from flt.models.config import config_from_dict as _config_from_dict
+from flt.options import check_keyword_types
 from flt.tasks.base import Task, mechanism_options, step_generator
 from flt.tasks.graph import GraphTask
 from flt.tasks.image import ImageTask
@@ -44,8 +44,14 @@ from flt.tasks.longlm import LongLMTask
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.nbody import NBodyTask
 from flt.tasks.offsets import OffsetsTask
+from flt.tasks.preset import (
+    Preset,
+    RunConfig,
+    preset_differences,
+    preset_to_dict,
+    run_config_from_dict,
+)
 from flt.tasks.qm9 import QM9Task
-from flt.tasks.preset import Preset, RunConfig, preset_differences, preset_to_dict, run_config_from_dict
 
 #: Every task, by name, in the order the CLI lists them.
 TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask, QM9Task)}
@@ -193,8 +199,8 @@ __all__ = [
     "preset_from_dict",
     "preset_names",
     "preset_to_dict",
-    "step_generator",
     "set_data_path",
+    "step_generator",
     "task_table",
     "tokenizer_from_extra",
 ]

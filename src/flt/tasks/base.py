@@ -18,8 +18,13 @@ import torch
 
 from flt._checks import check_positive_int
 from flt.models import config_kwargs
+from flt.models.config import TrunkConfig
 from flt.models.memory import check_model_memory
 from flt.tasks.preset import Preset
+
+#: The types of a task's preset table and command-line shortcuts (:class:`Task` below).
+Presets = dict[str, Callable[..., Preset]]
+Shortcuts = dict[str, tuple[str, str, str]]
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -93,7 +98,7 @@ class Task:
     description: ClassVar[str] = ""
     #: Model config dataclass (its ``task`` class attribute names it in saved configs) and
     #: model class, whose keyword arguments are the config's fields (:meth:`build_model`).
-    config: ClassVar[type]
+    config: ClassVar[type[TrunkConfig]]
     model: ClassVar[type]
     #: Headline validation metric and whether larger is better (tables, plots, docs).
     metric: ClassVar[str] = ""
@@ -111,7 +116,7 @@ class Task:
     #: Loader of the bundled data set: keyword arguments only, returns ``.train`` and ``.valid``.
     dataset: ClassVar[Callable[..., Any]]
     #: ``presets[name](attention, posenc) -> Preset``; every task has ``smoke``.
-    presets: ClassVar[dict[str, Callable[..., Preset]]] = {}
+    presets: ClassVar[Presets] = {}
     #: Options for mechanisms and absolute encodings by name (:func:`mechanism_options`).
     attention_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
     posenc_defaults: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -121,7 +126,7 @@ class Task:
     #: Command-line shortcuts of ``flt train`` / ``flt compare`` for this task:
     #: ``{flag: (where, field, help)}``, ``--flag VALUE`` meaning ``--model-opt field=VALUE``
     #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``).
-    shortcuts: ClassVar[dict[str, tuple[str, str, str]]] = {}
+    shortcuts: ClassVar[Shortcuts] = {}
     #: The data option whose value seeds the held-out draw of :meth:`holdout_split` (None,
     #: or the option not given: seed 0).
     holdout_seed_option: ClassVar[str | None] = None

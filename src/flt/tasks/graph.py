@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +63,15 @@ from flt.graphs import (
 from flt.graphs.link import TASK_ENCODERS
 from flt.models import replace_fields
 from flt.models.config import LayeredConfig
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import (
+    Presets,
+    Shortcuts,
+    Task,
+    epoch_indices,
+    eval_slices,
+    mechanism_options,
+    shard,
+)
 from flt.tasks.holdout import labelled, permutation, split_indices
 from flt.tasks.preset import Preset, RunConfig
 
@@ -71,7 +79,7 @@ from flt.tasks.preset import Preset, RunConfig
 #: ``l = 2`` coordinate units, about two grid hops, ``f(0) = 1`` at the start) with the
 #: logit coupling. Its exact counterpart is ``softmax`` with the same spectrum as relative
 #: bias, the default for ``softmax`` here. Performer gets FLT's number of random features.
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "gaussian", "coupling": "logit", "num_features": 64, "num_frequencies": 32, "length_scale": 2.0,
             "amplitude": 1.0},
     "performer": {"num_features": 64},
@@ -182,12 +190,12 @@ class GraphTask(Task):
                "eigenvectors")
     bundled_options = ("graph",)
     dataset = staticmethod(generated_split)
-    presets = {"smoke": smoke, "small": small}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     holdout_seed_option = "seed"
-    axes = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
-            "offset": "hops / √K"}
-    shortcuts = {
+    axes: ClassVar[dict[str, str]] = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
+                                      "offset": "hops / √K"}
+    shortcuts: ClassVar[Shortcuts] = {
         "model": ("model", "encoder", f"graph: the node encoder, one of {', '.join(TASK_ENCODERS)} (--model-opt encoder=)"),
         "graph": ("data", "graph", "graph: grid or communities (--data-opt graph=)"),
         "task": ("data", "task", "graph: link or pair (--data-opt task=)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Sequence
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from flt.data import load_cifar10, load_digits, load_image_folder
 from flt.data.images import CIFAR10_META, CIFAR10_TEST_BATCH, CIFAR10_TRAIN_BATCHES, ImageData
 from flt.models import ImageConfig, ViTClassifier, replace_fields
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: a 2-D Gaussian mixture that starts with a locality bias (``amplitude=1``,
@@ -32,13 +33,13 @@ from flt.tasks.preset import Preset, RunConfig
 #: FLT uses the nearest-keys estimator (``near_neighbors=4``, docs/math.md 5.1.1): each
 #: patch's 4 nearest patches (itself included) get exact weights with a second learned
 #: ``f``, the rest FAVOR+; on the small preset it took accuracy from 0.829 to 0.954.
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "gaussian_mixture", "num_features": 64, "num_frequencies": 16, "length_scale": 0.25,
             "amplitude": 1.0, "near_neighbors": 4},
     "performer": {"num_features": 64},
     "softmax": {"relative_bias": "alibi", "alibi_unit": 0.5},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [-1.0, 1.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [-1.0, 1.0]}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -95,11 +96,11 @@ class ImageTask(Task):
     options = ("path", "valid_dir", "size", "channels", "valid_fraction", "test_fraction", "split_seed")
     path_options = ("valid_dir",)
     dataset = staticmethod(load_digits)
-    presets = {"smoke": smoke, "small": small, "base": base}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     # Patch centres lie on [-1, 1]^2 (flt.posenc.patch_grid): one unit is half the image's width.
-    axes = {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
-            "offset": "half image widths"}
+    axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
+                                      "offset": "half image widths"}
 
     def __init__(self, *, path=None, valid_dir=None, size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2,
                  test_fraction: float = 0.1, split_seed: int = 0):
@@ -113,7 +114,8 @@ class ImageTask(Task):
             splits = load_cifar10(path, test_fraction=test_fraction, seed=split_seed)
         else:
             splits = load_image_folder(
-                path, valid_dir, size=None if size is None else tuple(size), channels=channels,
+                # load_image_folder checks that size has two entries.
+                path, valid_dir, size=None if size is None else cast("tuple[int, int]", tuple(size)), channels=channels,
                 valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction,
             )
         self.train, self.valid, self.test = splits.train, splits.valid, splits.test

@@ -26,14 +26,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flt._checks import check_nonnegative_int, check_positive_int
+from flt._dtype import compute_dtype
 from flt.data._split import carve_test
 from flt.data.listops import NUM_CLASSES, VOCAB, load_listops, load_listops_tsv
 from flt.models import replace_fields
-from flt.models.block import build_token_body
+from flt.models.block import Trunk, build_token_body
 from flt.models.config import LayeredConfig
-from flt._checks import check_nonnegative_int, check_positive_int
-from flt._dtype import compute_dtype
-from flt.tasks.base import Task, bucketed_indices, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import (
+    Presets,
+    Task,
+    bucketed_indices,
+    epoch_indices,
+    eval_slices,
+    mechanism_options,
+    shard,
+)
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: the banded estimator, bidirectional: exact weights on the 64 nearest tokens on each
@@ -48,14 +56,14 @@ from flt.tasks.preset import Preset, RunConfig
 #: exact quadratic formula up to 2048 tokens (``dense_below``; the same function as its FFTs,
 #: which transform ``m (Dv + 1)`` channels and were 5 times slower at 1024 tokens here;
 #: runs started with the earlier default, 512, resume with ``--attn-opt dense_below=512``).
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 64,
             "near_relative": "t5"},
     "performer": {"num_features": 64},
     "toeplitz": {"num_features": 64, "max_distance": 2048, "dense_below": 2048},
     "softmax": {"relative_bias": "t5"},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [0.0, 2048.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [0.0, 2048.0]}}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,12 @@ class ListOpsConfig(LayeredConfig):
 class SequenceClassifier(nn.Module):
     """``forward(tokens [B, N], key_padding_mask [B, N] | None) -> logits [B, num_classes]``
     (``key_padding_mask`` True marks padding)."""
+
+    # Submodules that build_token_body sets (declared here for the type checker).
+    embed: nn.Embedding
+    posenc: nn.Module
+    drop: nn.Dropout
+    trunk: Trunk
 
     def __init__(self, *, vocab_size: int, num_classes: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
@@ -183,10 +197,10 @@ class ListOpsTask(Task):
                "bucket")
     bundled_options = ("num_train", "num_valid", "num_test", "seed", "min_length", "max_length", "max_depth", "max_args")
     dataset = staticmethod(load_listops)
-    presets = {"smoke": smoke, "small": small, "long": long, "base": base}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "long": long, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
-    axes = {"loss": "cross-entropy (nats/expression)", "accuracy": "accuracy (fraction of expressions)",
-            "offset": "tokens"}
+    axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/expression)", "accuracy": "accuracy (fraction of expressions)",
+                                      "offset": "tokens"}
 
     def __init__(self, *, path=None, num_train: int = 2000, num_valid: int = 200, num_test: int | None = None, seed: int = 0,
                  min_length: int = 500, max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0):
@@ -199,10 +213,11 @@ class ListOpsTask(Task):
                                   num_test=num_valid if num_test is None else num_test)
         else:
             splits = load_listops_tsv(path)
-        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
-        if self.test is None:  # an LRA directory without basic_test.tsv: carve from training
-            train, test = carve_test(np.arange(len(self.train)), len(self.train) + len(self.valid), TEST_FRACTION, 0)
-            self.train, self.test = self.train.subset(train), self.train.subset(test)
+        train_data, test_data = splits.train, splits.test
+        if test_data is None:  # an LRA directory without basic_test.tsv: carve from training
+            train, test = carve_test(np.arange(len(splits.train)), len(splits.train) + len(splits.valid), TEST_FRACTION, 0)
+            train_data, test_data = splits.train.subset(train), splits.train.subset(test)
+        self.train, self.valid, self.test = train_data, splits.valid, test_data
 
     def configure(self, cfg):
         return replace_fields(cfg, vocab_size=len(VOCAB), num_classes=NUM_CLASSES)

@@ -18,15 +18,23 @@ from __future__ import annotations
 import copy
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from flt.data import TOKENIZERS, ByteTokenizer, CharTokenizer, LMDataset, load_python_docs, load_text_files
+from flt.data import (
+    TOKENIZERS,
+    ByteTokenizer,
+    CharTokenizer,
+    LMDataset,
+    load_python_docs,
+    load_text_files,
+)
 from flt.data.text import carve_text_test
 from flt.models import CausalLM, LMConfig, replace_fields
-from flt.tasks.base import Task, mechanism_options, shard, step_generator
+from flt.tasks.base import Presets, Task, mechanism_options, shard, step_generator
 from flt.tasks.preset import Preset, RunConfig
 
 #: FLT: local windows (its natural spectrum: "attend to the last w tokens") with a locality
@@ -39,14 +47,14 @@ from flt.tasks.preset import Preset, RunConfig
 #: table. The other linear mechanisms get FLT's number of random features; softmax gets T5
 #: buckets. FLT's exact counterpart is ``softmax`` with ``relative_bias=spectrum`` and
 #: FLT's spectrum options (without the band's table).
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16,
             "near_relative": "clipped"},
     "performer": {"num_features": 64},
     "toeplitz": {"num_features": 64, "max_distance": 256},
     "softmax": {"relative_bias": "t5"},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [0.0, 256.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [0.0, 256.0]}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -88,13 +96,15 @@ class LMTask(Task):
     description = "causal language model; bundled data: the Python documentation (text)"
     config, model = LMConfig, CausalLM
     metric, higher_is_better, compare_metrics, unit = "ppl", False, ("bpb",), "tok"
-    options = ("path", "valid_path", "tokenizer", "max_bytes", "require_utf8", "test_fraction")
-    bundled_options, path_options = ("max_bytes",), ("valid_path",)
-    dataset = staticmethod(load_python_docs)
-    presets = {"smoke": smoke, "small": small, "base": base}
+    # Typed as the base class has them: LongLMTask replaces them.
+    options: ClassVar[tuple[str, ...]] = ("path", "valid_path", "tokenizer", "max_bytes", "require_utf8", "test_fraction")
+    bundled_options: ClassVar[tuple[str, ...]] = ("max_bytes",)
+    path_options: ClassVar[tuple[str, ...]] = ("valid_path",)
+    dataset: ClassVar[Callable[..., Any]] = staticmethod(load_python_docs)
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
-    axes = {"loss": "cross-entropy (nats/token)", "ppl": "perplexity (per token)", "bpb": "bits per byte",
-            "offset": "tokens"}
+    axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/token)", "ppl": "perplexity (per token)", "bpb": "bits per byte",
+                                      "offset": "tokens"}
 
     def __init__(self, *, path=None, valid_path=None, tokenizer: str = "byte", max_bytes: int | None = None, require_utf8: bool = True,
                  test_fraction: float = 0.1):
@@ -115,13 +125,14 @@ class LMTask(Task):
         self.tokenizer = TOKENIZERS[tokenizer](splits.train)
         self.train_tokens = self.tokenizer.encode(splits.train)
         self.valid_tokens = self.tokenizer.encode(splits.valid)
+        assert splits.test is not None, "test_fraction > 0 (checked above): both loaders give a test split"
         self.test_tokens = self.tokenizer.encode(splits.test)
         # UTF-8 bytes per token id, for bits per byte (unknown characters count as U+FFFD).
-        if tokenizer == "byte":
-            self.token_bytes = torch.ones(256, dtype=torch.float64)
-        else:
+        if isinstance(self.tokenizer, CharTokenizer):
             chars = self.tokenizer.UNKNOWN + self.tokenizer.chars
             self.token_bytes = torch.tensor([len(ch.encode("utf-8")) for ch in chars], dtype=torch.float64)
+        else:
+            self.token_bytes = torch.ones(256, dtype=torch.float64)
 
     def configure(self, cfg):
         self.seq_len = cfg.max_len
@@ -196,7 +207,7 @@ class LMTask(Task):
 
     def extra(self):
         tok = {"kind": self.tokenizer_name}
-        if self.tokenizer_name == "char":
+        if isinstance(self.tokenizer, CharTokenizer):
             tok["chars"] = self.tokenizer.chars
         return {"tokenizer": tok}
 

@@ -16,12 +16,14 @@ attention evaluates the spectrum on all ``N^2`` offsets, 6 s per 1024-byte windo
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 
 from flt.data import ByteTokenizer
 from flt.data.pysource import load_python_source
 from flt.models import LMConfig
-from flt.tasks.base import Task, mechanism_options
+from flt.tasks.base import Presets, Task, mechanism_options
 from flt.tasks.lm import LMTask, generate_text
 from flt.tasks.preset import Preset, RunConfig
 
@@ -34,14 +36,14 @@ from flt.tasks.preset import Preset, RunConfig
 #: uniform attention) and 40 steps do not learn a large ``t``. At the small preset's budget
 #: this took FLT from 4.634 to 4.392 bits per byte at a peak learning rate of 3e-3 and from
 #: 4.634 to 4.310 (seed 0) at 1e-2 (docs/long_context.md).
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "local", "num_features": 64, "num_frequencies": 16, "amplitude": 1.0, "near_field": 16,
             "temperature": 16.0},
     "performer": {"num_features": 64},
     "toeplitz": {"num_features": 64, "max_distance": 8192},
     "softmax": {"relative_bias": "t5"},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [0.0, 8192.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [0.0, 8192.0]}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -92,7 +94,7 @@ class LongLMTask(LMTask):
     options = ("max_bytes", "valid_fraction", "test_fraction", "split_seed")
     bundled_options, path_options = ("max_bytes",), ()
     dataset = staticmethod(load_python_source)
-    presets = {"smoke": smoke, "small": small, "base": base}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     # Not searched (yet): its held-out part and search presets are not chosen.
     holdout_split = Task.holdout_split
@@ -103,6 +105,7 @@ class LongLMTask(LMTask):
         splits = load_python_source(max_bytes=max_bytes, valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction)
         self.tokenizer_name = "byte"
         self.tokenizer = ByteTokenizer()
+        assert splits.test is not None, "test_fraction > 0 (checked above) gives a test split"
         self.train_tokens, self.valid_tokens, self.test_tokens = splits.train, splits.valid, splits.test
         self.token_bytes = torch.ones(256, dtype=torch.float64)
         self.files = (len(splits.train_files), len(splits.valid_files), len(splits.test_files))

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch.nn.functional as F
 
 from flt.data import collate_molecules, load_ase, load_catalysis, split_molecules
 from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields, tie_isotropic
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.models.config import TrunkConfig
+from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.holdout import split_indices
 from flt.tasks.preset import Preset, RunConfig
 
@@ -37,13 +40,13 @@ from flt.tasks.preset import Preset, RunConfig
 #: and the 16 nearest atoms exact (FAVOR+'s estimate of ``exp(q.k)`` forces the soft kernel
 #: of normalised queries and keys).
 #: Performer gets 64 random features; softmax gets ALiBi on Euclidean distances.
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {"spectrum": "gaussian", "coupling": "multiplicative", "feature_map": "hedgehog", "num_features": 32,
             "num_frequencies": 256, "sampler": "qmc", "length_scale": 3.0},
     "performer": {"num_features": 64},
     "softmax": {"relative_bias": "alibi"},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [-10.0, 10.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [-10.0, 10.0]}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -87,17 +90,19 @@ class MoleculeTask(Task):
 
     name = "molecule"
     description = "property regressor over atoms; bundled data: generated EMT catalysis structures"
-    config, model = MoleculeConfig, MoleculeRegressor
+    # Typed as the base class has them: QM9Task replaces each.
+    config: ClassVar[type[TrunkConfig]] = MoleculeConfig
+    model: ClassVar[type] = MoleculeRegressor
     metric, higher_is_better, compare_metrics, unit = "mae", False, ("rmse",), "mol"
-    options = ("path", "target", "num_samples", "relax_steps", "valid_fraction", "test_fraction", "split_seed", "cache_dir",
-               "progress")
-    bundled_options = ("num_samples", "relax_steps", "cache_dir")
-    dataset = staticmethod(load_catalysis)
-    presets = {"smoke": smoke, "small": small, "base": base}
+    options: ClassVar[tuple[str, ...]] = ("path", "target", "num_samples", "relax_steps", "valid_fraction", "test_fraction", "split_seed", "cache_dir",
+                                         "progress")
+    bundled_options: ClassVar[tuple[str, ...]] = ("num_samples", "relax_steps", "cache_dir")
+    dataset: ClassVar[Callable[..., Any]] = staticmethod(load_catalysis)
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     holdout_seed_option = "split_seed"
-    axes = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
-            "rmse": "RMSE (target units, eV by default)", "offset": "Å"}
+    axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
+                                      "rmse": "RMSE (target units, eV by default)", "offset": "Å"}
 
     def __init__(self, *, path=None, target: str = "energy", num_samples: int = 2000, relax_steps: int = 30,
                  valid_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0, cache_dir=None,
@@ -111,7 +116,9 @@ class MoleculeTask(Task):
             )
         else:
             splits = split_molecules(load_ase(path, target), valid_fraction, split_seed, test_fraction)
-        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
+        test = splits.test
+        assert test is not None, "test_fraction > 0 (checked above): both loaders carve a test split"
+        self.train, self.valid, self.test = splits.train, splits.valid, test
         y = self.train.y.double()
         self.target_mean, self.target_std = float(y.mean()), float(y.std()) if len(y) > 1 else 1.0
         if not self.target_std > 0:

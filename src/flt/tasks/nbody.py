@@ -25,13 +25,14 @@ in a neutral cloud a mask ``f = g + c`` makes the average proportional to the su
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch.nn.functional as F
 
 from flt.data.nbody import Clouds, box_side, cloud_splits
 from flt.models import replace_fields
 from flt.models.particles import ParticleConfig, ParticleRegressor
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
 
 #: One mask family for every row that has one: a mixture of 4 Gaussians centred at 0
@@ -42,12 +43,12 @@ from flt.tasks.preset import Preset, RunConfig
 #: family multiplying its exact weights (the O(N^2) reference); Performer with FLT's features.
 MASK = {"spectrum": "gaussian_mixture", "coupling": "multiplicative", "components": 4, "length_scale": 1.0,
         "length_spread": 16.0}
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {**MASK, "num_features": 16, "num_frequencies": 64, "sampler": "qmc"},
     "performer": {"num_features": 16},
     "softmax": {"relative_bias": "spectrum", **MASK},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [-8.0, 8.0]}, "fourier": {"gamma": 2.0}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [-8.0, 8.0]}, "fourier": {"gamma": 2.0}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -86,10 +87,10 @@ class NBodyTask(Task):
                "screening", "softening")
     bundled_options = options
     dataset = staticmethod(cloud_splits)
-    presets = {"smoke": smoke, "small": small}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
-    axes = {"loss": "MSE, standardised target (unitless)", "nmse": "normalised MSE (1 - R^2)",
-            "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
+    axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "nmse": "normalised MSE (1 - R^2)",
+                                      "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
 
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,

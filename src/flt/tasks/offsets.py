@@ -36,9 +36,9 @@ from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.data.offsets import default_score_from, generate_offsets
 from flt.models import replace_fields
-from flt.models.block import build_token_body
+from flt.models.block import Trunk, build_token_body
 from flt.models.config import LayeredConfig
-from flt.tasks.base import Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
 
 #: The task's relative term: a shifted Gaussian mixture (bumps ``exp(-(d - delta_c)^2 /
@@ -49,14 +49,14 @@ from flt.tasks.preset import Preset, RunConfig
 #: work); the other rows of docs/offsets.md override these options.
 SPECTRUM = {"spectrum": "gaussian_mixture", "num_frequencies": 32, "components": 4, "length_scale": 64.0,
             "length_spread": 8.0, "shift": True, "shift_scale": 256.0}
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {**SPECTRUM, "num_features": 64},
     "performer": {"num_features": 64},
     "softmax": {**SPECTRUM, "relative_bias": "spectrum"},
 }
 #: Learnable Fourier features on token indices up to a few thousand: a kernel length scale
 #: of 32 tokens at initialisation.
-POSENC_DEFAULTS = {"fourier": {"gamma": 32.0}, "shifted_basis": {"domain": [0.0, 4096.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"fourier": {"gamma": 32.0}, "shifted_basis": {"domain": [0.0, 4096.0]}}
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,12 @@ class OffsetsConfig(LayeredConfig):
 
 class TokenRegressor(nn.Module):
     """``forward(tokens [B, N]) -> [B, N, value_dim]``; positions are token indices."""
+
+    # Submodules that build_token_body sets (declared here for the type checker).
+    embed: nn.Embedding
+    posenc: nn.Module
+    drop: nn.Dropout
+    trunk: Trunk
 
     def __init__(self, *, vocab_size: int, value_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
@@ -140,10 +146,10 @@ class OffsetsTask(Task):
                "width", "amplitude", "score_from", "seed")
     bundled_options = options
     dataset = staticmethod(generate_offsets)
-    presets = {"smoke": smoke, "small": small}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
-    axes = {"loss": "squared error / variance of the training targets", "rel_mse": "squared error / variance of the target",
-            "offset": "tokens"}
+    axes: ClassVar[dict[str, str]] = {"loss": "squared error / variance of the training targets", "rel_mse": "squared error / variance of the target",
+                                      "offset": "tokens"}
 
     def __init__(self, *, length: int = 512, eval_length: int | None = None, num_train: int = 2000, num_valid: int = 200,
                  num_test: int = 200, vocab_size: int = 16, value_dim: int = 4, centers=(64.0, 256.0),

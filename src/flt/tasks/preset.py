@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flt._checks import check_positive_int
-from flt.options import check_fields
 from flt.models.config import config_to_dict
-
+from flt.options import check_fields
 
 #: Arithmetic of a training step (:attr:`RunConfig.precision`).
 PRECISIONS = ("bf16", "fp32")

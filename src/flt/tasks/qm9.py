@@ -23,12 +23,14 @@ docs/qm9.md gives the protocol and docs/results.md the measurements.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import numpy as np
 
 from flt.data.qm9 import QM9_TRAIN, QM9_VALID, TARGETS, load_qm9
 from flt.models import replace_fields
 from flt.models.qm9 import ENCODERS, QM9Config, QM9Regressor
-from flt.tasks.base import Task, mechanism_options
+from flt.tasks.base import Presets, Shortcuts, Task, mechanism_options
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.preset import Preset, RunConfig
 
@@ -39,12 +41,12 @@ from flt.tasks.preset import Preset, RunConfig
 #: FLT's logit coupling with the 16 nearest atoms exact is ``--attn-opt coupling=logit
 #: --attn-opt feature_map=favor+ --attn-opt near_neighbors=16``.
 MASK = {"spectrum": "gaussian", "coupling": "multiplicative", "length_scale": 3.0}
-ATTENTION_DEFAULTS = {
+ATTENTION_DEFAULTS: dict[str, dict[str, Any]] = {
     "flt": {**MASK, "feature_map": "hedgehog", "num_features": 32, "num_frequencies": 256, "sampler": "qmc"},
     "performer": {"num_features": 64},
     "softmax": {"relative_bias": "spectrum", **MASK},
 }
-POSENC_DEFAULTS = {"shifted_basis": {"domain": [-10.0, 10.0]}}
+POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [-10.0, 10.0]}}
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -98,13 +100,13 @@ class QM9Task(MoleculeTask):
     options = ("path", "target", "num_train", "num_valid", "num_test", "split_seed", "cache_dir")
     bundled_options = ("cache_dir",)
     dataset = staticmethod(load_qm9)
-    presets = {"smoke": smoke, "small": small, "base": base}
+    presets: ClassVar[Presets] = {"smoke": smoke, "small": small, "base": base}
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     # Not searched (yet): its held-out part and search presets are not chosen.
     holdout_split = Task.holdout_split
-    axes = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (the target's unit; meV for energies)",
-            "rmse": "RMSE (the target's unit; meV for energies)", "offset": "Å"}
-    shortcuts = {"model": ("model", "encoder", f"qm9: the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}
+    axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (the target's unit; meV for energies)",
+                                      "rmse": "RMSE (the target's unit; meV for energies)", "offset": "Å"}
+    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"qm9: the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}
 
     def __init__(self, *, path=None, target: str = "gap", num_train: int = QM9_TRAIN, num_valid: int = QM9_VALID,
                  num_test: int | None = None, split_seed: int = 0, cache_dir=None):

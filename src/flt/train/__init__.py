@@ -7,6 +7,7 @@ runs. Optional dependencies: ``safetensors`` (checkpoints), ``tqdm`` (progress b
 molecules): ``pip install flt[train,mol]``.
 """
 
+from flt.tasks import TASKS, generate_text, load_task, tokenizer_from_extra
 from flt.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -17,7 +18,6 @@ from flt.train.checkpoint import (
 from flt.train.config import Preset, RunConfig, preset_from_dict, preset_to_dict
 from flt.train.loop import evaluate, train
 from flt.train.presets import ATTENTION_DEFAULTS, POSENC_DEFAULTS, PRESETS, get_preset
-from flt.tasks import TASKS, generate_text, load_task, tokenizer_from_extra
 
 #: The task registry under its former name.
 TASK_CLASSES = TASKS
@@ -35,9 +35,9 @@ __all__ = [
     "find_checkpoint",
     "generate_text",
     "get_preset",
+    "load_checkpoint_model",
     "load_task",
     "load_weights",
-    "load_checkpoint_model",
     "preset_from_dict",
     "preset_to_dict",
     "read_checkpoint_config",

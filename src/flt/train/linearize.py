@@ -320,7 +320,7 @@ class LayerMatching:
         from flt.integrations.transformers import attention_modules
 
         self.teacher, self.student = teacher, student
-        pairs = list(zip(attention_modules(teacher), attention_modules(student)))
+        pairs = list(zip(attention_modules(teacher), attention_modules(student), strict=False))
         self.inputs: list[torch.Tensor | None] = [None] * len(pairs)
         self.targets: list[torch.Tensor | None] = [None] * len(pairs)
         self.outputs: list[torch.Tensor | None] = [None] * len(pairs)
@@ -361,20 +361,28 @@ class LayerMatching:
             self.student(input_ids=input_ids)
         finally:
             self.active = False
-        return torch.stack([relative_error(out, target) for out, target in zip(self.outputs, self.targets)])
+        errors = []
+        for i, (out, target) in enumerate(zip(self.outputs, self.targets, strict=True)):
+            if out is None or target is None:
+                raise RuntimeError(f"attention layer {i} of the teacher or the student did not run on input_ids")
+            errors.append(relative_error(out, target))
+        return torch.stack(errors)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None, device=None) -> list[float]:
         """Mean per-layer relative squared error over the validation windows (:func:`eval_windows`)."""
         was_training = self.student.training
         self.student.eval()
-        total, batches = None, 0
+        total: torch.Tensor | None = None
+        batches = 0
         try:
             for windows in eval_windows(tokens, seq_len, batch_size, max_batches):
                 losses = self.loss(windows[:, :-1].to(device)).double()
                 total, batches = losses if total is None else total + losses, batches + 1
         finally:
             self.student.train(was_training)
+        if total is None:
+            raise ValueError(f"max_batches must be positive to evaluate, got {max_batches}")
         return (total / batches).tolist()
 
     def remove(self) -> None:
@@ -484,7 +492,8 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, r
     notes = [lock_note] if lock_note else []
     notes += [f"removed {p}, left half written by a run that was killed" for p in remove_leftovers(out_dir)]
     record = {"linearize": dataclasses.asdict(config), "model_dir": str(model_dir.resolve())}
-    origin, meta = None, None
+    origin: str | None = None
+    meta: dict[str, Any] = {}
     if resume:
         origin, meta = _resume_point(out_dir, record, notes)
     elif has_checkpoint(out_dir):
@@ -572,6 +581,13 @@ def _set_stage(r: _Run, stage: str) -> None:
     r.stage = stage
 
 
+def _optimizer(r: _Run) -> torch.optim.Optimizer:
+    """The optimizer of the stage in progress (:func:`_set_stage` creates it)."""
+    if r.optimizer is None:
+        raise RuntimeError("no stage has been set: the optimizer comes with the stage (_set_stage)")
+    return r.optimizer
+
+
 def _restore(r: _Run, ckpt: str, meta: dict[str, Any]) -> int:
     from flt.train.checkpoint import load_trainer_state, load_weights
     from flt.train.rng import set_rng_state
@@ -582,7 +598,7 @@ def _restore(r: _Run, ckpt: str, meta: dict[str, Any]) -> int:
     if step < r.config.steps:
         _set_stage(r, r.config.stage(step + 1))
         if state["stage"] == r.stage:
-            r.optimizer.load_state_dict(state["optimizer"])
+            _optimizer(r).load_state_dict(state["optimizer"])
     set_rng_state(state["rng"], r.student)
     r.step_times = state["step_times"].tolist()
     r.last_checkpoint = ckpt
@@ -628,8 +644,8 @@ def _loop(r: _Run, start: int, progress: bool, on_step, reached: list[int]) -> N
 
 def _train_step(r: _Run, step: int) -> tuple[float, list[float] | None]:
     """One optimizer step: ``(loss, per-layer matching losses or None)``."""
-    c = r.config
-    for group in r.optimizer.param_groups:
+    c, optimizer = r.config, _optimizer(r)
+    for group in optimizer.param_groups:
         group["lr"] = c.lr_at(step)
     batch = window_batch(r.train_ids, step, c.batch_size, c.seq_len, c.seed).to(r.device)
     layers = None
@@ -648,9 +664,9 @@ def _train_step(r: _Run, step: int) -> tuple[float, list[float] | None]:
                                f"lower the {r.stage} learning rate")
     loss.backward()
     if c.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_([p for g in r.optimizer.param_groups for p in g["params"]], c.grad_clip)
-    r.optimizer.step()
-    r.optimizer.zero_grad(set_to_none=True)
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], c.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return value, layers
 
 
@@ -658,7 +674,7 @@ def _checkpoint(r: _Run, step: int) -> None:
     from flt.train.checkpoint import save_checkpoint
     from flt.train.rng import rng_state
 
-    state = {"step": step, "stage": r.stage, "optimizer": r.optimizer.state_dict(), "rng": rng_state(r.student),
+    state = {"step": step, "stage": r.stage, "optimizer": _optimizer(r).state_dict(), "rng": rng_state(r.student),
              "step_times": torch.tensor(r.step_times, dtype=torch.float64)}
     r.last_checkpoint = save_checkpoint(r.out_dir, step, r.student, config=r.record, trainer_state=state,
                                         keep=r.config.keep_checkpoints)

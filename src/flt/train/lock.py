@@ -22,6 +22,7 @@ without ``flock`` (some network mounts) the run goes on unlocked, with a note sa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -63,10 +64,9 @@ class RunLock:
             os.close(self.fd)
             self.fd = None
         if self.created_dir:
-            try:
+            # Not empty (OSError): the run wrote files, or another trainer has just arrived.
+            with contextlib.suppress(OSError):
                 os.rmdir(self.run_dir)
-            except OSError:
-                pass  # not empty: the run wrote files, or another trainer has just arrived
 
     def __enter__(self) -> RunLock:
         return self

@@ -62,9 +62,14 @@ from flt.models.config import config_to_dict
 from flt.models.memory import check_task_memory
 from flt.tasks import Task, check_preset, load_task, preset_from_dict
 from flt.tasks.base import check_data_fields, has_test_split
-from flt.tasks.preset import Preset, RunConfig, default_precision, preset_to_dict, record_differences
-from flt.train import distributed as D
-from flt.train import drawgap as DG
+from flt.tasks.preset import (
+    Preset,
+    RunConfig,
+    default_precision,
+    preset_to_dict,
+    record_differences,
+)
+from flt.train import distributed as D, drawgap as DG
 from flt.train.checkpoint import (
     CheckpointError,
     find_checkpoint,
@@ -185,7 +190,7 @@ def evaluate(task: Task, model: nn.Module, ctx: D.Context, batch_size: int, max_
     gathered = D.all_gather(ctx, keys)
     keys = sorted(set().union(*gathered))
     totals = D.all_reduce_sum(ctx, [sums.get(k, 0.0) for k in keys])
-    return task.metrics(dict(zip(keys, totals)))
+    return task.metrics(dict(zip(keys, totals, strict=True)))
 
 
 def evaluate_on_draw(task: Task, model: nn.Module, ctx: D.Context, run: RunConfig, max_batches: int | None, *,
@@ -403,6 +408,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
         notes += [f"removed {path}, left half written by a trainer that was killed" for path in remove_leftovers(out_dir)]
     origin = _find_origin(preset, out_dir, ctx, resume, keep_steps)
     origin.notes[:0] = notes
+    assert origin.preset is not None, "_find_origin sets the preset in force"
     preset = origin.preset
     preset_record = preset_to_dict(preset)
     reached.step, reached.steps = origin.step, preset.run.steps
@@ -452,8 +458,9 @@ def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, kee
     ckpt, meta = _shared_checkpoint(out_dir, ctx, notes, "to resume from in")
     saved = preset_from_dict(meta["preset"])
     # Runs saved before RunConfig.precision existed trained in float32.
-    saved = _with_precision(saved, saved.run.precision or "fp32")
-    preset = _with_precision(preset, preset.run.precision or saved.run.precision)
+    saved_precision = saved.run.precision or "fp32"
+    saved = _with_precision(saved, saved_precision)
+    preset = _with_precision(preset, preset.run.precision or saved_precision)
     step = int(meta["step"])
     if keep_steps:
         preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
@@ -676,7 +683,7 @@ def _log_training(r: Run, logger: MetricsLogger | None, window: _Window, step: i
         logger.log(step, "train", loss=mean_loss, lr=r.preset.run.lr_at(step), **{f"{r.task.unit}_per_s": rate})
 
 
-def _validate(r: Run, step: int, logger: MetricsLogger | None, say: _Printer) -> dict[str, float]:
+def _validate(r: Run, step: int, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
     """Validation metrics of ``step``, logged and printed. All on one fixed draw, which the
     final checkpoint keeps (flt.train.drawgap); the final evaluation covers the whole
     validation split, periodic ones may be capped."""

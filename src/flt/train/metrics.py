@@ -34,7 +34,7 @@ class MetricsLogger:
             atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         elif resume_step is None and os.path.exists(path):
             os.unlink(path)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (held open across log() calls; close() closes it)
 
     def log(self, step: int, split: str, **values: Any) -> None:
         record = {"step": step, "split": split, **{k: _clean(v) for k, v in values.items()}}

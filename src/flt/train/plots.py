@@ -15,7 +15,6 @@ from flt._dtype import compute_dtype
 from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
 
-
 STEP_LABEL = "training step (optimizer updates)"
 
 
@@ -83,7 +82,7 @@ def log_ticks(lo: float, hi: float, *, min_inside: int = 3, max_ticks: int = 12)
             continue
         if len(ticks) > max_ticks:  # many decades: every k-th one, still bracketing the range
             k = math.ceil((len(ticks) - 1) / (max_ticks - 1))
-            ticks = ticks[::k] if (len(ticks) - 1) % k == 0 else ticks[::k] + [ticks[::k][-1] * 10.0**k]
+            ticks = ticks[::k] if (len(ticks) - 1) % k == 0 else [*ticks[::k], ticks[::k][-1] * 10.0**k]
         if math.log(lo / ticks[0]) + math.log(ticks[-1] / hi) <= 0.5 * span:
             return ticks
         fallback = fallback or ticks
@@ -181,7 +180,9 @@ def rpe_range(support: float, extent: float, *, margin: float = RPE_MARGIN) -> f
     return float(min(extent, _nice_ceil(margin * support)))
 
 
-def _mask(spec: torch.nn.Module, delta: torch.Tensor) -> torch.Tensor:
+def _mask(spec: Any, delta: torch.Tensor) -> torch.Tensor:
+    """``spec.mask(delta)`` in float64 on the CPU; ``spec`` is a module with a ``mask``
+    method, as :func:`spectra_of` finds them."""
     p = next(spec.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     return spec.mask(delta.to(device=device, dtype=_dtype(spec))).double().cpu()
@@ -220,7 +221,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
         delta = torch.linspace(0.0 if causal else -r, r, points, dtype=torch.float64)
         fig = _figure(max(5.5, 3.4 * len(layers) + 1.0), 4.8 if zoomed else 3.1, dpi=130)
         axes = fig.subplots(2 if zoomed else 1, len(layers), squeeze=False, height_ratios=(2, 1) if zoomed else None)
-        handles = {}
+        handles: dict[str, Any] = {}
         for col, (name, spec) in enumerate(layers):
             f = _mask(spec, delta.view(-1, 1))
             for h in range(f.shape[-1]):
@@ -260,7 +261,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
         delta[..., 0], delta[..., 1] = d1, d2
         fig = _figure(2.5 * heads + 1.3, 2.4 * len(layers) + 0.6, dpi=130)
         axes = fig.subplots(len(layers), heads, squeeze=False)
-        for layer, (row, (name, spec)) in enumerate(zip(axes, layers)):
+        for layer, (row, (name, spec)) in enumerate(zip(axes, layers, strict=True)):
             f = _mask(spec, delta)
             scale = float(f.abs().max()) or 1.0
             for h, ax in enumerate(row):
@@ -297,7 +298,7 @@ def comparison_curves(curves: dict[str, list[list[tuple[int, float]]]]) -> dict[
         runs = [r for r in runs if r]
         if not runs:
             continue
-        steps = sorted(set.intersection(*(set(s for s, _ in r) for r in runs)))
+        steps = sorted(set.intersection(*({s for s, _ in r} for r in runs)))
         if steps:
             out[label] = (steps, torch.tensor([[dict(r)[s] for s in steps] for r in runs], dtype=torch.float64))
     return out

@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flt.tasks import TASKS, Preset, get_preset
-from flt.tasks import mechanism_options as _mechanism_options
+from flt.tasks import TASKS, Preset, get_preset, mechanism_options as _mechanism_options
 
 #: ``PRESETS[task][name](attention, posenc) -> Preset``.
 PRESETS: dict[str, dict[str, Callable[..., Preset]]] = {name: dict(task.presets) for name, task in TASKS.items()}

@@ -31,6 +31,7 @@ def _module_generators(model: nn.Module) -> dict[str, torch.Generator]:
 def rng_state(model: nn.Module) -> dict[str, Any]:
     """Every random state the run depends on, as tensors and plain containers."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple), "numpy's global generator is MT19937, whose legacy state is a tuple"
     state = {
         "python": random.getstate(),
         "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),

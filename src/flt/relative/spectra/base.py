@@ -71,6 +71,8 @@ class Spectrum(RelativeTerm):
     linear-time factorisation (``linear = True``).
     """
 
+    eps: torch.Tensor  # registered buffer: the base draws ``[H, R, P + extra_normals]``
+
     linear = True
 
     #: Whether the family takes ``shift=True`` (it calls :meth:`_init_shift`).
@@ -114,7 +116,7 @@ class Spectrum(RelativeTerm):
             raise ValueError(f"shift_scale must be a positive finite number (position units per unit of the shift parameter), got {shift_scale!r}")
         self.shift_scale = float(shift_scale)
         self._learn_shift = shift
-        self.shift = None
+        self.shift: nn.Parameter | None = None
 
     def _apply(self, fn, recurse=True):
         # Parameters and draws stay in float32 when the module is cast to a half type: the

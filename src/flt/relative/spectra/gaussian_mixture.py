@@ -21,6 +21,7 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
+from flt.relative.base import tensor_sum
 from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 from flt.relative.spectra.kernels import check_amplitude
 
@@ -132,13 +133,13 @@ class GaussianMixtureSpectrum(Spectrum):
         return (self.alpha * osc * env).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        total = 0.0
+        terms = []
         for c in range(self.components):
             d = self.head_offsets(delta, h, c)
-            phase = sum(self.mu[h, c, p] * x for p, x in enumerate(d))
-            decay = sum((positive(self.log_scale[h, c, p]) * x) ** 2 for p, x in enumerate(d))
-            total = total + self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay)
-        return total
+            phase = tensor_sum(self.mu[h, c, p] * x for p, x in enumerate(d))
+            decay = tensor_sum((positive(self.log_scale[h, c, p]) * x) ** 2 for p, x in enumerate(d))
+            terms.append(self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
+        return tensor_sum(terms)
 
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """The exact ``f`` of every pair, ``[B|1, H, N, Nk]``. Unshifted mixtures contract the
@@ -158,6 +159,7 @@ class GaussianMixtureSpectrum(Spectrum):
             osc = torch.cos(2 * math.pi * torch.einsum("bijp,hp->bhij", delta, mu[:, c]))
             term = alpha[:, c].view(1, -1, 1, 1) * osc * env
             f = term if f is None else f + term
+        assert f is not None, "the constructor checks components >= 1"
         return f
 
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

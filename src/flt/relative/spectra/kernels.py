@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from flt._dtype import compute_dtype
+from flt.relative.base import tensor_sum
 from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 
 #: Smoothness parameters with closed-form Matern kernels; ``2 nu`` must be an integer
@@ -94,9 +95,9 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         """``g(xi)``: ``[..., P] -> [..., H]``."""
         self._check_points("xi", xi)
         cdt = self._cdt(xi)
-        l = self.lengths().to(cdt)
-        z = 2 * math.pi * xi.to(cdt).unsqueeze(-2) * l  # xi / s with s = 1 / (2 pi l): [..., H, P]
-        log_g = -0.5 * (z * z).sum(-1) + torch.log(2 * math.pi * l).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
+        ell = self.lengths().to(cdt)
+        z = 2 * math.pi * xi.to(cdt).unsqueeze(-2) * ell  # xi / s with s = 1 / (2 pi l): [..., H, P]
+        log_g = -0.5 * (z * z).sum(-1) + torch.log(2 * math.pi * ell).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
         return self.amplitude.to(cdt) * torch.exp(log_g)
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
@@ -194,12 +195,12 @@ class MaternSpectrum(_KernelSpectrum):
         self._check_points("xi", xi)
         cdt = self._cdt(xi)
         nu, P = self.nu, self.pos_dim
-        l = self.lengths().to(cdt)
-        z = 2 * math.pi * xi.to(cdt).unsqueeze(-2) * l  # [..., H, P]
+        ell = self.lengths().to(cdt)
+        z = 2 * math.pi * xi.to(cdt).unsqueeze(-2) * ell  # [..., H, P]
         log_norm = (
             math.lgamma(nu + P / 2) - math.lgamma(nu) - 0.5 * P * math.log(2 * nu * math.pi) + P * math.log(2 * math.pi)
         )
-        log_g = log_norm + torch.log(l).sum(-1) - (nu + P / 2) * torch.log1p((z * z).sum(-1) / (2 * nu))
+        log_g = log_norm + torch.log(ell).sum(-1) - (nu + P / 2) * torch.log1p((z * z).sum(-1) / (2 * nu))
         return self.amplitude.to(cdt) * torch.exp(log_g)
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
@@ -210,7 +211,7 @@ class MaternSpectrum(_KernelSpectrum):
         return self.amplitude.to(cdt) * self._profile((d * d).sum(-1))
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        sq = sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
+        sq = tensor_sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
         return self.amplitude[h] * self._profile(sq)
 
     def _profile(self, sq: torch.Tensor) -> torch.Tensor:

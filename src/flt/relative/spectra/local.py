@@ -19,6 +19,7 @@ from torch import nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
+from flt.relative.base import tensor_sum
 from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, positive
 from flt.relative.spectra.kernels import check_amplitude, per_axis
 
@@ -139,15 +140,15 @@ class LocalSpectrum(Spectrum):
         return (self.amplitude.to(cdt) * axis.prod(-1)).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        total = 0.0
+        windows = []
         for c in range(self.windows):
             window = self.amplitude[h, c]
             for p, x in enumerate(self.head_offsets(delta, h, c)):
                 d, w = x.abs(), positive(self.log_half_width[h, c, p])
                 s = _SQRT2 * positive(self.log_smoothing[h, c, p])
                 window = window * 0.5 * (torch.erfc((d - w) / s) - torch.erfc((d + w) / s))
-            total = total + window
-        return total
+            windows.append(window)
+        return tensor_sum(windows)
 
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``xi [H, R, P]`` (window-major), ``w [H, R]``.
