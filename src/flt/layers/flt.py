@@ -85,8 +85,9 @@ class FLTAttention(KernelAttention):
             ``causal=False``; exclusive with ``near_field``): each query's ``k`` nearest keys
             in position space (itself included, padded keys excluded, ``min(k, N)`` for
             shorter sets) get their exact weights with the mask ``f + f_near`` (logit:
-            ``exp(x_q.x_k + f + f_near)``; multiplicative: ``(f + f_near) exp(x_q.x_k)``),
-            all other pairs the random-feature estimate, as for the band. For sets of atoms or image patches, whose
+            ``exp(x_q.x_k + f + f_near)``; multiplicative: ``(f + f_near) exp(x_q.x_k)`` with
+            FAVOR+, ``(f + f_near) phi(x_q).phi(x_k)`` with any other ``feature_map``, the
+            far field's kernel), all other pairs the random-feature estimate, as for the band. For sets of atoms or image patches, whose
             token order means nothing. The search uses cell lists from ``N = 1024`` points in
             up to 3 dimensions (``O(N k)`` for evenly spread points), else ``O(N^2 P)`` in
             chunks (once per batch when the positions are shared), the attention ``O(N k (D + m + Dv))`` on
@@ -190,8 +191,10 @@ class FLTAttention(KernelAttention):
         self.near_neighbors = near_neighbors
         if near_field and near_neighbors:
             raise ValueError(f"near_field ({near_field}) and near_neighbors ({near_neighbors}) are exclusive: choose one near set, the token band or the k nearest keys")
-        if (near_field or near_neighbors) and feature_map != "favor+":
-            raise ValueError(f"near sets hold exact softmax weights exp(x_q.x_k) next to the estimate: they need feature_map='favor+', got {feature_map!r}")
+        if near_field and feature_map != "favor+":
+            raise ValueError(f"the band holds exact softmax weights exp(x_q.x_k) next to the estimate: it needs feature_map='favor+', got {feature_map!r}")
+        # near_neighbors takes any map with the multiplicative coupling (the near pairs keep the
+        # features' kernel, flt.ops.neighbors); the logit coupling needs favor+ (checked above).
         if near_neighbors and causal:
             raise ValueError("near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, or near_field for causal sequences")
         if near_field and coupling != "logit":
@@ -400,7 +403,8 @@ class FLTAttention(KernelAttention):
             pos = batch_shared(p.pos).to(xq.dtype)
             idx = self.near_keys(pos, key_mask)
             return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.neighbor_bias(pos, idx), key_mask=key_mask)
-        # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
+        # Multiplicative: the exact mask on the near set (times exp(x_q.x_k) for FAVOR+, the
+        # features' own kernel for other maps), the Kronecker estimate elsewhere.
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         a, c = self.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
@@ -410,7 +414,8 @@ class FLTAttention(KernelAttention):
         pos = batch_shared(p.pos).to(cdt)
         idx = self.near_keys(pos, key_mask)
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
-                  near_mask=self.neighbor_bias(pos, idx))
+                  near_mask=self.neighbor_bias(pos, idx),
+                  near_kernel="exp" if self.feature_map.kind == "favor+" else "features")
 
     def near_keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
