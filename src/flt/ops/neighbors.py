@@ -46,9 +46,10 @@ tested against) it compares every query with every key: ``O(N^2 P)`` time, in ch
 queries so memory is ``O(chunk N)``. A batch whose positions are shared (one ``[1, N, P]``
 tensor, no padding) is searched once. The attention itself (:func:`neighbor_attention`) is
 linear: the estimate over all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the
-near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the near keys'
-rows are read in cache-sized chunks (:mod:`flt.ops.pairs`), never gathered into an
-``[N, k, E]`` tensor. Short sets (``N <= dense_below``, default 128: molecules, small patch
+near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the products
+with the near keys' rows are sparse kernels over the listed pairs (:mod:`flt.ops.pairs`),
+never gathered into an ``[N, k, E]`` tensor, and their number of operations does not grow
+with ``N``. Short sets (``N <= dense_below``, default 128: molecules, small patch
 grids) use their ``[N, N]`` weights instead, ``O(N^2 (D + m + Dv))``: the same sums, but
 matrix products beat gathering ``k`` rows per query there.
 
