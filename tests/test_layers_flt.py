@@ -298,5 +298,6 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
     out, ref = relu(x), relu.exact(x)
     assert ((out - ref).norm() / ref.norm()).item() < 0.05
-    with pytest.raises(ValueError, match="near sets .* need feature_map='favor\\+'"):
-        FLTAttention.from_options(16, 2, coupling="multiplicative", feature_map="elu", near_neighbors=4)
+    with pytest.raises(ValueError, match="the band .* needs feature_map='favor\\+'"):
+        FLTAttention.from_options(16, 2, coupling="multiplicative", feature_map="elu", near_field=4)
+    FLTAttention.from_options(16, 2, coupling="multiplicative", feature_map="elu", near_neighbors=4)  # any map: the features' kernel

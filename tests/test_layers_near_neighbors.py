@@ -254,3 +254,72 @@ def test_deterministic_kernel_features_leave_only_the_mask_to_estimate_on_point_
     for name in names[1:]:
         assert err[name].rel_error < 0.15, (name, err[name].rel_error)
         assert err[name].rel_error * 4 < err[names[0]].rel_error
+
+
+def features_direct(layer, x, pos, pad=None):
+    """The multiplicative near set with any feature map, pair by pair: ``w_ij = phi(x_q,i).
+    phi(x_k,j) (f + f_near)(r_i - r_j)`` on the ``k`` nearest valid keys, ``phi.phi a_i.c_j``
+    (the random-feature estimate of ``f``, zero unless ``far_field=True``) beyond them."""
+    p = layer.prepare(x, pos, pad)
+    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    qf, kf = layer.feature_map(xq)[0], layer.feature_map(xk)[0]
+    a, c = layer.far_features(p.pos)
+    B, H, N, _ = xq.shape
+    pos = p.pos.expand(B, -1, -1)
+    a, c = a.expand(B, -1, -1, -1), c.expand(B, -1, -1, -1)
+    valid = torch.ones(B, N, dtype=torch.bool) if pad is None else ~pad
+    k = min(layer.near_neighbors, N)
+    rows = []
+    for b in range(B):
+        delta = pos[b, :, None] - pos[b, None]
+        exact = (layer.far_mask(delta) + layer.near_spectrum.of_offsets(delta)).permute(2, 0, 1)  # [H, N, N]
+        d = delta.square().sum(-1)
+        for i in range(N):
+            near = sorted(range(N), key=lambda j: (not valid[b, j], j != i, d[i, j].item(), j))[:k]
+            w = []
+            for j in range(N):
+                kernel = (qf[b, :, i] * kf[b, :, j]).sum(-1)  # [H]
+                mask = exact[:, i, j] if j in near else (a[b, :, i] * c[b, :, j]).sum(-1)
+                w.append(kernel * mask * valid[b, j])
+            w = torch.stack(w, -1)  # [H, N]
+            rows.append((w.unsqueeze(-1) * p.v[b]).sum(-2) / w.sum(-1, keepdim=True))
+    out = torch.stack(rows).view(B, N, H, -1).transpose(1, 2)
+    return layer.finish(out, x)
+
+
+@pytest.mark.parametrize("feature_map", ["hedgehog", "elu", "relu", "taylor"])
+@pytest.mark.parametrize("far_field", [True, False, "near"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_multiplicative_near_set_takes_any_feature_map_with_its_own_kernel(feature_map, far_field, padded):
+    # The near pairs get the exact mask with the features' kernel (the far field's), the
+    # far pairs the random-feature estimate: forward and backward against the pair-by-pair sum.
+    torch.manual_seed(3)
+    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian", coupling="multiplicative", feature_map=feature_map,
+                                      num_features=8, num_frequencies=6, near_neighbors=4, far_field=far_field,
+                                      length_scale=1.5).double()
+    with torch.no_grad():
+        for p in layer.near_spectrum.parameters():
+            p.add_(torch.rand_like(p) * 0.5)  # f_near off its start at 0
+    x = torch.randn(2, 11, 16, dtype=F64, requires_grad=True)
+    pos = torch.randn(2, 11, 3, dtype=F64) * 1.5
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    if padded:
+        pad[1, -4:] = True
+    kp = pad if padded else None
+    out, direct = layer(x, pos, key_padding_mask=kp), features_direct(layer, x, pos, kp)
+    assert_same_gradients(out, direct, [x] + [p for p in layer.parameters() if p.requires_grad])
+    assert_same_gradients(out, layer.reference(x, pos, key_padding_mask=kp), [x])
+    if far_field is not True and feature_map != "relu":
+        # Nothing beyond the near set and a deterministic kernel: the layer is its exact().
+        with torch.no_grad():
+            assert_close(out, layer.exact(x, pos, kp))
+
+
+def test_favor_near_set_keeps_the_exact_exponential_kernel():
+    # FAVOR+ features estimate exp(x_q.x_k), so its near pairs keep that exact kernel (not
+    # the features' estimate): with every key near, the layer is its exact().
+    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian", coupling="multiplicative", num_features=4,
+                                      num_frequencies=4, near_neighbors=20, length_scale=1.5).double()
+    x, pos = torch.randn(2, 9, 16, dtype=F64), torch.randn(2, 9, 3, dtype=F64)
+    with torch.no_grad():
+        assert_close(layer(x, pos), layer.exact(x, pos))

@@ -46,3 +46,25 @@ def test_causal_operation_count_does_not_grow_with_the_length(case):
     name, options = CASES[case]
     short, long = aten_ops(name, options, 1024), aten_ops(name, options, 4096)
     assert long <= 1.1 * short, f"{case}: {short} aten ops at N = 1024, {long} at N = 4096"
+
+
+def near_neighbor_ops(n: int, coupling: str) -> int:
+    """aten operations of one forward and backward of FLT with the 8 nearest of ``n`` random
+    3-D points exact (bidirectional: near sets have no causal order; dim 32, 2 heads)."""
+    torch.manual_seed(0)
+    layer = ATTENTION["flt"](32, 2, pos_dim=3, coupling=coupling, num_features=16, num_frequencies=4, near_neighbors=8,
+                             check_condition=False)
+    x, pos = torch.randn(1, n, 32, requires_grad=True), torch.rand(1, n, 3)
+    layer(x, pos).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer(x, pos).sum().backward()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+
+
+@pytest.mark.slow  # profiles 4096 points: about 10 s idle, a minute on a loaded machine
+@pytest.mark.parametrize("coupling", ["logit", "multiplicative"])
+def test_near_neighbor_operation_count_does_not_grow_with_the_number_of_points(coupling):
+    # The cell-list search and the sparse pair products (flt.ops.pairs) run no Python loop
+    # whose length follows N (both sizes use the cell lists: N >= SPATIAL_FROM).
+    short, long = near_neighbor_ops(1024, coupling), near_neighbor_ops(4096, coupling)
+    assert long <= 1.1 * short, f"{coupling}: {short} aten ops at N = 1024, {long} at N = 4096"

@@ -349,3 +349,88 @@ def test_spatial_search_is_the_default_for_thousands_of_points_and_agrees_with_a
     assert torch.equal(idx[0, rows], expected[0, rows])
     with pytest.raises(ValueError, match="spatial must be None"):
         nearest_keys(pos, 6, spatial="yes")
+
+
+def written_out_features_form(qf, kf, v, sq, sk, idx, mask, a, c, key_mask):
+    """``w_ij = qf_i.kf_j exp(sq_i + sk_j) (m_ij if j in K(i) else a_i.c_j)``, pair by pair."""
+    B, H, N, _ = qf.shape
+    out = torch.zeros(B, H, N, v.shape[-1], dtype=F64)
+    for b, h, i in itertools.product(range(B), range(H), range(N)):
+        num, den = torch.zeros(v.shape[-1], dtype=F64), torch.zeros((), dtype=F64)
+        near = idx[min(b, idx.shape[0] - 1), i].tolist()
+        for j in range(N):
+            if key_mask is not None and not key_mask[b, j]:
+                continue
+            kernel = (qf[b, h, i] @ kf[b, h, j]) * torch.exp(sq[b, h, i] + sk[b, h, j])
+            bm = min(b, a.shape[0] - 1)
+            m = mask[min(b, mask.shape[0] - 1), h, i, near.index(j)] if j in near else a[bm, h, i] @ c[bm, h, j]
+            num, den = num + kernel * m * v[b, h, j], den + kernel * m
+        out[b, h, i] = num / den
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("N, k", [(1, 1), (9, 9), (23, 5)])
+@pytest.mark.parametrize("dense_below", [0, 128])
+@pytest.mark.parametrize("scaled", [False, True])  # log scales as FAVOR+ gives them, or none (hedgehog, elu, ...)
+def test_features_kernel_on_the_near_set_equals_the_written_out_sum(padded, N, k, dense_below, scaled):
+    # near_kernel="features": the near pairs keep the far field's kernel qf.kf and get the
+    # exact mask, the far pairs its Kronecker estimate a.c (any feature map).
+    torch.manual_seed(N + k + dense_below + 7 * padded + 3 * scaled)
+    B, H, m = 2, 2, 5
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    qf = torch.rand(B, H, N, m, dtype=F64).requires_grad_()  # nonnegative, as hedgehog's
+    kf = torch.rand(B, H, N, m, dtype=F64).requires_grad_()
+    sq = torch.randn(B, H, N, dtype=F64) if scaled else None
+    sk = torch.randn(B, H, N, dtype=F64) * 3 if scaled else None
+    pos = torch.randn(B, N, 3, dtype=F64)
+    key_mask = (torch.rand(B, N) > 0.3) if padded else None
+    if padded:
+        key_mask[:, 0] = True
+    idx = nearest_keys(pos, k, key_mask=key_mask)
+    a, c = spectral(B, H, N)
+    mask = (torch.rand(B, H, N, k, dtype=F64) + 0.5).requires_grad_()
+    kw = dict(key_mask=key_mask, a=a, c=c, near_mask=mask, near_kernel="features")
+    out = neighbor_attention(xq, xk, v, qf, kf, sq, sk, idx, None, dense_below=dense_below, **kw)
+    ref = neighbor_attention_reference(xq, xk, v, qf, kf, sq, sk, idx, None, **kw)
+    zero = torch.zeros(B, H, N, dtype=F64)
+    written = written_out_features_form(qf, kf, v, zero if sq is None else sq, zero if sk is None else sk, idx, mask, a, c,
+                                        key_mask)
+    assert_close(out, written)
+    assert_close(ref, written)
+    up = torch.randn_like(out)
+    leaves = (qf, kf, v, a, c, mask)
+    g_out = torch.autograd.grad((out * up).sum(), leaves, retain_graph=True, allow_unused=True)
+    g_ref = torch.autograd.grad((written * up).sum(), leaves, allow_unused=True)  # a, c unused when every key is near
+    for leaf, x, y in zip(leaves, g_out, g_ref):
+        assert_close(torch.zeros_like(leaf) if x is None else x, torch.zeros_like(leaf) if y is None else y)
+    # xq, xk carry no weight in this form: their exponential kernel is not used.
+    assert torch.autograd.grad(out.sum(), (xq, xk), allow_unused=True) == (None, None)
+
+
+def test_features_kernel_differs_from_the_exp_kernel_only_on_the_near_set():
+    # With FAVOR+ features the two near kernels differ (exact exp vs its estimate); with
+    # a, c = 0 and k = N everything is near, so the features' form is exact masked attention
+    # with the features' kernel.
+    B, H, N, m = 1, 2, 11, 6
+    xq, xk, v = inputs(B=B, H=H, N=N)
+    qf, kf = torch.rand(B, H, N, m, dtype=F64), torch.rand(B, H, N, m, dtype=F64)
+    idx = nearest_keys(torch.randn(B, N, 3, dtype=F64), N)
+    full = torch.rand(B, H, N, N, dtype=F64) + 0.1
+    mask = full.gather(-1, idx.unsqueeze(1).expand(B, H, N, N))
+    a, c = torch.zeros(B, H, N, 4, dtype=F64), torch.zeros(B, H, N, 4, dtype=F64)
+    w = full * (qf @ kf.transpose(-1, -2))
+    got = neighbor_attention(xq, xk, v, qf, kf, None, None, idx, None, a=a, c=c, near_mask=mask, near_kernel="features")
+    assert_close(got, (w @ v) / w.sum(-1, keepdim=True))
+    exp_form = neighbor_attention(xq, xk, v, qf, kf, None, None, idx, None, a=a, c=c, near_mask=mask)
+    assert (exp_form - got).abs().max() > 1e-3
+
+
+def test_features_kernel_needs_the_multiplicative_form():
+    xq, xk, v = inputs(B=1, H=1, N=5)
+    qf = torch.rand(1, 1, 5, 3, dtype=F64)
+    idx = nearest_keys(torch.randn(1, 5, 2, dtype=F64), 2)
+    with pytest.raises(ValueError, match="multiplicative form"):
+        neighbor_attention(xq, xk, v, qf, qf, None, None, idx, torch.zeros(1, 1, 5, 2, dtype=F64), near_kernel="features")
+    with pytest.raises(ValueError, match="near_kernel must be one of"):
+        neighbor_attention(xq, xk, v, qf, qf, None, None, idx, torch.zeros(1, 1, 5, 2, dtype=F64), near_kernel="hedgehog")

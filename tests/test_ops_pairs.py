@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import assert_close
-from flt.ops import pairs
 from flt.ops.pairs import flat_index, gather_sum, pair_dots, scatter_sum
 
 F64 = torch.float64
@@ -26,10 +25,11 @@ def dense(index, rows):
     return torch.zeros(index.shape[0], rows, dtype=F64).scatter_add_(1, index, torch.ones(index.shape, dtype=F64))
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 1 << 19])  # elements per chunk: one query per chunk, a few, all
-def test_pair_products_equal_their_dense_formulas_forward_and_backward(chunk, monkeypatch):
-    monkeypatch.setattr(pairs, "_CHUNK_ELEMENTS", chunk)
-    a, b, w, index = listed()
+@pytest.mark.parametrize("R, k, E, Rb", [(37, 5, 6, 41), (1, 1, 1, 1), (9, 1, 3, 50), (20, 7, 4, 3)])
+def test_pair_products_equal_their_dense_formulas_forward_and_backward(R, k, E, Rb):
+    # Rb = 50 > R k: most key rows listed by no query (their scattered sums are zero);
+    # Rb = 3: every key listed many times, repeated within rows.
+    a, b, w, index = listed(R, k, E, Rb)
     onehot = torch.nn.functional.one_hot(index, b.shape[0]).to(F64)  # [R, k, Rb]
     cases = [
         (lambda: pair_dots(a, b, index), lambda: (onehot @ b) @ a.unsqueeze(-1)),
@@ -46,6 +46,14 @@ def test_pair_products_equal_their_dense_formulas_forward_and_backward(chunk, mo
             assert (x is None) == (y is None)
             if x is not None:
                 assert_close(x, y)
+
+
+def test_pair_products_keep_float32_and_listed_order():
+    a, b, w, index = (t.detach().float() if t.is_floating_point() else t for t in listed(R=8, k=4, E=3, Rb=6))
+    out = pair_dots(a, b, index)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, (b[index] * a.unsqueeze(1)).sum(-1), atol=1e-6)  # slot t is index[r, t], unsorted
+    assert torch.allclose(gather_sum(w, b, index), (w.unsqueeze(-1) * b[index]).sum(1), atol=1e-6)
 
 
 def test_pair_products_pass_gradcheck_and_second_order():

@@ -40,10 +40,11 @@ CASES = {
         "near_field (2) and near_neighbors (3) are exclusive: choose one near set, the token band or the k nearest keys",
         lambda: FLTAttention.from_options(16, 2, near_field=2, near_neighbors=3),
     ),
-    "near_sets_need_favor": (
-        Facts(features="hedgehog", coupling="multiplicative", near_neighbors=4),
-        "near sets hold exact softmax weights exp(x_q.x_k) next to the estimate: they need feature_map='favor+', got 'hedgehog'",
-        lambda: FLTAttention(16, 2, coupling="multiplicative", features=Hedgehog(num_features=8), near=Neighbors(4)),
+    "band_needs_favor": (
+        Facts(features="hedgehog", coupling="multiplicative", near_field=4),
+        "the band holds exact softmax weights exp(x_q.x_k) next to the estimate: it needs feature_map='favor+', got 'hedgehog' "
+        "(the k nearest keys, near_neighbors, take any feature map)",
+        lambda: FLTAttention(16, 2, coupling="multiplicative", features=Hedgehog(num_features=8), near=Band(4)),
     ),
     "neighbors_are_bidirectional": (
         Facts(features="favor+", coupling="logit", near_neighbors=4, causal=True),

@@ -284,7 +284,8 @@ class Neighbors(NearSet):
             pos = batch_shared(p.pos).to(xq.dtype)
             idx = self.keys(pos, key_mask)
             return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.bias(layer, pos, idx), key_mask=key_mask)
-        # Multiplicative: exact f * exp(x_q.x_k) on the near set, Kronecker estimate elsewhere.
+        # Multiplicative: the exact mask on the near set (times exp(x_q.x_k) for FAVOR+, the
+        # features' own kernel for other maps), the Kronecker estimate elsewhere.
         xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
         a, c = layer.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
@@ -294,7 +295,8 @@ class Neighbors(NearSet):
         pos = batch_shared(p.pos).to(cdt)
         idx = self.keys(pos, key_mask)
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
-                  near_mask=self.bias(layer, pos, idx))
+                  near_mask=self.bias(layer, pos, idx),
+                  near_kernel="exp" if layer.feature_map.kind == "favor+" else "features")
 
     def keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``

@@ -9,7 +9,8 @@ flat options before any part exists). The table's order is the order the rules a
 in, so the first broken one is the one reported.
 
 ``tests/test_rules.py`` lists every rule with its message. To relax a rule, change its
-``when``; the near sets' need for FAVOR+ is ``near_sets_need_favor``.
+``when``; the band's need for FAVOR+ is ``band_needs_favor`` (the
+nearest-keys set takes any feature map: its near pairs keep the features' own kernel).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ RULES: tuple[Rule, ...] = (
          lambda f: bool(f.near_field and f.near_neighbors),
          lambda f: f"near_field ({f.near_field}) and near_neighbors ({f.near_neighbors}) are exclusive: choose one near set, "
                    f"the token band or the k nearest keys"),
-    Rule("near_sets_need_favor", "near",
-         lambda f: f.near_set and f.features != "favor+",
-         lambda f: f"near sets hold exact softmax weights exp(x_q.x_k) next to the estimate: they need feature_map='favor+', "
-                   f"got {f.features!r}"),
+    Rule("band_needs_favor", "Band",
+         lambda f: bool(f.near_field) and f.features != "favor+",
+         lambda f: f"the band holds exact softmax weights exp(x_q.x_k) next to the estimate: it needs feature_map='favor+', "
+                   f"got {f.features!r} (the k nearest keys, near_neighbors, take any feature map)"),
     Rule("neighbors_are_bidirectional", "Neighbors",
          lambda f: bool(f.near_neighbors) and f.causal,
          lambda f: "near_neighbors is bidirectional (the near set of a set of points has no causal order); use causal=False, "

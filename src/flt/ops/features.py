@@ -185,7 +185,8 @@ def taylor_features(x: torch.Tensor) -> torch.Tensor:
     x = x.to(compute_dtype(x))
     D = x.shape[-1]
     rows, cols = torch.triu_indices(D, D, device=x.device)
-    weight = torch.where(rows == cols, math.sqrt(0.5), 1.0).to(x.dtype)
+    weight = torch.ones(rows.shape, dtype=x.dtype, device=x.device)
+    weight[rows == cols] = math.sqrt(0.5)  # in x's dtype (a float32 where() would round it for float64)
     quad = x[..., rows] * x[..., cols] * weight
     return torch.cat([torch.ones_like(x[..., :1]), x, quad], dim=-1)
 

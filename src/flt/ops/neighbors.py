@@ -17,7 +17,17 @@ The multiplicative coupling (the FLT paper's mask ``f(r_i - r_j) exp(x_i.y_j)``,
     w_ij = m_ij exp(x_i.y_j)                           if j in K(i)       (exact)
     w_ij = qf_i.kf_j exp(s_j) a_i.c_j                  otherwise          (Kronecker estimate)
 
-with ``m_ij`` the exact mask on the near pairs. A local mask is large only on the near set,
+with ``m_ij`` the exact mask on the near pairs. That is the FAVOR+ form (``near_kernel="exp"``):
+the near pairs get the exact softmax kernel ``exp(x_i.y_j)`` the FAVOR+ features estimate.
+Deterministic or learned feature maps (``hedgehog``, ``elu``, ``taylor``; ``relu``'s random
+features) estimate no exponential, so with ``near_kernel="features"`` the near pairs keep
+the features' own kernel and only the mask becomes exact:
+
+    w_ij = m_ij qf_i.kf_j exp(s_j)                     if j in K(i)       (exact mask)
+    w_ij = qf_i.kf_j exp(s_j) a_i.c_j                  otherwise          (Kronecker estimate)
+
+so the near set differs from the far field only in the mask (exact ``m_ij`` instead of its
+random-feature estimate ``a_i.c_j``), not in the kernel. A local mask is large only on the near set,
 which is now exact; the far estimate is signed, but it is an estimate of a mask close to 0
 there, so it no longer cancels the row's mass (without the near set the estimate of a
 strong local mask is signed where the mass is, and row sums can vanish).
@@ -36,9 +46,10 @@ tested against) it compares every query with every key: ``O(N^2 P)`` time, in ch
 queries so memory is ``O(chunk N)``. A batch whose positions are shared (one ``[1, N, P]``
 tensor, no padding) is searched once. The attention itself (:func:`neighbor_attention`) is
 linear: the estimate over all keys, ``qf_i . sum_j kf_j [v_j, 1]``, minus the estimate on the
-near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the near keys'
-rows are read in cache-sized chunks (:mod:`flt.ops.pairs`), never gathered into an
-``[N, k, E]`` tensor. Short sets (``N <= dense_below``, default 128: molecules, small patch
+near set, plus the exact near weights, ``O(N k (D + m + Dv) + N m Dv)`` time; the products
+with the near keys' rows are sparse kernels over the listed pairs (:mod:`flt.ops.pairs`),
+never gathered into an ``[N, k, E]`` tensor, and their number of operations does not grow
+with ``N``. Short sets (``N <= dense_below``, default 128: molecules, small patch
 grids) use their ``[N, N]`` weights instead, ``O(N^2 (D + m + Dv))``: the same sums, but
 matrix products beat gathering ``k`` rows per query there.
 
@@ -260,7 +271,12 @@ def near_offsets(pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return pos.unsqueeze(2) - nb
 
 
-def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a=None, c=None, near_mask=None):
+#: The near pairs' kernel in the multiplicative form (module docstring).
+NEAR_KERNELS = ("exp", "features")
+
+
+def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a=None, c=None, near_mask=None,
+           near_kernel="exp"):
     check_tensor("xq", xq, ndim=4, layout="[B, H, N, D]")
     check_tensor("xk", xk, ndim=4, layout="[B, H, N, D]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -275,6 +291,8 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, 
     if xk.shape[-1] != xq.shape[-1] or kf.shape[-1] != qf.shape[-1]:
         raise ValueError(f"xq/xk and q_feat/k_feat must have equal last sizes, got {xq.shape[-1]}/{xk.shape[-1]} and {qf.shape[-1]}/{kf.shape[-1]}")
     for name, t in (("q_shift", q_shift), ("key_log_scale", key_log_scale)):
+        if t is None:  # features without a log scale (hedgehog, elu, relu, taylor)
+            continue
         check_tensor(name, t, ndim=3, layout="[B, H, N]")
         if t.shape != (B, H, N):
             raise ValueError(f"{name} must be [B, H, N] = {(B, H, N)}, got {tuple(t.shape)}")
@@ -285,6 +303,11 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, 
     if idx.shape[0] not in (1, B) or idx.shape[1] != N or not 1 <= k <= N:
         raise ValueError(f"idx must be [B or 1, N, k] = [{B} or 1, {N}, k] with 1 <= k <= N, got {tuple(idx.shape)}")
     multiplicative = a is not None or c is not None or near_mask is not None
+    if near_kernel not in NEAR_KERNELS:
+        raise ValueError(f"near_kernel must be one of {NEAR_KERNELS}, got {near_kernel!r}")
+    if near_kernel == "features" and not multiplicative:
+        raise ValueError("near_kernel='features' is the multiplicative form's (a, c, near_mask); the logit form's "
+                         "near bias needs the exponential kernel")
     if multiplicative:
         if a is None or c is None or near_mask is None or near_bias is not None:
             raise ValueError("the multiplicative form takes a, c and near_mask together and near_bias=None; "
@@ -301,9 +324,10 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, 
 
 
 def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
-                                 a=None, c=None, near_mask=None):
+                                 a=None, c=None, near_mask=None, near_kernel="exp"):
     """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
-    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask)
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask, near_kernel)
+    q_shift, key_log_scale = _shifts(q_shift, key_log_scale, qf)
     B, H, N, _ = xq.shape
     cdt = compute_dtype(xq, qf, v)
     Bi = idx.shape[0]
@@ -312,8 +336,12 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     full = torch.zeros(max(Bi, given.shape[0]), H, N, N, dtype=cdt, device=xq.device)
     full = full.scatter(-1, idx[:, None].expand(full.shape[0], H, N, -1), given.to(cdt).expand(full.shape[0], H, N, -1))
     logits = xq.to(cdt) @ xk.to(cdt).transpose(-1, -2)
-    exact = torch.exp(logits + full) if near_mask is None else full * torch.exp(logits)
-    est = (qf.to(cdt) @ kf.to(cdt).transpose(-1, -2)) * torch.exp(q_shift.to(cdt)).unsqueeze(-1) * torch.exp(key_log_scale.to(cdt)).unsqueeze(-2)
+    kernel = (qf.to(cdt) @ kf.to(cdt).transpose(-1, -2)) * torch.exp(q_shift.to(cdt)).unsqueeze(-1) * torch.exp(key_log_scale.to(cdt)).unsqueeze(-2)
+    if near_mask is None:
+        exact = torch.exp(logits + full)
+    else:
+        exact = full * (torch.exp(logits) if near_kernel == "exp" else kernel)
+    est = kernel
     if a is not None:
         est = est * (a.to(cdt) @ c.to(cdt).transpose(-1, -2))
     w = torch.where(near, exact, est)
@@ -323,16 +351,18 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
 
 
 def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
-                       a=None, c=None, near_mask=None, dense_below: int = DEFAULT_CHUNK_SIZE):
+                       a=None, c=None, near_mask=None, near_kernel: str = "exp", dense_below: int = DEFAULT_CHUNK_SIZE):
     """Attention with exact weights on each query's near set and random-feature estimates on
     every other pair (module docstring), linear in ``N`` for a fixed ``k``.
 
     Args:
-        xq, xk: ``[B, H, N, D]`` scaled queries and keys: the exact kernel is ``exp(xq.xk)``.
+        xq, xk: ``[B, H, N, D]`` scaled queries and keys: the exact kernel is ``exp(xq.xk)``
+            (unused with ``near_kernel="features"`` beyond their shapes).
         v: ``[B, H, N, Dv]``.
         qf, kf: ``[B, H, N, m]`` kernel features, with true features ``qf * exp(q_shift)``
             and ``kf * exp(key_log_scale)``.
-        q_shift, key_log_scale: ``[B, H, N]``, the features' log scales (detached).
+        q_shift, key_log_scale: ``[B, H, N]``, the features' log scales (detached), or None
+            for features without one (``hedgehog``, ``elu``, ``relu``, ``taylor``: zeros).
         idx: ``[B or 1, N, k]`` int64, the near keys of every query, distinct per row
             (:func:`nearest_keys`).
         near_bias: ``[B or 1, H, N, k]``, the exact logit bias ``b_ij`` for ``j = idx[i, t]``
@@ -344,6 +374,9 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
             estimate is ``qf_i.kf_j a_i.c_j`` (Kronecker, ``O(N m 2R Dv)``).
         near_mask: multiplicative form only: ``[B or 1, H, N, k]``, the exact mask ``m_ij``
             (any sign) of the near pairs.
+        near_kernel: multiplicative form only: the near pairs' kernel, ``"exp"`` (default)
+            the exact ``exp(xq.xk)`` (FAVOR+ features), ``"features"`` the features' own
+            ``qf.kf`` times their scales, the far field's kernel (any feature map).
         dense_below: sets of at most this many tokens (molecules, small patch grids) are
             computed from their ``[N, N]`` weights, ``O(N^2 (D + m + Dv))``: the same sums,
             cheaper there than gathering ``k`` rows per query. ``0`` always gathers.
@@ -352,14 +385,25 @@ def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias
         ``[B, H, N, Dv]`` in the promoted dtype (float32 or better). Rows without any valid
         key return zeros.
     """
-    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask)
+    _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask, near_kernel)
+    q_shift, key_log_scale = _shifts(q_shift, key_log_scale, qf)
     # No float16 products (the sums over keys overflow it), and none in bfloat16 for the
     # multiplicative form, whose signed row sums cancel (flt.ops.linear.full_precision).
     with full_precision(xq, near_mask is not None):
-        return _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, dense_below)
+        return _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask,
+                          near_kernel, dense_below)
 
 
-def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, dense_below):
+def _shifts(q_shift, key_log_scale, qf):
+    """The features' log scales, zeros where a feature map has none (``[B, H, N]``)."""
+    zero = qf.new_zeros(qf.shape[:3])
+    return (zero if q_shift is None else q_shift), (zero if key_log_scale is None else key_log_scale)
+
+
+def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, near_kernel,
+               dense_below):
+    if near_mask is not None and near_kernel == "features":
+        return _neighbors_features(qf, kf, v, q_shift, key_log_scale, idx, key_mask, a, c, near_mask, dense_below)
     B, H, N, _ = xq.shape
     k = idx.shape[-1]
     cdt = compute_dtype(xq, qf, v)
@@ -418,4 +462,45 @@ def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_ma
     # Far field = the estimate over all keys minus its near part; near weights replace it.
     total = _write(kfw, c, vaug)  # [B, H, m, Dv + 1], or its Kronecker form
     out = gather_sum(rows(weights), rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, total) * torch.exp(-top)
+    return safe_divide(out[..., :-1], out[..., -1:])
+
+
+def _neighbors_features(qf, kf, v, q_shift, key_log_scale, idx, key_mask, a, c, near_mask, dense_below):
+    """The multiplicative form with the features' kernel on the near pairs too
+    (``near_kernel="features"``): ``w_ij = qf_i.kf_j exp(s_j) (m_ij if near else a_i.c_j)``.
+
+    Every weight carries the same kernel, so no exact exponent needs a row level: weights
+    are taken relative to ``exp(sq_i + L)`` only (``L`` the largest valid key log scale),
+    and the near pairs correct the Kronecker estimate over all keys by ``kernel (m - a.c)``.
+    """
+    B, H, N, _ = qf.shape
+    k = idx.shape[-1]
+    cdt = compute_dtype(qf, v, a)
+    qf, kf, given = qf.to(cdt), kf.to(cdt), near_mask.to(cdt)
+    a, c = a.to(cdt).expand(B, -1, -1, -1), c.to(cdt).expand(B, -1, -1, -1)
+    valid = torch.ones(B, N, dtype=torch.bool, device=qf.device) if key_mask is None else key_mask
+    sk = key_log_scale.to(cdt)
+    level = sk.detach().masked_fill(~valid[:, None, :], -float("inf")).amax(-1, keepdim=True)
+    level = torch.where(torch.isinf(level), torch.zeros_like(level), level)  # no valid key at all
+    kw = torch.exp((sk - level).masked_fill(~valid[:, None, :], -float("inf")))  # [B, H, N], 0 if padded
+    kfw = kf * kw.unsqueeze(-1)  # the query's factor exp(sq_i + L) cancels in the row
+    vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1) * valid[:, None, :, None].to(cdt)
+    if N <= dense_below:
+        near = torch.zeros(idx.shape[0], 1, N, N, dtype=torch.bool, device=qf.device).scatter(-1, idx.unsqueeze(1), True)
+        full = torch.zeros(max(idx.shape[0], given.shape[0]), H, N, N, dtype=cdt, device=qf.device)
+        full = full.scatter(-1, idx.unsqueeze(1).expand(full.shape[0], H, N, k), given.expand(full.shape[0], H, N, k))
+        w = (qf @ kfw.transpose(-1, -2)) * torch.where(near, full, a @ c.transpose(-1, -2))
+        out = w @ vaug
+        return safe_divide(out[..., :-1], out[..., -1:])
+    flat = flat_index(idx, B, H)  # [B H N, k]
+
+    def rows(t):  # [B, H, N, E] -> [B H N, E]
+        return t.reshape(B * H * N, t.shape[-1])
+
+    def dots(x, y):  # [B, H, N, k]: x_i . y_j for the near keys j of every query i
+        return pair_dots(rows(x), rows(y), flat).view(B, H, N, k)
+
+    # Far field = the estimate over all keys; on the near pairs its mask a.c is replaced by m.
+    weights = dots(qf, kfw) * (given - dots(a, c))  # zero for padded keys (kfw is)
+    out = gather_sum(rows(weights), rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, _write(kfw, c, vaug))
     return safe_divide(out[..., :-1], out[..., -1:])

@@ -3,31 +3,31 @@
 A near set lists ``k`` keys ``j = idx[i, t]`` per query. Gathering their rows as one
 ``[N, k, E]`` tensor costs ``k`` times the memory of the rows, and so does its gradient,
 scattered back: for the ``m``-wide kernel features that is most of the cost of
-:func:`flt.ops.neighbors.neighbor_attention`. These three products take the rows in chunks
-of queries instead, each chunk small enough to stay in cache, and their gradients are the
-same three products (each one's backward calls the others), so nothing of size ``N k E``
-is ever kept.
+:func:`flt.ops.neighbors.neighbor_attention`. These three products never form it: each is
+one sparse kernel over the ``N k`` listed pairs (a sampled matrix product, or an
+``embedding_bag`` sum over bags of rows), so their cost is ``O(N k E)`` time and ``O(N E)``
+memory, and their number of operations does not depend on ``N`` (no Python loop over
+chunks: on a GPU every operation is a launch). Their gradients are the same three products
+(each one's backward calls the others), so nothing of size ``N k E`` is ever kept.
 
 Rows are flattened: ``a, b, v [R, E]`` with ``R = B H N``, and ``index [R, k]`` holds the
 row of each listed key in ``b`` or ``v`` (``(b H + h) N + j``).
 
-* :func:`pair_dots`: ``out[r, t] = a[r] . b[index[r, t]]``, ``[R, k]``;
-* :func:`gather_sum`: ``out[r] = sum_t w[r, t] v[index[r, t]]``, ``[R, E]``;
-* :func:`scatter_sum`: ``out[index[r, t]] += w[r, t] a[r]``, ``[R, E]``.
+* :func:`pair_dots`: ``out[r, t] = a[r] . b[index[r, t]]``, ``[R, k]``
+  (``torch.sparse.sampled_addmm`` on the pattern of the listed pairs; the CUDA path is
+  cuSPARSE's and has not been run yet);
+* :func:`gather_sum`: ``out[r] = sum_t w[r, t] v[index[r, t]]``, ``[R, E]``
+  (``embedding_bag``, one bag of ``k`` rows per query);
+* :func:`scatter_sum`: ``out[index[r, t]] += w[r, t] a[r]``, ``[R, E]`` (``embedding_bag``
+  over the pairs sorted by key: one bag of queries per key).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-
-#: Gathered numbers per chunk of queries (about 2 MiB in float32).
-_CHUNK_ELEMENTS = 1 << 19
-
-
-def _rows(t, index):
-    """``t[index]`` for ``index [C, k]``: ``[C, k, E]`` (index_select: several times faster
-    than advanced indexing on CPU)."""
-    return torch.index_select(t, 0, index.flatten()).view(*index.shape, t.shape[1])
+import torch.nn.functional as F
 
 
 def flat_index(idx: torch.Tensor, B: int, H: int) -> torch.Tensor:
@@ -38,19 +38,48 @@ def flat_index(idx: torch.Tensor, B: int, H: int) -> torch.Tensor:
     return (base.view(B, H, 1, 1) + idx.expand(B, N, k).unsqueeze(1)).reshape(B * H * N, k)
 
 
-def _chunks(index: torch.Tensor, width: int):
-    step = max(1, _CHUNK_ELEMENTS // max(1, index.shape[1] * width))
-    return [slice(s, s + step) for s in range(0, index.shape[0], step)]
+def _pattern(index: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """The listed pairs as a sparse CSR matrix ``[R, columns]`` (values zero): row ``r``
+    holds the columns ``index[r]`` (sorted within the row)."""
+    R, k = index.shape
+    crow = torch.arange(0, R * k + 1, k, device=index.device)
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": the three calls used here are tested
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, index.reshape(-1), torch.zeros(R * k, dtype=dtype, device=index.device),
+                                       (R, columns), check_invariants=False)
+
+
+def _dots(a, b, index):
+    """``a[r] . b[index[r, t]]``: ``[R, k]``, the product ``a b^T`` sampled at the pairs."""
+    if index.shape[1] > b.shape[0]:  # rows repeat keys (a near set never does): more pairs than a dense row holds
+        return (torch.index_select(b, 0, index.reshape(-1)).view(*index.shape, -1) * a.unsqueeze(1)).sum(-1)
+    # Columns sorted within each row (a valid CSR pattern for every backend), then put back
+    # in the listed order.
+    cols, order = torch.sort(index, dim=-1)
+    out = torch.sparse.sampled_addmm(_pattern(cols, b.shape[0], a.dtype), a, b.transpose(0, 1), beta=0.0)
+    return torch.empty_like(out.values().view(index.shape)).scatter_(-1, order, out.values().view(index.shape))
+
+
+def _gather(w, v, index):
+    """``sum_t w[r, t] v[index[r, t]]``: ``[R, E]``."""
+    return F.embedding_bag(index, v, per_sample_weights=w, mode="sum")
+
+
+def _scatter(w, a, index, rows):
+    """``out[j] = sum_(index[r, t] = j) w[r, t] a[r]``: ``[rows, E]``, the pairs sorted by key
+    so that each key's queries form one bag."""
+    keys = index.reshape(-1)
+    order = torch.argsort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=rows)
+    offsets = torch.cumsum(counts, 0) - counts
+    return F.embedding_bag(order // index.shape[1], a, offsets, mode="sum", per_sample_weights=w.reshape(-1)[order])
 
 
 class _PairDots(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, index):
         ctx.save_for_backward(a, b, index)
-        out = a.new_empty(index.shape)
-        for s in _chunks(index, a.shape[1]):
-            out[s] = (_rows(b, index[s]) * a[s].unsqueeze(1)).sum(-1)
-        return out
+        return _dots(a, b, index)
 
     @staticmethod
     def backward(ctx, g):
@@ -64,10 +93,7 @@ class _GatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, v, index):
         ctx.save_for_backward(w, v, index)
-        out = v.new_empty(index.shape[0], v.shape[1])
-        for s in _chunks(index, v.shape[1]):
-            out[s] = (w[s].unsqueeze(1) @ _rows(v, index[s])).squeeze(1)
-        return out
+        return _gather(w, v, index)
 
     @staticmethod
     def backward(ctx, g):
@@ -81,10 +107,7 @@ class _ScatterSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, a, index, rows):
         ctx.save_for_backward(w, a, index)
-        out = a.new_zeros(rows, a.shape[1])
-        for s in _chunks(index, a.shape[1]):
-            out.index_add_(0, index[s].flatten(), (w[s].unsqueeze(-1) * a[s].unsqueeze(1)).flatten(0, 1))
-        return out
+        return _scatter(w, a, index, rows)
 
     @staticmethod
     def backward(ctx, g):
