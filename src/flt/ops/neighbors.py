@@ -76,12 +76,13 @@ from flt.ops.pairs import flat_index, gather_sum, pair_dots
 SEARCH_CHUNK = 256
 
 
-def _check_key_mask(key_mask, B, N):
-    if key_mask is not None:
-        if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, N):
-            shape = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
-            dtype = key_mask.dtype if isinstance(key_mask, torch.Tensor) else ""
-            raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {dtype} {shape}")
+def _check_key_mask(key_mask: torch.Tensor | None, B: int, N: int) -> None:
+    if key_mask is not None and (
+        not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, N)
+    ):
+        shape = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        dtype = key_mask.dtype if isinstance(key_mask, torch.Tensor) else ""
+        raise ValueError(f"key_mask must be a bool tensor [B, N] = {(B, N)} (True = a valid key), got {dtype} {shape}")
 
 
 def nearest_keys(pos: torch.Tensor, k: int, *, key_mask: torch.Tensor | None = None, chunk_size: int = SEARCH_CHUNK,
@@ -166,7 +167,7 @@ _SPATIAL_GROUP = 1 << 22
 def _brute_force_rows(pos, rows, k, key_mask, chunk_size):
     """The ``O(N^2)`` search for some queries only: ``rows [R]`` indices into ``pos``'s
     flattened ``[B N]`` tokens; returns ``[R, k]`` key indices."""
-    B, N, P = pos.shape
+    _, N, _ = pos.shape
     keys = torch.arange(N, device=pos.device)
     out = []
     for start in range(0, rows.numel(), chunk_size):
@@ -255,9 +256,9 @@ def _spatial_search(pos, k, key_mask, chunk_size):
         within = (qpos - lo.unsqueeze(1)) / side.view(B, 1, 1) - cell[:, q]  # in [0, 1) per dimension
         margin = side.view(B, 1) * (1 + torch.minimum(within, 1 - within).clamp(0, 1).amin(-1))
         failed.append(~(kth < margin.square() * (1 - 1e-6)))
-    failed = torch.cat(failed, dim=1).flatten().nonzero().squeeze(-1)
-    if failed.numel():
-        found.view(B * N, k)[failed] = _brute_force_rows(pos, failed, k, key_mask, chunk_size)
+    missed = torch.cat(failed, dim=1).flatten().nonzero().squeeze(-1)
+    if missed.numel():
+        found.view(B * N, k)[missed] = _brute_force_rows(pos, missed, k, key_mask, chunk_size)
     return found
 
 
@@ -328,7 +329,7 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask, near_kernel)
     q_shift, key_log_scale = _shifts(q_shift, key_log_scale, qf)
-    B, H, N, _ = xq.shape
+    _, H, N, _ = xq.shape
     cdt = compute_dtype(xq, qf, v)
     Bi = idx.shape[0]
     near = torch.zeros(Bi, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx, True)[:, None]  # [B|1, 1, N, N]
