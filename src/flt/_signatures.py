@@ -92,7 +92,7 @@ def _evaluate(annotation, func) -> Any:
     return annotation
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def constructor_options(cls: type) -> Options:
     """The keyword parameters of ``cls(...)``: those of its ``__init__``, and, while an
     ``__init__`` passes ``**kwargs`` on to ``super().__init__``, those of the next one."""
@@ -156,10 +156,10 @@ def _accepts(value, hint) -> bool:
 
         if isinstance(value, torch.Tensor):  # what the spectra's per-axis values accept too
             return origin is not None and not value.is_complex() and value.dtype != torch.bool
-        if not isinstance(value, (list, tuple)) or (origin or hint) is list and not isinstance(value, list):
+        if not isinstance(value, (list, tuple)) or ((origin or hint) is list and not isinstance(value, list)):
             return False
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            return len(value) == len(args) and all(_accepts(v, a) for v, a in zip(value, args))
+            return len(value) == len(args) and all(_accepts(v, a) for v, a in zip(value, args, strict=True))
         return not args or all(_accepts(v, args[0]) for v in value)
     if origin is dict or hint is dict:
         return isinstance(value, dict)
@@ -211,7 +211,7 @@ def check_fields(obj) -> None:
             raise TypeError(f"{type(obj).__name__}: {f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class BandDecodeState:
     """State of a banded FLT layer after ``position`` tokens (sizes independent of it).

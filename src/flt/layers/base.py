@@ -52,9 +52,11 @@ def batch_shared(pos: torch.Tensor | None) -> torch.Tensor | None:
     positions (token indices, patch grids) and they need no gradient, so that a term of
     positions alone is computed once, not ``B`` times; otherwise ``pos`` unchanged. Under
     ``torch.compile`` (where comparing the rows would break the graph) ``pos`` unchanged."""
-    if pos is not None and pos.shape[0] > 1 and not pos.requires_grad and not compiling():
-        if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
-            return pos[:1]
+    if (
+        pos is not None and pos.shape[0] > 1 and not pos.requires_grad and not compiling()
+        and (pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)))
+    ):
+        return pos[:1]
     return pos
 
 

@@ -26,7 +26,8 @@ parameters after any redraw (``xi = T_theta(eps)`` with the new ``eps``).
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -122,7 +123,7 @@ class fixed_draw:  # noqa: N801 (used like a function or a context manager, as t
                 getattr(module, buf).copy_(value)
         self._saved = []
 
-    def __enter__(self) -> "fixed_draw":
+    def __enter__(self) -> fixed_draw:
         return self
 
     def __exit__(self, *exc) -> None:

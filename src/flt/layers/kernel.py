@@ -17,8 +17,19 @@ from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.layers.rules import Facts, check_rules
-from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, full_precision, linear_attention, recurrent_step
-from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
+from flt.ops.linear import (
+    DEFAULT_CHUNK_SIZE,
+    RecurrentState,
+    flt_attention,
+    full_precision,
+    linear_attention,
+    recurrent_step,
+)
+from flt.ops.reference import (
+    flt_attention_reference,
+    linear_attention_reference,
+    rpe_attention_reference,
+)
 from flt.posenc.rope import apply_rope
 
 #: How a kernel layer computes its forward pass: ``"torch"`` (the PyTorch ops of

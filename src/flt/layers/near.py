@@ -31,7 +31,12 @@ from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
 from flt.ops.band import band_attention, band_attention_reference
-from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
+from flt.ops.neighbors import (
+    near_offsets,
+    nearest_keys,
+    neighbor_attention,
+    neighbor_attention_reference,
+)
 
 
 class NearSet:

@@ -13,7 +13,12 @@ from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.reference import rpe_attention_reference
-from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, toeplitz_attention, toeplitz_attention_reference
+from flt.ops.toeplitz import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DENSE_BELOW,
+    toeplitz_attention,
+    toeplitz_attention_reference,
+)
 from flt.relative import build_relative
 from flt.relative.tables import DEFAULT_TABLE_SCALE
 
