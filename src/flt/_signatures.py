@@ -180,7 +180,8 @@ def _describe(hint) -> str:
     if hint in named:
         return named[hint]
     if origin in (list, tuple, Sequence) or hint in (list, tuple, Sequence):
-        inner = {int: "ints", float: "numbers", str: "strings", bool: "bools"}.get(args[0] if args else None, "values")
+        plurals: dict[Any, str] = {int: "ints", float: "numbers", str: "strings", bool: "bools"}
+        inner = plurals.get(args[0] if args else None, "values")
         return f"a list of {inner}"
     if isinstance(hint, type):
         name = hint.__qualname__ if hint.__module__ == "builtins" else f"{hint.__module__.split('.')[0]}.{hint.__qualname__}"
@@ -203,7 +204,8 @@ def check_fields(obj) -> None:
     expected type and the value. Ranges stay with the dataclass's own checks."""
     import dataclasses
 
-    hints = _field_hints(type(obj))
+    cls: type = type(obj)
+    hints = _field_hints(cls)
     for f in dataclasses.fields(obj):
         hint = hints.get(f.name)
         if hint is not None and not _accepts(getattr(obj, f.name), hint):
@@ -238,13 +240,16 @@ def _listing(cls: type, names, extra: tuple[str, dict] | None) -> str:
 def check_options(owner: str, cls: type, options: dict, *, arguments: tuple[str, ...], reserved: tuple[str, ...]) -> None:
     sig = constructor_options(cls)
     forwarded: dict[str, Option] = {}
-    target = registry = choice = None
+    target: str | None = None  # the forwarded entry's description, where one is chosen
+    registry: dict[str, Any] = {}
+    choice: Any = None
+    what = ""
     if sig.forwarded is not None:
-        selector, registry, what, supplied = FORWARDS[sig.forwarded]
+        selector, registry_of, what, supplied = FORWARDS[sig.forwarded]
         choice = options.get(selector, sig.params[selector].default if selector in sig.params else None)
         if selector in sig.params:
             _check_type(owner, sig.params[selector], choice)
-        registry = registry()
+        registry = registry_of()
         if choice in registry:
             target = f"{what} {choice!r}"
             forwarded = {
@@ -259,7 +264,7 @@ def check_options(owner: str, cls: type, options: dict, *, arguments: tuple[str,
         if key in sig.params:
             _check_type(owner, sig.params[key], value)
         elif key in forwarded:
-            _check_type(owner, forwarded[key], value, via=target)
+            _check_type(owner, forwarded[key], value, via=target or "")  # set where forwarded is
         elif not sig.open:
             close = difflib.get_close_matches(key, own + list(forwarded), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

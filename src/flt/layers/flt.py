@@ -259,7 +259,7 @@ class FLTAttention(KernelAttention):
             return self.near.prefill(self, x, pos)
         return super().prefill(x, pos)
 
-    def far_features(self, pos: torch.Tensor | None):
+    def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The spectrum's random features ``a(r), c(r)``, the estimate of ``f`` beyond the
         near set; zeros unless ``far_field=True``."""
         a, c = self.spectrum.features(pos)
@@ -322,6 +322,7 @@ class FLTAttention(KernelAttention):
             return float("nan")
         if self.training:  # not every training step: its host synchronisation would stall each one
             self._condition_trained.add(precision)
+        assert f.a is not None and f.c is not None  # the multiplicative coupling's mask factors
         with torch.no_grad():
             kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,
                                         chunk_size=self.chunk_size)
@@ -408,7 +409,7 @@ class FLTAttention(KernelAttention):
         return self.finish(out, x)
 
 
-def _far_term(relative, coupling: str):
+def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | Spectrum:
     """The far term as a :class:`flt.layers.parts.Term` with the layer's defaults
     (``num_frequencies=32``, ``amplitude`` 0 for the logit coupling and 1 for the
     multiplicative one), or the spectrum module given."""

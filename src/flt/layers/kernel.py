@@ -122,6 +122,7 @@ class KernelAttention(AttentionBase):
         self.feature_map = FeatureMap(
             feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
         )
+        self.redraw_calls: torch.Tensor  # a buffer where redraw_interval is set
         if redraw_interval is not None:
             check_positive_int("redraw_interval", redraw_interval)
             self.register_buffer("redraw_calls", torch.zeros((), dtype=torch.long, device=device), persistent=True)
@@ -175,7 +176,9 @@ class KernelAttention(AttentionBase):
 
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         key_mask = None if p.pad is None else ~p.pad
-        return favor_attention(xq, xk, p.v, self.feature_map.projection, causal=self.causal, key_mask=key_mask,
+        projection = self.feature_map.projection
+        assert projection is not None  # rule triton_needs_favor: the Triton kernel is FAVOR+'s
+        return favor_attention(xq, xk, p.v, projection, causal=self.causal, key_mask=key_mask,
                                **self.triton_inputs(p.pos))
 
     def triton_inputs(self, pos) -> dict:
@@ -184,12 +187,13 @@ class KernelAttention(AttentionBase):
 
     def attend_features(self, f: KernelFeatures, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` of the values ``p.v`` weighted by the features ``f``."""
-        if reference:
-            if f.a is None:
-                return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
-            return flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
         if f.a is None:
+            if reference:
+                return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
             return linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+        assert f.c is not None  # the far-field features come as a pair
+        if reference:
+            return flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
         return flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
 
     def exact_attention(self, xq, xk, v, *, mask=None, bias=None) -> torch.Tensor:

@@ -196,8 +196,9 @@ class Band(NearSet):
             raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
         t = state.position
         slot = t % (w + 1)
-        state = BandDecodeState(**{name: getattr(state, name).clone() if name != "position" else t
-                                   for name in BandDecodeState.__dataclass_fields__})
+        copies: dict[str, Any] = {name: getattr(state, name).clone() if name != "position" else t
+                                  for name in BandDecodeState.__dataclass_fields__}
+        state = BandDecodeState(**copies)
         if t > w:  # token t - w - 1 leaves the band now
             fold_into_far(state, slot)
         state.xk[:, :, slot] = xk[:, :, 0]

@@ -17,7 +17,7 @@ into these parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from flt._checks import check_positive_int
 from flt._signatures import check_fields
@@ -82,7 +82,7 @@ class Features:
         if not self.temperature > 0:
             raise ValueError(f"{type(self).__name__}: temperature must be positive, got {self.temperature!r}")
         if "num_features" in {f.name for f in fields(self)}:
-            check_positive_int("num_features", self.num_features)
+            check_positive_int("num_features", getattr(self, "num_features", None))  # the kinds with the field
 
     def map_options(self) -> dict:
         """The feature keywords of :class:`flt.layers.kernel.KernelAttention`."""
@@ -157,7 +157,7 @@ def features_from(kind: str, *, num_features: int = 256, orthogonal: bool = True
 
     check_choice("feature_map", kind, FEATURES)
     cls = FEATURES[kind]
-    given = {"num_features": num_features, "orthogonal": orthogonal, "seed": seed, "temperature": temperature}
+    given: dict[str, Any] = {"num_features": num_features, "orthogonal": orthogonal, "seed": seed, "temperature": temperature}
     if qk_norm is not None:
         given["qk_norm"] = qk_norm
     names = {f.name for f in fields(cls)}

@@ -19,8 +19,7 @@ from flt.ops.toeplitz import (
     toeplitz_attention,
     toeplitz_attention_reference,
 )
-from flt.relative import build_relative
-from flt.relative.tables import DEFAULT_TABLE_SCALE
+from flt.relative.tables import DEFAULT_TABLE_SCALE, ClippedBias
 
 
 class ToeplitzAttention(KernelAttention):
@@ -86,8 +85,8 @@ class ToeplitzAttention(KernelAttention):
             raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {kernel_options['backend']!r}")
         super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
-        self.table = build_relative(
-            "clipped", heads=heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
+        self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
+            heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
             learn_scale=learn_table_scale, device=device, dtype=dtype,
         )
 
