@@ -202,7 +202,7 @@ class AttentionBase(nn.Module):
         """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""
         return self.to_out(rearrange(out.to(like.dtype), "b h n d -> b n (h d)"))
 
-    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
         if pad is None:
             return None

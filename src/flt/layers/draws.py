@@ -131,5 +131,5 @@ class fixed_draw:  # noqa: N801 (used like a function or a context manager, as t
     def __enter__(self) -> fixed_draw:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.restore()

@@ -17,11 +17,14 @@ into these parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flt._checks import check_positive_int
 from flt._signatures import check_fields
 from flt.layers.features import FeatureMap
+
+if TYPE_CHECKING:
+    from flt.relative.base import RelativeTerm
 
 
 class Term:
@@ -37,17 +40,17 @@ class Term:
             raise TypeError(f"Term: name must be a string (a key of flt.relative.RELATIVE), got {name!r} ({type(name).__name__})")
         self.name, self.options = name, dict(options)
 
-    def with_defaults(self, **defaults) -> Term:
+    def with_defaults(self, **defaults: Any) -> Term:
         """This term with ``defaults`` for the options it does not set."""
         return Term(self.name, **{**defaults, **self.options})
 
-    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device=None, dtype=None):
+    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device=None, dtype=None) -> RelativeTerm:
         """The :class:`flt.relative.RelativeTerm` module (:func:`flt.relative.build_relative`)."""
         from flt.relative import build_relative
 
         return build_relative(self.name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **self.options)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Term) and (self.name, self.options) == (other.name, other.options)
 
     def __hash__(self) -> int:

@@ -296,7 +296,7 @@ class SoftmaxAttention(AttentionBase):
             state_dict.setdefault(prefix + "relative.log_slopes", state_dict.pop(prefix + "log_slopes"))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
+    def positional_term(self, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions:
         :meth:`flt.relative.RelativeTerm.bias` of the layer's term.
 

@@ -7,6 +7,8 @@ Toeplitz products in ``O(N log N m Dv)`` (:func:`flt.ops.toeplitz_attention`; ca
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import torch
 
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
@@ -151,5 +153,5 @@ class ToeplitzAttention(KernelAttention):
         out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), p.v.to(cdt), bias=bias, mask=pad, causal=self.causal, scale=1.0)
         return self.finish(out, x)
 
-    def step(self, *args, **kwargs):
+    def step(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
