@@ -22,9 +22,12 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flt._checks import check_choice
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -198,7 +201,7 @@ def _check_type(owner: str, option: Option, value, via: str = "") -> None:
         )
 
 
-def check_fields(obj) -> None:
+def check_fields(obj: DataclassInstance) -> None:
     """Check every field of the dataclass instance ``obj`` against its annotation (a bool is
     never a number, an int field takes no float): ``TypeError`` naming the field, the
     expected type and the value. Ranges stay with the dataclass's own checks."""
