@@ -74,8 +74,8 @@ class NearSet:
             raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
                             f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
 
-    def build_term(self, relative: Term | RelativeTerm, *, heads: int, pos_dim: int, causal: bool, start: float, device=None,
-                   dtype=None) -> RelativeTerm:
+    def build_term(self, relative: Term | RelativeTerm, *, heads: int, pos_dim: int, causal: bool, start: float,
+                   device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RelativeTerm:
         """The module ``f_near`` for a layer whose far term is ``relative`` (a
         :class:`flt.layers.parts.Term` or a module); a spectrum starts at amplitude ``start``."""
         from flt.layers.parts import Term

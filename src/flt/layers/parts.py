@@ -24,6 +24,8 @@ from flt._signatures import check_fields
 from flt.layers.features import FeatureMap
 
 if TYPE_CHECKING:
+    import torch
+
     from flt.relative.base import RelativeTerm
 
 
@@ -44,7 +46,8 @@ class Term:
         """This term with ``defaults`` for the options it does not set."""
         return Term(self.name, **{**defaults, **self.options})
 
-    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device=None, dtype=None) -> RelativeTerm:
+    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> RelativeTerm:
         """The :class:`flt.relative.RelativeTerm` module (:func:`flt.relative.build_relative`)."""
         from flt.relative import build_relative
 
@@ -93,7 +96,7 @@ class Features:
                 "orthogonal": getattr(self, "orthogonal", True), "seed": self.seed,
                 "qk_norm": self.qk_norm, "temperature": self.temperature}
 
-    def build(self, dim: int, *, device=None, dtype=None) -> FeatureMap:
+    def build(self, dim: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FeatureMap:
         """The feature map for inputs of size ``dim``."""
         o = self.map_options()
         return FeatureMap(dim, o["num_features"], kind=self.kind, orthogonal=o["orthogonal"], seed=self.seed,
