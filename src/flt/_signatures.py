@@ -22,9 +22,12 @@ import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flt._checks import check_choice
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 class UnknownOptionError(TypeError, ValueError):
@@ -92,7 +95,7 @@ def _evaluate(annotation, func) -> Any:
     return annotation
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def constructor_options(cls: type) -> Options:
     """The keyword parameters of ``cls(...)``: those of its ``__init__``, and, while an
     ``__init__`` passes ``**kwargs`` on to ``super().__init__``, those of the next one."""
@@ -156,10 +159,10 @@ def _accepts(value, hint) -> bool:
 
         if isinstance(value, torch.Tensor):  # what the spectra's per-axis values accept too
             return origin is not None and not value.is_complex() and value.dtype != torch.bool
-        if not isinstance(value, (list, tuple)) or (origin or hint) is list and not isinstance(value, list):
+        if not isinstance(value, (list, tuple)) or ((origin or hint) is list and not isinstance(value, list)):
             return False
         if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            return len(value) == len(args) and all(_accepts(v, a) for v, a in zip(value, args))
+            return len(value) == len(args) and all(_accepts(v, a) for v, a in zip(value, args, strict=True))
         return not args or all(_accepts(v, args[0]) for v in value)
     if origin is dict or hint is dict:
         return isinstance(value, dict)
@@ -180,7 +183,8 @@ def _describe(hint) -> str:
     if hint in named:
         return named[hint]
     if origin in (list, tuple, Sequence) or hint in (list, tuple, Sequence):
-        inner = {int: "ints", float: "numbers", str: "strings", bool: "bools"}.get(args[0] if args else None, "values")
+        plurals: dict[Any, str] = {int: "ints", float: "numbers", str: "strings", bool: "bools"}
+        inner = plurals.get(args[0] if args else None, "values")
         return f"a list of {inner}"
     if isinstance(hint, type):
         name = hint.__qualname__ if hint.__module__ == "builtins" else f"{hint.__module__.split('.')[0]}.{hint.__qualname__}"
@@ -197,13 +201,14 @@ def _check_type(owner: str, option: Option, value, via: str = "") -> None:
         )
 
 
-def check_fields(obj) -> None:
+def check_fields(obj: DataclassInstance) -> None:
     """Check every field of the dataclass instance ``obj`` against its annotation (a bool is
     never a number, an int field takes no float): ``TypeError`` naming the field, the
     expected type and the value. Ranges stay with the dataclass's own checks."""
     import dataclasses
 
-    hints = _field_hints(type(obj))
+    cls: type = type(obj)
+    hints = _field_hints(cls)
     for f in dataclasses.fields(obj):
         hint = hints.get(f.name)
         if hint is not None and not _accepts(getattr(obj, f.name), hint):
@@ -211,7 +216,7 @@ def check_fields(obj) -> None:
             raise TypeError(f"{type(obj).__name__}: {f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _field_hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)
@@ -238,13 +243,16 @@ def _listing(cls: type, names, extra: tuple[str, dict] | None) -> str:
 def check_options(owner: str, cls: type, options: dict, *, arguments: tuple[str, ...], reserved: tuple[str, ...]) -> None:
     sig = constructor_options(cls)
     forwarded: dict[str, Option] = {}
-    target = registry = choice = None
+    target: str | None = None  # the forwarded entry's description, where one is chosen
+    registry: dict[str, Any] = {}
+    choice: Any = None
+    what = ""
     if sig.forwarded is not None:
-        selector, registry, what, supplied = FORWARDS[sig.forwarded]
+        selector, registry_of, what, supplied = FORWARDS[sig.forwarded]
         choice = options.get(selector, sig.params[selector].default if selector in sig.params else None)
         if selector in sig.params:
             _check_type(owner, sig.params[selector], choice)
-        registry = registry()
+        registry = registry_of()
         if choice in registry:
             target = f"{what} {choice!r}"
             forwarded = {
@@ -259,7 +267,7 @@ def check_options(owner: str, cls: type, options: dict, *, arguments: tuple[str,
         if key in sig.params:
             _check_type(owner, sig.params[key], value)
         elif key in forwarded:
-            _check_type(owner, forwarded[key], value, via=target)
+            _check_type(owner, forwarded[key], value, via=target or "")  # set where forwarded is
         elif not sig.open:
             close = difflib.get_close_matches(key, own + list(forwarded), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""

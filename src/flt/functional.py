@@ -31,7 +31,7 @@ from torch import nn
 
 from flt._checks import check_choice, check_positions, check_tensor
 from flt._dtype import compute_dtype
-from flt.layers.base import Prepared
+from flt.layers.base import AttentionBase, Prepared
 from flt.layers.registry import ATTENTION
 
 #: What a layer has that a core leaves out.
@@ -69,7 +69,7 @@ class AttentionCore(nn.Module):
         its learned parts, shared (training the core trains the layer), without its
         projections; ``layer`` itself keeps them."""
         names = {type_: name for name, type_ in ATTENTION.items()}
-        if type(layer) not in names:
+        if not isinstance(layer, AttentionBase) or type(layer) not in names:  # (every entry is one)
             raise TypeError(f"layer must be an instance of a class in flt.layers.ATTENTION, got {type(layer).__name__}")
         view = copy.copy(layer)  # shares every parameter and buffer, not the dicts that hold them
         view._modules = {k: m for k, m in layer._modules.items() if k not in PROJECTIONS}
@@ -151,9 +151,11 @@ class AttentionCore(nn.Module):
         its ``prepare`` returns them (at the positions and padding the layer's method
         passes on), its ``finish`` returns the heads unprojected (with a dimension for the
         ``squeeze(1)`` of the layers' ``step``)."""
-        layer = self.attention
-        layer.prepare = lambda x, pos_, pad_: Prepared(q, k, v, pos_, pad_)
-        layer.finish = (lambda out, like: out.unsqueeze(1)) if squeezed else (lambda out, like: out)
+        # Instance attributes that shadow the methods for this call. nn.Module's __setattr__
+        # is annotated for tensors and modules only; a function is stored as any attribute.
+        layer: nn.Module = self.attention
+        layer.prepare = lambda x, pos_, pad_: Prepared(q, k, v, pos_, pad_)  # type: ignore[assignment]
+        layer.finish = (lambda out, like: out.unsqueeze(1)) if squeezed else (lambda out, like: out)  # type: ignore[assignment]
         try:
             return call(layer)
         finally:

@@ -67,7 +67,7 @@ __all__ = [
 # -- syntax ------------------------------------------------------------------------------
 
 
-def parse_value(text: str):
+def parse_value(text: str) -> Any:
     """A JSON value, or the text itself when it is not valid JSON (``local`` -> ``"local"``).
 
     Python's spellings ``True``/``False``/``None`` (any case) are read as the booleans and
@@ -195,7 +195,7 @@ def _resolve(mechanism, registry: dict, what: str) -> tuple[type, str]:
     return mechanism, f"{what} {name!r}" if name else mechanism.__name__
 
 
-def check_attention_options(mechanism, options: dict, *, reserved: tuple[str, ...] = ()) -> None:
+def check_attention_options(mechanism: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
     """Check ``options`` for ``ATTENTION[mechanism]`` (a name or the class itself).
 
     Every keyword argument of the constructor is known (``dim``, ``heads``, ``pos_dim``,
@@ -211,7 +211,7 @@ def check_attention_options(mechanism, options: dict, *, reserved: tuple[str, ..
     check_layer_options(cls, options, reserved=reserved)
 
 
-def check_posenc_options(encoding, options: dict, *, reserved: tuple[str, ...] = ()) -> None:
+def check_posenc_options(encoding: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
     """Check ``options`` for ``POSENC[encoding]`` (a name or the class); as
     :func:`check_attention_options`."""
     from flt.posenc import POSENC

@@ -5,7 +5,17 @@ from flt.layers.features import FEATURE_MAPS, FeatureMap
 from flt.layers.flt import COUPLINGS, FLTAttention
 from flt.layers.kernel import DecodeState, KernelAttention
 from flt.layers.near import Band, Neighbors
-from flt.layers.parts import FEATURES, EluFeatures, FavorPlus, Features, Hedgehog, ReLUFeatures, Settings, TaylorFeatures, Term
+from flt.layers.parts import (
+    FEATURES,
+    EluFeatures,
+    FavorPlus,
+    Features,
+    Hedgehog,
+    ReLUFeatures,
+    Settings,
+    TaylorFeatures,
+    Term,
+)
 from flt.layers.performer import PerformerAttention
 from flt.layers.registry import ATTENTION
 from flt.layers.softmax import RELATIVE_BIASES, SoftmaxAttention

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class BandDecodeState:
     """State of a banded FLT layer after ``position`` tokens (sizes independent of it).
@@ -52,7 +51,7 @@ class BandDecodeState:
     position: int = 0
 
 
-def empty_state(width: int, xk, v, kf, pos) -> BandDecodeState:
+def empty_state(width: int, xk: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, pos: torch.Tensor) -> BandDecodeState:
     B, H, _, D = xk.shape
     S = width + 1
     new = lambda *shape, like: like.new_zeros(*shape)  # noqa: E731

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -47,14 +47,20 @@ def _autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
 
 
+@overload
+def batch_shared(pos: torch.Tensor) -> torch.Tensor: ...
+@overload
+def batch_shared(pos: None) -> None: ...
 def batch_shared(pos: torch.Tensor | None) -> torch.Tensor | None:
     """``pos [B, N, P]`` as ``[1, N, P]`` when every sequence of the batch has the same
     positions (token indices, patch grids) and they need no gradient, so that a term of
     positions alone is computed once, not ``B`` times; otherwise ``pos`` unchanged. Under
     ``torch.compile`` (where comparing the rows would break the graph) ``pos`` unchanged."""
-    if pos is not None and pos.shape[0] > 1 and not pos.requires_grad and not compiling():
-        if pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)):
-            return pos[:1]
+    if (
+        pos is not None and pos.shape[0] > 1 and not pos.requires_grad and not compiling()
+        and (pos.stride(0) == 0 or torch.equal(pos, pos[:1].expand_as(pos)))
+    ):
+        return pos[:1]
     return pos
 
 
@@ -98,6 +104,10 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
     check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
 
 
+#: A layer class's own type, so that ``FLTAttention.from_options(...)`` is an FLTAttention.
+_Layer = TypeVar("_Layer", bound="AttentionBase")
+
+
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers."""
 
@@ -106,7 +116,7 @@ class AttentionBase(nn.Module):
     registry_name: ClassVar[str | None] = None
 
     @classmethod
-    def from_options(cls, dim: int, heads: int, **options) -> AttentionBase:
+    def from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
         """The layer from flat options (those of presets and ``--attn-opt``), checked once:
         names and types (:func:`check_layer_options`, the same check as the command line's),
         then sizes too large for memory (a ``num_features`` of 10^9) before anything is
@@ -117,7 +127,7 @@ class AttentionBase(nn.Module):
         return cls._from_options(dim, heads, **options)
 
     @classmethod
-    def _from_options(cls, dim: int, heads: int, **options) -> AttentionBase:
+    def _from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
         """Build from checked flat options: the constructor itself, unless a layer's parts
         need translating (``FLTAttention``, ``SoftmaxAttention``)."""
         return cls(dim, heads, **options)
@@ -192,7 +202,7 @@ class AttentionBase(nn.Module):
         """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""
         return self.to_out(rearrange(out.to(like.dtype), "b h n d -> b n (h d)"))
 
-    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
         if pad is None:
             return None

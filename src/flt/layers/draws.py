@@ -26,7 +26,8 @@ parameters after any redraw (``xi = T_theta(eps)`` with the new ``eps``).
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 from torch import nn
@@ -55,10 +56,15 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def random_feature_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _draws_used(module: nn.Module) -> TypeGuard[RandomFeatures]:
+    """True for a module that redraws and whose draws its outputs depend on now."""
+    return callable(getattr(module, "redraw_random_features", None)) and bool(getattr(module, "has_random_features", False))
+
+
+def random_feature_modules(model: nn.Module) -> Iterator[tuple[str, RandomFeatures]]:
     """``(name, module)`` of every submodule (``model`` included) whose draws are used."""
     for name, module in _unwrap(model).named_modules():
-        if callable(getattr(module, "redraw_random_features", None)) and getattr(module, "has_random_features", False):
+        if _draws_used(module):
             yield name, module
 
 
@@ -108,7 +114,7 @@ class fixed_draw:  # noqa: N801 (used like a function or a context manager, as t
     """
 
     def __init__(self, model: nn.Module, seed: int) -> None:
-        self._saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self._saved: list[tuple[RandomFeatures, str, torch.Tensor]] = []
         with torch.no_grad():
             for name, module in random_feature_modules(model):
                 for buf in module.random_feature_buffers:
@@ -122,8 +128,8 @@ class fixed_draw:  # noqa: N801 (used like a function or a context manager, as t
                 getattr(module, buf).copy_(value)
         self._saved = []
 
-    def __enter__(self) -> "fixed_draw":
+    def __enter__(self) -> fixed_draw:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.restore()

@@ -69,7 +69,8 @@ class FeatureMap(nn.Module):
         self.dim, self.kind, self.orthogonal = dim, kind, orthogonal
         self.num_features = {"elu": dim, "taylor": 1 + dim + dim * (dim + 1) // 2}.get(kind, num_features)
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        self.weight = None
+        self.weight: nn.Parameter | None = None
+        self.projection: torch.Tensor | None  # a buffer: None for the deterministic maps
         if kind == "hedgehog":
             if num_features % 2:
                 raise ValueError(f"num_features must be even for feature_map='hedgehog' (two softmax halves), got {num_features}")
@@ -123,14 +124,20 @@ class FeatureMap(nn.Module):
         )
         self.projection.copy_(new)
 
+    def _drawn(self) -> torch.Tensor:
+        """The projection of a random map (``"favor+"``, ``"relu"``), which always has one."""
+        assert self.projection is not None  # a buffer for every kind but DETERMINISTIC_MAPS
+        return self.projection
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.kind == "favor+":
-            return favor_plus_features(x, self.projection)
+            return favor_plus_features(x, self._drawn())
         if self.kind == "relu":
-            return relu_features(x, self.projection), None
+            return relu_features(x, self._drawn()), None
         if self.kind == "taylor":
             return taylor_features(x), None
         if self.kind == "hedgehog":
+            assert self.weight is not None  # built for kind="hedgehog"
             return hedgehog_features(x, self.weight), None
         return elu_features(x), None
 
@@ -153,7 +160,7 @@ class FeatureMap(nn.Module):
         (:func:`flt.ops.features.favor_plus_features_split`). ``"favor+"`` only."""
         if self.kind != "favor+":
             raise ValueError(f"forward_split needs feature_map='favor+', this map is {self.kind!r}")
-        return favor_plus_features_split(x, extra, self.projection)
+        return favor_plus_features_split(x, extra, self._drawn())
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_features={self.num_features}, kind={self.kind!r}"

@@ -16,7 +16,7 @@ The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (se
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from einops import rearrange
@@ -24,11 +24,13 @@ from einops import rearrange
 from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
+from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
 from flt.layers.near import Band, Neighbors
 from flt.layers.parts import FavorPlus, Features, Settings, Term, features_from
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
+from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
 
 COUPLINGS = ("logit", "multiplicative")
@@ -164,6 +166,7 @@ class FLTAttention(KernelAttention):
             self.spectrum = relative
         self.near_field = near.width if isinstance(near, Band) else 0
         self.near_neighbors = near.k if isinstance(near, Neighbors) else 0
+        self.near_spectrum: RelativeTerm | None
         if near is not None:
             # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
             # with the far one's mask; but a multiplicative layer without a far field has
@@ -243,7 +246,7 @@ class FLTAttention(KernelAttention):
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
                    coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
 
-    def step(self, x: torch.Tensor, state=None, pos: torch.Tensor | None = None):
+    def step(self, x: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """Decode one token (``causal=True``); with a band through
         :meth:`flt.layers.near.Band.step` (exact band from a ring buffer, far field
         from the linear state), else :meth:`flt.layers.kernel.KernelAttention.step`."""
@@ -251,7 +254,7 @@ class FLTAttention(KernelAttention):
             return self.near.step(self, x, state, pos)
         return super().step(x, state, pos)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None):
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """The causal forward over a prompt and the decoding state :meth:`step` continues
         from: with a band its ring buffer and far field (:meth:`flt.layers.near.Band.prefill`),
         else the linear state (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
@@ -259,7 +262,7 @@ class FLTAttention(KernelAttention):
             return self.near.prefill(self, x, pos)
         return super().prefill(x, pos)
 
-    def far_features(self, pos: torch.Tensor | None):
+    def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The spectrum's random features ``a(r), c(r)``, the estimate of ``f`` beyond the
         near set; zeros unless ``far_field=True``."""
         a, c = self.spectrum.features(pos)
@@ -274,19 +277,19 @@ class FLTAttention(KernelAttention):
         f = self.spectrum.mask(delta)
         return torch.zeros_like(f) if self.far_field is False else f
 
-    def attend_features(self, f: KernelFeatures, p, *, reference: bool = False) -> torch.Tensor:
+    def attend_features(self, f: KernelFeatures, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         out = super().attend_features(f, p, reference=reference)
         if f.a is not None and self.check_condition and not reference and not compiling():
             self.check_conditioning(f, p)
         return out
 
-    def attend_triton(self, p) -> torch.Tensor:
+    def attend_triton(self, p: Prepared) -> torch.Tensor:
         out = super().attend_triton(p)
         if self.coupling == "multiplicative" and self.check_condition and not compiling() and self._condition_due(p):
             self.check_conditioning(mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad), p)
         return out
 
-    def triton_inputs(self, pos) -> dict:
+    def triton_inputs(self, pos: torch.Tensor) -> dict[str, Any]:
         """The spectral features: joined to FAVOR+'s inputs (logit) or the mask's factors."""
         a, c = self.far_features(pos)
         return {"extra_q": a, "extra_k": c} if self.coupling == "logit" else {"a": a, "c": c}
@@ -296,7 +299,7 @@ class FLTAttention(KernelAttention):
         precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
         return not (precision in self._condition_warned or (self.training and precision in self._condition_trained))
 
-    def check_conditioning(self, f: KernelFeatures, p) -> float:
+    def check_conditioning(self, f: KernelFeatures, p: Prepared) -> float:
         """Warn (:class:`ConditioningWarning`) when rounding can visibly change the
         multiplicative coupling's output; returns ``kappa``.
 
@@ -322,6 +325,7 @@ class FLTAttention(KernelAttention):
             return float("nan")
         if self.training:  # not every training step: its host synchronisation would stall each one
             self._condition_trained.add(precision)
+        assert f.a is not None and f.c is not None  # the multiplicative coupling's mask factors
         with torch.no_grad():
             kappa = kronecker_condition(f.q, f.k, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale,
                                         chunk_size=self.chunk_size)
@@ -341,7 +345,7 @@ class FLTAttention(KernelAttention):
             )
         return worst
 
-    def features(self, q, k, pos) -> KernelFeatures:
+    def features(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> KernelFeatures:
         """Kernel features, and for the multiplicative coupling the spectral ``a, c``."""
         xq, xk = self.scaled_qk(q, k, pos)
         a, c = self.far_features(pos)
@@ -355,12 +359,12 @@ class FLTAttention(KernelAttention):
         kf, kls = self.feature_map(xk)
         return KernelFeatures(qf, kf, kls, a, c)
 
-    def attend(self, p, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         if self.near is not None:
             return self.near.attend(self, p, reference=reference)
         return super().attend(p, reference=reference)
 
-    def near_set_features(self, p):
+    def near_set_features(self, p: Prepared) -> tuple[torch.Tensor, ...]:
         """What both near sets need: the scaled ``x_q, x_k`` (exact weights on the near set)
         and the FAVOR+ features of ``[x_q, a(r)]``, ``[x_k, c(r)]`` with their shifts (the
         far field), all in one compute dtype."""
@@ -374,6 +378,7 @@ class FLTAttention(KernelAttention):
 
     def near_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """The near set's exact mask ``f + f_near`` at offsets ``delta [..., P] -> [..., H]``."""
+        assert self.near_spectrum is not None  # built with the near set, the only caller
         return self.far_mask(delta) + self.near_spectrum.of_offsets(delta)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -394,6 +399,7 @@ class FLTAttention(KernelAttention):
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
         f = rearrange(self.far_mask(delta.to(cdt)), "b i j h -> b h i j")
         if self.near is not None:
+            assert self.near_spectrum is not None  # built with the near set
             in_set = self.near.pairs(self, p, cdt)
             near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
             if self.far_field == "near":
@@ -408,7 +414,7 @@ class FLTAttention(KernelAttention):
         return self.finish(out, x)
 
 
-def _far_term(relative, coupling: str):
+def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | Spectrum:
     """The far term as a :class:`flt.layers.parts.Term` with the layer's defaults
     (``num_frequencies=32``, ``amplitude`` 0 for the logit coupling and 1 for the
     multiplicative one), or the spectrum module given."""
@@ -432,7 +438,8 @@ def _check_parts(features, near, settings) -> None:
             raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
-def layer_facts(*, features, near, coupling, far_field, causal, settings, head_dim, pos_dim) -> Facts:
+def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: str, far_field: bool | str, causal: bool,
+                settings: Settings, head_dim: int, pos_dim: int) -> Facts:
     """The :class:`flt.layers.rules.Facts` of an FLT layer made of these parts."""
     return Facts(features=features.kind, coupling=coupling, near_field=near.width if isinstance(near, Band) else 0,
                  near_neighbors=near.k if isinstance(near, Neighbors) else 0, far_field=far_field, causal=causal,

@@ -9,6 +9,7 @@ Subclasses decide the features through :meth:`KernelAttention.features`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,8 +18,19 @@ from flt.layers.base import AttentionBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.layers.rules import Facts, check_rules
-from flt.ops.linear import DEFAULT_CHUNK_SIZE, RecurrentState, flt_attention, full_precision, linear_attention, recurrent_step
-from flt.ops.reference import flt_attention_reference, linear_attention_reference, rpe_attention_reference
+from flt.ops.linear import (
+    DEFAULT_CHUNK_SIZE,
+    RecurrentState,
+    flt_attention,
+    full_precision,
+    linear_attention,
+    recurrent_step,
+)
+from flt.ops.reference import (
+    flt_attention_reference,
+    linear_attention_reference,
+    rpe_attention_reference,
+)
 from flt.posenc.rope import apply_rope
 
 #: How a kernel layer computes its forward pass: ``"torch"`` (the PyTorch ops of
@@ -111,6 +123,7 @@ class KernelAttention(AttentionBase):
         self.feature_map = FeatureMap(
             feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
         )
+        self.redraw_calls: torch.Tensor  # a buffer where redraw_interval is set
         if redraw_interval is not None:
             check_positive_int("redraw_interval", redraw_interval)
             self.register_buffer("redraw_calls", torch.zeros((), dtype=torch.long, device=device), persistent=True)
@@ -132,14 +145,14 @@ class KernelAttention(AttentionBase):
             state_dict.setdefault(prefix + "redraw_calls", legacy)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def scaled_qk(self, q, k, pos):
+    def scaled_qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x_q, x_k)`` with the kernel ``exp(x_q.x_k)``; RoPE rotates before scaling."""
         if self.rope:
             q = apply_rope(q, pos, base=self.rope_base)
             k = apply_rope(k, pos, base=self.rope_base)
         return self.scaling(q, k)
 
-    def features(self, q, k, pos) -> KernelFeatures:
+    def features(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> KernelFeatures:
         xq, xk = self.scaled_qk(q, k, pos)
         qf, _ = self.feature_map(xq)
         kf, kls = self.feature_map(xk)
@@ -164,24 +177,28 @@ class KernelAttention(AttentionBase):
 
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         key_mask = None if p.pad is None else ~p.pad
-        return favor_attention(xq, xk, p.v, self.feature_map.projection, causal=self.causal, key_mask=key_mask,
+        projection = self.feature_map.projection
+        assert projection is not None  # rule triton_needs_favor: the Triton kernel is FAVOR+'s
+        return favor_attention(xq, xk, p.v, projection, causal=self.causal, key_mask=key_mask,
                                **self.triton_inputs(p.pos))
 
-    def triton_inputs(self, pos) -> dict:
+    def triton_inputs(self, pos: torch.Tensor) -> dict[str, Any]:
         """What the kernel joins to the queries and keys (none for a Performer)."""
         return {}
 
     def attend_features(self, f: KernelFeatures, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` of the values ``p.v`` weighted by the features ``f``."""
-        if reference:
-            if f.a is None:
-                return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
-            return flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
         if f.a is None:
+            if reference:
+                return linear_attention_reference(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale)
             return linear_attention(f.q, f.k, p.v, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
+        assert f.c is not None  # the far-field features come as a pair
+        if reference:
+            return flt_attention_reference(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale)
         return flt_attention(f.q, f.k, p.v, f.a, f.c, causal=self.causal, key_log_scale=f.key_log_scale, chunk_size=self.chunk_size)
 
-    def exact_attention(self, xq, xk, v, *, mask=None, bias=None) -> torch.Tensor:
+    def exact_attention(self, xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
         """O(N^2) attention with the exact kernel the feature map estimates (``exp(x_q.x_k)``
         for FAVOR+, :meth:`flt.layers.features.FeatureMap.exact_kernel` otherwise), times
         ``mask`` and ``exp(bias)``, normalised over the keys: the core of ``exact()``."""
@@ -200,7 +217,7 @@ class KernelAttention(AttentionBase):
         p = self.prepare(x, pos, key_padding_mask)
         return self.finish(self.attend(p, reference=True), x)
 
-    def step(self, x: torch.Tensor, state: DecodeState | None = None, pos: torch.Tensor | None = None):
+    def step(self, x: torch.Tensor, state: DecodeState | None = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
         """Decode one token with constant memory (``causal=True`` only).
 
         Args:
@@ -224,7 +241,7 @@ class KernelAttention(AttentionBase):
         )
         return self.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), DecodeState(inner, state.position + 1)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None):
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
         """The causal forward over a prompt that also returns the decoding state (``causal=True`` only).
 
         Args:

@@ -20,7 +20,7 @@ and settings a near set takes are in :mod:`flt.layers.rules`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,17 @@ from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
 from flt.ops.band import band_attention, band_attention_reference
-from flt.ops.neighbors import near_offsets, nearest_keys, neighbor_attention, neighbor_attention_reference
+from flt.ops.neighbors import (
+    near_offsets,
+    nearest_keys,
+    neighbor_attention,
+    neighbor_attention_reference,
+)
+
+if TYPE_CHECKING:
+    from flt.layers.flt import FLTAttention
+    from flt.layers.parts import Term
+    from flt.relative.base import RelativeTerm
 
 
 class NearSet:
@@ -64,7 +74,8 @@ class NearSet:
             raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
                             f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
 
-    def build_term(self, relative, *, heads: int, pos_dim: int, causal: bool, start: float, device=None, dtype=None):
+    def build_term(self, relative: Term | RelativeTerm, *, heads: int, pos_dim: int, causal: bool, start: float,
+                   device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RelativeTerm:
         """The module ``f_near`` for a layer whose far term is ``relative`` (a
         :class:`flt.layers.parts.Term` or a module); a spectrum starts at amplitude ``start``."""
         from flt.layers.parts import Term
@@ -114,7 +125,7 @@ class Band(NearSet):
     def size(self) -> int:
         return self.width
 
-    def attend(self, layer, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, layer: FLTAttention, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the band, the FAVOR+ estimate beyond it."""
         if layer.backend == "triton" and not reference:
             return self._attend_triton(layer, p)
@@ -138,7 +149,7 @@ class Band(NearSet):
         return band_kernel(xq, xk, p.v, layer.feature_map.projection, bias, width=self.width, extra_q=a, extra_k=c,
                            causal=layer.causal, key_mask=key_mask)
 
-    def bias(self, layer, pos: torch.Tensor) -> torch.Tensor:
+    def bias(self, layer: FLTAttention, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
         ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
         band op ignores)."""
@@ -154,13 +165,14 @@ class Band(NearSet):
         f = layer.near_mask(delta)  # [B | 1, N | 1, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
-    def pairs(self, layer, p: Prepared, cdt) -> torch.Tensor:
+    def pairs(self, layer: FLTAttention, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the band holds, ``[1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = torch.arange(n, device=p.q.device)
         return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.width).view(1, 1, n, n)
 
-    def step(self, layer, x: torch.Tensor, state: BandDecodeState | None = None, pos: torch.Tensor | None = None):
+    def step(self, layer: FLTAttention, x: torch.Tensor, state: BandDecodeState | None = None,
+             pos: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
         """One token of a causal banded layer: exact band from the ring buffer of the last
         ``w + 1`` tokens, far field from the linear state (:mod:`flt.layers.band_decode`).
 
@@ -191,8 +203,9 @@ class Band(NearSet):
             raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
         t = state.position
         slot = t % (w + 1)
-        state = BandDecodeState(**{name: getattr(state, name).clone() if name != "position" else t
-                                   for name in BandDecodeState.__dataclass_fields__})
+        copies: dict[str, Any] = {name: getattr(state, name).clone() if name != "position" else t
+                                  for name in BandDecodeState.__dataclass_fields__}
+        state = BandDecodeState(**copies)
         if t > w:  # token t - w - 1 leaves the band now
             fold_into_far(state, slot)
         state.xk[:, :, slot] = xk[:, :, 0]
@@ -215,7 +228,7 @@ class Band(NearSet):
         state.position = t + 1
         return layer.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), state
 
-    def prefill(self, layer, x: torch.Tensor, pos: torch.Tensor | None = None):
+    def prefill(self, layer: FLTAttention, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
         """The causal forward over a prompt, with the state :meth:`step` would hold after it.
 
         Returns:
@@ -275,7 +288,7 @@ class Neighbors(NearSet):
     def size(self) -> int:
         return self.k
 
-    def attend(self, layer, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, layer: FLTAttention, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the near keys, the estimate elsewhere."""
         key_mask = None if p.pad is None else ~p.pad
         op = neighbor_attention_reference if reference else neighbor_attention
@@ -303,12 +316,12 @@ class Neighbors(NearSet):
         (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
         return nearest_keys(pos, min(self.k, pos.shape[1]), key_mask=key_mask)
 
-    def bias(self, layer, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def bias(self, layer: FLTAttention, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
         ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
         return rearrange(layer.near_mask(near_offsets(pos, idx)), "b n k h -> b h n k")
 
-    def pairs(self, layer, p: Prepared, cdt) -> torch.Tensor:
+    def pairs(self, layer: FLTAttention, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = self.keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)

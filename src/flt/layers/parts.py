@@ -17,11 +17,16 @@ into these parts.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flt._checks import check_positive_int
 from flt._signatures import check_fields
 from flt.layers.features import FeatureMap
+
+if TYPE_CHECKING:
+    import torch
+
+    from flt.relative.base import RelativeTerm
 
 
 class Term:
@@ -37,17 +42,18 @@ class Term:
             raise TypeError(f"Term: name must be a string (a key of flt.relative.RELATIVE), got {name!r} ({type(name).__name__})")
         self.name, self.options = name, dict(options)
 
-    def with_defaults(self, **defaults) -> Term:
+    def with_defaults(self, **defaults: Any) -> Term:
         """This term with ``defaults`` for the options it does not set."""
         return Term(self.name, **{**defaults, **self.options})
 
-    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device=None, dtype=None):
+    def build(self, *, heads: int, pos_dim: int, causal: bool = False, device: torch.device | str | None = None,
+              dtype: torch.dtype | None = None) -> RelativeTerm:
         """The :class:`flt.relative.RelativeTerm` module (:func:`flt.relative.build_relative`)."""
         from flt.relative import build_relative
 
         return build_relative(self.name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **self.options)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Term) and (self.name, self.options) == (other.name, other.options)
 
     def __hash__(self) -> int:
@@ -82,7 +88,7 @@ class Features:
         if not self.temperature > 0:
             raise ValueError(f"{type(self).__name__}: temperature must be positive, got {self.temperature!r}")
         if "num_features" in {f.name for f in fields(self)}:
-            check_positive_int("num_features", self.num_features)
+            check_positive_int("num_features", getattr(self, "num_features", None))  # the kinds with the field
 
     def map_options(self) -> dict:
         """The feature keywords of :class:`flt.layers.kernel.KernelAttention`."""
@@ -90,7 +96,7 @@ class Features:
                 "orthogonal": getattr(self, "orthogonal", True), "seed": self.seed,
                 "qk_norm": self.qk_norm, "temperature": self.temperature}
 
-    def build(self, dim: int, *, device=None, dtype=None) -> FeatureMap:
+    def build(self, dim: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> FeatureMap:
         """The feature map for inputs of size ``dim``."""
         o = self.map_options()
         return FeatureMap(dim, o["num_features"], kind=self.kind, orthogonal=o["orthogonal"], seed=self.seed,
@@ -157,7 +163,7 @@ def features_from(kind: str, *, num_features: int = 256, orthogonal: bool = True
 
     check_choice("feature_map", kind, FEATURES)
     cls = FEATURES[kind]
-    given = {"num_features": num_features, "orthogonal": orthogonal, "seed": seed, "temperature": temperature}
+    given: dict[str, Any] = {"num_features": num_features, "orthogonal": orthogonal, "seed": seed, "temperature": temperature}
     if qk_norm is not None:
         given["qk_norm"] = qk_norm
     names = {f.name for f in fields(cls)}

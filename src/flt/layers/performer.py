@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from flt.layers.kernel import KernelAttention
 
 
@@ -32,7 +34,7 @@ class PerformerAttention(KernelAttention):
 
     registry_name = "performer"
 
-    def exact(self, x, pos=None, key_padding_mask=None):
+    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The attention the features estimate, with the same parameters: softmax
         ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the
         deterministic ``"elu"``, ``"taylor"`` and ``"hedgehog"`` maps their own kernel (so ``exact`` equals

@@ -20,10 +20,24 @@ layer built from parts, a ``_from_options`` marked ``@flat_options`` that lists 
 
 from __future__ import annotations
 
+from flt.layers.base import AttentionBase
 from flt.layers.flt import FLTAttention
 from flt.layers.performer import PerformerAttention
 from flt.layers.softmax import SoftmaxAttention
 from flt.layers.toeplitz import ToeplitzAttention
 
+
+def _by_name(*classes: type[AttentionBase]) -> dict[str, type[AttentionBase]]:
+    """Each class under the ``registry_name`` it declares itself (a class that inherits its
+    parent's name, or has none, would silently shadow or vanish, so it is an error)."""
+    entries: dict[str, type[AttentionBase]] = {}
+    for cls in classes:
+        name = cls.__dict__.get("registry_name")
+        if not isinstance(name, str):
+            raise TypeError(f"{cls.__name__}.registry_name: expected the class's own name (a str), got {name!r}")
+        entries[name] = cls
+    return entries
+
+
 #: Each entry under the name its class declares (``registry_name``, beside its definition).
-ATTENTION: dict[str, type] = {cls.registry_name: cls for cls in (SoftmaxAttention, PerformerAttention, ToeplitzAttention, FLTAttention)}
+ATTENTION: dict[str, type[AttentionBase]] = _by_name(SoftmaxAttention, PerformerAttention, ToeplitzAttention, FLTAttention)

@@ -209,6 +209,7 @@ class SoftmaxAttention(AttentionBase):
         if isinstance(relative_bias, RelativeTerm):
             term, relative_bias = relative_bias, type(relative_bias).__name__
         elif is_spectrum:
+            assert isinstance(name, str)  # a spectrum given built took the branch above
             options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
             term = build_relative(name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
             term.has_random_features = False  # only its exact mask is used: nothing to redraw
@@ -295,7 +296,7 @@ class SoftmaxAttention(AttentionBase):
             state_dict.setdefault(prefix + "relative.log_slopes", state_dict.pop(prefix + "log_slopes"))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def positional_term(self, pos: torch.Tensor, dtype) -> torch.Tensor | None:
+    def positional_term(self, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions:
         :meth:`flt.relative.RelativeTerm.bias` of the layer's term.
 

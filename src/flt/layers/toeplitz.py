@@ -7,15 +7,21 @@ Toeplitz products in ``O(N log N m Dv)`` (:func:`flt.ops.toeplitz_attention`; ca
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import torch
 
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.ops.reference import rpe_attention_reference
-from flt.ops.toeplitz import DEFAULT_BLOCK_SIZE, DEFAULT_DENSE_BELOW, toeplitz_attention, toeplitz_attention_reference
-from flt.relative import build_relative
-from flt.relative.tables import DEFAULT_TABLE_SCALE
+from flt.ops.toeplitz import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DENSE_BELOW,
+    toeplitz_attention,
+    toeplitz_attention_reference,
+)
+from flt.relative.tables import DEFAULT_TABLE_SCALE, ClippedBias
 
 
 class ToeplitzAttention(KernelAttention):
@@ -81,8 +87,8 @@ class ToeplitzAttention(KernelAttention):
             raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {kernel_options['backend']!r}")
         super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
-        self.table = build_relative(
-            "clipped", heads=heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
+        self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
+            heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
             learn_scale=learn_table_scale, device=device, dtype=dtype,
         )
 
@@ -147,5 +153,5 @@ class ToeplitzAttention(KernelAttention):
         out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), p.v.to(cdt), bias=bias, mask=pad, causal=self.causal, scale=1.0)
         return self.finish(out, x)
 
-    def step(self, *args, **kwargs):
+    def step(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from flt._checks import check_choice, check_positive_int
 from flt.options import check_fields
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 READOUTS = ("mean", "sum")
 POOLINGS = ("mean", "cls")
@@ -68,11 +72,11 @@ class TrunkConfig:
     #: estimate made before a model is built (:mod:`flt._limits`).
     position_dims: ClassVar[int] = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_trunk(self)
 
 
-def check_layer_attention(value, depth: int) -> None:
+def check_layer_attention(value: object, depth: int) -> None:
     """``layer_attention``: None, or one ``{"attention": NAME, "attention_options": {...}}``
     per layer (``depth`` of them), the per-layer mechanisms ``flt train --arch`` builds."""
     if value is None:
@@ -85,6 +89,10 @@ def check_layer_attention(value, depth: int) -> None:
             raise ValueError(f"layer_attention[{i}] must be {{'attention': NAME, 'attention_options': {{...}}}}, got {entry!r}")
 
 
+#: A dataclass's own type, so that a replaced LMConfig (or RunConfig) is one too.
+_Config = TypeVar("_Config", bound="DataclassInstance")
+
+
 @dataclass(frozen=True)
 class LayeredConfig(TrunkConfig):
     """A trunk whose layers may each have their own mechanism: ``layer_attention`` (None:
@@ -95,7 +103,7 @@ class LayeredConfig(TrunkConfig):
 
     layer_attention: list[dict[str, Any]] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_layer_attention(self.layer_attention, self.depth)
 
@@ -119,7 +127,7 @@ class LMConfig(LayeredConfig):
     mlp_ratio: float = 4.0
     cape: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("max_len", self.max_len)
@@ -144,7 +152,7 @@ class ImageConfig(LayeredConfig):
     pooling: str = "mean"
     cape: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("image_size", "channels", "num_classes", "patch_size"):
             check_positive_int(name, getattr(self, name))
@@ -174,7 +182,7 @@ class MoleculeConfig(LayeredConfig):
     target_mean: float = 0.0
     target_std: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("num_elements", self.num_elements)
         check_choice("readout", self.readout, READOUTS)
@@ -188,15 +196,15 @@ class MoleculeConfig(LayeredConfig):
 
 #: Config class of each model of this package, by its saved key (``task``). Tasks are
 #: registered in :data:`flt.tasks.TASKS`, which may add configs of their own; this is not that list.
-CONFIGS: dict[str, type] = {cls.task: cls for cls in (LMConfig, ImageConfig, MoleculeConfig)}
+CONFIGS: dict[str, type[TrunkConfig]] = {cls.task: cls for cls in (LMConfig, ImageConfig, MoleculeConfig)}
 
 
-def config_to_dict(cfg) -> dict[str, Any]:
+def config_to_dict(cfg: TrunkConfig) -> dict[str, Any]:
     """``{"task": ..., **fields}``, JSON-serialisable when the option dicts are."""
     return {"task": cfg.task, **dataclasses.asdict(cfg)}
 
 
-def config_from_dict(data: dict[str, Any], configs: dict[str, type] = CONFIGS):
+def config_from_dict(data: dict[str, Any], configs: Mapping[str, type[TrunkConfig]] = CONFIGS) -> TrunkConfig:
     """Inverse of :func:`config_to_dict`, with the class ``configs[data["task"]]`` (default:
     the models of this package; :func:`flt.tasks.config_from_dict` passes every registered
     task's); unknown or missing-task keys raise ``ValueError``."""
@@ -211,7 +219,7 @@ def config_from_dict(data: dict[str, Any], configs: dict[str, type] = CONFIGS):
     return cls(**{k: v for k, v in data.items() if k != "task"})
 
 
-def replace_fields(cfg, **changes):
+def replace_fields(cfg: _Config, **changes: Any) -> _Config:
     """:func:`dataclasses.replace` with a clear error naming unknown fields."""
     names = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(set(changes) - names)
