@@ -52,8 +52,8 @@ def near_neighbor_ops(n: int, coupling: str) -> int:
     """aten operations of one forward and backward of FLT with the 8 nearest of ``n`` random
     3-D points exact (bidirectional: near sets have no causal order; dim 32, 2 heads)."""
     torch.manual_seed(0)
-    layer = ATTENTION["flt"](32, 2, pos_dim=3, coupling=coupling, num_features=16, num_frequencies=4, near_neighbors=8,
-                             check_condition=False)
+    layer = ATTENTION["flt"].from_options(32, 2, pos_dim=3, coupling=coupling, num_features=16, num_frequencies=4, near_neighbors=8,
+                                          check_condition=False)
     x, pos = torch.randn(1, n, 32, requires_grad=True), torch.rand(1, n, 3)
     layer(x, pos).sum().backward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

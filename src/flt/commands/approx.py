@@ -6,7 +6,7 @@ O(N^2) attention; saves a PNG of each f against its estimate and the numbers as 
 
 ``flt approx --spatial`` measures instead a strong Gaussian bump on 2-D and 3-D point sets
 (atoms, patches) against f(0), per estimator: concatenation, the multiplicative coupling
-and the k-nearest-keys near set (``FLTAttention(near_neighbors=k)``); writes spatial.json.
+and the k-nearest-keys near set (``flt:near_neighbors=k``); writes spatial.json.
 """
 
 from __future__ import annotations
