@@ -401,6 +401,17 @@ def _shifts(q_shift, key_log_scale, qf):
     return (zero if q_shift is None else q_shift), (zero if key_log_scale is None else key_log_scale)
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, E] -> [B H N, E]``: the rows the pair products of :mod:`flt.ops.pairs` index."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _near_dots(x: torch.Tensor, y: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
+    """``x_i . y_j`` for the ``k`` near keys ``j`` of every query ``i``: ``[B, H, N, E]`` twice
+    and ``flat [B H N, k]`` (:func:`flt.ops.pairs.flat_index`) -> ``[B, H, N, k]``."""
+    return pair_dots(_rows(x), _rows(y), flat).view(*x.shape[:-1], k)
+
+
 def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, a, c, near_mask, near_kernel,
                dense_below):
     if near_mask is not None and near_kernel == "features":
@@ -446,11 +457,8 @@ def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_ma
     # into a [B, H, N, k, E] tensor, in the forward or the backward.
     flat = flat_index(idx, B, H)  # [B H N, k]
 
-    def rows(t):  # [B, H, N, E] -> [B H N, E]
-        return t.reshape(B * H * N, t.shape[-1])
-
-    def dots(x, y):  # [B, H, N, k]: x_i . y_j for the near keys j of every query i
-        return pair_dots(rows(x), rows(y), flat).view(B, H, N, k)
+    def dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _near_dots(x, y, flat, k)
 
     near_valid = valid.gather(1, idx.expand(B, N, k).reshape(B, N * k)).view(B, 1, N, k)
     expo = dots(xq, xk) - row + (0.0 if multiplicative else given)
@@ -462,7 +470,7 @@ def _neighbors(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_ma
     weights = near_weights(expo, top, given) - est * torch.exp(-top)
     # Far field = the estimate over all keys minus its near part; near weights replace it.
     total = _write(kfw, c, vaug)  # [B, H, m, Dv + 1], or its Kronecker form
-    out = gather_sum(rows(weights), rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, total) * torch.exp(-top)
+    out = gather_sum(_rows(weights), _rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, total) * torch.exp(-top)
     return safe_divide(out[..., :-1], out[..., -1:])
 
 
@@ -495,13 +503,10 @@ def _neighbors_features(qf, kf, v, q_shift, key_log_scale, idx, key_mask, a, c, 
         return safe_divide(out[..., :-1], out[..., -1:])
     flat = flat_index(idx, B, H)  # [B H N, k]
 
-    def rows(t):  # [B, H, N, E] -> [B H N, E]
-        return t.reshape(B * H * N, t.shape[-1])
-
-    def dots(x, y):  # [B, H, N, k]: x_i . y_j for the near keys j of every query i
-        return pair_dots(rows(x), rows(y), flat).view(B, H, N, k)
+    def dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _near_dots(x, y, flat, k)
 
     # Far field = the estimate over all keys; on the near pairs its mask a.c is replaced by m.
     weights = dots(qf, kfw) * (given - dots(a, c))  # zero for padded keys (kfw is)
-    out = gather_sum(rows(weights), rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, _write(kfw, c, vaug))
+    out = gather_sum(_rows(weights), _rows(vaug), flat).view(B, H, N, -1) + _read(qf, a, _write(kfw, c, vaug))
     return safe_divide(out[..., :-1], out[..., -1:])
