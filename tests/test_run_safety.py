@@ -437,3 +437,21 @@ def test_under_torchrun_every_process_stops_when_the_directory_is_in_use(tmp_pat
     assert proc.returncode != 0
     assert f"{out} is in use by flt train (pid {os.getpid()}, started " in proc.stderr
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_atomic_dir_replaces_a_left_directory_and_leaves_nothing_on_failure(tmp_path):
+    from flt._io import atomic_dir
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "stale.txt").write_text("old")
+    final = atomic_dir(str(tmp_path), "out", lambda d: Path(d, "new.txt").write_text("new"))
+    assert final == str(tmp_path / "out") and sorted(os.listdir(final)) == ["new.txt"]
+
+    def fail(d):
+        Path(d, "half.txt").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_dir(str(tmp_path), "out", fail)
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary left
+    assert sorted(os.listdir(final)) == ["new.txt"]  # the old directory untouched

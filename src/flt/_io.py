@@ -130,6 +130,27 @@ def discard_dir(path: str) -> None:
     shutil.rmtree(doomed)
 
 
+def atomic_dir(folder: str, name: str, fill: Callable[[str], object]) -> str:
+    """Create the directory ``folder/name`` atomically: ``fill(tmp)`` writes its files into a
+    temporary directory beside it (:func:`make_temp_dir`), which is flushed and renamed into
+    place, replacing (:func:`discard_dir`) a directory of that name a killed process left.
+    Readers see the whole directory or none; the temporary never outlives a failure.
+    Returns the final path."""
+    tmp = make_temp_dir(folder, prefix=f".{name}.", suffix=".tmp")
+    final = os.path.join(folder, name)
+    try:
+        fill(tmp)
+        fsync_dir(tmp)
+        if os.path.exists(final):
+            discard_dir(final)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+    fsync_dir(folder)
+    return final
+
+
 def remove_temporaries(folder: str) -> list[str]:
     """Delete the temporaries (:data:`TEMPORARY`) in ``folder`` that a killed process left
     behind; returns their names. Only safe while no other process writes in ``folder``

@@ -46,13 +46,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from flt._io import (
+    atomic_dir,
     atomic_write_text,
     confined_path,
     discard_dir,
     file_mode,
-    fsync_dir,
     fsync_file,
-    make_temp_dir,
     read_json,
     remove_temporaries,
     sha256_file,
@@ -81,8 +80,8 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     root = os.path.join(run_dir, CHECKPOINTS)
     os.makedirs(root, exist_ok=True)
     name = step_dir_name(step)
-    tmp = make_temp_dir(root, prefix=f".{name}.", suffix=".tmp")
-    try:
+
+    def fill(tmp: str) -> None:
         model_path = os.path.join(tmp, MODEL_FILE)
         # One metadata entry: safetensors writes its metadata map in a random order, and a
         # resumed run must write the bytes an uninterrupted one does (the step is in config.json).
@@ -100,16 +99,10 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
             json.dump(meta, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        fsync_dir(tmp)
-        final = os.path.join(root, name)
-        if os.path.exists(final):
-            # Left by a run that was killed after writing it but before updating `latest`.
-            discard_dir(final)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-    fsync_dir(root)
+
+    # A directory of this name may be left by a run killed after writing it but before
+    # updating `latest`: atomic_dir replaces it.
+    final = atomic_dir(root, name, fill)
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
     _prune(root, keep, current=name)
     return final

@@ -725,20 +725,9 @@ def _show(value: float | None) -> str:
 def _save_model(r: _Run) -> None:
     """``save_pretrained`` into a temporary directory renamed into place, so ``model/`` is
     complete or absent."""
-    import shutil
+    from flt._io import atomic_dir
 
-    from flt._io import discard_dir, make_temp_dir
-
-    final = os.path.join(r.out_dir, "model")
-    tmp = make_temp_dir(r.out_dir, prefix=".model.", suffix=".tmp")
-    try:
-        r.student.save_pretrained(tmp)
-        if os.path.exists(final):
-            discard_dir(final)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+    atomic_dir(r.out_dir, "model", r.student.save_pretrained)
 
 
 def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer_steps: int, title: str = ""):
