@@ -55,7 +55,9 @@ def test_floor_is_time_over_model_flops_at_the_matmul_rate():
 def test_cuda_options_and_refusals():
     options = cuda_options(_args("--device", "cuda"))
     assert options["rows"] == list(gpu.GPU_ROWS) and options["lengths"] == gpu.DEFAULT_LENGTHS
-    assert options["precisions"] == ("bf16", "fp32")
+    assert options["precisions"] == ("bf16", "fp32") and options["modes"] == ("fwd", "fwd+bwd") and options["shape"] == "lm"
+    wide = cuda_options(_args("--device", "cuda", "--modes", "fwd+bwd", "--shapes", "wide"))
+    assert wide["modes"] == ("fwd+bwd",) and wide["shape"] == "wide"
     quick = cuda_options(_args("--device", "cuda", "--quick", "--rows", "sdpa", "--precisions", "bf16"))
     assert quick["rows"] == ["sdpa"] and quick["lengths"] == gpu.QUICK_LENGTHS and quick["precisions"] == ("bf16",)
     for argv, message in ((("--rows", "nope"), "unknown --rows"), (("--threads", "2"), "--threads"),
@@ -74,13 +76,15 @@ def test_device_cuda_without_a_gpu_says_so(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
     assert main(["bench", "speed", "--rows", "sdpa", "--quick", "--out-dir", str(tmp_path / "c")]) == 2
     assert "--rows applies to --device cuda only" in capsys.readouterr().err
+    assert main(["bench", "speed", "--modes", "fwd", "--quick", "--out-dir", str(tmp_path / "d")]) == 2
+    assert "--modes applies to --device cuda only" in capsys.readouterr().err
 
 
 def test_report_tables_every_row_and_length(tmp_path):
     data = {
         "machine": {"gpu": "Test GPU", "cuda": "12.4", "torch": "2.x", "triton": "3.x", "commit": "abc" * 5, "dirty": False,
                     "date": "today"},
-        "matmul_bf16_tflops": [700.0, 710.0], "warmup": 3, "repeats": 10,
+        "matmul_bf16_tflops": [700.0, 710.0], "warmup": 3, "repeats": 10, "shape": {"name": "wide", "B": 1, "H": 8, "D": 64},
         "rows": {"sdpa": {"note": "exact"}, "flt-logit triton": {"note": ""}},
         "results": [
             {"row": "sdpa", "precision": "bf16", "mode": "fwd", "N": 1024, "status": "ok", "median_s": 1.5e-3, "peak_mib": 12.0,
@@ -90,7 +94,7 @@ def test_report_tables_every_row_and_length(tmp_path):
     }
     text = gpu.markdown(data, "flt bench speed --device cuda")
     assert "| sdpa | 1.500 (12 MiB, 3.2x) |" in text and "| flt-logit triton | oom |" in text
-    assert "Test GPU" in text and "## bf16, fwd" in text
+    assert "Test GPU" in text and "## bf16, fwd" in text and "Shape wide: batch 1, 8 heads of 64" in text
     pytest.importorskip("matplotlib")
     gpu.plot(data, tmp_path / "speed-cuda.png")
     assert (tmp_path / "speed-cuda.png").stat().st_size > 0

@@ -51,6 +51,26 @@ def test_float64_fast_path_equals_reference_on_gpu(name, i, causal):
     assert_close(g_fast, g_ref, scale=100)
 
 
+@pytest.mark.parametrize("options", [dict(near_neighbors=4),
+                                     dict(near_neighbors=4, coupling="multiplicative", feature_map="hedgehog", num_features=16, check_condition=False)])
+def test_near_neighbors_equal_reference_on_gpu(options):
+    """The near-neighbour sets (bidirectional only) through the sparse pair products of
+    flt.ops.pairs on CUDA (cuSPARSE's sampled product, embedding_bag), forward and input
+    gradients, in float64."""
+    layer = ATTENTION["flt"].from_options(32, 2, causal=False, device="cuda", dtype=F64, **options)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.3)
+    x = torch.randn(2, 67, 32, device="cuda", dtype=F64, requires_grad=True)
+    up = torch.randn_like(x)
+    fast, ref = layer(x), layer.reference(x)
+    (g_fast,) = torch.autograd.grad((fast * up).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref * up).sum(), x)
+    assert_close(fast, ref, scale=100)
+    assert_close(g_fast, g_ref, scale=100)
+
+
 @pytest.mark.parametrize("name,i", CASES)
 def test_bfloat16_autocast_within_tolerance(name, i):
     """A causal forward under bfloat16 autocast against the same layer in float32: within

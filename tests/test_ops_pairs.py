@@ -11,25 +11,25 @@ from flt.ops.pairs import flat_index, gather_sum, pair_dots, scatter_sum
 F64 = torch.float64
 
 
-def listed(R=37, k=5, E=6, Rb=41):
+#: The CUDA path (cuSPARSE's sampled product, embedding_bag's kernels) runs with ``-m cuda``.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def listed(R=37, k=5, E=6, Rb=41, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(R, E, dtype=F64, generator=g).requires_grad_()
-    b = torch.randn(Rb, E, dtype=F64, generator=g).requires_grad_()
-    w = torch.randn(R, k, dtype=F64, generator=g).requires_grad_()
-    index = torch.randint(0, Rb, (R, k), generator=g)  # repeated keys too: their gradients add up
+    a = torch.randn(R, E, dtype=F64, generator=g).to(device).requires_grad_()
+    b = torch.randn(Rb, E, dtype=F64, generator=g).to(device).requires_grad_()
+    w = torch.randn(R, k, dtype=F64, generator=g).to(device).requires_grad_()
+    index = torch.randint(0, Rb, (R, k), generator=g).to(device)  # repeated keys too: their gradients add up
     return a, b, w, index
 
 
-def dense(index, rows):
-    """``[R, rows]``: how often row r lists each key row (the sparse products as matmuls)."""
-    return torch.zeros(index.shape[0], rows, dtype=F64).scatter_add_(1, index, torch.ones(index.shape, dtype=F64))
-
-
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("R, k, E, Rb", [(37, 5, 6, 41), (1, 1, 1, 1), (9, 1, 3, 50), (20, 7, 4, 3)])
-def test_pair_products_equal_their_dense_formulas_forward_and_backward(R, k, E, Rb):
+def test_pair_products_equal_their_dense_formulas_forward_and_backward(R, k, E, Rb, device):
     # Rb = 50 > R k: most key rows listed by no query (their scattered sums are zero);
     # Rb = 3: every key listed many times, repeated within rows.
-    a, b, w, index = listed(R, k, E, Rb)
+    a, b, w, index = listed(R, k, E, Rb, device)
     onehot = torch.nn.functional.one_hot(index, b.shape[0]).to(F64)  # [R, k, Rb]
     cases = [
         (lambda: pair_dots(a, b, index), lambda: (onehot @ b) @ a.unsqueeze(-1)),
@@ -56,8 +56,9 @@ def test_pair_products_keep_float32_and_listed_order():
     assert torch.allclose(gather_sum(w, b, index), (w.unsqueeze(-1) * b[index]).sum(1), atol=1e-6)
 
 
-def test_pair_products_pass_gradcheck_and_second_order():
-    a, b, w, index = listed(R=6, k=3, E=2, Rb=5)
+@pytest.mark.parametrize("device", DEVICES)
+def test_pair_products_pass_gradcheck_and_second_order(device):
+    a, b, w, index = listed(R=6, k=3, E=2, Rb=5, device=device)
     assert torch.autograd.gradcheck(lambda a, b: pair_dots(a, b, index), (a, b))
     assert torch.autograd.gradcheck(lambda w, b: gather_sum(w, b, index), (w, b))
     assert torch.autograd.gradgradcheck(lambda w, a: scatter_sum(w, a, index, 5), (w, a))

@@ -197,7 +197,7 @@ def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_L
                     log(_line(r))
     end = matmul_tflops(torch.bfloat16)
     add_floors(results, max(start, end))
-    return {"machine": gpu_machine(), "matmul_bf16_tflops": [start, end], "results": results,
+    return {"machine": gpu_machine(), "matmul_bf16_tflops": [start, end], "results": results, "shape": asdict(SHAPES[shape]) | {"name": shape},
             "rows": {n: asdict(GPU_ROWS[n]) for n in rows}, "warmup": warmup, "repeats": repeats}
 
 
@@ -238,6 +238,7 @@ def markdown(data: dict, command: str) -> str:
              f"GPU: {m['gpu']} (CUDA {m['cuda']}), torch {m['torch']}, triton {m['triton']}; commit {m['commit'][:12]}"
              f"{' (dirty)' if m['dirty'] else ''}; {m['date']}. bfloat16 matmul {MATMUL_N}^3: "
              + " / ".join(f"{t:.0f}" for t in data["matmul_bf16_tflops"]) + " TFLOP/s (start / end).", "",
+             *([f"Shape {data['shape']['name']}: batch {data['shape']['B']}, {data['shape']['H']} heads of {data['shape']['D']}.", ""] if "shape" in data else []),
              "Cells: median ms per call (peak MiB, x bf16 floor). Causal, CUDA events after "
              f"{data['warmup']} warm-up calls, {data['repeats']} repeats.", ""]
     results = data["results"]

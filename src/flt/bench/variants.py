@@ -20,6 +20,7 @@ SHAPES = {
     "tiny": Shape(1, 2, 16),
     "lm": Shape(1, 4, 64),  # the targets' shape: B = 1, H = 4, D = 64
     "batch": Shape(4, 8, 64),
+    "wide": Shape(1, 8, 64),  # width 512 in one sequence: the GPU comparison at N = 65,536
 }
 
 

@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="cpu: the process-per-configuration CPU runner; cuda: the GPU rows (default: %(default)s)")
     s.add_argument("--rows", nargs="+", metavar="ROW", help="--device cuda: only these rows (names as in flt.bench.gpu.GPU_ROWS)")
     s.add_argument("--precisions", nargs="+", choices=("bf16", "fp32"), help="--device cuda: bf16 (autocast) and/or fp32 (default: both)")
+    s.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), help="--device cuda: forward and/or forward+backward (default: both)")
     s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")
     s.set_defaults(func=run_speed)
 
@@ -79,7 +80,7 @@ def run_speed(args: argparse.Namespace) -> int:
 
     if args.device == "cuda":
         return run_speed_cuda(args)
-    for flag in ("rows", "precisions"):
+    for flag in ("rows", "precisions", "modes"):
         if getattr(args, flag, None):
             raise ValueError(f"--{flag} applies to --device cuda only")
 
@@ -147,6 +148,7 @@ def cuda_options(args: argparse.Namespace) -> dict:
         "rows": args.rows or list(gpu.GPU_ROWS),
         "lengths": tuple(args.lengths or (gpu.QUICK_LENGTHS if quick else gpu.DEFAULT_LENGTHS)),
         "precisions": tuple(args.precisions or gpu.PRECISIONS),
+        "modes": tuple(args.modes or gpu.MODES),
         "shape": (args.shapes or ["lm"])[0],
         "warmup": 2 if quick else 3,
         "repeats": 3 if quick else 10,
@@ -166,7 +168,8 @@ def run_speed_cuda(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     data = gpu.run(**options)
     data["command"] = " ".join(["flt bench speed --device cuda --preset", args.preset, "--rows", *map(shlex.quote, options["rows"]),
-                                "--lengths", *map(str, options["lengths"]), "--precisions", *options["precisions"]])
+                                "--lengths", *map(str, options["lengths"]), "--precisions", *options["precisions"],
+                                "--modes", *options["modes"], "--shapes", options["shape"]])
     data["elapsed_s"] = time.perf_counter() - t0
     (out / "speed-cuda.json").write_text(json.dumps(data, indent=1))
     text = gpu.markdown(data, data["command"])

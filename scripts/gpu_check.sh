@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (at most about 7.5 minutes on one H100 or H200): the CUDA tests, then
+# `flt bench speed --device cuda` in three passes sized to the time, each with its own time
+# limit so that one pass that runs long does not cost the others. Logs and each pass's
+# speed-cuda.json go to $OUT (default: flt-out/gpu), its tables to stdout. Runs from a
+# checkout without installing it (PYTHONPATH=src).
+#
+#   bash scripts/gpu_check.sh
+set -uo pipefail
+OUT=${OUT:-flt-out/gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+
+# 1. Every CUDA test (float64 identities, bf16, decoding, Triton kernels, Flex score_mod, sparse pairs).
+timeout 120 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
+    2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
+
+bench() {  # name, time limit, bench arguments...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^|" | tail -5
+    cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null
+}
+WORK=$(mktemp -d)
+# 2. The issue's shape at N = 4k and 16k (width 512, batch 4: 65,536 tokens at 16k): uncompiled rows.
+bench batch 110 --shapes batch --lengths 4096 16384 \
+    --rows "flt-logit eager" "flt-logit triton" "flt-mult triton" "flt-logit band8 triton" "performer triton" sdpa
+# 3. One sequence of 65,536 tokens, width 512, fwd+bwd: the targets' comparison with Flex + T5 and SDPA.
+bench wide 120 --shapes wide --lengths 65536 --modes fwd+bwd \
+    --rows "flt-logit triton" "flt-logit band8 triton" sdpa "softmax+t5 flex compiled" "flt-logit compiled"
+# 4. The compiled forms at the issue's 16k shape.
+bench compiled 90 --shapes batch --lengths 16384 \
+    --rows "flt-logit compiled" "flt-logit band8 compiled" "softmax+t5 flex compiled"
+for f in "$WORK"/*/speed-cuda.md; do echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; done
