@@ -276,3 +276,34 @@ def test_layer_band_backend_triton_matches_torch(causal):
     (g_out,) = torch.autograd.grad(out.sum(), x)
     (g_ref,) = torch.autograd.grad(ref.sum(), x)
     assert_close(g_out, g_ref)
+
+
+def test_launch_tries_smaller_tiles_until_one_fits_and_remembers_it():
+    """A tile that needs more shared memory than the GPU has fails at launch, before any
+    work: the launcher tries the next smaller one, remembers which fitted, and names the
+    way out when none does."""
+    from triton.runtime.errors import OutOfResources
+
+    from flt.ops.triton import _FITTED, launch_fitted, tile_candidates
+
+    cuda = torch.device("cuda")
+    assert tile_candidates(64, 64, 64, torch.device("cpu")) == [(64, 64, None)]
+    assert tile_candidates(64, 64, 64, cuda)[0] == (64, 64, 3)
+    assert tile_candidates(64, 64, 256, cuda) == [(16, 32, 1), (16, 16, 1)]  # m = 256: the default tile never fits
+    tried = []
+
+    def attempt(chunk, bv, stages):
+        tried.append((chunk, bv, stages))
+        if bv > 16:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+    key = ("test", "fits at the last tile")
+    launch_fitted(key, [(64, 64, 3), (16, 32, 1), (16, 16, 1)], attempt)
+    assert tried == [(64, 64, 3), (16, 32, 1), (16, 16, 1)] and _FITTED.pop(key) == 2
+    tried.clear()
+    _FITTED[key] = 2
+    launch_fitted(key, [(64, 64, 3), (16, 32, 1), (16, 16, 1)], attempt)
+    assert tried == [(16, 16, 1)]  # straight to the tile that fitted before
+    _FITTED.pop(key)
+    with pytest.raises(ValueError, match="no tile of the Triton kernel fits.*num_features.*float32"):
+        launch_fitted(("test", "none fits"), [(64, 64, 3), (16, 32, 1)], attempt)

@@ -21,6 +21,7 @@ before and after the rows; the best is used).
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -120,16 +121,24 @@ def build_row(name: str, shape: str, *, causal: bool, device: torch.device | str
 
 def check_row(name: str, shape: str, causal: bool, n: int = 300) -> str:
     """The row's forward against its O(N^2) reference in float64 on the GPU: ``""`` if they
-    agree to 1e-6 relative, else what went wrong."""
+    agree to 1e-6 relative, else what went wrong. A Triton row whose float64 kernel does
+    not fit the GPU's shared memory (float64 tiles take twice the bytes) is checked in
+    float32 against the same float64 reference, to 1e-4."""
     layer = build_row(name, shape, causal=causal, device="cuda", dtype=torch.float64).eval()
     with torch.no_grad():
         for p in layer.parameters():  # zero-initialised relative terms act
             p.add_(0.02 * torch.randn_like(p))
         x = torch.randn(2, n, SHAPES[shape].H * SHAPES[shape].D, device="cuda", dtype=torch.float64)
         reference = cast(Callable[[torch.Tensor], torch.Tensor], layer.reference)  # every row's layer has one
-        out, ref = layer(x), reference(x)
+        ref, tolerance, label = reference(x), 1e-6, ""
+        try:
+            out = layer(x)
+        except ValueError as err:
+            if "shared memory" not in str(err):
+                raise
+            out, tolerance, label = copy.deepcopy(layer).float()(x.float()).double(), 1e-4, " (float32 kernel: float64 does not fit)"
     err = float((out - ref).norm() / ref.norm())
-    return "" if err < 1e-6 else f"relative error {err:.2e} against the reference"
+    return "" if err < tolerance else f"relative error {err:.2e} against the reference{label}"
 
 
 def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: bool, *, warmup: int, repeats: int) -> dict:
@@ -192,6 +201,8 @@ def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_L
                             r.update(status="ok", **time_row(name, shape, N, precision, mode, causal, warmup=warmup, repeats=repeats))
                         except torch.cuda.OutOfMemoryError:
                             r.update(status="oom", note="out of GPU memory")
+                        except Exception as err:  # noqa: BLE001 (a configuration that fails here is a result; the others still run)
+                            r.update(status="failed", note=f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}")
                         torch.cuda.empty_cache()
                     results.append(r)
                     log(_line(r))

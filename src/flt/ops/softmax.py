@@ -51,6 +51,8 @@ def flex_attention_available(device: torch.device | str, requires_grad: bool) ->
     pass runs on CPU and torch refuses any input that requires grad there, with
     "FlexAttention does not support backward on CPU".
     """
+    if torch.compiler.is_compiling():  # traced by torch.compile: the fused kernel runs, not the eager one probed here
+        return True, ""
     return _probe_flex(str(torch.device(device)), bool(requires_grad))
 
 
@@ -64,7 +66,7 @@ def _probe_flex(device: str, requires_grad: bool) -> tuple[bool, str]:
     if dev.type == "cuda" and not torch.cuda.is_available():
         return False, "CUDA is not available"
     what = "forward and backward" if requires_grad else "forward"
-    x = torch.zeros(1, 1, 4, 8, device=dev, requires_grad=requires_grad)
+    x = torch.zeros(1, 1, 16, 16, device=dev, requires_grad=requires_grad)  # 16: the smallest head dim the GPU kernels take
     try:
         with torch.enable_grad():
             out = flex_attention(x, x, x)

@@ -167,6 +167,42 @@ def segment_count(programs: int, n: int, chunk: int, device: torch.device) -> in
     return max(1, min(math.ceil(target / programs), n // (4 * chunk)))
 
 
+#: The fitting tile of each kernel configuration seen, by :func:`launch_fitted`.
+_FITTED: dict[tuple, int] = {}
+
+
+def tile_candidates(chunk: int, bv: int, bm: int, device: torch.device) -> list[tuple[int, int, int | None]]:
+    """Tiles ``(tokens per step, value columns per program, pipeline stages)`` to try in
+    order, largest first. A program keeps the ``[m, BV]`` state, the projection and
+    ``[BC, m]`` feature tiles on chip, so with ``m >= 128`` features the default tile needs
+    more shared memory than a GPU has (720,896 bytes in float64 at ``m = 256``, ``D = 64``
+    on an H200 with 232,448); the smaller tiles give up reuse of loaded rows, not results.
+    Off CUDA (the interpreter) only the given tile."""
+    if device.type != "cuda":
+        return [(chunk, bv, None)]
+    small = [(16, min(bv, 32), 1), (16, min(bv, 16), 1)]
+    return ([(chunk, bv, 3)] if bm <= 64 else []) + small
+
+
+def launch_fitted(key: tuple, candidates: list[tuple[int, int, int | None]], attempt) -> None:
+    """Run ``attempt(chunk, bv, stages)`` with the first candidate tile that fits the GPU's
+    shared memory (remembered per ``key``); a tile that does not fit fails before any work
+    (triton's ``OutOfResources`` at launch), so trying the next one is safe."""
+    from triton.runtime.errors import OutOfResources
+
+    start = _FITTED.get(key, 0)
+    for i, tile in enumerate(candidates[start:], start):
+        try:
+            attempt(*tile)
+        except OutOfResources as err:
+            last = err
+            continue
+        _FITTED[key] = i
+        return
+    raise ValueError(f"no tile of the Triton kernel fits this GPU's shared memory ({last}); tried (tokens, value columns, "
+                     f"stages) {candidates}. Use fewer features (num_features), float32 instead of float64, or backend='torch'.")
+
+
 def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments):
     kernels = _kernels()
     B, H, N, D = xq.shape
@@ -179,7 +215,6 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     # multiplicative coupling's signed sums (docs/math.md section 4, "Conditioning").
     tf32 = acc == torch.float32 and a is None and torch.backends.cuda.matmul.allow_tf32
     r2 = 1 if a is None else a.shape[-1]
-    out = torch.zeros(B, H, N, Dv + 1, device=xq.device, dtype=acc)
     xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq  # a pointer for the inputs a case does not have (never read)
     eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
@@ -191,33 +226,38 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     e_dim = 0 if extra_q is None else eq.shape[-1]
     keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
     pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
-    bv = min(64, pow2(Dv))
-    n_vb = math.ceil(Dv / bv)
-    if segments is None:
-        segments = segment_count(B * H * r2 * n_vb, N, chunk_size, xq.device)
-    seg_len = chunk_size * math.ceil(N / (segments * chunk_size))
-    n_seg = math.ceil(N / seg_len)
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_MASK": a is not None, "HAS_KEEP": key_mask is not None,
+                 "ATOMIC": r2 > 1, "LOW": low, "PREC": "tf32" if tf32 else "ieee", "BD": pow2(D), "BE": pow2(e_dim), "BM": pow2(m)}
+    out = torch.zeros(B, H, N, Dv + 1, device=xq.device, dtype=acc)
 
-    def launch(states, levels, states_only, has_init):
-        kernels.favor_attention_kernel[(B * H, r2, n_vb * n_seg)](
-            xq, xk, eq, ek, a_, c_, v, w, keep, out, states, levels,
-            H, N, D, e_dim, m, Dv, r2,
-            0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
-            0 if a is None or a_.shape[0] == 1 else H * N * r2,
-            0.5 * math.log(m), seg_len, n_seg, n_vb,
-            CAUSAL=bool(causal), HAS_EXTRA=extra_q is not None, HAS_MASK=a is not None, HAS_KEEP=key_mask is not None,
-            ATOMIC=r2 > 1, LOW=low, PREC="tf32" if tf32 else "ieee", STATES_ONLY=states_only, HAS_INIT=has_init,
-            BC=chunk_size, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
-        )
+    def attempt(chunk, bv, stages):
+        n_vb = math.ceil(Dv / bv)
+        n_seg_wanted = segments or segment_count(B * H * r2 * n_vb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
 
-    if n_seg == 1:
-        launch(dummy, dummy, False, False)
-    else:
-        states = torch.empty(B * H, r2, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
-        levels = torch.empty(B * H, r2, n_seg, device=xq.device, dtype=acc)
-        launch(states, levels, True, False)
-        states, levels = combine_segments(states, levels, causal)
-        launch(states.contiguous(), levels.contiguous(), False, True)
+        def launch(states, levels, states_only, has_init):
+            kernels.favor_attention_kernel[(B * H, r2, n_vb * n_seg)](
+                xq, xk, eq, ek, a_, c_, v, w, keep, out, states, levels,
+                H, N, D, e_dim, m, Dv, r2,
+                0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
+                0 if a is None or a_.shape[0] == 1 else H * N * r2,
+                0.5 * math.log(m), seg_len, n_seg, n_vb,
+                STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
+                **({} if stages is None else {"num_stages": stages}),
+            )
+
+        if n_seg == 1:
+            launch(dummy, dummy, False, False)
+        else:
+            states = torch.empty(B * H, r2, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
+            levels = torch.empty(B * H, r2, n_seg, device=xq.device, dtype=acc)
+            launch(states, levels, True, False)
+            states, levels = combine_segments(states, levels, causal)
+            launch(states.contiguous(), levels.contiguous(), False, True)
+
+    key = ("favor", acc, xq.device, tuple(sorted(flags.items())))
+    launch_fitted(key, tile_candidates(chunk_size, min(64, pow2(Dv)), flags["BM"], xq.device), attempt)
     return safe_divide(out[..., :-1], out[..., -1:])
 
 

@@ -25,7 +25,9 @@ from flt.ops.triton import (
     _kernels,
     check_device,
     combine_segments,
+    launch_fitted,
     segment_count,
+    tile_candidates,
 )
 
 
@@ -97,35 +99,39 @@ def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width,
     e_dim = eq.shape[-1]
     keep = xq if key_mask is None else key_mask.to(acc).contiguous()
     pow2 = lambda n: max(16, 1 << max(0, n - 1).bit_length())  # noqa: E731
-    bv = min(64, pow2(Dv))
-    n_vb = math.ceil(Dv / bv)
-    chunk = max(chunk_size, pow2(width))
     tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    if segments is None:
-        segments = segment_count(B * H * n_vb, N, chunk, xq.device)
-    seg_len = chunk * math.ceil(N / (segments * chunk))
-    n_seg = math.ceil(N / seg_len)
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": True, "HAS_KEEP": key_mask is not None, "PREC": "tf32" if tf32 else "ieee",
+                 "BD": pow2(D), "BE": pow2(e_dim), "BM": pow2(m)}
 
-    def launch(states, levels, states_only, has_init):
-        kernels.band_attention_kernel[(B * H, 1, n_vb * n_seg)](
-            xq, xk, eq, ek, v, w, bias, keep, out, states, levels,
-            H, N, D, e_dim, m, Dv, width,
-            0 if eq.shape[0] == 1 else H * N * e_dim,
-            0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
-            0.5 * math.log(m), seg_len, n_seg, n_vb,
-            CAUSAL=bool(causal), HAS_EXTRA=True, HAS_KEEP=key_mask is not None, PREC="tf32" if tf32 else "ieee",
-            STATES_ONLY=states_only, HAS_INIT=has_init,
-            BC=chunk, BD=pow2(D), BE=pow2(e_dim), BM=pow2(m), BV=bv,
-        )
+    def attempt(tile_chunk, bv, stages):
+        chunk = max(tile_chunk, pow2(width))  # a window spans at most the chunk before and after
+        n_vb = math.ceil(Dv / bv)
+        n_seg_wanted = segments or segment_count(B * H * n_vb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
 
-    if n_seg == 1:
-        launch(xq, xq, False, False)
-    else:
-        states = torch.empty(B * H, 1, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
-        levels = torch.empty(B * H, 1, n_seg, device=xq.device, dtype=acc)
-        launch(states, levels, True, False)
-        states, levels = combine_segments(states, levels, causal)
-        launch(states.contiguous(), levels.contiguous(), False, True)
+        def launch(states, levels, states_only, has_init):
+            kernels.band_attention_kernel[(B * H, 1, n_vb * n_seg)](
+                xq, xk, eq, ek, v, w, bias, keep, out, states, levels,
+                H, N, D, e_dim, m, Dv, width,
+                0 if eq.shape[0] == 1 else H * N * e_dim,
+                0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
+                0.5 * math.log(m), seg_len, n_seg, n_vb,
+                STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
+                **({} if stages is None else {"num_stages": stages}),
+            )
+
+        if n_seg == 1:
+            launch(xq, xq, False, False)
+        else:
+            states = torch.empty(B * H, 1, n_seg, m, Dv + 1, device=xq.device, dtype=acc)
+            levels = torch.empty(B * H, 1, n_seg, device=xq.device, dtype=acc)
+            launch(states, levels, True, False)
+            states, levels = combine_segments(states, levels, causal)
+            launch(states.contiguous(), levels.contiguous(), False, True)
+
+    key = ("band", acc, xq.device, width, tuple(sorted(flags.items())))
+    launch_fitted(key, tile_candidates(chunk_size, min(64, pow2(Dv)), flags["BM"], xq.device), attempt)
     return safe_divide(out[..., :-1], out[..., -1:])
 
 
