@@ -209,8 +209,11 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
     Dv, m = v.shape[-1], projection.shape[0]
     acc = compute_dtype(*(t for t in (xq, xk, v, extra_q, a) if t is not None))
     # bfloat16 operands (float32 accumulation) for half inputs and positive weights; not in
-    # triton's CPU interpreter, whose bfloat16 dot returns garbage (triton 3.9).
-    low = v.dtype in (torch.bfloat16, torch.float16) and a is None and acc == torch.float32 and xq.device.type == "cuda"
+    # triton's CPU interpreter, whose bfloat16 dot returns garbage (triton 3.9), and not in
+    # the causal pass, whose bfloat16 products gave infinite outputs (one segment) and an
+    # illegal memory access (three) on an H200 with triton 3.6; the bidirectional pass
+    # agreed with float32 to 3.8e-3 there.
+    low = v.dtype in (torch.bfloat16, torch.float16) and a is None and acc == torch.float32 and xq.device.type == "cuda" and not causal
     # float32 products in TF32 only where torch's own matmuls use it, and never for the
     # multiplicative coupling's signed sums (docs/math.md section 4, "Conditioning").
     tf32 = acc == torch.float32 and a is None and torch.backends.cuda.matmul.allow_tf32
