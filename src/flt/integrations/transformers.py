@@ -16,7 +16,11 @@ Decoding: ``model.generate()`` works through the model's own KV cache, each new 
 last row of the causal core over all cached keys (``O(t)`` per token, as softmax), or, with
 ``past_key_values=FLTCache()``, from flt's constant-size decoding state
 (:meth:`flt.functional.AttentionCore.prefill` / ``step``): no key or value is kept beyond
-FLT's band, so memory does not grow with the prompt or the generated text.
+FLT's band, so memory does not grow with the prompt or the generated text. Either way a
+batch of prompts padded on the left generates each row as its prompt alone (padded keys
+are masked out of the core and of the state; the positions are the ``position_ids`` that
+``generate`` derives from the attention mask), and beam search reorders the states with
+the beams. Generating from a right-padded batch raises (:func:`check_left_padding`).
 """
 
 from __future__ import annotations
