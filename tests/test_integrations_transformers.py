@@ -183,6 +183,24 @@ def test_fltcache_state_does_not_grow_with_the_prompt(build):
     assert sizes[0] == sizes[1] > 0
 
 
+def test_fltcache_rows_are_selected_and_repeated_with_their_states(build):
+    """batch_select_indices and batch_repeat_interleave move whole rows of every layer's
+    state: the next token then decodes as from the prompts those rows hold."""
+    model = build().to(F64)
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0, near_field=2)
+    ids = tokens(2, 6)
+    full = model(ids).logits[:, -1]
+    selected = FLTCache()
+    model(ids[:, :5], cache=selected)
+    selected.batch_select_indices(torch.tensor([1]))
+    torch.testing.assert_close(model(ids[1:, 5:], cache=selected).logits[:, -1], full[1:], rtol=1e-10, atol=1e-10)
+    repeated = FLTCache()
+    model(ids[:1, :5], cache=repeated)
+    repeated.batch_repeat_interleave(2)
+    torch.testing.assert_close(model(ids[:1, 5:].repeat(2, 1), cache=repeated).logits[:, -1], full[:1].expand(2, -1),
+                               rtol=1e-10, atol=1e-10)
+
+
 def test_fltcache_refuses_what_it_cannot_decode():
     model = tiny_llama()
     convert(model, "flt", path="exact", qk_norm=False)
