@@ -163,6 +163,32 @@ def test_prefill_then_steps_equal_the_full_forward(name, prompt):
         assert_close(rest, full[:, prompt:], scale=10)
 
 
+@pytest.mark.parametrize("name", [n for n in KERNEL_LAYERS if not n.startswith("softmax")])
+def test_left_padded_prefill_then_steps_decode_each_row_as_alone(name):
+    """Prompts of 2 and 11 tokens padded on the left to 11 (padded keys masked), then 4
+    steps: each row's outputs are those of its prompt prefilled alone. With w = 4 the short
+    row's ring holds 3 padded slots and its far field only padding; neither may leak."""
+    layer = randomised(KERNEL_LAYERS[name]())
+    lengths, total, steps = (2, 11), 11, 4
+    x = torch.randn(2, total + steps, 16, dtype=F64)
+    pad = torch.arange(total + steps).view(1, -1) < (total - torch.tensor(lengths)).view(-1, 1)  # [B, N]
+    pos = integer_positions(2, total + steps).masked_fill(pad.unsqueeze(-1), 0.0)  # as Hugging Face's position ids
+    y, state = layer.prefill(x[:, :total], pos[:, :total], pad[:, :total])
+    rest, _ = stepped(layer, x, pos, state, start=total)
+    for b, n in enumerate(lengths):
+        row = slice(b, b + 1)
+        alone, alone_state = layer.prefill(x[row, total - n:total], pos[row, total - n:total])
+        alone_rest, _ = stepped(layer, x[row, total - n:], pos[row, total - n:], alone_state, start=n)
+        assert_close(y[row, total - n:], alone, msg=f"prompt of row {b}")
+        assert_close(rest[row], alone_rest, scale=10, msg=f"steps of row {b}")
+
+
+def test_softmax_prefill_refuses_a_padding_mask():
+    layer = randomised(KERNEL_LAYERS["softmax-alibi"]())
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        layer.prefill(torch.randn(1, 3, 16, dtype=F64), None, torch.tensor([[True, False, False]]))
+
+
 @pytest.mark.parametrize("prompt", [2, 5, 6, 13])
 def test_band_prefill_builds_the_state_the_steps_build(prompt):
     layer = randomised(KERNEL_LAYERS["flt-band"]())  # w = 4: the ring holds 5 tokens

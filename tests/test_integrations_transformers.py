@@ -183,6 +183,24 @@ def test_fltcache_state_does_not_grow_with_the_prompt(build):
     assert sizes[0] == sizes[1] > 0
 
 
+def test_fltcache_rows_are_selected_and_repeated_with_their_states(build):
+    """batch_select_indices and batch_repeat_interleave move whole rows of every layer's
+    state: the next token then decodes as from the prompts those rows hold."""
+    model = build().to(F64)
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0, near_field=2)
+    ids = tokens(2, 6)
+    full = model(ids).logits[:, -1]
+    selected = FLTCache()
+    model(ids[:, :5], cache=selected)
+    selected.batch_select_indices(torch.tensor([1]))
+    torch.testing.assert_close(model(ids[1:, 5:], cache=selected).logits[:, -1], full[1:], rtol=1e-10, atol=1e-10)
+    repeated = FLTCache()
+    model(ids[:1, :5], cache=repeated)
+    repeated.batch_repeat_interleave(2)
+    torch.testing.assert_close(model(ids[:1, 5:].repeat(2, 1), cache=repeated).logits[:, -1], full[:1].expand(2, -1),
+                               rtol=1e-10, atol=1e-10)
+
+
 def test_fltcache_refuses_what_it_cannot_decode():
     model = tiny_llama()
     convert(model, "flt", path="exact", qk_norm=False)
@@ -190,6 +208,82 @@ def test_fltcache_refuses_what_it_cannot_decode():
         model(tokens(1, 4), cache=FLTCache())
     model = tiny_llama()
     convert(model, "flt", num_features=8, num_frequencies=4)
-    mask = torch.tensor([[0, 1, 1, 1]])
-    with pytest.raises(ValueError, match="padded batches"):
-        model(tokens(1, 4), attention_mask=mask, cache=FLTCache())
+    cache = FLTCache()
+    model(tokens(1, 4), cache=cache)
+    with pytest.raises(ValueError, match="padding in the prompt only"):
+        model(tokens(1, 1), attention_mask=torch.tensor([[1, 1, 1, 1, 0]]), cache=cache)
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(1)
+
+
+def left_padded(lengths):
+    """Random prompts of ``lengths`` tokens and their batch padded on the left (token 0),
+    with its attention mask: ``(prompts, ids [B, N], mask [B, N])``."""
+    prompts = [tokens(1, n)[0] for n in lengths]
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, n - len(prompt):] = prompt
+        mask[row, n - len(prompt):] = 1
+    return prompts, ids, mask
+
+
+CACHES = {"default": dict, "fltcache": lambda: {"cache": FLTCache()}}
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("options", [{"near_field": 2}, {}])
+def test_left_padded_batch_generates_each_row_as_alone(build, cache, options):
+    """Greedy generation from a left-padded batch (position ids from the attention mask,
+    as generate() derives them) gives each row the tokens and logits of its prompt alone,
+    computed without a cache. Prompts of 2, 9 and 5 tokens: with w = 2 the shortest row's
+    band starts with padded slots and its far field holds only padding."""
+    model = build().to(F64)
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0, **options)
+    prompts, ids, mask = left_padded([2, 9, 5])
+    settings = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    batch = model.generate(ids, attention_mask=mask, **settings, **CACHES[cache]())
+    n = ids.shape[1]
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], use_cache=False, **settings)
+        assert torch.equal(batch.sequences[row, n:], alone.sequences[0, len(prompt):])
+        torch.testing.assert_close(torch.stack(batch.logits)[:, row], torch.stack(alone.logits)[:, 0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+def test_right_padded_generation_is_refused(cache):
+    model = tiny_llama()
+    convert(model, "flt", num_features=8, num_frequencies=4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(tokens(2, 4), attention_mask=mask, max_new_tokens=2, do_sample=False, **CACHES[cache]())
+
+
+def sharpened(model, factor=10.0):
+    """``model`` with every weight matrix scaled by ``factor``: at the tiny initial weights
+    the next-token distributions are nearly flat and the beams seldom change places, so a
+    cache that did not follow them would go unnoticed."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize("options", [{"near_field": 2}, {}])
+def test_beam_search_from_fltcache_equals_beam_search_without_a_cache(build, options):
+    """num_beams=3 from FLTCache (its states reordered with the beams) finds the sequences
+    and scores that beam search finds recomputing the whole forward at every step, here on
+    a left-padded batch."""
+    torch.manual_seed(0)
+    model = sharpened(build().to(F64))
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=0, **options)
+    _, ids, mask = left_padded([4, 7])
+    settings = {"max_new_tokens": 8, "num_beams": 3, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    expected = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    got = model.generate(ids, attention_mask=mask, cache=FLTCache(), **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-10, atol=1e-10)
+    beams = expected.beam_indices  # the beam (row of the cache) each final sequence held at every step; -1 once done
+    assert ((beams != beams[:, :1]) & (beams >= 0)).any(), "the beams never changed places: this test would not see a cache that ignored them"

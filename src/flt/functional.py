@@ -116,14 +116,17 @@ class AttentionCore(nn.Module):
         out = self._call_layer(lambda layer: getattr(layer, method)(q, pos, key_padding_mask), q, k, v)
         return out[:, :, -nq:].to(v.dtype)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """The causal attention of a prompt and the state :meth:`step` continues from
         (the layer's ``prefill``: for the kernel mechanisms the constant-size linear state,
         with FLT's band also the last ``w + 1`` keys and values; for softmax a KV cache):
-        ``(out [B, H, N, Dv], state)``."""
+        ``(out [B, H, N, Dv], state)``. ``key_padding_mask [B, N]`` (True marks padding;
+        kernel mechanisms only) keeps padded keys out of both: a batch of prompts padded on
+        the left then decodes each row as its prompt alone."""
         self._check_decoding("prefill", q, k)
         q, pos = self._check(q, k, v, pos)
-        out, state = self._call_layer(lambda layer: layer.prefill(q, pos), q, k, v)
+        out, state = self._call_layer(lambda layer: layer.prefill(q, pos, key_padding_mask), q, k, v)
         return out.to(v.dtype), state
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:

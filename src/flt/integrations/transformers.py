@@ -16,7 +16,11 @@ Decoding: ``model.generate()`` works through the model's own KV cache, each new 
 last row of the causal core over all cached keys (``O(t)`` per token, as softmax), or, with
 ``past_key_values=FLTCache()``, from flt's constant-size decoding state
 (:meth:`flt.functional.AttentionCore.prefill` / ``step``): no key or value is kept beyond
-FLT's band, so memory does not grow with the prompt or the generated text.
+FLT's band, so memory does not grow with the prompt or the generated text. Either way a
+batch of prompts padded on the left generates each row as its prompt alone (padded keys
+are masked out of the core and of the state; the positions are the ``position_ids`` that
+``generate`` derives from the attention mask), and beam search reorders the states with
+the beams. Generating from a right-padded batch raises (:func:`check_left_padding`).
 """
 
 from __future__ import annotations
@@ -135,9 +139,21 @@ def flt_attention_forward(module, query, key, value, attention_mask, scaling=Non
     pad = None if attention_mask is None else ~attention_mask
     if module._flt_cache is not None:
         return _decode(module, core, query, key, value, pad, kwargs.get("position_ids")), None
+    if query.shape[2] < key.shape[2]:  # decoding: the cached keys' positions are taken to be consecutive
+        check_left_padding(pad)
     pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
     out = getattr(core, core.path)(query, key, value, pos, pad)
     return out.transpose(1, 2).contiguous(), None
+
+
+def check_left_padding(pad: torch.Tensor | None) -> None:
+    """Decoding a padded batch needs the padding on the left (``padding_side="left"``, as
+    ``generate`` expects of a decoder): flt counts the cached keys' positions, and FLT's
+    band its token slots, back from the newest token, which padding after a row's first
+    real token would shift. ``pad [B, N]``: True marks padding."""
+    if pad is not None and bool((~pad[:, :-1] & pad[:, 1:]).any()):
+        raise ValueError("a padded batch decodes with left padding only (tokenizer padding_side='left': every row's "
+                         "padding before its first real token); this attention_mask has padding after a real token")
 
 
 def _remember_cache(module, args, kwargs):
@@ -154,16 +170,18 @@ def _decode(module, core, query, key, value, pad, position_ids) -> torch.Tensor:
     if core.path != "forward":
         raise ValueError(f"FLTCache decodes the estimator (path='forward'); this model was converted with path={core.path!r}: "
                          "generate with the default cache instead")
-    if pad is not None:
-        raise ValueError("FLTCache does not take padded batches (the decoding state has no key mask): generate them with the default cache")
     layer = module._flt_cache.layers[module.layer_idx]
     n = query.shape[2]
     if position_ids is None:
         position_ids = torch.arange(layer.length - n, layer.length, device=query.device).view(1, n)
     pos = position_ids.reshape(-1, n)
     if layer.state is None:
-        out, layer.state = core.prefill(query, key, value, pos)
+        check_left_padding(pad)
+        out, layer.state = core.prefill(query, key, value, pos, pad)
     else:
+        if pad is not None:
+            raise ValueError("FLTCache takes padding in the prompt only (left padding, before each row's first token); "
+                             "the tokens after the prompt must all be real (attention_mask 1)")
         rows = []
         for t in range(n):
             row, layer.state = core.step(query[:, :, t:t + 1], key[:, :, t:t + 1], value[:, :, t:t + 1], layer.state, pos[:, t:t + 1])
@@ -212,8 +230,21 @@ class FLTStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state, self.length = None, 0
 
-    def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError("FLTCache does not reorder its states for beam search; use num_beams=1 or the default cache")
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` of the state becomes row ``beam_idx[i]``."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` of the state (in that order)."""
+        self.state = map_state(self.state, lambda t: t.index_select(0, indices.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row of the state ``repeats`` times, next to each other."""
+        self.state = map_state(self.state, lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("FLTCache cannot crop: its state has folded the past tokens into sums (assisted and "
+                         "speculative decoding need a cache that keeps every key, the default cache)")
 
 
 class FLTCache(Cache):
@@ -222,7 +253,9 @@ class FLTCache(Cache):
     ``path="forward"``: the kernel mechanisms keep their linear state (``[B, H, 2R, m,
     Dv]`` for FLT, ``[B, H, m, Dv]`` for a Performer) and, with FLT's band, the last
     ``w + 1`` keys and values; its size does not depend on the number of tokens seen
-    (:meth:`state_bytes`). Batches without padding, greedy or sampled decoding, no beam search."""
+    (:meth:`state_bytes`). Left-padded batches (padded keys stay out of the state), greedy,
+    sampled and beam-search decoding (the states are reordered with the beams); not
+    assisted decoding, which crops the cache."""
 
     def __init__(self, **kwargs):
         super().__init__(layer_class_to_replicate=FLTStateLayer, **kwargs)
@@ -235,6 +268,19 @@ class FLTCache(Cache):
                 raise TypeError(f"an FLTCache holds FLTStateLayer layers, got {type(layer).__name__}")
             total += _tensor_bytes(layer.state)
         return total
+
+
+def map_state(obj, fn):
+    """A decoding state (a tensor, or a dataclass, list or tuple of them, as
+    :meth:`flt.functional.AttentionCore.prefill` returns) with ``fn`` applied to each of
+    its tensors, all of which have the batch first (the layers expand shared positions)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_state(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_state(o, fn) for o in obj)
+    return obj
 
 
 def _tensor_bytes(obj) -> int:

@@ -37,7 +37,9 @@ class BandDecodeState:
     ``xk [B, H, w+1, D]``, ``v [B, H, w+1, Dv]``, ``kf [B, H, w+1, m]``, ``kls [B, H, w+1]``
     and ``pos [B, w+1, P]`` are the ring buffer (slot ``t % (w+1)`` holds token ``t``);
     ``kv [B, H, m, Dv]``, ``z [B, H, m]`` and ``level [B, H]`` the far field (``level`` is
-    ``-inf`` while no token has left the band).
+    ``-inf`` while no token has left the band). ``pad [B, w+1]`` (bool, or None when no
+    prompt was padded) marks the slots that hold a padded token of a left-padded prompt:
+    no query attends to them and they leave the band without entering the far field.
     """
 
     xk: torch.Tensor
@@ -49,6 +51,7 @@ class BandDecodeState:
     z: torch.Tensor
     level: torch.Tensor
     position: int = 0
+    pad: torch.Tensor | None = None
 
 
 def empty_state(width: int, xk: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, pos: torch.Tensor) -> BandDecodeState:
@@ -64,11 +67,17 @@ def empty_state(width: int, xk: torch.Tensor, v: torch.Tensor, kf: torch.Tensor,
 
 
 def fold_into_far(state: BandDecodeState, slot: int) -> None:
-    """Add the token in ``slot`` (leaving the band) to the far field's linear state."""
+    """Add the token in ``slot`` (leaving the band) to the far field's linear state; a
+    padded token (``state.pad``) leaves its row's far field as it was."""
     kls = state.kls[:, :, slot]
     level = torch.maximum(state.level, kls)
     keep = torch.exp(state.level - level)  # 0 while the far field is empty (level was -inf)
     kf = state.kf[:, :, slot] * torch.exp(kls - level).unsqueeze(-1)  # [B, H, m]
-    state.kv = state.kv * keep[..., None, None] + kf.unsqueeze(-1) * state.v[:, :, slot].unsqueeze(-2)
-    state.z = state.z * keep.unsqueeze(-1) + kf
-    state.level = level
+    kv = state.kv * keep[..., None, None] + kf.unsqueeze(-1) * state.v[:, :, slot].unsqueeze(-2)
+    z = state.z * keep.unsqueeze(-1) + kf
+    if state.pad is not None:
+        padded = state.pad[:, slot].view(-1, 1)  # [B, 1]
+        kv = torch.where(padded[..., None, None], state.kv, kv)
+        z = torch.where(padded[..., None], state.z, z)
+        level = torch.where(padded, state.level, level)
+    state.kv, state.z, state.level = kv, z, level

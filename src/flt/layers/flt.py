@@ -254,13 +254,15 @@ class FLTAttention(KernelAttention):
             return self.near.step(self, x, state, pos)
         return super().step(x, state, pos)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """The causal forward over a prompt and the decoding state :meth:`step` continues
         from: with a band its ring buffer and far field (:meth:`flt.layers.near.Band.prefill`),
-        else the linear state (:meth:`flt.layers.kernel.KernelAttention.prefill`)."""
+        else the linear state (:meth:`flt.layers.kernel.KernelAttention.prefill`); padded
+        keys (``key_padding_mask [B, N]``, True marks padding) are in neither."""
         if isinstance(self.near, Band):
-            return self.near.prefill(self, x, pos)
-        return super().prefill(x, pos)
+            return self.near.prefill(self, x, pos, key_padding_mask)
+        return super().prefill(x, pos, key_padding_mask)
 
     def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The spectrum's random features ``a(r), c(r)``, the estimate of ``f`` beyond the

@@ -241,22 +241,26 @@ class KernelAttention(AttentionBase):
         )
         return self.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), DecodeState(inner, state.position + 1)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
         """The causal forward over a prompt that also returns the decoding state (``causal=True`` only).
 
         Args:
             x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+            key_padding_mask: ``[B, N]`` bool (True marks padding) or None: padded keys
+                are left out of the outputs and of the state (a left-padded batch of
+                prompts decodes as each prompt alone).
 
         Returns:
-            ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos)`` and ``state`` the one
-            :meth:`step` would hold after the ``N`` tokens (the linear state of the whole
-            prompt; :class:`flt.layers.flt.FLTAttention` with a band overrides this with
-            :meth:`flt.layers.near.Band.prefill`), so :meth:`step` continues the sequence.
+            ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos, key_padding_mask)`` and
+            ``state`` the one :meth:`step` would hold after the ``N`` tokens (the linear state
+            of the whole prompt; :class:`flt.layers.flt.FLTAttention` with a band overrides
+            this with :meth:`flt.layers.near.Band.prefill`), so :meth:`step` continues the sequence.
         """
         if not self.causal:
             raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
-        p = self.prepare(x, pos, None)
-        f = self.features(p.q, p.k, p.pos)
+        p = self.prepare(x, pos, key_padding_mask)
+        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
         y = self.finish(self.attend_features(f, p), x)
         return y, DecodeState(linear_state(f, p.v, self.chunk_size), x.shape[1])
 

@@ -203,11 +203,13 @@ class Band(NearSet):
             raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
         t = state.position
         slot = t % (w + 1)
-        copies: dict[str, Any] = {name: getattr(state, name).clone() if name != "position" else t
-                                  for name in BandDecodeState.__dataclass_fields__}
+        copies: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
+                                  for name, value in vars(state).items()}
         state = BandDecodeState(**copies)
         if t > w:  # token t - w - 1 leaves the band now
             fold_into_far(state, slot)
+        if state.pad is not None:
+            state.pad[:, slot] = False  # decoded tokens are real
         state.xk[:, :, slot] = xk[:, :, 0]
         state.v[:, :, slot] = v[:, :, 0]
         state.kf[:, :, slot] = kf[:, :, 0]
@@ -217,6 +219,8 @@ class Band(NearSet):
         delta = pos - state.pos[:, :filled]  # [B, K, P]: r_i - r_j
         bias = rearrange(layer.near_mask(delta.unsqueeze(1)), "b one k h -> b h (one k)").to(cdt)  # [B, H, K]
         logits = (xq @ state.xk[:, :, :filled].transpose(-1, -2)).squeeze(-2) + bias  # [B, H, K]
+        if state.pad is not None:  # the new token's own slot is real, so every row keeps a finite logit
+            logits = logits.masked_fill(state.pad[:, None, :filled], float("-inf"))
         far_log = q_shift[:, :, 0] + state.level  # [B, H], -inf while the far field is empty
         top = torch.maximum(logits.amax(dim=-1), far_log)
         near_w = torch.exp(logits - top.unsqueeze(-1))
@@ -228,18 +232,22 @@ class Band(NearSet):
         state.position = t + 1
         return layer.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), state
 
-    def prefill(self, layer: FLTAttention, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
+    def prefill(self, layer: FLTAttention, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
         """The causal forward over a prompt, with the state :meth:`step` would hold after it.
 
         Returns:
-            ``(y [B, N, dim], state)``: ``y`` is ``layer.forward(x, pos)``; the ring buffer holds
-            tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot ``t % (w + 1)``) and the far
-            field tokens ``0 .. N - w - 2``, relative to their largest key log scale.
+            ``(y [B, N, dim], state)``: ``y`` is ``layer.forward(x, pos, key_padding_mask)``;
+            the ring buffer holds tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot
+            ``t % (w + 1)``, padded ones marked in ``state.pad``) and the far field the real
+            tokens among ``0 .. N - w - 2``, relative to their largest key log scale. The band
+            counts token slots, so a left-padded prompt (padding first) decodes as the
+            prompt alone; padding after a real token would shift the band.
         """
         if not layer.causal:
             raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
         w = self.width
-        p: Prepared = layer.prepare(x, pos, None)
+        p: Prepared = layer.prepare(x, pos, key_padding_mask)
         y = layer.finish(layer.attend(p), x)
         _, xk, _, kf, _, k_shift = layer.near_set_features(p)  # [B, H, N, *]
         B, _, N, _ = xk.shape
@@ -254,11 +262,18 @@ class Band(NearSet):
         state.kf[:, :, slots] = kf[:, :, ring]
         state.kls[:, :, slots] = k_shift[:, :, ring]
         state.pos[:, slots] = pos[:, ring]
+        if p.pad is not None:
+            state.pad = p.pad.new_zeros(B, w + 1)
+            state.pad[:, slots] = p.pad[:, ring]
+            state.v = state.v.masked_fill(state.pad[:, None, :, None], 0.0)  # weight 0 times a padded value stays 0
         far = N - w - 1  # tokens 0 .. far - 1 have left the band
         if far > 0:
             kls = k_shift[:, :, :far]
-            state.level = kls.amax(dim=-1)  # [B, H]
-            kf_far = kf[:, :, :far] * torch.exp(kls - state.level.unsqueeze(-1)).unsqueeze(-1)
+            if p.pad is not None:
+                kls = kls.masked_fill(p.pad[:, None, :far], float("-inf"))
+            state.level = kls.amax(dim=-1)  # [B, H], -inf for a row whose far tokens are all padding
+            finite = torch.where(torch.isinf(state.level), torch.zeros_like(state.level), state.level)
+            kf_far = kf[:, :, :far] * torch.exp(kls - finite.unsqueeze(-1)).unsqueeze(-1)
             state.kv = kf_far.transpose(-1, -2) @ v[:, :, :far]  # [B, H, m, Dv]
             state.z = kf_far.sum(dim=-2)
         state.position = N

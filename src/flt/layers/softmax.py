@@ -352,17 +352,23 @@ class SoftmaxAttention(AttentionBase):
         if not self.causal:
             raise ValueError(f"{what}() decodes causal attention; build the layer with causal=True")
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """The causal forward over a prompt that also returns its KV cache (``causal=True`` only).
 
         Args:
             x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+            key_padding_mask: None only: the KV cache keeps no padding mask for the steps
+                after the prompt (the kernel layers' ``prefill`` takes one).
 
         Returns:
             ``(y [B, N, dim], cache)``: ``y`` is ``forward(x, pos)``, and :meth:`step` from
             ``cache`` continues the sequence as if it had been fed token by token.
         """
         self._check_decoding("prefill")
+        if key_padding_mask is not None:
+            raise ValueError("softmax prefill() takes no key_padding_mask: its KV cache keeps no padding mask for the "
+                             "steps after the prompt; prefill prompts of equal length without padding")
         return self._attend(x, pos, None, self.backend, cache=True)
 
     def step(self, x: torch.Tensor, state: KVCache | None = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:

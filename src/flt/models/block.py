@@ -21,7 +21,8 @@ from flt.posenc import POSENC
 class Decoder(Protocol):
     """What a causal attention layer that decodes token by token offers (``supports_decoding``)."""
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]: ...
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]: ...
 
     def step(self, x: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]: ...
 
