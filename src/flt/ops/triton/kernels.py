@@ -63,6 +63,60 @@ def _features(X, E, WX, WE, rows, row_ok, D, EDIM, log_norm,
 
 
 @triton.jit
+def _projection(W, D, EDIM, M, HAS_EXTRA: tl.constexpr, ACC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
+    """The projection, transposed: ``WX [BD, BM]`` acting on x and ``WE [BE, BM]`` on the
+    extra inputs (``WX`` again without them)."""
+    fm = tl.arange(0, BM)
+    fd = tl.arange(0, BD)
+    WX = tl.load(W + fm[None, :] * (D + EDIM) + fd[:, None], mask=(fm[None, :] < M) & (fd[:, None] < D), other=0.0).to(ACC)
+    WE = WX
+    if HAS_EXTRA:
+        fe = tl.arange(0, BE)
+        WE = tl.load(W + fm[None, :] * (D + EDIM) + D + fe[:, None], mask=(fm[None, :] < M) & (fe[:, None] < EDIM), other=0.0).to(ACC)
+    return WX, WE
+
+
+@triton.jit
+def _start_state(ST, LV, vcols, vcol_ok, M, DV, HAS_INIT: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr):
+    """``(state [BM, BV], key sums [BM], level)``: read from ``ST``/``LV`` (``HAS_INIT``) or empty."""
+    fm = tl.arange(0, BM)
+    if HAS_INIT:
+        state = tl.load(ST + fm[:, None] * (DV + 1) + vcols[None, :], mask=(fm[:, None] < M) & vcol_ok[None, :], other=0.0).to(ACC)
+        zsum = tl.load(ST + fm * (DV + 1) + DV, mask=fm < M, other=0.0).to(ACC)
+        level = tl.load(LV).to(ACC)
+    else:
+        state = tl.zeros([BM, BV], dtype=ACC)
+        zsum = tl.zeros([BM], dtype=ACC)
+        level = tl.full([], _NO_KEY, ACC)
+    return state, zsum, level
+
+
+@triton.jit
+def _store_state(ST, LV, state, zsum, level, vb, vcols, vcol_ok, M, DV, BM: tl.constexpr):
+    """Write a segment's key state, and (first value block) its key sums and level."""
+    fm = tl.arange(0, BM)
+    tl.store(ST + fm[:, None] * (DV + 1) + vcols[None, :], state, mask=(fm[:, None] < M) & vcol_ok[None, :])
+    if vb == 0:
+        tl.store(ST + fm * (DV + 1) + DV, zsum, mask=fm < M)
+        tl.store(LV, level)
+
+
+@triton.jit
+def _absorb(state, zsum, level, kw, s, v, LOW: tl.constexpr, PREC: tl.constexpr, ACC: tl.constexpr):
+    """Add the keys ``kw [BC, BM]`` (features times their weights) with log scales ``s``
+    and values ``v`` to the state, rescaled to the new level ``max(level, max s)``."""
+    new_level = tl.maximum(level, tl.max(s, axis=0))
+    kw = kw * tl.exp(s - new_level)[:, None]
+    keep_old = tl.exp(level - new_level)
+    if LOW:
+        state = state * keep_old + tl.dot(tl.trans(kw).to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
+    else:
+        state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
+    zsum = zsum * keep_old + tl.sum(kw, axis=0)
+    return state, zsum, new_level
+
+
+@triton.jit
 def favor_attention_kernel(
     XQ, XK, EQ, EK, A, C, V, W, KEEP, OUT, ST, LV,
     H, N, D, EDIM, M, DV, R2, e_batch_stride, ac_batch_stride, log_norm, SEG, NSEG, NVB,
@@ -106,27 +160,10 @@ def favor_attention_kernel(
     lo = seg * SEG
     hi = tl.minimum(N, lo + SEG)
 
-    # The projection, transposed: [BD, BM] acting on x and [BE, BM] on the extra inputs.
-    fm = tl.arange(0, BM)
-    fd = tl.arange(0, BD)
-    WX = tl.load(W + fm[None, :] * (D + EDIM) + fd[:, None], mask=(fm[None, :] < M) & (fd[:, None] < D), other=0.0).to(ACC)
-    WE = WX
-    if HAS_EXTRA:
-        fe = tl.arange(0, BE)
-        WE = tl.load(W + fm[None, :] * (D + EDIM) + D + fe[:, None], mask=(fm[None, :] < M) & (fe[:, None] < EDIM), other=0.0).to(ACC)
-
+    WX, WE = _projection(W, D, EDIM, M, HAS_EXTRA, ACC, BD, BE, BM)
     vcols = vb * BV + tl.arange(0, BV)
     vcol_ok = vcols < DV
-    state_at = ST + fm[:, None] * (DV + 1) + vcols[None, :]
-    state_ok = (fm[:, None] < M) & vcol_ok[None, :]
-    if HAS_INIT:
-        state = tl.load(state_at, mask=state_ok, other=0.0).to(ACC)
-        zsum = tl.load(ST + fm * (DV + 1) + DV, mask=fm < M, other=0.0).to(ACC)
-        level = tl.load(LV).to(ACC)
-    else:
-        state = tl.zeros([BM, BV], dtype=ACC)
-        zsum = tl.zeros([BM], dtype=ACC)
-        level = tl.full([], _NO_KEY, ACC)
+    state, zsum, level = _start_state(ST, LV, vcols, vcol_ok, M, DV, HAS_INIT, ACC, BM, BV)
     offs = tl.arange(0, BC)
 
     if STATES_ONLY or (not CAUSAL and not HAS_INIT):
@@ -142,20 +179,9 @@ def favor_attention_kernel(
             if HAS_MASK:
                 weight *= tl.load(C + rows * R2, mask=ok, other=0.0).to(ACC)
             v = tl.load(V + rows[:, None] * DV + vcols[None, :], mask=ok[:, None] & vcol_ok[None, :], other=0.0).to(ACC)
-            new_level = tl.maximum(level, tl.max(s, axis=0))
-            kw = kf * (weight * tl.exp(s - new_level))[:, None]
-            keep_old = tl.exp(level - new_level)
-            if LOW:
-                state = state * keep_old + tl.dot(tl.trans(kw).to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
-            else:
-                state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
-            zsum = zsum * keep_old + tl.sum(kw, axis=0)
-            level = new_level
+            state, zsum, level = _absorb(state, zsum, level, kf * weight[:, None], s, v, LOW, PREC, ACC)
     if STATES_ONLY:
-        tl.store(state_at, state, mask=state_ok)
-        if vb == 0:
-            tl.store(ST + fm * (DV + 1) + DV, zsum, mask=fm < M)
-            tl.store(LV, level)
+        _store_state(ST, LV, state, zsum, level, vb, vcols, vcol_ok, M, DV, BM)
     elif CAUSAL:
         for start in range(lo, hi, BC):
             rows = start + offs
@@ -184,15 +210,7 @@ def favor_attention_kernel(
                 num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
             den = tl.sum(scores, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
             _emit(OUT, A, rows, ok, vcols, vcol_ok, num, den, vb, DV, R2, HAS_MASK, ATOMIC, ACC)
-            new_level = tl.maximum(level, tl.max(s, axis=0))
-            kw = kw * tl.exp(s - new_level)[:, None]
-            keep_old = tl.exp(level - new_level)
-            if LOW:
-                state = state * keep_old + tl.dot(tl.trans(kw).to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
-            else:
-                state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
-            zsum = zsum * keep_old + tl.sum(kw, axis=0)
-            level = new_level
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, LOW, PREC, ACC)
     else:
         for start in range(lo, hi, BC):
             rows = start + offs
@@ -296,27 +314,12 @@ def band_attention_kernel(
     lo = seg * SEG
     hi = tl.minimum(N, lo + SEG)
 
-    fm = tl.arange(0, BM)
-    fd = tl.arange(0, BD)
-    WX = tl.load(W + fm[None, :] * (D + EDIM) + fd[:, None], mask=(fm[None, :] < M) & (fd[:, None] < D), other=0.0).to(ACC)
-    WE = WX
-    if HAS_EXTRA:
-        fe = tl.arange(0, BE)
-        WE = tl.load(W + fm[None, :] * (D + EDIM) + D + fe[:, None], mask=(fm[None, :] < M) & (fe[:, None] < EDIM), other=0.0).to(ACC)
+    WX, WE = _projection(W, D, EDIM, M, HAS_EXTRA, ACC, BD, BE, BM)
     vcols = vb * BV + tl.arange(0, BV)
     vcol_ok = vcols < DV
     offs = tl.arange(0, BC)
     cols = tl.arange(0, BD)
-    state_at = ST + fm[:, None] * (DV + 1) + vcols[None, :]
-    state_ok = (fm[:, None] < M) & vcol_ok[None, :]
-    if HAS_INIT:
-        state = tl.load(state_at, mask=state_ok, other=0.0).to(ACC)
-        zsum = tl.load(ST + fm * (DV + 1) + DV, mask=fm < M, other=0.0).to(ACC)
-        level = tl.load(LV).to(ACC)
-    else:
-        state = tl.zeros([BM, BV], dtype=ACC)
-        zsum = tl.zeros([BM], dtype=ACC)
-        level = tl.full([], _NO_KEY, ACC)
+    state, zsum, level = _start_state(ST, LV, vcols, vcol_ok, M, DV, HAS_INIT, ACC, BM, BV)
 
     if STATES_ONLY or (not CAUSAL and not HAS_INIT):  # key states, at the level of their largest log scale
         first = lo - BC if CAUSAL else lo
@@ -327,18 +330,10 @@ def band_attention_kernel(
                                                       CAUSAL, HAS_EXTRA, HAS_KEEP, ACC, PREC, BC, BD, BE, BM)
             key_ok = key_ok & (rows < first + (hi - lo))
             s = tl.where(key_ok, s, _NO_KEY)
-            new_level = tl.maximum(level, tl.max(s, axis=0))
-            kw = kf * tl.where(key_ok, tl.exp(s - new_level), 0.0)[:, None]
-            keep_old = tl.exp(level - new_level)
-            state = state * keep_old + tl.dot(tl.trans(kw), v, input_precision=PREC, out_dtype=ACC)
-            zsum = zsum * keep_old + tl.sum(kw, axis=0)
-            level = new_level
+            state, zsum, level = _absorb(state, zsum, level, kf * tl.where(key_ok, 1.0, 0.0)[:, None], s, v, False, PREC, ACC)
 
     if STATES_ONLY:
-        tl.store(state_at, state, mask=state_ok)
-        if vb == 0:
-            tl.store(ST + fm * (DV + 1) + DV, zsum, mask=fm < M)
-            tl.store(LV, level)
+        _store_state(ST, LV, state, zsum, level, vb, vcols, vcol_ok, M, DV, BM)
     else:
         for start in range(lo, hi, BC):
             rows = start + offs
@@ -386,9 +381,4 @@ def band_attention_kernel(
             if vb == 0:
                 tl.store(OUT + rows * (DV + 1) + DV, den, mask=ok)
             if CAUSAL:  # chunk t - 1 joins the state: every later query sees it as far
-                new_level = tl.maximum(level, tl.max(s_p, axis=0))
-                kw = kf_p * tl.where(ok_p, tl.exp(s_p - new_level), 0.0)[:, None]
-                keep_old = tl.exp(level - new_level)
-                state = state * keep_old + tl.dot(tl.trans(kw), v_p, input_precision=PREC, out_dtype=ACC)
-                zsum = zsum * keep_old + tl.sum(kw, axis=0)
-                level = new_level
+                state, zsum, level = _absorb(state, zsum, level, kf_p * tl.where(ok_p, 1.0, 0.0)[:, None], s_p, v_p, False, PREC, ACC)
