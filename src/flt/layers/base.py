@@ -11,8 +11,8 @@ against the signature that lists them (:func:`flt._signatures.check_options`; fo
 type is reported by name, and refuses sizes too large for memory before anything is
 allocated; then it builds the layer. A model builds its layers with
 :meth:`AttentionBase.from_checked_options`, from options checked once where they entered
-(:func:`flt.models.build_attention`), not once per layer. A constructor called directly checks its own
-arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
+(:func:`flt.models.build_attention`), not once per layer. A constructor called directly
+checks its own arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
 :meth:`AttentionBase.prepare` checks the input of every forward call: rank, feature size,
 at least one token, and the dtype and device of the layer's parameters (metadata only: no
 host synchronisation).
