@@ -191,6 +191,81 @@ def test_posenc_unknown_option(capsys):
         assert not constructor_options(POSENC[name]).open
 
 
+def _count_checks(monkeypatch) -> list[str]:
+    """The owner of every option check run from now on (``attention 'flt'``), with no option
+    set remembered as checked before."""
+    import flt.layers.base
+    import flt.options
+    from flt._signatures import check_options
+
+    owners: list[str] = []
+
+    def counting(owner, cls, options, **kw):
+        owners.append(owner)
+        check_options(owner, cls, options, **kw)
+
+    monkeypatch.setattr(flt.options, "_passed", {})
+    monkeypatch.setattr(flt.layers.base, "check_options", counting)
+    monkeypatch.setattr(flt.options, "check_options", counting)
+    return owners
+
+
+def test_a_training_run_checks_each_option_set_once_not_once_per_layer(monkeypatch):
+    from flt.commands.train import preset_from_args
+    from flt.tasks import get_task
+
+    owners = _count_checks(monkeypatch)
+    args = build_parser().parse_args(["train", "lm", "--preset", "smoke", "--posenc", "sinusoidal",
+                                      "--model-opt", "depth=3", "--attn-opt", "num_features=16"])
+    preset = preset_from_args(args, "flt")  # what flt train does before any data loads
+    assert owners == ["attention 'flt'", "posenc 'sinusoidal'"]
+    model = get_task("lm").build_model(preset.model)
+    assert len(model.trunk.blocks) == 3 and model.trunk.blocks[2].attn.feature_map.num_features == 16
+    assert owners == ["attention 'flt'", "posenc 'sinusoidal'"]  # the model checked nothing again
+
+
+def test_a_model_checks_each_distinct_option_set_once(monkeypatch):
+    from flt.models import Trunk
+
+    owners = _count_checks(monkeypatch)
+    t5, flt = {"attention": "softmax", "attention_options": {"relative_bias": "t5"}}, {"attention": "flt", "attention_options": {}}
+    trunk = Trunk(16, 3, 2, attention="flt", attention_options={}, layer_attention=[t5, flt, t5], pos_dim=1, causal=True,
+                  mlp_ratio=2.0, dropout=0.0)
+    assert [type(a).__name__ for a in trunk.attention_layers()] == ["SoftmaxAttention", "FLTAttention", "SoftmaxAttention"]
+    assert owners == ["attention 'softmax'", "attention 'flt'"]
+    # A Python caller of a layer's builder is an entry point of its own: checked every call.
+    FLTAttention.from_options(16, 2)
+    FLTAttention.from_options(16, 2)
+    assert owners[2:] == ["attention 'flt'", "attention 'flt'"]
+
+
+def test_a_set_that_failed_fails_every_time_and_types_are_not_conflated(monkeypatch):
+    owners = _count_checks(monkeypatch)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="option 'num_frequencies' must be an int, got 'abc'"):
+            check_attention_options("flt", {"num_frequencies": "abc"})
+    check_attention_options("flt", {"num_frequencies": 8})
+    check_attention_options("flt", {"num_frequencies": 8})
+    assert len(owners) == 3
+    # 8.0 and True are other values to the check than 8: each is checked (and refused).
+    with pytest.raises(TypeError, match=r"got 8.0 \(float\)"):
+        check_attention_options("flt", {"num_frequencies": 8.0})
+    with pytest.raises(TypeError, match=r"got True \(bool\)"):
+        check_attention_options("flt", {"num_frequencies": True})
+    # A value with no plain-data form (a tensor) is checked every time.
+    for _ in range(2):
+        check_attention_options("flt", {"spectrum": "gaussian", "length_scale": torch.tensor([1.0, 2.0])})
+    assert len(owners) == 7
+
+
+def test_a_bad_option_fails_before_any_data_loads(monkeypatch, capsys):
+    import flt.train.loop
+
+    monkeypatch.setattr(flt.train.loop, "load_data", lambda *a, **k: pytest.fail("data loaded"))
+    assert main(["train", "lm", "--preset", "smoke", "--attn-opt", "numfreq=3"]) == 2
+    assert "attention 'flt': unknown option 'numfreq'; did you mean 'num_frequencies'" in capsys.readouterr().err
+
+
 def test_layers_still_copy_and_pickle():
     lay = FLTAttention.from_options(16, 2, num_frequencies=8, causal=True)
     for other in (copy.deepcopy(lay), pickle.loads(pickle.dumps(lay))):

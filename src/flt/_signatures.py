@@ -20,9 +20,9 @@ import inspect
 import numbers
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flt._checks import check_choice
 
@@ -35,10 +35,14 @@ class UnknownOptionError(TypeError, ValueError):
     "unexpected keyword argument", and a ``ValueError`` like the project's other bad options."""
 
 
-def flat_options(builder):
+#: A builder function, returned unchanged by :func:`flat_options`.
+_Builder = TypeVar("_Builder", bound=Callable[..., Any])
+
+
+def flat_options(builder: _Builder) -> _Builder:
     """Mark a ``_from_options`` classmethod's function as the signature that lists a class's
     options (the flat names a preset or the command line uses), instead of ``__init__``'s."""
-    builder.flat_options = True
+    builder.flat_options = True  # type: ignore[attr-defined]  # a marker read by _signature_source
     return builder
 
 
@@ -61,7 +65,7 @@ class Options:
     open: bool  # a ``**`` parameter that goes nowhere we can inspect: any name is accepted
 
 
-def _spectra():
+def _spectra() -> dict[str, type]:
     from flt.relative.spectra import SPECTRA
 
     return SPECTRA
@@ -70,12 +74,12 @@ def _spectra():
 #: ``**name`` parameters that go to another registry's constructor: the parameter that
 #: selects the entry, the registry, the description of the target and the arguments the
 #: layer passes itself (not options).
-FORWARDS: dict[str, tuple[str, Any, str, tuple[str, ...]]] = {
+FORWARDS: dict[str, tuple[str, Callable[[], dict[str, type]], str, tuple[str, ...]]] = {
     "spectrum_options": ("spectrum", _spectra, "spectrum", ("heads", "pos_dim", "num_frequencies", "device", "dtype")),
 }
 
 
-def _signature_source(klass: type):
+def _signature_source(klass: type) -> Callable[..., Any] | None:
     """The function whose keyword parameters are ``klass``'s options: a :func:`flat_options`
     builder it defines, else its own ``__init__`` (None when it defines neither)."""
     builder = klass.__dict__.get("_from_options")
@@ -84,7 +88,7 @@ def _signature_source(klass: type):
     return klass.__dict__.get("__init__")
 
 
-def _evaluate(annotation, func) -> Any:
+def _evaluate(annotation: Any, func: Callable[..., Any]) -> Any:
     if annotation is inspect.Parameter.empty:
         return None
     if isinstance(annotation, str):
@@ -124,19 +128,19 @@ def constructor_options(cls: type) -> Options:
 # -- types -------------------------------------------------------------------------------
 
 
-def _is_bool(value) -> bool:
+def _is_bool(value: object) -> bool:
     return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
-def _is_real(value) -> bool:
+def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not _is_bool(value)
 
 
-def _accepts(value, hint) -> bool:
+def _accepts(value: object, hint: Any) -> bool:
     if hint is None or hint is Any:
         return True
     if hint is type(None):
@@ -171,7 +175,7 @@ def _accepts(value, hint) -> bool:
     return True  # anything more exotic is left to the constructor
 
 
-def _describe(hint) -> str:
+def _describe(hint: Any) -> str:
     if hint is type(None):
         return "None (null)"
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -192,7 +196,7 @@ def _describe(hint) -> str:
     return str(hint)
 
 
-def _check_type(owner: str, option: Option, value, via: str = "") -> None:
+def _check_type(owner: str, option: Option, value: object, via: str = "") -> None:
     if not _accepts(value, option.hint):
         where = f" (of {via})" if via else ""
         raise TypeError(
@@ -224,7 +228,7 @@ def _field_hints(cls: type) -> dict[str, Any]:
         return {}
 
 
-def check_keyword_types(cls: type, options: dict, owner: str) -> None:
+def check_keyword_types(cls: type, options: dict[str, Any], owner: str) -> None:
     """Type-check the ``options`` that ``cls``'s constructor names (from its annotations);
     names it does not know are left to the caller. ``TypeError`` names ``owner`` and the option."""
     params = constructor_options(cls).params
@@ -233,14 +237,20 @@ def check_keyword_types(cls: type, options: dict, owner: str) -> None:
             _check_type(owner, params[key], value)
 
 
-def _listing(cls: type, names, extra: tuple[str, dict] | None) -> str:
+def _listing(cls: type, names: Collection[str], extra: tuple[str, dict[str, Option]] | None) -> str:
     text = f"{cls.__name__} takes {', '.join(sorted(names)) or 'no options'}"
     if extra is not None and extra[1]:
         text += f"; its {extra[0]} takes {', '.join(sorted(extra[1]))}"
     return text
 
 
-def check_options(owner: str, cls: type, options: dict, *, arguments: tuple[str, ...], reserved: tuple[str, ...]) -> None:
+def check_options(owner: str, cls: type, options: dict[str, Any], *, arguments: tuple[str, ...],
+                  reserved: tuple[str, ...]) -> None:
+    """Check ``options`` against the options of ``cls`` (:func:`constructor_options`, the
+    forwarded registry entry's too), reporting against ``owner`` (``attention 'flt'``):
+    :class:`UnknownOptionError` for a name it does not take (the closest name suggested, the
+    valid ones listed, ``arguments`` left out of the listing), ``TypeError`` for a value of
+    the wrong type, ``ValueError`` for a name in ``reserved`` (set by the caller itself)."""
     sig = constructor_options(cls)
     forwarded: dict[str, Option] = {}
     target: str | None = None  # the forwarded entry's description, where one is chosen

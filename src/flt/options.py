@@ -24,12 +24,22 @@ message, naming the option and the expected type; a layer built from its parts c
 own arguments. An unknown name lists the valid ones and suggests the closest. Values are
 only type-checked here; ranges stay with the constructors and combinations with
 :mod:`flt.layers.rules`.
+
+Once per option set. Options enter at the outermost of nested entry points: the command
+line checks them before any data loads, then builds the model, whose builders
+(:func:`flt.models.build_attention`, :func:`flt.models.build_posenc`) are entry points of
+their own for Python callers, and builds each of its layers from them. So the two checks
+here remember the option sets that passed (the last :data:`REMEMBERED`, in this process):
+a set the command line checked is not checked again by the model, nor once per layer. A
+set that fails is never remembered, and fails with the same message every time. Sets
+holding a value without a plain-data form (a tensor) are checked every time.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from flt._signatures import (
@@ -195,6 +205,47 @@ def _resolve(mechanism, registry: dict, what: str) -> tuple[type, str]:
     return mechanism, f"{what} {name!r}" if name else mechanism.__name__
 
 
+#: How many option sets that passed :func:`check_attention_options` or
+#: :func:`check_posenc_options` are remembered (the oldest forgotten first).
+REMEMBERED = 256
+
+#: The keys (:func:`_option_key`) of the option sets that passed, oldest first.
+_passed: dict[tuple, None] = {}
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable form of an option value that keeps its type (``[1, 2]`` and ``(1, 2)``,
+    ``1``, ``1.0`` and ``True`` differ, as they may to the check); ``TypeError`` for a value
+    that is not plain data (a tensor, an array)."""
+    if value is None or type(value) in (bool, int, float, str):
+        return (type(value), value)
+    if type(value) in (list, tuple):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if type(value) is dict:
+        return (dict, tuple(sorted(((str(k), type(k), _frozen(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    raise TypeError(f"no plain-data form for {type(value).__name__}")
+
+
+def _option_key(owner: str, cls: type, options: dict[str, Any], reserved: tuple[str, ...]) -> tuple | None:
+    """What identifies one check: the entry (its name and class), the options and the
+    reserved names; None when an option has no plain-data form (then it is checked every time)."""
+    try:
+        return (owner, cls, reserved, _frozen(options))
+    except TypeError:
+        return None
+
+
+def _check_once(key: tuple | None, check: Callable[[], None]) -> None:
+    """Run ``check`` unless the set ``key`` passed before; remember it when it passes."""
+    if key is not None and key in _passed:
+        return
+    check()
+    if key is not None:
+        _passed[key] = None
+        if len(_passed) > REMEMBERED:
+            del _passed[next(iter(_passed))]
+
+
 def check_attention_options(mechanism: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
     """Check ``options`` for ``ATTENTION[mechanism]`` (a name or the class itself).
 
@@ -203,12 +254,14 @@ def check_attention_options(mechanism: str | type, options: dict[str, Any], *, r
     them, since the model sets them); ``**spectrum_options`` are checked against the
     spectrum that ``options["spectrum"]`` (or the default) selects. Raises
     :class:`UnknownOptionError` for an unknown name, ``TypeError`` for a value of the wrong
-    type, ``ValueError`` for a reserved name or an unknown mechanism or spectrum.
+    type, ``ValueError`` for a reserved name or an unknown mechanism or spectrum. A set
+    that passed before is not checked again (module docstring).
     """
     from flt.layers.registry import ATTENTION
 
-    cls, _ = _resolve(mechanism, ATTENTION, "attention")
-    check_layer_options(cls, options, reserved=reserved)
+    cls, owner = _resolve(mechanism, ATTENTION, "attention")
+    _check_once(_option_key(owner, cls, options, reserved),
+                lambda: check_layer_options(cls, options, reserved=reserved))
 
 
 def check_posenc_options(encoding: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
@@ -217,5 +270,6 @@ def check_posenc_options(encoding: str | type, options: dict[str, Any], *, reser
     from flt.posenc import POSENC
 
     cls, owner = _resolve(encoding, POSENC, "posenc")
-    check_options(owner, cls, options, arguments=POSENC_ARGUMENTS, reserved=reserved)
+    _check_once(_option_key(owner, cls, options, reserved),
+                lambda: check_options(owner, cls, options, arguments=POSENC_ARGUMENTS, reserved=reserved))
 

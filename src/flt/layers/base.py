@@ -9,8 +9,10 @@ flat options of presets and the command line (``near_field=16``): it checks them
 against the signature that lists them (:func:`flt._signatures.check_options`; for
 ``**spectrum_options`` the spectrum's too), so a misspelt option or a value of the wrong
 type is reported by name, and refuses sizes too large for memory before anything is
-allocated; then it builds the layer. A constructor called directly checks its own
-arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
+allocated; then it builds the layer. A model builds its layers with
+:meth:`AttentionBase.from_checked_options`, from options checked once where they entered
+(:func:`flt.models.build_attention`), not once per layer. A constructor called directly
+checks its own arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
 :meth:`AttentionBase.prepare` checks the input of every forward call: rank, feature size,
 at least one token, and the dtype and device of the layer's parameters (metadata only: no
 host synchronisation).
@@ -119,9 +121,18 @@ class AttentionBase(nn.Module):
     def from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
         """The layer from flat options (those of presets and ``--attn-opt``), checked once:
         names and types (:func:`check_layer_options`, the same check as the command line's),
-        then sizes too large for memory (a ``num_features`` of 10^9) before anything is
-        allocated; :meth:`_from_options` then builds it."""
+        then built by :meth:`from_checked_options`."""
         check_layer_options(cls, options)
+        return cls.from_checked_options(dim, heads, **options)
+
+    @classmethod
+    def from_checked_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
+        """The layer from flat options already checked where they entered (the command line,
+        :func:`flt.models.build_attention`), so that a model of many layers does not check
+        the same options once per layer: sizes too large for memory (a ``num_features`` of
+        10^9) are refused before anything is allocated, then :meth:`_from_options` builds it.
+        Unchecked options fail as the builder's own arguments do (an unknown name as a
+        Python ``TypeError``): call :meth:`from_options` with options of your own."""
         check_attention_memory(cls, options, dim=dim, heads=heads, pos_dim=options.get("pos_dim", 1),
                                device=options.get("device"))
         return cls._from_options(dim, heads, **options)

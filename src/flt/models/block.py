@@ -15,6 +15,12 @@ from torch import nn
 
 from flt._checks import check_choice
 from flt.layers import ATTENTION
+from flt.options import (
+    ATTENTION_ARGUMENTS,
+    POSENC_ARGUMENTS,
+    check_attention_options,
+    check_posenc_options,
+)
 from flt.posenc import POSENC
 
 
@@ -29,10 +35,15 @@ class Decoder(Protocol):
 
 def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bool, options: dict[str, Any],
                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """``ATTENTION[name].from_options(dim, heads, pos_dim=, causal=, **options)`` (the flat
-    options checked, then the layer's parts built) with a clear error for a bad name."""
+    """``ATTENTION[name].from_options(dim, heads, pos_dim=, causal=, **options)`` with a clear
+    error for a bad name: the flat options checked (:func:`flt.options.check_attention_options`,
+    the arguments set here reserved), then the layer's parts built. A set of options is
+    checked once however many layers are built from it, and not again when the command
+    line checked it before building the model."""
     check_choice("attention", name, ATTENTION)
-    return ATTENTION[name].from_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+    check_attention_options(name, options, reserved=ATTENTION_ARGUMENTS)
+    return ATTENTION[name].from_checked_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype,
+                                                **options)
 
 
 class Block(nn.Module):
@@ -166,8 +177,10 @@ class Trunk(nn.Module):
 
 
 def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
-    """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``."""
+    """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``,
+    its options checked once (:func:`flt.options.check_posenc_options`, as :func:`build_attention`)."""
     check_choice("posenc", name, POSENC)
+    check_posenc_options(name, options, reserved=POSENC_ARGUMENTS)
     return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)
 
 

@@ -64,15 +64,20 @@ def arch_fields(data: dict[str, Any], selection: str = "perturbation") -> dict[s
     """The model config fields of the architecture ``selection`` chose: ``layer_attention``
     (with ``attention`` and ``attention_options`` of its first layer) and, when the search
     mixed it, ``posenc`` and ``posenc_options``; for :func:`flt.models.replace_fields`."""
-    from flt.options import check_attention_options, check_posenc_options
+    from flt.options import (
+        ATTENTION_ARGUMENTS,
+        POSENC_ARGUMENTS,
+        check_attention_options,
+        check_posenc_options,
+    )
 
     layers = arch_layers(data, selection)
-    for layer in layers:
-        check_attention_options(layer["attention"], layer["attention_options"])
+    for layer in layers:  # as the model will (flt.models.build_attention), so they are checked once
+        check_attention_options(layer["attention"], layer["attention_options"], reserved=ATTENTION_ARGUMENTS)
     fields = {"attention": layers[0]["attention"], "attention_options": dict(layers[0]["attention_options"]),
               "layer_attention": layers}
     posenc = arch_posenc(data, selection)
     if posenc is not None:
-        check_posenc_options(posenc["posenc"], posenc["posenc_options"])
+        check_posenc_options(posenc["posenc"], posenc["posenc_options"], reserved=POSENC_ARGUMENTS)
         fields.update(posenc)
     return fields

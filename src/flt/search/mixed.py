@@ -25,12 +25,7 @@ from torch import nn
 from flt._checks import check_choice
 from flt.layers import ATTENTION
 from flt.models.block import build_attention, build_posenc
-from flt.options import (
-    POSENC_ARGUMENTS,
-    check_attention_options,
-    check_posenc_options,
-    parse_attention_list,
-)
+from flt.options import parse_attention_list
 from flt.posenc import POSENC
 
 __all__ = [
@@ -87,8 +82,7 @@ def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_d
     positions) is a ``ValueError`` naming it before any data loads or training starts."""
     for c in candidates:
         try:
-            check_attention_options(c.name, c.options)
-            build_attention(c.name, dim, heads, pos_dim=pos_dim, causal=causal, options=c.options)
+            build_attention(c.name, dim, heads, pos_dim=pos_dim, causal=causal, options=c.options)  # checks the options
         except (ValueError, TypeError, NotImplementedError) as err:
             raise ValueError(f"--candidates entry {c.label!r} does not construct for this model "
                              f"(dim {dim}, heads {heads}, pos_dim {pos_dim}, causal {causal}): {err}") from None
@@ -116,8 +110,7 @@ def check_posenc_candidates(candidates: list[EncodingCandidate], *, dim: int, po
     a ``ValueError`` naming it before any data loads."""
     for c in candidates:
         try:
-            check_posenc_options(c.name, c.options, reserved=POSENC_ARGUMENTS)
-            enc = build_posenc(c.name, dim, pos_dim, c.options)
+            enc = build_posenc(c.name, dim, pos_dim, c.options)  # checks the options
             with torch.no_grad():
                 out = enc(torch.zeros(1, 2, pos_dim))
             if tuple(out.shape) != (1, 2, dim):
