@@ -137,8 +137,8 @@ def check_row(name: str, shape: str, causal: bool, n: int = 300) -> str:
             if "shared memory" not in str(err):
                 raise
             out, tolerance, label = copy.deepcopy(layer).float()(x.float()).double(), 1e-4, " (float32 kernel: float64 does not fit)"
-    err = float((out - ref).norm() / ref.norm())
-    return "" if err < tolerance else f"relative error {err:.2e} against the reference{label}"
+    error = float((out - ref).norm() / ref.norm())
+    return "" if error < tolerance else f"relative error {error:.2e} against the reference{label}"
 
 
 def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: bool, *, warmup: int, repeats: int) -> dict:

@@ -180,7 +180,7 @@ def tile_candidates(chunk: int, bv: int, bm: int, device: torch.device) -> list[
     Off CUDA (the interpreter) only the given tile."""
     if device.type != "cuda":
         return [(chunk, bv, None)]
-    small = [(16, min(bv, 32), 1), (16, min(bv, 16), 1)]
+    small: list[tuple[int, int, int | None]] = [(16, min(bv, 32), 1), (16, min(bv, 16), 1)]
     return ([(chunk, bv, 3)] if bm <= 64 else []) + small
 
 
