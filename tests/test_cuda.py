@@ -147,13 +147,15 @@ def test_triton_segments_on_gpu(causal):
     assert_close(band_attention(xq, xk, v, w, bias, width=16, extra_q=a, extra_k=c, causal=causal, segments=5), one)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["performer", "flt"])
-def test_triton_backend_under_bfloat16_autocast(name):
-    """bfloat16 operands in the kernel's products (positive weights): within bfloat16's
-    tolerance of the float32 layer."""
+def test_triton_backend_under_bfloat16_autocast(name, causal):
+    """bfloat16 inputs, 1000 tokens (several segments on a GPU): bidirectional, bfloat16
+    operands in the kernel's products (positive weights); causal, float32 operands. Within
+    bfloat16's tolerance of the float32 layer."""
     pytest.importorskip("triton", reason="the triton extra is not installed")
-    torch_layer = ATTENTION[name].from_options(64, 2, causal=True, num_features=64, device="cuda", seed=3)
-    triton_layer = ATTENTION[name].from_options(64, 2, causal=True, num_features=64, device="cuda", seed=3, backend="triton")
+    torch_layer = ATTENTION[name].from_options(64, 2, causal=causal, num_features=64, device="cuda", seed=3)
+    triton_layer = ATTENTION[name].from_options(64, 2, causal=causal, num_features=64, device="cuda", seed=3, backend="triton")
     triton_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 1000, 64, device="cuda")
     with torch.no_grad():

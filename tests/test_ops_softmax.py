@@ -222,3 +222,17 @@ def test_bad_inputs_rejected():
         softmax_attention(q, k[..., :3], v)
     with pytest.raises(ValueError, match="q must have rank 4"):
         softmax_attention(q[0], k, v)
+
+
+def test_flex_probe_is_skipped_inside_torch_compile():
+    """Traced by torch.compile, the layer gets the fused kernel, which the eager probe
+    says nothing about (and whose tracing ran the probe with a head dim GPUs refuse):
+    availability is then assumed, and outside compile the probe still answers."""
+    eager = flex_attention_available("cpu", requires_grad=True)[0]
+
+    def marked(x):
+        return x + (1.0 if flex_attention_available(x.device, True)[0] else 0.0)
+
+    x = torch.zeros(3)
+    assert float(torch.compile(marked, backend="eager")(x)[0]) == 1.0
+    assert float(marked(x)[0]) == (1.0 if eager else 0.0)

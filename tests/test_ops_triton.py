@@ -290,6 +290,7 @@ def test_launch_tries_smaller_tiles_until_one_fits_and_remembers_it():
     assert tile_candidates(64, 64, 64, torch.device("cpu")) == [(64, 64, None)]
     assert tile_candidates(64, 64, 64, cuda)[0] == (64, 64, 3)
     assert tile_candidates(64, 64, 256, cuda) == [(16, 32, 1), (16, 16, 1)]  # m = 256: the default tile never fits
+    assert tile_candidates(64, 16, 256, cuda) == [(16, 16, 1)]  # no repeats
     tried = []
 
     def attempt(chunk, bv, stages):
@@ -297,13 +298,71 @@ def test_launch_tries_smaller_tiles_until_one_fits_and_remembers_it():
         if bv > 16:
             raise OutOfResources(300_000, 232_448, "shared memory")
 
+    tiles = [(64, 64, 3), (16, 32, 1), (16, 16, 1)]
     key = ("test", "fits at the last tile")
-    launch_fitted(key, [(64, 64, 3), (16, 32, 1), (16, 16, 1)], attempt)
-    assert tried == [(64, 64, 3), (16, 32, 1), (16, 16, 1)] and _FITTED.pop(key) == 2
+    launch_fitted(key, tiles, attempt)
+    assert tried == tiles and _FITTED[(key, tuple(tiles))] == (16, 16, 1)
     tried.clear()
-    _FITTED[key] = 2
-    launch_fitted(key, [(64, 64, 3), (16, 32, 1), (16, 16, 1)], attempt)
+    launch_fitted(key, tiles, attempt)
     assert tried == [(16, 16, 1)]  # straight to the tile that fitted before
-    _FITTED.pop(key)
-    with pytest.raises(ValueError, match="no tile of the Triton kernel fits.*num_features.*float32"):
-        launch_fitted(("test", "none fits"), [(64, 64, 3), (16, 32, 1)], attempt)
+    tried.clear()
+    launch_fitted(key, tiles[:2] + [(32, 16, 1)], attempt)  # other candidates: their own search
+    assert tried == [(64, 64, 3), (16, 32, 1), (32, 16, 1)]
+    with pytest.raises(ValueError, match=r"no tile of the Triton kernel fits.*\(16, 32, 1\): .*num_features.*float32"):
+        launch_fitted(("test", "none fits"), tiles[:2], attempt)
+    for k in [k for k in _FITTED if k[0][0] == "test"]:
+        del _FITTED[k]
+
+
+@pytest.mark.parametrize("coupling", ["multiplicative", "band"])
+def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupling):
+    """Segments: the first launch of a tile fits, the second (HAS_INIT) is refused; the
+    next tile's result equals the reference. The multiplicative coupling adds into its
+    output atomically, so a refused tile must not have written it; Dv = 40 in value
+    blocks of 16 (three programs per row)."""
+    from triton.runtime.errors import OutOfResources
+
+    import flt.ops.triton as tri
+    from flt.ops.triton import band as tri_band
+    from flt.ops.triton import kernels
+
+    name = "band_attention_kernel" if coupling == "band" else "favor_attention_kernel"
+    real = getattr(kernels, name)
+    refused = []
+
+    class RefuseFirstSecondLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if kw["HAS_INIT"] and not refused:
+                    refused.append(kw["BC"])
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    tiles = lambda chunk, bv, bm, device: [(32, 16, None), (16, 16, None)]  # noqa: E731
+    monkeypatch.setattr(kernels, name, RefuseFirstSecondLaunch())
+    monkeypatch.setattr(tri, "interpreted", lambda: True)  # it looks at the (now wrapped) kernel
+    monkeypatch.setattr(tri, "tile_candidates", tiles)
+    monkeypatch.setattr(tri_band, "tile_candidates", tiles)
+    torch.manual_seed(0)
+    n, dv = 70, 40
+    xq, xk = (0.5 * torch.randn(1, 2, n, D, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, n, dv, dtype=torch.float64)
+    if coupling == "band":
+        from flt.ops.triton.band import band_attention, band_attention_torch
+
+        a, c = (0.3 * torch.randn(1, 2, n, 4, dtype=torch.float64) for _ in range(2))
+        w = gaussian_orthogonal_random_matrix(M, D + 4, dtype=torch.float64)
+        bias = torch.randn(1, 2, n, 9, dtype=torch.float64)
+        kw = dict(width=4, extra_q=a, extra_k=c, causal=True)
+        out = band_attention(xq, xk, v, w, bias, segments=2, **kw)
+        ref = band_attention_torch(xq, xk, v, w, bias, **kw)
+    else:
+        a, c = (0.5 + 0.2 * torch.randn(1, 2, n, R2, dtype=torch.float64) for _ in range(2))
+        w = gaussian_orthogonal_random_matrix(M, D, dtype=torch.float64)
+        out = favor_attention(xq, xk, v, w, a=a, c=c, causal=True, segments=2)
+        ref = favor_attention_torch(xq, xk, v, w, a=a, c=c, causal=True)
+    assert refused == [32]  # the first tile's second launch was refused, the second tile ran
+    assert_close(out, ref)
+    for k in [k for k in tri._FITTED if k[1] == ((32, 16, None), (16, 16, None))]:
+        del tri._FITTED[k]

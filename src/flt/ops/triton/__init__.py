@@ -167,40 +167,45 @@ def segment_count(programs: int, n: int, chunk: int, device: torch.device) -> in
     return max(1, min(math.ceil(target / programs), n // (4 * chunk)))
 
 
-#: The fitting tile of each kernel configuration seen, by :func:`launch_fitted`.
-_FITTED: dict[tuple, int] = {}
-
+#: The tile that fitted, per kernel configuration and list of candidates (:func:`launch_fitted`).
+_FITTED: dict[tuple, tuple[int, int, int | None]] = {}
 
 def tile_candidates(chunk: int, bv: int, bm: int, device: torch.device) -> list[tuple[int, int, int | None]]:
     """Tiles ``(tokens per step, value columns per program, pipeline stages)`` to try in
     order, largest first. A program keeps the ``[m, BV]`` state, the projection and
-    ``[BC, m]`` feature tiles on chip, so with ``m >= 128`` features the default tile needs
-    more shared memory than a GPU has (720,896 bytes in float64 at ``m = 256``, ``D = 64``
-    on an H200 with 232,448); the smaller tiles give up reuse of loaded rows, not results.
-    Off CUDA (the interpreter) only the given tile."""
+    ``[BC, m]`` feature tiles on chip: on an H200 (232,448 bytes of shared memory a block)
+    the default tile failed for FLT's logit coupling at ``m = 256`` (720,896 bytes in
+    float64) and, in float64, at ``m = 64`` too (the multiplicative coupling 263,168, the
+    band 466,944). The smaller tiles give up reuse of loaded rows, not results. Off CUDA
+    (the interpreter) only the given tile."""
     if device.type != "cuda":
         return [(chunk, bv, None)]
     small: list[tuple[int, int, int | None]] = [(16, min(bv, 32), 1), (16, min(bv, 16), 1)]
-    return ([(chunk, bv, 3)] if bm <= 64 else []) + small
+    tiles = ([(chunk, bv, 3)] if bm <= 64 else []) + small
+    return list(dict.fromkeys(tiles))  # without repeats (bv <= 16 makes the two small ones one)
 
 
-def launch_fitted(key: tuple, candidates: list[tuple[int, int, int | None]], attempt) -> None:
+def launch_fitted(key: tuple, candidates: list[tuple[int, int, int | None]], attempt, hint: str = "") -> None:
     """Run ``attempt(chunk, bv, stages)`` with the first candidate tile that fits the GPU's
-    shared memory (remembered per ``key``); a tile that does not fit fails before any work
-    (triton's ``OutOfResources`` at launch), so trying the next one is safe."""
+    shared memory (remembered per ``key`` and candidate list); a tile that does not fit
+    fails before any work (triton's ``OutOfResources`` at launch, before the kernel runs;
+    an attempt's earlier launches write only its own segment states), so trying the next
+    one is safe. ``hint``: what else the caller can change, for the error."""
     from triton.runtime.errors import OutOfResources
 
-    start = _FITTED.get(key, 0)
-    for i, tile in enumerate(candidates[start:], start):
+    remembered = _FITTED.get((key, tuple(candidates)))
+    tiles = [remembered] if remembered is not None else candidates
+    failures = []
+    for tile in tiles:
         try:
             attempt(*tile)
         except OutOfResources as err:
-            last = err
+            failures.append(f"{tile}: {err}")
             continue
-        _FITTED[key] = i
+        _FITTED[(key, tuple(candidates))] = tile
         return
-    raise ValueError(f"no tile of the Triton kernel fits this GPU's shared memory ({last}); tried (tokens, value columns, "
-                     f"stages) {candidates}. Use fewer features (num_features), float32 instead of float64, or backend='torch'.")
+    raise ValueError(f"no tile of the Triton kernel fits this GPU's shared memory; tried (tokens, value columns, stages) "
+                     f"{'; '.join(failures)}. Use fewer features (num_features){hint}, float32 instead of float64, or backend='torch'.")
 
 
 def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments):

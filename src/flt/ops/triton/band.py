@@ -103,8 +103,7 @@ def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width,
     flags = {"CAUSAL": bool(causal), "HAS_EXTRA": True, "HAS_KEEP": key_mask is not None, "PREC": "tf32" if tf32 else "ieee",
                  "BD": pow2(D), "BE": pow2(e_dim), "BM": pow2(m)}
 
-    def attempt(tile_chunk, bv, stages):
-        chunk = max(tile_chunk, pow2(width))  # a window spans at most the chunk before and after
+    def attempt(chunk, bv, stages):
         n_vb = math.ceil(Dv / bv)
         n_seg_wanted = segments or segment_count(B * H * n_vb, N, chunk, xq.device)
         seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
@@ -131,7 +130,9 @@ def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width,
             launch(states.contiguous(), levels.contiguous(), False, True)
 
     key = ("band", acc, xq.device, width, tuple(sorted(flags.items())))
-    launch_fitted(key, tile_candidates(chunk_size, min(64, pow2(Dv)), flags["BM"], xq.device), attempt)
+    # A window spans at most the chunk before and after it: no tile has fewer tokens than w.
+    tiles = list(dict.fromkeys((max(c, pow2(width)), bv, stages) for c, bv, stages in tile_candidates(chunk_size, min(64, pow2(Dv)), flags["BM"], xq.device)))
+    launch_fitted(key, tiles, attempt, hint=f" or a narrower band (near_field={width} keeps {max(16, pow2(width))} tokens a step)")
     return safe_divide(out[..., :-1], out[..., -1:])
 
 

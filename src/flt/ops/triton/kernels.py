@@ -15,7 +15,9 @@ reach memory) and everything accumulates in float32 or float64. Each program wri
 numerator columns of its value block and, in the first value block, the denominator
 into ``OUT [B, H, N, Dv + 1]``; the caller divides. Products: IEEE float32/float64
 (``PREC``), TF32 where the caller allows it, and bfloat16 operands with float32
-accumulation (``LOW``) for bfloat16 inputs and positive weights.
+accumulation (``LOW``) for bfloat16 inputs and positive weights in the bidirectional pass
+(the caller never sets it for the causal pass: on an H200 its bfloat16 products gave
+infinite outputs).
 
 The multiplicative coupling ``sum_r a_ir c_jr (qf_i.kf_j)`` is a sum over ``r`` of plain
 linear attentions with scalar per-query and per-key factors: program ``r`` computes its
