@@ -19,7 +19,7 @@ from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
         lambda: FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, spectrum="local", near_field=3),
         lambda: FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, near_neighbors=4),
         lambda: SoftmaxAttention.from_options(16, 2, relative_bias="t5"),
-        lambda: ToeplitzAttention(16, 2, num_features=8),
+        lambda: ToeplitzAttention.from_options(16, 2, num_features=8),
     ],
     ids=["flt", "flt-banded", "flt-near-neighbors", "softmax-t5", "toeplitz"],
 )

@@ -141,8 +141,8 @@ KERNEL_LAYERS = {
                                              windows=2, shift=True, shift_scale=4.0),  # far and near windows moved off the origin
     "flt-band-rope": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=3, rope=True),
     "flt-band-wider-than-prompts": lambda: FLTAttention.from_options(16, 2, causal=True, num_features=8, num_frequencies=4, near_field=30),
-    "performer": lambda: PerformerAttention(16, 2, causal=True, num_features=8),
-    "performer-rope": lambda: PerformerAttention(16, 2, causal=True, num_features=8, rope=True),
+    "performer": lambda: PerformerAttention.from_options(16, 2, causal=True, num_features=8),
+    "performer-rope": lambda: PerformerAttention.from_options(16, 2, causal=True, num_features=8, rope=True),
     "softmax-t5": lambda: SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="t5", max_distance=12, num_buckets=8),
     "softmax-alibi": lambda: SoftmaxAttention.from_options(16, 2, causal=True, relative_bias="alibi"),
 }
@@ -223,7 +223,7 @@ def test_linear_prefill_builds_the_state_the_steps_build():
     "layer",
     [
         lambda: SoftmaxAttention.from_options(16, 2),
-        lambda: PerformerAttention(16, 2),
+        lambda: PerformerAttention.from_options(16, 2),
         lambda: FLTAttention.from_options(16, 2, near_field=2),
     ],
     ids=["softmax", "performer", "flt-band"],

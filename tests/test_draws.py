@@ -20,8 +20,8 @@ def model():
         "logit": FLTAttention.from_options(16, 2, num_features=16, num_frequencies=4, amplitude=0.5),
         "mult": FLTAttention.from_options(16, 2, coupling="multiplicative", num_features=16, num_frequencies=4, spectrum="gaussian"),
         "near": FLTAttention.from_options(16, 2, num_features=16, num_frequencies=4, spectrum="local", near_field=2, causal=True),
-        "performer": PerformerAttention(16, 2, num_features=16),
-        "toeplitz": ToeplitzAttention(16, 2, num_features=16, max_distance=8),
+        "performer": PerformerAttention.from_options(16, 2, num_features=16),
+        "toeplitz": ToeplitzAttention.from_options(16, 2, num_features=16, max_distance=8),
     })
 
 
@@ -41,8 +41,8 @@ def test_every_mechanism_takes_part_and_only_sampled_draws_count():
     ]  # near.near_spectrum: only its exact mask is used
     assert has_random_features(model())
     assert not has_random_features(SoftmaxAttention.from_options(16, 2, relative_bias="alibi"))
-    assert not has_random_features(PerformerAttention(16, 2, feature_map="elu"))
-    assert has_random_features(PerformerAttention(16, 2, feature_map="relu"))
+    assert not has_random_features(PerformerAttention.from_options(16, 2, feature_map="elu"))
+    assert has_random_features(PerformerAttention.from_options(16, 2, feature_map="relu"))
 
 
 def test_redraw_changes_every_draw_and_is_reproducible_from_the_generator():
@@ -87,7 +87,7 @@ def test_fixed_draw_is_deterministic_restores_and_does_not_depend_on_the_trainin
     with fixed_draw(a, 8):
         assert not any(torch.equal(draws(a)[k], fixed_a[k]) for k in fixed_a)
     # Per module: the draw of (seed, name), whatever else the model holds.
-    alone = nn.ModuleDict({"performer": PerformerAttention(16, 2, num_features=16)})
+    alone = nn.ModuleDict({"performer": PerformerAttention.from_options(16, 2, num_features=16)})
     fixed_draw(alone, 7)  # used as a function: the model stays on the draw
     assert torch.equal(alone["performer"].feature_map.projection, fixed_a["performer.feature_map.projection"])
 
@@ -149,10 +149,10 @@ def test_layer_redraw_interval_is_a_thin_wrapper_around_redraw():
 def test_checkpoints_from_before_the_protocol_load():
     """Feature maps used to hold a forward-call counter ``calls``; it is dropped on load
     (or becomes the layer's ``redraw_calls`` when the layer has a schedule)."""
-    lay = PerformerAttention(16, 2, num_features=16)
+    lay = PerformerAttention.from_options(16, 2, num_features=16)
     old = {**lay.state_dict(), "feature_map.calls": torch.tensor(4)}
     lay.load_state_dict(old)
-    sched = PerformerAttention(16, 2, num_features=16, redraw_interval=3)
+    sched = PerformerAttention.from_options(16, 2, num_features=16, redraw_interval=3)
     old = {k: v for k, v in sched.state_dict().items() if k != "redraw_calls"}
     sched.load_state_dict({**old, "feature_map.calls": torch.tensor(4)})
     assert int(sched.redraw_calls) == 4

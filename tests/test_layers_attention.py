@@ -190,7 +190,7 @@ def test_softmax_alibi_distance_unit_and_learnable_slopes():
 def test_toeplitz_bias_is_the_shared_clipped_table():
     torch.manual_seed(0)
     for causal in (False, True):
-        lay = ToeplitzAttention(16, 2, causal=causal, max_distance=3, table_scale=2.0).double()
+        lay = ToeplitzAttention.from_options(16, 2, causal=causal, max_distance=3, table_scale=2.0).double()
         assert lay.table.mode == "clipped" and lay.table.bidirectional is (not causal)
         with torch.no_grad():
             lay.table.table.normal_()
@@ -207,7 +207,7 @@ def test_toeplitz_loads_state_dicts_from_before_the_shared_table(causal):
     loads as the same function."""
     torch.manual_seed(0)
     m_dist, n = 3, 9
-    lay = ToeplitzAttention(16, 2, causal=causal, max_distance=m_dist).double()
+    lay = ToeplitzAttention.from_options(16, 2, causal=causal, max_distance=m_dist).double()
     old = {k: v for k, v in lay.state_dict().items() if not k.startswith("table.")}
     old["bias_table"] = torch.randn(2, 2 * m_dist + 1, dtype=F64)
     lay.load_state_dict(old)
@@ -227,7 +227,7 @@ def test_toeplitz_causal_outputs_ignore_huge_future_keys(dtype):
     and changed those outputs completely."""
     torch.manual_seed(0)
     dim, heads, n, past = 128, 2, 16, 10
-    lay = ToeplitzAttention(dim, heads, causal=True, qk_norm=False, num_features=32, block_size=4, dense_below=0).to(dtype)
+    lay = ToeplitzAttention.from_options(dim, heads, causal=True, qk_norm=False, num_features=32, block_size=4, dense_below=0).to(dtype)
     hd = dim // heads
     with torch.no_grad():  # keys = the input itself (no bias), so the test can place a key anywhere
         lay.to_qkv.weight[dim : 2 * dim] = torch.eye(dim, dtype=dtype)
@@ -273,10 +273,10 @@ def test_flex_backend_says_it_cannot_train_on_cpu():
 @pytest.mark.parametrize(
     "call, err, match",
     [
-        (lambda: ToeplitzAttention(16, 2, pos_dim=2), ValueError, "1-D regular grid"),
-        (lambda: ToeplitzAttention(16, 2, dense_below=-1), ValueError, "dense_below must be a nonnegative int"),
-        (lambda: ToeplitzAttention(16, 2)(torch.randn(1, 4, 16), torch.tensor([[0.0], [1.0], [3.0], [4.0]])), ValueError, "regular 1-D grid"),
-        (lambda: ToeplitzAttention(16, 2, causal=True).step(torch.randn(1, 16)), NotImplementedError, "recurrent state"),
+        (lambda: ToeplitzAttention.from_options(16, 2, pos_dim=2), ValueError, "1-D regular grid"),
+        (lambda: ToeplitzAttention.from_options(16, 2, dense_below=-1), ValueError, "dense_below must be a nonnegative int"),
+        (lambda: ToeplitzAttention.from_options(16, 2)(torch.randn(1, 4, 16), torch.tensor([[0.0], [1.0], [3.0], [4.0]])), ValueError, "regular 1-D grid"),
+        (lambda: ToeplitzAttention.from_options(16, 2, causal=True).step(torch.randn(1, 16)), NotImplementedError, "recurrent state"),
         (lambda: SoftmaxAttention.from_options(16, 2, relative_bias="t5", pos_dim=2), ValueError, "1-D integer offsets"),
         (lambda: SoftmaxAttention.from_options(16, 2, relative_bias="rotary"), ValueError, "relative_bias must be one of"),
         (lambda: SoftmaxAttention.from_options(16, 2, amplitude=1.0), ValueError, "spectrum options need relative_bias='spectrum'"),

@@ -277,7 +277,7 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     pad = torch.zeros(2, 12, dtype=torch.bool)
     pad[1, -3:] = True
     pos = torch.arange(12, dtype=torch.float64).view(12, 1)
-    perf = PerformerAttention(16, 2, causal=causal, feature_map="elu", dtype=torch.float64)
+    perf = PerformerAttention.from_options(16, 2, causal=causal, feature_map="elu", dtype=torch.float64)
     kp = None if causal else pad
     assert torch.allclose(perf(x, key_padding_mask=kp), perf.exact(x, key_padding_mask=kp), atol=1e-12)
     for fm in ("elu", "taylor", "hedgehog"):
@@ -293,9 +293,9 @@ def test_exact_uses_the_kernel_of_deterministic_and_relu_feature_maps(causal):
     assert torch.allclose(g_fast[0], xg.grad, atol=1e-9) and torch.allclose(g_fast[1], flat.feature_map.weight.grad, atol=1e-9)
     assert g_fast[1].abs().sum() > 0
     for fm in ("taylor", "hedgehog"):
-        det = PerformerAttention(16, 2, causal=causal, feature_map=fm, num_features=16, dtype=torch.float64)
+        det = PerformerAttention.from_options(16, 2, causal=causal, feature_map=fm, num_features=16, dtype=torch.float64)
         assert torch.allclose(det(x, key_padding_mask=kp), det.exact(x, key_padding_mask=kp), atol=1e-12), fm
-    relu = PerformerAttention(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
+    relu = PerformerAttention.from_options(16, 2, causal=causal, feature_map="relu", num_features=8192, dtype=torch.float64)
     out, ref = relu(x), relu.exact(x)
     assert ((out - ref).norm() / ref.norm()).item() < 0.05
     with pytest.raises(ValueError, match="the band .* needs feature_map='favor\\+'"):

@@ -155,7 +155,7 @@ def test_gaussian_mixture_bias_by_component_equals_its_mask_with_means_and_shift
 def test_toeplitz_exact_is_softmax_with_the_same_clipped_table(causal):
     torch.manual_seed(6)
     kw = {"max_distance": 3, "causal": causal}
-    toe = ToeplitzAttention(8, 2, qk_norm=False, num_features=8, **kw).double()
+    toe = ToeplitzAttention.from_options(8, 2, qk_norm=False, num_features=8, **kw).double()
     soft = SoftmaxAttention.from_options(8, 2, relative_bias="clipped", backend="reference", **kw).double()
     with torch.no_grad():
         toe.table.table.normal_()

@@ -23,7 +23,7 @@ CASES = {
     "triton_needs_favor": (
         Facts(features="elu", backend="triton"),
         "backend='triton' computes FAVOR+ features inside its kernel: it needs feature_map='favor+', got 'elu'",
-        lambda: PerformerAttention(16, 2, feature_map="elu", backend="triton"),
+        lambda: PerformerAttention.from_options(16, 2, feature_map="elu", backend="triton"),
     ),
     "rope_fits_head_dim": (
         Facts(rope=True, head_dim=8, pos_dim=3),

@@ -27,7 +27,7 @@ from flt._signatures import flat_options
 from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
 from flt.layers.near import Band, Neighbors
-from flt.layers.parts import FavorPlus, Features, Settings, Term, features_from
+from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, features_from
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
 from flt.relative.base import RelativeTerm
@@ -433,11 +433,9 @@ def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | S
 
 def _check_parts(features, near, settings) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
-    for name, value, kind, what in (("features", features, Features, "a flt.layers.parts.Features (e.g. FavorPlus())"),
-                                    ("settings", settings, Settings, "a flt.layers.parts.Settings"),
-                                    ("near", near, (Band, Neighbors, type(None)), "None, Band(w) or Neighbors(k)")):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    check_kernel_parts(features, settings)
+    if not isinstance(near, (Band, Neighbors, type(None))):
+        raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {near!r} ({type(near).__name__})")
 
 
 def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: str, far_field: bool | str, causal: bool,

@@ -201,3 +201,12 @@ class Settings:
         """The keywords of :class:`flt.layers.kernel.KernelAttention` these settings give."""
         return {"rope": self.rope, "rope_base": self.rope_base, "chunk_size": self.chunk_size,
                 "backend": self.backend, "redraw_interval": self.redraw_interval}
+
+
+def check_kernel_parts(features: Any, settings: Any) -> None:
+    """``features`` is a :class:`Features` and ``settings`` a :class:`Settings` (``TypeError``
+    naming the argument otherwise; their own values were checked when they were made)."""
+    for name, value, kind, what in (("features", features, Features, "a flt.layers.parts.Features (e.g. FavorPlus())"),
+                                    ("settings", settings, Settings, "a flt.layers.parts.Settings")):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")

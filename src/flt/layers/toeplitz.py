@@ -13,7 +13,9 @@ import torch
 
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
+from flt._signatures import flat_options
 from flt.layers.kernel import KernelAttention, mask_padded_keys
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, features_from
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import (
     DEFAULT_BLOCK_SIZE,
@@ -35,11 +37,12 @@ class ToeplitzAttention(KernelAttention):
             when causal), ``b_h = scale_h * table``, ``scale`` starting at ``table_scale``
             (default 16, which multiplies the table's effective learning rate; see there)
             and learned unless ``learn_table_scale=False``.
-        **kernel_options: ``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
-            ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``: the
-            feature map, as in :class:`flt.layers.performer.PerformerAttention`. Luo et
-            al.'s stabiliser is ``qk_norm=True`` (L2-normalised queries and keys, learned
-            temperature), the default here.
+        features, settings: the kernel features and how the layer runs
+            (:mod:`flt.layers.parts`), as in :class:`flt.layers.performer.PerformerAttention`;
+            no Triton backend. Luo et al.'s stabiliser is ``qk_norm=True`` (L2-normalised
+            queries and keys, learned temperature), :class:`~flt.layers.parts.FavorPlus`'s
+            default. ``ToeplitzAttention.from_options(dim, heads, num_features=64, ...)`` takes
+            the flat options of presets and the command line.
         fft_dtype: dtype of the FFT (float32 or better by default; float64 removes the FFT
             rounding error of rows whose sums are small next to the largest ones, see
             :mod:`flt.ops.toeplitz`).
@@ -74,23 +77,49 @@ class ToeplitzAttention(KernelAttention):
         fft_dtype: torch.dtype | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         dense_below: int = DEFAULT_DENSE_BELOW,
+        features: Features | None = None,
+        settings: Settings | None = None,
         device=None,
         dtype=None,
-        **kernel_options,
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
         check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
-        if kernel_options.get("backend", "torch") != "torch":
-            raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {kernel_options['backend']!r}")
-        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **kernel_options)
+        features = FavorPlus() if features is None else features
+        settings = Settings() if settings is None else settings
+        check_kernel_parts(features, settings)
+        if settings.backend != "torch":
+            raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {settings.backend!r}")
+        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **features.map_options(),
+                         **settings.kernel_options())
+        self.kernel, self.settings = features, settings
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
         self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
             heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
             learn_scale=learn_table_scale, device=device, dtype=dtype,
         )
+
+    @classmethod
+    @flat_options
+    # Narrower than the base's **options: the names listed here are the layer's flat options,
+    # and from_options has checked them against this very signature.
+    def _from_options(cls, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 512,  # type: ignore[override]
+                      table_scale: float = DEFAULT_TABLE_SCALE, learn_table_scale: bool = True, fft_dtype: torch.dtype | None = None,
+                      block_size: int = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW, num_features: int = 256,
+                      feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
+                      redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
+                      chunk_size: int | None = None, backend: str = "torch", device=None, dtype=None) -> ToeplitzAttention:
+        """The layer from flat options (checked by :meth:`from_options`): the feature and
+        settings options as :meth:`flt.layers.performer.PerformerAttention._from_options`,
+        the table's and the FFT's as the constructor."""
+        features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                 qk_norm=qk_norm, temperature=temperature)
+        settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
+        return cls(dim, heads, pos_dim=pos_dim, causal=causal, max_distance=max_distance, table_scale=table_scale,
+                   learn_table_scale=learn_table_scale, fft_dtype=fft_dtype, block_size=block_size, dense_below=dense_below,
+                   features=features, settings=settings, device=device, dtype=dtype)
 
     def bias(self, n: int) -> torch.Tensor:
         """``[H, 2n - 1]``: entry ``t + n - 1`` is the bias of offset ``t = i - j``."""
