@@ -8,9 +8,11 @@ Why the small catalysis preset trains worse with an exact near set than without 
   distances of near-set pairs and of the pairs beyond, how often the ``k``-th and
   ``(k+1)``-th nearest atoms tie (the set then splits an equidistant shell), and in the
   first layer the mask each pair gets: the spectrum's exact ``f``, ``f_near`` and the
-  random-feature estimate ``f^ = a_i.c_j``.
+  random-feature estimate ``f^ = a_i.c_j``; then the first batch's loss and gradients of
+  both models with the same weights.
 * ``--runs DIR ...``: trained runs (or checkpoint directories) on their validation split:
-  the error's spread and, per layer, the learned amplitudes and lengths of ``f`` and
+  the error's spread, how much exact attention's predictions move when the atoms are
+  permuted or the structures rotated, and, per layer, the learned amplitudes and lengths of ``f`` and
   ``f_near``, the share of pairs whose exact mask is negative, the row cancellation
   ``sum_j |w_ij| / |sum_j w_ij|`` of the exact weights ``w = mask * phi(q).phi(k)``, and
   the near set's share of each row's weight.
@@ -70,9 +72,11 @@ def check_init(task_name: str, k: int, seed: int, structures: int) -> None:
     task = load(task_name, preset.data)
     cfg = task.configure(preset.model)
     seed_everything(seed)
-    layer = flt_layers(task.build_model(type(cfg)(**{**cfg.__dict__, "attention_options": {**cfg.attention_options, "near_neighbors": k}})))[0]
+    near_model = task.build_model(type(cfg)(**{**cfg.__dict__, "attention_options": {**cfg.attention_options, "near_neighbors": k}}))
+    layer = flt_layers(near_model)[0]
     seed_everything(seed)
-    plain = flt_layers(task.build_model(cfg))[0]
+    plain_model = task.build_model(cfg)
+    plain = flt_layers(plain_model)[0]
     pos, valid = centred_batch(task.train, structures)
     atoms = valid.sum(1)
     print(f"== {task_name}: atoms per structure (first {len(atoms)} training structures) {quantiles(atoms.float())}; "
@@ -106,6 +110,27 @@ def check_init(task_name: str, k: int, seed: int, structures: int) -> None:
             err = (f_hat - f)[sel]
             print(f"  {name:4s} pairs: f {quantiles(f[sel])}, f_near {quantiles(f_near[sel])}, "
                   f"f^ - f: mean {float(err.mean()):+.3f}, rms {float(err.square().mean().sqrt()):.3f}")
+    compare_gradients(task, plain_model, near_model)
+
+
+def compare_gradients(task, plain, near) -> None:
+    """The first training batch's loss and gradients with the plain model's weights copied
+    into the near-set model (its ``f_near`` stays 0)."""
+    near.load_state_dict(plain.state_dict(), strict=False)
+    batch = collate_molecules([task.train[i] for i in range(32)])
+    grads, losses = [], []
+    for model in (plain, near):
+        model.train()
+        model.zero_grad()
+        with torch.enable_grad():
+            loss = task.loss(model, batch)
+            loss.backward()
+        losses.append(float(loss))
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    gaps = {n: float((g - grads[1][n]).norm() / g.norm()) for n, g in grads[0].items() if g.norm() > 1e-6}
+    worst = max(gaps, key=gaps.get)
+    print(f"  first batch, same weights: loss {losses[0]:.5f} without the near set, {losses[1]:.5f} with it; largest "
+          f"relative gradient difference {gaps[worst]:.3f} ({worst}; parameters with a gradient norm above 1e-6)")
 
 
 def layer_inputs(model, batch) -> list:
@@ -163,8 +188,27 @@ def probe_run(run_dir: str, structures: int) -> None:
     print(f"== {run_dir}: {len(err)} validation structures, MAE {float(err.mean()):.3f} (exact attention "
           f"{float(err_exact.mean()):.3f}); |error| 50/90/99%/max "
           f"{' / '.join(f'{float(err.double().quantile(q)):.3f}' for q in (0.5, 0.9, 0.99))} / {float(err.max()):.3f}")
+    permuted, rotated = symmetry_changes(model, batch)
+    print(f"  exact attention's prediction change (eV): atoms permuted mean {permuted.mean():.4f}, max {permuted.max():.4f}; "
+          f"structures rotated mean {rotated.mean():.4f}, max {rotated.max():.4f}")
     for i, inputs in enumerate(layer_inputs(model, batch)):
         describe_layer(i, *inputs)
+
+
+def symmetry_changes(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``|change|`` of the exact-attention predictions when every structure's atoms are
+    permuted, and when all are rotated (both leave plain FLT's exact attention unchanged;
+    a near set's choice among equidistant atoms can change)."""
+    generator = torch.Generator().manual_seed(0)
+    z, pos, pad = batch.z, batch.pos, batch.key_padding_mask
+    base = model(z, pos, pad, exact=True)
+    order = torch.arange(z.shape[1]).repeat(z.shape[0], 1)
+    for i, n in enumerate((~pad).sum(1).tolist()):
+        order[i, :n] = torch.randperm(n, generator=generator)
+    permuted = model(z.gather(1, order), pos.gather(1, order.unsqueeze(-1).expand_as(pos)), pad, exact=True)
+    rotation, _ = torch.linalg.qr(torch.randn(3, 3, generator=generator, dtype=pos.dtype))
+    rotated = model(z, pos @ rotation.T, pad, exact=True)
+    return (permuted - base).abs(), (rotated - base).abs()
 
 
 def main() -> None:
