@@ -129,27 +129,27 @@ def check_nonnegative_int(name: str, value: object, meaning: str = "") -> None:
         raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {value!r}")
 
 
-def check_positive_float(name: str, value) -> float:
+def check_positive_float(name: str, value: object) -> float:
     """Require a finite real number ``> 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
 
 
-def check_nonnegative_float(name: str, value) -> float:
+def check_nonnegative_float(name: str, value: object) -> float:
     """Require a finite real number ``>= 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
-def check_bool(name: str, value) -> None:
+def check_bool(name: str, value: object) -> None:
     """Require a bool (not an int or a string that reads as one)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def integer_positions(name: str, pos) -> torch.Tensor:
+def integer_positions(name: str, pos: torch.Tensor) -> torch.Tensor:
     """Return integer-valued positions as ``torch.long``.
 
     Accepts an integer tensor or a floating tensor whose entries are all whole numbers;

@@ -26,9 +26,12 @@ import inspect
 import math
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flt._signatures import constructor_options
+
+if TYPE_CHECKING:  # torch is imported where a device is asked about, not at import
+    import torch
 
 #: Bytes of one value in the estimates (float32).
 FLOAT_BYTES = 4
@@ -78,7 +81,7 @@ def _cpu_available() -> tuple[int, str]:
         return 2**62, "unknown RAM"
 
 
-def memory_limit(device=None) -> tuple[int, str]:
+def memory_limit(device: torch.device | str | None = None) -> tuple[int, str]:
     """``(bytes, where the number comes from)``: ``FLT_MEMORY_LIMIT``, else the free memory
     of ``device`` (a CUDA device), else the available RAM."""
     text = os.environ.get(LIMIT_VARIABLE)
@@ -93,7 +96,7 @@ def memory_limit(device=None) -> tuple[int, str]:
     return _cpu_available()
 
 
-def check_memory(what: str, nbytes: float, *, device=None, hint: str = "") -> None:
+def check_memory(what: str, nbytes: float, *, device: torch.device | str | None = None, hint: str = "") -> None:
     """Raise :class:`MemoryLimitError` when ``nbytes`` (an estimate for ``what``) exceeds
     the limit of ``device`` (:func:`memory_limit`); ``hint`` says how to shrink it."""
     limit, source = memory_limit(device)
@@ -204,7 +207,7 @@ SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbors
                  "chunk_size", "hidden", "num_buckets")
 
 
-def check_attention_memory(cls: type, options: dict, *, dim, heads, pos_dim=1, device=None) -> None:
+def check_attention_memory(cls: type, options: dict, *, dim: int, heads: int, pos_dim: int = 1, device: torch.device | str | None = None) -> None:
     """Refuse an attention layer of class ``cls`` whose parameters and buffers alone exceed
     the limit (a ``num_features`` or ``num_frequencies`` of 10^9), before its constructor
     allocates them. Non-int sizes are left to the constructor's own checks."""

@@ -10,6 +10,9 @@ model of its own does not need to be listed here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import torch
 
 from flt.models.block import Block, Trunk, build_attention, build_posenc
 from flt.models.config import (
@@ -29,14 +32,14 @@ from flt.models.vit import ViTClassifier
 MODELS: dict[type, type] = {LMConfig: CausalLM, ImageConfig: ViTClassifier, MoleculeConfig: MoleculeRegressor}
 
 
-def config_kwargs(config) -> dict:
+def config_kwargs(config: Any) -> dict:
     """A config's fields as constructor arguments; the option dicts are copied, so the model
     never holds (or mutates) the config's own."""
     kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     return {k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
 
 
-def build_model(config, *, device=None, dtype=None):
+def build_model(config: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Build the model of ``config`` (one of :data:`CONFIGS`); the config's fields become
     constructor arguments (:func:`config_kwargs`)."""
     if type(config) not in MODELS:

@@ -7,6 +7,8 @@ is built or trained.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from flt._limits import (
     FLOAT_BYTES,
     SIZE_OPTIONS,
@@ -16,6 +18,9 @@ from flt._limits import (
     format_bytes,
 )
 from flt.layers.registry import ATTENTION
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _layers(cfg) -> list[tuple[type | None, dict, int]]:
@@ -32,7 +37,7 @@ def _attention_class(name: str | None) -> type | None:
     return ATTENTION.get(name) if name is not None else None
 
 
-def model_parameter_values(cfg) -> int:
+def model_parameter_values(cfg: Any) -> int:
     """Values of a model config's parameters and buffers: the trunk (attention and MLP of
     every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
     dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
@@ -53,7 +58,7 @@ def _pos_dim(cfg) -> int:
     return getattr(cfg, "position_dims", 1)
 
 
-def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, int]:
+def model_bytes(cfg: Any, *, batch: int, length: int, training: bool) -> dict[str, int]:
     """Estimated bytes of a model config at work: ``parameters`` (with gradients and AdamW's
     two moments when ``training``), ``activations`` (the trunk's ``B N dim (8 + 2 mlp_ratio)``
     values per layer and :func:`attention_activation_values`; every layer's kept for backward
@@ -69,7 +74,7 @@ def model_bytes(cfg, *, batch: int, length: int, training: bool) -> dict[str, in
     return {"parameters": int(params), "activations": activations, "total": int(params) + activations}
 
 
-def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, device=None, purpose: str | None = None) -> None:
+def check_model_memory(cfg: Any, *, batch: int, length: int | None, training: bool, device: torch.device | str | None = None, purpose: str | None = None) -> None:
     """Refuse a model config whose estimated memory (:func:`model_bytes`) for ``batch``
     sequences of ``length`` tokens exceeds the limit, naming the sizes that set it."""
     if not all(isinstance(getattr(cfg, f, None), int) for f in ("dim", "depth", "heads")):
@@ -89,7 +94,7 @@ def check_model_memory(cfg, *, batch: int, length: int | None, training: bool, d
 
 
 
-def check_task_memory(task, cfg, *, batch_size: int, training: bool, device=None) -> None:
+def check_task_memory(task: Any, cfg: Any, *, batch_size: int, training: bool, device: torch.device | str | None = None) -> None:
     """:func:`check_model_memory` for ``batch_size`` samples of ``task`` (its
     ``step_shape``: how many sequences of how many tokens they give the attention layers)."""
     batch, length = task.step_shape(cfg, batch_size)

@@ -324,8 +324,9 @@ def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, 
     _check_key_mask(key_mask, B, N)
 
 
-def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
-                                 a=None, c=None, near_mask=None, near_kernel="exp"):
+def neighbor_attention_reference(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, idx: torch.Tensor,
+                                 near_bias: torch.Tensor | None, *, key_mask: torch.Tensor | None = None, causal: bool = False, a: torch.Tensor | None = None,
+                                 c: torch.Tensor | None = None, near_mask: torch.Tensor | None = None, near_kernel: str = "exp") -> torch.Tensor:
     """The O(N^2) formula of :func:`neighbor_attention`, for tests. Args as there."""
     _check(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, key_mask, causal, a, c, near_mask, near_kernel)
     q_shift, key_log_scale = _shifts(q_shift, key_log_scale, qf)
@@ -334,6 +335,7 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     Bi = idx.shape[0]
     near = torch.zeros(Bi, N, N, dtype=torch.bool, device=xq.device).scatter(-1, idx, True)[:, None]  # [B|1, 1, N, N]
     given = near_bias if near_mask is None else near_mask
+    assert given is not None  # one of the two is given (_check)
     full = torch.zeros(max(Bi, given.shape[0]), H, N, N, dtype=cdt, device=xq.device)
     full = full.scatter(-1, idx[:, None].expand(full.shape[0], H, N, -1), given.to(cdt).expand(full.shape[0], H, N, -1))
     logits = xq.to(cdt) @ xk.to(cdt).transpose(-1, -2)
@@ -344,6 +346,7 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
         exact = full * (torch.exp(logits) if near_kernel == "exp" else kernel)
     est = kernel
     if a is not None:
+        assert c is not None  # given together with a (_check)
         est = est * (a.to(cdt) @ c.to(cdt).transpose(-1, -2))
     w = torch.where(near, exact, est)
     if key_mask is not None:
@@ -351,8 +354,9 @@ def neighbor_attention_reference(xq, xk, v, qf, kf, q_shift, key_log_scale, idx,
     return safe_divide(w @ v.to(cdt), w.sum(-1, keepdim=True))
 
 
-def neighbor_attention(xq, xk, v, qf, kf, q_shift, key_log_scale, idx, near_bias, *, key_mask=None, causal=False,
-                       a=None, c=None, near_mask=None, near_kernel: str = "exp", dense_below: int = DEFAULT_CHUNK_SIZE):
+def neighbor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, idx: torch.Tensor, near_bias: torch.Tensor | None, *,
+                       key_mask: torch.Tensor | None = None, causal: bool = False, a: torch.Tensor | None = None, c: torch.Tensor | None = None,
+                       near_mask: torch.Tensor | None = None, near_kernel: str = "exp", dense_below: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Attention with exact weights on each query's near set and random-feature estimates on
     every other pair (module docstring), linear in ``N`` for a fixed ``k``.
 

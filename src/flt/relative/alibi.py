@@ -21,7 +21,7 @@ from flt._dtype import compute_dtype
 from flt.relative.base import RelativeTerm, pair_positions, tensor_sum
 
 
-def alibi_slopes(heads: int, *, device=None, dtype=None) -> torch.Tensor:
+def alibi_slopes(heads: int, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """ALiBi head slopes ``[H]``.
 
     For ``H`` a power of two the slopes are the geometric sequence ``2^(-8h/H)``,

@@ -36,7 +36,7 @@ from flt._checks import check_dim, check_finite, check_tensor
 OFFSET_TABLE_LIMIT = 1 << 20
 
 
-def pair_positions(pos_q, pos_k=None) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_positions(pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate query and key positions; return them as ``[B|1, N, P]`` and ``[B|1, Nk, P]``."""
     check_tensor("pos_q", pos_q, ndim=(2, 3), layout="[B, N, P] or [N, P]")
     pos_q = pos_q if pos_q.ndim == 3 else pos_q.unsqueeze(0)

@@ -9,6 +9,9 @@ the tests in ``tests/test_relative.py`` are parametrised from this dict.
 from __future__ import annotations
 
 import inspect
+from typing import Any
+
+import torch
 
 from flt._checks import check_choice
 from flt.relative.alibi import AlibiBias
@@ -26,7 +29,7 @@ RELATIVE: dict[str, type[RelativeTerm]] = {
 }
 
 
-def build_relative(name: str, *, heads: int, pos_dim: int = 1, causal: bool = False, device=None, dtype=None, **options) -> RelativeTerm:
+def build_relative(name: str, *, heads: int, pos_dim: int = 1, causal: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> RelativeTerm:
     """``RELATIVE[name]`` built for a layer with ``heads`` heads on ``pos_dim``-dimensional
     positions; ``causal`` reaches the terms that take it (the tables keep one side)."""
     check_choice("relative term", name, RELATIVE)

@@ -359,7 +359,7 @@ def positive(raw: torch.Tensor) -> torch.Tensor:
     return torch.exp(raw)
 
 
-def inverse_positive(value, *, shape, device=None, dtype=None) -> torch.Tensor:
+def inverse_positive(value: object, *, shape: tuple[int, ...] | torch.Size, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Unconstrained initial value for :func:`positive`, broadcast to ``shape``.
 
     ``value`` is a number or anything ``torch.as_tensor`` accepts; it must be positive.

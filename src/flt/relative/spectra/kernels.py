@@ -24,14 +24,14 @@ from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, posi
 MATERN_NU = (0.5, 1.5, 2.5)
 
 
-def check_amplitude(value) -> float:
+def check_amplitude(value: object) -> float:
     """Require a finite real initial amplitude (``f(0)``); 0 gives ``f == 0``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"amplitude must be a finite number (the initial f(0)), got {value!r}")
     return float(value)
 
 
-def per_axis(name: str, value, size: int, what: str = "P") -> torch.Tensor:
+def per_axis(name: str, value: object, size: int, what: str = "P") -> torch.Tensor:
     """A positive float or a sequence of ``size`` positive floats, as float64 ``[size]``."""
     t = torch.as_tensor(value, dtype=torch.float64)
     if t.ndim == 0:
