@@ -23,7 +23,7 @@ linear-time features:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from einops import rearrange
@@ -92,7 +92,7 @@ class RelativeTerm(nn.Module):
             raise ValueError(f"{type(self).__name__} takes positions of dimension P = {want}, got P = {P}")
         return pos_q, pos_k
 
-    def score_mod(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None):
+    def score_mod(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None = None) -> Callable[..., torch.Tensor]:
         """The exact term as a FlexAttention ``score_mod``: ``mod(score, b, h, i, j) = score +
         bias(pos_q, pos_k)[b, h, i, j]``, without the ``[B|1, H, N, Nk]`` tensor.
 

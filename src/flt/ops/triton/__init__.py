@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -185,7 +186,8 @@ def tile_candidates(chunk: int, bv: int, bm: int, device: torch.device) -> list[
     return list(dict.fromkeys(tiles))  # without repeats (bv <= 16 makes the two small ones one)
 
 
-def launch_fitted(key: tuple, candidates: list[tuple[int, int, int | None]], attempt, hint: str = "") -> None:
+def launch_fitted(key: tuple, candidates: list[tuple[int, int, int | None]], attempt: Callable[[int, int, int | None], None],
+                  hint: str = "") -> None:
     """Run ``attempt(chunk, bv, stages)`` with the first candidate tile that fits the GPU's
     shared memory (remembered per ``key`` and candidate list); a tile that does not fit
     fails before any work (triton's ``OutOfResources`` at launch, before the kernel runs;
