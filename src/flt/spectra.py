@@ -3,28 +3,5 @@ other relative terms: ``from flt.spectra import SPECTRA`` keeps working. New cod
 ``flt.relative.spectra`` (the submodules, e.g. ``flt.relative.spectra.kernels``, are only
 there)."""
 
-from flt.relative.spectra import (
-    MATERN_NU,
-    SAMPLERS,
-    SPECTRA,
-    GaussianKernelSpectrum,
-    GaussianMixtureSpectrum,
-    LocalSpectrum,
-    MaternSpectrum,
-    NeuralSpectrum,
-    Spectrum,
-    standard_normal_draws,
-)
-
-__all__ = [
-    "MATERN_NU",
-    "SAMPLERS",
-    "SPECTRA",
-    "GaussianKernelSpectrum",
-    "GaussianMixtureSpectrum",
-    "LocalSpectrum",
-    "MaternSpectrum",
-    "NeuralSpectrum",
-    "Spectrum",
-    "standard_normal_draws",
-]
+from flt.relative.spectra import *  # noqa: F403  (the alias exports exactly what the package does)
+from flt.relative.spectra import __all__ as __all__

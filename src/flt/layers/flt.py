@@ -27,7 +27,7 @@ from flt._signatures import flat_options
 from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
 from flt.layers.near import Band, Neighbors
-from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, features_from
+from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, kernel_parts
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
 from flt.relative.base import RelativeTerm
@@ -234,15 +234,15 @@ class FLTAttention(KernelAttention):
         check_rules(Facts(features=feature_map, coupling=coupling, near_field=near_field, near_neighbors=near_neighbors,
                           near_term=near_relative, near_term_options=near_relative_options is not None,
                           far_field=far_field, causal=causal, backend=backend, spectrum_term=True))
-        features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                 qk_norm=qk_norm, temperature=temperature)
+        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
+                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval,
+                                          check_condition=check_condition)
         if spectrum_seed is not None:
             spectrum_options["seed"] = spectrum_seed
         relative = Term(spectrum, num_frequencies=num_frequencies, **spectrum_options)
         term = None if near_relative is None else Term(near_relative, **(near_relative_options or {}))
         near = Band(near_field, term) if near_field else Neighbors(near_neighbors, term) if near_neighbors else None
-        settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend,
-                            redraw_interval=redraw_interval, check_condition=check_condition)
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
                    coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
 

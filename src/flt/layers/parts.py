@@ -210,3 +210,16 @@ def check_kernel_parts(features: Any, settings: Any) -> None:
                                     ("settings", settings, Settings, "a flt.layers.parts.Settings")):
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def kernel_parts(*, feature_map: str = "favor+", num_features: int = 256, orthogonal: bool = True, seed: int | None = None,
+                 qk_norm: bool | None = None, temperature: float = 1.0, rope: bool = False, rope_base: float = 10000.0,
+                 chunk_size: int | None = None, backend: str = "torch", redraw_interval: int | None = None,
+                 check_condition: bool = True) -> tuple[Features, Settings]:
+    """The features and settings parts of a kernel layer's flat options (what the
+    ``_from_options`` of FLT, Performer and Toeplitz share)."""
+    features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                             qk_norm=qk_norm, temperature=temperature)
+    settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend,
+                        redraw_interval=redraw_interval, check_condition=check_condition)
+    return features, settings

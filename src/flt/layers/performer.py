@@ -6,7 +6,7 @@ import torch
 
 from flt._signatures import flat_options
 from flt.layers.kernel import KernelAttention
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, features_from
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
 
 
 class PerformerAttention(KernelAttention):
@@ -51,9 +51,9 @@ class PerformerAttention(KernelAttention):
         ``feature_map``, ``qk_norm``, ``temperature``, ``orthogonal``, ``seed`` make the
         features part; ``rope``, ``rope_base``, ``chunk_size``, ``backend``,
         ``redraw_interval`` the settings."""
-        features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                 qk_norm=qk_norm, temperature=temperature)
-        settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
+        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
+                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings, device=device, dtype=dtype)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:

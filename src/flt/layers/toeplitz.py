@@ -15,7 +15,7 @@ from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
 from flt.layers.kernel import KernelAttention, mask_padded_keys
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, features_from
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import (
     DEFAULT_BLOCK_SIZE,
@@ -114,9 +114,9 @@ class ToeplitzAttention(KernelAttention):
         """The layer from flat options (checked by :meth:`from_options`): the feature and
         settings options as :meth:`flt.layers.performer.PerformerAttention._from_options`,
         the table's and the FFT's as the constructor."""
-        features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                 qk_norm=qk_norm, temperature=temperature)
-        settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
+        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
+                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, max_distance=max_distance, table_scale=table_scale,
                    learn_table_scale=learn_table_scale, fft_dtype=fft_dtype, block_size=block_size, dense_below=dense_below,
                    features=features, settings=settings, device=device, dtype=dtype)

@@ -202,17 +202,13 @@ def favor_attention_kernel(
             decay = tl.exp(tl.where(past, s[None, :] - row_level[:, None], float("-inf")))
             kw = kf * weight[:, None]
             carry = tl.exp(level - row_level)
-            if LOW:
-                scores = tl.dot(qf.to(tl.bfloat16), tl.trans(kw).to(tl.bfloat16), out_dtype=ACC) * decay
-                num = tl.dot(scores.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=ACC)
-                num += tl.dot(qf.to(tl.bfloat16), state.to(tl.bfloat16), out_dtype=ACC) * carry[:, None]
-            else:
-                scores = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
-                num = tl.dot(scores, v, input_precision=PREC, out_dtype=ACC)
-                num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
+            # No bfloat16 operands here (LOW is never set for the causal pass: module docstring).
+            scores = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
+            num = tl.dot(scores, v, input_precision=PREC, out_dtype=ACC)
+            num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
             den = tl.sum(scores, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
             _emit(OUT, A, rows, ok, vcols, vcol_ok, num, den, vb, DV, R2, HAS_MASK, ATOMIC, ACC)
-            state, zsum, level = _absorb(state, zsum, level, kw, s, v, LOW, PREC, ACC)
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, False, PREC, ACC)
     else:
         for start in range(lo, hi, BC):
             rows = start + offs
