@@ -80,6 +80,14 @@ CASES = {
         "multiplies every kernel value): add near_neighbors, or use coupling='logit'",
         lambda: FLTAttention(16, 2, coupling="multiplicative", features=EluFeatures(), far_field=False),
     ),
+    "zero_near_term_needs_a_mask": (
+        Facts(features="favor+", coupling="multiplicative", near_neighbors=8, near_term="zero", far_field=False,
+              spectrum_term=True),
+        "near_relative='zero' (f_near = 0) with far_field=False and coupling='multiplicative' leaves no pair any weight "
+        "(the near mask f + f_near is 0): keep the far term (far_field=true or 'near'), give the near set a term, or use "
+        "coupling='logit'",
+        lambda: FLTAttention(16, 2, coupling="multiplicative", near=Neighbors(8, term="zero"), far_field=False),
+    ),
     "multiplicative_needs_spectrum": (
         Facts(coupling="multiplicative", relative="alibi"),
         "coupling='multiplicative' applies to relative_bias='spectrum' only",

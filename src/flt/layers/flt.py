@@ -78,8 +78,8 @@ class FLTAttention(KernelAttention):
             token by token in constant memory), or :class:`~flt.layers.near.Neighbors` ``(k)``,
             each query's ``k`` nearest keys in position space (either coupling; sets, not
             causal). ``f_near`` is the near set's own term (``term``; by default a second
-            spectrum of the far term's family starting at 0), exact only, so a strong local
-            bias costs no variance. See docs/math.md sections 5.1 and 5.1.1.
+            spectrum of the far term's family starting at 0; ``"zero"``: none, ``f_near =
+            0``), exact only, so a strong local bias costs no variance. See docs/math.md sections 5.1 and 5.1.1.
         coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
         far_field: ``False`` fixes the far-field mask at ``f = 0`` and freezes the spectrum:
             a control for measuring what the random-feature relative term contributes.
@@ -442,5 +442,6 @@ def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: 
                 settings: Settings, head_dim: int, pos_dim: int) -> Facts:
     """The :class:`flt.layers.rules.Facts` of an FLT layer made of these parts."""
     return Facts(features=features.kind, coupling=coupling, near_field=near.width if isinstance(near, Band) else 0,
-                 near_neighbors=near.k if isinstance(near, Neighbors) else 0, far_field=far_field, causal=causal,
+                 near_neighbors=near.k if isinstance(near, Neighbors) else 0, near_term=None if near is None else near.term,
+                 far_field=far_field, causal=causal,
                  backend=settings.backend, rope=settings.rope, head_dim=head_dim, pos_dim=pos_dim, spectrum_term=True)

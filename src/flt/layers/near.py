@@ -3,7 +3,8 @@
 A near set holds, for every query, the keys whose weights the layer computes exactly
 (``exp(x_q.x_k + f + f_near)`` for the logit coupling, ``(f + f_near) exp(x_q.x_k)`` for the
 multiplicative one); all other pairs get the random-feature estimate (docs/math.md 5.1).
-``f_near`` is the near set's own term, exact only, so a strong local bias costs no variance.
+``f_near`` is the near set's own term, exact only, so a strong local bias costs no variance;
+``term="zero"`` gives the near set none (``f_near = 0``: it only makes ``f`` exact on its pairs).
 
 * :class:`Band` ``(w)``: the keys with ``|i - j| <= w`` in token order (sequences), by
   :func:`flt.ops.band.band_attention`; a causal band decodes token by token in constant
@@ -37,22 +38,48 @@ from flt.ops.neighbors import (
     neighbor_attention,
     neighbor_attention_reference,
 )
+from flt.relative.base import RelativeTerm
 
 if TYPE_CHECKING:
     from flt.layers.flt import FLTAttention
     from flt.layers.parts import Term
-    from flt.relative.base import RelativeTerm
+
+
+#: The near set's term that is no term: ``f_near = 0`` (``near_relative="zero"``).
+ZERO_TERM = "zero"
+
+
+class ZeroTerm(RelativeTerm):
+    """``f_near = 0`` at every offset, with no parameters: the term of a near set that only
+    makes the far term ``f`` exact on its pairs (:data:`ZERO_TERM`)."""
+
+    def __init__(self, heads: int, *, pos_dim: int = 1, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        check_positive_int("heads", heads)
+        self.heads, self.pos_dim = heads, pos_dim
+        self.dtype = dtype or torch.get_default_dtype()
+
+    def of_offsets(self, delta: torch.Tensor) -> torch.Tensor:
+        return delta.new_zeros((*delta.shape[:-1], self.heads))
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, pos_dim={self.pos_dim}"
 
 
 class NearSet:
     """What both near sets share: the term ``f_near`` and how it is built.
 
     ``term``: ``None`` (default) a second spectrum of the far term's family with its
-    options, starting at 0; a name in :data:`flt.relative.RELATIVE` that is a function of
-    the offset, e.g. ``"clipped"`` (a learned table with one entry per offset of the band;
-    ``max_distance`` defaults to the band's width); a :class:`flt.layers.parts.Term`
-    (name and options); or a :class:`flt.relative.RelativeTerm` module. Only its exact
-    values are used, so it needs no features.
+    options, starting at 0; ``"zero"`` (:data:`ZERO_TERM`): no term of its own, ``f_near =
+    0`` for good, so the near set only makes ``f`` exact on its pairs (a learned ``f_near``
+    can turn a multiplicative mask ``f + f_near`` negative at the near set's outer edge,
+    where rows of weights then cancel: docs/results.md, "Why the catalysis near set trains
+    worse"); a name in :data:`flt.relative.RELATIVE` that is a function of the offset, e.g.
+    ``"clipped"`` (a learned table with one entry per offset of the band; ``max_distance``
+    defaults to the band's width); a :class:`flt.layers.parts.Term` (name and options); or
+    a :class:`flt.relative.RelativeTerm` module. Only its exact values are used, so it
+    needs no features.
     """
 
     term: Any
@@ -66,7 +93,6 @@ class NearSet:
     def _normalise_term(self) -> None:
         """A term given by name becomes a :class:`flt.layers.parts.Term` (equal parts compare equal)."""
         from flt.layers.parts import Term
-        from flt.relative.base import RelativeTerm
 
         if isinstance(self.term, str):
             object.__setattr__(self, "term", Term(self.term))
@@ -79,12 +105,15 @@ class NearSet:
         """The module ``f_near`` for a layer whose far term is ``relative`` (a
         :class:`flt.layers.parts.Term` or a module); a spectrum starts at amplitude ``start``."""
         from flt.layers.parts import Term
-        from flt.relative.base import RelativeTerm
         from flt.relative.spectra import SPECTRA
 
         term = self.term
         if isinstance(term, RelativeTerm):
             module = term
+        elif isinstance(term, Term) and term.name == ZERO_TERM:
+            if term.options:
+                raise ValueError(f"near_relative={ZERO_TERM!r} (f_near = 0) takes no options, got {sorted(term.options)}")
+            module = ZeroTerm(heads, pos_dim=pos_dim, device=device, dtype=dtype)
         else:
             if term is None:
                 if not isinstance(relative, Term):

@@ -64,6 +64,11 @@ class Rule:
     error: type[Exception] = ValueError
 
 
+def _zero_term(term: Any) -> bool:
+    """Whether a near set's term, as given (a name or a part with ``name``), is ``"zero"``."""
+    return getattr(term, "name", term) == "zero"
+
+
 RULES: tuple[Rule, ...] = (
     Rule("logit_needs_favor", "coupling",
          lambda f: f.coupling == "logit" and f.features not in (None, "favor+"),
@@ -107,6 +112,11 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.far_field is False and f.coupling == "multiplicative" and not f.near_neighbors,
          lambda f: "far_field=False with coupling='multiplicative' leaves no pair any weight (f = 0 "
                    "multiplies every kernel value): add near_neighbors, or use coupling='logit'"),
+    Rule("zero_near_term_needs_a_mask", "near",
+         lambda f: _zero_term(f.near_term) and f.far_field is False and f.coupling == "multiplicative",
+         lambda f: "near_relative='zero' (f_near = 0) with far_field=False and coupling='multiplicative' leaves no pair any "
+                   "weight (the near mask f + f_near is 0): keep the far term (far_field=true or 'near'), give the near set "
+                   "a term, or use coupling='logit'"),
     Rule("multiplicative_needs_spectrum", "coupling",
          lambda f: f.coupling == "multiplicative" and not f.spectrum_term,
          lambda f: "coupling='multiplicative' applies to relative_bias='spectrum' only"),
