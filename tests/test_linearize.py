@@ -205,6 +205,13 @@ def test_bad_attention_is_refused_before_loading(attention, message, checkpoints
     assert message in err and "Traceback" not in err
 
 
+def test_weights_transfer_refuses_the_multiplicative_coupling_before_loading(checkpoints, tmp_path, capsys, isolated_cli):
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--transfer", "weights",
+                      "--attention", "flt:coupling=multiplicative:near_field=0"], capsys)
+    assert "does not have (its signed mask" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_converted_model_is_not_linearized_again(checkpoints, text_file, tmp_path, one_thread):
     config = small_config(text_file, transfer_steps=1, finetune_steps=0)
     linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
@@ -340,7 +347,7 @@ def test_weights_transfer_lowers_every_layers_kl(transfer, checkpoints, text_fil
     summary = linearize(checkpoints["sharp"], str(tmp_path / "run"), config, progress=False, plots=False)
     before, after = summary["weights_kl"]["before"], summary["weights_kl"]["after"]
     assert summary["transfer"] == transfer and len(before) == len(after) == 2
-    for layer, (b, a) in enumerate(zip(before, after)):
+    for layer, (b, a) in enumerate(zip(before, after, strict=True)):
         assert a < 0.97 * b, f"layer {layer}: weights' KL {b:.3g} -> {a:.3g}"
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     steps = [r for r in records if r["split"] == "transfer"]

@@ -61,7 +61,7 @@ def test_weights_times_values_are_the_cores_output(case, path):
 
 def test_weights_of_the_last_queries_are_the_last_rows():
     core = make_core("flt", {"qk_norm": False, "near_field": 3, "amplitude": 0.7})
-    q, k, v = qkv()
+    q, k, _ = qkv()
     full = core.weights(q, k)
     torch.testing.assert_close(core.weights(q[:, :, -4:], k), full[:, :, -4:], rtol=0, atol=1e-12)
 

@@ -252,7 +252,8 @@ def perplexity(model, tokens: torch.Tensor, *, seq_len: int, batch_size: int, ma
 
 
 def check_attention(config: LinearizeConfig) -> None:
-    """Refuse an unknown mechanism or option before any model loads (the checks of ``flt train``)."""
+    """Refuse an unknown mechanism or option before any model loads (the checks of ``flt train``),
+    and weights to match from a mechanism without them."""
     from flt._checks import check_choice
     from flt.layers import ATTENTION
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
@@ -263,6 +264,9 @@ def check_attention(config: LinearizeConfig) -> None:
     if "path" in config.attention_options:
         raise ValueError("path is not an attention option here: linearize trains the estimator (path='forward')")
     check_attention_options(config.attention, config.attention_options, reserved=ATTENTION_ARGUMENTS)
+    if config.transfer != "outputs" and config.attention_options.get("coupling") == "multiplicative":
+        raise ValueError(f"--transfer {config.transfer} matches attention weights, which coupling='multiplicative' does not "
+                         "have (its signed mask makes them signed); use --transfer outputs or coupling='logit'")
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:
