@@ -13,6 +13,8 @@ A core is a layer of :data:`flt.layers.ATTENTION` with its projections removed, 
 the queries, keys and values it is given: the layer's own ``forward``, ``reference`` and
 ``exact`` compute the output, so a core and the layer it comes from agree to the last bit
 (tests/test_functional.py) and a core gains whatever the layer gains.
+:meth:`AttentionCore.weights` gives the ``N x N`` attention weights the output is made of
+(the weights ``flt linearize --transfer weights`` matches to a softmax model's).
 
 Shapes: ``q [B, H, Nq, D]``, ``k [B, H, N, D]``, ``v [B, H, N, Dv]``, positions
 ``pos [B, N, P]``, ``[N, P]`` or ``[B, N]`` (integer position ids, ``P = 1``), None for
