@@ -166,6 +166,22 @@ def test_resume_continues_bit_for_bit(stop, transfer, checkpoints, text_file, tm
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resume_continues_a_run_from_before_transfer_was_an_option(checkpoints, text_file, tmp_path, one_thread):
+    """A checkpoint whose settings have no ``transfer`` matched outputs: it resumes as one."""
+    config = small_config(text_file, transfer_steps=2, finetune_steps=1, checkpoint_every=1)
+    with pytest.raises(LinearizeInterrupted):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False, on_step=_StopAt(1))
+    meta_file = tmp_path / "run" / "checkpoints" / "step-00000001" / "config.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["linearize"]["transfer"]
+    meta_file.write_text(json.dumps(meta))
+    summary = linearize(checkpoints["llama"], str(tmp_path / "run"), config, resume=True, progress=False, plots=False)
+    assert summary["transfer"] == "outputs" and summary["steps"] == 3
+    with pytest.raises(ValueError, match="differ: transfer"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), dataclasses.replace(config, transfer="weights"), resume=True,
+                  progress=False, plots=False)
+
+
 def test_resume_refuses_other_options(checkpoints, text_file, tmp_path, one_thread):
     config = small_config(text_file, transfer_steps=1, finetune_steps=0)
     linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
