@@ -4,6 +4,7 @@ directory that resumes bit for bit. Tiny random Llama and GPT-2 checkpoints, bui
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -16,6 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from flt.cli import main
 from flt.train.linearize import (
+    LayerMatching,
     LinearizeConfig,
     LinearizeInterrupted,
     byte_ids,
@@ -144,14 +146,15 @@ class _StopAt:
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("stop", [2, 3, 5])
-def test_resume_continues_bit_for_bit(stop, checkpoints, text_file, tmp_path, one_thread):
+@pytest.mark.parametrize(("stop", "transfer"), [(2, "outputs"), (3, "outputs"), (5, "outputs"), (2, "both")])
+def test_resume_continues_bit_for_bit(stop, transfer, checkpoints, text_file, tmp_path, one_thread):
     """Stopped inside transfer (2), at the stage boundary (3: fine-tuning starts with a fresh
     optimizer) or inside fine-tuning (5: its optimizer and GPT-2's dropout noise restored),
-    then resumed, the run ends with the same records and weights as an uninterrupted one."""
+    then resumed, the run ends with the same records and weights as an uninterrupted one
+    (matching outputs, or outputs and weights)."""
     from safetensors.torch import load_file
 
-    config = small_config(text_file, checkpoint_every=1)
+    config = small_config(text_file, checkpoint_every=1, transfer=transfer)
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     linearize(checkpoints["gpt2"], str(whole), config, progress=False, plots=False)
     with pytest.raises(LinearizeInterrupted) as info:
@@ -161,6 +164,22 @@ def test_resume_continues_bit_for_bit(stop, checkpoints, text_file, tmp_path, on
     assert read_metrics(str(parts / "metrics.jsonl")) == read_metrics(str(whole / "metrics.jsonl"))
     a, b = load_file(whole / "model" / "model.safetensors"), load_file(parts / "model" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_continues_a_run_from_before_transfer_was_an_option(checkpoints, text_file, tmp_path, one_thread):
+    """A checkpoint whose settings have no ``transfer`` matched outputs: it resumes as one."""
+    config = small_config(text_file, transfer_steps=2, finetune_steps=1, checkpoint_every=1)
+    with pytest.raises(LinearizeInterrupted):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False, on_step=_StopAt(1))
+    meta_file = tmp_path / "run" / "checkpoints" / "step-00000001" / "config.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["linearize"]["transfer"]
+    meta_file.write_text(json.dumps(meta))
+    summary = linearize(checkpoints["llama"], str(tmp_path / "run"), config, resume=True, progress=False, plots=False)
+    assert summary["transfer"] == "outputs" and summary["steps"] == 3
+    with pytest.raises(ValueError, match="differ: transfer"):
+        linearize(checkpoints["llama"], str(tmp_path / "run"), dataclasses.replace(config, transfer="weights"), resume=True,
+                  progress=False, plots=False)
 
 
 def test_resume_refuses_other_options(checkpoints, text_file, tmp_path, one_thread):
@@ -200,6 +219,13 @@ def test_bad_model_dir_is_one_line_error(checkpoints, tmp_path, capsys, isolated
 def test_bad_attention_is_refused_before_loading(attention, message, checkpoints, tmp_path, capsys, isolated_cli):
     err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--attention", attention], capsys)
     assert message in err and "Traceback" not in err
+
+
+def test_weights_transfer_refuses_the_multiplicative_coupling_before_loading(checkpoints, tmp_path, capsys, isolated_cli):
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--transfer", "weights",
+                      "--attention", "flt:coupling=multiplicative:near_field=0"], capsys)
+    assert "does not have (its signed mask" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_converted_model_is_not_linearized_again(checkpoints, text_file, tmp_path, one_thread):
@@ -262,3 +288,112 @@ def test_a_core_without_learned_parts_has_nothing_to_transfer(checkpoints, text_
                         progress=False, plots=False)
     assert summary["ppl"]["converted"] == pytest.approx(summary["ppl"]["softmax"], rel=1e-5)
     assert summary["ppl"]["transferred"] is None and summary["matching_error"]["after"] is None
+
+
+def _values(module, hidden):
+    """The values ``[B, H, N, D]`` a Llama or GPT-2 attention module computes from its input
+    (repeated for grouped queries), written out from its projections."""
+    B, N, _ = hidden.shape
+    if hasattr(module, "v_proj"):
+        v = module.v_proj(hidden).view(B, N, -1, module.head_dim).transpose(1, 2)
+        return v.repeat_interleave(module.num_key_value_groups, dim=1)
+    v = module.c_attn(hidden).split(module.embed_dim, dim=2)[2]
+    return v.view(B, N, module.num_heads, module.head_dim).transpose(1, 2)
+
+
+def _out_projection(module, heads):
+    merged = heads.transpose(1, 2).flatten(2)
+    return module.o_proj(merged) if hasattr(module, "o_proj") else module.c_proj(merged)
+
+
+def _teacher_and_student(directory, **options):
+    """The softmax model (float64, eager attention) and a converted copy."""
+    from flt.integrations.transformers import convert
+
+    teacher = (LlamaForCausalLM if "llama" in directory.name or "sharp" in directory.name else GPT2LMHeadModel).from_pretrained(directory)
+    teacher = teacher.double().eval()
+    student = convert(copy.deepcopy(teacher), "flt", **options)
+    teacher.set_attn_implementation("eager")
+    return teacher, student
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_teacher_weights_times_values_are_the_teacher_layers_output(name, checkpoints, one_thread):
+    from flt.integrations.transformers import attention_modules
+
+    teacher, student = _teacher_and_student(checkpoints[name], near_field=4, qk_norm=False, num_features=16, seed=0)
+    matching = LayerMatching(teacher, student, weights=True)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    matching.losses(ids)
+    for i, module in enumerate(attention_modules(teacher)):
+        w = matching.target_weights[i]
+        assert w.shape == (2, 4, 20, 20)
+        with torch.no_grad():
+            out = _out_projection(module, w @ _values(module, matching.inputs[i]))
+        torch.testing.assert_close(out, matching.targets[i], rtol=0, atol=1e-10)
+        # Llama's eager attention takes its softmax in float32 whatever the model's dtype.
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 20, dtype=torch.float64), rtol=0, atol=1e-6)
+        assert torch.equal(w.triu(1), torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_weights_kl_is_zero_for_a_student_equal_to_the_teacher(name, checkpoints, one_thread):
+    """FLT with f = 0, no query-key normalisation and a band over every causal pair is
+    softmax itself: its weights' KL from the teacher's is 0; without the band it is not."""
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    teacher, student = _teacher_and_student(checkpoints[name], near_field=20, qk_norm=False, num_features=16, seed=0)
+    losses = {k: v.detach() for k, v in LayerMatching(teacher, student, weights=True).losses(ids).items()}
+    # 0 up to the float32 rounding of Llama's eager softmax (GPT-2's is in float64: 1e-16).
+    assert losses["weights"].shape == (2,) and float(losses["weights"].abs().max()) < 1e-6
+    assert float(losses["outputs"].max()) < 1e-10
+    teacher, student = _teacher_and_student(checkpoints[name], qk_norm=False, num_features=16, seed=0)
+    assert float(LayerMatching(teacher, student, weights=True).losses(ids)["weights"].detach().min()) > 1e-4
+
+
+def test_matching_weights_needs_the_teachers_eager_attention(checkpoints):
+    teacher, student = _teacher_and_student(checkpoints["llama"], near_field=4, qk_norm=False, num_features=16, seed=0)
+    teacher.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="eager"):
+        LayerMatching(teacher, student, weights=True)
+
+
+@pytest.mark.parametrize("transfer", ["weights", "both"])
+def test_weights_transfer_lowers_every_layers_kl(transfer, checkpoints, text_file, tmp_path, one_thread):
+    config = small_config(text_file, transfer=transfer, transfer_steps=12, finetune_steps=0, eval_every=12, checkpoint_every=12)
+    summary = linearize(checkpoints["sharp"], str(tmp_path / "run"), config, progress=False, plots=False)
+    before, after = summary["weights_kl"]["before"], summary["weights_kl"]["after"]
+    assert summary["transfer"] == transfer and len(before) == len(after) == 2
+    for layer, (b, a) in enumerate(zip(before, after, strict=True)):
+        assert a < 0.97 * b, f"layer {layer}: weights' KL {b:.3g} -> {a:.3g}"
+    records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+    steps = [r for r in records if r["split"] == "transfer"]
+    assert len(steps) == 12 and all(len(r["kl"]) == len(r["layers"]) == 2 for r in steps)
+    if transfer == "weights":  # the loss is the KL averaged over the layers
+        assert all(r["loss"] == pytest.approx(sum(r["kl"]) / 2, rel=1e-6) for r in steps)
+
+
+def test_outputs_transfer_records_no_kl(checkpoints, text_file, tmp_path, one_thread):
+    summary = linearize(checkpoints["llama"], str(tmp_path / "run"), small_config(text_file, finetune_steps=0), progress=False,
+                        plots=False)
+    assert summary["transfer"] == "outputs" and summary["weights_kl"] == {"before": None, "after": None}
+    assert not any("kl" in r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")))
+
+
+def test_cli_transfer_flag(checkpoints, text_file, tmp_path, capsys, isolated_cli):
+    from flt.cli import build_parser
+    from flt.commands.linearize import config_from_args
+
+    assert config_from_args(build_parser().parse_args(["linearize", "m", "--out-dir", "o"])).transfer == "outputs"
+    out = tmp_path / "run"
+    code = main(["linearize", str(checkpoints["gpt2"]), "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
+                 "--batch-size", "2", "--transfer-steps", "2", "--finetune-steps", "1", "--warmup-steps", "1",
+                 "--eval-every", "2", "--eval-batches", "1", "--transfer", "both", "--no-progress"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["transfer"] == "both" and len(summary["weights_kl"]["after"]) == 2
+    assert (out / "learning_curves.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["linearize", "m", "--out-dir", "o", "--transfer", "attention"])
+    assert "--transfer: invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="transfer must be one of"):
+        LinearizeConfig(transfer="attention")

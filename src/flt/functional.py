@@ -13,6 +13,8 @@ A core is a layer of :data:`flt.layers.ATTENTION` with its projections removed, 
 the queries, keys and values it is given: the layer's own ``forward``, ``reference`` and
 ``exact`` compute the output, so a core and the layer it comes from agree to the last bit
 (tests/test_functional.py) and a core gains whatever the layer gains.
+:meth:`AttentionCore.weights` gives the ``N x N`` attention weights the output is made of
+(the weights ``flt linearize --transfer weights`` matches to a softmax model's).
 
 Shapes: ``q [B, H, Nq, D]``, ``k [B, H, N, D]``, ``v [B, H, N, Dv]``, positions
 ``pos [B, N, P]``, ``[N, P]`` or ``[B, N]`` (integer position ids, ``P = 1``), None for
@@ -106,6 +108,34 @@ class AttentionCore(nn.Module):
         layer's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
         return self._run("exact", q, k, v, pos, key_padding_mask)
 
+    def weights(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, *, path: str = "forward") -> torch.Tensor:
+        """``[B, H, Nq, N]``: the normalised attention weights ``w_ij`` this core gives
+        query ``i`` and key ``j``, so that its output is ``weights @ v`` (``O(N^2)`` memory).
+
+        ``path="forward"`` (or ``"reference"``) gives the weights of the estimator (the
+        kernel features' ``phi(q_i).phi(k_j)`` row-normalised; with FLT's band the exact
+        weights on the band and the estimate beyond it); ``"exact"`` those of the attention
+        it estimates (:meth:`exact`). No new formula: they are the layer's own ``O(N^2)``
+        reference (or exact) formula applied to the values ``v = I`` (``[B, H, N, N]``),
+        whose output row ``i`` is ``sum_j w_ij e_j``; this costs ``O(N^2 (D + N))`` per head.
+        Causal cores give zeros above the diagonal; each row sums to 1 (0 for a row whose
+        keys are all padded or whose kernel values all vanish).
+
+        Refused (``ValueError``): the multiplicative coupling (FLT's or softmax's), whose
+        signed mask ``f`` makes the weights a ratio of signed sums rather than a
+        distribution over the keys.
+        """
+        if getattr(self.attention, "coupling", "logit") == "multiplicative":
+            raise ValueError(f"weights() of {self.mechanism_name!r} with coupling='multiplicative': its signed mask f "
+                             "makes the weights signed, not a distribution over the keys; use coupling='logit'")
+        methods = {"forward": "reference", "reference": "reference", "exact": "exact"}
+        check_choice("path", path, sorted(methods))
+        check_tensor("k", k, ndim=4, layout="[B, H, N, D]")
+        n = k.shape[2]
+        eye = torch.eye(n, device=k.device, dtype=compute_dtype(q)).expand(*k.shape[:2], n, n)
+        return self._run(methods[path], q, k, eye, pos, key_padding_mask)
+
     def _run(self, method: str, q, k, v, pos, key_padding_mask) -> torch.Tensor:
         q, pos = self._check(q, k, v, pos)
         nq = q.shape[2]
@@ -113,7 +143,10 @@ class AttentionCore(nn.Module):
             # Causal rows are independent: the last rows of the full attention are these
             # queries' outputs, whatever the earlier (zero) queries are.
             q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - nq, q.shape[3]), q], dim=2)
-        out = self._call_layer(lambda layer: getattr(layer, method)(q, pos, key_padding_mask), q, k, v)
+        # The layer's x only tells its length (and nothing else: its projections are replaced):
+        # a [B, N, dim] view of one zero, as for step()'s token.
+        x = q.new_zeros(()).expand(q.shape[0], q.shape[2], self.attention.dim)
+        out = self._call_layer(lambda layer: getattr(layer, method)(x, pos, key_padding_mask), q, k, v)
         return out[:, :, -nq:].to(v.dtype)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None,

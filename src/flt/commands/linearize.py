@@ -5,6 +5,8 @@ attention transfer and fine-tuning (:mod:`flt.train.linearize`).
 (Llama, Qwen2, Mistral) or GPT-2 (``save_pretrained``; nothing is downloaded). Its
 attention is converted to ``--attention`` (the syntax of ``flt train``: a mechanism and
 its options), then the cores are trained to reproduce each softmax layer's output
+(``--transfer outputs``, the default), its attention weights (``--transfer weights``: the
+KL divergence of the core's weights from the softmax's, row by row) or both
 (``--transfer-steps``, cores only, original weights frozen), then ``--finetune``
 parameters train on next-token loss (``--finetune-steps``). The run directory holds
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json`` (validation perplexity: softmax,
@@ -17,6 +19,7 @@ Examples::
     python scripts/train_tiny_llama.py --out-dir runs/tiny-llama
     flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --transfer-steps 100 --finetune-steps 200
     flt linearize runs/tiny-llama --attention flt:near_field=8 --out-dir runs/tiny-llama-band8   # a narrower band
+    flt linearize runs/tiny-llama --transfer weights --out-dir runs/tiny-llama-weights   # match attention weights
     flt linearize runs/tiny-llama --attention performer:feature_map=hedgehog:num_features=64 --out-dir runs/tiny-llama-hedgehog
     flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --resume   # continue a stopped run
 """
@@ -47,7 +50,7 @@ CONFIG_FLAGS = {
 
 
 def add_parser(subparsers) -> None:
-    from flt.train.linearize import LinearizeConfig
+    from flt.train.linearize import TRANSFER, LinearizeConfig
 
     defaults = LinearizeConfig()
     p = subparsers.add_parser(
@@ -63,6 +66,9 @@ def add_parser(subparsers) -> None:
                    f"{':'.join(f'{k}={json.dumps(v)}' for k, v in defaults.attention_options.items())}; for flt, options given "
                    "override these one by one; other mechanisms take only the options given)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
+    p.add_argument("--transfer", choices=TRANSFER, default=defaults.transfer,
+                   help="what attention transfer matches: each softmax layer's output, its attention weights (KL per row, "
+                   "as Hedgehog and LoLCATs), or both (default: outputs)")
     p.add_argument("--finetune", choices=("all", "attention", "cores"), default="all",
                    help="what trains in fine-tuning: the whole model, the attention modules, or the flt cores (default: all)")
     for name, (kind, text) in CONFIG_FLAGS.items():
@@ -89,7 +95,7 @@ def config_from_args(args):
     changes["attention_options"] = options
     # Recorded absolute, so that --resume from another directory finds the same text.
     data = None if args.data is None else os.path.abspath(args.data)
-    config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, **changes)
+    config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, transfer=args.transfer, **changes)
     check_attention(config)
     return config
 

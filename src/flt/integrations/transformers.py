@@ -142,7 +142,10 @@ def flt_attention_forward(module, query, key, value, attention_mask, scaling=Non
     if query.shape[2] < key.shape[2]:  # decoding: the cached keys' positions are taken to be consecutive
         check_left_padding(pad)
     pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
-    out = getattr(core, core.path)(query, key, value, pos, pad)
+    # The estimator through the module call, so that hooks on the core see its inputs
+    # (flt.train.linearize records them to compute the core's attention weights).
+    run = core if core.path == "forward" else getattr(core, core.path)
+    out = run(query, key, value, pos, pad)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -6,18 +6,22 @@ in two stages, as Hedgehog and LoLCATs linearise pretrained models:
 
 1. **attention transfer** (``transfer_steps``): every converted attention module sees the
    *teacher's* input to that layer (the original softmax model's hidden states, captured by
-   forward hooks) and is trained to reproduce the teacher layer's output (after its output
-   projection), by the relative squared error (:func:`relative_error`) summed over layers. Only the flt cores' parameters
-   train (spectrum, feature maps, near-field terms, temperatures); every weight of the
-   original model is frozen. Each layer learns from the teacher's inputs, not from the
-   student's own earlier layers, so the layers train independently in one pass.
+   forward hooks) and is trained (``transfer``) to reproduce the teacher layer's output
+   (``"outputs"``, the default: after its output projection, by the relative squared error
+   :func:`relative_error` summed over layers), its attention weights (``"weights"``, as
+   Hedgehog and LoLCATs do: the KL divergence of each row of the core's weights from the
+   softmax's, :func:`attention_kl`, averaged over layers) or both (their sum). Only the flt
+   cores' parameters train (spectrum, feature maps, near-field terms, temperatures); every
+   weight of the original model is frozen. Each layer learns from the teacher's inputs, not
+   from the student's own earlier layers, so the layers train independently in one pass.
 2. **fine-tuning** (``finetune_steps``): the whole converted model (``finetune="all"``,
    default), its attention modules (``"attention"``: cores and q/k/v/o projections) or the
    cores only (``"cores"``), by next-token cross-entropy on the same text.
 
 The run directory is the one ``flt train`` writes (the same checkpoint, lock, metrics and
 plot code of :mod:`flt.train`): ``run.json``, ``metrics.jsonl`` (``transfer`` records: the
-matching loss of each layer and their sum; ``train``; ``valid``), ``checkpoints/``
+loss, each layer's output error ``layers`` and, when weights are matched, its weights' KL
+``kl``; ``train``; ``valid``; ``matching`` before and after transfer), ``checkpoints/``
 (atomic, hashed; ``resume=True`` continues bit for bit), ``summary.json`` (validation
 perplexity of the softmax model, of the converted model before transfer, after transfer
 and after fine-tuning), ``learning_curves.png`` and ``model/``, the linearised model saved
@@ -32,7 +36,9 @@ checkpoint's tokenizer when ``MODEL_DIR`` has one (``AutoTokenizer``), else byte
 ``scripts/train_tiny_llama.py``'s).
 
 Attention dropout is set to 0 on load (a linear core has no attention matrix to drop);
-the random features are drawn once (``seed``) and not redrawn.
+the random features are drawn once (``seed``) and not redrawn. Matching weights runs the
+teacher with ``transformers``' eager attention, which returns them (its perplexity then
+differs from the default implementation's by float32 rounding only).
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ from flt.tasks.base import step_generator
 
 #: What trains during fine-tuning (:class:`LinearizeConfig.finetune`).
 FINETUNE = ("all", "attention", "cores")
+#: What attention transfer matches (:class:`LinearizeConfig.transfer`): each layer's
+#: output, its attention weights, or both.
+TRANSFER = ("outputs", "weights", "both")
 #: Config attributes of attention dropout in ``transformers`` configs (Llama family, GPT-2).
 ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop")
 #: Files that mark a directory as a ``transformers`` tokenizer.
@@ -75,6 +84,7 @@ class LinearizeConfig:
     The default is FLT's logit coupling with an exact band of 32 tokens, FAVOR+ beyond it and
     no query-key normalisation, so that the converted core starts as close as an estimate
     can to the softmax it replaces (with ``f = 0`` its exact path *is* that softmax).
+    ``transfer`` is what attention transfer matches (:data:`TRANSFER`; module docstring).
     Learning rates follow a linear warm-up and a cosine decay within each stage.
     """
 
@@ -90,6 +100,7 @@ class LinearizeConfig:
     finetune_lr: float = 3e-4
     warmup_steps: int = 10
     finetune: str = "all"
+    transfer: str = "outputs"
     grad_clip: float | None = 1.0
     eval_every: int = 50
     eval_batches: int | None = 16
@@ -110,6 +121,8 @@ class LinearizeConfig:
             raise ValueError("transfer_steps + finetune_steps must be at least 1")
         if self.finetune not in FINETUNE:
             raise ValueError(f"finetune must be one of {FINETUNE}, got {self.finetune!r}")
+        if self.transfer not in TRANSFER:
+            raise ValueError(f"transfer must be one of {TRANSFER}, got {self.transfer!r}")
         if not 0.0 < self.valid_fraction < 1.0:
             raise ValueError(f"valid_fraction must lie strictly between 0 and 1, got {self.valid_fraction!r}")
         for name in ("transfer_lr", "finetune_lr"):
@@ -239,7 +252,8 @@ def perplexity(model, tokens: torch.Tensor, *, seq_len: int, batch_size: int, ma
 
 
 def check_attention(config: LinearizeConfig) -> None:
-    """Refuse an unknown mechanism or option before any model loads (the checks of ``flt train``)."""
+    """Refuse an unknown mechanism or option before any model loads (the checks of ``flt train``),
+    and weights to match from a mechanism without them."""
     from flt._checks import check_choice
     from flt.layers import ATTENTION
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
@@ -250,6 +264,9 @@ def check_attention(config: LinearizeConfig) -> None:
     if "path" in config.attention_options:
         raise ValueError("path is not an attention option here: linearize trains the estimator (path='forward')")
     check_attention_options(config.attention, config.attention_options, reserved=ATTENTION_ARGUMENTS)
+    if config.transfer != "outputs" and config.attention_options.get("coupling") == "multiplicative":
+        raise ValueError(f"--transfer {config.transfer} matches attention weights, which coupling='multiplicative' does not "
+                         "have (its signed mask makes them signed); use --transfer outputs or coupling='logit'")
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:
@@ -308,28 +325,57 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), target) / target.pow(2).mean().clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def attention_kl(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over the rows of ``sum_j A_ij (log A_ij - log W_ij)``, the KL divergence of the
+    student's attention weights ``weights`` from the teacher's ``target`` (both ``[B, H,
+    N, N]``, rows summing to 1), in float32 or better: the row cross-entropy minus the
+    teacher's entropy, 0 when they are equal. Keys without teacher weight (causally masked)
+    add nothing; a student weight of 0 where the teacher has one counts as the smallest
+    positive float of the compute dtype."""
+    from flt._dtype import compute_dtype
+
+    if weights.shape != target.shape:
+        raise ValueError(f"the student's attention weights {tuple(weights.shape)} and the teacher's {tuple(target.shape)} differ in shape")
+    dtype = compute_dtype(weights, target)
+    a, w = target.to(dtype), weights.to(dtype)
+    tiny = torch.finfo(dtype).tiny
+    return (a * (a.clamp_min(tiny).log() - w.clamp_min(tiny).log())).sum(-1).mean()
+
+
 class LayerMatching:
     """Attention transfer by hooks: the teacher's (softmax) attention modules record their
     input hidden states and outputs; the student's converted modules take the teacher's
-    inputs in place of their own and record their outputs. :meth:`loss` is the relative
-    squared error of each layer's output against the teacher's (:func:`relative_error`),
-    ``[L]`` (one value per layer). The
-    hooks act only inside :meth:`loss`: elsewhere both models run as they are."""
+    inputs in place of their own and record their outputs. :meth:`losses` gives the
+    relative squared error of each layer's output against the teacher's
+    (:func:`relative_error`) and, with ``weights=True``, the KL divergence of each layer's
+    attention weights from the teacher's (:func:`attention_kl`): the teacher's are those
+    its eager attention returns (the teacher must run ``attn_implementation="eager"``),
+    the student's are its core's (:meth:`flt.functional.AttentionCore.weights`) on the
+    queries, keys and positions the core was called with (recorded by a hook on the core).
+    The hooks act only inside :meth:`losses`: elsewhere both models run as they are."""
 
-    def __init__(self, teacher, student):
+    def __init__(self, teacher, student, *, weights: bool = False):
         from flt.integrations.transformers import attention_modules
 
-        self.teacher, self.student = teacher, student
+        if weights and getattr(teacher.config, "_attn_implementation", None) != "eager":
+            raise ValueError("matching attention weights needs the teacher's eager attention, which returns them: "
+                             "call teacher.set_attn_implementation('eager') first")
+        self.teacher, self.student, self.weights = teacher, student, weights
         pairs = list(zip(attention_modules(teacher), attention_modules(student), strict=False))
         self.inputs: list[torch.Tensor | None] = [None] * len(pairs)
         self.targets: list[torch.Tensor | None] = [None] * len(pairs)
         self.outputs: list[torch.Tensor | None] = [None] * len(pairs)
+        self.target_weights: list[torch.Tensor | None] = [None] * len(pairs)
+        self.core_inputs: list[tuple | None] = [None] * len(pairs)
+        self.cores = [s.flt_core for _, s in pairs] if weights else []
         self.handles, self.active = [], False
         for i, (t, s) in enumerate(pairs):
             self.handles += [t.register_forward_pre_hook(self._record_input(i), with_kwargs=True),
-                             t.register_forward_hook(self._record(self.targets, i)),
+                             t.register_forward_hook(self._record_target(i)),
                              s.register_forward_pre_hook(self._replace_input(i), with_kwargs=True),
                              s.register_forward_hook(self._record(self.outputs, i))]
+        for i, core in enumerate(self.cores):
+            self.handles.append(core.register_forward_hook(self._record_core_inputs(i)))
 
     def _record_input(self, i):
         def hook(module, args, kwargs):
@@ -352,8 +398,25 @@ class LayerMatching:
                 store[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-layer relative squared error ``[L]`` of the student's attention outputs on ``input_ids [B, T]``."""
+    def _record_target(self, i):
+        def hook(module, args, output):
+            if self.active:
+                self.targets[i] = output[0] if isinstance(output, tuple) else output
+                if self.weights:
+                    self.target_weights[i] = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        return hook
+
+    def _record_core_inputs(self, i):
+        def hook(core, args, output):
+            if self.active:
+                q, k, _, pos, pad = args  # flt_attention_forward calls core(query, key, value, pos, pad)
+                self.core_inputs[i] = (q, k, pos, pad)
+        return hook
+
+    def losses(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """On ``input_ids [B, T]``: ``{"outputs": [L]}``, each layer's relative squared
+        output error, and with ``weights=True`` also ``"weights": [L]``, each layer's KL
+        divergence of its attention weights from the teacher's."""
         self.active = True
         try:
             with torch.no_grad():
@@ -361,34 +424,70 @@ class LayerMatching:
             self.student(input_ids=input_ids)
         finally:
             self.active = False
-        errors = []
+        errors, divergences = [], []
         for i, (out, target) in enumerate(zip(self.outputs, self.targets, strict=True)):
             if out is None or target is None:
                 raise RuntimeError(f"attention layer {i} of the teacher or the student did not run on input_ids")
             errors.append(relative_error(out, target))
-        return torch.stack(errors)
+            if self.weights:
+                divergences.append(attention_kl(self._student_weights(i), self._teacher_weights(i)))
+        result = {"outputs": torch.stack(errors)}
+        if self.weights:
+            result["weights"] = torch.stack(divergences)
+        return result
+
+    def _teacher_weights(self, i: int) -> torch.Tensor:
+        target = self.target_weights[i]
+        if target is None:
+            raise RuntimeError(f"the teacher's attention layer {i} returned no attention weights (it must run eager attention)")
+        return target.detach()
+
+    def _student_weights(self, i: int) -> torch.Tensor:
+        recorded = self.core_inputs[i]
+        if recorded is None:
+            raise RuntimeError(f"the student's core {i} was not called on input_ids (a core of path='forward' is; "
+                               "'reference' and 'exact' bypass the hook that records its queries and keys)")
+        q, k, pos, pad = recorded
+        return self.cores[i].weights(q, k, pos, pad)
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Per-layer relative squared error ``[L]`` of the student's attention outputs on ``input_ids [B, T]``."""
+        return self.losses(input_ids)["outputs"]
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None, device=None) -> list[float]:
-        """Mean per-layer relative squared error over the validation windows (:func:`eval_windows`)."""
+    def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None, device=None) -> dict[str, list[float]]:
+        """Mean per-layer :meth:`losses` over the validation windows (:func:`eval_windows`):
+        ``{"outputs": [L], "weights": [L]}`` (the latter with ``weights=True``)."""
         was_training = self.student.training
         self.student.eval()
-        total: torch.Tensor | None = None
+        total: dict[str, torch.Tensor] = {}
         batches = 0
         try:
             for windows in eval_windows(tokens, seq_len, batch_size, max_batches):
-                losses = self.loss(windows[:, :-1].to(device)).double()
-                total, batches = losses if total is None else total + losses, batches + 1
+                for key, value in self.losses(windows[:, :-1].to(device)).items():
+                    total[key] = value.double() + total[key] if key in total else value.double()
+                batches += 1
         finally:
             self.student.train(was_training)
-        if total is None:
+        if not batches:
             raise ValueError(f"max_batches must be positive to evaluate, got {max_batches}")
-        return (total / batches).tolist()
+        return {key: (value / batches).tolist() for key, value in total.items()}
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def transfer_loss(losses: dict[str, torch.Tensor], transfer: str) -> torch.Tensor:
+    """The loss attention transfer minimises (:data:`TRANSFER`): the output errors summed
+    over layers (``"outputs"``), the weights' KL averaged over layers (``"weights"``), or
+    the two added (``"both"``)."""
+    if transfer == "outputs":
+        return losses["outputs"].sum()
+    if transfer == "weights":
+        return losses["weights"].mean()
+    return losses["outputs"].sum() + losses["weights"].mean()
 
 
 def trainable_parameters(model, what: str) -> list[torch.nn.Parameter]:
@@ -503,6 +602,9 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, r
     for p in teacher.parameters():
         p.requires_grad_(False)
     student = convert(copy.deepcopy(teacher), config.attention, **config.attention_options)
+    weights = config.transfer != "outputs"
+    if weights:
+        teacher.set_attn_implementation("eager")  # the implementation that returns the softmax weights
     tokens = Tokens(model_dir, teacher.config.vocab_size)
     train_text, valid_text, corpus = load_text(config.data, config.valid_fraction)
     train_ids, valid_ids = tokens.encode(train_text), tokens.encode(valid_text)
@@ -511,7 +613,7 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, r
         raise ValueError(f"the text has token id {top}, beyond the vocabulary of {model_dir} ({teacher.config.vocab_size}); "
                          "a byte-level text needs vocab_size >= 256 or the model's tokenizer files in MODEL_DIR")
     record.update(tokens=tokens.kind, corpus=corpus)
-    r = _Run(config, out_dir, device, teacher, student, LayerMatching(teacher, student), train_ids, valid_ids, record)
+    r = _Run(config, out_dir, device, teacher, student, LayerMatching(teacher, student, weights=weights), train_ids, valid_ids, record)
     if config.transfer_steps and not trainable_parameters(student, "cores"):
         raise ValueError(f"{config.attention} with options {config.attention_options} has no learned parameters for "
                          "attention transfer; set transfer_steps to 0 or choose a mechanism with a learned part")
@@ -532,6 +634,8 @@ def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tup
 
     ckpt, meta = locate_checkpoint(out_dir, report=notes.append)
     saved = {k: meta.get(k) for k in ("linearize", "model_dir")}
+    if isinstance(saved["linearize"], dict):  # runs from before `transfer` existed matched outputs
+        saved["linearize"] = {"transfer": "outputs", **saved["linearize"]}
     if saved["linearize"] != json.loads(json.dumps(record["linearize"])):
         diffs = sorted(k for k in record["linearize"] if (saved["linearize"] or {}).get(k) != json.loads(json.dumps(record["linearize"][k])))
         raise ValueError(f"--resume needs the options of the run in {out_dir}; these differ: {', '.join(diffs)}")
@@ -555,9 +659,12 @@ def _evaluate(r: _Run, model) -> dict[str, float]:
     return perplexity(model, r.valid_ids, seq_len=c.seq_len, batch_size=c.batch_size, max_batches=c.eval_batches, device=r.device)
 
 
-def _matching(r: _Run) -> list[float]:
+def _matching(r: _Run) -> dict[str, list[float]]:
+    """The ``matching`` record's values on the validation windows: each layer's output
+    error (``error``) and, when weights are matched, its weights' KL (``kl``)."""
     c = r.config
-    return r.matching.evaluate(r.valid_ids, c.seq_len, c.batch_size, c.eval_batches, device=r.device)
+    losses = r.matching.evaluate(r.valid_ids, c.seq_len, c.batch_size, c.eval_batches, device=r.device)
+    return {"error": losses["outputs"], **({"kl": losses["weights"]} if "weights" in losses else {})}
 
 
 def _baselines(r: _Run) -> None:
@@ -566,7 +673,7 @@ def _baselines(r: _Run) -> None:
     softmax, converted = _evaluate(r, r.teacher), _evaluate(r, r.student)
     r.logger.log(0, "softmax", **softmax)
     r.logger.log(0, "valid", stage="converted", **converted)
-    r.logger.log(0, "matching", error=_matching(r))
+    r.logger.log(0, "matching", **_matching(r))
     print(f"softmax model: valid ppl {softmax[METRIC]:.4g}; converted, before training: valid ppl {converted[METRIC]:.4g}", flush=True)
 
 
@@ -620,13 +727,13 @@ def _loop(r: _Run, start: int, progress: bool, on_step, reached: list[int]) -> N
             loss, layers = _train_step(r, step)
             r.step_times.append(time.perf_counter() - t0)
             values = {"loss": loss, "lr": c.lr_at(step), "stage": r.stage}
-            r.logger.log(step, "transfer" if layers is not None else "train", **values, **({"layers": layers} if layers else {}))
+            r.logger.log(step, "transfer" if layers is not None else "train", **values, **(layers or {}))
             stage_end = step in (c.transfer_steps, c.steps)
             if step % c.eval_every == 0 or stage_end:
                 valid = _evaluate(r, r.student)
                 r.logger.log(step, "valid", stage=r.stage, **valid)
                 if r.stage == "transfer" and step == c.transfer_steps:
-                    r.logger.log(step, "matching", error=_matching(r))
+                    r.logger.log(step, "matching", **_matching(r))
                 message = f"step {step} ({r.stage}): valid ppl {valid[METRIC]:.4g}"
                 bar.write(message) if bar is not None else print(message, flush=True)
             if step % c.checkpoint_every == 0 or stage_end:
@@ -642,17 +749,20 @@ def _loop(r: _Run, start: int, progress: bool, on_step, reached: list[int]) -> N
             bar.close()
 
 
-def _train_step(r: _Run, step: int) -> tuple[float, list[float] | None]:
-    """One optimizer step: ``(loss, per-layer matching losses or None)``."""
+def _train_step(r: _Run, step: int) -> tuple[float, dict[str, list[float]] | None]:
+    """One optimizer step: ``(loss, per-layer matching losses or None)``: in transfer each
+    layer's output error (``layers``) and, when weights are matched, its weights' KL (``kl``)."""
     c, optimizer = r.config, _optimizer(r)
     for group in optimizer.param_groups:
         group["lr"] = c.lr_at(step)
     batch = window_batch(r.train_ids, step, c.batch_size, c.seq_len, c.seed).to(r.device)
     layers = None
     if r.stage == "transfer":
-        per_layer = r.matching.loss(batch[:, :-1])
-        loss = per_layer.sum()
-        layers = per_layer.detach().tolist()
+        losses = r.matching.losses(batch[:, :-1])
+        loss = transfer_loss(losses, c.transfer)
+        layers = {"layers": losses["outputs"].detach().tolist()}
+        if "weights" in losses:
+            layers["kl"] = losses["weights"].detach().tolist()
     else:
         loss = next_token_loss(r.student, batch)
     value = float(loss.detach())
@@ -691,6 +801,7 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     records = read_metrics(os.path.join(r.out_dir, "metrics.jsonl"))
     valid = {rec["step"]: rec for rec in records if rec["split"] == "valid"}
     matching = {rec["step"]: rec["error"] for rec in records if rec["split"] == "matching"}
+    kl = {rec["step"]: rec.get("kl") for rec in records if rec["split"] == "matching"}
     softmax = next(rec for rec in records if rec["split"] == "softmax")
     ppl = {"softmax": softmax[METRIC], "converted": valid[0][METRIC],
            "transferred": valid[c.transfer_steps][METRIC] if c.transfer_steps else None,
@@ -701,8 +812,10 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     summary = {
         **r.record, "attention": c.attention, "attention_options": c.attention_options, "metric": METRIC,
         "steps": c.steps, "transfer_steps": c.transfer_steps, "finetune_steps": c.finetune_steps, "finetune": c.finetune,
+        "transfer": c.transfer,
         "ppl": ppl, "ppl_ratio": final / ppl["softmax"], "eval_tokens": softmax["tokens"],
         "matching_error": {"before": matching.get(0), "after": matching.get(c.transfer_steps) if c.transfer_steps else None},
+        "weights_kl": {"before": kl.get(0), "after": kl.get(c.transfer_steps) if c.transfer_steps else None},
         "time_per_step_s": {k: statistics.median(v) if v else None for k, v in times.items()},
         "train_time_s": sum(r.step_times), "wall_time_s": time.perf_counter() - wall_start,
         "peak_memory_mib": memory, "memory_kind": memory_kind, "device": str(r.device),
@@ -732,7 +845,7 @@ def _save_model(r: _Run) -> None:
 
 def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer_steps: int, title: str = ""):
     """Three panels against the step: each layer's matching error during transfer (log
-    scale), the fine-tuning loss with the validation loss, and the validation perplexity
+    scale; solid: the output error, dashed: the weights' KL when weights are matched), the fine-tuning loss with the validation loss, and the validation perplexity
     with the softmax model's as a dashed line; a dotted line marks the end of transfer.
     Returns the saved ``matplotlib.figure.Figure``."""
     from flt.train.plots import STEP_LABEL, _figure
@@ -744,11 +857,15 @@ def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer
     fig = _figure(13, 3.8)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     for layer in range(len(transfer[0]["layers"]) if transfer else 0):
-        ax1.plot([rec["step"] for rec in transfer], [rec["layers"][layer] for rec in transfer], lw=1, label=f"layer {layer}")
+        steps = [rec["step"] for rec in transfer]
+        ax1.plot(steps, [rec["layers"][layer] for rec in transfer], lw=1, color=f"C{layer}", label=f"layer {layer}")
+        if "kl" in transfer[0]:
+            ax1.plot(steps, [rec["kl"][layer] for rec in transfer], lw=1, ls="--", color=f"C{layer}", label=f"layer {layer}, weights' KL")
     if transfer:
         ax1.set_yscale("log")
         ax1.legend(fontsize=8)
-    ax1.set(xlabel=STEP_LABEL, ylabel="relative squared error", title="attention transfer: matching error")
+    ylabel = "relative squared error" + (" / KL (nats)" if transfer and "kl" in transfer[0] else "")
+    ax1.set(xlabel=STEP_LABEL, ylabel=ylabel, title="attention transfer: matching error")
     ax2.plot([rec["step"] for rec in train], [rec["loss"] for rec in train], lw=1, label="fine-tuning (train)")
     ax2.plot([rec["step"] for rec in valid], [rec["loss"] for rec in valid], "o-", ms=3, label="valid")
     ax2.axhline(softmax["loss"], color="k", ls="--", lw=1, label="softmax model (valid)")
