@@ -360,6 +360,32 @@ def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
     return safe_divide(num, _dead_rows(den, floor))
 
 
+class _RealFFT(torch.autograd.Function):
+    """``torch.fft.rfft`` over the last dimension with a cheaper backward.
+
+    The adjoint of the one-sided transform of a length-``n`` real signal is
+    ``grad_x[t] = Re sum_k g_k e^(2 pi i k t / n)`` over the kept bins ``k = 0 .. n // 2``:
+    half of an unnormalised inverse real FFT of ``g``, plus half of the bins that
+    ``irfft`` counts once (``0`` and, for even ``n``, ``n / 2``). One half-size ``irfft``
+    instead of autograd's padded full complex FFT (about 1.5x faster on one CPU thread).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.n = x.shape[-1]
+        return torch.fft.rfft(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        n = ctx.n
+        edge = g[..., :1].real
+        if n % 2 == 0:
+            alternating = torch.ones(n, dtype=edge.dtype, device=edge.device)
+            alternating[1::2] = -1
+            edge = edge + g[..., -1:].real * alternating
+        return torch.add(edge, torch.fft.irfft(g, n=n, norm="forward"), alpha=1.0).mul_(0.5)
+
+
 def _pad_seq(x: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
     """Pad dim 2 (the sequence of ``[B, H, N, ...]`` or ``[B, H, N]``) to ``length``."""
     extra = length - x.shape[2]
@@ -452,10 +478,13 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     # to 2b before their outer product, so the FFT input is born padded.
     k_t = F.pad(k_b.transpose(-1, -2), (0, b))  # [B, H, nb-1, m, 2b]
     v_t = F.pad(blocks(vv1, keys).transpose(-1, -2), (0, b))  # [B, H, nb-1, D1, 2b]
-    x_hat = torch.fft.rfft(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, nb-1, m, D1, b+1]
+    x_hat = _RealFFT.apply(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, nb-1, m, D1, b+1]
     # Frequency first for the matmul over the block index (one transposing copy each way
-    # is cheaper than FFTs and outer products over a strided dimension).
-    x_hat = rearrange(x_hat, "b h j m d w -> b h w j (m d)").contiguous()
+    # is cheaper than FFTs and outer products over a strided dimension), real and
+    # imaginary parts next to the block index: the complex product becomes one real
+    # matmul (a complex one resolves conjugates per matrix in backward).
+    x_ri = rearrange(torch.view_as_real(x_hat), "b h j m d w r -> b h w (j r) (m d)").contiguous()
+    del x_hat
 
     spectra, coeff_top = _block_kernel_spectra(beta_c, b, nb)
     idx = torch.arange(n_mix, device=qf.device)
@@ -463,10 +492,15 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     log_w = key_top.unsqueeze(-2) + coeff_top[:, dist]  # [B, H, nb-1 (I), nb-1 (J)]
     row_top = log_w.amax(dim=-1)  # [B, H, nb-1]: -inf where no earlier block has weight
     w = torch.exp(log_w - _finite_or_zero(row_top).unsqueeze(-1))
-    mix = (w.unsqueeze(2) * spectra[:, dist].permute(0, 3, 1, 2)).contiguous()  # [B, H, b+1, I, J]
-    y_hat = mix @ x_hat  # [B, H, b+1, nb-1, m D1]; contiguous operands: no per-matrix copies
-    del x_hat
-    y = torch.fft.irfft(rearrange(y_hat, "b h w i (m d) -> b h i m d w", m=m).contiguous(), n=2 * b)  # [B, H, nb-1, m, D1, 2b]
+    mix = w.unsqueeze(2) * spectra[:, dist].permute(0, 3, 1, 2)  # [B, H, b+1, I, J] complex
+    # (a + ib)(x + iy) = (ax - by) + i(ay + bx): [[a, -b], [b, a]] acting on (x, y).
+    re, im = mix.real, mix.imag
+    mix_ri = rearrange(torch.stack([torch.stack([re, -im], -1), torch.stack([im, re], -1)], -3), "b h w i s j r -> b h w (i s) (j r)")
+    y_ri = mix_ri @ x_ri  # [B, H, b+1, 2(nb-1), m D1]
+    del x_ri
+    y_hat = torch.view_as_complex(rearrange(y_ri, "b h w (i r) (m d) -> b h i m d w r", r=2, m=m).contiguous())
+    del y_ri
+    y = torch.fft.irfft(y_hat, n=2 * b)  # [B, H, nb-1, m, D1, 2b]
     del y_hat
     q_t = blocks(qf, queries).transpose(-1, -2)  # [B, H, nb-1, m, b]
     out = (y[..., :b] * q_t.unsqueeze(-2)).sum(dim=3).transpose(-1, -2)  # [B, H, nb-1, b, D1]
