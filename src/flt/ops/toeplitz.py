@@ -386,6 +386,28 @@ class _RealFFT(torch.autograd.Function):
         return torch.add(edge, torch.fft.irfft(g, n=n, norm="forward"), alpha=1.0).mul_(0.5)
 
 
+class _BatchedMatmul(torch.autograd.Function):
+    """``a @ b`` whose backward hands contiguous gradients to the matmuls.
+
+    Autograd passes this product the gradient of a transposing copy, a strided view; a
+    batched complex matmul of strided operands falls back to one copy per matrix (a
+    Python-independent but length-dependent number of operations, and slow).
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        a, b = ctx.saved_tensors
+        g = g.contiguous()
+        grad_a = g @ b.mH if ctx.needs_input_grad[0] else None
+        grad_b = a.mH.resolve_conj().contiguous() @ g if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
 def _pad_seq(x: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
     """Pad dim 2 (the sequence of ``[B, H, N, ...]`` or ``[B, H, N]``) to ``length``."""
     extra = length - x.shape[2]
@@ -479,12 +501,9 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     k_t = F.pad(k_b.transpose(-1, -2), (0, b))  # [B, H, nb-1, m, 2b]
     v_t = F.pad(blocks(vv1, keys).transpose(-1, -2), (0, b))  # [B, H, nb-1, D1, 2b]
     x_hat = _RealFFT.apply(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, nb-1, m, D1, b+1]
-    # Frequency first for the matmul over the block index (one transposing copy each way
-    # is cheaper than FFTs and outer products over a strided dimension), real and
-    # imaginary parts next to the block index: the complex product becomes one real
-    # matmul (a complex one resolves conjugates per matrix in backward).
-    x_ri = rearrange(torch.view_as_real(x_hat), "b h j m d w r -> b h w (j r) (m d)").contiguous()
-    del x_hat
+    # Frequency first for the matmul over the block index: one transposing copy each way
+    # is cheaper than FFTs and outer products over a strided dimension.
+    x_hat = rearrange(x_hat, "b h j m d w -> b h w j (m d)").contiguous()
 
     spectra, coeff_top = _block_kernel_spectra(beta_c, b, nb)
     idx = torch.arange(n_mix, device=qf.device)
@@ -493,13 +512,9 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     row_top = log_w.amax(dim=-1)  # [B, H, nb-1]: -inf where no earlier block has weight
     w = torch.exp(log_w - _finite_or_zero(row_top).unsqueeze(-1))
     mix = w.unsqueeze(2) * spectra[:, dist].permute(0, 3, 1, 2)  # [B, H, b+1, I, J] complex
-    # (a + ib)(x + iy) = (ax - by) + i(ay + bx): [[a, -b], [b, a]] acting on (x, y).
-    re, im = mix.real, mix.imag
-    mix_ri = rearrange(torch.stack([torch.stack([re, -im], -1), torch.stack([im, re], -1)], -3), "b h w i s j r -> b h w (i s) (j r)")
-    y_ri = mix_ri @ x_ri  # [B, H, b+1, 2(nb-1), m D1]
-    del x_ri
-    y_hat = torch.view_as_complex(rearrange(y_ri, "b h w (i r) (m d) -> b h i m d w r", r=2, m=m).contiguous())
-    del y_ri
+    y_hat = _BatchedMatmul.apply(mix.contiguous(), x_hat)  # [B, H, b+1, nb-1, m D1]
+    del x_hat
+    y_hat = rearrange(y_hat, "b h w i (m d) -> b h i m d w", m=m).contiguous()
     y = torch.fft.irfft(y_hat, n=2 * b)  # [B, H, nb-1, m, D1, 2b]
     del y_hat
     q_t = blocks(qf, queries).transpose(-1, -2)  # [B, H, nb-1, m, b]
