@@ -22,25 +22,33 @@ key shift shared by all keys is a maximum over future keys too. A later key with
 scale then underflows the earlier keys and drowns the early rows in rounding noise: the
 past would depend on the future. A per-key shift does not cancel in a Toeplitz sum, and a
 running maximum (the chunked linear attention's stabiliser) is not a Toeplitz operator. So
-the causal sum is split by key blocks (a divide-and-conquer convolution):
+the causal sum is split by aligned key blocks of ``b = block_size`` tokens:
 
-* row ``i``'s own aligned block of ``block_size`` tokens is computed densely, exactly as
-  the reference does (row maximum over the keys it sees);
-* for ``s = block_size, 2 block_size, 4 block_size, ... < N`` the tokens are cut into
-  aligned pairs ``[l, l + s), [l + s, l + 2s)``; the left half's keys reach the right
-  half's queries through offsets ``1 .. 2s - 1``, a Toeplitz product done by one FFT of
-  length ``2s`` per pair (all pairs of a level in one batched call).
+* row ``i``'s own block is computed densely, exactly as the reference does (row maximum
+  over the keys it sees);
+* every earlier block ``J`` reaches the queries of block ``I > J`` through the offsets
+  ``(I - J) b + e``, ``|e| < b``: a Toeplitz product of size ``b``, one circulant of
+  length ``2b``. Each key block is transformed once (one batched ``rfft`` of length
+  ``2b``); for each frequency a matmul over the block index sums the strictly earlier
+  blocks times the kernel spectra of their distances, and one ``irfft`` per query block
+  returns to positions. One FFT length and a fixed number of operations whatever ``N``
+  (on a GPU every operation is a launch).
 
 These key ranges partition ``[0, i]`` for every row ``i``, and every one lies before the
-row. Each contribution is stabilised by its own maxima (of its keys' ``s_j`` and of the
-coefficients ``beta_t`` it uses, both detached) and carries them as a log scale; a row adds
-its contributions rescaled by ``exp(log scale - the row's largest)``. Every shift therefore
-cancels exactly, and is a maximum over keys the row sees. No output depends on a later key,
-value or key scale, not even through rounding, and the error of a row's FFT products is
-relative to blocks next to it, not to the largest sums of the sequence. Cost: each level is
-about half of one full-length FFT product, so ``O(N log N log(N / block_size) * m * Dv)``
-time, plus ``O(N block_size (m + Dv))`` for the dense blocks; memory ``O(N m Dv)`` per level
-(the autograd graph keeps each level's spectra).
+row. Each key block is stabilised by the maximum of its keys' ``s_j`` and each distance by
+the maximum of the coefficients ``beta_t`` it uses (both detached); a query block sums its
+earlier blocks rescaled by ``exp(their log scales - the largest)``, in which blocks at or
+after it weigh exactly zero, and a row adds that sum and its own block rescaled by the
+row's largest log scale. Every shift therefore cancels exactly, and is a maximum over keys
+the row sees. No output depends on a later key, value or key scale, not even through
+rounding (a query block's inverse FFT holds only earlier keys), and the error of a row's
+FFT products is relative to the blocks before it, not to the largest sums of the sequence.
+Cost: ``O(N log(block_size) m Dv)`` for the FFTs, ``O(N^2 / block_size * m Dv)`` for the
+matmul over the block index (a small part up to ``N ~ 64 block_size``) and
+``O(N block_size (m + Dv))`` for the dense blocks; memory ``O(N m Dv)``.
+An earlier version used a divide-and-conquer over ``log2(N / block_size)`` levels, one
+FFT length each, so its operation count grew with ``N``; this one is faster on a CPU too
+(docs/performance.md).
 
 Accuracy. An FFT product has an error of about ``eps * log(L)`` times the *largest*
 entries of its signal, not of each output entry. A row whose exact denominator is far
@@ -74,10 +82,10 @@ from flt.ops._common import causal_mask_like, safe_divide
 _DEAD_ROW_UNITS = 16.0
 
 #: Causal diagonal blocks computed densely (see :func:`toeplitz_attention`). A dense block
-#: costs ``block_size (m + Dv)`` multiply-adds per row in matmuls; each FFT level it saves
-#: costs about ``m Dv (5 log2(2s) + 8)`` in FFTs and elementwise passes. Measured on one
-#: CPU thread (m = 64, Dv = 32, 4 heads), causal forward against one whole-sequence FFT:
-#: N = 1024: 0.6x with 512 (1.0x with 256); N = 4096: 1.8x with 512 (2.6x with 256).
+#: costs ``block_size (m + Dv)`` multiply-adds per row in matmuls; the earlier blocks cost
+#: about ``m Dv (5 log2(2 block_size) + 4 N / block_size)`` per row in FFTs and the matmul
+#: over the block index. On one CPU thread (m = 64, Dv = 32, N = 1024-4096) 256 and 1024
+#: were no faster than 512.
 DEFAULT_BLOCK_SIZE = 512
 
 #: Sequences of at most this many tokens take the quadratic formula
@@ -205,7 +213,7 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 def _bias_to_coeffs(bias: torch.Tensor) -> torch.Tensor:
     """``c_t = exp(beta_t - max beta)`` per head (bidirectional; the causal path shifts the
-    offsets each FFT level uses by their own max). The max cancels in the ratio, hence
+    offsets each block distance uses by their own max). The max cancels in the ratio, hence
     detached. An all ``-inf`` table gives all-zero coefficients (every row empty).
     """
     shift = _finite_or_zero(bias.amax(dim=-1, keepdim=True).detach())
@@ -254,7 +262,7 @@ def toeplitz_attention(
 
     Bidirectional: one batched FFT product over all channels; keys are rescaled by one
     global maximum of ``s``, which cancels exactly. Causal: the blocked product of the
-    module docstring, ``O(N log N log(N / block_size) * m * Dv)``, in which no output
+    module docstring, a fixed number of operations whatever ``N``, in which no output
     depends on a later key, value or key scale, not even through rounding, and every
     stabiliser is a maximum over keys the row sees.
 
@@ -501,9 +509,6 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     k_t = F.pad(k_b.transpose(-1, -2), (0, b))  # [B, H, nb-1, m, 2b]
     v_t = F.pad(blocks(vv1, keys).transpose(-1, -2), (0, b))  # [B, H, nb-1, D1, 2b]
     x_hat = _RealFFT.apply(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, nb-1, m, D1, b+1]
-    # Frequency first for the matmul over the block index: one transposing copy each way
-    # is cheaper than FFTs and outer products over a strided dimension.
-    x_hat = rearrange(x_hat, "b h j m d w -> b h w j (m d)").contiguous()
 
     spectra, coeff_top = _block_kernel_spectra(beta_c, b, nb)
     idx = torch.arange(n_mix, device=qf.device)
@@ -512,9 +517,17 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     row_top = log_w.amax(dim=-1)  # [B, H, nb-1]: -inf where no earlier block has weight
     w = torch.exp(log_w - _finite_or_zero(row_top).unsqueeze(-1))
     mix = w.unsqueeze(2) * spectra[:, dist].permute(0, 3, 1, 2)  # [B, H, b+1, I, J] complex
-    y_hat = _BatchedMatmul.apply(mix.contiguous(), x_hat)  # [B, H, b+1, nb-1, m D1]
+    if n_mix == 1:
+        # Two blocks (N <= 2b): the sum over earlier blocks is one term, a product per
+        # frequency; no transposes (on a CPU they cost about as much as the FFTs).
+        y_hat = x_hat * rearrange(mix, "b h w i j -> b h i j 1 w")
+    else:
+        # Frequency first for the matmul over the block index: one transposing copy each
+        # way is cheaper than FFTs and outer products over a strided dimension.
+        x_hat = rearrange(x_hat, "b h j m d w -> b h w j (m d)").contiguous()
+        y_hat = _BatchedMatmul.apply(mix.contiguous(), x_hat)  # [B, H, b+1, nb-1, m D1]
+        y_hat = rearrange(y_hat, "b h w i (m d) -> b h i m d w", m=m).contiguous()
     del x_hat
-    y_hat = rearrange(y_hat, "b h w i (m d) -> b h i m d w", m=m).contiguous()
     y = torch.fft.irfft(y_hat, n=2 * b)  # [B, H, nb-1, m, D1, 2b]
     del y_hat
     q_t = blocks(qf, queries).transpose(-1, -2)  # [B, H, nb-1, m, b]
