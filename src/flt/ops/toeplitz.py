@@ -520,7 +520,11 @@ def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
     if n_mix == 1:
         # Two blocks (N <= 2b): the sum over earlier blocks is one term, a product per
         # frequency; no transposes (on a CPU they cost about as much as the FFTs).
-        y_hat = x_hat * rearrange(mix, "b h w i j -> b h i j 1 w")
+        factor = rearrange(mix, "b h w i j -> b h i j 1 w")
+        if torch.is_grad_enabled() and (x_hat.requires_grad or factor.requires_grad):
+            y_hat = x_hat * factor
+        else:
+            y_hat = x_hat.mul_(factor)  # nothing saved for backward needs the old x_hat: save the memory
     else:
         # Frequency first for the matmul over the block index: one transposing copy each
         # way is cheaper than FFTs and outer products over a strided dimension.
