@@ -44,10 +44,12 @@ the row sees. No output depends on a later key, value or key scale, not even thr
 rounding (a query block's inverse FFT holds only earlier keys), and the error of a row's
 FFT products is relative to the blocks before it, not to the largest sums of the sequence.
 Cost: ``O(N log(block_size) m Dv)`` for the FFTs, ``O(N^2 / block_size * m Dv)`` for the
-matmul over the block index (a small part up to ``N ~ 64 block_size``) and
+matmul over the block index (as many flops as the FFTs near ``N = 32 block_size``) and
 ``O(N block_size (m + Dv))`` for the dense blocks; memory ``O(N m Dv)``.
 An earlier version used a divide-and-conquer over ``log2(N / block_size)`` levels, one
-FFT length each, so its operation count grew with ``N``; this one is faster on a CPU too
+FFT length each, so its operation count grew with ``N``. On a CPU this one is faster for
+forward+backward at every length measured; the forward alone is slower at N = 2048-4096,
+where the transposing copies around the matmul cost more than the levels it replaces
 (docs/performance.md).
 
 Accuracy. An FFT product has an error of about ``eps * log(L)`` times the *largest*
@@ -84,8 +86,9 @@ _DEAD_ROW_UNITS = 16.0
 #: Causal diagonal blocks computed densely (see :func:`toeplitz_attention`). A dense block
 #: costs ``block_size (m + Dv)`` multiply-adds per row in matmuls; the earlier blocks cost
 #: about ``m Dv (5 log2(2 block_size) + 4 N / block_size)`` per row in FFTs and the matmul
-#: over the block index. On one CPU thread (m = 64, Dv = 32, N = 1024-4096) 256 and 1024
-#: were no faster than 512.
+#: over the block index. On one CPU thread (m = 64, Dv = 32, N = 1024-4096), against 512:
+#: 256 was slower; 1024 was faster for fwd+bwd at N = 2048-4096 (about 1.15x) but slower
+#: for the forward at N = 1024 (one dense block against two blocks and one FFT).
 DEFAULT_BLOCK_SIZE = 512
 
 #: Sequences of at most this many tokens take the quadratic formula
