@@ -401,8 +401,8 @@ class _BatchedMatmul(torch.autograd.Function):
     """``a @ b`` whose backward hands contiguous gradients to the matmuls.
 
     Autograd passes this product the gradient of a transposing copy, a strided view; a
-    batched complex matmul of strided operands falls back to one copy per matrix (a
-    Python-independent but length-dependent number of operations, and slow).
+    batched complex matmul of strided operands falls back to one copy per matrix: a
+    number of operations that grows with the number of frequencies, and slow.
     """
 
     @staticmethod
