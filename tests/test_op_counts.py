@@ -20,9 +20,6 @@ CASES = {
     "flt-band": ("flt", dict(num_features=16, num_frequencies=4, near_field=8)),
     "toeplitz": ("toeplitz", dict(num_features=16)),
 }
-#: The divide-and-conquer product of causal Toeplitz attention has log2(N / block) levels, one
-#: FFT length each (flt.ops.toeplitz): its count grows by a level per doubling of N.
-LOG_LEVELS = {"toeplitz"}
 
 
 def aten_ops(name: str, options: dict, n: int) -> int:
@@ -40,8 +37,7 @@ def test_every_attention_entry_is_counted():
     assert {name for name, _ in CASES.values()} == set(ATTENTION)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="log N FFT levels"))
-                                  if CASES[c][0] in LOG_LEVELS else c for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_causal_operation_count_does_not_grow_with_the_length(case):
     name, options = CASES[case]
     short, long = aten_ops(name, options, 1024), aten_ops(name, options, 4096)

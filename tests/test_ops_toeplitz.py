@@ -340,3 +340,68 @@ def test_short_sequences_take_the_exact_formula_and_agree_with_the_ffts(causal, 
         assert_close(g_short, g_fft)
     with pytest.raises(ValueError, match="dense_below must be a nonnegative int"):
         T.toeplitz_attention(q_feat, k_feat, v, bias, dense_below=-1)
+
+
+@pytest.mark.parametrize("n, block_size", [(5, 8), (8, 8), (16, 8), (17, 4), (40, 4), (45, 16)])
+def test_causal_blocks_equal_reference_forward_backward(n, block_size):
+    """The earlier-block product (one FFT length, a matmul over the block index) against the
+    reference in float64: N below, at and above the block, multiples and not, up to 11
+    blocks; key log scales and a decaying bias of wide range, every gradient."""
+    q_feat, k_feat, v, bias = _inputs(B=2, H=2, N=n, m=3, Dv=2, bias_std=3.0)
+    bias = bias - 0.3 * torch.arange(-(n - 1), n, dtype=F64).abs()
+    kls = 4 * torch.randn(q_feat.shape[:3], dtype=F64)
+    inputs = tuple(t.requires_grad_() for t in (q_feat, k_feat, v, bias, kls))
+    g = torch.randn_like(v)
+    expected = toeplitz_attention_reference(*inputs[:4], causal=True, key_log_scale=kls)
+    out = toeplitz_attention(*inputs[:4], causal=True, key_log_scale=kls, block_size=block_size)
+    assert_close(out, expected)
+    for a, b in zip(torch.autograd.grad((out * g).sum(), inputs), torch.autograd.grad((expected * g).sum(), inputs)):
+        assert_close(a, b)
+
+
+def test_causal_block_distance_with_no_live_offset_sets_no_scale():
+    """A key block whose distance to the row's block has every offset removed contributes
+    nothing, however large its keys' log scale: it must not set the rescaling of the blocks
+    that do reach the row (which would then vanish below the FFTs' rounding floor).
+
+    Only block 3's rows are checked: rows of blocks 2 and 4 share a block distance with
+    rows that block 1 does reach, so its scale sets theirs and their own weights sit
+    below the rounding floor of its products (the accuracy limit of the module docstring).
+    """
+    n, block_size = 24, 4
+    q_feat, k_feat, v, bias = _inputs(B=1, H=1, N=n)
+    offsets = torch.arange(-(n - 1), n)
+    bias = bias.masked_fill((offsets < 0) | ((offsets > 2) & (offsets < 13)), -math.inf)
+    kls = torch.zeros(1, 1, n, dtype=F64)
+    kls[:, :, 4:8] = 200.0  # block 1: distance 2 (offsets 5..11, all removed) from block 3
+    expected = toeplitz_attention_reference(q_feat, k_feat, v, bias, causal=True, key_log_scale=kls)
+    out = toeplitz_attention(q_feat, k_feat, v, bias, causal=True, key_log_scale=kls, block_size=block_size)
+    assert bool(torch.isfinite(out).all())
+    assert_close(out[:, :, 12:16], expected[:, :, 12:16])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8])
+def test_real_fft_backward_equals_autograd(n):
+    x = torch.randn(3, 4, n, dtype=F64, requires_grad=True)
+    g = torch.randn(3, 4, n // 2 + 1, dtype=torch.complex128)
+    assert torch.equal(T._RealFFT.apply(x), torch.fft.rfft(x))
+    (fast,) = torch.autograd.grad(T._RealFFT.apply(x), x, g)
+    (slow,) = torch.autograd.grad(torch.fft.rfft(x), x, g)
+    assert_close(fast, slow)
+
+
+def _causal_aten_ops(n: int, block_size: int) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    q_feat, k_feat, v, bias = (t.requires_grad_() for t in _inputs(B=1, H=2, N=n, m=3, Dv=2))
+    kls = torch.randn(1, 2, n, dtype=F64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = toeplitz_attention(q_feat, k_feat, v, bias, causal=True, key_log_scale=kls, block_size=block_size)
+        out.sum().backward()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+
+
+def test_causal_operation_count_is_the_same_for_any_number_of_blocks():
+    # 3 blocks and 32 blocks (both with a partial last block): the same operations, only
+    # larger; a loop over blocks or levels would add operations per block or per doubling.
+    assert _causal_aten_ops(4 * 32 - 1, 4) == _causal_aten_ops(4 * 3 - 1, 4)

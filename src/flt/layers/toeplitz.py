@@ -2,7 +2,7 @@
 
 Weights ``exp(b_h(i - j)) * phi(q_i).phi(k_j)`` on a regular 1-D grid, computed with FFT
 Toeplitz products in ``O(N log N m Dv)`` (:func:`flt.ops.toeplitz_attention`; causal:
-``O(N log N log(N / block_size) m Dv)``, blocked so that no output sees a later token).
+key blocks, a fixed number of operations whatever ``N``, so that no output sees a later token).
 """
 
 from __future__ import annotations

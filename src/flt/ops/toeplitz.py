@@ -22,25 +22,35 @@ key shift shared by all keys is a maximum over future keys too. A later key with
 scale then underflows the earlier keys and drowns the early rows in rounding noise: the
 past would depend on the future. A per-key shift does not cancel in a Toeplitz sum, and a
 running maximum (the chunked linear attention's stabiliser) is not a Toeplitz operator. So
-the causal sum is split by key blocks (a divide-and-conquer convolution):
+the causal sum is split by aligned key blocks of ``b = block_size`` tokens:
 
-* row ``i``'s own aligned block of ``block_size`` tokens is computed densely, exactly as
-  the reference does (row maximum over the keys it sees);
-* for ``s = block_size, 2 block_size, 4 block_size, ... < N`` the tokens are cut into
-  aligned pairs ``[l, l + s), [l + s, l + 2s)``; the left half's keys reach the right
-  half's queries through offsets ``1 .. 2s - 1``, a Toeplitz product done by one FFT of
-  length ``2s`` per pair (all pairs of a level in one batched call).
+* row ``i``'s own block is computed densely, exactly as the reference does (row maximum
+  over the keys it sees);
+* every earlier block ``J`` reaches the queries of block ``I > J`` through the offsets
+  ``(I - J) b + e``, ``|e| < b``: a Toeplitz product of size ``b``, one circulant of
+  length ``2b``. Each key block is transformed once (one batched ``rfft`` of length
+  ``2b``); for each frequency a matmul over the block index sums the strictly earlier
+  blocks times the kernel spectra of their distances, and one ``irfft`` per query block
+  returns to positions. One FFT length and a fixed number of operations whatever ``N``
+  (on a GPU every operation is a launch).
 
 These key ranges partition ``[0, i]`` for every row ``i``, and every one lies before the
-row. Each contribution is stabilised by its own maxima (of its keys' ``s_j`` and of the
-coefficients ``beta_t`` it uses, both detached) and carries them as a log scale; a row adds
-its contributions rescaled by ``exp(log scale - the row's largest)``. Every shift therefore
-cancels exactly, and is a maximum over keys the row sees. No output depends on a later key,
-value or key scale, not even through rounding, and the error of a row's FFT products is
-relative to blocks next to it, not to the largest sums of the sequence. Cost: each level is
-about half of one full-length FFT product, so ``O(N log N log(N / block_size) * m * Dv)``
-time, plus ``O(N block_size (m + Dv))`` for the dense blocks; memory ``O(N m Dv)`` per level
-(the autograd graph keeps each level's spectra).
+row. Each key block is stabilised by the maximum of its keys' ``s_j`` and each distance by
+the maximum of the coefficients ``beta_t`` it uses (both detached); a query block sums its
+earlier blocks rescaled by ``exp(their log scales - the largest)``, in which blocks at or
+after it weigh exactly zero, and a row adds that sum and its own block rescaled by the
+row's largest log scale. Every shift therefore cancels exactly, and is a maximum over keys
+the row sees. No output depends on a later key, value or key scale, not even through
+rounding (a query block's inverse FFT holds only earlier keys), and the error of a row's
+FFT products is relative to the blocks before it, not to the largest sums of the sequence.
+Cost: ``O(N log(block_size) m Dv)`` for the FFTs, ``O(N^2 / block_size * m Dv)`` for the
+matmul over the block index (as many flops as the FFTs near ``N = 32 block_size``) and
+``O(N block_size (m + Dv))`` for the dense blocks; memory ``O(N m Dv)``.
+An earlier version used a divide-and-conquer over ``log2(N / block_size)`` levels, one
+FFT length each, so its operation count grew with ``N``. On a CPU this one is faster for
+forward+backward at every length measured; the forward alone is slower at N = 2048-4096,
+where the transposing copies around the matmul cost more than the levels it replaces
+(docs/performance.md).
 
 Accuracy. An FFT product has an error of about ``eps * log(L)`` times the *largest*
 entries of its signal, not of each output entry. A row whose exact denominator is far
@@ -74,10 +84,11 @@ from flt.ops._common import causal_mask_like, safe_divide
 _DEAD_ROW_UNITS = 16.0
 
 #: Causal diagonal blocks computed densely (see :func:`toeplitz_attention`). A dense block
-#: costs ``block_size (m + Dv)`` multiply-adds per row in matmuls; each FFT level it saves
-#: costs about ``m Dv (5 log2(2s) + 8)`` in FFTs and elementwise passes. Measured on one
-#: CPU thread (m = 64, Dv = 32, 4 heads), causal forward against one whole-sequence FFT:
-#: N = 1024: 0.6x with 512 (1.0x with 256); N = 4096: 1.8x with 512 (2.6x with 256).
+#: costs ``block_size (m + Dv)`` multiply-adds per row in matmuls; the earlier blocks cost
+#: about ``m Dv (5 log2(2 block_size) + 4 N / block_size)`` per row in FFTs and the matmul
+#: over the block index. On one CPU thread (m = 64, Dv = 32, N = 1024-4096), against 512:
+#: 256 was slower; 1024 was faster for fwd+bwd at N = 2048-4096 (about 1.15x) but slower
+#: for the forward at N = 1024 (one dense block against two blocks and one FFT).
 DEFAULT_BLOCK_SIZE = 512
 
 #: Sequences of at most this many tokens take the quadratic formula
@@ -205,7 +216,7 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
 
 def _bias_to_coeffs(bias: torch.Tensor) -> torch.Tensor:
     """``c_t = exp(beta_t - max beta)`` per head (bidirectional; the causal path shifts the
-    offsets each FFT level uses by their own max). The max cancels in the ratio, hence
+    offsets each block distance uses by their own max). The max cancels in the ratio, hence
     detached. An all ``-inf`` table gives all-zero coefficients (every row empty).
     """
     shift = _finite_or_zero(bias.amax(dim=-1, keepdim=True).detach())
@@ -254,7 +265,7 @@ def toeplitz_attention(
 
     Bidirectional: one batched FFT product over all channels; keys are rescaled by one
     global maximum of ``s``, which cancels exactly. Causal: the blocked product of the
-    module docstring, ``O(N log N log(N / block_size) * m * Dv)``, in which no output
+    module docstring, a fixed number of operations whatever ``N``, in which no output
     depends on a later key, value or key scale, not even through rounding, and every
     stabiliser is a maximum over keys the row sees.
 
@@ -338,12 +349,10 @@ def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
 def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
     """Causal Toeplitz attention whose rows never see later tokens (module docstring).
 
-    Contributions to row ``i``: its diagonal block (dense, exact) and, for each level
-    ``s = block, 2 block, 4 block, ... < N``, the left half ``[l, l + s)`` of the aligned
-    pair ``[l, l + 2s)`` whose right half holds ``i`` (one FFT product of length ``2s``
-    per pair, all pairs of a level batched). These key ranges partition ``[0, i]``. Each
-    contribution carries its own log scale (the max of its keys' ``s_j`` plus the max of
-    the coefficients it uses); they are combined per row with the row's largest.
+    Contributions to row ``i``: its own block of ``block`` tokens (dense, exact) and every
+    earlier block (:func:`_earlier_blocks`: one FFT length for all of them). These key
+    ranges partition ``[0, i]``. Each contribution carries its own log scale; they are
+    combined per row with the row's largest.
     """
     B, H, N, _ = qf.shape
     Dv = vv.shape[-1]
@@ -351,17 +360,63 @@ def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
     vv1 = torch.cat([vv, vv.new_ones(B, H, N, 1)], dim=-1)  # [B, H, N, Dv+1]: numerators, denominator
     beta_c = beta[:, N - 1 :]  # [H, N]: beta_t for t = 0 .. N-1, the only offsets that carry weight
     parts = [_diagonal_blocks(qf, kf, vv1, beta_c, kls, block)]  # (num_den, log scale, floor)
-    s = block
-    while s < N:
-        parts.append(_level(qf, kf, vv1, beta_c, kls, s))
-        s *= 2
-    log_scales = torch.stack([p[1] for p in parts])  # [levels + 1, B, H, N]
+    if N > block:
+        parts.append(_earlier_blocks(qf, kf, vv1, beta_c, kls, block))
+    log_scales = torch.stack([p[1] for p in parts])  # [parts, B, H, N]
     top = _finite_or_zero(log_scales.amax(dim=0))
     weights = torch.exp(log_scales - top)  # 0 where a part is absent (log scale -inf)
     num_den = sum(w.unsqueeze(-1) * p[0] for w, p in zip(weights, parts, strict=True))
     floor = sum(w * p[2] for w, p in zip(weights, parts, strict=True)).unsqueeze(-1)
     num, den = num_den[..., :Dv], num_den[..., Dv:]
     return safe_divide(num, _dead_rows(den, floor))
+
+
+class _RealFFT(torch.autograd.Function):
+    """``torch.fft.rfft`` over the last dimension with a cheaper backward.
+
+    The adjoint of the one-sided transform of a length-``n`` real signal is
+    ``grad_x[t] = Re sum_k g_k e^(2 pi i k t / n)`` over the kept bins ``k = 0 .. n // 2``:
+    half of an unnormalised inverse real FFT of ``g``, plus half of the bins that
+    ``irfft`` counts once (``0`` and, for even ``n``, ``n / 2``). One half-size ``irfft``
+    instead of autograd's padded full complex FFT (about 1.5x faster on one CPU thread).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.n = x.shape[-1]
+        return torch.fft.rfft(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        n = ctx.n
+        edge = g[..., :1].real
+        if n % 2 == 0:
+            alternating = torch.ones(n, dtype=edge.dtype, device=edge.device)
+            alternating[1::2] = -1
+            edge = edge + g[..., -1:].real * alternating
+        return torch.add(edge, torch.fft.irfft(g, n=n, norm="forward"), alpha=1.0).mul_(0.5)
+
+
+class _BatchedMatmul(torch.autograd.Function):
+    """``a @ b`` whose backward hands contiguous gradients to the matmuls.
+
+    Autograd passes this product the gradient of a transposing copy, a strided view; a
+    batched complex matmul of strided operands falls back to one copy per matrix: a
+    number of operations that grows with the number of frequencies, and slow.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        a, b = ctx.saved_tensors
+        g = g.contiguous()
+        grad_a = g @ b.mH if ctx.needs_input_grad[0] else None
+        grad_b = a.mH.resolve_conj().contiguous() @ g if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
 
 
 def _pad_seq(x: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
@@ -402,52 +457,98 @@ def _diagonal_blocks(qf, kf, vv1, beta_c, kls, block: int):
     return num_den, log_scale, torch.zeros_like(log_scale)
 
 
-def _level(qf, kf, vv1, beta_c, kls, s: int):
-    """Contributions of the left halves ``[l, l + s)`` to the right halves ``[l + s, l + 2s)``
-    of the aligned pairs ``l = 0, 2s, 4s, ...``: one FFT product of length ``2s`` per pair."""
-    B, H, N, _ = qf.shape
+def _block_kernel_spectra(beta_c: torch.Tensor, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spectra of the kernels between blocks ``d = 1 .. n_blocks - 1`` apart, with log scales.
+
+    Keys of block ``J`` reach the queries of block ``J + d`` through the offsets
+    ``d b + e``, ``e = u - w`` in ``(-b, b)`` (``u, w`` the positions in the blocks): a
+    Toeplitz product of size ``b`` embedded in a circulant of length ``2b`` whose column
+    holds ``c_(db + e)`` at ``e mod 2b`` (slot ``b`` unused). The coefficients of each
+    ``d`` are shifted by their own maximum (detached), returned as the log scale
+    (``-inf`` where every offset is removed). Row ``d = 0`` (the dense diagonal) is zero.
+
+    Returns ``([H, n_blocks, b + 1]`` complex, ``[H, n_blocks]``).
+    """
+    H, N = beta_c.shape
+    b = block
+    padded = F.pad(beta_c, (0, (n_blocks + 1) * b - N), value=-math.inf)  # offsets >= N carry no weight
+    windows = padded.unfold(-1, 2 * b, b)[:, : n_blocks - 1]  # [H, nb-1, 2b]: offsets (d-1)b .. (d+1)b - 1
+    # Offset (d - 1) b (e = -b) is never used: blank it so it sets no scale.
+    windows = torch.cat([torch.full_like(windows[..., :1], -math.inf), windows[..., 1:]], dim=-1)
+    top = windows.detach().amax(dim=-1)  # [H, nb-1]
+    coeffs = torch.exp(windows - _finite_or_zero(top).unsqueeze(-1))
+    column = torch.cat([coeffs[..., b:], coeffs[..., :b]], dim=-1)  # e >= 0 first, then e < 0 wrapped
+    spectra = torch.fft.rfft(column, dim=-1)  # [H, nb-1, b+1]
+    spectra = torch.cat([torch.zeros_like(spectra[:, :1]), spectra], dim=1)
+    top = torch.cat([torch.full_like(top[:, :1], -math.inf), top], dim=1)
+    return spectra, top
+
+
+def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
+    """Contributions of every earlier block of ``block`` tokens to each block's queries.
+
+    One length ``2b`` FFT per key block (its keys scaled by their own maximum), one
+    batched matmul over the block index that sums, per frequency, the strictly earlier
+    blocks times the kernel spectra of their distances, and one inverse FFT per query
+    block: a fixed number of operations whatever ``N``, and a query block's inverse FFT
+    only ever holds keys before it. The sums are weighted by
+    ``exp(key scale + kernel scale - the query block's largest)``, exact zeros for the
+    key blocks at or after it. ``O(N m Dv (log b + N / b))`` time, ``O(N m Dv)`` memory.
+    """
+    B, H, N, m = qf.shape
     D1 = vv1.shape[-1]
-    cdt = qf.dtype
-    pairs = -(-N // (2 * s))
-    total = pairs * 2 * s
-    # Left halves: the keys. [B, H, P, s, m] and friends.
-    k_l = _pad_seq(kf, total).unflatten(2, (pairs, 2, s))[:, :, :, 0]
-    v_l = _pad_seq(vv1, total).unflatten(2, (pairs, 2, s))[:, :, :, 0]
-    s_l = _pad_seq(kls, total).unflatten(2, (pairs, 2, s))[:, :, :, 0]
-    q_r = _pad_seq(qf, total).unflatten(2, (pairs, 2, s))[:, :, :, 1]  # right halves: the queries
-    k_l, key_top = _scaled_keys(k_l, s_l, dim=-1)  # key_top [B, H, P]
-    # Coefficients of the offsets 1 .. 2s - 1 (right half minus left half), shifted by
-    # their max; entry 0 is never read (no wrap-around reaches it). Offsets >= N carry none.
-    hi = min(2 * s, beta_c.shape[-1])
-    used = beta_c[:, 1:hi]
-    coeff_top = _finite_or_zero(used.detach().amax(dim=-1, keepdim=True))  # [H, 1]
-    coeffs = F.pad(torch.exp(used - coeff_top), (1, 2 * s - hi))  # [H, 2s]
-    # Channels kf (x) [v, 1], sequence last, as in _bidirectional: the factors are padded
-    # to 2s before their outer product, so the FFT input is born padded.
-    k_t = F.pad(k_l.transpose(-1, -2), (0, s))  # [B, H, P, m, 2s]
-    v_t = F.pad(v_l.transpose(-1, -2), (0, s))  # [B, H, P, D1, 2s]
-    x_hat = torch.fft.rfft(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, P, m, D1, s + 1]
-    c_hat = torch.fft.rfft(coeffs)[:, None, None, None, :]  # [H, 1, 1, 1, s + 1]
-    if torch.is_grad_enabled() and c_hat.requires_grad:
-        x_hat = x_hat * c_hat
+    b = block
+    nb = -(-N // b)
+    total = nb * b
+    n_mix = nb - 1  # key blocks 0 .. nb-2 reach query blocks 1 .. nb-1
+
+    def blocks(x: torch.Tensor, keep: slice) -> torch.Tensor:
+        return _pad_seq(x, total).unflatten(2, (nb, b))[:, :, keep]  # [B, H, blocks, b, ...]
+
+    keys, queries = slice(0, n_mix), slice(1, nb)
+    k_b, key_top = _scaled_keys(blocks(kf, keys), blocks(kls, keys), dim=-1)  # [B, H, nb-1, b, m], [B, H, nb-1]
+    # Channels kf (x) [v, 1], sequence last as in _bidirectional: the factors are padded
+    # to 2b before their outer product, so the FFT input is born padded.
+    k_t = F.pad(k_b.transpose(-1, -2), (0, b))  # [B, H, nb-1, m, 2b]
+    v_t = F.pad(blocks(vv1, keys).transpose(-1, -2), (0, b))  # [B, H, nb-1, D1, 2b]
+    x_hat = _RealFFT.apply(k_t.unsqueeze(-2) * v_t.unsqueeze(-3))  # [B, H, nb-1, m, D1, b+1]
+
+    spectra, coeff_top = _block_kernel_spectra(beta_c, b, nb)
+    idx = torch.arange(n_mix, device=qf.device)
+    dist = (idx.view(-1, 1) + 1 - idx.view(1, -1)).clamp(min=0)  # [I, J]: query block I+1, key block J; 0: none
+    log_w = key_top.unsqueeze(-2) + coeff_top[:, dist]  # [B, H, nb-1 (I), nb-1 (J)]
+    row_top = log_w.amax(dim=-1)  # [B, H, nb-1]: -inf where no earlier block has weight
+    w = torch.exp(log_w - _finite_or_zero(row_top).unsqueeze(-1))
+    mix = w.unsqueeze(2) * spectra[:, dist].permute(0, 3, 1, 2)  # [B, H, b+1, I, J] complex
+    if n_mix == 1:
+        # Two blocks (N <= 2b): the sum over earlier blocks is one term, a product per
+        # frequency; no transposes (on a CPU they cost about as much as the FFTs).
+        factor = rearrange(mix, "b h w i j -> b h i j 1 w")
+        if torch.is_grad_enabled() and (x_hat.requires_grad or factor.requires_grad):
+            y_hat = x_hat * factor
+        else:
+            y_hat = x_hat.mul_(factor)  # nothing saved for backward needs the old x_hat: save the memory
     else:
-        x_hat *= c_hat  # nothing saved for backward needs the old x_hat
-    y = torch.fft.irfft(x_hat, n=2 * s)  # [B, H, P, m, D1, 2s]; outputs s..2s-1 are the right half
+        # Frequency first for the matmul over the block index: one transposing copy each
+        # way is cheaper than FFTs and outer products over a strided dimension.
+        x_hat = rearrange(x_hat, "b h j m d w -> b h w j (m d)").contiguous()
+        y_hat = _BatchedMatmul.apply(mix.contiguous(), x_hat)  # [B, H, b+1, nb-1, m D1]
+        y_hat = rearrange(y_hat, "b h w i (m d) -> b h i m d w", m=m).contiguous()
     del x_hat
-    y_r = y[..., s:]
-    out = (y_r * q_r.transpose(-1, -2).unsqueeze(-2)).sum(dim=3).transpose(-1, -2)  # [B, H, P, s, D1]
-    # Rounding floor: the FFT error is relative to the largest circular outputs of each
-    # key channel (all 2s of them), seen through the row's query features.
-    unit = torch.finfo(cdt).eps * math.log2(2 * s)
-    y_max = y[..., D1 - 1, :].detach().abs().amax(dim=-1)  # [B, H, P, m]
-    floor = _DEAD_ROW_UNITS * unit * torch.einsum("bhpnm,bhpm->bhpn", q_r.detach().abs(), y_max)
-    log_scale = (key_top + coeff_top.view(1, H, 1)).unsqueeze(-1).expand(B, H, pairs, s)
-    # Scatter to full length: left halves get nothing (log scale -inf).
-    num_den = torch.stack([torch.zeros_like(out), out], dim=3).flatten(2, 4)[:, :, :N]  # [B, H, N, D1]
-    none = torch.full_like(log_scale, -math.inf)
-    log_scale = torch.stack([none, log_scale], dim=3).flatten(2, 4)[:, :, :N]
-    floor = torch.stack([torch.zeros_like(floor), floor], dim=3).flatten(2, 4)[:, :, :N]
-    return num_den, log_scale, floor
+    y = torch.fft.irfft(y_hat, n=2 * b)  # [B, H, nb-1, m, D1, 2b]
+    del y_hat
+    q_t = blocks(qf, queries).transpose(-1, -2)  # [B, H, nb-1, m, b]
+    out = (y[..., :b] * q_t.unsqueeze(-2)).sum(dim=3).transpose(-1, -2)  # [B, H, nb-1, b, D1]
+
+    # Rounding floor: the error of the FFT products is relative to the largest circular
+    # outputs of each key channel (all 2b of them), seen through the row's query features.
+    unit = torch.finfo(qf.dtype).eps * math.log2(2 * total)
+    y_max = y[..., D1 - 1, :].detach().abs().amax(dim=-1)  # [B, H, nb-1, m]
+    floor = _DEAD_ROW_UNITS * unit * torch.einsum("bhimu,bhim->bhiu", q_t.detach().abs(), y_max)
+    # Block 0 has no earlier keys: nothing, with log scale -inf.
+    num_den = F.pad(out.flatten(2, 3), (0, 0, b, 0))[:, :, :N]  # [B, H, N, D1]
+    log_scale = F.pad(row_top.unsqueeze(-1).expand(B, H, n_mix, b).flatten(2, 3), (b, 0), value=-math.inf)[:, :, :N]
+    return num_den, log_scale, F.pad(floor.flatten(2, 3), (b, 0))[:, :, :N]
 
 
 def toeplitz_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, *, causal: bool = False,
