@@ -469,7 +469,7 @@ def _block_kernel_spectra(beta_c: torch.Tensor, block: int, n_blocks: int) -> tu
 
     Returns ``([H, n_blocks, b + 1]`` complex, ``[H, n_blocks]``).
     """
-    H, N = beta_c.shape
+    N = beta_c.shape[1]
     b = block
     padded = F.pad(beta_c, (0, (n_blocks + 1) * b - N), value=-math.inf)  # offsets >= N carry no weight
     windows = padded.unfold(-1, 2 * b, b)[:, : n_blocks - 1]  # [H, nb-1, 2b]: offsets (d-1)b .. (d+1)b - 1
