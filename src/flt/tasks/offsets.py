@@ -187,6 +187,17 @@ class OffsetsTask(Task):
         self.vocab_size, self.value_dim = vocab_size, value_dim
         self.extent = max(centers) + 3 * width
 
+    @classmethod
+    def attention_options(cls, attention: str, defaults: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+        """As :meth:`Task.attention_options`; a ``softmax`` that chooses another relative
+        term than the spectrum (``softmax:relative_bias=t5``, or ``relative_bias=none`` with
+        ``rope=true``) does not inherit the spectrum's options of :data:`ATTENTION_DEFAULTS`
+        (the layer refuses them without ``relative_bias='spectrum'``); options it chooses
+        itself are kept, so a wrong one is still an error."""
+        if attention == "softmax" and chosen.get("relative_bias", defaults.get("relative_bias")) != "spectrum":
+            defaults = {k: v for k, v in defaults.items() if k not in SPECTRUM}
+        return super().attention_options(attention, defaults, chosen)
+
     def configure(self, cfg):
         return replace_fields(cfg, vocab_size=self.vocab_size, value_dim=self.value_dim)
 
