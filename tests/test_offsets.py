@@ -190,3 +190,34 @@ def test_eval_length_through_flt_evaluate(smoke_run):
     assert longer["data"] == {"eval_length": 320} and math.isfinite(longer["own"]) and longer["own"] != same["own"]
     test = evaluate_run(out, draws=0, exact=False, split="test", max_batches=None)
     assert test["own"] == pytest.approx(summary["test"]["rel_mse"], rel=1e-6)
+
+
+def _softmax_layers(spec: str, *flags: str) -> list[SoftmaxAttention]:
+    """The softmax layers of the ``small`` model that ``flt train offsets --attention spec``
+    builds."""
+    from flt.cli import build_parser
+    from flt.commands.train import preset_from_args
+    from flt.options import parse_attention
+
+    args = build_parser().parse_args(["train", "offsets", "--preset", "small", "--attention", spec, *flags])
+    model = OffsetsTask.build_model(preset_from_args(args, *parse_attention(args.attention)).model)
+    return [m for m in model.modules() if isinstance(m, SoftmaxAttention)]
+
+
+def test_softmax_with_another_relative_term_drops_the_spectrum_defaults():
+    from flt.relative.tables import T5Bias
+    from flt.search.mixed import parse_candidates
+
+    (default,) = _softmax_layers("softmax")
+    assert default.relative_bias == "spectrum" and default.spectrum.shift is not None  # row 7: the task's spectrum
+    (t5,) = _softmax_layers("softmax:relative_bias=t5")
+    assert isinstance(t5.relative, T5Bias) and t5.spectrum is None
+    (rope,) = _softmax_layers("softmax:relative_bias=none:rope=true")
+    assert rope.relative is None and rope.rope
+    (by_flag,) = _softmax_layers("softmax", "--attn-opt", "relative_bias=alibi")
+    assert by_flag.relative_bias == "alibi"
+    with pytest.raises(ValueError, match="spectrum options need relative_bias='spectrum'"):
+        _softmax_layers("softmax:relative_bias=t5:components=2")  # chosen, not inherited: still refused
+    candidates = {c.label: c.options for c in parse_candidates("softmax,softmax:relative_bias=t5", OffsetsTask)}
+    assert candidates["softmax:relative_bias=t5"] == {"relative_bias": "t5"}
+    assert candidates["softmax"]["components"] == 4

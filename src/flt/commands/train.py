@@ -200,7 +200,7 @@ def preset_from_args(args: argparse.Namespace, attention: str, attention_options
         if reserved in model_changes:
             raise ValueError(f"set {reserved} with --attention/--attn-opt/--posenc/--posenc-opt/--arch, not --model-opt")
     chosen = merge_options(attention_options or {}, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=options_source)
-    attn_options = {**preset.model.attention_options, **chosen}
+    attn_options = get_task(args.task).attention_options(attention, preset.model.attention_options, chosen)
     posenc_options = {**preset.model.posenc_options, **parse_assignments(args.posenc_opt, "--posenc-opt")}
     check_attention_options(attention, attn_options, reserved=ATTENTION_ARGUMENTS)
     check_posenc_options(args.posenc, posenc_options, reserved=POSENC_ARGUMENTS)

@@ -16,6 +16,7 @@ weight decay groups, checkpoints) sees them as it sees the layers of a plain mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,23 +58,25 @@ class Candidate:
         return cls(data["label"], data[name_key], dict(data[options_key]))
 
 
-def _parse_entries(text: str, flag: str, what: str, cls, registry, defaults: dict[str, dict]) -> list:
-    """``"a,b:k=v,..."`` of option ``flag`` -> ``cls`` entries of ``registry`` with
-    ``defaults[name]`` under each entry's own options. At least two, distinct."""
+def _parse_entries(text: str, flag: str, what: str, cls, registry, options_of: Callable[[str, dict], dict]) -> list:
+    """``"a,b:k=v,..."`` of option ``flag`` -> ``cls`` entries of ``registry`` with the
+    options ``options_of(name, entry's own)`` (the task's defaults under them). At least
+    two, distinct."""
     entries = parse_attention_list(text, flag)
     if len(entries) < 2:
         raise ValueError(f"{flag} needs at least two {what} to choose from, got {text!r}")
     out = []
     for label, name, options in entries:
         check_choice(f"{flag} entry {label!r}: {cls.keys[0]}", name, registry)
-        out.append(cls(label, name, {**defaults.get(name, {}), **options}))
+        out.append(cls(label, name, options_of(name, options)))
     return out
 
 
 def parse_candidates(text: str, task) -> list[Candidate]:
     """``"a,b:k=v,..."`` (``--candidates``) -> candidates with ``task``'s default options for
     each name (``task.attention_defaults``) under the entry's own. At least two, distinct."""
-    return _parse_entries(text, "--candidates", "mechanisms", Candidate, ATTENTION, task.attention_defaults)
+    return _parse_entries(text, "--candidates", "mechanisms", Candidate, ATTENTION,
+                          lambda name, options: task.attention_options(name, task.attention_defaults.get(name, {}), options))
 
 
 def check_candidates(candidates: list[Candidate], *, dim: int, heads: int, pos_dim: int, causal: bool) -> None:
@@ -101,7 +104,8 @@ def parse_posenc_candidates(text: str, task) -> list[EncodingCandidate]:
     """``"none,sinusoidal,fourier:k=v"`` (``--posenc-candidates``) -> candidate encodings
     with ``task``'s default options for each name (``task.posenc_defaults``) under the
     entry's own. At least two, distinct."""
-    return _parse_entries(text, "--posenc-candidates", "encodings", EncodingCandidate, POSENC, task.posenc_defaults)
+    return _parse_entries(text, "--posenc-candidates", "encodings", EncodingCandidate, POSENC,
+                          lambda name, options: {**task.posenc_defaults.get(name, {}), **options})
 
 
 def check_posenc_candidates(candidates: list[EncodingCandidate], *, dim: int, pos_dim: int) -> None:

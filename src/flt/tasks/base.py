@@ -132,6 +132,14 @@ class Task:
     holdout_seed_option: ClassVar[str | None] = None
 
     @classmethod
+    def attention_options(cls, attention: str, defaults: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+        """The options of a run of mechanism ``attention``: ``chosen`` (the command line's)
+        over ``defaults`` (the preset's). A task whose defaults fit some choices only (a
+        spectrum's options, which need ``relative_bias='spectrum'``) leaves them out here
+        for the others, so that ``softmax:relative_bias=t5`` builds."""
+        return {**defaults, **chosen}
+
+    @classmethod
     def build_model(cls, config, *, device=None, dtype=None):
         """The model of ``config`` (a :attr:`config` instance)."""
         if not isinstance(config, cls.config):
