@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from flt._checks import check_choice
-from flt.models.config import config_from_dict as _config_from_dict
+from flt.models.config import TrunkConfig, config_from_dict as _config_from_dict
 from flt.options import check_keyword_types
 from flt.tasks.base import Task, mechanism_options, step_generator
 from flt.tasks.graph import GraphTask
@@ -150,7 +150,7 @@ def check_preset(preset: Preset) -> type[Task]:
     return task
 
 
-def config_from_dict(data: dict[str, Any]):
+def config_from_dict(data: dict[str, Any]) -> TrunkConfig:
     """The model config saved by :func:`flt.models.config_to_dict`, whose class is the
     ``config`` of a registered task (found by the config's ``task`` name)."""
     return _config_from_dict(data, {task.config.task: task.config for task in TASKS.values()})

@@ -68,7 +68,7 @@ class OffsetsConfig(LayeredConfig):
     vocab_size: int = 64
     value_dim: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("value_dim", self.value_dim)
