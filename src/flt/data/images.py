@@ -35,7 +35,7 @@ class ImageData:
     labels: torch.Tensor
     class_names: tuple[str, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.images.ndim != 4 or self.labels.shape != (self.images.shape[0],):
             raise ValueError(
                 f"images must be [N, C, H, W] and labels [N], got {tuple(self.images.shape)} and {tuple(self.labels.shape)}"

@@ -70,7 +70,7 @@ MAX_COORDINATE = 1e6
 XYZ_ATOM_BYTES = 7
 
 
-def _import_ase():
+def _import_ase() -> None:
     try:
         import ase  # noqa: F401
     except ImportError as e:

@@ -78,7 +78,7 @@ class Graph:
     labels: torch.Tensor | None = None
     name: str = "graph"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_positive_int("num_nodes", self.num_nodes)
         object.__setattr__(self, "edges", canonical_edges(self.edges, self.num_nodes))
         if self.labels is not None:

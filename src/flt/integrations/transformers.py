@@ -221,10 +221,10 @@ class FLTStateLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def offload(self):
+    def offload(self) -> None:
         pass
 
-    def prefetch(self):
+    def prefetch(self) -> None:
         pass
 
     def reset(self) -> None:

@@ -35,7 +35,7 @@ class ParticleConfig(LayeredConfig):
     target_mean: float = 0.0
     target_std: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.isotropic, bool):
             raise TypeError(f"isotropic must be a bool, got {self.isotropic!r}")

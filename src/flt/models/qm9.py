@@ -51,7 +51,7 @@ class QM9Config(LayeredConfig):
     target_mean: float = 0.0
     target_std: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("encoder", self.encoder, ENCODERS)
         check_positive_int("num_elements", self.num_elements)

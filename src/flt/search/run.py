@@ -92,7 +92,7 @@ class SearchConfig:
     holdout: float = 0.2
     posenc_candidates: tuple[EncodingCandidate, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.candidates) < 2:
             raise ValueError(f"a search needs at least two candidates, got {len(self.candidates)}")
         if len(self.posenc_candidates) == 1:

@@ -97,7 +97,7 @@ class LinearizeConfig:
     keep_checkpoints: int = 2
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
