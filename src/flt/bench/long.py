@@ -156,7 +156,7 @@ def state_bytes(state: object) -> int:
 
     seen: dict[int, int] = {}
 
-    def walk(obj) -> None:
+    def walk(obj: object) -> None:
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
