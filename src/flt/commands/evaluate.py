@@ -124,7 +124,7 @@ def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: Trunk
     """Refuse ``data`` on which the trained model would not compute what it was trained to:
     the task's configuration of the model (vocabulary, classes, target scaling) or its saved
     state (an LM's tokenizer) would change."""
-    from flt.models.config import config_to_dict
+    from flt.tasks import config_to_dict
 
     before, after = (json.loads(json.dumps(config_to_dict(c))) for c in (cfg, configured))
     fields = [f"{k}={before.get(k)!r} (trained) against {after.get(k)!r}" for k in sorted(set(before) | set(after))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,8 +27,6 @@ class ParticleConfig(LayeredConfig):
     """Per-particle regressor: charge embeddings, 3-D coordinates as positions, one linear
     head per token. ``isotropic`` ties the per-axis lengths of radial spectra (as
     :class:`flt.models.MoleculeConfig`); predictions are ``target_mean + target_std * out``."""
-
-    task: ClassVar[str] = "nbody"
 
     depth: int = 2
     isotropic: bool = False

@@ -16,7 +16,7 @@ compiled extension. PyG's DimeNet++ computes its radius graph and its triplets i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +39,6 @@ class QM9Config(LayeredConfig):
     by ``"sum"`` or ``"mean"``; None (the default) takes the target's natural one, filled
     in by the task (sum for extensive properties such as energies, mean for orbital
     energies and the dipole). ``num_elements`` bounds the atomic numbers (QM9: H to F)."""
-
-    task: ClassVar[str] = "qm9"
 
     encoder: str = "transformer"
     num_elements: int = 10

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from flt._io import atomic_write_text
-from flt.models.config import TrunkConfig, config_to_dict
+from flt.models.config import TrunkConfig
 from flt.search.holdout import holdout_seed, split_task
 from flt.search.mixed import (
     Candidate,
@@ -50,7 +50,7 @@ from flt.search.mixed import (
     encoding_owner,
 )
 from flt.search.supernet import Supernet, empty_progress
-from flt.tasks import Task, check_preset, holdout_tasks
+from flt.tasks import Task, check_preset, config_to_dict, holdout_tasks
 from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint

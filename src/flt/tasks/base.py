@@ -105,10 +105,14 @@ class Task(Generic[BatchT, ConfigT]):
     name: ClassVar[str] = ""
     #: One line for ``flt train --help`` and the docs table.
     description: ClassVar[str] = ""
-    #: Model config dataclass (its ``task`` class attribute names it in saved configs) and
-    #: model class, whose keyword arguments are the config's fields (:meth:`build_model`).
+    #: Model config dataclass and model class, whose keyword arguments are the config's
+    #: fields (:meth:`build_model`).
     config: ClassVar[type[TrunkConfig]]
     model: ClassVar[type]
+    #: The key of :attr:`config` in saved configs (``"task"`` of :func:`flt.tasks.config_to_dict`,
+    #: which checkpoints carry); None: this task's :attr:`name`. A task that trains another
+    #: task's config names that task, so that each config class has one key.
+    config_key: ClassVar[str | None] = None
     #: Headline validation metric and whether larger is better (tables, plots, docs).
     metric: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = False

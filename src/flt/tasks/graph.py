@@ -115,8 +115,6 @@ class GraphConfig(LayeredConfig):
     it, ``flt train --arch`` trains it) gives each layer of the transformer its own mechanism.
     """
 
-    task: ClassVar[str] = "graph"
-
     num_anchors: int = 64
     in_dim: int = 0
     gir_positions: int = 0

@@ -76,8 +76,6 @@ class ListOpsConfig(LayeredConfig):
     """Sequence classifier: token embedding, bidirectional trunk, mean over the valid tokens,
     linear head. Positions are token indices."""
 
-    task: ClassVar[str] = "listops"
-
     vocab_size: int = len(VOCAB)
     num_classes: int = NUM_CLASSES
 

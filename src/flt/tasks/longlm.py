@@ -92,6 +92,7 @@ class LongLMTask(LMTask):
 
     name = "longlm"
     description = "long-context byte LM (1k-8k bytes); bundled data: the Python standard library's source, split by file"
+    config_key = LMTask.name  # its checkpoints hold an LMConfig, saved as the lm task's
     options = ("max_bytes", "valid_fraction", "test_fraction", "split_seed")
     bundled_options, path_options = ("max_bytes",), ()
     dataset = staticmethod(load_python_source)

@@ -63,8 +63,6 @@ POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"fourier": {"gamma": 32.0}, "shift
 class OffsetsConfig(LayeredConfig):
     """Per-token regressor: token embedding, causal trunk, linear head to ``value_dim``."""
 
-    task: ClassVar[str] = "offsets"
-
     vocab_size: int = 64
     value_dim: int = 4
 

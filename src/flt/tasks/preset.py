@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flt._checks import check_positive_int
-from flt.models.config import TrunkConfig, config_to_dict
+from flt.models.config import TrunkConfig
 from flt.options import check_fields
 
 #: Arithmetic of a training step (:attr:`RunConfig.precision`).
@@ -176,6 +176,8 @@ class Preset:
 def preset_to_dict(preset: Preset) -> dict[str, Any]:
     """JSON-serialisable form of a preset (saved in checkpoints); the inverse is
     :func:`flt.tasks.preset_from_dict`."""
+    from flt.tasks import config_to_dict  # the registry of tasks imports this module
+
     return {
         "task": preset.task,
         "model": config_to_dict(preset.model),

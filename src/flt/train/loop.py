@@ -58,9 +58,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
 from flt._io import atomic_write_text
-from flt.models.config import TrunkConfig, config_to_dict
+from flt.models.config import TrunkConfig
 from flt.models.memory import check_task_memory
-from flt.tasks import Task, check_preset, load_task, preset_from_dict
+from flt.tasks import Task, check_preset, config_to_dict, load_task, preset_from_dict
 from flt.tasks.base import check_data_fields, has_test_split
 from flt.tasks.preset import (
     Preset,
