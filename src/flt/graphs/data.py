@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ MAX_NODE_ID = 2**63 - 1
 NODE_BYTES = 64
 
 
-def _import_networkx():
+def _import_networkx() -> ModuleType:
     try:
         import networkx
     except ImportError as e:
