@@ -53,6 +53,10 @@ class AttentionCore(nn.Module):
     :meth:`from_layer` makes the core of an existing layer, sharing its parameters.
     """
 
+    #: Which method a converted ``transformers`` model calls (``"forward"``, ``"reference"``,
+    #: ``"exact"``); set by :func:`flt.integrations.transformers.convert`, absent otherwise.
+    path: str
+
     def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
