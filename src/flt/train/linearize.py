@@ -412,7 +412,7 @@ def trainable_parameters(model: PreTrainedModel, what: str) -> list[torch.nn.Par
     elif what == "attention":
         chosen = {id(p) for m in attention_modules(model) for p in m.parameters()}
     else:
-        chosen = {id(p) for m in attention_modules(model) for p in m.flt_core.parameters()}
+        chosen = {id(p) for m in attention_modules(model) for p in m.get_submodule("flt_core").parameters()}
     params = []
     for p in model.parameters():
         p.requires_grad_(id(p) in chosen)
