@@ -59,8 +59,8 @@ class FeatureMap(nn.Module):
         kind: str = "favor+",
         orthogonal: bool = True,
         seed: int | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("dim", dim)

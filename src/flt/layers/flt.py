@@ -132,8 +132,8 @@ class FLTAttention(KernelAttention):
         coupling: str = "logit",
         far_field: bool | Literal["near"] = True,
         settings: Settings | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         check_choice("coupling", coupling, COUPLINGS)
         features = FavorPlus() if features is None else features
@@ -214,8 +214,8 @@ class FLTAttention(KernelAttention):
         far_field: bool | Literal["near"] = True,
         check_condition: bool = True,
         backend: str = "torch",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         **spectrum_options,
     ) -> FLTAttention:
         """The layer from the flat options of presets and the command line (checked by

@@ -108,8 +108,8 @@ class KernelAttention(AttentionBase):
         rope_base: float = 10000.0,
         chunk_size: int | None = None,
         backend: str = "torch",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         check_choice("backend", backend, KERNEL_BACKENDS)

@@ -181,8 +181,8 @@ class SoftmaxAttention(AttentionBase):
         rope: bool = False,
         rope_base: float = 10000.0,
         backend: str = "sdpa",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         from flt.relative import RELATIVE, build_relative
@@ -242,8 +242,8 @@ class SoftmaxAttention(AttentionBase):
         rope: bool = False,
         rope_base: float = 10000.0,
         backend: str = "sdpa",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         **spectrum_options,
     ) -> SoftmaxAttention:
         """The layer from the flat options of presets and the command line (checked by

@@ -79,8 +79,8 @@ class ToeplitzAttention(KernelAttention):
         dense_below: int = DEFAULT_DENSE_BELOW,
         features: Features | None = None,
         settings: Settings | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
@@ -110,7 +110,7 @@ class ToeplitzAttention(KernelAttention):
                       block_size: int = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW, num_features: int = 256,
                       feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
                       redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
-                      chunk_size: int | None = None, backend: str = "torch", device=None, dtype=None) -> ToeplitzAttention:
+                      chunk_size: int | None = None, backend: str = "torch", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ToeplitzAttention:
         """The layer from flat options (checked by :meth:`from_options`): the feature and
         settings options as :meth:`flt.layers.performer.PerformerAttention._from_options`,
         the table's and the FFT's as the constructor."""

@@ -151,8 +151,8 @@ class RelativeBiasTable(RelativeTerm):
         bidirectional: bool = True,
         table_scale: float = DEFAULT_TABLE_SCALE,
         learn_scale: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("heads", heads)
@@ -244,7 +244,7 @@ class T5Bias(RelativeBiasTable):
 
     def __init__(
         self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128, num_buckets: int | None = None,
-        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ):
         if pos_dim != 1:
             raise ValueError(f"relative term 't5' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
@@ -259,7 +259,7 @@ class ClippedBias(RelativeBiasTable):
 
     def __init__(
         self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128,
-        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ):
         if pos_dim != 1:
             raise ValueError(f"relative term 'clipped' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
