@@ -216,7 +216,7 @@ class FLTAttention(KernelAttention):
         backend: str = "torch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        **spectrum_options,
+        **spectrum_options: Any,
     ) -> FLTAttention:
         """The layer from the flat options of presets and the command line (checked by
         :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -244,7 +245,7 @@ class SoftmaxAttention(AttentionBase):
         backend: str = "sdpa",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        **spectrum_options,
+        **spectrum_options: Any,
     ) -> SoftmaxAttention:
         """The layer from the flat options of presets and the command line (checked by
         :meth:`from_options`): the options of the built-in terms become ``relative_options``
@@ -287,7 +288,7 @@ class SoftmaxAttention(AttentionBase):
         """The relative term when it is a T5 or clipped table, else None."""
         return self.relative if self.relative_bias in ("t5", "clipped") else None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Before the relative-term registry the term sat under its kind's name.
         for old in ("table.", "spectrum."):
             for key in [k for k in state_dict if k.startswith(prefix + old)]:

@@ -126,7 +126,7 @@ class ToeplitzAttention(KernelAttention):
         t = torch.arange(-(n - 1), n, device=self.table.table.device)
         return self.table.of_offsets(t.view(-1, 1)).T
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
         # t + M for t = i - j, and no scale: the table's rows are that, reversed (the
         # table indexes key - query), and only the past half when causal; scale 1.

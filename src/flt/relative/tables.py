@@ -11,6 +11,7 @@ negative offsets are keys in the past.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -224,7 +225,7 @@ class RelativeBiasTable(RelativeTerm):
         bias = self.lookup(offsets)  # [B, N, Nk, H]
         return rearrange(bias, "b i j h -> b h i j")
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # A state dict from before the scale existed describes bias = table: scale 1.
         if prefix + "table" in state_dict and prefix + "scale" not in state_dict:
             state_dict[prefix + "scale"] = torch.ones_like(self.scale)

@@ -16,6 +16,7 @@ sits on the query side's features only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,7 +120,7 @@ class Spectrum(RelativeTerm):
         self._learn_shift = shift
         self.shift: nn.Parameter | None = None
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Spectrum:
         # Parameters and draws stay in float32 when the module is cast to a half type: the
         # gradient of a frequency, sum_n 2 pi r_n dL/dphase_n, grows with the positions and
         # overflows float16 (65504) from about a thousand tokens on. They are a few numbers.
