@@ -24,6 +24,7 @@ against cached keys), computed as the last rows of the full causal attention.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ class AttentionCore(nn.Module):
         layer's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
         return self._run("exact", q, k, v, pos, key_padding_mask)
 
-    def _run(self, method: str, q, k, v, pos, key_padding_mask) -> torch.Tensor:
+    def _run(self, method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         q, pos = self._check(q, k, v, pos)
         nq = q.shape[2]
         if nq < k.shape[2]:
@@ -147,13 +148,13 @@ class AttentionCore(nn.Module):
         out, state = self._call_layer(lambda layer: layer.step(token, state, pos), q, k, v, squeezed=True)
         return out.to(v.dtype), state
 
-    def _check_decoding(self, what: str, q, k) -> None:
+    def _check_decoding(self, what: str, q: torch.Tensor, k: torch.Tensor) -> None:
         if not (self.causal and getattr(self.attention, "supports_decoding", False)):
             raise ValueError(f"{what}() needs a causal core of a mechanism that decodes ({self.mechanism_name!r}, causal={self.causal})")
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"{what}() takes as many queries as keys (the new tokens); got {q.shape[2]} and {k.shape[2]}")
 
-    def _call_layer(self, call, q, k, v, *, squeezed: bool = False):
+    def _call_layer(self, call: Callable[[Any], Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, squeezed: bool = False) -> Any:
         """``call(layer)`` with the layer's projections replaced by the caller's ``q, k, v``:
         its ``prepare`` returns them (at the positions and padding the layer's method
         passes on), its ``finish`` returns the heads unprojected (with a dimension for the
@@ -168,7 +169,7 @@ class AttentionCore(nn.Module):
         finally:
             del layer.prepare, layer.finish
 
-    def _check(self, q, k, v, pos):
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_tensor(name, t, ndim=4, layout="[B, H, N, D]")
         B, H, nq, D = q.shape

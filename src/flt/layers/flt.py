@@ -296,7 +296,7 @@ class FLTAttention(KernelAttention):
         a, c = self.far_features(pos)
         return {"extra_q": a, "extra_k": c} if self.coupling == "logit" else {"a": a, "c": c}
 
-    def _condition_due(self, p) -> bool:
+    def _condition_due(self, p: Prepared) -> bool:
         """Whether :meth:`check_conditioning` would check this call (not a no-op)."""
         precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
         return not (precision in self._condition_warned or (self.training and precision in self._condition_trained))
@@ -431,7 +431,7 @@ def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | S
     return relative
 
 
-def _check_parts(features, near, settings) -> None:
+def _check_parts(features: object, near: object, settings: object) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
     check_kernel_parts(features, settings)
     if not isinstance(near, (Band, Neighbors, type(None))):

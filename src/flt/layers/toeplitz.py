@@ -14,6 +14,7 @@ import torch
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
+from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
 from flt.ops.reference import rpe_attention_reference
@@ -143,7 +144,8 @@ class ToeplitzAttention(KernelAttention):
             "toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)", tag="unit-grid",
         )
 
-    def _inputs(self, x, pos, key_padding_mask):
+    def _inputs(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None
+                ) -> tuple[Prepared, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         p = self.prepare(x, pos, key_padding_mask)
         self.check_grid(p.pos)
         f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)

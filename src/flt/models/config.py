@@ -30,7 +30,7 @@ READOUTS = ("mean", "sum")
 POOLINGS = ("mean", "cls")
 
 
-def _check_trunk(cfg) -> None:
+def _check_trunk(cfg: TrunkConfig) -> None:
     """Checks shared by every config: every field's type (a bool is not a number), sizes,
     options as dicts, names as strings."""
     check_fields(cfg)

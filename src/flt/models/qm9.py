@@ -97,7 +97,7 @@ class _RadiusGraph(nn.Module):
         return radius_graph(pos, batch, self.cutoff)
 
 
-def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor):
+def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The real atoms of a padded batch: ``z [A]``, ``pos [A, 3]``, ``batch [A]``."""
     real = ~key_padding_mask
     batch = torch.arange(z.shape[0], device=z.device).unsqueeze(1).expand_as(z)[real]
