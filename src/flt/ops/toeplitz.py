@@ -183,7 +183,7 @@ def _check_table(name: str, table: torch.Tensor, *, heads: int, n: int) -> None:
         )
 
 
-def _check_inputs(q_feat, k_feat, v, bias, key_log_scale=None) -> None:
+def _check_inputs(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, key_log_scale: torch.Tensor | None = None) -> None:
     check_tensor("q_feat", q_feat, ndim=4, layout="[B, H, N, m]")
     check_tensor("k_feat", k_feat, ndim=4, layout="[B, H, N, m]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -301,7 +301,7 @@ def toeplitz_attention(
     return out.to(out_dtype)
 
 
-def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
+def _bidirectional(qf: torch.Tensor, kf: torch.Tensor, vv: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """One FFT product of all channels (keys already carry their scales)."""
     B, H, N, _ = qf.shape
     Dv = vv.shape[-1]
@@ -335,7 +335,7 @@ def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
     return safe_divide(num, _dead_rows(den, _DEAD_ROW_UNITS * unit * scale))
 
 
-def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
+def _causal_blocked(qf: torch.Tensor, kf: torch.Tensor, vv: torch.Tensor, beta: torch.Tensor, kls: torch.Tensor | None, block: int) -> torch.Tensor:
     """Causal Toeplitz attention whose rows never see later tokens (module docstring).
 
     Contributions to row ``i``: its diagonal block (dense, exact) and, for each level
@@ -373,7 +373,7 @@ def _pad_seq(x: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
     return F.pad(x, pad, value=value)
 
 
-def _diagonal_blocks(qf, kf, vv1, beta_c, kls, block: int):
+def _diagonal_blocks(qf: torch.Tensor, kf: torch.Tensor, vv1: torch.Tensor, beta_c: torch.Tensor, kls: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense causal attention within aligned blocks of ``block`` tokens: the reference's
     formula (row max over live keys), ``O(N * block * (m + Dv))``."""
     N = qf.shape[2]
@@ -402,7 +402,7 @@ def _diagonal_blocks(qf, kf, vv1, beta_c, kls, block: int):
     return num_den, log_scale, torch.zeros_like(log_scale)
 
 
-def _level(qf, kf, vv1, beta_c, kls, s: int):
+def _level(qf: torch.Tensor, kf: torch.Tensor, vv1: torch.Tensor, beta_c: torch.Tensor, kls: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Contributions of the left halves ``[l, l + s)`` to the right halves ``[l + s, l + 2s)``
     of the aligned pairs ``l = 0, 2s, 4s, ...``: one FFT product of length ``2s`` per pair."""
     B, H, N, _ = qf.shape
