@@ -16,12 +16,11 @@ from flt.models import (
     LMConfig,
     MoleculeConfig,
     build_model,
-    config_from_dict,
-    config_to_dict,
     replace_fields,
     tie_isotropic,
 )
 from flt.relative.spectra import GaussianKernelSpectrum
+from flt.tasks import config_from_dict, config_keys, config_to_dict
 from flt.train.presets import ATTENTION_DEFAULTS
 
 NAMES = sorted(ATTENTION)
@@ -37,7 +36,7 @@ def make(cls, attention: str, *, dtype=None, **fields):
     Mechanisms other than FLT that reject a model's setting (e.g. a 1-D-only mechanism in
     the image model) are skipped with the reason; FLT must support everything.
     """
-    options = dict(ATTENTION_DEFAULTS[cls.task].get(attention, {}))
+    options = dict(ATTENTION_DEFAULTS[config_keys()[cls]].get(attention, {}))
     options.update(fields.pop("attention_options", {}))
     cfg = cls(**TRUNK, attention=attention, attention_options=options, **fields)
     try:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -119,8 +119,6 @@ def test_the_registry_and_the_task_commands_import_no_optional_dependency():
 @dataclass(frozen=True)
 class ToyConfig:
     """Sum of a sequence of numbers, read by a one-block Transformer."""
-
-    task: ClassVar[str] = "toy"
 
     length: int = 8
     dim: int = 16

@@ -129,7 +129,7 @@ def _spectrum_option(cls: type, options: dict, name: str) -> Any:
     return _option(SPECTRA[spectrum], {}, name) if isinstance(spectrum, str) and spectrum in SPECTRA else None
 
 
-def _int(value, fallback: int = 0) -> int:
+def _int(value: object, fallback: int = 0) -> int:
     """An int option's value, or ``fallback`` for anything else (the constructor reports it)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
 
@@ -192,7 +192,7 @@ def attention_activation_values(cls: type | None, options: dict, *, batch: int, 
     return values * (2 if training else 1)
 
 
-def _registry_name(cls) -> str:
+def _registry_name(cls: object) -> str:
     name = getattr(cls, "__dict__", {}).get("registry_name")
     return repr(name) if name else getattr(cls, "__name__", str(cls))
 

@@ -26,6 +26,7 @@ against cached keys), computed as the last rows of the full causal attention.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,10 @@ class AttentionCore(nn.Module):
 
     :meth:`from_layer` makes the core of an existing layer, sharing its parameters.
     """
+
+    #: Which method a converted ``transformers`` model calls (``"forward"``, ``"reference"``,
+    #: ``"exact"``); set by :func:`flt.integrations.transformers.convert`, absent otherwise.
+    path: str
 
     def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
@@ -136,7 +141,7 @@ class AttentionCore(nn.Module):
         eye = torch.eye(n, device=k.device, dtype=compute_dtype(q)).expand(*k.shape[:2], n, n)
         return self._run(methods[path], q, k, eye, pos, key_padding_mask)
 
-    def _run(self, method: str, q, k, v, pos, key_padding_mask) -> torch.Tensor:
+    def _run(self, method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         q, pos = self._check(q, k, v, pos)
         nq = q.shape[2]
         if nq < k.shape[2]:
@@ -176,13 +181,13 @@ class AttentionCore(nn.Module):
         out, state = self._call_layer(lambda layer: layer.step(token, state, pos), q, k, v, squeezed=True)
         return out.to(v.dtype), state
 
-    def _check_decoding(self, what: str, q, k) -> None:
+    def _check_decoding(self, what: str, q: torch.Tensor, k: torch.Tensor) -> None:
         if not (self.causal and getattr(self.attention, "supports_decoding", False)):
             raise ValueError(f"{what}() needs a causal core of a mechanism that decodes ({self.mechanism_name!r}, causal={self.causal})")
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"{what}() takes as many queries as keys (the new tokens); got {q.shape[2]} and {k.shape[2]}")
 
-    def _call_layer(self, call, q, k, v, *, squeezed: bool = False):
+    def _call_layer(self, call: Callable[[Any], Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, squeezed: bool = False) -> Any:
         """``call(layer)`` with the layer's projections replaced by the caller's ``q, k, v``:
         its ``prepare`` returns them (at the positions and padding the layer's method
         passes on), its ``finish`` returns the heads unprojected (with a dimension for the
@@ -197,7 +202,7 @@ class AttentionCore(nn.Module):
         finally:
             del layer.prepare, layer.finish
 
-    def _check(self, q, k, v, pos):
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_tensor(name, t, ndim=4, layout="[B, H, N, D]")
         B, H, nq, D = q.shape

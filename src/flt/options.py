@@ -195,7 +195,7 @@ def _registry_name(cls: type, registry: dict) -> str | None:
     return next((name for name, entry in registry.items() if entry is cls), None)
 
 
-def _resolve(mechanism, registry: dict, what: str) -> tuple[type, str]:
+def _resolve(mechanism: str | type, registry: dict, what: str) -> tuple[type, str]:
     from flt._checks import check_choice
 
     if isinstance(mechanism, str):

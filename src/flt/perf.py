@@ -35,7 +35,7 @@ KEEP_UP_TO = 1 << 30
 _GLIBC_DEFAULT = 128 * 1024
 
 
-def _libc():
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
         return None

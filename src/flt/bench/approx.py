@@ -17,6 +17,7 @@ import torch
 from flt.layers import FLTAttention
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
 from flt.relative.spectra import SAMPLERS, SPECTRA
+from flt.relative.spectra.local import LocalSpectrum
 
 F64 = torch.float64
 
@@ -122,7 +123,7 @@ FIDELITY_ESTIMATORS: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def _set_local_amplitude(spectrum, amplitude: float) -> None:
+def _set_local_amplitude(spectrum: LocalSpectrum, amplitude: float) -> None:
     """Make a local spectrum's ``f(0)`` equal ``amplitude`` in every head, split evenly over
     its windows (window shapes unchanged)."""
     with torch.no_grad():
@@ -171,7 +172,7 @@ class SpatialFidelityError:
     full_mask_error: float | None  # the same against softmax(x_q.x_k + f) with f on every pair (logit only)
 
 
-def _random_cube(n: int, pos_dim: int, generator) -> torch.Tensor:
+def _random_cube(n: int, pos_dim: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` uniform points at unit density (a cube of side ``n^(1/P)``)."""
     return torch.rand(n, pos_dim, generator=generator, dtype=F64) * n ** (1 / pos_dim)
 

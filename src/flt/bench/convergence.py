@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from flt.bench.approx import AttentionError, MaskError, attention_errors
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def attention_error_sweeps(ms: Sequence[int], Rs: Sequence[int], *, fixed_R: int, fixed_m: int, seeds: Sequence[int] = (0, 1), N: int = 65) -> dict[str, list[AttentionError]]:
@@ -21,13 +25,13 @@ def attention_error_sweeps(ms: Sequence[int], Rs: Sequence[int], *, fixed_R: int
     }
 
 
-def _guide(ax, xs, ys, slope: float, label: str) -> None:
+def _guide(ax: Axes, xs: Sequence[float], ys: Sequence[float], slope: float, label: str) -> None:
     """A dotted ``x^slope`` line through the first point, for reading rates off the plot."""
     x0, y0 = xs[0], ys[0]
     ax.loglog(xs, [y0 * (x / x0) ** slope for x in xs], ":", color="gray", label=label)
 
 
-def _size_ticks(ax, values) -> None:
+def _size_ticks(ax: Axes, values: Sequence[int]) -> None:
     """Label a log x axis at the sizes measured (R or m, powers of 2), as plain integers and
     at most five of them, with no minor labels: matplotlib's default '2x10^1 4x10^1 ...'
     minor labels overlap."""

@@ -149,7 +149,7 @@ def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: b
     x = torch.randn(s.B, N, s.H * s.D, device="cuda", requires_grad=mode == "fwd+bwd")
     grad = torch.randn_like(x)
 
-    def call():
+    def call() -> torch.Tensor | None:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
             if mode == "fwd":
                 with torch.no_grad():
@@ -158,6 +158,7 @@ def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: b
         out.backward(grad.to(out.dtype))
         layer.zero_grad(set_to_none=True)
         x.grad = None
+        return None
 
     layer.train(mode == "fwd+bwd")
     times = cuda_times(call, warmup=warmup, repeats=repeats)

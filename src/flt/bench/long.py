@@ -53,13 +53,12 @@ LENGTHS = (1024, 2048, 4096, 8192)
 
 
 def build(name: str, n: int) -> CausalLM:
-    from dataclasses import replace
-
+    from flt.models import replace_fields
     from flt.tasks.longlm import LongLMTask
 
     attention, options = MECHANISMS[name]
     cfg = LongLMTask.presets["small"](attention).model
-    cfg = replace(cfg, max_len=n, vocab_size=256, **({} if options is None else {"attention_options": dict(options)}))
+    cfg = replace_fields(cfg, max_len=n, vocab_size=256, **({} if options is None else {"attention_options": dict(options)}))
     return cast("CausalLM", LongLMTask.build_model(cfg))
 
 
@@ -79,7 +78,7 @@ def worker(cfg: dict) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 256, (cfg["batch"], cfg["n"] + 1))
 
-    def step():
+    def step() -> None:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -157,7 +156,7 @@ def state_bytes(state: object) -> int:
 
     seen: dict[int, int] = {}
 
-    def walk(obj) -> None:
+    def walk(obj: object) -> None:
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()

@@ -4,6 +4,7 @@ reference check, the timed calls, the peak memory and the reliability flags
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
 
@@ -129,7 +131,7 @@ def build_module(variant: str, shape: Shape, causal: bool, dtype: torch.dtype = 
     return ATTENTION[v.mechanism].from_options(dim, shape.H, causal=causal, dtype=dtype, **v.kwargs)
 
 
-def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:
+def _maybe_compile(module: torch.nn.Module, v: Variant) -> torch.nn.Module:
     """:func:`flt.perf.compile` (inductor, ``dynamic=False``) for a compiled variant: every
     timed configuration has one shape, and the float64 check before it another; with
     automatic dynamic shapes the second compile of the causal layer's backward failed in
@@ -138,10 +140,8 @@ def _maybe_compile(module: torch.nn.Module, v) -> torch.nn.Module:
     return compile_module(module, keep_memory=False) if v.compile else module
 
 
-def _autocast(v):
+def _autocast(v: Variant) -> contextlib.AbstractContextManager[object]:
     """The autocast context of a variant (a no-op context for float32)."""
-    import contextlib
-
     if not v.autocast:
         return contextlib.nullcontext()
     return torch.autocast("cpu", dtype=getattr(torch, v.autocast))
@@ -171,7 +171,7 @@ def autocast_accuracy(module: torch.nn.Module, fast: torch.nn.Module, v: Variant
     return result
 
 
-def _kronecker_inputs(shape: Shape, N: int, m: int, R: int, dtype, gen):
+def _kronecker_inputs(shape: Shape, N: int, m: int, R: int, dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
     B, H, D = shape.B, shape.H, shape.D
     qf = torch.rand(B, H, N, m, generator=gen, dtype=dtype) + 0.05
     kf = torch.rand(B, H, N, m, generator=gen, dtype=dtype) + 0.05
@@ -289,13 +289,13 @@ def _timed_step(cfg: Config) -> Callable[[], None]:
     return _LayerStep(forward_backward, module, fast, x)
 
 
-def _matmul_step(n: int):
+def _matmul_step(n: int) -> Callable[[], object]:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
     return lambda: torch.mm(a, b)
 
 
-def _matmul_best_s(n: int, calls: int = 3, clock=time.perf_counter) -> float:
+def _matmul_best_s(n: int, calls: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
     """Fastest of ``calls`` timed ``n x n`` float32 matmuls after one warm-up call."""
     step = _matmul_step(n)
     step()
@@ -381,7 +381,7 @@ def measure(cfg: Config) -> dict:
     return result
 
 
-def _child(cfg_json: str, conn) -> None:
+def _child(cfg_json: str, conn: Connection) -> None:
     # Anything printed goes to stderr; the result goes through the pipe.
     sys.stdout = sys.stderr
     cfg = Config(**json.loads(cfg_json))

@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
+from typing import Any
 
 from flt.bench.flops import floor_ratio, model_flops
 from flt.bench.measure import timing_flags
@@ -106,7 +107,7 @@ def exponents(results: list[dict], min_n: int) -> dict[tuple, dict]:
     return out
 
 
-def _get(results, variant, shape, causal, mode, N):
+def _get(results: list[dict[str, Any]], variant: str, shape: str, causal: bool, mode: str, N: int) -> dict[str, Any] | None:
     for r in results:
         c = r["config"]
         if (c["variant"], c["shape"], c["causal"], c["mode"], c["N"]) == (variant, shape, causal, mode, N):
@@ -114,7 +115,7 @@ def _get(results, variant, shape, causal, mode, N):
     return None
 
 
-def _ok(r):
+def _ok(r: dict[str, Any] | None) -> bool:
     return r is not None and r["status"] == "ok"
 
 
@@ -132,12 +133,14 @@ def targets(data: dict) -> list[dict]:
     N = target_length(data)
     rows = []
 
-    def ratio(name, target, num, den, larger_is_better, field="median_s", note=""):
+    def ratio(name: str, target: float, num: dict[str, Any] | None, den: dict[str, Any] | None, larger_is_better: bool,
+              field: str = "median_s", note: str = "") -> None:
         if not (_ok(num) and _ok(den)):
             missing = [r for r in (num, den) if not _ok(r)]
             why = "; ".join(f"{m['config']['variant']} {m['config']['mode']}: {m['status']} ({m['note']})" for m in missing if m) or "not in this run"
             rows.append({"name": name, "target": target, "measured": None, "passed": None, "note": why})
             return
+        assert num is not None and den is not None  # both _ok
         value = num[field] / den[field]
         row = {"name": name, "target": target, "measured": value, "passed": value >= target if larger_is_better else value <= target, "note": note}
         shaky = [f"{r['config']['variant']}{' causal' if r['config']['causal'] else ''} {r['config']['mode']}: {reliability(r)[1]}"
@@ -280,6 +283,7 @@ def floor_targets(data: dict) -> list[dict]:
             causal, bidir = _get(data["results"], variant, shape, True, mode, N), _get(data["results"], variant, shape, False, mode, N)
             if not (_ok(causal) and _ok(bidir)):
                 continue
+            assert causal is not None and bidir is not None  # both _ok
             shaky = [reliability(r)[1] for r in (causal, bidir) if not reliability(r)[0]]
             value = causal["median_s"] / bidir["median_s"]
             rows.append({"name": f"{mode}: {variant} causal time / bidirectional time (<=)", "target": CAUSAL_OVER_BIDIRECTIONAL,
@@ -433,7 +437,7 @@ def markdown(data: dict, command: str = "") -> str:
     return "\n".join(lines)
 
 
-def _series_keys(results):
+def _series_keys(results: list[dict[str, Any]]) -> list[tuple[str, str, bool, str]]:
     seen = []
     for r in results:
         c = r["config"]

@@ -5,6 +5,7 @@ entries with fixed options, peers, ops) and the presets that combine them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class Preset:
     headline: tuple[str, str, str] = ("flt-logit/m256/R32", "softmax+t5", "performer/m256")  # FLT, exact, FAVOR+
 
 
-def _both(*names, **kw):
+def _both(*names: str, **kw: Any) -> tuple[Run, ...]:
     return tuple(Run(n, causal, **kw) for n in names for causal in (False, True))
 
 

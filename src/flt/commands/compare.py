@@ -161,7 +161,7 @@ def _expected_preset(args: argparse.Namespace, name: str, options: dict, seed: i
     return json.loads(json.dumps(preset_to_dict(preset_from_args(one, name, options))))
 
 
-def _check_arguments(args: argparse.Namespace, entries) -> None:
+def _check_arguments(args: argparse.Namespace, entries: list[tuple[str, str, dict]]) -> None:
     """Everything that can be refused before the first run: every entry's options, the
     seeds and the output directory."""
     from flt.commands.outputs import check_output_dir
@@ -179,8 +179,9 @@ def _out_dir(args: argparse.Namespace) -> str:
     return args.out_dir or os.path.join("runs", f"compare-{args.task}-{args.preset}")
 
 
-def _train_one(args: argparse.Namespace, label: str, name: str, options: dict, seed: int, run_dir: str, state: str, metric: str):
-    """Train (or continue) one run in its own process; returns ``(summary, curve, failed)``."""
+def _train_one(args: argparse.Namespace, label: str, name: str, options: dict, seed: int, run_dir: str, state: str,
+               metric: str) -> tuple[dict, list] | str:
+    """Train (or continue) one run in its own process; returns ``(summary, curve)``, or why it failed."""
     argv = _child_argv(args, name, options, seed, run_dir) + (["--resume"] if state == "resume" else [])
     os.makedirs(run_dir, exist_ok=True)
     # Appended: a resumed run keeps the log of its first part.
@@ -190,9 +191,9 @@ def _train_one(args: argparse.Namespace, label: str, name: str, options: dict, s
         with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
             lines = [ln for ln in log.read().splitlines() if ln.strip()]
         if proc.returncode < 0:
-            return None, None, f"seed {seed} killed by signal {-proc.returncode}"
-        return None, None, f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
-    return (*_read_run(run_dir, metric), "")
+            return f"seed {seed} killed by signal {-proc.returncode}"
+        return f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
+    return _read_run(run_dir, metric)
 
 
 def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
@@ -260,14 +261,16 @@ def run(args: argparse.Namespace) -> int:
                 if state != "new":
                     print(f"({'continuing from its last checkpoint' if state == 'resume' else 'starting again'})", end=" ", flush=True)
                 try:
-                    summary, curve, failed = _train_one(args, label, name, options, seed, run_dir, state, metric)
+                    outcome = _train_one(args, label, name, options, seed, run_dir, state, metric)
                 except KeyboardInterrupt:
                     print(flush=True)
                     print(_interrupted_message(args, label, seed, out), file=sys.stderr, flush=True)
                     return 130
-                if failed:
+                if isinstance(outcome, str):
+                    failed = outcome
                     print(f"failed ({failed}); log in {run_dir}/train.log")
                     break
+                summary, curve = outcome
                 print(f"{metric} {summary['final'][metric]:.4g} in {time.perf_counter() - t0:.1f} s")
             summaries.append(summary)
             curves[label].append(curve)

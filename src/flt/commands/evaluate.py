@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from flt.models.config import TrunkConfig
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -76,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _positive(name: str, value, allow_zero: bool = False) -> None:
+def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
     low = 0 if allow_zero else 1
     if value is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
@@ -117,11 +119,12 @@ def load_with_draws(model: torch.nn.Module, state: dict, changed: dict[str, dict
     return own
 
 
-def _check_same_model(name: str, data: dict, cfg, configured, saved_extra: dict, extra: dict) -> None:
+def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: TrunkConfig, saved_extra: dict,
+                      extra: dict) -> None:
     """Refuse ``data`` on which the trained model would not compute what it was trained to:
     the task's configuration of the model (vocabulary, classes, target scaling) or its saved
     state (an LM's tokenizer) would change."""
-    from flt.models.config import config_to_dict
+    from flt.tasks import config_to_dict
 
     before, after = (json.loads(json.dumps(config_to_dict(c))) for c in (cfg, configured))
     fields = [f"{k}={before.get(k)!r} (trained) against {after.get(k)!r}" for k in sorted(set(before) | set(after))
@@ -201,7 +204,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     batches = max_batches if max_batches is not None else run.draw_gap_batches
     metric = task.metric
 
-    def measure(m, size=bs):
+    def measure(m: torch.nn.Module, size: int = bs) -> float:
         return float(evaluate(task, m, ctx, size, batches, split=split)[metric])
 
     rows = None

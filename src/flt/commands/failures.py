@@ -59,13 +59,13 @@ def explain(err: BaseException, args: argparse.Namespace | None) -> Failure | No
     return None
 
 
-def _interrupted(err, args) -> Failure | None:
+def _interrupted(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     if isinstance(err, KeyboardInterrupt):
         return Failure(INTERRUPTED, "interrupted (Ctrl-C)", kind=None)
     return None
 
 
-def _no_space(err, args) -> Failure | None:
+def _no_space(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     text = str(err)
     full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in text \
         or "StorageFull" in text or "Disk quota exceeded" in text
@@ -74,7 +74,7 @@ def _no_space(err, args) -> Failure | None:
     return Failure(RUNTIME, f"no space left on device while writing {_written_path(err, args)}; {_after_write_failure(args)}")
 
 
-def _torch_writer(err, args) -> Failure | None:
+def _torch_writer(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     text = str(err)
     if isinstance(err, RuntimeError) and (any(t in text for t in TORCH_WRITE_FAILURES)
                                           or ("enforce fail" in text and _inside_torch_save(err))):
@@ -84,7 +84,7 @@ def _torch_writer(err, args) -> Failure | None:
     return None
 
 
-def _out_of_memory(err, args) -> Failure | None:
+def _out_of_memory(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     torch = sys.modules.get("torch")
     oom_type = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
     text = str(err)
@@ -96,7 +96,7 @@ def _out_of_memory(err, args) -> Failure | None:
                    "evaluation alone) or a smaller model (--model-opt dim=N, depth=N)")
 
 
-def _safetensors(err, args) -> Failure | None:
+def _safetensors(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     if type(err).__name__ != "SafetensorError":
         return None
     path = _path_in_traceback(err) or "a weights file"
@@ -104,13 +104,13 @@ def _safetensors(err, args) -> Failure | None:
                    "use another checkpoint of the run or train it again")
 
 
-def _diverged(err, args) -> Failure | None:
+def _diverged(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     if isinstance(err, FloatingPointError):
         return Failure(RUNTIME, str(err) or "a computation produced NaN or infinity")
     return None
 
 
-def _missing_extra(err, args) -> Failure | None:
+def _missing_extra(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     if not isinstance(err, ImportError):
         return None
     from flt._extras import EXTRA_OF_MODULE, install_hint
@@ -124,7 +124,7 @@ def _missing_extra(err, args) -> Failure | None:
     return None
 
 
-def _os_error(err, args) -> Failure | None:
+def _os_error(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     """A file or directory that cannot be used as given: bad input; any other OSError
     (an I/O error of the device): a failure at run time."""
     if not isinstance(err, OSError) or (isinstance(err, FileNotFoundError) and err.filename is None):
@@ -137,7 +137,7 @@ def _os_error(err, args) -> Failure | None:
     return Failure(RUNTIME, line)
 
 
-def _bad_input(err, args) -> Failure | None:
+def _bad_input(err: BaseException, args: argparse.Namespace | None) -> Failure | None:
     # Options and files are checked where they are read, raising these with a message
     # that names the option or the file.
     if isinstance(err, (ValueError, TypeError, FileNotFoundError)):

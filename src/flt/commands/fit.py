@@ -68,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _rows(text: str):
+def _rows(text: str) -> int | tuple[int, ...]:
     from flt.options import parse_value
 
     value = parse_value(text)

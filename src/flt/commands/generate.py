@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     check_run_path(args.checkpoint)
     import torch
 
-    from flt.tasks.lm import LMTask, generate_text, tokenizer_from_extra
+    from flt.tasks.lm import LMTask, as_causal_lm, generate_text, tokenizer_from_extra
     from flt.train import load_checkpoint_model
     from flt.train.distributed import resolve_device
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.checkpoint} holds {article} {task!r} model; generation needs a language model ({LMTask.name!r})")
     tokenizer = tokenizer_from_extra(meta.get("extra", {}))
     text = generate_text(
-        model, tokenizer, args.prompt, args.max_new_tokens, device=device, temperature=args.temperature,
+        as_causal_lm(model), tokenizer, args.prompt, args.max_new_tokens, device=device, temperature=args.temperature,
         top_k=args.top_k or None, seed=args.seed, recurrent=False if args.recompute else None,
     )
     print(text)

@@ -30,6 +30,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flt.train.linearize import LinearizeConfig
 
 #: Flags that set a :class:`flt.train.linearize.LinearizeConfig` field of the same
 #: name: ``{field: (type, help)}``; the defaults are the config's.
@@ -49,7 +53,7 @@ CONFIG_FLAGS = {
 }
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from flt.train.linearize import TRANSFER, LinearizeConfig
 
     defaults = LinearizeConfig()
@@ -81,7 +85,7 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def config_from_args(args):
+def config_from_args(args: argparse.Namespace) -> LinearizeConfig:
     """The :class:`~flt.train.linearize.LinearizeConfig` the flags describe; the
     attention options are checked here, before any model loads."""
     from flt.options import merge_options, parse_assignments, parse_attention
@@ -100,7 +104,7 @@ def config_from_args(args):
     return config
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_dir, plots_available

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import IO, Any, NoReturn
 
 import numpy as np
 import torch
@@ -35,7 +37,7 @@ class ImageData:
     labels: torch.Tensor
     class_names: tuple[str, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.images.ndim != 4 or self.labels.shape != (self.images.shape[0],):
             raise ValueError(
                 f"images must be [N, C, H, W] and labels [N], got {tuple(self.images.shape)} and {tuple(self.labels.shape)}"
@@ -88,7 +90,8 @@ def _standardize(train: np.ndarray, *others: np.ndarray) -> tuple[torch.Tensor, 
             torch.from_numpy(std.astype(np.float32)))
 
 
-def _make_splits(train_x, train_y, valid_x, valid_y, class_names, test_fraction: float = 0.0, seed: int = 0) -> ImageSplits:
+def _make_splits(train_x: np.ndarray, train_y: np.ndarray, valid_x: np.ndarray, valid_y: np.ndarray, class_names: Sequence[str],
+                 test_fraction: float = 0.0, seed: int = 0) -> ImageSplits:
     """Standardised splits; ``test_fraction > 0`` first carves a test set of that fraction of
     all images from the training images (:func:`carve_test`), so validation is untouched."""
     names = tuple(class_names)
@@ -131,7 +134,7 @@ def load_digits(*, valid_fraction: float = 0.2, seed: int = 0, test_fraction: fl
     return _make_splits(x[tr], y[tr], x[va], y[va], [str(c) for c in range(10)], test_fraction, seed)
 
 
-def _latin1_encode(obj, encoding="latin1"):
+def _latin1_encode(obj: object, encoding: str = "latin1") -> bytes:
     # Python 3 writes bytes into protocol-2 pickles as _codecs.encode(text, "latin1");
     # only that exact use is let through.
     if not isinstance(obj, str) or encoding not in ("latin1", "latin-1"):
@@ -139,7 +142,7 @@ def _latin1_encode(obj, encoding="latin1"):
     return obj.encode("latin-1")
 
 
-def _empty_bytes(*args):
+def _empty_bytes(*args: object) -> bytes:
     # Protocol-2 pickles write an empty bytes object (the buffer of an array of 0 images) as
     # a call of bytes() with no argument; only that call is let through.
     if args:
@@ -147,7 +150,7 @@ def _empty_bytes(*args):
     return b""
 
 
-def _safe_dtype(*args):
+def _safe_dtype(*args: Any) -> np.dtype:
     dtype = np.dtype(*args)
     if dtype.hasobject:
         # Object arrays unpickle their elements as arbitrary objects; plain data only.
@@ -184,12 +187,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
     lists and one uint8 array, so every other global is refused before it is imported.
     """
 
-    def __init__(self, file, path: str):
+    def __init__(self, file: IO[bytes], path: str) -> None:
         super().__init__(file, encoding="bytes")
         self._path = path
         self._allowed = _allowed_globals()
 
-    def find_class(self, module: str, name: str):
+    def find_class(self, module: str, name: str) -> object:
         try:
             return self._allowed[(module, name)]
         except KeyError:
@@ -198,7 +201,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
                 "a plain data type (the file may be malicious or not a CIFAR batch)"
             ) from None
 
-    def persistent_load(self, pid):
+    def persistent_load(self, pid: object) -> NoReturn:
         raise DataError(f"refusing to load {self._path}: the pickle uses persistent ids")
 
 
@@ -219,7 +222,7 @@ def safe_unpickle(path: str | os.PathLike, what: str = "pickle file") -> Any:
             raise DataError(f"{what} {path} is truncated or corrupt: {type(e).__name__}: {e}") from None
 
 
-def _key(d: dict, name: str, path: str):
+def _key(d: dict, name: str, path: str) -> Any:
     for k in (name.encode(), name):
         if k in d:
             return d[k]
@@ -280,7 +283,7 @@ def load_cifar10(root: str | os.PathLike, *, test_fraction: float = 0.0, seed: i
     return _make_splits(train_x / np.float32(255), train_y, test_x / np.float32(255), test_y, names, test_fraction, seed)
 
 
-def _import_pil():
+def _import_pil() -> ModuleType:
     try:
         from PIL import Image
     except ImportError as e:
@@ -310,7 +313,7 @@ def _scan_folder(root: str, what: str) -> dict[str, list[str]]:
     return files
 
 
-def _read_image(Image, path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
+def _read_image(Image: ModuleType, path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     """One image as uint8 ``[C, H, W]``."""
     try:
         with Image.open(path) as img:
@@ -325,7 +328,8 @@ def _read_image(Image, path: str, mode: str, size: tuple[int, int] | None) -> np
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 
-def _read_folder(Image, files: dict[str, list[str]], class_index: dict[str, int], mode: str, size):
+def _read_folder(Image: ModuleType, files: dict[str, list[str]], class_index: dict[str, int], mode: str,
+                 size: tuple[int, int] | None) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None]:
     images, labels, shape, first = [], [], None, None
     for c, paths in files.items():
         for p in paths:
@@ -342,7 +346,7 @@ def _read_folder(Image, files: dict[str, list[str]], class_index: dict[str, int]
     return np.stack(images), np.asarray(labels, dtype=np.int64), shape
 
 
-def _check_folder_memory(files: dict[str, list[str]], channels: int, size, root: str) -> None:
+def _check_folder_memory(files: dict[str, list[str]], channels: int, size: tuple[int, int], root: str) -> None:
     """Refuse a ``size`` whose images cannot all be held: each takes ``C H W`` bytes as read,
     then float32 twice (scaled, standardised)."""
     from flt._limits import check_memory

@@ -18,10 +18,11 @@ written atomically.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,7 +154,7 @@ def depth(tokens: list[str]) -> int:
     return best
 
 
-def _check_spec(min_length, max_length, max_depth, max_args, branch_prob):
+def _check_spec(min_length: int, max_length: int, max_depth: int, max_args: int, branch_prob: float) -> None:
     for name, v in (("min_length", min_length), ("max_length", max_length), ("max_depth", max_depth), ("max_args", max_args)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -230,11 +231,11 @@ def default_cache_dir() -> str:
     return os.path.join(root, "listops")
 
 
-def _params(**kw) -> str:
+def _params(**kw: object) -> str:
     return f"v{FORMAT_VERSION} " + " ".join(f"{k}={kw[k]}" for k in sorted(kw))
 
 
-def _cached(path: str, params: str, make) -> ListOpsData:
+def _cached(path: str, params: str, make: Callable[[], ListOpsData]) -> ListOpsData:
     fix = "delete it to regenerate"
     if os.path.exists(path):
         try:
@@ -273,7 +274,7 @@ def load_listops(*, num_train: int = 2000, num_valid: int = 200, seed: int = 0, 
         params = _params(n=n, seed=s, **spec)
         key = hashlib.sha256(params.encode()).hexdigest()[:16]
         path = os.path.join(folder, f"listops-{part}-{key}.npz")
-        out.append(_cached(path, params, lambda n=n, s=s: generate_listops(n, seed=s, **spec)))
+        out.append(_cached(path, params, functools.partial(generate_listops, n, seed=s, **spec)))
     test = out[2].subset(torch.arange(num_valid, num_valid + num_test)) if num_test else None
     return ListOpsSplits(out[0], out[1], test)
 

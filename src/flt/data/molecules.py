@@ -15,6 +15,7 @@ the shape of the real task, not its chemistry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ import sqlite3
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from flt._io import atomic_write
 
 from ._split import carve_test, split_indices
 from .errors import DataError, require_file
+
+if TYPE_CHECKING:
+    from ase import Atoms
 
 #: Bumped whenever the generator or the cache layout changes, so old caches are not read.
 FORMAT_VERSION = 1
@@ -70,7 +74,7 @@ MAX_COORDINATE = 1e6
 XYZ_ATOM_BYTES = 7
 
 
-def _import_ase():
+def _import_ase() -> None:
     try:
         import ase  # noqa: F401
     except ImportError as e:
@@ -203,7 +207,7 @@ def _atom_energy(symbol: str) -> float:
     return float(atom.get_potential_energy())
 
 
-def _relax(atoms, steps: int, fmax: float) -> tuple[float, int, bool]:
+def _relax(atoms: Atoms, steps: int, fmax: float) -> tuple[float, int, bool]:
     """Relax in place with EMT and LBFGS; return (energy, steps taken, converged)."""
     from ase.calculators.emt import EMT
     from ase.optimize import LBFGS
@@ -218,7 +222,7 @@ def _relax(atoms, steps: int, fmax: float) -> tuple[float, int, bool]:
     return float(atoms.get_potential_energy()), int(opt.get_number_of_steps()), converged
 
 
-def _slab(metal: str, facet: str, size: tuple[int, int, int]):
+def _slab(metal: str, facet: str, size: tuple[int, int, int]) -> Atoms:
     from ase.build import fcc100, fcc111
     from ase.constraints import FixAtoms
 
@@ -416,14 +420,16 @@ def load_catalysis(
     """
     if isinstance(test_samples, bool) or not isinstance(test_samples, int) or test_samples < 0:
         raise ValueError(f"test_samples must be a non-negative integer, got {test_samples!r}")
-    spec = {"seed": seed, "relax_steps": relax_steps, "fmax": fmax, "cache_dir": cache_dir, "refresh": refresh, "progress": progress}
-    splits = split_molecules(_cached_catalysis(num_samples, 0, **spec), valid_fraction, seed)
+    cached = functools.partial(_cached_catalysis, seed=seed, relax_steps=relax_steps, fmax=fmax, cache_dir=cache_dir,
+                               refresh=refresh, progress=progress)
+    splits = split_molecules(cached(num_samples, 0), valid_fraction, seed)
     if not test_samples:
         return splits
-    return replace(splits, test=_cached_catalysis(test_samples, num_samples, **spec))
+    return replace(splits, test=cached(test_samples, num_samples))
 
 
-def _cached_catalysis(num_samples: int, first: int, *, seed, relax_steps, fmax, cache_dir, refresh, progress) -> MoleculeData:
+def _cached_catalysis(num_samples: int, first: int, *, seed: int, relax_steps: int, fmax: float,
+                      cache_dir: str | os.PathLike | None, refresh: bool, progress: bool) -> MoleculeData:
     """Structures ``first`` to ``first + num_samples - 1``, from the cache or generated and cached."""
     path = catalysis_cache_path(num_samples, seed=seed, relax_steps=relax_steps, fmax=fmax, cache_dir=cache_dir, first=first)
     params = _cache_params(num_samples, seed, relax_steps, fmax, first)
@@ -440,7 +446,7 @@ def _cached_catalysis(num_samples: int, first: int, *, seed, relax_steps, fmax, 
     return data
 
 
-def _scalar_target(value, path: str, where: str, target: str) -> float:
+def _scalar_target(value: object, path: str, where: str, target: str) -> float:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -450,7 +456,7 @@ def _scalar_target(value, path: str, where: str, target: str) -> float:
     return float(arr.reshape(()))
 
 
-def _atoms_target(atoms, path: str, index: int, target: str) -> float:
+def _atoms_target(atoms: Atoms, path: str, index: int, target: str) -> float:
     if target in atoms.info:
         return _scalar_target(atoms.info[target], path, f"structure {index}", target)
     results = atoms.calc.results if atoms.calc is not None else {}
@@ -460,7 +466,7 @@ def _atoms_target(atoms, path: str, index: int, target: str) -> float:
     raise DataError(f"{path}: structure {index} has no property {target!r} (info and calculator keys: {keys})")
 
 
-def _read_db(path: str, target: str):
+def _read_db(path: str, target: str) -> tuple[list[np.ndarray], list[np.ndarray], list[float]]:
     import ase.db
 
     # Check read-only first: ase.db.connect would turn a non-ASE SQLite file (or an empty

@@ -65,7 +65,7 @@ class FitConfig:
     seed: int = 0
     dtype: str = "float32"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
         check_choice("model", self.model, MODELS)
         check_choice("dtype", self.dtype, DTYPES)

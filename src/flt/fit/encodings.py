@@ -97,7 +97,7 @@ def default_dim(name: str, pos_dim: int, dim: int | None, axes: str = "joint") -
     return 256 if dim is None else dim
 
 
-def _build_one(name: str, dim: int, pos_dim: int, options: dict, seed: int, dtype) -> nn.Module:
+def _build_one(name: str, dim: int, pos_dim: int, options: dict, seed: int, dtype: torch.dtype | None) -> nn.Module:
     cls = ENCODINGS[name]
     kwargs = dict(options)
     if "generator" in inspect.signature(cls.__init__).parameters:

@@ -12,6 +12,7 @@ they are read from the package's own data folder, so nothing is ever downloaded;
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import numpy as np
 
@@ -37,7 +38,7 @@ SHIPPED: dict[str, str] = {
 MODES = ("gray", "rgb")
 
 
-def _skimage():
+def _skimage() -> ModuleType:
     try:
         import skimage
         import skimage.io
@@ -53,6 +54,7 @@ def shipped_path(name: str) -> str:
     if name not in SHIPPED:
         raise ValueError(f"{name!r} is not a shipped image; choose one of {', '.join(SHIPPED)} or give a file path")
     skimage = _skimage()
+    assert skimage.__file__ is not None, "scikit-image is a regular package, with a file"
     path = os.path.join(os.path.dirname(skimage.__file__), "data", SHIPPED[name])
     if not os.path.isfile(path):
         raise FileNotFoundError(f"scikit-image {skimage.__version__} does not ship {SHIPPED[name]} (looked for {path})")

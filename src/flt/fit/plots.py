@@ -16,6 +16,7 @@ import numpy as np
 from flt._io import atomic_write
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 
@@ -33,7 +34,7 @@ def save(fig: Figure, path: str) -> None:
     atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
 
 
-def _show_image(ax, img: np.ndarray, title: str) -> None:
+def _show_image(ax: Axes, img: np.ndarray, title: str) -> None:
     img = np.clip(img, 0.0, 1.0)
     ax.imshow(img, cmap="gray" if img.ndim == 2 else None, vmin=0.0, vmax=1.0, interpolation="nearest")
     ax.set_title(title, fontsize=8)

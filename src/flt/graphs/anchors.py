@@ -26,7 +26,7 @@ from flt._checks import check_positive_int
 UNREACHABLE = -1
 
 
-def _check_edges(edges, num_nodes: int) -> torch.Tensor:
+def _check_edges(edges: object, num_nodes: int) -> torch.Tensor:
     if not isinstance(edges, torch.Tensor) or edges.is_floating_point() or edges.dtype == torch.bool:
         raise TypeError(f"edges must be an integer torch.Tensor [E, 2], got {getattr(edges, 'dtype', type(edges).__name__)}")
     if edges.ndim != 2 or edges.shape[1] != 2:

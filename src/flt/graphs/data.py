@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ MAX_NODE_ID = 2**63 - 1
 NODE_BYTES = 64
 
 
-def _import_networkx():
+def _import_networkx() -> ModuleType:
     try:
         import networkx
     except ImportError as e:
@@ -78,7 +79,7 @@ class Graph:
     labels: torch.Tensor | None = None
     name: str = "graph"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_positive_int("num_nodes", self.num_nodes)
         object.__setattr__(self, "edges", canonical_edges(self.edges, self.num_nodes))
         if self.labels is not None:

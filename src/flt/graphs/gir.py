@@ -243,7 +243,7 @@ class GIRPathEncoder(nn.Module):
 
         paths = path_features(dag).to(p.dtype).reshape(k * n, 2)
 
-        def update(msg, idx):
+        def update(msg: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             return self.norm(msg + self.mlp(torch.cat([msg, p[idx % n], paths[idx]], dim=-1)))
 
         return dag_propagate(start, dag, update, steps=self.steps, aggregation=self.aggregation)

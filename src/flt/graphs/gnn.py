@@ -29,6 +29,7 @@ parameters alone. Kinds:
 from __future__ import annotations
 
 import itertools
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ GNN_KINDS = ("gcn", "sage", "gat", "gin")
 ENCODER_KINDS = ("gir", "anchor-distance", *GNN_KINDS)
 
 
-def _import_pyg():
+def _import_pyg() -> ModuleType:
     try:
         import torch_geometric.nn as pyg_nn
     except ImportError as e:

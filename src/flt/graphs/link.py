@@ -34,6 +34,7 @@ structure as arguments so that the task's trainer can run it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,7 +188,7 @@ class _Encoder(nn.Module):
             return self.net()
         return self.net(self.num_nodes, self.edges, self.anchors)
 
-    def _apply(self, fn, *args, **kwargs):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any, **kwargs: Any) -> _Encoder:
         # The fixed inputs are plain attributes; cast them along with the parameters
         # (model.double() must give a float64 model end to end).
         out = super()._apply(fn, *args, **kwargs)

@@ -126,7 +126,7 @@ def split_links(graph: Graph, *, seed: int = 0, valid_fraction: float = 0.1, tes
     held_out_neg = set(_pair_keys(test_neg, n).tolist()) | set(_pair_keys(valid_neg, n).tolist())
     train_neg = _sample_non_edges(n, len(train), set(_pair_keys(train, n).tolist()) | held_out_neg, rng)
 
-    def t(a):
+    def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
     return LinkSplit(graph, t(train), t(train_neg), t(valid), t(valid_neg), t(test), t(test_neg))

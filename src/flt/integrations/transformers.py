@@ -27,10 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol, cast
 
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from torch import nn
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
@@ -48,7 +57,17 @@ CONFIG_KEY = "flt_attention"
 PATHS = ("forward", "reference", "exact")
 
 
-def convert(model, attention: str = "flt", *, path: str = "forward", **options):
+class _ConvertedAttention(Protocol):
+    """What the attention function reads of a self-attention module that :func:`convert`
+    equipped (any model family's class: ``transformers`` calls the function with it)."""
+
+    flt_core: AttentionCore
+    _flt_cache: FLTCache | None
+    training: bool
+    layer_idx: int
+
+
+def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forward", **options: Any) -> PreTrainedModel:
     """Replace the attention core of a ``transformers`` decoder by flt's, in place.
 
     Args:
@@ -75,11 +94,12 @@ def convert(model, attention: str = "flt", *, path: str = "forward", **options):
     param = next(model.parameters())
     for module in modules:
         heads, head_dim = _heads(model.config, module)
-        module.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=param.device,
-                                        dtype=param.dtype, **options)
-        module.flt_core.path = path
+        converted = cast(_ConvertedAttention, module)  # gains the attributes the attention function reads
+        converted.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=param.device,
+                                           dtype=param.dtype, **options)
+        converted.flt_core.path = path
         if not hasattr(module, "_flt_cache"):
-            module._flt_cache = None
+            converted._flt_cache = None
             module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
     register()
     model.config.flt_attention = {"attention": attention, "path": path, **options}
@@ -87,7 +107,7 @@ def convert(model, attention: str = "flt", *, path: str = "forward", **options):
     return model
 
 
-def attention_modules(model) -> list:
+def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules of ``model`` that :func:`convert` equips with a core."""
     found = []
     for module in model.modules():
@@ -98,7 +118,7 @@ def attention_modules(model) -> list:
     return found
 
 
-def _heads(config, module) -> tuple[int, int]:
+def _heads(config: PretrainedConfig, module: nn.Module) -> tuple[int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(module, "head_dim", None) or config.hidden_size // heads
     return heads, head_dim
@@ -110,7 +130,8 @@ def register() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, key_padding)
 
 
-def key_padding(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, **kwargs):
+def key_padding(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """The mask function of ``"flt"``: the 2-D padding mask of the keys ``[B, kv_length]``
     (True: a real token), or None without padding. The core applies causality itself."""
     if attention_mask is None:
@@ -121,7 +142,9 @@ def key_padding(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attent
     return None if bool(valid.all()) else valid
 
 
-def flt_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def flt_attention_forward(module: _ConvertedAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                          **kwargs: Any) -> tuple[torch.Tensor, None]:
     """``transformers``' attention function for ``"flt"``: ``query [B, H, Nq, D]``, ``key``
     and ``value [B, Hkv, N, D]`` (after the model's rotary embedding and cache) through
     ``module.flt_core``; returns ``(out [B, Nq, H, D], None)``."""
@@ -138,7 +161,8 @@ def flt_attention_forward(module, query, key, value, attention_mask, scaling=Non
         query = query * (scaling * math.sqrt(head_dim))
     pad = None if attention_mask is None else ~attention_mask
     if module._flt_cache is not None:
-        return _decode(module, core, query, key, value, pad, kwargs.get("position_ids")), None
+        layer = module._flt_cache.layers[module.layer_idx]
+        return _decode(layer, core, query, key, value, pad, kwargs.get("position_ids")), None
     if query.shape[2] < key.shape[2]:  # decoding: the cached keys' positions are taken to be consecutive
         check_left_padding(pad)
     pos = key_positions(kwargs.get("position_ids"), key.shape[0], key.shape[2], query.device)
@@ -159,21 +183,24 @@ def check_left_padding(pad: torch.Tensor | None) -> None:
                          "padding before its first real token); this attention_mask has padding after a real token")
 
 
-def _remember_cache(module, args, kwargs):
+def _remember_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook of a converted attention module: the attention function reaches an
     :class:`FLTCache` through the module (``transformers`` passes the cache to the module,
     not to the attention function)."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    module._flt_cache = cache if isinstance(cache, FLTCache) else None
+    cast(_ConvertedAttention, module)._flt_cache = cache if isinstance(cache, FLTCache) else None
 
 
-def _decode(module, core, query, key, value, pad, position_ids) -> torch.Tensor:
-    """The new tokens' attention from the layer's state in the :class:`FLTCache` (a
-    prompt by ``core.prefill``, then ``core.step`` per token): ``[B, Nq, H, Dv]``."""
+def _decode(layer: object, core: AttentionCore, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            pad: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The new tokens' attention from the layer's state in the :class:`FLTCache` (``layer``,
+    of the attention module's layer; a prompt by ``core.prefill``, then ``core.step`` per
+    token): ``[B, Nq, H, Dv]``."""
     if core.path != "forward":
         raise ValueError(f"FLTCache decodes the estimator (path='forward'); this model was converted with path={core.path!r}: "
                          "generate with the default cache instead")
-    layer = module._flt_cache.layers[module.layer_idx]
+    if not isinstance(layer, FLTStateLayer):
+        raise TypeError(f"an FLTCache holds FLTStateLayer layers, got {type(layer).__name__}")
     n = query.shape[2]
     if position_ids is None:
         position_ids = torch.arange(layer.length - n, layer.length, device=query.device).view(1, n)
@@ -200,16 +227,17 @@ class FLTStateLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         self.state = None
         self.length = 0
 
-    def lazy_initialization(self, key_states, value_states) -> None:
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.length += key_states.shape[-2]
@@ -224,10 +252,10 @@ class FLTStateLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def offload(self):
+    def offload(self) -> None:
         pass
 
-    def prefetch(self):
+    def prefetch(self) -> None:
         pass
 
     def reset(self) -> None:
@@ -260,7 +288,7 @@ class FLTCache(Cache):
     sampled and beam-search decoding (the states are reordered with the beams); not
     assisted decoding, which crops the cache."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(layer_class_to_replicate=FLTStateLayer, **kwargs)
 
     def state_bytes(self) -> int:
@@ -273,7 +301,7 @@ class FLTCache(Cache):
         return total
 
 
-def map_state(obj, fn):
+def map_state(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """A decoding state (a tensor, or a dataclass, list or tuple of them, as
     :meth:`flt.functional.AttentionCore.prefill` returns) with ``fn`` applied to each of
     its tensors, all of which have the batch first (the layers expand shared positions)."""
@@ -286,7 +314,7 @@ def map_state(obj, fn):
     return obj
 
 
-def _tensor_bytes(obj) -> int:
+def _tensor_bytes(obj: object) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if dataclasses.is_dataclass(obj):
@@ -296,7 +324,7 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def key_positions(position_ids, batch: int, length: int, device) -> torch.Tensor:
+def key_positions(position_ids: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
     """Positions ``[B|1, N, 1]`` of the ``N`` keys: the model's ``position_ids`` when they
     cover every key; when they cover only the newest tokens (decoding from a cache), the
     cached keys are taken to be the consecutive positions before them."""
@@ -309,7 +337,7 @@ def key_positions(position_ids, batch: int, length: int, device) -> torch.Tensor
     return ids[:, -length:].unsqueeze(-1)
 
 
-def from_pretrained(directory, **kwargs):
+def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
     """Load a model saved by ``save_pretrained`` after :func:`convert`: the model by
     ``AutoModelForCausalLM.from_pretrained(directory, **kwargs)``, converted again with
     the stored settings, then the cores' parameters from the checkpoint's safetensors files."""

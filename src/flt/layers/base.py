@@ -143,7 +143,7 @@ class AttentionBase(nn.Module):
         need translating (``FLTAttention``, ``SoftmaxAttention``)."""
         return cls(dim, heads, **options)
 
-    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("heads", heads)
@@ -151,7 +151,7 @@ class AttentionBase(nn.Module):
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
         self.dim, self.heads, self.head_dim, self.pos_dim, self.causal = dim, heads, dim // heads, pos_dim, bool(causal)
-        fk = {"device": device, "dtype": dtype}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
         self.to_out = nn.Linear(dim, dim, **fk)
 
@@ -229,7 +229,7 @@ class QKScaling(nn.Module):
     (exponential in ``|x|^2``) under control whatever the scale of the projections.
     """
 
-    def __init__(self, heads: int, head_dim: int, *, qk_norm: bool, temperature: float = 1.0, device=None, dtype=None) -> None:
+    def __init__(self, heads: int, head_dim: int, *, qk_norm: bool, temperature: float = 1.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.head_dim, self.qk_norm = head_dim, bool(qk_norm)
         if self.qk_norm:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -59,8 +62,8 @@ class FeatureMap(nn.Module):
         kind: str = "favor+",
         orthogonal: bool = True,
         seed: int | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("dim", dim)
@@ -84,7 +87,8 @@ class FeatureMap(nn.Module):
             # Kept in float32 or better whatever the module dtype: it feeds an exponential.
             self.register_buffer("projection", proj if dtype != torch.float64 else proj.double())
 
-    def _hedgehog_init(self, rows: int, dim: int, *, device, dtype) -> torch.Tensor:
+    def _hedgehog_init(self, rows: int, dim: int, *, device: torch.device | str | None,
+                       dtype: torch.dtype | None) -> torch.Tensor:
         """The identity where ``m/2 = D`` (the softmax halves then start as ``softmax(+-x)``),
         else orthogonal rows of unit norm, seeded like the random projections."""
         if rows == dim:
@@ -97,12 +101,12 @@ class FeatureMap(nn.Module):
         """False for the deterministic maps (no projection)."""
         return self.projection is not None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Checkpoints written before the redraw protocol hold a forward-call counter here.
         state_dict.pop(prefix + "calls", None)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> FeatureMap:
         # The projection stays in float32 or float64 when the module is cast to half types.
         super()._apply(fn, recurse)
         if self.projection is not None and self.projection.dtype in (torch.float16, torch.bfloat16):

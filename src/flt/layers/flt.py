@@ -132,8 +132,8 @@ class FLTAttention(KernelAttention):
         coupling: str = "logit",
         far_field: bool | Literal["near"] = True,
         settings: Settings | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         check_choice("coupling", coupling, COUPLINGS)
         features = FavorPlus() if features is None else features
@@ -214,9 +214,9 @@ class FLTAttention(KernelAttention):
         far_field: bool | Literal["near"] = True,
         check_condition: bool = True,
         backend: str = "torch",
-        device=None,
-        dtype=None,
-        **spectrum_options,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **spectrum_options: Any,
     ) -> FLTAttention:
         """The layer from the flat options of presets and the command line (checked by
         :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``
@@ -296,7 +296,7 @@ class FLTAttention(KernelAttention):
         a, c = self.far_features(pos)
         return {"extra_q": a, "extra_k": c} if self.coupling == "logit" else {"a": a, "c": c}
 
-    def _condition_due(self, p) -> bool:
+    def _condition_due(self, p: Prepared) -> bool:
         """Whether :meth:`check_conditioning` would check this call (not a no-op)."""
         precision = min((t.dtype for t in (p.q, p.k, p.v)), key=lambda d: torch.finfo(d).bits)
         return not (precision in self._condition_warned or (self.training and precision in self._condition_trained))
@@ -431,7 +431,7 @@ def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | S
     return relative
 
 
-def _check_parts(features, near, settings) -> None:
+def _check_parts(features: object, near: object, settings: object) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
     check_kernel_parts(features, settings)
     if not isinstance(near, (Band, Neighbors, type(None))):

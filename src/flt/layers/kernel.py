@@ -108,8 +108,8 @@ class KernelAttention(AttentionBase):
         rope_base: float = 10000.0,
         chunk_size: int | None = None,
         backend: str = "torch",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         check_choice("backend", backend, KERNEL_BACKENDS)
@@ -138,7 +138,7 @@ class KernelAttention(AttentionBase):
                 redraw(self, self.feature_map._generator)
             self.redraw_calls += 1
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Before the redraw protocol the counter was the feature map's ``calls``.
         legacy = state_dict.get(prefix + "feature_map.calls")
         if legacy is not None and self.redraw_interval is not None:

@@ -167,7 +167,7 @@ class Band(NearSet):
         return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width, causal=layer.causal,
                               key_mask=key_mask, chunk_size=layer.chunk_size)
 
-    def _attend_triton(self, layer, p: Prepared) -> torch.Tensor:
+    def _attend_triton(self, layer: FLTAttention, p: Prepared) -> torch.Tensor:
         """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
         from flt.ops.triton.band import band_attention as band_kernel
 
@@ -175,7 +175,9 @@ class Band(NearSet):
         a, c = layer.far_features(p.pos)
         bias = self.bias(layer, batch_shared(p.pos).to(compute_dtype(xq, a)))
         key_mask = None if p.pad is None else ~p.pad
-        return band_kernel(xq, xk, p.v, layer.feature_map.projection, bias, width=self.width, extra_q=a, extra_k=c,
+        projection = layer.feature_map.projection
+        assert projection is not None, "the Triton path is chosen for FAVOR+ features, which have a projection"
+        return band_kernel(xq, xk, p.v, projection, bias, width=self.width, extra_q=a, extra_k=c,
                            causal=layer.causal, key_mask=key_mask)
 
     def bias(self, layer: FLTAttention, pos: torch.Tensor) -> torch.Tensor:

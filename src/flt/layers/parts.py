@@ -37,7 +37,7 @@ class Term:
     :class:`flt.relative.RelativeTerm` module built beforehand.
     """
 
-    def __init__(self, name: str, **options) -> None:
+    def __init__(self, name: str, **options: Any) -> None:
         if not isinstance(name, str):
             raise TypeError(f"Term: name must be a string (a key of flt.relative.RELATIVE), got {name!r} ({type(name).__name__})")
         self.name, self.options = name, dict(options)

@@ -31,7 +31,7 @@ class PerformerAttention(KernelAttention):
     registry_name = "performer"
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
-                 settings: Settings | None = None, device=None, dtype=None) -> None:
+                 settings: Settings | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         features = FavorPlus() if features is None else features
         settings = Settings() if settings is None else settings
         check_kernel_parts(features, settings)
@@ -46,7 +46,7 @@ class PerformerAttention(KernelAttention):
     def _from_options(cls, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, num_features: int = 256,  # type: ignore[override]
                       feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
                       redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
-                      chunk_size: int | None = None, backend: str = "torch", device=None, dtype=None) -> PerformerAttention:
+                      chunk_size: int | None = None, backend: str = "torch", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PerformerAttention:
         """The layer from flat options (checked by :meth:`from_options`): ``num_features``,
         ``feature_map``, ``qk_norm``, ``temperature``, ``orthogonal``, ``seed`` make the
         features part; ``rope``, ``rope_base``, ``chunk_size``, ``backend``,

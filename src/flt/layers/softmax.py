@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal, overload
 
 import torch
 from einops import rearrange
@@ -98,7 +99,7 @@ class KVCache:
         return KVCache(kb, vb, pb, n + 1, tip)
 
 
-def _toeplitz_spectrum(term, pos: torch.Tensor) -> torch.Tensor | None:
+def _toeplitz_spectrum(term: RelativeTerm, pos: torch.Tensor) -> torch.Tensor | None:
     """A spectrum's ``f`` at consecutive token indices (``pos [1, N, 1]`` equal to ``p_0 +
     0, 1, ..., N - 1``) as ``[1, H, N, N]``: it takes only the ``2N - 1`` values of the
     offsets ``-(N - 1) .. N - 1``, evaluated once and gathered, the same numbers as the
@@ -181,8 +182,8 @@ class SoftmaxAttention(AttentionBase):
         rope: bool = False,
         rope_base: float = 10000.0,
         backend: str = "sdpa",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         from flt.relative import RELATIVE, build_relative
@@ -242,9 +243,9 @@ class SoftmaxAttention(AttentionBase):
         rope: bool = False,
         rope_base: float = 10000.0,
         backend: str = "sdpa",
-        device=None,
-        dtype=None,
-        **spectrum_options,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **spectrum_options: Any,
     ) -> SoftmaxAttention:
         """The layer from the flat options of presets and the command line (checked by
         :meth:`from_options`): the options of the built-in terms become ``relative_options``
@@ -287,7 +288,7 @@ class SoftmaxAttention(AttentionBase):
         """The relative term when it is a T5 or clipped table, else None."""
         return self.relative if self.relative_bias in ("t5", "clipped") else None
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Before the relative-term registry the term sat under its kind's name.
         for old in ("table.", "spectrum."):
             for key in [k for k in state_dict if k.startswith(prefix + old)]:
@@ -312,21 +313,35 @@ class SoftmaxAttention(AttentionBase):
         # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
         return term if isinstance(self.relative, Spectrum) else term.to(dtype)
 
-    def _rotated_qk(self, q, k, pos):
+    def _rotated_qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope:
             return apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
         return q, k
 
-    def _weights_times_values(self, q, k, v, term, pad, causal: bool, backend: str) -> torch.Tensor:
+    def _weights_times_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, term: torch.Tensor | None, pad: torch.Tensor | None, causal: bool,
+                              backend: str) -> torch.Tensor:
         """``[B, H, N, Dv]``: the layer's attention of ``q [B, H, N, D]`` on ``k, v [B, H, Nk, *]``
         with the positional term ``[B|1, H, N, Nk]`` (bias or multiplicative mask)."""
         if self.coupling == "multiplicative":
             cdt = compute_dtype(q)
-            mask = term if pad is None else term * (~pad).to(cdt)[:, None, None, :]
+            if pad is None:
+                mask = term
+            else:
+                assert term is not None, "the multiplicative coupling multiplies by its spectrum's mask"
+                mask = term * (~pad).to(cdt)[:, None, None, :]
             return rpe_attention_reference(q.to(cdt), k.to(cdt), v.to(cdt), mask=mask, causal=causal, scale=1 / math.sqrt(self.head_dim))
         return softmax_attention(q, k, v, bias=term, causal=causal, key_padding_mask=pad, backend=backend)
 
-    def _attend(self, x, pos, key_padding_mask, backend, *, cache: bool = False):
+    @overload
+    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
+                cache: Literal[False] = False) -> torch.Tensor: ...
+
+    @overload
+    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
+                cache: Literal[True]) -> tuple[torch.Tensor, KVCache]: ...
+
+    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
+                cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
         p = self.prepare(x, pos, key_padding_mask)
         q, k = self._rotated_qk(p.q, p.k, p.pos)
         if backend == "flex" and self.coupling == "logit" and self.relative is not None:

@@ -14,6 +14,7 @@ import torch
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
+from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, mask_padded_keys
 from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
 from flt.ops.reference import rpe_attention_reference
@@ -79,8 +80,8 @@ class ToeplitzAttention(KernelAttention):
         dense_below: int = DEFAULT_DENSE_BELOW,
         features: Features | None = None,
         settings: Settings | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
@@ -110,7 +111,7 @@ class ToeplitzAttention(KernelAttention):
                       block_size: int = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW, num_features: int = 256,
                       feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
                       redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
-                      chunk_size: int | None = None, backend: str = "torch", device=None, dtype=None) -> ToeplitzAttention:
+                      chunk_size: int | None = None, backend: str = "torch", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ToeplitzAttention:
         """The layer from flat options (checked by :meth:`from_options`): the feature and
         settings options as :meth:`flt.layers.performer.PerformerAttention._from_options`,
         the table's and the FFT's as the constructor."""
@@ -126,7 +127,7 @@ class ToeplitzAttention(KernelAttention):
         t = torch.arange(-(n - 1), n, device=self.table.table.device)
         return self.table.of_offsets(t.view(-1, 1)).T
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
         # t + M for t = i - j, and no scale: the table's rows are that, reversed (the
         # table indexes key - query), and only the past half when causal; scale 1.
@@ -143,7 +144,8 @@ class ToeplitzAttention(KernelAttention):
             "toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)", tag="unit-grid",
         )
 
-    def _inputs(self, x, pos, key_padding_mask):
+    def _inputs(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None
+                ) -> tuple[Prepared, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         p = self.prepare(x, pos, key_padding_mask)
         self.check_grid(p.pos)
         f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)

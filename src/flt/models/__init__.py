@@ -1,7 +1,7 @@
 """Models for the built-in tasks, each taking any :data:`flt.ATTENTION` mechanism and any
 :data:`flt.posenc.POSENC` encoding by name.
 
-``MODELS[type(config)]`` is the model class of a config of :data:`CONFIGS`;
+``MODELS[type(config)]`` is the model class of a config of this package;
 ``build_model(config)`` builds it from its frozen config (:mod:`flt.models.config`). Tasks
 name their config and model class in their own file (:mod:`flt.tasks`); a task with a
 model of its own does not need to be listed here.
@@ -16,12 +16,10 @@ import torch
 
 from flt.models.block import Block, Trunk, build_attention, build_posenc
 from flt.models.config import (
-    CONFIGS,
     ImageConfig,
     LMConfig,
     MoleculeConfig,
-    config_from_dict,
-    config_to_dict,
+    config_from_fields,
     replace_fields,
 )
 from flt.models.lm import CausalLM, LMState, sample_next
@@ -40,7 +38,7 @@ def config_kwargs(config: Any) -> dict:
 
 
 def build_model(config: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Build the model of ``config`` (one of :data:`CONFIGS`); the config's fields become
+    """Build the model of ``config`` (a config class of :data:`MODELS`); the config's fields become
     constructor arguments (:func:`config_kwargs`)."""
     if type(config) not in MODELS:
         raise TypeError(f"expected one of {[c.__name__ for c in MODELS]}, got {type(config).__name__}")
@@ -48,7 +46,6 @@ def build_model(config: Any, *, device: torch.device | str | None = None, dtype:
 
 
 __all__ = [
-    "CONFIGS",
     "MODELS",
     "RADIAL_SPECTRA",
     "Block",
@@ -63,9 +60,8 @@ __all__ = [
     "build_attention",
     "build_model",
     "build_posenc",
-    "config_from_dict",
+    "config_from_fields",
     "config_kwargs",
-    "config_to_dict",
     "replace_fields",
     "sample_next",
     "tie_isotropic",

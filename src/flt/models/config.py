@@ -1,4 +1,4 @@
-"""Model configurations: frozen dataclasses, one per task, and their JSON round trip.
+"""Model configurations: frozen dataclasses, one per task.
 
 A config never reaches into a module: :func:`flt.models.build_model` turns it into the
 constructor arguments of the model class registered for its task. Fields that depend on
@@ -8,14 +8,15 @@ config rebuilds the same model.
 
 Every config names its attention mechanism (a key of :data:`flt.ATTENTION`) and its
 absolute positional encoding (a key of :data:`flt.posenc.POSENC`), with free-form option
-dicts forwarded to their constructors.
+dicts forwarded to their constructors. A config does not know which task trains it: the
+tasks name their configs (:attr:`flt.tasks.Task.config`), and their saved form with the
+task's key is :func:`flt.tasks.config_to_dict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -29,7 +30,7 @@ READOUTS = ("mean", "sum")
 POOLINGS = ("mean", "cls")
 
 
-def _check_trunk(cfg) -> None:
+def _check_trunk(cfg: TrunkConfig) -> None:
     """Checks shared by every config: every field's type (a bool is not a number), sizes,
     options as dicts, names as strings."""
     check_fields(cfg)
@@ -65,9 +66,6 @@ class TrunkConfig:
     attention_options: dict[str, Any] = field(default_factory=dict)
     posenc: str = "none"
     posenc_options: dict[str, Any] = field(default_factory=dict)
-    #: The key of the config's saved form (:func:`config_to_dict`), which checkpoints of
-    #: every version carry: the name of the task whose config it is.
-    task: ClassVar[str]
     #: Coordinates per position the model gives its attention (``P``), for the memory
     #: estimate made before a model is built (:mod:`flt._limits`).
     position_dims: ClassVar[int] = 1
@@ -119,8 +117,6 @@ class LMConfig(LayeredConfig):
     and half-step local jitter, no mean-centring so that decoding sees the same positions).
     """
 
-    task: ClassVar[str] = "lm"
-
     vocab_size: int = 256
     max_len: int = 256
     dim: int = 128
@@ -142,7 +138,6 @@ class ImageConfig(LayeredConfig):
     :meth:`flt.posenc.CAPE.for_2d_patches` to the patch positions during training.
     """
 
-    task: ClassVar[str] = "image"
     position_dims: ClassVar[int] = 2
 
     image_size: int = 8
@@ -172,7 +167,6 @@ class MoleculeConfig(LayeredConfig):
     with any other spectrum it raises. Predictions are ``target_mean + target_std * out``.
     """
 
-    task: ClassVar[str] = "molecule"
     position_dims: ClassVar[int] = 3
 
     num_elements: int = 119
@@ -194,29 +188,17 @@ class MoleculeConfig(LayeredConfig):
             raise ValueError(f"target_mean must be a finite number, got {self.target_mean!r}")
 
 
-#: Config class of each model of this package, by its saved key (``task``). Tasks are
-#: registered in :data:`flt.tasks.TASKS`, which may add configs of their own; this is not that list.
-CONFIGS: dict[str, type[TrunkConfig]] = {cls.task: cls for cls in (LMConfig, ImageConfig, MoleculeConfig)}
+_Trunk = TypeVar("_Trunk", bound=TrunkConfig)
 
 
-def config_to_dict(cfg: TrunkConfig) -> dict[str, Any]:
-    """``{"task": ..., **fields}``, JSON-serialisable when the option dicts are."""
-    return {"task": cfg.task, **dataclasses.asdict(cfg)}
-
-
-def config_from_dict(data: dict[str, Any], configs: Mapping[str, type[TrunkConfig]] = CONFIGS) -> TrunkConfig:
-    """Inverse of :func:`config_to_dict`, with the class ``configs[data["task"]]`` (default:
-    the models of this package; :func:`flt.tasks.config_from_dict` passes every registered
-    task's); unknown or missing-task keys raise ``ValueError``."""
-    if not isinstance(data, dict) or "task" not in data:
-        raise ValueError("a model config dict needs a 'task' key")
-    check_choice("task", data["task"], configs)
-    cls = configs[data["task"]]
+def config_from_fields(cls: type[_Trunk], fields: dict[str, Any]) -> _Trunk:
+    """A ``cls`` config from its fields (:func:`dataclasses.asdict`'s inverse); unknown
+    fields raise ``ValueError`` naming them."""
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names - {"task"})
+    unknown = sorted(set(fields) - names)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields {unknown}; known fields: {sorted(names)}")
-    return cls(**{k: v for k, v in data.items() if k != "task"})
+    return cls(**fields)
 
 
 def replace_fields(cfg: _Config, **changes: Any) -> _Config:

@@ -22,8 +22,10 @@ from flt.layers.registry import ATTENTION
 if TYPE_CHECKING:
     import torch
 
+    from flt.models.config import TrunkConfig
 
-def _layers(cfg) -> list[tuple[type | None, dict, int]]:
+
+def _layers(cfg: TrunkConfig) -> list[tuple[type | None, dict, int]]:
     """``(attention class, options, how many layers)``: one entry for a uniform trunk, so a
     ``depth`` of 10^9 costs one estimate, not 10^9. The class is None for a config without
     an attention or with an unknown one."""
@@ -54,7 +56,7 @@ def model_parameter_values(cfg: Any) -> int:
     return total
 
 
-def _pos_dim(cfg) -> int:
+def _pos_dim(cfg: TrunkConfig) -> int:
     return getattr(cfg, "position_dims", 1)
 
 

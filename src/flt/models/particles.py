@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,14 +28,12 @@ class ParticleConfig(LayeredConfig):
     head per token. ``isotropic`` ties the per-axis lengths of radial spectra (as
     :class:`flt.models.MoleculeConfig`); predictions are ``target_mean + target_std * out``."""
 
-    task: ClassVar[str] = "nbody"
-
     depth: int = 2
     isotropic: bool = False
     target_mean: float = 0.0
     target_std: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.isotropic, bool):
             raise TypeError(f"isotropic must be a bool, got {self.isotropic!r}")

@@ -16,7 +16,7 @@ compiled extension. PyG's DimeNet++ computes its radius graph and its triplets i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,8 +40,6 @@ class QM9Config(LayeredConfig):
     in by the task (sum for extensive properties such as energies, mean for orbital
     energies and the dipole). ``num_elements`` bounds the atomic numbers (QM9: H to F)."""
 
-    task: ClassVar[str] = "qm9"
-
     encoder: str = "transformer"
     num_elements: int = 10
     readout: str | None = None
@@ -51,7 +49,7 @@ class QM9Config(LayeredConfig):
     target_mean: float = 0.0
     target_std: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("encoder", self.encoder, ENCODERS)
         check_positive_int("num_elements", self.num_elements)
@@ -99,7 +97,7 @@ class _RadiusGraph(nn.Module):
         return radius_graph(pos, batch, self.cutoff)
 
 
-def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor):
+def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The real atoms of a padded batch: ``z [A]``, ``pos [A, 3]``, ``batch [A]``."""
     real = ~key_padding_mask
     batch = torch.arange(z.shape[0], device=z.device).unsqueeze(1).expand_as(z)[real]

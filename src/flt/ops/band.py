@@ -51,7 +51,8 @@ def band_offsets(width: int) -> torch.Tensor:
     return torch.arange(-width, width + 1)
 
 
-def _check(xq, xk, v, qf, kf, q_shift, key_log_scale, band_bias, width, key_mask):
+def _check(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, q_shift: torch.Tensor, key_log_scale: torch.Tensor, band_bias: torch.Tensor, width: int,
+           key_mask: torch.Tensor | None) -> None:
     check_tensor("xq", xq, ndim=4, layout="[B, H, N, D]")
     check_tensor("xk", xk, ndim=4, layout="[B, H, N, D]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -149,7 +150,7 @@ def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torc
     near, c, windows = _exact_band(xq, xk, vaug, band_bias.to(cdt), row, valid, width, T, causal)
     if causal:
         far, far_level = _causal_far_field(qf, kf, vaug, sk, width, chunk_size)
-        if far is not None:
+        if far is not None and far_level is not None:  # both or neither
             near = near + far * torch.exp(far_level - level - c).unsqueeze(-1)
     else:
         # Far field = the estimate over all keys minus its band part. Rounding of order
@@ -161,17 +162,17 @@ def band_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, qf: torc
     return safe_divide(near[..., :-1], near[..., -1:])
 
 
-def _blocks(t, nb, T):
+def _blocks(t: torch.Tensor, nb: int, T: int) -> torch.Tensor:
     """``[B, H, N, ...] -> [B, H, nb, T, ...]``, zero-padded at the end."""
     return _pad_to(t, nb * T).unflatten(2, (nb, T))
 
 
-def _pad_to(t, length):
+def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
     extra = length - t.shape[2]
     return t if extra == 0 else torch.cat([t, t.new_zeros(*t.shape[:2], extra, *t.shape[3:])], dim=2)
 
 
-def _window(t, causal):
+def _window(t: torch.Tensor, causal: bool) -> torch.Tensor:
     """Key blocks ``b - 1, b`` (and ``b + 1`` when not causal) of every query block ``b``:
     ``[B, H, nb, T, ...] -> [B, H, nb, 2T or 3T, ...]``, zeros beyond the sequence."""
     zero = torch.zeros_like(t[:, :, :1])
@@ -181,7 +182,8 @@ def _window(t, causal):
     return torch.cat(parts, dim=3)
 
 
-def _exact_band(xq, xk, vaug, bias, row, valid, width, T, causal):
+def _exact_band(xq: torch.Tensor, xk: torch.Tensor, vaug: torch.Tensor, bias: torch.Tensor, row: torch.Tensor, valid: torch.Tensor, width: int, T: int,
+                causal: bool) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The exact band as blocked local attention: each query block of ``T >= w`` tokens
     against the key blocks ``b - 1, b`` (``b + 1`` too when not causal), the weights of the
     pairs ``|i - j| <= w`` (``j <= i`` when causal) exact, all others zero.
@@ -209,7 +211,7 @@ def _exact_band(xq, xk, vaug, bias, row, valid, width, T, causal):
     return sums.flatten(2, 3)[:, :, :N], c.flatten(2)[..., :N], (keep, vwin)
 
 
-def _band_estimate(qf, kfw, vaug, windows, T):
+def _band_estimate(qf: torch.Tensor, kfw: torch.Tensor, vaug: torch.Tensor, windows: tuple[torch.Tensor, torch.Tensor], T: int) -> torch.Tensor:
     """The far-field estimate restricted to the band's pairs (bidirectional: subtracted from
     the total), ``[B, H, N, Dv+1]``, relative to ``exp(row_i)``."""
     keep, vwin = windows
@@ -219,7 +221,8 @@ def _band_estimate(qf, kfw, vaug, windows, T):
     return (est.masked_fill(~keep, 0.0) @ vwin).flatten(2, 3)[:, :, :N]
 
 
-def _causal_far_field(qf, kf, vaug, sk, width, chunk_size):
+def _causal_far_field(qf: torch.Tensor, kf: torch.Tensor, vaug: torch.Tensor, sk: torch.Tensor, width: int,
+                      chunk_size: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Causal far field: the estimate of every pair ``i - j > w``, as causal linear attention
     whose keys, values and key log scales are delayed by ``w + 1`` tokens (key ``j`` enters at
     token ``j + w + 1``), so the chunked scan itself never sees a band pair and nothing is
@@ -236,7 +239,7 @@ def _causal_far_field(qf, kf, vaug, sk, width, chunk_size):
     if chunk_size is None:
         chunk_size = causal_chunk_size(qf.shape[-1], 1, vaug.shape[-1] - 1)
 
-    def delay(t):  # one copy each way: the backward of a pad is a pad
+    def delay(t: torch.Tensor) -> torch.Tensor:  # one copy each way: the backward of a pad is a pad
         return F.pad(t, (0, 0) * (t.ndim - 3) + (shift, -shift))
 
     # The filler keys have zero features and values; their log scale is key 0's, so that

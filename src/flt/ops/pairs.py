@@ -25,6 +25,7 @@ row of each listed key in ``b`` or ``v`` (``(b H + h) N + j``).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,7 @@ def _pattern(index: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Ten
                                        (R, columns), check_invariants=False)
 
 
-def _dots(a, b, index):
+def _dots(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``a[r] . b[index[r, t]]``: ``[R, k]``, the product ``a b^T`` sampled at the pairs."""
     if index.shape[1] > b.shape[0]:  # rows repeat keys (a near set never does): more pairs than a dense row holds
         return (torch.index_select(b, 0, index.reshape(-1)).view(*index.shape, -1) * a.unsqueeze(1)).sum(-1)
@@ -60,12 +61,12 @@ def _dots(a, b, index):
     return torch.empty_like(out.values().view(index.shape)).scatter_(-1, order, out.values().view(index.shape))
 
 
-def _gather(w, v, index):
+def _gather(w: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``sum_t w[r, t] v[index[r, t]]``: ``[R, E]``."""
     return F.embedding_bag(index, v, per_sample_weights=w, mode="sum")
 
 
-def _scatter(w, a, index, rows):
+def _scatter(w: torch.Tensor, a: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
     """``out[j] = sum_(index[r, t] = j) w[r, t] a[r]``: ``[rows, E]``, the pairs sorted by key
     so that each key's queries form one bag."""
     keys = index.reshape(-1)
@@ -77,12 +78,12 @@ def _scatter(w, a, index, rows):
 
 class _PairDots(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, index):
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b, index)
         return _dots(a, b, index)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         a, b, index = ctx.saved_tensors
         ga = gather_sum(g, b, index) if ctx.needs_input_grad[0] else None
         gb = scatter_sum(g, a, index, b.shape[0]) if ctx.needs_input_grad[1] else None
@@ -91,12 +92,12 @@ class _PairDots(torch.autograd.Function):
 
 class _GatherSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, v, index):
+    def forward(ctx: Any, w: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(w, v, index)
         return _gather(w, v, index)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         w, v, index = ctx.saved_tensors
         gw = pair_dots(g, v, index) if ctx.needs_input_grad[0] else None
         gv = scatter_sum(w, g, index, v.shape[0]) if ctx.needs_input_grad[1] else None
@@ -105,12 +106,12 @@ class _GatherSum(torch.autograd.Function):
 
 class _ScatterSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, a, index, rows):
+    def forward(ctx: Any, w: torch.Tensor, a: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
         ctx.save_for_backward(w, a, index)
         return _scatter(w, a, index, rows)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         w, a, index = ctx.saved_tensors
         gw = pair_dots(a, g, index) if ctx.needs_input_grad[0] else None
         ga = gather_sum(w, g, index) if ctx.needs_input_grad[1] else None

@@ -14,7 +14,7 @@ from flt._checks import check_broadcast, check_tensor
 from flt.ops._common import causal_mask_like, safe_divide
 
 
-def _check_qkv(q, k, v, qk_name=("q", "k")) -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_name: tuple[str, str] = ("q", "k")) -> None:
     check_tensor(qk_name[0], q, ndim=4, layout="[B, H, N, D]")
     check_tensor(qk_name[1], k, ndim=4, layout="[B, H, N, D]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -95,7 +95,7 @@ def linear_attention_reference(q_feat: torch.Tensor, k_feat: torch.Tensor, v: to
     return _weighted(weights, v, causal, key_log_scale)
 
 
-def _weighted(weights, v, causal, key_log_scale):
+def _weighted(weights: torch.Tensor, v: torch.Tensor, causal: bool, key_log_scale: torch.Tensor | None) -> torch.Tensor:
     if causal:
         weights = weights * causal_mask_like(weights)
     if key_log_scale is not None:

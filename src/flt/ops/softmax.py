@@ -79,7 +79,8 @@ def _probe_flex(device: str, requires_grad: bool) -> tuple[bool, str]:
     return True, ""
 
 
-def _check_inputs(q, k, v, bias, key_padding_mask, causal, score_mod, backend) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, key_padding_mask: torch.Tensor | None, causal: bool,
+                  score_mod: Callable[..., torch.Tensor] | None, backend: str) -> None:
     check_choice("backend", backend, BACKENDS)
     check_tensor("q", q, ndim=4, layout="[B, H, N, D]")
     check_tensor("k", k, ndim=4, layout="[B, H, Nk, D]")
@@ -162,7 +163,7 @@ def softmax_attention(
     return _flex(q, k, v, bias, causal, scale, key_padding_mask, score_mod)
 
 
-def _sdpa(q, k, v, bias, causal, scale, key_padding_mask):
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool, scale: float | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
     N, Nk = q.shape[2], k.shape[2]
     if bias is None and key_padding_mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
@@ -186,7 +187,8 @@ def _sdpa(q, k, v, bias, causal, scale, key_padding_mask):
     return out.masked_fill(dead, 0.0)
 
 
-def _flex(q, k, v, bias, causal, scale, key_padding_mask, user_mod):
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool, scale: float | None, key_padding_mask: torch.Tensor | None,
+          user_mod: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     tensors = (q, k, v) if bias is None else (q, k, v, bias)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     ok, reason = flex_attention_available(q.device, needs_grad)
@@ -205,7 +207,7 @@ def _flex(q, k, v, bias, causal, scale, key_padding_mask, user_mod):
         # A broadcast view, so score_mod can index [b, h, i, j] without copying.
         full_bias = bias.to(compute_dtype(q)).expand(B, H, N, Nk)
 
-    def score_mod(score, b, h, q_idx, kv_idx):
+    def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         if user_mod is not None:
             score = user_mod(score, b, h, q_idx, kv_idx)
         if full_bias is not None:

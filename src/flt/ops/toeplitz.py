@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +195,7 @@ def _check_table(name: str, table: torch.Tensor, *, heads: int, n: int) -> None:
         )
 
 
-def _check_inputs(q_feat, k_feat, v, bias, key_log_scale=None) -> None:
+def _check_inputs(q_feat: torch.Tensor, k_feat: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, key_log_scale: torch.Tensor | None = None) -> None:
     check_tensor("q_feat", q_feat, ndim=4, layout="[B, H, N, m]")
     check_tensor("k_feat", k_feat, ndim=4, layout="[B, H, N, m]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
@@ -312,7 +313,7 @@ def toeplitz_attention(
     return out.to(out_dtype)
 
 
-def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
+def _bidirectional(qf: torch.Tensor, kf: torch.Tensor, vv: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """One FFT product of all channels (keys already carry their scales)."""
     B, H, N, _ = qf.shape
     Dv = vv.shape[-1]
@@ -346,7 +347,7 @@ def _bidirectional(qf, kf, vv, beta) -> torch.Tensor:
     return safe_divide(num, _dead_rows(den, _DEAD_ROW_UNITS * unit * scale))
 
 
-def _causal_blocked(qf, kf, vv, beta, kls, block: int) -> torch.Tensor:
+def _causal_blocked(qf: torch.Tensor, kf: torch.Tensor, vv: torch.Tensor, beta: torch.Tensor, kls: torch.Tensor | None, block: int) -> torch.Tensor:
     """Causal Toeplitz attention whose rows never see later tokens (module docstring).
 
     Contributions to row ``i``: its own block of ``block`` tokens (dense, exact) and every
@@ -382,12 +383,12 @@ class _RealFFT(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         ctx.n = x.shape[-1]
         return torch.fft.rfft(x)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         n = ctx.n
         edge = g[..., :1].real
         if n % 2 == 0:
@@ -406,12 +407,12 @@ class _BatchedMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         return a @ b
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         a, b = ctx.saved_tensors
         g = g.contiguous()
         grad_a = g @ b.mH if ctx.needs_input_grad[0] else None
@@ -428,7 +429,7 @@ def _pad_seq(x: torch.Tensor, length: int, value: float = 0.0) -> torch.Tensor:
     return F.pad(x, pad, value=value)
 
 
-def _diagonal_blocks(qf, kf, vv1, beta_c, kls, block: int):
+def _diagonal_blocks(qf: torch.Tensor, kf: torch.Tensor, vv1: torch.Tensor, beta_c: torch.Tensor, kls: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense causal attention within aligned blocks of ``block`` tokens: the reference's
     formula (row max over live keys), ``O(N * block * (m + Dv))``."""
     N = qf.shape[2]
@@ -484,7 +485,8 @@ def _block_kernel_spectra(beta_c: torch.Tensor, block: int, n_blocks: int) -> tu
     return spectra, top
 
 
-def _earlier_blocks(qf, kf, vv1, beta_c, kls, block: int):
+def _earlier_blocks(qf: torch.Tensor, kf: torch.Tensor, vv1: torch.Tensor, beta_c: torch.Tensor, kls: torch.Tensor,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Contributions of every earlier block of ``block`` tokens to each block's queries.
 
     One length ``2b`` FFT per key block (its keys scaled by their own maximum), one

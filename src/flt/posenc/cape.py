@@ -159,7 +159,7 @@ class CAPE(nn.Module):
         check_positive_int("length", length)
         gen_device = generator.device if generator is not None else torch.device("cpu")
 
-        def uniform(shape, half_width: float) -> torch.Tensor:
+        def uniform(shape: tuple[int, ...], half_width: float) -> torch.Tensor:
             u = torch.rand(shape, generator=generator, device=gen_device, dtype=torch.float64)
             return ((2.0 * u - 1.0) * half_width).to(device=device, dtype=dtype)
 

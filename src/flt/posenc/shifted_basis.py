@@ -138,7 +138,7 @@ class ShiftedBasisEmbedding(nn.Module):
         return f"dim={self.dim}, pos_dim={self.pos_dim}, kind={self.kind!r}, width={self.width}, domain={self.domain}"
 
 
-def _impulse(u: torch.Tensor, _width) -> torch.Tensor:
+def _impulse(u: torch.Tensor, _width: object) -> torch.Tensor:
     nearest = u.abs().argmin(dim=-1)
     return F.one_hot(nearest, u.shape[-1]).to(u.dtype)
 
@@ -240,7 +240,7 @@ def distance_preservation(
     return 0.5 * (widths[0] + widths[1]) / (b - a)
 
 
-def _domain_of(embed, domain) -> tuple[float, float]:
+def _domain_of(embed: Callable[[torch.Tensor], torch.Tensor], domain: Sequence[float] | None) -> tuple[float, float]:
     if domain is None:
         domain = getattr(embed, "domain", None)
         if domain is None:

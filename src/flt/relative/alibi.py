@@ -94,7 +94,7 @@ class AlibiBias(RelativeTerm):
 
     slopes: torch.Tensor  # registered buffer (learnable=False)
 
-    def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, learnable: bool = False, device=None, dtype=None):
+    def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, learnable: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("heads", heads)
         check_positive_int("pos_dim", pos_dim)

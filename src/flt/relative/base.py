@@ -82,7 +82,7 @@ class RelativeTerm(nn.Module):
         (``pos_k`` defaults to ``pos_q``)."""
         return self.pairwise(*self._checked_pair(pos_q, pos_k))
 
-    def _checked_pair(self, pos_q, pos_k):
+    def _checked_pair(self, pos_q: torch.Tensor, pos_k: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         pos_q, pos_k = pair_positions(pos_q, pos_k)
         P = pos_q.shape[-1]
         own = getattr(self, "pos_dim", None)
@@ -114,7 +114,8 @@ class RelativeTerm(nn.Module):
             iq, ik = pos_q[..., 0].long(), pos_k[..., 0].long()
             one_q, one_k = iq.shape[0] == 1, ik.shape[0] == 1
 
-            def by_offset(score, b, h, q_idx, kv_idx):
+            def by_offset(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                          kv_idx: torch.Tensor) -> torch.Tensor:
                 d = iq[0 if one_q else b, q_idx] - ik[0 if one_k else b, kv_idx]
                 return score + values[d - low, h].to(score.dtype)
 
@@ -126,7 +127,8 @@ class RelativeTerm(nn.Module):
             )
         one_q, one_k = pos_q.shape[0] == 1, pos_k.shape[0] == 1
 
-        def by_point(score, b, h, q_idx, kv_idx):
+        def by_point(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor,
+                     kv_idx: torch.Tensor) -> torch.Tensor:
             bq, bk = 0 if one_q else b, 0 if one_k else b
             delta = [pos_q[bq, q_idx, p] - pos_k[bk, kv_idx, p] for p in range(pos_q.shape[-1])]
             return score + self.head_value(delta, h).to(score.dtype)
@@ -146,7 +148,7 @@ class RelativeTerm(nn.Module):
         :meth:`score_mod` checked the positions."""
         raise NotImplementedError(f"{type(self).__name__} has no head_value")
 
-    def _offset_table(self, pos_q, pos_k):
+    def _offset_table(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """``(values [L, H], low)`` with ``values[d - low]`` the term at offset ``d``, for
         integer 1-D positions spanning at most :data:`OFFSET_TABLE_LIMIT` offsets; else None."""
         if pos_q.shape[-1] != 1 or pos_q.requires_grad or pos_k.requires_grad:

@@ -79,7 +79,7 @@ class ShortestPathBias(RelativeTerm):
     """
 
     def __init__(self, heads: int, *, pos_dim: int = 1, unit: float = 1.0, max_distance: int = 8,
-                 table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None):
+                 table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_positive_int("heads", heads)
         check_positive_int("pos_dim", pos_dim)

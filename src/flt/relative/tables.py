@@ -11,6 +11,7 @@ negative offsets are keys in the past.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -151,8 +152,8 @@ class RelativeBiasTable(RelativeTerm):
         bidirectional: bool = True,
         table_scale: float = DEFAULT_TABLE_SCALE,
         learn_scale: bool = True,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         check_positive_int("heads", heads)
@@ -224,7 +225,7 @@ class RelativeBiasTable(RelativeTerm):
         bias = self.lookup(offsets)  # [B, N, Nk, H]
         return rearrange(bias, "b i j h -> b h i j")
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         # A state dict from before the scale existed describes bias = table: scale 1.
         if prefix + "table" in state_dict and prefix + "scale" not in state_dict:
             state_dict[prefix + "scale"] = torch.ones_like(self.scale)
@@ -244,7 +245,7 @@ class T5Bias(RelativeBiasTable):
 
     def __init__(
         self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128, num_buckets: int | None = None,
-        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ):
         if pos_dim != 1:
             raise ValueError(f"relative term 't5' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")
@@ -259,7 +260,7 @@ class ClippedBias(RelativeBiasTable):
 
     def __init__(
         self, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 128,
-        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device=None, dtype=None,
+        table_scale: float = DEFAULT_TABLE_SCALE, learn_scale: bool = True, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     ):
         if pos_dim != 1:
             raise ValueError(f"relative term 'clipped' is a table over 1-D integer offsets; got pos_dim = {pos_dim}")

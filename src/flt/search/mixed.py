@@ -16,9 +16,9 @@ weight decay groups, checkpoints) sees them as it sees the layers of a plain mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -29,11 +29,18 @@ from flt.models.block import build_attention, build_posenc
 from flt.options import parse_attention_list
 from flt.posenc import POSENC
 
+if TYPE_CHECKING:
+    from flt.tasks.base import Task
+
 __all__ = [
     "Candidate", "EncodingCandidate", "MixedAttention", "MixedEncoding", "MixedOp", "attention_blocks", "build_supernet",
     "check_candidates", "check_posenc_candidates", "encoding_slot", "mixed_slots", "parse_candidates",
     "parse_posenc_candidates",
 ]
+
+
+#: A :class:`Candidate` or a subclass of it, built by its own class.
+_Entry = TypeVar("_Entry", bound="Candidate")
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,13 @@ class Candidate:
         return {"label": self.label, name_key: self.name, options_key: dict(self.options)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]):
+    def from_dict(cls: type[_Entry], data: dict[str, Any]) -> _Entry:
         name_key, options_key = cls.keys
         return cls(data["label"], data[name_key], dict(data[options_key]))
 
 
-def _parse_entries(text: str, flag: str, what: str, cls, registry, options_of: Callable[[str, dict], dict]) -> list:
+def _parse_entries(text: str, flag: str, what: str, cls: type[_Entry], registry: Mapping[str, object],
+                   options_of: Callable[[str, dict[str, Any]], dict[str, Any]]) -> list[_Entry]:
     """``"a,b:k=v,..."`` of option ``flag`` -> ``cls`` entries of ``registry`` with the
     options ``options_of(name, entry's own)`` (the task's defaults under them). At least
     two, distinct."""
@@ -72,7 +80,7 @@ def _parse_entries(text: str, flag: str, what: str, cls, registry, options_of: C
     return out
 
 
-def parse_candidates(text: str, task) -> list[Candidate]:
+def parse_candidates(text: str, task: type[Task]) -> list[Candidate]:
     """``"a,b:k=v,..."`` (``--candidates``) -> candidates with ``task``'s default options for
     each name (``task.attention_defaults``) under the entry's own. At least two, distinct."""
     return _parse_entries(text, "--candidates", "mechanisms", Candidate, ATTENTION,
@@ -100,7 +108,7 @@ class EncodingCandidate(Candidate):
     keys: ClassVar[tuple[str, str]] = ("posenc", "posenc_options")
 
 
-def parse_posenc_candidates(text: str, task) -> list[EncodingCandidate]:
+def parse_posenc_candidates(text: str, task: type[Task]) -> list[EncodingCandidate]:
     """``"none,sinusoidal,fourier:k=v"`` (``--posenc-candidates``) -> candidate encodings
     with ``task``'s default options for each name (``task.posenc_defaults``) under the
     entry's own. At least two, distinct."""
@@ -186,7 +194,7 @@ class MixedOp(nn.Module):
         """Indices of the candidates that contribute: the chosen one once decided, else those kept."""
         return [int(self.decided)] if self.is_decided else [k for k, kept in enumerate(self.keep.tolist()) if kept]
 
-    def weighted_sum(self, call) -> torch.Tensor | None:
+    def weighted_sum(self, call: Callable[[int, nn.Module], torch.Tensor]) -> torch.Tensor | None:
         """``sum_k w_k call(k, op_k)`` over the active candidates; None when none is in."""
         w = self.weights()
         out = None
@@ -206,8 +214,8 @@ class MixedAttention(MixedOp):
 
     supports_decoding = False
 
-    def _mix(self, method: str, x: torch.Tensor, pos, key_padding_mask) -> torch.Tensor:
-        def call(k, op):
+    def _mix(self, method: str, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        def call(k: int, op: nn.Module) -> torch.Tensor:
             fn = getattr(op, method, None)
             if fn is None:
                 raise ValueError(f"candidate {self.labels[k]!r} has no {method}() method")

@@ -34,12 +34,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from flt._io import atomic_write_text
-from flt.models.config import config_to_dict
+from flt.models.config import TrunkConfig
 from flt.search.holdout import holdout_seed, split_task
 from flt.search.mixed import (
     Candidate,
     EncodingCandidate,
+    MixedOp,
     attention_blocks,
     build_supernet,
     check_candidates,
@@ -47,7 +50,7 @@ from flt.search.mixed import (
     encoding_owner,
 )
 from flt.search.supernet import Supernet, empty_progress
-from flt.tasks import check_preset, holdout_tasks
+from flt.tasks import Task, check_preset, config_to_dict, holdout_tasks
 from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
 from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint
@@ -92,7 +95,7 @@ class SearchConfig:
     holdout: float = 0.2
     posenc_candidates: tuple[EncodingCandidate, ...] = ()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if len(self.candidates) < 2:
             raise ValueError(f"a search needs at least two candidates, got {len(self.candidates)}")
         if len(self.posenc_candidates) == 1:
@@ -145,7 +148,8 @@ def check_search(preset: Preset, config: SearchConfig) -> None:
     supernet_model(task_cls, probe_cfg, config)
 
 
-def supernet_model(task, model_cfg, config: SearchConfig, *, device=None):
+def supernet_model(task: type[Task], model_cfg: TrunkConfig, config: SearchConfig, *,
+                   device: torch.device | str | None = None) -> torch.nn.Module:
     """The supernet of the search: ``task``'s model of ``model_cfg`` with every layer's
     attention (and, with ``config.posenc_candidates``, the absolute encoding) mixed over the
     candidates (:func:`flt.search.mixed.build_supernet`), under the task's constraints on
@@ -193,7 +197,8 @@ def search(preset: Preset, config: SearchConfig, out_dir: str, *, resume: bool =
         D.teardown(ctx)
 
 
-def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reached: Progress) -> dict[str, Any]:
+def _search(preset: Preset, config: SearchConfig, out_dir: str, ctx: D.Context, *, resume: bool, plots: bool,
+            say: Callable[[str], None], on_step: Callable[[int], None] | None, reached: Progress) -> dict[str, Any]:
     """The training loop's steps with the search as their client (:class:`Supernet`): the
     data and its held-out part, the supernet, the restored checkpoint, the supernet's
     steps, then the selection step and the result."""
@@ -229,7 +234,7 @@ def _search(preset, config, out_dir, ctx, *, resume, plots, say, on_step, reache
     return _finish(write(step, done=True), out_dir, plots, say)
 
 
-def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[Origin, dict[str, Any]]:
+def _origin(out_dir: str, record: dict[str, Any], resume: bool, say: Callable[[str], None]) -> tuple[Origin, dict[str, Any]]:
     """``(where the search starts, its progress so far)``: a fresh start in a directory
     that holds no search yet, or the latest checkpoint of the same configuration."""
     if not resume:
@@ -247,7 +252,7 @@ def _origin(out_dir: str, record: dict[str, Any], resume: bool, say) -> tuple[Or
     return Origin(ckpt, int(meta["step"]), steps), meta["progress"]
 
 
-def _announce(r: Run, supernet: Supernet, say) -> None:
+def _announce(r: Run, supernet: Supernet, say: Callable[[str], None]) -> None:
     """The first lines: where a resumed search continues, what the supernet mixes."""
     run, config = r.preset.run, supernet.config
     if r.last_checkpoint is not None:
@@ -261,7 +266,7 @@ def _announce(r: Run, supernet: Supernet, say) -> None:
         + (", alpha frozen uniform" if config.fixed_alpha else ""))
 
 
-def _finish(result: dict[str, Any], out_dir: str, plots: bool, say) -> dict[str, Any]:
+def _finish(result: dict[str, Any], out_dir: str, plots: bool, say: Callable[[str], None]) -> dict[str, Any]:
     """The last lines and ``search.png``."""
     say(f"perturbation: {', '.join(result['perturbation'])}")
     if result["magnitude"] is not None:
@@ -289,7 +294,8 @@ def _differences(meta: dict[str, Any], record: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def _result(preset, config, model_cfg, progress, slots, task, step, *, done: bool) -> dict[str, Any]:
+def _result(preset: Preset, config: SearchConfig, model_cfg: TrunkConfig, progress: dict[str, Any], slots: list[MixedOp],
+            task: Task, step: int, *, done: bool) -> dict[str, Any]:
     """The contents of ``search.json``. The attention slots are ``slots`` (by layer) and
     ``perturbation`` / ``magnitude`` (a label per layer); a searched absolute encoding is
     ``posenc_slot`` (its record, as a layer's) and ``posenc`` (``perturbation`` and

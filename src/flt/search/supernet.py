@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,10 @@ from flt.train.loop import (
     to_device,
     train_step,
 )
+from flt.train.metrics import MetricsLogger
+
+if TYPE_CHECKING:
+    from flt.search.run import SearchConfig
 
 __all__ = ["ALPHA_SEED_OFFSET", "ORDER_STREAM", "Supernet", "empty_progress"]
 
@@ -62,8 +66,8 @@ class Supernet(StepHooks):
         say: receives the progress lines.
     """
 
-    def __init__(self, model: torch.nn.Module, config, alpha_task: Task, run: RunConfig, ctx: D.Context,
-                 progress: dict[str, Any], say: Callable[[str], None]):
+    def __init__(self, model: torch.nn.Module, config: SearchConfig, alpha_task: Task, run: RunConfig, ctx: D.Context,
+                 progress: dict[str, Any], say: Callable[[str], None]) -> None:
         self.model, self.config, self.alpha_task, self.run, self.ctx = model, config, alpha_task, run, ctx
         self.metric, self.higher_is_better = alpha_task.metric, alpha_task.higher_is_better
         self.slots: list[MixedOp] = list(mixed_slots(model))
@@ -95,7 +99,7 @@ class Supernet(StepHooks):
         """The headline metric on the held-out part, on the run's fixed evaluation draw."""
         return evaluate_on_draw(self.alpha_task, self.model, self.ctx, self.run, self.run.eval_batches)[self.metric]
 
-    def validate(self, r: Run, step: int, loss: float, logger, say) -> dict[str, float]:
+    def validate(self, r: Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
         """The held-out metric and ``softmax(alpha)`` into the history and a progress line;
         after the supernet's last step, the magnitude choice of every slot."""
         metric = self.holdout_metric()

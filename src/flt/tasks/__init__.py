@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from flt._checks import check_choice
-from flt.models.config import config_from_dict as _config_from_dict
+from flt.models.config import TrunkConfig, config_from_fields
 from flt.options import check_keyword_types
 from flt.tasks.base import Task, mechanism_options, step_generator
 from flt.tasks.graph import GraphTask
@@ -55,6 +55,20 @@ from flt.tasks.qm9 import QM9Task
 
 #: Every task, by name, in the order the CLI lists them.
 TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask, QM9Task)}
+
+
+def config_keys() -> dict[type[TrunkConfig], str]:
+    """The key (``"task"``) under which each registered task's config class is saved
+    (:func:`config_to_dict`; checkpoints of every version carry it): the task's
+    :attr:`~Task.config_key`, else its name. Two tasks that share a config class must agree
+    on its key. Read from :data:`TASKS` at each call, so a task registered later counts."""
+    keys: dict[type[TrunkConfig], str] = {}
+    for task in TASKS.values():
+        key = task.config_key or task.name
+        if keys.setdefault(task.config, key) != key:
+            raise TypeError(f"{task.__name__}.config {task.config.__name__} is saved as {keys[task.config]!r} by another "
+                            f"task; set {task.__name__}.config_key = {keys[task.config]!r}")
+    return keys
 
 
 def get_task(name: str) -> type[Task]:
@@ -150,10 +164,25 @@ def check_preset(preset: Preset) -> type[Task]:
     return task
 
 
-def config_from_dict(data: dict[str, Any]):
-    """The model config saved by :func:`flt.models.config_to_dict`, whose class is the
-    ``config`` of a registered task (found by the config's ``task`` name)."""
-    return _config_from_dict(data, {task.config.task: task.config for task in TASKS.values()})
+def config_to_dict(cfg: TrunkConfig) -> dict[str, Any]:
+    """``{"task": key, **fields}``: the fields of ``cfg`` (JSON-serialisable when the option
+    dicts are) under the key of its class (:func:`config_keys`; a subclass of a registered
+    config is saved under that config's key)."""
+    keys = config_keys()
+    key = next((keys[c] for c in type(cfg).__mro__ if c in keys), None)
+    if key is None:
+        raise ValueError(f"{type(cfg).__name__} is the config of no registered task (flt.tasks.TASKS)")
+    return {"task": key, **dataclasses.asdict(cfg)}
+
+
+def config_from_dict(data: dict[str, Any]) -> TrunkConfig:
+    """Inverse of :func:`config_to_dict`: the config of the registered task class whose key
+    is ``data["task"]``; unknown or missing keys and unknown fields raise ``ValueError``."""
+    if not isinstance(data, dict) or "task" not in data:
+        raise ValueError("a model config dict needs a 'task' key")
+    classes = {key: cls for cls, key in config_keys().items()}
+    check_choice("task", data["task"], classes)
+    return config_from_fields(classes[data["task"]], {k: v for k, v in data.items() if k != "task"})
 
 
 def preset_from_dict(data: dict[str, Any]) -> Preset:
@@ -189,6 +218,8 @@ __all__ = [
     "change_data",
     "check_preset",
     "config_from_dict",
+    "config_keys",
+    "config_to_dict",
     "generate_text",
     "get_preset",
     "get_task",

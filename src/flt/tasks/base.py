@@ -11,10 +11,11 @@ batches as an uninterrupted one and any number of processes splits the same glob
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from flt._checks import check_positive_int
 from flt.models import config_kwargs
@@ -25,6 +26,12 @@ from flt.tasks.preset import Preset
 #: The types of a task's preset table and command-line shortcuts (:class:`Task` below).
 Presets = dict[str, Callable[..., Preset]]
 Shortcuts = dict[str, tuple[str, str, str]]
+
+#: A task's batch (a tuple of tensors, or an object with ``.to(device)`` such as
+#: :class:`flt.data.MoleculeBatch`) and its model config; :class:`Task` is generic in both,
+#: so each task's methods are checked against its own batch and config.
+BatchT = TypeVar("BatchT")
+ConfigT = TypeVar("ConfigT", bound=TrunkConfig)
 
 
 def step_generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
@@ -85,21 +92,27 @@ def eval_slices(n: int, batch_size: int, max_batches: int | None, rank: int, wor
             yield slice(first, min(first + batch_size, n))
 
 
-class Task:
+class Task(Generic[BatchT, ConfigT]):
     """Interface of a task: class attributes describe it, an instance holds its data.
 
     ``cls(**options)`` loads the data; ``options`` are the names in :attr:`options`
     (``Preset.data``, ``--data-opt KEY=VALUE``; ``--data PATH`` sets ``path``).
+    ``Task[BatchT, ConfigT]``: its batches are ``BatchT`` and its model config a ``ConfigT``
+    (:attr:`config`); code that drives any task uses the bare ``Task``.
     """
 
     #: Registry name: ``flt train NAME``.
     name: ClassVar[str] = ""
     #: One line for ``flt train --help`` and the docs table.
     description: ClassVar[str] = ""
-    #: Model config dataclass (its ``task`` class attribute names it in saved configs) and
-    #: model class, whose keyword arguments are the config's fields (:meth:`build_model`).
+    #: Model config dataclass and model class, whose keyword arguments are the config's
+    #: fields (:meth:`build_model`).
     config: ClassVar[type[TrunkConfig]]
     model: ClassVar[type]
+    #: The key of :attr:`config` in saved configs (``"task"`` of :func:`flt.tasks.config_to_dict`,
+    #: which checkpoints carry); None: this task's :attr:`name`. A task that trains another
+    #: task's config names that task, so that each config class has one key.
+    config_key: ClassVar[str | None] = None
     #: Headline validation metric and whether larger is better (tables, plots, docs).
     metric: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = False
@@ -140,7 +153,8 @@ class Task:
         return {**defaults, **chosen}
 
     @classmethod
-    def build_model(cls, config, *, device=None, dtype=None):
+    def build_model(cls, config: TrunkConfig, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Module:
         """The model of ``config`` (a :attr:`config` instance)."""
         if not isinstance(config, cls.config):
             raise TypeError(f"task {cls.name!r} builds from {cls.config.__name__}, got {type(config).__name__}")
@@ -148,27 +162,27 @@ class Task:
         check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
         return cls.model(**config_kwargs(config), device=device, dtype=dtype)
 
-    def configure(self, cfg):
+    def configure(self, cfg: ConfigT) -> ConfigT:
         """The model config with its data-dependent fields filled in."""
         raise NotImplementedError
 
-    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> BatchT:
         """This process's slice (``rank`` of ``world``) of the global batch of ``step``."""
         raise NotImplementedError
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: BatchT) -> int:
         """Number of :attr:`unit` in a (local) batch, for throughput."""
         raise NotImplementedError
 
-    def loss(self, model, batch) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: BatchT) -> torch.Tensor:
         """Scalar training loss, the mean over the batch (so DDP's mean of gradients is exact)."""
         raise NotImplementedError
 
-    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[BatchT]:
         """This process's share of the validation batches (at most ``max_batches`` in all)."""
         raise NotImplementedError
 
-    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator:
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[BatchT]:
         """This process's share of the test batches, batched as :meth:`eval_batches`. The test
         split is held out from training and from validation (which picks presets and learning
         rates), so its metric is read once, at the end (``summary.json``'s ``test``). A task
@@ -176,7 +190,7 @@ class Task:
         its summary has no test metrics."""
         raise NotImplementedError(f"task {self.name!r} has no test split")
 
-    def eval_sums(self, model, batch) -> dict[str, float]:
+    def eval_sums(self, model: nn.Module, batch: BatchT) -> dict[str, float]:
         """Sums over one batch (summed again over batches and processes)."""
         raise NotImplementedError
 
@@ -184,16 +198,16 @@ class Task:
         """Validation metrics from the total sums; always includes ``loss`` and :attr:`metric`."""
         raise NotImplementedError
 
-    def rpe_extent(self, cfg) -> tuple[float, bool]:
+    def rpe_extent(self, cfg: ConfigT) -> tuple[float, bool]:
         """``(L, causal)``: plot ``f`` on ``[0, L]`` (causal) or ``[-L, L]`` per axis."""
         raise NotImplementedError
 
-    def longest_sequence(self, cfg) -> int | None:
+    def longest_sequence(self, cfg: ConfigT) -> int | None:
         """The most tokens one validation sample gives the attention layers (None if unknown);
         sizes the batches of the exact evaluation (:mod:`flt.train.drawgap`)."""
         return None
 
-    def step_shape(self, cfg, batch_size: int) -> tuple[int, int | None]:
+    def step_shape(self, cfg: ConfigT, batch_size: int) -> tuple[int, int | None]:
         """``(sequences, tokens)``: what ``batch_size`` samples give the attention layers at
         most, for the memory estimate made before the model is built (:mod:`flt._limits`)."""
         return batch_size, self.longest_sequence(cfg)
@@ -202,7 +216,7 @@ class Task:
         """JSON data a checkpoint needs besides the configs (e.g. the tokenizer)."""
         return {}
 
-    def holdout_split(self, fraction: float, seed: int) -> tuple[Task, Task]:
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task[BatchT, ConfigT], Task[BatchT, ConfigT]]:
         """``(weights_task, alpha_task)``: this (configured) task with ``fraction`` of its
         training split held out, for ``flt search`` (:mod:`flt.tasks.holdout`); ``seed`` is
         the data's seed (:attr:`holdout_seed_option`). A task that does not override it
@@ -216,23 +230,23 @@ class Task:
         return batch_size
 
     @classmethod
-    def probe_config(cls, cfg, data: dict[str, Any]):
+    def probe_config(cls, cfg: ConfigT, data: dict[str, Any]) -> ConfigT:
         """The model config that tells ``flt search`` its attention geometry before any data
         loads: ``cfg`` with what the data options ``data`` set; raises if the model has no
         attention layers to choose."""
         return cfg
 
     @classmethod
-    def constrain_supernet(cls, model, cfg) -> None:
+    def constrain_supernet(cls, model: nn.Module, cfg: ConfigT) -> None:
         """Impose the model's own constraints on the mechanisms ``flt search`` put into it
         (its candidates); raises ``ValueError`` naming the constraint a candidate breaks."""
 
-    def report(self, model, device) -> str | None:
+    def report(self, model: nn.Module, device: torch.device) -> str | None:
         """A line or two printed at the end of training (e.g. a generated sample)."""
         return None
 
 
-def check_data_fields(cfg, configured) -> None:
+def check_data_fields(cfg: TrunkConfig, configured: TrunkConfig) -> None:
     """Refuse a model config whose data-dependent fields (an LM's ``vocab_size``, the
     classes, the image size) were set to values other than the data's: :meth:`Task.configure`
     replaces them, so a ``--model-opt vocab_size=10`` would otherwise be dropped silently.
@@ -250,12 +264,12 @@ def check_data_fields(cfg, configured) -> None:
                          "leave them out (--model-opt)")
 
 
-def has_test_split(task: Task) -> bool:
+def has_test_split(task: Task[Any, Any]) -> bool:
     """Whether ``task`` defines :meth:`Task.test_batches` (every built-in task does)."""
     return type(task).test_batches is not Task.test_batches
 
 
-def mechanism_options(task: type[Task], attention: str, posenc: str, **overrides) -> dict[str, Any]:
+def mechanism_options(task: type[Task[Any, Any]], attention: str, posenc: str, **overrides: Any) -> dict[str, Any]:
     """``attention``, ``attention_options``, ``posenc`` and ``posenc_options`` of a model
     config of ``task``: the task's defaults for these names (none for names without an
     entry, so mechanisms added to :data:`flt.ATTENTION` later work with every preset)."""

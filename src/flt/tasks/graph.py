@@ -38,11 +38,14 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flt._checks import check_choice, check_positive_int
 from flt.graphs import (
@@ -74,6 +77,11 @@ from flt.tasks.base import (
 )
 from flt.tasks.holdout import labelled, permutation, split_indices
 from flt.tasks.preset import Preset, RunConfig
+
+#: ``(features [N, F], pos [N, P], edges [E, 2], anchors [K])``: the graph every batch encodes.
+NodeInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: The graph's :data:`NodeInputs`, then ``pairs [B, 2]`` and their ``labels [B]``.
+GraphBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: FLT: the Gaussian spectrum of docs/graphs.md (per head and per axis length scale,
 #: ``l = 2`` coordinate units, about two grid hops, ``f(0) = 1`` at the start) with the
@@ -107,8 +115,6 @@ class GraphConfig(LayeredConfig):
     it, ``flt train --arch`` trains it) gives each layer of the transformer its own mechanism.
     """
 
-    task: ClassVar[str] = "graph"
-
     num_anchors: int = 64
     in_dim: int = 0
     gir_positions: int = 0
@@ -123,7 +129,7 @@ class GraphConfig(LayeredConfig):
     gir_hidden: int = 16
     gir_steps: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("num_anchors", self.num_anchors)
         check_positive_int("out_dim", self.out_dim)
@@ -179,7 +185,7 @@ SPECTRUM_DEFAULTS = ("spectrum", "length_scale", "amplitude")
 GRAPHS = {"grid": lambda seed: grid_graph(20), "communities": lambda seed: communities(20, 20, p=0.01, seed=seed)}
 
 
-class GraphTask(Task):
+class GraphTask(Task[GraphBatch, GraphConfig]):
     """Link prediction or pairwise node classification from node embeddings (BCE, ROC AUC)."""
 
     name = "graph"
@@ -201,9 +207,9 @@ class GraphTask(Task):
         "task": ("data", "task", "graph: link or pair (--data-opt task=)"),
     }
 
-    def __init__(self, *, path=None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,
                  num_anchors: int = 64, resample_anchors: bool = False, positions: str = "anchor", walk_steps: int = 16,
-                 eigenvectors: int = 16):
+                 eigenvectors: int = 16) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         check_positive_int("num_anchors", num_anchors)
@@ -248,7 +254,7 @@ class GraphTask(Task):
             else:
                 enc = laplacian_eigenvectors(n, edges, self.eigenvectors)[1] * math.sqrt(n)
             self.features = self.pos = enc.to(torch.get_default_dtype())
-        self._epoch_inputs: tuple | None = None
+        self._epoch_inputs: tuple[int, NodeInputs] | None = None
 
     def with_structure(self, edges: torch.Tensor) -> GraphTask:
         """A copy of the task whose structure is ``edges`` ``[E, 2]`` (anchors, distances and
@@ -262,7 +268,7 @@ class GraphTask(Task):
         other._set_structure(edges)
         return other
 
-    def holdout_split(self, fraction, seed):
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task[GraphBatch, GraphConfig], Task[GraphBatch, GraphConfig]]:
         """Pairs: a random ``fraction`` of the labelled training pairs. Links: a random
         ``fraction`` of the training edges (with as many training negatives), taken out of
         the structure too (:mod:`flt.tasks.holdout`)."""
@@ -287,11 +293,11 @@ class GraphTask(Task):
         alpha.train = alpha.valid = labelled(hold_pos, hold_neg)
         return weights, alpha
 
-    def fit_batch_size(self, batch_size):
+    def fit_batch_size(self, batch_size: int) -> int:
         return min(batch_size, len(self.train[1]))
 
     @classmethod
-    def probe_config(cls, cfg, data):
+    def probe_config(cls, cfg: GraphConfig, data: dict[str, Any]) -> GraphConfig:
         """The transformer encoder only (the others have no attention), with the width of
         the positions the data gives (the anchors by default)."""
         if cfg.encoder != "transformer":
@@ -302,7 +308,7 @@ class GraphTask(Task):
             return replace_fields(cfg, in_dim=width)
         return cfg
 
-    def configure(self, cfg):
+    def configure(self, cfg: GraphConfig) -> GraphConfig:
         """The config with ``num_anchors`` and ``in_dim`` of the data; a ``softmax`` run that
         chooses another relative bias than the spectrum drops the spectrum's defaults, and
         ``relative_bias=spd`` gets the hop length of the anchor coordinates, ``1 / sqrt(K)``,
@@ -319,7 +325,7 @@ class GraphTask(Task):
             options["relative_options"] = {"unit": 1.0 / math.sqrt(self.num_anchors), **(options.get("relative_options") or {})}
         return replace_fields(cfg, num_anchors=len(self.anchors), in_dim=self.features.shape[1], attention_options=options)
 
-    def inputs(self, epoch: int | None = None) -> tuple:
+    def inputs(self, epoch: int | None = None) -> NodeInputs:
         """``(features, pos, edges, anchors)`` of the anchors of ``seed`` (``epoch=None``) or,
         with ``resample_anchors``, of the training epoch ``epoch``."""
         if epoch is None or not self.resample:
@@ -330,7 +336,7 @@ class GraphTask(Task):
             self._epoch_inputs = (epoch, (*nodes, self.edges, anchors))
         return self._epoch_inputs[1]
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> GraphBatch:
         pairs, labels = self.train
         idx = epoch_indices(len(pairs), batch_size, seed, step)[shard(batch_size, rank, world)]
         epoch = (step - 1) // max(1, len(pairs) // batch_size)  # the epoch of epoch_indices (1-based steps)
@@ -342,31 +348,31 @@ class GraphTask(Task):
             features, pos = features * signs, pos * signs
         return features, pos, edges, anchors, pairs[idx], labels[idx]
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: GraphBatch) -> int:
         return batch[4].shape[0]
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: GraphBatch) -> torch.Tensor:
         *inputs, labels = batch
         return F.binary_cross_entropy_with_logits(model(*inputs).float(), labels.float())
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[GraphBatch]:
         # One batch, on one process: the AUC needs every validation score at once.
         for _ in eval_slices(1, 1, max_batches, rank, world):
             yield (*self.inputs(), *self.valid)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[GraphBatch]:
         # The held-out test pairs (links: edges hidden from the structure), one batch as above.
         for _ in eval_slices(1, 1, max_batches, rank, world):
             yield (*self.inputs(), *self.test)
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: GraphBatch) -> dict[str, float]:
         *inputs, labels = batch
         return _auc_sums(model(*inputs), labels)
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["nll"] / sums["count"], "auc": sums["auc_pairs"] / sums["pos_neg_pairs"]}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: GraphConfig) -> tuple[float, bool]:
         if cfg.gir_positions:
             # Learned positions: a fixed orthonormal projection of a LayerNorm-ed embedding,
             # about unit variance per axis.
@@ -375,14 +381,14 @@ class GraphTask(Task):
         spread = float(self.pos.max() - self.pos.min())
         return (spread if spread > 0 else 1.0), False
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: GraphConfig) -> int:
         return self.num_nodes
 
-    def step_shape(self, cfg, batch_size):
+    def step_shape(self, cfg: GraphConfig, batch_size: int) -> tuple[int, int]:
         return 1, self.num_nodes  # every step encodes the whole graph once, whatever the number of pairs
 
     @torch.no_grad()
-    def report(self, model, device):
+    def report(self, model: nn.Module, device: torch.device) -> str:
         was_training = model.training
         model.eval()
         try:

@@ -34,7 +34,7 @@ __all__ = ["HOLDOUT_STREAM", "check_holdout", "held_count", "labelled", "permuta
 HOLDOUT_STREAM = 7_368_787
 
 
-def check_holdout(fraction, seed) -> None:
+def check_holdout(fraction: object, seed: object) -> None:
     """``fraction`` in (0, 1) and ``seed`` a non-negative integer, or a ``ValueError`` naming them."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise ValueError(f"holdout must be a fraction in (0, 1), got {fraction!r}")

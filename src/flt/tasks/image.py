@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flt.data import load_cifar10, load_digits, load_image_folder
 from flt.data.images import CIFAR10_META, CIFAR10_TEST_BATCH, CIFAR10_TRAIN_BATCHES, ImageData
 from flt.models import ImageConfig, ViTClassifier, replace_fields
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
+
+#: ``(images [B, C, H, W], labels [B])``.
+ImageBatch = tuple[torch.Tensor, torch.Tensor]
 
 #: FLT: a 2-D Gaussian mixture that starts with a locality bias (``amplitude=1``,
 #: ``f(0) = 1`` decaying with distance) rather than ``f = 0``: on the digits it reached 94%
@@ -79,14 +83,14 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(ImageTask.name, model, run, {})
 
 
-def _looks_like_cifar(path) -> bool:
+def _looks_like_cifar(path: str | os.PathLike[str]) -> bool:
     """A CIFAR-10 python folder: any of its files (a missing ``batches.meta`` is then
     reported as such, not as an image folder without class subfolders)."""
     names = (CIFAR10_META, CIFAR10_TEST_BATCH, *CIFAR10_TRAIN_BATCHES)
     return any(os.path.isfile(os.path.join(path, n)) for n in names) or os.path.isdir(os.path.join(path, "cifar-10-batches-py"))
 
 
-class ImageTask(Task):
+class ImageTask(Task[ImageBatch, ImageConfig]):
     """Image classification (cross-entropy, accuracy)."""
 
     name = "image"
@@ -102,8 +106,9 @@ class ImageTask(Task):
     axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/image)", "accuracy": "accuracy (fraction of images)",
                                       "offset": "half image widths"}
 
-    def __init__(self, *, path=None, valid_dir=None, size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2,
-                 test_fraction: float = 0.1, split_seed: int = 0):
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, valid_dir: str | os.PathLike[str] | None = None,
+                 size: Sequence[int] | None = None, channels: int = 3, valid_fraction: float = 0.2,
+                 test_fraction: float = 0.1, split_seed: int = 0) -> None:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         if path is None:
@@ -118,15 +123,17 @@ class ImageTask(Task):
                 path, valid_dir, size=None if size is None else cast("tuple[int, int]", tuple(size)), channels=channels,
                 valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction,
             )
-        self.train, self.valid, self.test = splits.train, splits.valid, splits.test
+        test = splits.test
+        assert test is not None, "test_fraction > 0 (checked above): every loader carves a test split"
+        self.train, self.valid, self.test = splits.train, splits.valid, test
 
-    def configure(self, cfg):
+    def configure(self, cfg: ImageConfig) -> ImageConfig:
         _, c, h, w = self.train.images.shape
         if h != w:
             raise ValueError(f"the classifier needs square images, got {h}x{w}; pass --data-opt size=[S,S]")
         return replace_fields(cfg, image_size=h, channels=c, num_classes=self.train.num_classes)
 
-    def holdout_split(self, fraction, seed):
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task[ImageBatch, ImageConfig], Task[ImageBatch, ImageConfig]]:
         """A fixed random fraction of the training images (generator seed 0; ``seed`` unused)."""
         data = self.train
         n = len(data)
@@ -138,32 +145,32 @@ class ImageTask(Task):
         alpha.train = alpha.valid = ImageData(data.images[hold], data.labels[hold], data.class_names)
         return weights, alpha
 
-    def fit_batch_size(self, batch_size):
+    def fit_batch_size(self, batch_size: int) -> int:
         return min(batch_size, len(self.train))
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> ImageBatch:
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
         return self.train.images[idx], self.train.labels[idx]
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: ImageBatch) -> int:
         return batch[0].shape[0]
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: ImageBatch) -> torch.Tensor:
         images, labels = batch
         return F.cross_entropy(model(images).float(), labels)
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ImageBatch]:
         return self._batches(self.valid, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ImageBatch]:
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
     @staticmethod
-    def _batches(data, batch_size, max_batches, rank, world):
+    def _batches(data: ImageData, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ImageBatch]:
         for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
             yield data.images[sl], data.labels[sl]
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: ImageBatch) -> dict[str, float]:
         images, labels = batch
         logits = model(images).float()
         return {
@@ -172,11 +179,11 @@ class ImageTask(Task):
             "count": float(labels.numel()),
         }
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["nll"] / sums["count"], "accuracy": sums["correct"] / sums["count"]}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: ImageConfig) -> tuple[float, bool]:
         return 2.0, False
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: ImageConfig) -> int:
         return (cfg.image_size // cfg.patch_size) ** 2 + (cfg.pooling == "cls")

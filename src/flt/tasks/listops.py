@@ -18,6 +18,8 @@ of the validation stream; for the LRA files ``basic_test.tsv`` when present, els
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from flt._checks import check_nonnegative_int, check_positive_int
 from flt._dtype import compute_dtype
 from flt.data._split import carve_test
-from flt.data.listops import NUM_CLASSES, VOCAB, load_listops, load_listops_tsv
+from flt.data.listops import NUM_CLASSES, VOCAB, ListOpsData, load_listops, load_listops_tsv
 from flt.models import replace_fields
 from flt.models.block import Trunk, build_token_body
 from flt.models.config import LayeredConfig
@@ -43,6 +45,9 @@ from flt.tasks.base import (
     shard,
 )
 from flt.tasks.preset import Preset, RunConfig
+
+#: ``(tokens [B, L], key_padding_mask [B, L] True = padding, labels [B])``.
+ListOpsBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: FLT: the banded estimator, bidirectional: exact weights on the 64 nearest tokens on each
 #: side with T5 buckets over the band's signed offsets (``near_relative="t5"``, softmax's
@@ -71,12 +76,10 @@ class ListOpsConfig(LayeredConfig):
     """Sequence classifier: token embedding, bidirectional trunk, mean over the valid tokens,
     linear head. Positions are token indices."""
 
-    task: ClassVar[str] = "listops"
-
     vocab_size: int = len(VOCAB)
     num_classes: int = NUM_CLASSES
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("num_classes", self.num_classes)
@@ -94,7 +97,8 @@ class SequenceClassifier(nn.Module):
 
     def __init__(self, *, vocab_size: int, num_classes: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], layer_attention: list | None = None, device=None, dtype=None) -> None:
+                 posenc_options: dict[str, Any], layer_attention: list | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         build_token_body(self, vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
                          dropout=dropout, attention=attention, attention_options=attention_options, posenc=posenc,
@@ -186,7 +190,7 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
 TEST_FRACTION = 0.1
 
 
-class ListOpsTask(Task):
+class ListOpsTask(Task[ListOpsBatch, ListOpsConfig]):
     """ListOps classification (cross-entropy, accuracy)."""
 
     name = "listops"
@@ -202,8 +206,8 @@ class ListOpsTask(Task):
     axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/expression)", "accuracy": "accuracy (fraction of expressions)",
                                       "offset": "tokens"}
 
-    def __init__(self, *, path=None, num_train: int = 2000, num_valid: int = 200, num_test: int | None = None, seed: int = 0,
-                 min_length: int = 500, max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0):
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, num_train: int = 2000, num_valid: int = 200, num_test: int | None = None, seed: int = 0,
+                 min_length: int = 500, max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0) -> None:
         check_nonnegative_int("bucket", bucket, "pools of batches sorted by length; 0: off")
         self.bucket = bucket
         if path is None:
@@ -219,51 +223,51 @@ class ListOpsTask(Task):
             train_data, test_data = splits.train.subset(train), splits.train.subset(test)
         self.train, self.valid, self.test = train_data, splits.valid, test_data
 
-    def configure(self, cfg):
+    def configure(self, cfg: ListOpsConfig) -> ListOpsConfig:
         return replace_fields(cfg, vocab_size=len(VOCAB), num_classes=NUM_CLASSES)
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> ListOpsBatch:
         if self.bucket:
             idx = bucketed_indices(self.train.lengths, batch_size, seed, step, self.bucket)
         else:
             idx = epoch_indices(len(self.train), batch_size, seed, step)
         return self.train.batch(idx[shard(batch_size, rank, world)])
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: ListOpsBatch) -> int:
         return int((~batch[1]).sum())
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: ListOpsBatch) -> torch.Tensor:
         tokens, pad, labels = batch
         return F.cross_entropy(model(tokens, pad).float(), labels)
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ListOpsBatch]:
         return self._batches(self.valid, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ListOpsBatch]:
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
     @staticmethod
-    def _batches(data, batch_size, max_batches, rank, world):
+    def _batches(data: ListOpsData, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[ListOpsBatch]:
         order = torch.arange(len(data))
         if max_batches is None:  # every expression once: shortest first, so that batches pad little
             order = torch.sort(data.lengths, stable=True).indices
         for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
             yield data.batch(order[sl])
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: ListOpsBatch) -> dict[str, float]:
         tokens, pad, labels = batch
         logits = model(tokens, pad).float()
         return {"nll": float(F.cross_entropy(logits, labels, reduction="sum")),
                 "correct": float((logits.argmax(-1) == labels).sum()), "count": float(labels.numel())}
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["nll"] / sums["count"], "accuracy": sums["correct"] / sums["count"]}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: ListOpsConfig) -> tuple[float, bool]:
         return 64.0, False
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: ListOpsConfig) -> int:
         return int(max(self.valid.lengths.max(), self.test.lengths.max()))
 
-    def step_shape(self, cfg, batch_size):
+    def step_shape(self, cfg: ListOpsConfig, batch_size: int) -> tuple[int, int]:
         return batch_size, max(int(self.train.lengths.max()), int(self.valid.lengths.max()), int(self.test.lengths.max()))

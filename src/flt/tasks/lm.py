@@ -18,11 +18,12 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flt.data import (
     TOKENIZERS,
@@ -36,6 +37,9 @@ from flt.data.text import carve_text_test
 from flt.models import CausalLM, LMConfig, replace_fields
 from flt.tasks.base import Presets, Task, mechanism_options, shard, step_generator
 from flt.tasks.preset import Preset, RunConfig
+
+#: ``(inputs, targets)``, token ids ``[B, T]`` each; the targets are the inputs shifted by one.
+LMBatch = tuple[torch.Tensor, torch.Tensor]
 
 #: FLT: local windows (its natural spectrum: "attend to the last w tokens") with a locality
 #: bias at the start (``amplitude=1``), and the banded estimator (``near_field=16``,
@@ -89,7 +93,7 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(LMTask.name, model, run, {})
 
 
-class LMTask(Task):
+class LMTask(Task[LMBatch, LMConfig]):
     """Next-token prediction on a byte or character stream."""
 
     name = "lm"
@@ -106,8 +110,9 @@ class LMTask(Task):
     axes: ClassVar[dict[str, str]] = {"loss": "cross-entropy (nats/token)", "ppl": "perplexity (per token)", "bpb": "bits per byte",
                                       "offset": "tokens"}
 
-    def __init__(self, *, path=None, valid_path=None, tokenizer: str = "byte", max_bytes: int | None = None, require_utf8: bool = True,
-                 test_fraction: float = 0.1):
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, valid_path: str | os.PathLike[str] | None = None,
+                 tokenizer: str = "byte", max_bytes: int | None = None, require_utf8: bool = True,
+                 test_fraction: float = 0.1) -> None:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         if tokenizer not in TOKENIZERS:
@@ -134,7 +139,7 @@ class LMTask(Task):
         else:
             self.token_bytes = torch.ones(256, dtype=torch.float64)
 
-    def configure(self, cfg):
+    def configure(self, cfg: LMConfig) -> LMConfig:
         self.seq_len = cfg.max_len
         for split, tokens in (("train", self.train_tokens), ("valid", self.valid_tokens)):
             if tokens.numel() < cfg.max_len + 1:
@@ -146,7 +151,7 @@ class LMTask(Task):
         self.test_set = LMDataset(self.test_tokens, self.seq_len)
         return replace_fields(cfg, vocab_size=self.tokenizer.vocab_size)
 
-    def holdout_split(self, fraction, seed):
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task[LMBatch, LMConfig], Task[LMBatch, LMConfig]]:
         """The last ``fraction`` of the training tokens (``seed`` unused)."""
         cut = int(round((1 - fraction) * self.train_tokens.numel()))
         weights, alpha = copy.copy(self), copy.copy(self)
@@ -157,27 +162,27 @@ class LMTask(Task):
                 raise ValueError(f"the {what} part of the text is shorter than one window of {self.seq_len} tokens")
         return weights, alpha
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> LMBatch:
         x, y = self.train_set.sample(batch_size, generator=step_generator(seed, step))
         s = shard(batch_size, rank, world)
         return x[s], y[s]
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: LMBatch) -> int:
         return batch[0].numel()
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: LMBatch) -> torch.Tensor:
         x, y = batch
         logits = model(x)
         return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[LMBatch]:
         return self._windows(self.valid_set, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[LMBatch]:
         return self._windows(self.test_set, batch_size, max_batches, rank, world)
 
     @staticmethod
-    def _windows(dataset, batch_size, max_batches, rank, world):
+    def _windows(dataset: LMDataset, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[LMBatch]:
         # A capped evaluation takes windows evenly spread over the split, not its first
         # ones, so it estimates the full-split metric of the final evaluation.
         n = len(dataset)
@@ -190,34 +195,35 @@ class LMTask(Task):
                 pairs = [dataset[j] for j in windows[first : first + batch_size]]
                 yield torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: LMBatch) -> dict[str, float]:
         x, y = batch
         nll = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
         return {"nll": float(nll), "tokens": float(y.numel()), "bytes": float(self.token_bytes[y.cpu()].sum())}
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["nll"] / sums["tokens"]
         return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bpb": sums["nll"] / (math.log(2) * sums["bytes"])}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: LMConfig) -> tuple[float, bool]:
         return float(cfg.max_len), True
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: LMConfig) -> int:
         return int(cfg.max_len)
 
-    def extra(self):
+    def extra(self) -> dict[str, Any]:
         tok = {"kind": self.tokenizer_name}
         if isinstance(self.tokenizer, CharTokenizer):
             tok["chars"] = self.tokenizer.chars
         return {"tokenizer": tok}
 
-    def report(self, model, device):
+    def report(self, model: nn.Module, device: torch.device) -> str:
         prompt = "def "
-        text = generate_text(model, self.tokenizer, prompt, 200, device=device, temperature=0.8, top_k=40, seed=0)
+        text = generate_text(as_causal_lm(model), self.tokenizer, prompt, 200, device=device, temperature=0.8, top_k=40, seed=0)
         return f"sample (prompt {prompt!r}, temperature 0.8, top-k 40):\n{text}"
 
 
-def _split_sources(path, valid_path, max_bytes) -> dict[str, str]:
+def _split_sources(path: str | os.PathLike[str] | None, valid_path: str | os.PathLike[str] | None,
+                   max_bytes: int | None) -> dict[str, str]:
     """Where each split's text comes from, for messages."""
     if path is None:
         return dict.fromkeys(("train", "valid"), "the bundled Python documentation"
@@ -230,7 +236,14 @@ def _split_sources(path, valid_path, max_bytes) -> dict[str, str]:
     return {s: f"the {s} part of {path}" for s in ("train", "valid")}
 
 
-def tokenizer_from_extra(extra: dict[str, Any]):
+def as_causal_lm(model: nn.Module) -> CausalLM:
+    """``model``, which must be the :class:`CausalLM` an LM task builds (for generation)."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"text generation needs a CausalLM, got {type(model).__name__}")
+    return model
+
+
+def tokenizer_from_extra(extra: dict[str, Any]) -> ByteTokenizer | CharTokenizer:
     """Rebuild the tokenizer saved by :meth:`LMTask.extra`."""
     tok = extra.get("tokenizer") if isinstance(extra, dict) else None
     if not isinstance(tok, dict) or tok.get("kind") not in ("byte", "char"):
@@ -239,7 +252,9 @@ def tokenizer_from_extra(extra: dict[str, Any]):
 
 
 @torch.no_grad()
-def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *, device, temperature=0.8, top_k=40, seed=0, recurrent=None) -> str:
+def generate_text(model: CausalLM, tokenizer: ByteTokenizer | CharTokenizer, prompt: str, max_new_tokens: int, *,
+                  device: torch.device | str, temperature: float = 0.8, top_k: int | None = 40, seed: int = 0,
+                  recurrent: bool | None = None) -> str:
     """Decode ``prompt`` + ``max_new_tokens`` sampled tokens (model in eval mode; restores its mode)."""
     ids = tokenizer.encode(prompt)
     if ids.numel() == 0:

@@ -19,12 +19,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from flt.data import ByteTokenizer
 from flt.data.pysource import load_python_source
 from flt.models import LMConfig
 from flt.tasks.base import Presets, Task, mechanism_options
-from flt.tasks.lm import LMTask, generate_text
+from flt.tasks.lm import LMTask, as_causal_lm, generate_text
 from flt.tasks.preset import Preset, RunConfig
 
 #: As for ``lm``: FLT with the banded estimator (``near_field=16``: the last 16 bytes exact,
@@ -91,6 +92,7 @@ class LongLMTask(LMTask):
 
     name = "longlm"
     description = "long-context byte LM (1k-8k bytes); bundled data: the Python standard library's source, split by file"
+    config_key = LMTask.name  # its checkpoints hold an LMConfig, saved as the lm task's
     options = ("max_bytes", "valid_fraction", "test_fraction", "split_seed")
     bundled_options, path_options = ("max_bytes",), ()
     dataset = staticmethod(load_python_source)
@@ -99,7 +101,8 @@ class LongLMTask(LMTask):
     # Not searched (yet): its held-out part and search presets are not chosen.
     holdout_split = Task.holdout_split
 
-    def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, test_fraction: float = 0.1, split_seed: int = 0):
+    def __init__(self, *, max_bytes: int | None = None, valid_fraction: float = 0.1, test_fraction: float = 0.1,
+                 split_seed: int = 0) -> None:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         splits = load_python_source(max_bytes=max_bytes, valid_fraction=valid_fraction, seed=split_seed, test_fraction=test_fraction)
@@ -110,7 +113,7 @@ class LongLMTask(LMTask):
         self.token_bytes = torch.ones(256, dtype=torch.float64)
         self.files = (len(splits.train_files), len(splits.valid_files), len(splits.test_files))
 
-    def report(self, model, device):
+    def report(self, model: nn.Module, device: torch.device) -> str:
         prompt = "def "
-        text = generate_text(model, self.tokenizer, prompt, 64, device=device, temperature=0.8, top_k=40, seed=0)
+        text = generate_text(as_causal_lm(model), self.tokenizer, prompt, 64, device=device, temperature=0.8, top_k=40, seed=0)
         return f"sample (prompt {prompt!r}, temperature 0.8, top-k 40):\n{text}"

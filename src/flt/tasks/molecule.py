@@ -16,17 +16,31 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, ClassVar, TypeVar
 
+import torch
 import torch.nn.functional as F
+from torch import nn
 
-from flt.data import collate_molecules, load_ase, load_catalysis, split_molecules
+from flt.data import (
+    MoleculeBatch,
+    MoleculeData,
+    collate_molecules,
+    load_ase,
+    load_catalysis,
+    split_molecules,
+)
 from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields, tie_isotropic
 from flt.models.config import TrunkConfig
+from flt.models.qm9 import QM9Config
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.holdout import split_indices
 from flt.tasks.preset import Preset, RunConfig
+
+#: The configs of the models over atoms this task's code trains (its own and QM9's).
+MolConfigT = TypeVar("MolConfigT", MoleculeConfig, QM9Config)
 
 #: FLT: a radial Gaussian (rotation invariant with tied lengths) in the FLT paper's
 #: multiplicative coupling ``f(r_i - r_j) phi(q_i).phi(k_j)``, with learned deterministic
@@ -85,7 +99,7 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(MoleculeTask.name, model, run, {})
 
 
-class MoleculeTask(Task):
+class MoleculeTask(Task[MoleculeBatch, MolConfigT]):
     """Scalar property regression (MSE on standardised targets; MAE and RMSE in target units)."""
 
     name = "molecule"
@@ -104,9 +118,9 @@ class MoleculeTask(Task):
     axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (target units, eV by default)",
                                       "rmse": "RMSE (target units, eV by default)", "offset": "Å"}
 
-    def __init__(self, *, path=None, target: str = "energy", num_samples: int = 2000, relax_steps: int = 30,
-                 valid_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0, cache_dir=None,
-                 progress: bool = True):
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, target: str = "energy", num_samples: int = 2000,
+                 relax_steps: int = 30, valid_fraction: float = 0.1, test_fraction: float = 0.2, split_seed: int = 0,
+                 cache_dir: str | os.PathLike[str] | None = None, progress: bool = True) -> None:
         if not 0.0 < test_fraction < 1.0:
             raise ValueError(f"test_fraction must lie strictly between 0 and 1, got {test_fraction!r}")
         if path is None:
@@ -124,13 +138,13 @@ class MoleculeTask(Task):
         if not self.target_std > 0:
             self.target_std = 1.0
 
-    def configure(self, cfg):
+    def configure(self, cfg: MolConfigT) -> MolConfigT:
         zmax = int(max(self.train.z.max(), self.valid.z.max(), self.test.z.max()))
         if zmax >= cfg.num_elements:
             raise ValueError(f"the data has atomic number {zmax}, beyond num_elements = {cfg.num_elements}")
         return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
 
-    def holdout_split(self, fraction, seed):
+    def holdout_split(self, fraction: float, seed: int) -> tuple[Task[MoleculeBatch, MolConfigT], Task[MoleculeBatch, MolConfigT]]:
         """Whole structures: a random ``fraction`` of the training structures, drawn from
         ``seed`` (the data's ``split_seed``). The target standardisation (``target_mean``,
         ``target_std``: the model's output scale) stays the whole training split's, as in
@@ -141,46 +155,47 @@ class MoleculeTask(Task):
         alpha.train = alpha.valid = self.train.subset(hold.numpy())
         return weights, alpha
 
-    def fit_batch_size(self, batch_size):
+    def fit_batch_size(self, batch_size: int) -> int:
         return min(batch_size, len(self.train))
 
     @classmethod
-    def constrain_supernet(cls, model, cfg):
+    def constrain_supernet(cls, model: nn.Module, cfg: MolConfigT) -> None:
         """With ``isotropic``, the candidates' radial spectra tie their per-axis length
         scales as the model ties its own (a candidate with another spectrum is refused, as
         ``flt train`` refuses it)."""
         if not cfg.isotropic:
             return
         try:
-            tie_isotropic(model.trunk)
+            tie_isotropic(model.get_submodule("trunk"))
         except ValueError as err:
             raise ValueError(f"--candidates: a candidate of the molecule model does not fit isotropic=true: {err}") from None
 
-    def _collate(self, data, idx):
+    def _collate(self, data: MoleculeData, idx: Iterable[int] | torch.Tensor) -> MoleculeBatch:
         return collate_molecules([data[int(i)] for i in idx])
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> MoleculeBatch:
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
         return self._collate(self.train, idx)
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: MoleculeBatch) -> int:
         return batch.y.shape[0]
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: MoleculeBatch) -> torch.Tensor:
         pred = model(batch.z, batch.pos, batch.key_padding_mask)
         return F.mse_loss((pred.float() - self.target_mean) / self.target_std, (batch.y.float() - self.target_mean) / self.target_std)
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[MoleculeBatch]:
         return self._batches(self.valid, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[MoleculeBatch]:
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
-    def _batches(self, data, batch_size, max_batches, rank, world):
+    def _batches(self, data: MoleculeData, batch_size: int, max_batches: int | None, rank: int,
+                 world: int) -> Iterator[MoleculeBatch]:
         for sl in eval_slices(len(data), batch_size, max_batches, rank, world):
             yield self._collate(data, range(sl.start, sl.stop))
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: MoleculeBatch) -> dict[str, float]:
         err = model(batch.z, batch.pos, batch.key_padding_mask).double() - batch.y.double()
         return {
             "sq_norm": float(((err / self.target_std) ** 2).sum()),
@@ -189,11 +204,11 @@ class MoleculeTask(Task):
             "count": float(err.numel()),
         }
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         n = sums["count"]
         return {"loss": sums["sq_norm"] / n, "mae": sums["abs"] / n, "rmse": math.sqrt(sums["sq"] / n)}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: MolConfigT) -> tuple[float, bool]:
         # Twice the largest distance of an atom from its structure's centre covers every offset.
         radius = 0.0
         for i in range(min(len(self.train), 256)):
@@ -201,5 +216,5 @@ class MoleculeTask(Task):
             radius = max(radius, float((pos - pos.mean(0)).norm(dim=-1).max()))
         return max(1.0, 2 * radius), False
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: MolConfigT) -> int:
         return int(max(self.valid.num_atoms().max(), self.test.num_atoms().max())) if len(self.valid) else 0

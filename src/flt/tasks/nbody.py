@@ -25,15 +25,21 @@ in a neutral cloud a mask ``f = g + c`` makes the average proportional to the su
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import torch
 import torch.nn.functional as F
+from torch import nn
 
 from flt.data.nbody import Clouds, box_side, cloud_splits
 from flt.models import replace_fields
 from flt.models.particles import ParticleConfig, ParticleRegressor
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
+
+#: ``(pos [B, N, 3], charge [B, N], y [B, N])``.
+CloudBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 #: One mask family for every row that has one: a mixture of 4 Gaussians centred at 0
 #: (nonnegative, radial per component) with lengths spread from 1 to 16 spacings, enough to
@@ -76,7 +82,7 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(NBodyTask.name, model, run, {})
 
 
-class NBodyTask(Task):
+class NBodyTask(Task[CloudBatch, ParticleConfig]):
     """Per-particle Yukawa potential of neutral 3-D clouds (normalised MSE, lower is better)."""
 
     name = "nbody"
@@ -94,7 +100,7 @@ class NBodyTask(Task):
 
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
-                 screening: float = 3.0, softening: float = 1.0):
+                 screening: float = 3.0, softening: float = 1.0) -> None:
         splits = cloud_splits(num_particles=num_particles, eval_particles=eval_particles, num_train=num_train,
                               num_valid=num_valid, num_test=num_test, seed=seed, layout=layout, density=density,
                               screening=screening, softening=softening)
@@ -103,32 +109,32 @@ class NBodyTask(Task):
         y = self.train.y.double()
         self.target_mean, self.target_std = float(y.mean()), float(y.std())
 
-    def configure(self, cfg):
+    def configure(self, cfg: ParticleConfig) -> ParticleConfig:
         return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> CloudBatch:
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
         return self.train.pos[idx], self.train.charge[idx], self.train.y[idx]
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: CloudBatch) -> int:
         return batch[2].numel()
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: CloudBatch) -> torch.Tensor:
         pos, charge, y = batch
         pred = model(charge, pos)
         return F.mse_loss((pred.float() - self.target_mean) / self.target_std, (y.float() - self.target_mean) / self.target_std)
 
-    def _batches(self, clouds: Clouds, batch_size, max_batches, rank, world):
+    def _batches(self, clouds: Clouds, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[CloudBatch]:
         for sl in eval_slices(len(clouds), batch_size, max_batches, rank, world):
             yield clouds.pos[sl], clouds.charge[sl], clouds.y[sl]
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[CloudBatch]:
         return self._batches(self.valid, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[CloudBatch]:
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: CloudBatch) -> dict[str, float]:
         pos, charge, y = batch
         y = y.double()
         err = model(charge, pos).double() - y
@@ -136,12 +142,12 @@ class NBodyTask(Task):
         return {"sq": float((err**2).sum()), "abs": float(err.abs().sum()), "var": float((centred**2).sum()),
                 "dev": float(centred.abs().sum()), "count": float(err.numel())}
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["sq"] / sums["count"] / self.target_std**2, "nmse": sums["sq"] / sums["var"],
                 "rel_mae": sums["abs"] / sums["dev"]}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: ParticleConfig) -> tuple[float, bool]:
         return math.ceil(self.side), False
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: ParticleConfig) -> int:
         return self.valid.num_particles

@@ -26,6 +26,7 @@ is reported as ``test`` in ``summary.json``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ import torch.nn as nn
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
-from flt.data.offsets import default_score_from, generate_offsets
+from flt.data.offsets import OffsetSplit, default_score_from, generate_offsets
 from flt.models import replace_fields
 from flt.models.block import Trunk, build_token_body
 from flt.models.config import LayeredConfig
@@ -63,12 +64,10 @@ POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"fourier": {"gamma": 32.0}, "shift
 class OffsetsConfig(LayeredConfig):
     """Per-token regressor: token embedding, causal trunk, linear head to ``value_dim``."""
 
-    task: ClassVar[str] = "offsets"
-
     vocab_size: int = 64
     value_dim: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("value_dim", self.value_dim)
@@ -85,7 +84,8 @@ class TokenRegressor(nn.Module):
 
     def __init__(self, *, vocab_size: int, value_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], layer_attention: list | None = None, device=None, dtype=None) -> None:
+                 posenc_options: dict[str, Any], layer_attention: list | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         build_token_body(self, vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
                          dropout=dropout, attention=attention, attention_options=attention_options, posenc=posenc,
@@ -130,13 +130,13 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(OffsetsTask.name, model, run, {})
 
 
-def _check_number(name: str, value, *, positive: bool) -> float:
+def _check_number(name: str, value: object, *, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a {'positive ' if positive else ''}finite number, got {value!r}")
     return float(value)
 
 
-class OffsetsTask(Task):
+class OffsetsTask(Task[tuple[torch.Tensor, torch.Tensor], OffsetsConfig]):
     """Per-token regression of a far-offset weighted mean (squared error, ``rel_mse``)."""
 
     name = "offsets"
@@ -153,7 +153,7 @@ class OffsetsTask(Task):
                                       "offset": "tokens"}
 
     def __init__(self, *, length: int = 512, eval_length: int | None = None, num_train: int = 2000, num_valid: int = 200,
-                 num_test: int = 200, vocab_size: int = 16, value_dim: int = 4, centers=(64.0, 256.0),
+                 num_test: int = 200, vocab_size: int = 16, value_dim: int = 4, centers: Sequence[float] = (64.0, 256.0),
                  width: float = 24.0, amplitude: float = 3.0, score_from: int | None = None, seed: int = 0):
         for name, value in (("length", length), ("num_train", num_train), ("num_valid", num_valid),
                             ("num_test", num_test), ("vocab_size", vocab_size), ("value_dim", value_dim)):
@@ -199,48 +199,49 @@ class OffsetsTask(Task):
             defaults = {k: v for k, v in defaults.items() if k not in SPECTRUM}
         return super().attention_options(attention, defaults, chosen)
 
-    def configure(self, cfg):
+    def configure(self, cfg: OffsetsConfig) -> OffsetsConfig:
         return replace_fields(cfg, vocab_size=self.vocab_size, value_dim=self.value_dim)
 
-    def train_batch(self, step, batch_size, seed, rank, world):
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]
         return self.train.tokens[idx], self.train.targets[idx]
 
-    def batch_items(self, batch) -> int:
+    def batch_items(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
         return batch[0].numel()
 
-    def _errors(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _errors(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, targets = batch
         pred = model(tokens)[:, self.score_from :].float()
         return pred - targets[:, self.score_from :], targets[:, self.score_from :]
 
-    def loss(self, model, batch):
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         err, _ = self._errors(model, batch)
         return err.pow(2).mean()
 
-    def _batches(self, split, batch_size, max_batches, rank, world):
+    def _batches(self, split: OffsetSplit, batch_size: int, max_batches: int | None, rank: int,
+                 world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for sl in eval_slices(len(split), batch_size, max_batches, rank, world):
             yield split.tokens[sl], split.targets[sl]
 
-    def eval_batches(self, batch_size, max_batches, rank, world):
+    def eval_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self._batches(self.valid, batch_size, max_batches, rank, world)
 
-    def test_batches(self, batch_size, max_batches, rank, world):
+    def test_batches(self, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
-    def eval_sums(self, model, batch):
+    def eval_sums(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
         err, y = self._errors(model, batch)
         y = y.double()
         return {"sse": float(err.double().pow(2).sum()), "count": float(y.numel()), "sum_y": float(y.sum()),
                 "sum_y2": float(y.pow(2).sum())}
 
-    def metrics(self, sums):
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
         n = sums["count"]
         spread = sums["sum_y2"] - sums["sum_y"] ** 2 / n
         return {"loss": sums["sse"] / n, "rel_mse": sums["sse"] / spread}
 
-    def rpe_extent(self, cfg):
+    def rpe_extent(self, cfg: OffsetsConfig) -> tuple[float, bool]:
         return float(math.ceil(1.25 * self.extent)), True
 
-    def longest_sequence(self, cfg):
+    def longest_sequence(self, cfg: OffsetsConfig) -> int:
         return int(self.valid.tokens.shape[1])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flt._checks import check_positive_int
-from flt.models.config import config_to_dict
+from flt.models.config import TrunkConfig
 from flt.options import check_fields
 
 #: Arithmetic of a training step (:attr:`RunConfig.precision`).
@@ -106,7 +106,7 @@ class RunConfig:
     init_from: str | None = None
     precision: str | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_fields(self)  # a bool is not a number: lr=true must not train at 1.0
         for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every"):
             check_positive_int(name, getattr(self, name))
@@ -158,11 +158,11 @@ class Preset:
     """
 
     task: str
-    model: Any
+    model: TrunkConfig
     run: RunConfig = field(default_factory=RunConfig)
     data: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.task, str):
             raise TypeError(f"task must be a task name (str), got {self.task!r}")
         if not dataclasses.is_dataclass(self.model) or isinstance(self.model, type):
@@ -176,6 +176,8 @@ class Preset:
 def preset_to_dict(preset: Preset) -> dict[str, Any]:
     """JSON-serialisable form of a preset (saved in checkpoints); the inverse is
     :func:`flt.tasks.preset_from_dict`."""
+    from flt.tasks import config_to_dict  # the registry of tasks imports this module
+
     return {
         "task": preset.task,
         "model": config_to_dict(preset.model),

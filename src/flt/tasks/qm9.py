@@ -23,9 +23,12 @@ docs/qm9.md gives the protocol and docs/results.md the measurements.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
+from torch import nn
 
 from flt.data.qm9 import QM9_TRAIN, QM9_VALID, TARGETS, load_qm9
 from flt.models import replace_fields
@@ -89,7 +92,7 @@ def base(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(QM9Task.name, model, run, {})
 
 
-class QM9Task(MoleculeTask):
+class QM9Task(MoleculeTask[QM9Config]):
     """One QM9 property (MSE on the standardised target; MAE and RMSE in its unit). Batches,
     loss, metrics and the relative-position extent are the molecule task's."""
 
@@ -108,8 +111,9 @@ class QM9Task(MoleculeTask):
                                       "rmse": "RMSE (the target's unit; meV for energies)", "offset": "Å"}
     shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"qm9: the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}
 
-    def __init__(self, *, path=None, target: str = "gap", num_train: int = QM9_TRAIN, num_valid: int = QM9_VALID,
-                 num_test: int | None = None, split_seed: int = 0, cache_dir=None):
+    def __init__(self, *, path: str | os.PathLike[str] | None = None, target: str = "gap", num_train: int = QM9_TRAIN,
+                 num_valid: int = QM9_VALID, num_test: int | None = None, split_seed: int = 0,
+                 cache_dir: str | os.PathLike[str] | None = None) -> None:
         splits = load_qm9(path, target=target, num_train=num_train, num_valid=num_valid, num_test=num_test,
                           split_seed=split_seed, cache_dir=cache_dir)
         self.train, self.valid, self.test = splits.train, splits.valid, splits.test
@@ -120,16 +124,16 @@ class QM9Task(MoleculeTask):
         if not self.target_std > 0:
             self.target_std = 1.0
 
-    def configure(self, cfg):
+    def configure(self, cfg: QM9Config) -> QM9Config:
         """The molecule task's checks and target scale, plus a readout that suits the target:
         a sum over atoms for extensive properties, else a mean (unless ``readout`` is set)."""
         cfg = super().configure(cfg)
         return replace_fields(cfg, readout=cfg.readout or ("sum" if self.extensive else "mean"))
 
-    def extra(self):
+    def extra(self) -> dict[str, Any]:
         return {"target": self.target, "unit": self.target_unit, "elements": list(self.elements),
                 "atom_references": [float(b) for b in self.atom_references]}
 
-    def report(self, model, device):
+    def report(self, model: nn.Module, device: torch.device) -> str:
         return f"target {self.target} in {self.target_unit}; MAE and RMSE are in {self.target_unit}"
 

@@ -300,7 +300,7 @@ def load_trainer_state(ckpt: str) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {e}") from None
 
 
-def load_checkpoint_model(path: str, *, device="cpu", report: Callable[[str], None] = _note) -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_checkpoint_model(path: str, *, device: torch.device | str = "cpu", report: Callable[[str], None] = _note) -> tuple[torch.nn.Module, dict[str, Any]]:
     """``(model, meta)`` from a run or checkpoint directory: the model rebuilt from its saved
     config with the saved weights, in eval mode; ``meta`` is the checkpoint's ``config.json``.
     ``report`` receives :func:`find_checkpoint`'s messages."""

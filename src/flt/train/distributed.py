@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,11 +85,14 @@ def all_reduce_sum(ctx: Context, values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def all_gather(ctx: Context, obj) -> list:
+_T = TypeVar("_T")
+
+
+def all_gather(ctx: Context, obj: _T) -> list[_T]:
     """Every process's ``obj``, in rank order."""
     if ctx.world == 1:
         return [obj]
-    out = [None] * ctx.world
+    out: list[Any] = [None] * ctx.world
     dist.all_gather_object(out, obj)
     return out
 

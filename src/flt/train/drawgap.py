@@ -29,13 +29,17 @@ import hashlib
 import math
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from flt.layers.base import AttentionBase
 from flt.layers.draws import fixed_draw, has_random_features, redraw
-from flt.tasks.base import step_generator
+from flt.models.config import TrunkConfig
+from flt.tasks.base import Task, step_generator
+
+if TYPE_CHECKING:
+    from flt.tasks.preset import RunConfig
 
 #: ``step_generator`` stream of the training redraws (0: LM batches, 1: epoch permutations, 3: the order of length-sorted batches).
 REDRAW_STREAM = 2
@@ -46,15 +50,16 @@ FRESH_DRAWS = 3
 EXACT_MAX_ELEMENTS = 2**24
 
 
-def redraws_enabled(model: nn.Module, run) -> bool:
+def redraws_enabled(model: nn.Module, run: RunConfig) -> bool:
     """True when the run redraws: ``run.redraw_interval`` is set and the model has random features."""
     return bool(run.redraw_interval) and has_random_features(model)
 
 
-def redraw_for_step(model: nn.Module, run, step: int) -> bool:
+def redraw_for_step(model: nn.Module, run: RunConfig, step: int) -> bool:
     """Before (1-based) ``step``: redraw every draw of ``model`` if a redraw is due
     (steps ``1, 1 + k, 1 + 2k, ...`` for ``k = run.redraw_interval``). Returns whether it did."""
-    if not redraws_enabled(model, run) or (step - 1) % run.redraw_interval:
+    interval = run.redraw_interval  # set whenever the run redraws
+    if not interval or not redraws_enabled(model, run) or (step - 1) % interval:
         return False
     redraw(model, step_generator(run.seed, step, REDRAW_STREAM))
     return True
@@ -66,7 +71,7 @@ def draw_seed(run_seed: int, label: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def evaluation_draw(model: nn.Module, run, *, keep: bool = False):
+def evaluation_draw(model: nn.Module, run: RunConfig, *, keep: bool = False) -> contextlib.AbstractContextManager[object]:
     """A context in which ``model`` is on the run's fixed evaluation draw, when the run
     redraws (otherwise the model keeps its one draw and this does nothing). ``keep``
     leaves the model on that draw after the context."""
@@ -83,11 +88,11 @@ class ExactForward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, exact=True, **kwargs)
 
 
-def exact_batch_size(task, model: nn.Module, model_cfg, batch_size: int, max_elements: int = EXACT_MAX_ELEMENTS) -> int | None:
+def exact_batch_size(task: Task, model: nn.Module, model_cfg: TrunkConfig, batch_size: int, max_elements: int = EXACT_MAX_ELEMENTS) -> int | None:
     """Batch size for the exact evaluation, or None when it is not possible: some attention
     layer has no ``exact`` (e.g. Toeplitz), or one sample's weights exceed ``max_elements``."""
     layers = [m for m in model.modules() if isinstance(m, AttentionBase)]
@@ -107,10 +112,10 @@ def _finite(x: float) -> float | None:
 
 
 def draw_gap(
-    task,
+    task: Task,
     model: nn.Module,
-    model_cfg,
-    run,
+    model_cfg: TrunkConfig,
+    run: RunConfig,
     evaluate: Callable[[nn.Module, int], dict[str, float]],
     batch_size: int,
     *,

@@ -85,8 +85,9 @@ def layer_fidelity(model: nn.Module, batches: Iterable, run_batch: Callable[[nn.
         raise ValueError(f"attention layers without an exact() reference: {', '.join(missing)}")
     sums = {name: _Accumulator() for name, _ in layers}
 
-    def hook_for(name: str):
-        def hook(layer, args, kwargs, output):
+    def hook_for(name: str) -> Callable[[Any, tuple[Any, ...], dict[str, Any], torch.Tensor], None]:
+        # ``layer`` is an attention layer whose ``exact`` was checked above (duck-typed: no base class declares it).
+        def hook(layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> None:
             x, pos, pad = _call_arguments(layer, args, kwargs)
             sums[name].add(output, layer.exact(x, pos, pad), pad)
         return hook

@@ -52,15 +52,24 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from flt.tasks.base import step_generator
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from transformers import PreTrainedModel
+
+    from flt.functional import AttentionCore
+
+#: A forward pre-hook with keyword arguments: ``(module, args, kwargs) -> (args, kwargs) or None``.
+_PreHook = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], 'tuple[tuple[Any, ...], dict[str, Any]] | None']
 
 #: What trains during fine-tuning (:class:`LinearizeConfig.finetune`).
 FINETUNE = ("all", "attention", "cores")
@@ -108,7 +117,7 @@ class LinearizeConfig:
     keep_checkpoints: int = 2
     seed: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -215,7 +224,7 @@ def window_batch(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int,
     return torch.stack([tokens[s: s + seq_len + 1] for s in starts.tolist()])
 
 
-def eval_windows(tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None):
+def eval_windows(tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None) -> Iterator[torch.Tensor]:
     """Consecutive validation windows ``[b, seq_len + 1]`` overlapping by one token, so each
     token after the first is predicted once; at most ``max_batches`` batches."""
     starts = list(range(0, tokens.numel() - seq_len - 1, seq_len))
@@ -227,15 +236,15 @@ def eval_windows(tokens: torch.Tensor, seq_len: int, batch_size: int, max_batche
         yield torch.stack([tokens[s: s + seq_len + 1] for s in starts[first: first + batch_size]])
 
 
-def next_token_loss(model, windows: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def next_token_loss(model: PreTrainedModel, windows: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of every next token of ``windows [B, T + 1]`` (in float32 or better)."""
     logits = model(input_ids=windows[:, :-1]).logits
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten(), reduction=reduction)
 
 
 @torch.no_grad()
-def perplexity(model, tokens: torch.Tensor, *, seq_len: int, batch_size: int, max_batches: int | None = None,
-               device=None) -> dict[str, float]:
+def perplexity(model: PreTrainedModel, tokens: torch.Tensor, *, seq_len: int, batch_size: int, max_batches: int | None = None,
+               device: torch.device | str | None = None) -> dict[str, float]:
     """``{"loss", "ppl", "tokens"}`` of ``model`` on ``tokens`` (:func:`eval_windows`), in eval mode."""
     was_training = model.training
     model.eval()
@@ -296,7 +305,7 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     return directory
 
 
-def load_softmax_model(model_dir: str | os.PathLike, device=None):
+def load_softmax_model(model_dir: str | os.PathLike, device: torch.device | str | None = None) -> PreTrainedModel:
     """The checkpoint's causal LM in float32, eval mode, attention dropout set to 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -314,7 +323,8 @@ def load_softmax_model(model_dir: str | os.PathLike, device=None):
         raise ValueError(f"MODEL_DIR {model_dir}: no loadable weights ({err})") from None
     except ValueError as err:
         raise ValueError(f"MODEL_DIR {model_dir}: not a causal language model transformers can load ({err})") from None
-    return model.to(device).eval()
+    # transformers' annotations of its wrapped .to() read as an unbound method's.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -354,7 +364,7 @@ class LayerMatching:
     queries, keys and positions the core was called with (recorded by a hook on the core).
     The hooks act only inside :meth:`losses`: elsewhere both models run as they are."""
 
-    def __init__(self, teacher, student, *, weights: bool = False):
+    def __init__(self, teacher: PreTrainedModel, student: PreTrainedModel, *, weights: bool = False) -> None:
         from flt.integrations.transformers import attention_modules
 
         if weights and getattr(teacher.config, "_attn_implementation", None) != "eager":
@@ -367,7 +377,7 @@ class LayerMatching:
         self.outputs: list[torch.Tensor | None] = [None] * len(pairs)
         self.target_weights: list[torch.Tensor | None] = [None] * len(pairs)
         self.core_inputs: list[tuple | None] = [None] * len(pairs)
-        self.cores = [s.flt_core for _, s in pairs] if weights else []
+        self.cores = [cast("AttentionCore", s.flt_core) for _, s in pairs] if weights else []
         self.handles, self.active = [], False
         for i, (t, s) in enumerate(pairs):
             self.handles += [t.register_forward_pre_hook(self._record_input(i), with_kwargs=True),
@@ -377,14 +387,15 @@ class LayerMatching:
         for i, core in enumerate(self.cores):
             self.handles.append(core.register_forward_hook(self._record_core_inputs(i)))
 
-    def _record_input(self, i):
-        def hook(module, args, kwargs):
+    def _record_input(self, i: int) -> _PreHook:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.active:
                 self.inputs[i] = (args[0] if args else kwargs["hidden_states"]).detach()
         return hook
 
-    def _replace_input(self, i):
-        def hook(module, args, kwargs):
+    def _replace_input(self, i: int) -> _PreHook:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if not self.active:
                 return None
             if args:
@@ -392,22 +403,22 @@ class LayerMatching:
             return args, {**kwargs, "hidden_states": self.inputs[i]}
         return hook
 
-    def _record(self, store, i):
-        def hook(module, args, output):
+    def _record(self, store: list[torch.Tensor | None], i: int) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self.active:
                 store[i] = output[0] if isinstance(output, tuple) else output
         return hook
 
-    def _record_target(self, i):
-        def hook(module, args, output):
+    def _record_target(self, i: int) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self.active:
                 self.targets[i] = output[0] if isinstance(output, tuple) else output
                 if self.weights:
                     self.target_weights[i] = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         return hook
 
-    def _record_core_inputs(self, i):
-        def hook(core, args, output):
+    def _record_core_inputs(self, i: int) -> Callable[[torch.nn.Module, tuple[Any, ...], Any], None]:
+        def hook(core: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self.active:
                 q, k, _, pos, pad = args  # flt_attention_forward calls core(query, key, value, pos, pad)
                 self.core_inputs[i] = (q, k, pos, pad)
@@ -455,7 +466,8 @@ class LayerMatching:
         return self.losses(input_ids)["outputs"]
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None, device=None) -> dict[str, list[float]]:
+    def evaluate(self, tokens: torch.Tensor, seq_len: int, batch_size: int, max_batches: int | None,
+                 device: torch.device | str | None = None) -> dict[str, list[float]]:
         """Mean per-layer :meth:`losses` over the validation windows (:func:`eval_windows`):
         ``{"outputs": [L], "weights": [L]}`` (the latter with ``weights=True``)."""
         was_training = self.student.training
@@ -490,7 +502,7 @@ def transfer_loss(losses: dict[str, torch.Tensor], transfer: str) -> torch.Tenso
     return losses["outputs"].sum() + losses["weights"].mean()
 
 
-def trainable_parameters(model, what: str) -> list[torch.nn.Parameter]:
+def trainable_parameters(model: PreTrainedModel, what: str) -> list[torch.nn.Parameter]:
     """Set ``requires_grad`` for one stage and return those parameters: ``"cores"`` (the flt
     cores alone: attention transfer), ``"attention"`` (cores and the attention modules'
     projections) or ``"all"``."""
@@ -501,7 +513,7 @@ def trainable_parameters(model, what: str) -> list[torch.nn.Parameter]:
     elif what == "attention":
         chosen = {id(p) for m in attention_modules(model) for p in m.parameters()}
     else:
-        chosen = {id(p) for m in attention_modules(model) for p in m.flt_core.parameters()}
+        chosen = {id(p) for m in attention_modules(model) for p in m.get_submodule("flt_core").parameters()}
     params = []
     for p in model.parameters():
         p.requires_grad_(id(p) in chosen)
@@ -517,8 +529,8 @@ class _Run:
     config: LinearizeConfig
     out_dir: str
     device: torch.device
-    teacher: Any
-    student: Any
+    teacher: PreTrainedModel
+    student: PreTrainedModel
     matching: LayerMatching
     train_ids: torch.Tensor
     valid_ids: torch.Tensor
@@ -580,8 +592,8 @@ def _resumable(out_dir: str) -> str | None:
         return None
 
 
-def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device, resume, progress, plots, on_step,
-               reached: list[int], lock_note: str | None) -> dict[str, Any]:
+def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: torch.device, resume: bool, progress: bool,
+               plots: bool, on_step: Callable[[int], None] | None, reached: list[int], lock_note: str | None) -> dict[str, Any]:
     from flt.integrations.transformers import convert
     from flt.train.checkpoint import has_checkpoint, remove_leftovers
     from flt.train.metrics import MetricsLogger
@@ -644,7 +656,7 @@ def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tup
     return ckpt, meta
 
 
-def _write_run_json(r: _Run, teacher, student) -> None:
+def _write_run_json(r: _Run, teacher: PreTrainedModel, student: PreTrainedModel) -> None:
     from flt._io import atomic_write_text
 
     info = {**r.record, "parameters": sum(p.numel() for p in student.parameters()),
@@ -654,7 +666,7 @@ def _write_run_json(r: _Run, teacher, student) -> None:
     atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps(info, indent=2, sort_keys=True))
 
 
-def _evaluate(r: _Run, model) -> dict[str, float]:
+def _evaluate(r: _Run, model: PreTrainedModel) -> dict[str, float]:
     c = r.config
     return perplexity(model, r.valid_ids, seq_len=c.seq_len, batch_size=c.batch_size, max_batches=c.eval_batches, device=r.device)
 
@@ -712,7 +724,7 @@ def _restore(r: _Run, ckpt: str, meta: dict[str, Any]) -> int:
     return step
 
 
-def _loop(r: _Run, start: int, progress: bool, on_step, reached: list[int]) -> None:
+def _loop(r: _Run, start: int, progress: bool, on_step: Callable[[int], None] | None, reached: list[int]) -> None:
     c = r.config
     bar = None
     if progress:
@@ -843,7 +855,7 @@ def _save_model(r: _Run) -> None:
     atomic_dir(r.out_dir, "model", r.student.save_pretrained)
 
 
-def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer_steps: int, title: str = ""):
+def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer_steps: int, title: str = "") -> Figure:
     """Three panels against the step: each layer's matching error during transfer (log
     scale; solid: the output error, dashed: the weights' KL when weights are matched), the fine-tuning loss with the validation loss, and the validation perplexity
     with the softmax model's as a dashed line; a dotted line marks the end of transfer.

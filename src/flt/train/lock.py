@@ -71,7 +71,7 @@ class RunLock:
     def __enter__(self) -> RunLock:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

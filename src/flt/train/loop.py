@@ -48,9 +48,9 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -58,9 +58,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
 from flt._io import atomic_write_text
-from flt.models.config import config_to_dict
+from flt.models.config import TrunkConfig
 from flt.models.memory import check_task_memory
-from flt.tasks import Task, check_preset, load_task, preset_from_dict
+from flt.tasks import Task, check_preset, config_to_dict, load_task, preset_from_dict
 from flt.tasks.base import check_data_fields, has_test_split
 from flt.tasks.preset import (
     Preset,
@@ -83,6 +83,9 @@ from flt.train.checkpoint import (
 from flt.train.lock import RunDirectoryInUse, RunLock, lock_run_dir
 from flt.train.metrics import MetricsLogger
 from flt.train.rng import rng_state, seed_everything, set_rng_state
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -115,7 +118,7 @@ class Progress:
     steps: int = 0
 
 
-def parameter_groups(model: nn.Module, weight_decay: float, exclude=()) -> list[dict[str, Any]]:
+def parameter_groups(model: nn.Module, weight_decay: float, exclude: Iterable[nn.Parameter] = ()) -> list[dict[str, Any]]:
     """Decay the weights of linear, convolution and embedding layers; nothing else.
 
     Norms, biases, learned temperatures and spectral parameters (amplitudes, log lengths)
@@ -135,7 +138,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, exclude=()) -> list[
     ]
 
 
-def weights_optimizer(model: nn.Module, run: RunConfig, exclude=()) -> torch.optim.Optimizer:
+def weights_optimizer(model: nn.Module, run: RunConfig, exclude: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
     """AdamW over :func:`parameter_groups` at the run's peak learning rate."""
     return torch.optim.AdamW(parameter_groups(model, run.weight_decay, exclude), lr=run.lr, betas=(0.9, 0.95))
 
@@ -152,7 +155,7 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
 class _Printer:
     """Prints on the main process only, through tqdm when a bar is showing."""
 
-    def __init__(self, ctx: D.Context, bar):
+    def __init__(self, ctx: D.Context, bar: tqdm | None) -> None:
         self.ctx, self.bar = ctx, bar
 
     def __call__(self, text: str) -> None:
@@ -202,12 +205,19 @@ def evaluate_on_draw(task: Task, model: nn.Module, ctx: D.Context, run: RunConfi
         return evaluate(task, model, ctx, run.eval_batch_size or run.batch_size, max_batches, split)
 
 
-def to_device(batch, device):
-    if hasattr(batch, "to") and not isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
-    return batch.to(device)
+#: A batch of any task (:data:`flt.tasks.base.BatchT`).
+_Batch = TypeVar("_Batch")
+
+
+def to_device(batch: _Batch, device: torch.device | str) -> _Batch:
+    """``batch`` on ``device``: a tensor, an object with ``.to(device)``, or a tuple or list of these."""
+    # A batch's type is the task's own (Task[BatchT, ...]); what it is made of is checked here, at run time.
+    moved: Any = batch
+    if hasattr(moved, "to") and not isinstance(moved, torch.Tensor):
+        return moved.to(device)
+    if isinstance(moved, (tuple, list)):
+        return type(moved)(to_device(b, device) for b in moved)  # type: ignore[return-value]
+    return moved.to(device)
 
 
 def train(
@@ -361,7 +371,7 @@ class Run:
     out_dir: str
     ctx: D.Context
     task: Task
-    model_cfg: Any
+    model_cfg: TrunkConfig
     model: nn.Module
     ddp: nn.Module
     optimizer: torch.optim.Optimizer
@@ -398,7 +408,8 @@ class _Window:
         self.loss, self.steps, self.items, self.seconds = 0.0, 0, 0, 0.0
 
 
-def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, progress, plots, on_step, reached: Progress,
+def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume: bool, keep_steps: bool, progress: bool, plots: bool,
+           on_step: Callable[[int], None] | None, reached: Progress,
            lock: RunLock | None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     check_preset(preset)
@@ -435,7 +446,7 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume, keep_steps, 
     return _finish(r, say, last_valid, step_times, plots, wall_start)
 
 
-def _training_module(model: torch.nn.Module, run, ctx: D.Context) -> torch.nn.Module:
+def _training_module(model: torch.nn.Module, run: RunConfig, ctx: D.Context) -> torch.nn.Module:
     """What the training loss calls: the model, wrapped by DDP with several processes and
     compiled with ``run.compile`` (:func:`flt.perf.compile`: freed memory kept for reuse,
     torch's automatic dynamic shapes, as batches may differ in length). Evaluation and
@@ -522,7 +533,7 @@ def load_data(preset: Preset, ctx: D.Context) -> tuple[Task, Any]:
     return task, model_cfg
 
 
-def _build_model(task: Task, model_cfg, run: RunConfig, ctx: D.Context) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build_model(task: Task, model_cfg: TrunkConfig, run: RunConfig, ctx: D.Context) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and its AdamW optimizer; initialisation depends on the seed alone, not on
     what data loading consumed."""
     seed_everything(run.seed)
@@ -563,14 +574,15 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
     return origin.step, window, step_times
 
 
-def _restore_training_draw(model: nn.Module, run, start: int) -> None:
+def _restore_training_draw(model: nn.Module, run: RunConfig, start: int) -> None:
     """Before extending a run from its final checkpoint (step ``start``): put the model back
     on the training draw of step ``start``. The final checkpoint holds the evaluation draw
     (:func:`flt.train.drawgap.evaluation_draw` with ``keep=True``); an uninterrupted longer
     run would still be on the draw of the last redraw step, which :func:`DG.redraw_for_step`
     recomputes from ``(seed, step)``. Nothing to do when step ``start + 1`` redraws anyway."""
-    if DG.redraws_enabled(model, run) and start % run.redraw_interval:
-        last_redraw = 1 + (start - 1) // run.redraw_interval * run.redraw_interval
+    interval = run.redraw_interval  # set whenever the run redraws
+    if interval and DG.redraws_enabled(model, run) and start % interval:
+        last_redraw = 1 + (start - 1) // interval * interval
         DG.redraw_for_step(model, run, last_redraw)
 
 
@@ -584,7 +596,7 @@ def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
     return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
 
 
-def _progress_bar(r: Run):
+def _progress_bar(r: Run) -> tqdm:
     # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
     from tqdm.auto import tqdm
 
@@ -605,7 +617,8 @@ def _announce(r: Run, origin: Origin, say: _Printer) -> None:
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
 
-def run_steps(r: Run, logger: MetricsLogger | None, bar, say: Callable[[str], None], on_step,
+def run_steps(r: Run, logger: MetricsLogger | None, bar: tqdm | None, say: Callable[[str], None],
+              on_step: Callable[[int], None] | None,
               reached: Progress) -> tuple[dict[str, float], list[float]]:
     """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
     run, ctx = r.preset.run, r.ctx

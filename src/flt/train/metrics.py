@@ -16,7 +16,7 @@ from typing import Any
 from flt._io import atomic_write_text
 
 
-def _clean(value):
+def _clean(value: object) -> object:
     # JSON has no NaN or infinity; write them as null rather than invalid JSON.
     if isinstance(value, float) and not math.isfinite(value):
         return None

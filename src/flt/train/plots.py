@@ -7,13 +7,17 @@ Agg), so no global backend is switched and no window is ever opened.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flt._dtype import compute_dtype
 from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 STEP_LABEL = "training step (optimizer updates)"
 
@@ -31,7 +35,7 @@ def axis_label(name: str, task: str | None = None, *, metric: str | None = None)
     return task_axes(task, metric=metric or name).get(name, name)
 
 
-def _figure(width: float, height: float, dpi: int = 110):
+def _figure(width: float, height: float, dpi: int = 110) -> Figure:
     try:
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -89,7 +93,7 @@ def log_ticks(lo: float, hi: float, *, min_inside: int = 3, max_ticks: int = 12)
     return fallback or _linear_ticks(lo, hi)
 
 
-def _log_y(ax, values) -> list[float] | None:
+def _log_y(ax: Axes, values: list[float]) -> list[float] | None:
     """Log-scaled y axis labelled with plain numbers (``6``, ``8``, ``10``, ``15``) from the
     data's minimum to its maximum (:func:`log_ticks`); returns the ticks (None: no data)."""
     from matplotlib.ticker import FuncFormatter, NullLocator
@@ -106,7 +110,8 @@ def _log_y(ax, values) -> list[float] | None:
     return ticks
 
 
-def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title: str = "", task: str | None = None):
+def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title: str = "",
+                         task: str | None = None) -> Figure:
     """Training and validation loss, and the validation ``metric``, against the step.
 
     Axis labels carry units (the task's ``axes``; ``task`` is inferred from ``metric`` when None).
@@ -190,7 +195,7 @@ def _mask(spec: Any, delta: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, causal: bool, points: int = 256,
-                       task: str | None = None, unit: str | None = None):
+                       task: str | None = None, unit: str | None = None) -> Figure | None:
     """Plot ``f(Delta)`` (``spectrum.mask``) of every head of every layer with a spectrum.
 
     The plotted range is where ``f`` matters: up to :data:`RPE_MARGIN` times the largest
@@ -305,7 +310,7 @@ def comparison_curves(curves: dict[str, list[list[tuple[int, float]]]]) -> dict[
 
 
 def plot_comparison(curves: dict[str, list[list[tuple[int, float]]]], out_path: str, *, metric: str, title: str = "",
-                    task: str | None = None):
+                    task: str | None = None) -> Figure | None:
     """Validation ``metric`` against the step: per label the mean over seeds and its min-max band.
 
     Returns the ``matplotlib.figure.Figure`` saved to ``out_path``; None, writing nothing,

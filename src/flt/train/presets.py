@@ -19,7 +19,7 @@ ATTENTION_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {name: task.attention
 POSENC_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {name: task.posenc_defaults for name, task in TASKS.items()}
 
 
-def mechanism_options(task: str, attention: str, posenc: str, **overrides) -> dict[str, Any]:
+def mechanism_options(task: str, attention: str, posenc: str, **overrides: Any) -> dict[str, Any]:
     """``attention_options`` and ``posenc_options`` for a model config of ``task``."""
     return _mechanism_options(TASKS[task], attention, posenc, **overrides)
 

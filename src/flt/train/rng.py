@@ -59,5 +59,6 @@ def set_rng_state(state: dict[str, Any], model: nn.Module) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _to_tuple(x):
+def _to_tuple(x: Any) -> Any:
+    # JSON lists back into the nested tuples of random.getstate().
     return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

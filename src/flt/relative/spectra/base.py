@@ -16,6 +16,8 @@ sits on the query side's features only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -93,8 +95,8 @@ class Spectrum(RelativeTerm):
         redraw: bool = False,
         shift: bool = False,
         shift_scale: float = 1.0,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("heads", heads)
@@ -105,7 +107,7 @@ class Spectrum(RelativeTerm):
         self.sampler, self.seed = sampler, seed
         #: Whether the layer that owns this spectrum samples its frequencies.
         self.has_random_features = True
-        self._factory = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        self._factory: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
         if not isinstance(shift, bool):
             raise ValueError(f"shift must be True or False (learn a shift per component), got {shift!r}")
@@ -118,7 +120,7 @@ class Spectrum(RelativeTerm):
         self._learn_shift = shift
         self.shift: nn.Parameter | None = None
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Spectrum:
         # Parameters and draws stay in float32 when the module is cast to a half type: the
         # gradient of a frequency, sum_n 2 pi r_n dL/dphase_n, grows with the positions and
         # overflows float16 (65504) from about a thousand tokens on. They are a few numbers.

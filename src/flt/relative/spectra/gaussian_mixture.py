@@ -15,6 +15,7 @@ range is computed exactly elsewhere (FLT's near set; docs/nbody.md).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class GaussianMixtureSpectrum(Spectrum):
         length_spread: float = 8.0,
         mean_scale: float = 0.0,
         min_length: float = 0.0,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         check_positive_int("num_frequencies", num_frequencies)
         check_positive_int("components", components)

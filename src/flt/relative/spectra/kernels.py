@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         *,
         amplitude: float = 1.0,
         length_scale: float | Sequence[float] = 8.0,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         amplitude = check_amplitude(amplitude)
         lengths = per_axis("length_scale", length_scale, pos_dim)
@@ -110,9 +111,10 @@ class GaussianKernelSpectrum(_KernelSpectrum):
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         return self.amplitude[h] * torch.exp(-0.5 * self._head_square(delta, h))
 
-    def _head_square(self, delta, h):
+    def _head_square(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """``|Delta / l_h|^2`` for one offset (:meth:`flt.relative.RelativeTerm.head_value`)."""
-        return sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta))
+        # A tensor: delta has P >= 1 coordinates.
+        return cast(torch.Tensor, sum((d / positive(self.log_length[h, p])) ** 2 for p, d in enumerate(delta)))
 
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """The exact ``f`` of every pair; for ``P > 3`` (graph anchor coordinates) without
@@ -175,7 +177,7 @@ class MaternSpectrum(_KernelSpectrum):
         nu: float = 1.5,
         amplitude: float = 1.0,
         length_scale: float | Sequence[float] = 8.0,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         if isinstance(nu, bool) or not isinstance(nu, (int, float)) or float(nu) not in MATERN_NU:
             raise ValueError(

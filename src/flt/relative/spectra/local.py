@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +74,7 @@ class LocalSpectrum(Spectrum):
         window_sizes: Sequence[float] | None = None,
         smoothing: float | Sequence[float] = 1.0,
         amplitude: float = 1.0,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         check_positive_int("num_frequencies", num_frequencies)
         check_positive_int("windows", windows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class NeuralSpectrum(Spectrum):
         length_scale: float | Sequence[float] = 8.0,
         proposal_ratio: float = 1.0,
         quadrature_points: int = 201,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         check_positive_int("hidden", hidden)
         check_positive_int("quadrature_points", quadrature_points)
