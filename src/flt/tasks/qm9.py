@@ -17,7 +17,7 @@ energy. Every target is standardised with the training split's mean and deviatio
 
 Models (``--model``, ``QM9Config.encoder``): ``transformer``, the molecule regressor with
 any attention mechanism (``--attention``), and torch_geometric's ``schnet`` and
-``dimenet++`` (the latter needs the compiled ``torch_cluster`` and ``torch_sparse``).
+``dimenet++``, both on graphs computed in plain torch (:mod:`flt.models.qm9`).
 docs/qm9.md gives the protocol and docs/results.md the measurements.
 """
 
