@@ -6,11 +6,11 @@ Every model maps a padded batch ``z [B, N]``, ``pos [B, N, 3]``, ``key_padding_m
 [B, N]`` (True = padding) to ``[B]`` in target units, ``target_mean + target_std * out``,
 so the task, the loop and the budget are the same whichever ``encoder`` a config names.
 
-SchNet runs on a radius graph computed here with plain torch (:func:`radius_graph`,
-O(B N^2) for QM9's at most 29 atoms), passed as its ``interaction_graph``, so it needs no
-compiled extension. PyG's DimeNet++ computes its radius graph and its triplets inside its
-``forward`` with ``torch_cluster`` and ``torch_sparse``, compiled extensions; without them
-``encoder="dimenet++"`` raises an ``ImportError`` that says so.
+Both baselines run on graphs computed here with plain torch, so neither needs a compiled
+extension: a radius graph (:func:`radius_graph`, O(B N^2) for QM9's at most 29 atoms),
+SchNet's ``interaction_graph``, and for DimeNet++ also the angle triplets
+(:func:`triplets`), which :mod:`flt.models.dimenet` hands to PyG's own blocks in place of
+PyG's versions (those need ``pyg-lib`` and ``torch_sparse``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from flt.models.molecule import MoleculeRegressor
 
 #: ``QM9Config.encoder`` choices.
 ENCODERS = ("transformer", "schnet", "dimenet++")
+#: Each message-passing model's radius-graph cutoff (Angstrom) in its paper, used when
+#: ``QM9Config.cutoff`` is None: SchNet (Schütt et al., 2017) and DimeNet++ (Gasteiger et al., 2020).
+CUTOFFS = {"schnet": 10.0, "dimenet++": 5.0}
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,9 @@ class QM9Config(LayeredConfig):
     ``depth`` layers of ``attention`` of width ``dim``, positions the atom coordinates),
     ``"schnet"`` (``depth`` interaction blocks of width ``dim``, ``num_gaussians`` radial
     basis functions up to ``cutoff`` Angstrom) or ``"dimenet++"`` (``depth`` blocks of
-    width ``dim``, PyG's other sizes at their defaults, ``cutoff``). ``readout`` pools atoms
+    width ``dim``, PyG's other sizes at their defaults, ``cutoff``). ``cutoff`` None (the
+    default) takes each model's published one (:data:`CUTOFFS`: SchNet 10 Angstrom,
+    DimeNet++ 5). ``readout`` pools atoms
     by ``"sum"`` or ``"mean"``; None (the default) takes the target's natural one, filled
     in by the task (sum for extensive properties such as energies, mean for orbital
     energies and the dipole). ``num_elements`` bounds the atomic numbers (QM9: H to F)."""
@@ -44,7 +49,7 @@ class QM9Config(LayeredConfig):
     num_elements: int = 10
     readout: str | None = None
     isotropic: bool = True
-    cutoff: float = 10.0
+    cutoff: float | None = None
     num_gaussians: int = 50
     target_mean: float = 0.0
     target_std: float = 1.0
@@ -56,7 +61,7 @@ class QM9Config(LayeredConfig):
         check_positive_int("num_gaussians", self.num_gaussians)
         if self.readout is not None:
             check_choice("readout", self.readout, READOUTS)
-        if not self.cutoff > 0:
+        if self.cutoff is not None and not self.cutoff > 0:
             raise ValueError(f"cutoff must be a positive number of Angstrom, got {self.cutoff!r}")
         if not self.target_std > 0:
             raise ValueError(f"target_std must be positive, got {self.target_std!r}")
@@ -97,21 +102,33 @@ class _RadiusGraph(nn.Module):
         return radius_graph(pos, batch, self.cutoff)
 
 
+def triplets(edge_index: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, ...]:
+    """DimeNet's angle triplets of a directed graph ``edge_index [2, E]`` (row ``j``
+    sends to column ``i``): for every edge ``j -> i`` each edge ``k -> j`` with ``k != i``.
+    Returns ``(i [E], j [E], idx_i [T], idx_j [T], idx_k [T], idx_kj [T], idx_ji [T])``,
+    the edges' targets and sources, then per triplet its three atoms and its two edges'
+    positions in ``edge_index``, the tuple and order PyG's ``DimeNet.forward`` unpacks from
+    its own ``triplets`` (which needs ``torch_sparse``). Vectorised: the edges into each
+    atom are contiguous once sorted by target, so edge ``j -> i`` pairs with the in-degree
+    of ``j`` consecutive entries of that order."""
+    source, target = edge_index
+    into = torch.argsort(target, stable=True)  # edge ids grouped by their target atom
+    in_degree = torch.bincount(target, minlength=num_nodes)
+    first_into = torch.cumsum(in_degree, 0) - in_degree
+    count = in_degree[source]  # edges k -> j for each edge j -> i
+    idx_ji = torch.repeat_interleave(torch.arange(source.numel(), device=source.device), count)
+    rank = torch.arange(idx_ji.numel(), device=source.device) - (torch.cumsum(count, 0) - count)[idx_ji]
+    idx_kj = into[first_into[source[idx_ji]] + rank]
+    idx_i, idx_j, idx_k = target[idx_ji], source[idx_ji], source[idx_kj]
+    keep = idx_k != idx_i  # no k -> j -> k back-and-forth
+    return target, source, idx_i[keep], idx_j[keep], idx_k[keep], idx_kj[keep], idx_ji[keep]
+
+
 def _flatten(z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The real atoms of a padded batch: ``z [A]``, ``pos [A, 3]``, ``batch [A]``."""
     real = ~key_padding_mask
     batch = torch.arange(z.shape[0], device=z.device).unsqueeze(1).expand_as(z)[real]
     return z[real], pos[real], batch
-
-
-def _check_dimenet_extensions() -> None:
-    import importlib.util
-
-    missing = [name for name in ("torch_cluster", "torch_sparse") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(f"encoder='dimenet++' runs torch_geometric's DimeNetPlusPlus, which needs the compiled "
-                          f"extensions {missing} (not installed); install them for this torch build, or use "
-                          "encoder='schnet' or 'transformer'")
 
 
 class QM9Regressor(nn.Module):
@@ -121,7 +138,7 @@ class QM9Regressor(nn.Module):
 
     def __init__(self, *, encoder: str, num_elements: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], readout: str | None, isotropic: bool, cutoff: float, num_gaussians: int,
+                 posenc_options: dict[str, Any], readout: str | None, isotropic: bool, cutoff: float | None, num_gaussians: int,
                  target_mean: float, target_std: float, layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         check_choice("encoder", encoder, ENCODERS)
@@ -136,18 +153,18 @@ class QM9Regressor(nn.Module):
                 layer_attention=layer_attention, device=device, dtype=dtype,
             )
             return
+        cutoff = CUTOFFS[encoder] if cutoff is None else cutoff
         if encoder == "schnet":
             from torch_geometric.nn.models import SchNet
 
             self.net = SchNet(hidden_channels=dim, num_filters=dim, num_interactions=depth, num_gaussians=num_gaussians,
                               cutoff=cutoff, interaction_graph=_RadiusGraph(cutoff), readout="add" if readout == "sum" else "mean")
         else:
-            _check_dimenet_extensions()
-            from torch_geometric.nn.models import DimeNetPlusPlus
+            from flt.models.dimenet import PlainDimeNetPlusPlus
 
-            self.net = DimeNetPlusPlus(hidden_channels=dim, out_channels=1, num_blocks=depth, int_emb_size=64,
-                                       basis_emb_size=8, out_emb_channels=2 * dim, num_spherical=7, num_radial=6,
-                                       cutoff=cutoff)
+            self.net = PlainDimeNetPlusPlus(hidden_channels=dim, out_channels=1, num_blocks=depth, int_emb_size=64,
+                                            basis_emb_size=8, out_emb_channels=2 * dim, num_spherical=7, num_radial=6,
+                                            cutoff=cutoff)
         self.net.to(device=device, dtype=dtype)
 
     def forward(self, z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
