@@ -84,5 +84,8 @@ def test_zero_term_without_a_far_term_is_refused():
     with pytest.raises(ValueError, match="near_relative='zero'"):
         FLTAttention.from_options(16, 2, pos_dim=3, near_neighbors=8, near_relative="zero", coupling="multiplicative",
                                   far_field=False)
+    with pytest.raises(ValueError, match="near_relative='zero'"):  # the module itself, not its name
+        FLTAttention(16, 2, pos_dim=3, near=Neighbors(8, term=ZeroTerm(2, pos_dim=3)), coupling="multiplicative",
+                     far_field=False)
     layer = FLTAttention.from_options(16, 2, pos_dim=3, near_neighbors=8, near_relative="zero", far_field=False)
     assert isinstance(layer.near_spectrum, ZeroTerm)  # logit: exp(q.k) on the near set, a Performer beyond

@@ -145,3 +145,19 @@ def test_dimenet_plus_plus_mean_readout_divides_the_sum_by_the_atoms():
         summed = (total(z, pos, mask) - 1.0) / 2.0
         averaged = (mean(z, pos, mask) - 1.0) / 2.0
     assert torch.allclose(averaged, summed / (~mask).sum(dim=1), rtol=1e-12)
+
+
+@pytest.mark.parametrize(("encoder", "saved", "loaded"), [
+    ("transformer", 10.0, None), ("schnet", 10.0, None), ("schnet", 7.0, 7.0), ("dimenet++", 10.0, 10.0),
+])
+def test_configs_saved_with_the_old_shared_cutoff_read_as_the_same_model(encoder, saved, loaded):
+    """Runs saved when ``cutoff`` defaulted to 10.0 for every encoder resume against
+    today's preset (cutoff None: each model's own), and mean the same model."""
+    from flt.models.qm9 import QM9Config
+    from flt.tasks import config_from_dict, config_to_dict
+
+    record = config_to_dict(QM9Config(encoder=encoder, cutoff=saved, attention="softmax"))
+    config = config_from_dict(record)
+    assert config.cutoff == loaded
+    if loaded is None:
+        assert config_to_dict(config) == config_to_dict(QM9Config(encoder=encoder, attention="softmax"))

@@ -6,8 +6,8 @@ attention transfer and fine-tuning (:mod:`flt.train.linearize`).
 attention is converted to ``--attention`` (the syntax of ``flt train``: a mechanism and
 its options), then the cores are trained to reproduce each softmax layer's output
 (``--transfer outputs``, the default), its attention weights (``--transfer weights``: the
-KL divergence of the core's weights from the softmax's, row by row) or both
-(``--transfer-steps``, cores only, original weights frozen), then ``--finetune``
+KL divergence of the core's weights from the softmax's, row by row) or both (``--transfer
+both``), for ``--transfer-steps`` steps (cores only, original weights frozen), then ``--finetune``
 parameters train on next-token loss (``--finetune-steps``). The run directory holds
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json`` (validation perplexity: softmax,
 converted, after transfer, after fine-tuning), ``learning_curves.png`` and ``model/``

@@ -53,6 +53,9 @@ class ZeroTerm(RelativeTerm):
     """``f_near = 0`` at every offset, with no parameters: the term of a near set that only
     makes the far term ``f`` exact on its pairs (:data:`ZERO_TERM`)."""
 
+    #: What :mod:`flt.layers.rules` reads, as it reads a :class:`flt.layers.parts.Term`'s.
+    name = ZERO_TERM
+
     def __init__(self, heads: int, *, pos_dim: int = 1, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()

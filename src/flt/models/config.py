@@ -73,6 +73,12 @@ class TrunkConfig:
     def __post_init__(self) -> None:
         _check_trunk(self)
 
+    @classmethod
+    def saved_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """The fields of a config saved by an earlier version, as this version spells the
+        same model (:func:`config_from_fields` applies it). Default: unchanged."""
+        return fields
+
 
 def check_layer_attention(value: object, depth: int) -> None:
     """``layer_attention``: None, or one ``{"attention": NAME, "attention_options": {...}}``
@@ -193,7 +199,9 @@ _Trunk = TypeVar("_Trunk", bound=TrunkConfig)
 
 def config_from_fields(cls: type[_Trunk], fields: dict[str, Any]) -> _Trunk:
     """A ``cls`` config from its fields (:func:`dataclasses.asdict`'s inverse); unknown
-    fields raise ``ValueError`` naming them."""
+    fields raise ``ValueError`` naming them; a config saved by an earlier version is read
+    as this version spells the same model (:meth:`TrunkConfig.saved_fields`)."""
+    fields = cls.saved_fields(fields)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - names)
     if unknown:

@@ -13,9 +13,9 @@ bases, embedding, interaction and output blocks, readout); rewriting it would be
 of PyG's code that drifts from it. PyG offers no argument for either function, so the
 swap uses ``unittest.mock.patch.object``, which raises ``AttributeError`` if a later PyG
 renames either name, rather than silently running PyG's own (torch_geometric is pinned in
-constraints.txt). The swap is process-wide while a forward runs; both replacements give
-the same graph as PyG's, so a concurrent forward of another DimeNet in another thread is
-unaffected. For the same reason of not copying, the constructor swaps PyG's
+constraints.txt). The swap is process-wide while a forward runs and not thread-safe: two
+forwards in threads of one process (``nn.DataParallel``) can restore PyG's functions under
+each other; use processes (DDP) instead. For the same reason of not copying, the constructor swaps PyG's
 ``dimenet_utils.bessel_basis`` for a cached call of itself (see :class:`PlainDimeNetPlusPlus`).
 """
 

@@ -68,6 +68,15 @@ class QM9Config(LayeredConfig):
         if self.encoder != "transformer" and self.layer_attention is not None:
             raise ValueError(f"layer_attention applies to encoder='transformer', got encoder={self.encoder!r}")
 
+    @classmethod
+    def saved_fields(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        """Configs saved before ``cutoff`` defaulted to each model's own (None) hold the old
+        default 10.0: for SchNet that is what None gives, for the transformer it is unused,
+        so both read as None and ``--resume`` of such a run compares equal to the preset."""
+        if fields.get("cutoff") == 10.0 and fields.get("encoder", "transformer") in ("transformer", "schnet"):
+            fields = {**fields, "cutoff": None}
+        return fields
+
 
 def radius_graph(pos: torch.Tensor, batch: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(edge_index [2, E], distance [E])``: every ordered pair ``(i, j)``, ``i != j``, of
