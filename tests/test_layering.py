@@ -224,8 +224,9 @@ sys.meta_path.insert(0, _NoNumpy())
 """
 
 #: Library modules that need an extra of their own, which brings numpy with it
-#: (transformers, the hf extra, imports numpy itself).
-NEEDS_AN_EXTRA = {"flt.integrations.transformers"}
+#: (transformers, the hf extra, imports numpy itself; torch_geometric, the qm9 and graph
+#: extras, too). flt.models.qm9 imports flt.models.dimenet only when a DimeNet++ is built.
+NEEDS_AN_EXTRA = {"flt.integrations.transformers", "flt.models.dimenet"}
 
 
 def _run_without_numpy(script: str):
