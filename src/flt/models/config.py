@@ -201,7 +201,9 @@ def config_from_fields(cls: type[_Trunk], fields: dict[str, Any]) -> _Trunk:
     """A ``cls`` config from its fields (:func:`dataclasses.asdict`'s inverse); unknown
     fields raise ``ValueError`` naming them; a config saved by an earlier version is read
     as this version spells the same model (:meth:`TrunkConfig.saved_fields`)."""
-    fields = cls.saved_fields(fields)
+    upgrade = getattr(cls, "saved_fields", None)  # a task's own config need not subclass TrunkConfig
+    if upgrade is not None:
+        fields = upgrade(fields)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - names)
     if unknown:
