@@ -161,3 +161,12 @@ def test_configs_saved_with_the_old_shared_cutoff_read_as_the_same_model(encoder
     assert config.cutoff == loaded
     if loaded is None:
         assert config_to_dict(config) == config_to_dict(QM9Config(encoder=encoder, attention="softmax"))
+
+
+def test_triplets_refuse_a_malformed_edge_index():
+    from flt.models.qm9 import triplets
+
+    with pytest.raises(ValueError, match=r"edge_index must be an integer tensor \[2, E\], got \(3, 4\)"):
+        triplets(torch.zeros(3, 4, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match=r"edge_index must be an integer tensor \[2, E\], got \(2, 4\)"):
+        triplets(torch.zeros(2, 4), 5)

@@ -120,6 +120,10 @@ def triplets(edge_index: torch.Tensor, num_nodes: int) -> tuple[torch.Tensor, ..
     its own ``triplets`` (which needs ``torch_sparse``). Vectorised: the edges into each
     atom are contiguous once sorted by target, so edge ``j -> i`` pairs with the in-degree
     of ``j`` consecutive entries of that order."""
+    if not (isinstance(edge_index, torch.Tensor) and edge_index.ndim == 2 and edge_index.shape[0] == 2
+            and not edge_index.is_floating_point() and not edge_index.is_complex()):
+        shape = tuple(edge_index.shape) if isinstance(edge_index, torch.Tensor) else type(edge_index).__name__
+        raise ValueError(f"edge_index must be an integer tensor [2, E], got {shape}")
     source, target = edge_index
     into = torch.argsort(target, stable=True)  # edge ids grouped by their target atom
     in_degree = torch.bincount(target, minlength=num_nodes)
