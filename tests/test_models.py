@@ -246,10 +246,38 @@ def test_isotropic_lengths_stay_tied_through_training():
 def test_tie_isotropic_rejects_non_radial_spectra():
     from flt.layers import FLTAttention
 
-    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=8)
+    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="local", num_frequencies=8)
     with pytest.raises(ValueError, match="radial"):
         tie_isotropic(layer)
+    shifted = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=8, shift=True)
+    with pytest.raises(ValueError, match="shift"):
+        tie_isotropic(shifted)
     assert tie_isotropic(FLTAttention.from_options(16, 2, pos_dim=3, spectrum="matern", num_frequencies=8)) == 1
+
+
+def test_isotropic_mixture_is_radial_with_several_lengths_per_head():
+    """Tied, a mixture keeps its means at the origin and one length per component, so its
+    mask is a sum of radial Gaussians of different lengths, also after training steps."""
+    from flt.layers import FLTAttention
+    from flt.relative.spectra import GaussianMixtureSpectrum
+
+    torch.manual_seed(0)
+    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=16, components=4,
+                                      length_scale=1.0, length_spread=8.0, mean_scale=0.5, dtype=torch.float64)
+    assert tie_isotropic(layer) == 1
+    spectrum = next(m for m in layer.modules() if isinstance(m, GaussianMixtureSpectrum))
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    x, pos = torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(2, 7, 3, dtype=torch.float64)
+    for _ in range(3):
+        layer(x, pos=pos).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(spectrum.mu, torch.zeros_like(spectrum.mu))
+    lengths = spectrum.lengths()
+    assert torch.equal(lengths, lengths[..., :1].expand_as(lengths))
+    assert lengths[0, -1, 0] > 4 * lengths[0, 0, 0]  # the components keep distinct ranges
+    delta = torch.randn(5, 3, dtype=torch.float64)
+    assert_close(spectrum.mask(delta @ random_rotation(1).T), spectrum.mask(delta))
 
 
 @pytest.mark.parametrize("attention", NAMES)

@@ -31,10 +31,12 @@ from torch.nn.utils import parametrize
 from flt._checks import check_choice
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import READOUTS
-from flt.relative.spectra import GaussianKernelSpectrum, MaternSpectrum, Spectrum
+from flt.relative.spectra import GaussianKernelSpectrum, GaussianMixtureSpectrum, MaternSpectrum, Spectrum
 
 #: Spectra whose mask is a function of ``|Delta / l|``: radial once the lengths are tied.
-RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum)
+#: A Gaussian mixture is radial once its per-axis scales are tied and its means held at the
+#: origin: ``f(r) = sum_c alpha_c exp(-r^2 / (2 l_c^2))``, several length scales per head.
+RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum, GaussianMixtureSpectrum)
 
 
 class _SameOnEveryAxis(nn.Module):
@@ -44,12 +46,22 @@ class _SameOnEveryAxis(nn.Module):
         return x.mean(dim=-1, keepdim=True).expand_as(x)
 
 
+class _AtOrigin(nn.Module):
+    """Parametrisation of mixture means ``mu [H, C, P]``: zero, so no component oscillates
+    along an axis (``cos(2 pi mu . Delta)`` is the only non-radial factor of a mixture)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+
 def tie_isotropic(module: nn.Module) -> int:
     """Tie the per-axis length scales of every radial spectrum under ``module``.
 
     The tied value is the mean of the per-axis raw parameters, so gradients reach all of
-    them equally and the lengths stay equal through training. Returns the number of
-    spectra tied; a spectrum that is not in :data:`RADIAL_SPECTRA` raises ``ValueError``.
+    them equally and the lengths stay equal through training. A Gaussian mixture also has
+    its component means held at the origin (its lengths, one per component, stay free), so
+    its mask is a sum of radial Gaussians. Returns the number of spectra tied; a spectrum
+    that is not in :data:`RADIAL_SPECTRA`, or one with a learned shift, raises ``ValueError``.
     """
     tied = 0
     for name, sub in module.named_modules():
@@ -60,10 +72,16 @@ def tie_isotropic(module: nn.Module) -> int:
                 f"isotropic=True needs radial spectra (gaussian or matern), but {name} is a "
                 f"{type(sub).__name__}; choose a radial spectrum or set isotropic=False"
             )
-        if not parametrize.is_parametrized(sub, "log_length"):
+        if getattr(sub, "shift", None) is not None:
+            raise ValueError(f"isotropic=True needs radial spectra, but {name} has a learned shift; drop it or set isotropic=False")
+        length = "log_scale" if isinstance(sub, GaussianMixtureSpectrum) else "log_length"
+        if not parametrize.is_parametrized(sub, length):
+            raw = getattr(sub, length)
             with torch.no_grad():
-                sub.log_length.copy_(sub.log_length.mean(dim=-1, keepdim=True).expand_as(sub.log_length))
-            parametrize.register_parametrization(sub, "log_length", _SameOnEveryAxis())
+                raw.copy_(raw.mean(dim=-1, keepdim=True).expand_as(raw))
+            parametrize.register_parametrization(sub, length, _SameOnEveryAxis())
+        if isinstance(sub, GaussianMixtureSpectrum) and not parametrize.is_parametrized(sub, "mu"):
+            parametrize.register_parametrization(sub, "mu", _AtOrigin())
         tied += 1
     return tied
 
