@@ -319,7 +319,7 @@ def test_cli_search_molecule_then_train_arch(tmp_path, capsys):
     ("molecule", ["--posenc-candidates", "fourier"], "at least two encodings"),
     ("molecule", ["--posenc-candidates", "none,nosuchencoding"], "nosuchencoding"),
     ("graph", ["--model-opt", "encoder=gcn"], "encoder='gcn' has no attention layers"),
-    ("molecule", ["--candidates", "flt:spectrum=local,softmax"], "does not fit isotropic=true"),
+    ("molecule", ["--candidates", "flt:spectrum=gaussian_mixture:shift=true,softmax"], "does not fit isotropic=true"),
 ])
 def test_bad_search_options_are_clear_errors_before_any_training(tmp_path, capsys, task, args, match):
     out = tmp_path / "s"
