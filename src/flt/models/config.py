@@ -169,8 +169,8 @@ class MoleculeConfig(LayeredConfig):
     Coordinates are centred on each structure's mean atom position (so the model is
     translation invariant whatever the encoding). ``readout`` pools atoms by ``"mean"``
     or ``"sum"``. ``isotropic`` ties the per-axis length scales of radial spectra
-    (``gaussian``, ``matern``) so ``f`` stays a function of ``|Delta|`` while it learns;
-    with any other spectrum it raises. Predictions are ``target_mean + target_std * out``.
+    (``gaussian``, ``matern``; ``gaussian_mixture`` with its means held at 0) so ``f``
+    stays a function of ``|Delta|`` while it learns; with any other spectrum it raises. Predictions are ``target_mean + target_std * out``.
     """
 
     position_dims: ClassVar[int] = 3

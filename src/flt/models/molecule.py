@@ -69,7 +69,7 @@ def tie_isotropic(module: nn.Module) -> int:
             continue
         if not isinstance(sub, RADIAL_SPECTRA):
             raise ValueError(
-                f"isotropic=True needs radial spectra (gaussian or matern), but {name} is a "
+                f"isotropic=True needs radial spectra (gaussian, matern or gaussian_mixture), but {name} is a "
                 f"{type(sub).__name__}; choose a radial spectrum or set isotropic=False"
             )
         if getattr(sub, "shift", None) is not None:
