@@ -154,7 +154,7 @@ def test_flt_unknown_option_suggests_and_lists_the_layer_and_spectrum_options():
     text = str(err.value)
     assert text.startswith("attention 'flt': unknown option 'numfreq'; did you mean 'num_frequencies'")
     assert "FLTAttention takes backend, check_condition, chunk_size, coupling," in text
-    assert "its spectrum 'gaussian_mixture' takes amplitude, components," in text
+    assert "its spectrum 'gaussian_mixture' takes alpha_scale, amplitude, basis, components," in text
     assert "Spectrum.__init__" not in text
 
 

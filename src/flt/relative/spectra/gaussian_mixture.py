@@ -10,6 +10,14 @@ component: ``R / C`` frequencies each, ``xi = mu_c + s_c * eps``, ``w = alpha_c 
 ``l' > 0`` learned), i.e. the spectrum's width from above: a far field restricted to long,
 smooth components, the only ones a few random frequencies estimate well when the short
 range is computed exactly elsewhere (FLT's near set; docs/nbody.md).
+
+``basis`` turns a shifted 1-D mixture into a fixed basis, as a bias table is: centres frozen
+on an even grid from 0 to ``basis`` position units, lengths and ``mu`` frozen at their
+initial values, only the weights learnt. ``f`` is then linear in its parameters, so Adam
+fits it as fast as a table, where a free mixture must first move its centres and lengths
+(docs/offsets.md); its Fourier transform is still a shifted Gaussian mixture, so the
+random-feature estimate applies unchanged. ``alpha_scale`` multiplies the weights (as a
+table's ``table_scale``) so that they move by about ``alpha_scale * lr`` per Adam step.
 """
 
 from __future__ import annotations
@@ -47,6 +55,14 @@ class GaussianMixtureSpectrum(Spectrum):
             long-range components, the ones whose random-feature estimate has a small
             variance: a Gaussian of length ``l`` in a box of side ``L`` has about
             ``(L / l)^3`` independent modes to sample.
+        basis: ``0`` (default): a free mixture. ``> 0``: a fixed basis (needs ``shift=True``,
+            ``pos_dim = 1`` and ``mean_scale = 0``): component ``c`` of every head centred at
+            ``c * basis / (C - 1)``, shifts, lengths and ``mu`` frozen (``requires_grad``
+            off), only ``alpha`` learnt. ``length_spread=1`` gives every component the length
+            ``length_scale``; about the grid spacing covers the offsets evenly.
+        alpha_scale: the mixture weights are ``alpha_scale * alpha`` (default 1): Adam moves
+            ``alpha`` by about the learning rate per step, the weights by ``alpha_scale``
+            times that.
         **kwargs: ``sampler``, ``seed``, ``shift``, ``shift_scale`` (a learned shift per
             component, :class:`flt.relative.spectra.base.Spectrum`), ``device``, ``dtype``.
     """
@@ -65,6 +81,8 @@ class GaussianMixtureSpectrum(Spectrum):
         length_spread: float = 8.0,
         mean_scale: float = 0.0,
         min_length: float = 0.0,
+        basis: float = 0.0,
+        alpha_scale: float = 1.0,
         **kwargs: Any,
     ) -> None:
         check_positive_int("num_frequencies", num_frequencies)
@@ -83,6 +101,16 @@ class GaussianMixtureSpectrum(Spectrum):
                 f"the initial lengths (length_scale {length_scale}, length_spread {length_spread}) must exceed "
                 f"min_length ({min_length}): set length_scale above it"
             )
+        for name, value in (("basis", basis), ("alpha_scale", alpha_scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not alpha_scale:
+            raise ValueError("alpha_scale must be positive (the weights are alpha_scale * alpha), got 0")
+        if basis and (not kwargs.get("shift") or pos_dim != 1 or mean_scale):
+            raise ValueError(
+                f"basis={basis} fixes the component centres on a grid of offsets: it needs shift=True, pos_dim=1 and "
+                f"mean_scale=0, got shift={kwargs.get('shift', False)!r}, pos_dim={pos_dim}, mean_scale={mean_scale}"
+            )
         if num_frequencies % components:
             raise ValueError(
                 f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
@@ -91,7 +119,8 @@ class GaussianMixtureSpectrum(Spectrum):
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
         self.components = components
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
-        self.alpha = nn.Parameter(torch.full((heads, components), amplitude / components, **fk))
+        self.alpha_scale = float(alpha_scale)
+        self.alpha = nn.Parameter(torch.full((heads, components), amplitude / components / self.alpha_scale, **fk))
         mu = torch.randn(heads, components, pos_dim, dtype=torch.float64) * mean_scale
         self.mu = nn.Parameter(mu.to(**fk))
         lengths = length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64) if components > 1 else torch.tensor([length_scale], dtype=torch.float64)
@@ -100,6 +129,22 @@ class GaussianMixtureSpectrum(Spectrum):
         scales = (1.0 / (2 * math.pi * (lengths - self.min_length))).view(1, components, 1)
         self.log_scale = nn.Parameter(inverse_positive(scales, shape=(heads, components, pos_dim), **fk))
         self._init_shift(components)
+        self.basis = float(basis)
+        if self.basis:
+            self._fix_basis()
+
+    def _fix_basis(self) -> None:
+        """Centres on the grid ``0 .. basis``; shifts, lengths and ``mu`` frozen."""
+        assert self.shift is not None, "the constructor checks shift=True"
+        grid = torch.linspace(0.0, self.basis, self.components, dtype=torch.float64) if self.components > 1 else torch.zeros(1, dtype=torch.float64)
+        with torch.no_grad():
+            self.shift.copy_((grid / self.shift_scale).view(1, -1, 1).expand_as(self.shift))
+        for p in (self.shift, self.mu, self.log_scale):
+            p.requires_grad_(False)
+
+    def weights(self) -> torch.Tensor:
+        """The mixture weights ``alpha_scale * alpha``, ``[H, C]``."""
+        return self.alpha * self.alpha_scale if self.alpha_scale != 1.0 else self.alpha
 
     def scales(self) -> torch.Tensor:
         """Component standard deviations ``s [H, C, P]``."""
@@ -121,7 +166,7 @@ class GaussianMixtureSpectrum(Spectrum):
         s = self.scales()
         z = (xi.unsqueeze(-2).unsqueeze(-2) - self.mu) / s  # [..., H, C, P]
         log_norm = -0.5 * (z * z).sum(-1) - torch.log(s).sum(-1) - 0.5 * self.pos_dim * math.log(2 * math.pi)
-        return (self.alpha * torch.exp(log_norm)).sum(-1)
+        return (self.weights() * torch.exp(log_norm)).sum(-1)
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
         self._check_points("delta", delta)
@@ -131,15 +176,15 @@ class GaussianMixtureSpectrum(Spectrum):
         s = self.scales()
         osc = torch.cos(2 * math.pi * (self.mu * d).sum(-1))
         env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
-        return (self.alpha * osc * env).sum(-1)
+        return (self.weights() * osc * env).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        terms = []
+        terms, scale = [], self.alpha_scale
         for c in range(self.components):
             d = self.head_offsets(delta, h, c)
             phase = tensor_sum(self.mu[h, c, p] * x for p, x in enumerate(d))
             decay = tensor_sum((positive(self.log_scale[h, c, p]) * x) ** 2 for p, x in enumerate(d))
-            terms.append(self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
+            terms.append(scale * self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
         return tensor_sum(terms)
 
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
@@ -153,7 +198,7 @@ class GaussianMixtureSpectrum(Spectrum):
         cdt = compute_dtype(pos_q, self.mu)
         delta = pos_q.to(cdt).unsqueeze(2) - pos_k.to(cdt).unsqueeze(1)  # [B, N, Nk, P]
         s, mu = self.scales().to(cdt), self.mu.to(cdt)
-        alpha, sq = self.alpha.to(cdt), delta * delta
+        alpha, sq = self.weights().to(cdt), delta * delta
         f = None
         for c in range(self.components):  # one [B, H, N, Nk] block at a time
             env = torch.exp(-2 * math.pi**2 * torch.einsum("bijp,hp->bhij", sq, s[:, c] * s[:, c]))
@@ -166,7 +211,7 @@ class GaussianMixtureSpectrum(Spectrum):
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         H, C, P = self.mu.shape
         per = self.num_frequencies // C
-        mu, log_scale, alpha, eps = (as_dtype(t, dtype) for t in (self.mu, self.log_scale, self.alpha, self.eps[..., :P]))
+        mu, log_scale, alpha, eps = (as_dtype(t, dtype) for t in (self.mu, self.log_scale, self.weights(), self.eps[..., :P]))
         eps = eps.reshape(H, C, per, P)
         xi = mu.unsqueeze(-2) + self._scales_of(log_scale).unsqueeze(-2) * eps  # [H, C, per, P]
         w = (alpha / per).unsqueeze(-1).expand(H, C, per)
@@ -174,4 +219,6 @@ class GaussianMixtureSpectrum(Spectrum):
 
     def extra_repr(self) -> str:
         floor = f", min_length={self.min_length}" if self.min_length else ""
-        return f"{super().extra_repr()}, components={self.components}{floor}"
+        basis = f", basis={self.basis}" if self.basis else ""
+        scale = f", alpha_scale={self.alpha_scale}" if self.alpha_scale != 1.0 else ""
+        return f"{super().extra_repr()}, components={self.components}{floor}{basis}{scale}"
