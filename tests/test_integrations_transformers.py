@@ -183,6 +183,27 @@ def test_fltcache_state_does_not_grow_with_the_prompt(build):
     assert sizes[0] == sizes[1] > 0
 
 
+def test_generate_from_fltcache_holds_the_same_bytes_after_a_short_and_a_long_prompt():
+    """generate() through FLTCache (the path scripts/decode_state_size.py measures at 1k and
+    8k tokens): prompts of 16 and 96 tokens, both longer than the band, leave states of the
+    same size, while the default KV cache of the same model grows with the prompt."""
+    model = tiny_llama()
+    convert(model, "flt", num_features=16, num_frequencies=4, seed=0, near_field=3)
+    flt_bytes, kv_bytes = [], []
+    for length in (16, 96):
+        prompt = tokens(1, length)
+        cache = FLTCache()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=2, do_sample=False, cache=cache)
+            default = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        assert out.shape == (1, length + 2)
+        flt_bytes.append(cache.state_bytes())
+        kv = default.past_key_values
+        kv_bytes.append(sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)))
+    assert flt_bytes[0] == flt_bytes[1] > 0
+    assert kv_bytes[1] / kv_bytes[0] == pytest.approx((96 + 1) / (16 + 1))
+
+
 def test_fltcache_rows_are_selected_and_repeated_with_their_states(build):
     """batch_select_indices and batch_repeat_interleave move whole rows of every layer's
     state: the next token then decodes as from the prompts those rows hold."""
