@@ -74,6 +74,13 @@ CASES = {
         "near_neighbors (k nearest keys); without a near set use far_field=false",
         lambda: FLTAttention(16, 2, far_field="near"),
     ),
+    "far_constant_needs_near_set": (
+        Facts(features="favor+", coupling="multiplicative", far_field="constant", spectrum_term=True),
+        "far_field='constant' keeps f on the near set and a learnt constant per head beyond it: it needs "
+        "near_field (a token band) or near_neighbors (k nearest keys); without a near set the constant "
+        "would be the whole mask (use far_field=false)",
+        lambda: FLTAttention(16, 2, coupling="multiplicative", far_field="constant"),
+    ),
     "no_far_field_needs_neighbors": (
         Facts(features="elu", coupling="multiplicative", far_field=False, spectrum_term=True),
         "far_field=False with coupling='multiplicative' leaves no pair any weight (f = 0 "

@@ -93,7 +93,13 @@ class FLTAttention(KernelAttention):
             used exactly on the near set (``f + f_near`` there, as with ``True``), but its
             random-feature estimate beyond the near set is dropped (``f = 0`` there).
             Comparing it with ``True`` measures what the random-feature far field adds; it
-            needs a near set.
+            needs a near set. ``"constant"`` is the control for the far field's shape: ``f``
+            as with ``"near"`` on the near set, and beyond it a learnt constant ``c_h`` per
+            head (``far_constant``, ``[H]``, starting at 0, so the layer starts as
+            ``"near"``) in place of ``f``'s estimate: ``c_h`` times the kernel for the
+            multiplicative coupling, a logit bias ``c_h`` for the logit one. Comparing it
+            with ``True`` measures what the learnt shape of ``f`` beyond the near set adds
+            over attending there at all; it needs a near set.
         settings: :class:`flt.layers.parts.Settings`: ``rope``/``rope_base`` (also rotate
             queries and keys by RoPE), ``chunk_size`` (None: chosen from the shapes),
             ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
@@ -130,7 +136,7 @@ class FLTAttention(KernelAttention):
         features: Features | None = None,
         near: Band | Neighbors | None = None,
         coupling: str = "logit",
-        far_field: bool | Literal["near"] = True,
+        far_field: bool | Literal["near", "constant"] = True,
         settings: Settings | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -140,8 +146,9 @@ class FLTAttention(KernelAttention):
         settings = Settings() if settings is None else settings
         relative = _far_term(relative, coupling)
         _check_parts(features, near, settings)
-        if not (isinstance(far_field, bool) or far_field == "near"):
-            raise TypeError(f"far_field must be true, false or 'near' (f exact on the near set, 0 beyond it), got {far_field!r}")
+        if not (isinstance(far_field, bool) or far_field in ("near", "constant")):
+            raise TypeError(f"far_field must be true, false, 'near' (f exact on the near set, 0 beyond it) or 'constant' "
+                            f"(f exact on the near set, a learnt constant per head beyond it), got {far_field!r}")
         if not isinstance(settings.check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
         check_positive_int("dim", dim)
@@ -183,6 +190,12 @@ class FLTAttention(KernelAttention):
         self.far_field = far_field
         if far_field is False:
             self.spectrum.requires_grad_(False)
+        self.far_constant: torch.nn.Parameter | None = None
+        if far_field == "constant":
+            # Zero, so that the layer starts exactly where far_field="near" starts (no weight
+            # beyond the near set with the multiplicative coupling, the plain kernel with the
+            # logit one): the two controls then differ only by what training moves c_h to.
+            self.far_constant = torch.nn.Parameter(torch.zeros(heads, device=device, dtype=dtype))
 
     @classmethod
     @flat_options
@@ -211,7 +224,7 @@ class FLTAttention(KernelAttention):
         near_neighbors: int = 0,
         near_relative: str | None = None,
         near_relative_options: dict | None = None,
-        far_field: bool | Literal["near"] = True,
+        far_field: bool | Literal["near", "constant"] = True,
         check_condition: bool = True,
         backend: str = "torch",
         device: torch.device | str | None = None,
@@ -265,9 +278,15 @@ class FLTAttention(KernelAttention):
         return super().prefill(x, pos, key_padding_mask)
 
     def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The spectrum's random features ``a(r), c(r)``, the estimate of ``f`` beyond the
-        near set; zeros unless ``far_field=True``."""
+        """The spectrum's random features ``a(r), c(r)`` (``[B|1, H, N, F]``), the estimate of
+        ``f`` beyond the near set; zeros unless ``far_field=True``. With
+        ``far_field="constant"``, features of the same shape whose products are ``c_h`` for
+        every pair: ``a = (c_h, 0, ...)``, ``c = (1, 0, ...)``, so every estimator path (the
+        near sets subtract their pairs' estimates from the far sum) takes the constant as
+        it takes ``f``'s estimate."""
         a, c = self.spectrum.features(pos)
+        if self.far_constant is not None:
+            return _constant_features(self.far_constant, a, c)
         if self.far_field is not True:
             a, c = torch.zeros_like(a), torch.zeros_like(c)
         return a, c
@@ -275,7 +294,8 @@ class FLTAttention(KernelAttention):
     def far_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``) as the near set (and
         :meth:`exact`) uses it; zeros with ``far_field=False``. With ``far_field="near"``
-        it is ``f`` itself: :meth:`exact` zeroes it beyond the near set."""
+        or ``"constant"`` it is ``f`` itself: :meth:`exact` replaces it beyond the near set
+        (by 0, or by ``c_h``)."""
         f = self.spectrum.mask(delta)
         return torch.zeros_like(f) if self.far_field is False else f
 
@@ -393,7 +413,8 @@ class FLTAttention(KernelAttention):
         (:meth:`flt.layers.kernel.KernelAttention.exact_attention`). As ``num_features`` and
         ``num_frequencies`` grow, ``forward`` converges to this. With ``far_field="near"``
         the mask is ``f + f_near`` on the near set and ``0`` beyond it (a Performer's exact
-        kernel there for the logit coupling, no weight for the multiplicative one).
+        kernel there for the logit coupling, no weight for the multiplicative one); with
+        ``far_field="constant"`` it is ``c_h`` (``far_constant``) beyond the near set.
         """
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
@@ -404,7 +425,9 @@ class FLTAttention(KernelAttention):
             assert self.near_spectrum is not None  # built with the near set
             in_set = self.near.pairs(self, p, cdt)
             near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
-            if self.far_field == "near":
+            if self.far_constant is not None:
+                f = torch.where(in_set, f, self.far_constant.to(cdt).view(1, -1, 1, 1).expand_as(f))
+            elif self.far_field == "near":
                 f = torch.where(in_set, f, torch.zeros_like(f))
             f = f + torch.where(in_set, near, torch.zeros_like(near))
         pad = self.padding_mask_matrix(p.pad, cdt)
@@ -414,6 +437,16 @@ class FLTAttention(KernelAttention):
         else:
             out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, mask=f if pad is None else f * pad)
         return self.finish(out, x)
+
+
+def _constant_features(constant: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features shaped like ``a, c [B|1, H, N, F]`` with ``a_i . c_j = constant[h]`` for every
+    pair: ``(constant, 0, ...)`` and ``(1, 0, ...)``."""
+    lead = (*a.shape[:-1], 1)
+    first = constant.to(a.dtype).view(1, -1, 1, 1).expand(lead)
+    a = torch.cat([first, a.new_zeros(*lead[:-1], a.shape[-1] - 1)], dim=-1)
+    c = torch.cat([c.new_ones(lead), c.new_zeros(*lead[:-1], c.shape[-1] - 1)], dim=-1)
+    return a, c
 
 
 def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | Spectrum:
