@@ -64,7 +64,9 @@ def brute_force(lay, x, pos, *, kernel):
     n = x.shape[1]
     r = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [1, N, N, P]
     f_near = (lay.spectrum.mask(r) + lay.near_spectrum.of_offsets(r)).permute(0, 3, 1, 2)  # [1, H, N, N]
-    c = lay.far_constant.view(1, -1, 1, 1)
+    theta = lay.far_constant  # "positive" keeps softplus(theta) >= 0, "constant" theta itself
+    c_h = torch.log1p(torch.exp(theta)) if lay.far_field == "positive" else theta
+    c = c_h.view(1, -1, 1, 1)
     near = near_pairs(lay, p.pos[0], n)
     if lay.coupling == "multiplicative":
         qf, qs = lay.feature_map(xq)
@@ -83,7 +85,7 @@ def brute_force(lay, x, pos, *, kernel):
             width = 2 * lay.spectrum.num_frequencies
             one = torch.zeros(1, 2, n, width, dtype=F64)
             a = one.clone()
-            a[..., 0] = lay.far_constant.view(1, -1, 1)
+            a[..., 0] = c_h.view(1, -1, 1)
             one[..., 0] = 1.0
             qf, qs = lay.feature_map.forward_split(xq, a)
             kf, ks = lay.feature_map.forward_split(xk, one)
@@ -216,3 +218,34 @@ def test_the_cli_string_parses_and_builds_constant_layers():
     assert layers and all(m.far_field == "constant" and m.near_neighbors == 16 and m.coupling == "multiplicative"
                           for m in layers)
     assert all(torch.equal(m.far_constant.detach(), torch.zeros(m.heads)) for m in layers)
+
+
+POSITIVE_CASES = {k: CASES[k] for k in ("multiplicative, hedgehog, 5 nearest atoms", "logit, causal band of 3")}
+
+
+@pytest.mark.parametrize("kw", POSITIVE_CASES.values(), ids=POSITIVE_CASES.keys())
+def test_positive_constant_is_the_softplus_of_its_parameter_in_every_path(kw):
+    """``far_field="positive"``: the same layer with ``c_h = softplus(theta_h)``; float64
+    forward == reference == the formula (which takes the softplus itself), gradients to theta
+    included, and a negative theta still gives a positive constant."""
+    lay = trained_look(layer(far_field="positive", **kw))
+    assert bool((lay.far_constant_value() > 0).all())  # CONSTANTS[1] < 0 as theta
+    x, pos = inputs(23, kw.get("pos_dim", 1))
+    out = lay(x, pos)
+    assert_close(out, lay.reference(x, pos))
+    params = [lay.far_constant, *(p for p in lay.spectrum.parameters() if p.requires_grad)]
+    grads = assert_same_gradients(out, brute_force(lay, x, pos, kernel="features"), params)
+    assert float(grads[0].abs().min()) > 1e-6
+    assert_same_gradients(lay.exact(x, pos), brute_force(lay, x, pos, kernel="exact"), [lay.far_constant])
+
+
+def test_positive_constant_starts_small_and_positive_and_needs_a_near_set():
+    lay = layer(far_field="positive", coupling="multiplicative", near_neighbors=5, pos_dim=3)
+    assert torch.equal(lay.far_constant.detach(), torch.full((2,), -4.0, dtype=F64))
+    assert_close(lay.far_constant_value(), torch.log1p(torch.exp(torch.full((2,), -4.0, dtype=F64))))
+    with pytest.raises(ValueError, match="far_field='positive'.*near_field.*near_neighbors"):
+        FLTAttention(16, 2, coupling="multiplicative", far_field="positive")
+    with pytest.raises(ValueError, match="far_constant_value needs far_field='constant' or 'positive'"):
+        layer(far_field="near", near_neighbors=5, pos_dim=3).far_constant_value()
+    name, options = parse_attention("flt:near_neighbors=16:far_field=positive")
+    assert (name, options) == ("flt", {"near_neighbors": 16, "far_field": "positive"})

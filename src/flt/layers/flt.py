@@ -19,6 +19,7 @@ import warnings
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
 from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
@@ -99,7 +100,11 @@ class FLTAttention(KernelAttention):
             ``"near"``) in place of ``f``'s estimate: ``c_h`` times the kernel for the
             multiplicative coupling, a logit bias ``c_h`` for the logit one. Comparing it
             with ``True`` measures what the learnt shape of ``f`` beyond the near set adds
-            over attending there at all; it needs a near set.
+            over attending there at all; it needs a near set. ``"positive"`` is the same
+            control with ``c_h = softplus(theta_h) >= 0`` (``far_constant`` holds ``theta_h``,
+            starting at -4, ``c_h`` about 0.018): the multiplicative coupling's learnt
+            ``f`` is a nonnegative Gaussian mask beyond the near set, while a free constant
+            can go negative there and make rows of weights cancel.
         settings: :class:`flt.layers.parts.Settings`: ``rope``/``rope_base`` (also rotate
             queries and keys by RoPE), ``chunk_size`` (None: chosen from the shapes),
             ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
@@ -136,7 +141,7 @@ class FLTAttention(KernelAttention):
         features: Features | None = None,
         near: Band | Neighbors | None = None,
         coupling: str = "logit",
-        far_field: bool | Literal["near", "constant"] = True,
+        far_field: bool | Literal["near", "constant", "positive"] = True,
         settings: Settings | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -146,9 +151,10 @@ class FLTAttention(KernelAttention):
         settings = Settings() if settings is None else settings
         relative = _far_term(relative, coupling)
         _check_parts(features, near, settings)
-        if not (isinstance(far_field, bool) or far_field in ("near", "constant")):
-            raise TypeError(f"far_field must be true, false, 'near' (f exact on the near set, 0 beyond it) or 'constant' "
-                            f"(f exact on the near set, a learnt constant per head beyond it), got {far_field!r}")
+        if not (isinstance(far_field, bool) or far_field in ("near", "constant", "positive")):
+            raise TypeError(f"far_field must be true, false, 'near' (f exact on the near set, 0 beyond it), 'constant' "
+                            f"(f exact on the near set, a learnt constant per head beyond it) or 'positive' (the same "
+                            f"constant kept >= 0), got {far_field!r}")
         if not isinstance(settings.check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
         check_positive_int("dim", dim)
@@ -196,6 +202,10 @@ class FLTAttention(KernelAttention):
             # beyond the near set with the multiplicative coupling, the plain kernel with the
             # logit one): the two controls then differ only by what training moves c_h to.
             self.far_constant = torch.nn.Parameter(torch.zeros(heads, device=device, dtype=dtype))
+        elif far_field == "positive":
+            # softplus(-4) ~ 0.018: near where "near" starts, and Adam moves theta by about
+            # the learning rate a step, so a few thousand steps reach c_h ~ 1 (f's amplitude).
+            self.far_constant = torch.nn.Parameter(torch.full((heads,), -4.0, device=device, dtype=dtype))
 
     @classmethod
     @flat_options
@@ -224,7 +234,7 @@ class FLTAttention(KernelAttention):
         near_neighbors: int = 0,
         near_relative: str | None = None,
         near_relative_options: dict | None = None,
-        far_field: bool | Literal["near", "constant"] = True,
+        far_field: bool | Literal["near", "constant", "positive"] = True,
         check_condition: bool = True,
         backend: str = "torch",
         device: torch.device | str | None = None,
@@ -286,10 +296,17 @@ class FLTAttention(KernelAttention):
         it takes ``f``'s estimate."""
         a, c = self.spectrum.features(pos)
         if self.far_constant is not None:
-            return _constant_features(self.far_constant, a, c)
+            return _constant_features(self.far_constant_value(), a, c)
         if self.far_field is not True:
             a, c = torch.zeros_like(a), torch.zeros_like(c)
         return a, c
+
+    def far_constant_value(self) -> torch.Tensor:
+        """``c_h [H]``, the mask beyond the near set with ``far_field="constant"`` (the
+        parameter itself) or ``"positive"`` (its softplus)."""
+        if self.far_constant is None:
+            raise ValueError(f"far_constant_value needs far_field='constant' or 'positive', got far_field={self.far_field!r}")
+        return F.softplus(self.far_constant) if self.far_field == "positive" else self.far_constant
 
     def far_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``) as the near set (and
@@ -426,7 +443,7 @@ class FLTAttention(KernelAttention):
             in_set = self.near.pairs(self, p, cdt)
             near = rearrange(self.near_spectrum.of_offsets(delta.to(cdt)), "b i j h -> b h i j")
             if self.far_constant is not None:
-                f = torch.where(in_set, f, self.far_constant.to(cdt).view(1, -1, 1, 1).expand_as(f))
+                f = torch.where(in_set, f, self.far_constant_value().to(cdt).view(1, -1, 1, 1).expand_as(f))
             elif self.far_field == "near":
                 f = torch.where(in_set, f, torch.zeros_like(f))
             f = f + torch.where(in_set, near, torch.zeros_like(near))

@@ -109,8 +109,8 @@ RULES: tuple[Rule, ...] = (
          lambda f: "far_field='near' keeps f on the near set only: it needs near_field (a token band) or "
                    "near_neighbors (k nearest keys); without a near set use far_field=false"),
     Rule("far_constant_needs_near_set", "far_field",
-         lambda f: f.far_field == "constant" and not f.near_set,
-         lambda f: "far_field='constant' keeps f on the near set and a learnt constant per head beyond it: it needs "
+         lambda f: f.far_field in ("constant", "positive") and not f.near_set,
+         lambda f: f"far_field={f.far_field!r} keeps f on the near set and a learnt constant per head beyond it: it needs "
                    "near_field (a token band) or near_neighbors (k nearest keys); without a near set the constant "
                    "would be the whole mask (use far_field=false)"),
     Rule("no_far_field_needs_neighbors", "far_field",
