@@ -54,7 +54,7 @@ def brute_force(lay, x, pos, *, kernel):
 
     * ``"exact"``: the exact kernel ``exp(x_q.x_k)`` (what :meth:`exact` computes);
     * ``"features"``: the estimate the fast path uses beyond the near set: the feature map's
-      own kernel (multiplicative), or FAVOR+ of ``[x_q, (c_h, 0, ...)]`` and ``[x_k, (1, 0, ...)]``
+      own kernel (multiplicative), or FAVOR+ of ``[x_q, (c_h / t, 0, ...)]`` and ``[x_k, (t, 0, ...)]``, ``t = sqrt(|c_h|)``
       (logit: ``exp(x_q.x_k + c_h)`` in expectation); near pairs stay exact.
 
     Multiplicative: weight = mask * kernel; logit: kernel * exp(mask). Rows normalised,
@@ -85,8 +85,9 @@ def brute_force(lay, x, pos, *, kernel):
             width = 2 * lay.spectrum.num_frequencies
             one = torch.zeros(1, 2, n, width, dtype=F64)
             a = one.clone()
-            a[..., 0] = c_h.view(1, -1, 1)
-            one[..., 0] = 1.0
+            t = c_h.detach().abs().clamp_min(1e-6).sqrt().view(1, -1, 1)  # the layer's symmetric split
+            a[..., 0] = c_h.view(1, -1, 1) / t
+            one[..., 0] = t
             qf, qs = lay.feature_map.forward_split(xq, a)
             kf, ks = lay.feature_map.forward_split(xk, one)
             beyond = (qf @ kf.transpose(-1, -2)) * torch.exp(qs.unsqueeze(-1) + ks.unsqueeze(-2))

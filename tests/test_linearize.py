@@ -397,3 +397,16 @@ def test_cli_transfer_flag(checkpoints, text_file, tmp_path, capsys, isolated_cl
     assert "--transfer: invalid choice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="transfer must be one of"):
         LinearizeConfig(transfer="attention")
+
+
+def test_stages_keep_parameters_the_core_froze_frozen(checkpoints):
+    """A spectrum frozen at construction (``far_field=False``) stays frozen in every stage."""
+    from flt.integrations.transformers import attention_modules, convert
+    from flt.train.linearize import trainable_parameters
+
+    model = convert(LlamaForCausalLM.from_pretrained(checkpoints["llama"]), attention="flt", **BAND, far_field=False)
+    spectra = [p for m in attention_modules(model) for p in m.get_submodule("flt_core").attention.spectrum.parameters()]
+    assert spectra and not any(p.requires_grad for p in spectra)
+    for stage in ("cores", "all", "cores"):
+        chosen = {id(p) for p in trainable_parameters(model, stage)}
+        assert chosen and not any(id(p) in chosen or p.requires_grad for p in spectra)

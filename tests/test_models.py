@@ -262,8 +262,11 @@ def test_isotropic_mixture_is_radial_with_several_lengths_per_head():
     from flt.relative.spectra import GaussianMixtureSpectrum
 
     torch.manual_seed(0)
-    layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="gaussian_mixture", num_frequencies=16, components=4,
-                                      length_scale=1.0, length_spread=8.0, mean_scale=0.5, dtype=torch.float64)
+    options = dict(pos_dim=3, spectrum="gaussian_mixture", num_frequencies=16, components=4, length_scale=1.0,
+                   length_spread=8.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="nonzero means.*mean_scale=0"):  # means drawn off the origin are not radial
+        tie_isotropic(FLTAttention.from_options(16, 2, mean_scale=0.5, **options))
+    layer = FLTAttention.from_options(16, 2, **options)
     assert tie_isotropic(layer) == 1
     spectrum = next(m for m in layer.modules() if isinstance(m, GaussianMixtureSpectrum))
     opt = torch.optim.Adam(layer.parameters(), lr=0.1)

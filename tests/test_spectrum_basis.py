@@ -125,8 +125,8 @@ def test_the_basis_represents_the_offsets_target():
 @pytest.mark.parametrize("options, match", [
     ({"shift": False}, "basis=64.0 fixes the component centres on a grid of offsets: it needs shift=True"),
     ({"mean_scale": 0.1}, "mean_scale=0"),
-    ({"alpha_scale": 0.0}, "alpha_scale must be positive"),
-    ({"alpha_scale": -2.0}, "alpha_scale must be a finite number >= 0"),
+    ({"alpha_scale": 0.0}, "alpha_scale must be a finite number > 0"),
+    ({"alpha_scale": -2.0}, "alpha_scale must be a finite number > 0"),
     ({"basis": float("inf")}, "basis must be a finite number >= 0"),
 ])
 def test_bad_basis_options_are_rejected(options, match):
@@ -137,3 +137,15 @@ def test_bad_basis_options_are_rejected(options, match):
 def test_basis_needs_one_position_dimension():
     with pytest.raises(ValueError, match="pos_dim=1"):
         SPECTRA["gaussian_mixture"](2, 2, 4 * C, **BASIS)
+
+
+def test_head_value_equals_the_mask_with_a_length_floor():
+    """The per-score form (FlexAttention's ``score_mod``) takes ``min_length`` as ``mask`` does."""
+    spec = SPECTRA["gaussian_mixture"](2, 1, 12, dtype=F64, seed=0, components=3, min_length=2.0, length_scale=4.0)
+    with torch.no_grad():
+        spec.alpha.copy_(torch.tensor([[1.0, -0.5, 0.7], [0.3, 0.9, -1.2]], dtype=F64))
+    delta = torch.linspace(-9, 9, 37, dtype=F64)
+    mask = spec.mask(delta.view(-1, 1))  # [37, H]
+    for h in range(2):
+        value = spec.head_value([delta], torch.tensor(h))
+        torch.testing.assert_close(value, mask[:, h], rtol=1e-12, atol=1e-14)

@@ -97,7 +97,8 @@ class FLTAttention(KernelAttention):
             needs a near set. ``"constant"`` is the control for the far field's shape: ``f``
             as with ``"near"`` on the near set, and beyond it a learnt constant ``c_h`` per
             head (``far_constant``, ``[H]``, starting at 0, so the layer starts as
-            ``"near"``) in place of ``f``'s estimate: ``c_h`` times the kernel for the
+            ``"near"``: exactly with the multiplicative coupling, in expectation with the
+            logit one) in place of ``f``'s estimate: ``c_h`` times the kernel for the
             multiplicative coupling, a logit bias ``c_h`` for the logit one. Comparing it
             with ``True`` measures what the learnt shape of ``f`` beyond the near set adds
             over attending there at all; it needs a near set. ``"positive"`` is the same
@@ -198,9 +199,10 @@ class FLTAttention(KernelAttention):
             self.spectrum.requires_grad_(False)
         self.far_constant: torch.nn.Parameter | None = None
         if far_field == "constant":
-            # Zero, so that the layer starts exactly where far_field="near" starts (no weight
-            # beyond the near set with the multiplicative coupling, the plain kernel with the
-            # logit one): the two controls then differ only by what training moves c_h to.
+            # Zero, so that the layer starts where far_field="near" starts (no weight beyond
+            # the near set with the multiplicative coupling, exactly; the plain kernel with the
+            # logit one, in exact() and in expectation, the FAVOR+ draw having one more input):
+            # the two controls then differ by what training moves c_h to.
             self.far_constant = torch.nn.Parameter(torch.zeros(heads, device=device, dtype=dtype))
         elif far_field == "positive":
             # softplus(-4) ~ 0.018: near where "near" starts, and Adam moves theta by about
@@ -311,8 +313,8 @@ class FLTAttention(KernelAttention):
     def far_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """The spectrum's exact ``f(delta)`` (``[..., P] -> [..., H]``) as the near set (and
         :meth:`exact`) uses it; zeros with ``far_field=False``. With ``far_field="near"``
-        or ``"constant"`` it is ``f`` itself: :meth:`exact` replaces it beyond the near set
-        (by 0, or by ``c_h``)."""
+        ``"constant"`` or ``"positive"`` it is ``f`` itself: :meth:`exact` replaces it beyond
+        the near set (by 0, or by ``c_h``)."""
         f = self.spectrum.mask(delta)
         return torch.zeros_like(f) if self.far_field is False else f
 
@@ -431,7 +433,8 @@ class FLTAttention(KernelAttention):
         ``num_frequencies`` grow, ``forward`` converges to this. With ``far_field="near"``
         the mask is ``f + f_near`` on the near set and ``0`` beyond it (a Performer's exact
         kernel there for the logit coupling, no weight for the multiplicative one); with
-        ``far_field="constant"`` it is ``c_h`` (``far_constant``) beyond the near set.
+        ``far_field="constant"`` or ``"positive"`` it is ``c_h`` (:meth:`far_constant_value`)
+        beyond the near set.
         """
         p = self.prepare(x, pos, key_padding_mask)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
@@ -458,11 +461,16 @@ class FLTAttention(KernelAttention):
 
 def _constant_features(constant: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Features shaped like ``a, c [B|1, H, N, F]`` with ``a_i . c_j = constant[h]`` for every
-    pair: ``(constant, 0, ...)`` and ``(1, 0, ...)``."""
+    pair: ``(constant / t, 0, ...)`` and ``(t, 0, ...)``, ``t = sqrt(|constant|)`` (detached,
+    at least 1e-3). The split is symmetric because the logit coupling joins these features
+    to FAVOR+'s inputs, whose variance grows with their norms: ``(constant, 0, ...)`` against
+    ``(1, 0, ...)`` would add a unit input to every key even at ``constant = 0``. The product
+    is ``constant`` with gradient 1 (``t`` carries none)."""
     lead = (*a.shape[:-1], 1)
-    first = constant.to(a.dtype).view(1, -1, 1, 1).expand(lead)
-    a = torch.cat([first, a.new_zeros(*lead[:-1], a.shape[-1] - 1)], dim=-1)
-    c = torch.cat([c.new_ones(lead), c.new_zeros(*lead[:-1], c.shape[-1] - 1)], dim=-1)
+    value = constant.to(a.dtype).view(1, -1, 1, 1)
+    t = value.detach().abs().clamp_min(1e-6).sqrt()
+    a = torch.cat([(value / t).expand(lead), a.new_zeros(*lead[:-1], a.shape[-1] - 1)], dim=-1)
+    c = torch.cat([t.to(c.dtype).expand(lead), c.new_zeros(*lead[:-1], c.shape[-1] - 1)], dim=-1)
     return a, c
 
 

@@ -31,7 +31,12 @@ from torch.nn.utils import parametrize
 from flt._checks import check_choice
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import READOUTS
-from flt.relative.spectra import GaussianKernelSpectrum, GaussianMixtureSpectrum, MaternSpectrum, Spectrum
+from flt.relative.spectra import (
+    GaussianKernelSpectrum,
+    GaussianMixtureSpectrum,
+    MaternSpectrum,
+    Spectrum,
+)
 
 #: Spectra whose mask is a function of ``|Delta / l|``: radial once the lengths are tied.
 #: A Gaussian mixture is radial once its per-axis scales are tied and its means held at the
@@ -73,7 +78,10 @@ def tie_isotropic(module: nn.Module) -> int:
                 f"{type(sub).__name__}; choose a radial spectrum or set isotropic=False"
             )
         if getattr(sub, "shift", None) is not None:
-            raise ValueError(f"isotropic=True needs radial spectra, but {name} has a learned shift; drop it or set isotropic=False")
+            raise ValueError(f"isotropic=True needs radial spectra, but {name} has a learned shift (shift=True); drop it or set isotropic=False")
+        if isinstance(sub, GaussianMixtureSpectrum) and bool((sub.mu != 0).any()):
+            raise ValueError(f"isotropic=True holds a Gaussian mixture's means at the origin, but {name} has nonzero means "
+                             f"(mean_scale > 0); set mean_scale=0 or isotropic=False")
         length = "log_scale" if isinstance(sub, GaussianMixtureSpectrum) else "log_length"
         if not parametrize.is_parametrized(sub, length):
             raw = getattr(sub, length)

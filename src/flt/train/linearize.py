@@ -514,6 +514,15 @@ def trainable_parameters(model: PreTrainedModel, what: str) -> list[torch.nn.Par
         chosen = {id(p) for m in attention_modules(model) for p in m.parameters()}
     else:
         chosen = {id(p) for m in attention_modules(model) for p in m.get_submodule("flt_core").parameters()}
+    # Parameters a core froze when it was built (a spectrum with far_field=False, a fixed
+    # basis's centres and lengths) stay frozen in every stage: recorded at the first call,
+    # before any stage has changed requires_grad.
+    frozen = model.__dict__.get("_flt_frozen_parameters")
+    if frozen is None:
+        frozen = {id(p) for m in attention_modules(model) for p in m.get_submodule("flt_core").parameters()
+                  if not p.requires_grad}
+        model.__dict__["_flt_frozen_parameters"] = frozen
+    chosen -= frozen
     params = []
     for p in model.parameters():
         p.requires_grad_(id(p) in chosen)

@@ -101,11 +101,10 @@ class GaussianMixtureSpectrum(Spectrum):
                 f"the initial lengths (length_scale {length_scale}, length_spread {length_spread}) must exceed "
                 f"min_length ({min_length}): set length_scale above it"
             )
-        for name, value in (("basis", basis), ("alpha_scale", alpha_scale)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not alpha_scale:
-            raise ValueError("alpha_scale must be positive (the weights are alpha_scale * alpha), got 0")
+        if isinstance(basis, bool) or not isinstance(basis, (int, float)) or not math.isfinite(basis) or basis < 0:
+            raise ValueError(f"basis must be a finite number >= 0 (0: off), got {basis!r}")
+        if isinstance(alpha_scale, bool) or not isinstance(alpha_scale, (int, float)) or not math.isfinite(alpha_scale) or alpha_scale <= 0:
+            raise ValueError(f"alpha_scale must be a finite number > 0 (the weights are alpha_scale * alpha), got {alpha_scale!r}")
         if basis and (not kwargs.get("shift") or pos_dim != 1 or mean_scale):
             raise ValueError(
                 f"basis={basis} fixes the component centres on a grid of offsets: it needs shift=True, pos_dim=1 and "
@@ -180,10 +179,11 @@ class GaussianMixtureSpectrum(Spectrum):
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         terms, scale = [], self.alpha_scale
+        scales = self._scales_of(self.log_scale)  # min_length included, as mask() has it
         for c in range(self.components):
             d = self.head_offsets(delta, h, c)
             phase = tensor_sum(self.mu[h, c, p] * x for p, x in enumerate(d))
-            decay = tensor_sum((positive(self.log_scale[h, c, p]) * x) ** 2 for p, x in enumerate(d))
+            decay = tensor_sum((scales[h, c, p] * x) ** 2 for p, x in enumerate(d))
             terms.append(scale * self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
         return tensor_sum(terms)
 
