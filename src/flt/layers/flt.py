@@ -290,18 +290,22 @@ class FLTAttention(KernelAttention):
         return super().prefill(x, pos, key_padding_mask)
 
     def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The spectrum's random features ``a(r), c(r)`` (``[B|1, H, N, F]``), the estimate of
+        """The spectrum's random features ``a(r), c(r)`` (``[B|1, H, N, 2R]``), the estimate of
         ``f`` beyond the near set; zeros unless ``far_field=True``. With
-        ``far_field="constant"``, features of the same shape whose products are ``c_h`` for
-        every pair: ``a = (c_h, 0, ...)``, ``c = (1, 0, ...)``, so every estimator path (the
-        near sets subtract their pairs' estimates from the far sum) takes the constant as
-        it takes ``f``'s estimate."""
-        a, c = self.spectrum.features(pos)
+        ``far_field="constant"`` or ``"positive"``, features of the same shape whose products
+        are ``c_h`` for every pair (:func:`_constant_features`), so every estimator path (the
+        near sets subtract their pairs' estimates from the far sum) takes the constant as it
+        takes ``f``'s estimate. Only ``far_field=True`` computes the random features."""
+        if self.far_field is True:
+            return self.spectrum.features(pos)
+        params = list(self.spectrum.parameters())[:1]
+        dtype = compute_dtype(pos, *params)
+        lead = (pos.shape[0] if pos.ndim == 3 else 1, self.heads, pos.shape[-2], 1)
+        width = 2 * self.spectrum.num_frequencies
         if self.far_constant is not None:
-            return _constant_features(self.far_constant_value(), a, c)
-        if self.far_field is not True:
-            a, c = torch.zeros_like(a), torch.zeros_like(c)
-        return a, c
+            return _constant_features(self.far_constant_value(), lead, width, dtype)
+        zeros = pos.new_zeros(*lead[:-1], width, dtype=dtype)
+        return zeros, torch.zeros_like(zeros)
 
     def far_constant_value(self) -> torch.Tensor:
         """``c_h [H]``, the mask beyond the near set with ``far_field="constant"`` (the
@@ -459,19 +463,18 @@ class FLTAttention(KernelAttention):
         return self.finish(out, x)
 
 
-def _constant_features(constant: torch.Tensor, a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features shaped like ``a, c [B|1, H, N, F]`` with ``a_i . c_j = constant[h]`` for every
-    pair: ``(constant / t, 0, ...)`` and ``(t, 0, ...)``, ``t = sqrt(|constant|)`` (detached,
-    at least 1e-3). The split is symmetric because the logit coupling joins these features
-    to FAVOR+'s inputs, whose variance grows with their norms: ``(constant, 0, ...)`` against
+def _constant_features(constant: torch.Tensor, lead: tuple[int, ...], width: int,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``a, c [*lead[:-1], width]`` with ``a_i . c_j = constant[h]`` for every pair:
+    ``(constant / t, 0, ...)`` and ``(t, 0, ...)``, ``t = sqrt(|constant|)`` (detached, at
+    least 1e-3). The split is symmetric because the logit coupling joins these features to
+    FAVOR+'s inputs, whose variance grows with their norms: ``(constant, 0, ...)`` against
     ``(1, 0, ...)`` would add a unit input to every key even at ``constant = 0``. The product
     is ``constant`` with gradient 1 (``t`` carries none)."""
-    lead = (*a.shape[:-1], 1)
-    value = constant.to(a.dtype).view(1, -1, 1, 1)
+    value = constant.to(dtype).view(1, -1, 1, 1)
     t = value.detach().abs().clamp_min(1e-6).sqrt()
-    a = torch.cat([(value / t).expand(lead), a.new_zeros(*lead[:-1], a.shape[-1] - 1)], dim=-1)
-    c = torch.cat([t.to(c.dtype).expand(lead), c.new_zeros(*lead[:-1], c.shape[-1] - 1)], dim=-1)
-    return a, c
+    rest = value.new_zeros(*lead[:-1], width - 1)
+    return torch.cat([(value / t).expand(lead), rest], dim=-1), torch.cat([t.expand(lead), rest], dim=-1)
 
 
 def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | Spectrum:

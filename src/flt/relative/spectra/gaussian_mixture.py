@@ -178,13 +178,13 @@ class GaussianMixtureSpectrum(Spectrum):
         return (self.weights() * osc * env).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        terms, scale = [], self.alpha_scale
+        terms, weights = [], self.weights()
         scales = self._scales_of(self.log_scale)  # min_length included, as mask() has it
         for c in range(self.components):
             d = self.head_offsets(delta, h, c)
             phase = tensor_sum(self.mu[h, c, p] * x for p, x in enumerate(d))
             decay = tensor_sum((scales[h, c, p] * x) ** 2 for p, x in enumerate(d))
-            terms.append(scale * self.alpha[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
+            terms.append(weights[h, c] * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay))
         return tensor_sum(terms)
 
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
