@@ -128,7 +128,8 @@ def test_exact_puts_the_constant_beyond_the_near_set(kw):
     x, pos = inputs(20, kw.get("pos_dim", 1), seed=5)
     assert_same_gradients(lay.exact(x, pos), brute_force(lay, x, pos, kernel="exact"), [lay.far_constant])
     near = layer(far_field="near", **kw)
-    near.load_state_dict(lay.state_dict(), strict=False)
+    loaded = near.load_state_dict(lay.state_dict(), strict=False)
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
     assert float((near.exact(x, pos) - lay.exact(x, pos)).abs().max().detach()) > 1e-3
 
 
@@ -151,7 +152,8 @@ def test_a_zero_constant_is_far_field_near(kw):
     with torch.no_grad():
         lay.far_constant.zero_()
     near = layer(far_field="near", **kw)
-    near.load_state_dict(lay.state_dict(), strict=False)
+    loaded = near.load_state_dict(lay.state_dict(), strict=False)
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
     x, pos = inputs(20, 3, seed=6)
     assert torch.equal(lay(x, pos), near(x, pos))
     assert_close(lay.exact(x, pos), near.exact(x, pos))
@@ -169,7 +171,8 @@ def test_a_zero_constant_is_far_field_near_in_exact_for_the_logit_coupling():
     with torch.no_grad():
         lay.far_constant.zero_()
     near = layer(far_field="near", **kw)
-    near.load_state_dict(lay.state_dict(), strict=False)
+    loaded = near.load_state_dict(lay.state_dict(), strict=False)
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
     x, _ = inputs(20, 1, seed=7)
     assert_close(lay.exact(x), near.exact(x))
 
