@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# The GPU checks in one run (at most about 9.5 minutes on one H100 or H200: one device call of 600 s): the CUDA tests, then
-# `flt bench speed --device cuda` in three passes sized to the time, each with its own time
-# limit so that one pass that runs long does not cost the others. Logs and each pass's
-# speed-cuda.json go to $OUT (default: flt-out/gpu), its tables to stdout. Runs from a
-# checkout without installing it (PYTHONPATH=src).
+# The GPU checks, in parts that each keep their own time limit (so that one part that runs
+# long does not cost the others):
+#   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
+#   cuda   every CUDA test (at most 100 s)
+#   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
+#          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
+#          too large to carry to a device machine), median step time (at most 200 s)
+#   bench  `flt bench speed --device cuda` in three passes (at most 320 s)
+# All four fit one device call of 600 s only just; `diag cuda qm9` and `bench` are two
+# calls of about 5.5 minutes. Logs and each pass's speed-cuda.json go to $OUT (default:
+# flt-out/gpu), tables to stdout. Runs from a checkout without installing it (PYTHONPATH=src).
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/gpu_check.sh                 # every part
+#   bash scripts/gpu_check.sh diag cuda qm9   # the parts named
 set -uo pipefail
 OUT=${OUT:-flt-out/gpu}
 mkdir -p "$OUT"
@@ -14,12 +21,43 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
+PARTS=${*:-diag cuda qm9 bench}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+
+if part diag; then
 # 0. The Triton kernels against the PyTorch path, case by case (bfloat16 and segments; the band in float64).
 timeout 130 $PY scripts/gpu_diag_triton.py 2>&1 | grep -v -i warn | tee "$OUT/diag.log"
+fi
+
+if part cuda; then
 
 # 1. Every CUDA test (float64 identities, bf16, decoding, Triton kernels, Flex score_mod, sparse pairs).
 timeout 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
     2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
+fi
+
+if part qm9; then
+# The QM9 base preset's step (width 128, 4 layers, batch 64) of each model: step times only
+# (200 steps on 2,000 sample molecules; accuracy needs the full split and 200,000 steps).
+SAMPLE=${QM9_SAMPLE:-.gpu/qm9-sample.csv}
+for model in "flt" "softmax" "performer" "schnet" "dimenet++"; do
+    case $model in
+        schnet|dimenet++) args=(--model "$model") ;;
+        *) args=(--attention "$model") ;;
+    esac
+    run=$(mktemp -d)
+    timeout 40 $PY -m flt train qm9 --preset base --device "${QM9_DEVICE:-cuda}" "${args[@]}" --data "$SAMPLE" \
+        --data-opt num_train=2000 --data-opt num_valid=200 --data-opt num_test=200 \
+        --steps "${QM9_STEPS:-200}" --eval-every 1000 --checkpoint-every 1000 --no-plots --no-progress \
+        --out-dir "$run" > "$run.log" 2>&1
+    { echo "== $model"; cat "$run.log"; } >> "$OUT/qm9.log"
+    $PY -c "import json, sys; s = json.load(open(sys.argv[1])); print(json.dumps({'model': sys.argv[2], **s}))" \
+        "$run/summary.json" "$model" >> "$OUT/qm9.jsonl" 2>/dev/null
+    echo "qm9 base $model: $(grep -h "s/step\|Error\|error" "$run.log" | tail -2)"
+done
+fi
+
+if part bench; then
 
 bench() {  # name, time limit, bench arguments...
     local name=$1 limit=$2
@@ -38,3 +76,4 @@ bench wide 110 --shapes wide --lengths 65536 --modes fwd+bwd \
 bench compiled 110 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
     --rows "flt-logit compiled" "flt-logit band8 compiled" sdpa
 for f in "$WORK"/*/speed-cuda.md; do echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; done
+fi

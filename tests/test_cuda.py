@@ -106,7 +106,8 @@ def test_decoding_on_gpu_matches_the_causal_forward(name, i):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name,options", [("performer", {}), ("flt", {"num_frequencies": 8}),
                                           ("flt", {"coupling": "multiplicative", "num_frequencies": 8, "check_condition": False}),
-                                          ("flt", {"num_frequencies": 8, "near_field": 16, "near_relative": "clipped"})])
+                                          ("flt", {"num_frequencies": 8, "near_field": 16, "near_relative": "clipped"}),
+                                          ("flt", {"num_frequencies": 8, "near_field": 16, "far_field": "positive"})])
 def test_triton_backend_on_gpu(name, options, causal, dtype):
     pytest.importorskip("triton", reason="the triton extra is not installed")
     from flt.ops.triton import interpreted

@@ -259,11 +259,15 @@ def test_band_kernel_gradients_match_reference():
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("far_field", [True, "positive", "constant"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_layer_band_backend_triton_matches_torch(causal):
+def test_layer_band_backend_triton_matches_torch(causal, far_field):
+    """The band kernel with the far field's random features, or with the learnt constant
+    beyond the band (its constant features go through the same kernel), in float64."""
     from flt.layers.registry import ATTENTION
 
-    kw = dict(causal=causal, num_features=16, num_frequencies=4, near_field=4, near_relative="clipped", dtype=torch.float64, seed=2)
+    kw = dict(causal=causal, num_features=16, num_frequencies=4, near_field=4, near_relative="clipped", far_field=far_field,
+              dtype=torch.float64, seed=2)
     torch_layer = ATTENTION["flt"].from_options(16, 2, **kw)
     triton_layer = ATTENTION["flt"].from_options(16, 2, backend="triton", **kw)
     with torch.no_grad():
