@@ -370,3 +370,35 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
     assert_close(out, ref)
     for k in [k for k in tri._FITTED if k[1] == ((32, 16, None), (16, 16, None))]:
         del tri._FITTED[k]
+
+
+def test_no_python_float_reaches_a_kernel(monkeypatch):
+    """A Python float argument reaches a compiled kernel as float32 (the interpreter keeps
+    it in float64, so the float64 tests here cannot see the rounding): the band kernel once
+    took ``0.5 log m`` that way and differed from the PyTorch band by 1e-9 in float64 on a
+    GPU. Every launch must pass tensors, integers and compile-time flags only."""
+    import flt.ops.triton as ops_triton
+    from flt.ops.triton import band, kernels
+
+    monkeypatch.setattr(ops_triton, "interpreted", lambda: True)  # the spies below are not InterpretedFunctions
+    seen = []
+
+    def spy(name):
+        real = getattr(kernels, name)
+
+        class Launcher:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    seen.append([type(a).__name__ for a in args if isinstance(a, float)])
+                    return real[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(kernels, name, Launcher())
+
+    spy("favor_attention_kernel")
+    spy("band_attention_kernel")
+    xq, xk, v, w, extra = _inputs("logit")
+    favor_attention(xq, xk, v, w, causal=True, **extra)
+    bias = torch.randn(1, H, N, 9, dtype=torch.float64)
+    band.band_attention(xq, xk, v, w, bias, width=4, causal=True, **extra)
+    assert len(seen) >= 2 and all(not floats for floats in seen), seen

@@ -252,7 +252,7 @@ def _launch(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chu
                 H, N, D, e_dim, m, Dv, r2,
                 0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
                 0 if a is None or a_.shape[0] == 1 else H * N * r2,
-                0.5 * math.log(m), seg_len, n_seg, n_vb,
+                seg_len, n_seg, n_vb,
                 STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
                 **({} if stages is None else {"num_stages": stages}),
             )

@@ -115,7 +115,7 @@ def _launch(xq, xk, v, projection, band_bias, extra_q, extra_k, key_mask, width,
                 H, N, D, e_dim, m, Dv, width,
                 0 if eq.shape[0] == 1 else H * N * e_dim,
                 0 if bias.shape[0] == 1 else H * N * (2 * width + 1),
-                0.5 * math.log(m), seg_len, n_seg, n_vb,
+                seg_len, n_seg, n_vb,
                 STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
                 **({} if stages is None else {"num_stages": stages}),
             )

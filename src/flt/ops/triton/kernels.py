@@ -121,7 +121,7 @@ def _absorb(state, zsum, level, kw, s, v, LOW: tl.constexpr, PREC: tl.constexpr,
 @triton.jit
 def favor_attention_kernel(
     XQ, XK, EQ, EK, A, C, V, W, KEEP, OUT, ST, LV,
-    H, N, D, EDIM, M, DV, R2, e_batch_stride, ac_batch_stride, log_norm, SEG, NSEG, NVB,
+    H, N, D, EDIM, M, DV, R2, e_batch_stride, ac_batch_stride, SEG, NSEG, NVB,
     CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_MASK: tl.constexpr, HAS_KEEP: tl.constexpr,
     ATOMIC: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr, STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
@@ -148,6 +148,9 @@ def favor_attention_kernel(
     b = bh // H
     h = bh % H
     ACC = OUT.dtype.element_ty
+    # 0.5 log m in the accumulation type: a Python float argument reaches a compiled kernel
+    # as float32, which shifted the band's far-field weights against its exact ones by 1e-7.
+    log_norm = 0.5 * tl.log(M.to(ACC))
     XQ += bh * N * D
     XK += bh * N * D
     V += bh * N * DV
@@ -272,7 +275,7 @@ def _band_keys(XK, EK, V, KEEP, BIAS, WX, WE, xq, rows, row_ok, start, N, D, EDI
 @triton.jit
 def band_attention_kernel(
     XQ, XK, EQ, EK, V, W, BIAS, KEEP, OUT, ST, LV,
-    H, N, D, EDIM, M, DV, WIDTH, e_batch_stride, bias_batch_stride, log_norm, SEG, NSEG, NVB,
+    H, N, D, EDIM, M, DV, WIDTH, e_batch_stride, bias_batch_stride, SEG, NSEG, NVB,
     CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
     STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
@@ -299,6 +302,9 @@ def band_attention_kernel(
     b = bh // H
     h = bh % H
     ACC = OUT.dtype.element_ty
+    # 0.5 log m in the accumulation type: a Python float argument reaches a compiled kernel
+    # as float32, which shifted the band's far-field weights against its exact ones by 1e-7.
+    log_norm = 0.5 * tl.log(M.to(ACC))
     XQ += bh * N * D
     XK += bh * N * D
     V += bh * N * DV
