@@ -13,7 +13,9 @@ so the ``[B, H, N, m]`` features never reach memory (kernel in :mod:`flt.ops.tri
 :func:`favor_attention_torch` computes the same function with the PyTorch ops; it is the
 kernel's backward pass (recomputed from the inputs, linear memory) and its reference.
 The kernels are tested against the float64 quadratic references on CPU tensors under
-``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``); on CUDA they are the real thing.
+``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
+They are correct, not fast: on an H200 at m = 256 (a fallback tile of 16 tokens) the forward
+took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)").
 Triton is the optional extra ``triton``.
 """
 
