@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks, in parts that each keep their own time limit (so that one part that runs
 # long does not cost the others):
-#   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   cuda   every CUDA test (at most 100 s)
+#   bench  `flt bench speed --device cuda` in three passes (at most 410 s): the compiled
+#          layers against flash attention at N = 4096 and 8192 (the crossovers), the
+#          forward of one 65,536-token sequence with Flex + T5, and the Triton kernels at
+#          N = 4096 (their progress: 10-18x slower than eager when last measured)
+#   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
 #          too large to carry to a device machine), median step time (at most 200 s)
-#   bench  `flt bench speed --device cuda` in three passes (at most 320 s)
-# All four fit one device call of 600 s only just; `diag cuda qm9` and `bench` are two
-# calls of about 5.5 minutes. Logs and each pass's speed-cuda.json go to $OUT (default:
-# flt-out/gpu), tables to stdout. Runs from a checkout without installing it (PYTHONPATH=src).
+# The default, `cuda bench`, fits one device call of 600 s. Logs and each pass's results go
+# to $OUT (default: flt-out/gpu; a device call returns at most 8 files): speed-cuda.json when
+# a pass finished, else the speed-cuda.jsonl of what it measured before its limit.
+# Runs from a checkout without installing it (PYTHONPATH=src).
 #
-#   bash scripts/gpu_check.sh                 # every part
-#   bash scripts/gpu_check.sh diag cuda qm9   # the parts named
+#   bash scripts/gpu_check.sh                 # cuda and bench
+#   bash scripts/gpu_check.sh diag qm9        # the parts named
 set -uo pipefail
 OUT=${OUT:-flt-out/gpu}
 mkdir -p "$OUT"
@@ -21,7 +25,7 @@ PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
-PARTS=${*:-diag cuda qm9 bench}
+PARTS=${*:-cuda bench}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if part diag; then
@@ -62,18 +66,21 @@ if part bench; then
 bench() {  # name, time limit, bench arguments...
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "^|" | tail -5
-    cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null
+    echo "== pass $name" >> "$OUT/bench.log"
+    timeout "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 \
+        | tee -a "$OUT/bench.log" | grep -v "^|" | grep -v -i "warn" | tail -12
+    cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null || cp "$WORK/$name/speed-cuda.jsonl" "$OUT/$name.jsonl" 2>/dev/null
 }
 WORK=$(mktemp -d)
-# 2. The issue's shape at N = 4k and 16k (width 512, batch 4: 65,536 tokens at 16k): uncompiled rows.
-bench batch 100 --shapes batch --lengths 4096 16384 \
-    --rows "flt-logit eager" "flt-logit triton" "flt-mult triton" "flt-logit band8 triton" "performer triton" sdpa
-# 3. One sequence of 65,536 tokens, width 512, fwd+bwd: the targets' comparison with Flex + T5 and SDPA.
-bench wide 110 --shapes wide --lengths 65536 --modes fwd+bwd \
-    --rows "flt-logit triton" "flt-logit band8 triton" "flt-logit compiled" "flt-logit band8 compiled" sdpa
-# 4. The compiled forms at 4k and 8k: where plain and banded FLT cross flash attention.
-bench compiled 110 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
+# 1. The compiled layers at 4k and 8k, width 512, batch 4, fwd+bwd: where plain and banded FLT
+#    cross flash attention (16k and 65k were measured).
+bench compiled 200 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
     --rows "flt-logit compiled" "flt-logit band8 compiled" sdpa
-for f in "$WORK"/*/speed-cuda.md; do echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; done
+# 2. One sequence of 65,536 tokens, forward: Flex + T5 (only its fwd+bwd was measured), banded FLT, flash.
+bench wide 150 --shapes wide --lengths 65536 --modes fwd \
+    --rows "flt-logit band8 compiled" sdpa "softmax+t5 flex compiled"
+# 3. The Triton kernels at N = 4096, forward.
+bench triton 60 --shapes batch --lengths 4096 --modes fwd \
+    --rows "flt-logit triton" "flt-logit band8 triton" "performer triton"
+for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 fi

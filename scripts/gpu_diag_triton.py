@@ -14,7 +14,7 @@ import sys
 
 FAVOR = [(256, 64, dtype, seg, causal) for dtype in ("float32", "bfloat16") for seg in (1, 3) for causal in (True, False)]
 BAND = [(width, seg, causal, tile) for width, seg, causal in ((16, 1, True), (16, None, True), (8, 1, True), (16, 1, False), (16, None, False))
-        for tile in ((16, 32, 1), (16, 16, 1))]
+        for tile in ((16, 32, 1),)]  # every tile gave the same float64 error on an H200 (its cause was not the tile)
 CASES = [("favor", c) for c in FAVOR] + [("band", c) for c in BAND]
 
 

@@ -98,3 +98,26 @@ def test_report_tables_every_row_and_length(tmp_path):
     pytest.importorskip("matplotlib")
     gpu.plot(data, tmp_path / "speed-cuda.png")
     assert (tmp_path / "speed-cuda.png").stat().st_size > 0
+
+
+def test_each_result_is_handed_on_as_it_is_measured(monkeypatch):
+    """``on_result`` sees every configuration the moment it is measured, in order, failures
+    too (the CLI writes them to speed-cuda.jsonl, so a pass stopped by a time limit keeps
+    its rows); the CUDA calls are replaced, so this runs anywhere."""
+    monkeypatch.setattr(gpu, "check_cuda", lambda: None)
+    monkeypatch.setattr(gpu, "matmul_tflops", lambda dtype: 700.0)
+    monkeypatch.setattr(gpu, "check_row", lambda name, shape, causal: None)
+
+    def fake_time(name, shape, N, precision, mode, causal, *, warmup, repeats):
+        if N == 2048:
+            raise RuntimeError("no tile fits")
+        return {"median_s": 1e-3 * N / 1024, "q1_s": 0.0, "q3_s": 0.0, "peak_mib": 1.0}
+
+    monkeypatch.setattr(gpu, "time_row", fake_time)
+    monkeypatch.setattr(gpu.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gpu, "gpu_machine", lambda: {"gpu": "none"})
+    seen = []
+    data = gpu.run(rows=["sdpa"], lengths=(1024, 2048), precisions=("bf16",), modes=("fwd",), log=lambda line: None,
+                   on_result=lambda r: seen.append((r["N"], r["status"], r.get("median_s"))))
+    assert seen == [(1024, "ok", 1e-3), (2048, "failed", None)]
+    assert [r["N"] for r in data["results"]] == [1024, 2048]

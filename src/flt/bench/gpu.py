@@ -174,8 +174,10 @@ def time_row(name: str, shape: str, N: int, precision: str, mode: str, causal: b
 
 def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_LENGTHS, precisions: Sequence[str] = PRECISIONS,
         modes: Sequence[str] = MODES, shape: str = "lm", causal: bool = True, warmup: int = 3, repeats: int = 10,
-        log: Callable[[str], object] = print) -> dict:
-    """Measure; returns ``{"machine", "matmul_bf16_tflops", "results", ...}`` (JSON-able)."""
+        log: Callable[[str], object] = print, on_result: Callable[[dict], object] | None = None) -> dict:
+    """Measure; returns ``{"machine", "matmul_bf16_tflops", "results", ...}`` (JSON-able).
+    ``on_result`` receives each result as soon as it is measured (the CLI appends it to
+    ``speed-cuda.jsonl``, so a run stopped by a time limit keeps what it measured)."""
     check_cuda()
     rows = list(rows or GPU_ROWS)
     unknown = sorted(set(rows) - set(GPU_ROWS))
@@ -207,6 +209,8 @@ def run(*, rows: Sequence[str] | None = None, lengths: Sequence[int] = DEFAULT_L
                         torch.cuda.empty_cache()
                     results.append(r)
                     log(_line(r))
+                    if on_result is not None:
+                        on_result(r)
     end = matmul_tflops(torch.bfloat16)
     add_floors(results, max(start, end))
     return {"machine": gpu_machine(), "matmul_bf16_tflops": [start, end], "results": results, "shape": asdict(SHAPES[shape]) | {"name": shape},

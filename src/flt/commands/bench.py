@@ -166,7 +166,12 @@ def run_speed_cuda(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    data = gpu.run(**options)
+    with open(out / "speed-cuda.jsonl", "w", encoding="utf-8") as partial:
+        def keep(result: dict) -> None:  # each result on disk as it comes: a stopped run keeps what it measured
+            partial.write(json.dumps(result) + "\n")
+            partial.flush()
+
+        data = gpu.run(**options, on_result=keep)
     data["command"] = " ".join(["flt bench speed --device cuda --preset", args.preset, "--rows", *map(shlex.quote, options["rows"]),
                                 "--lengths", *map(str, options["lengths"]), "--precisions", *options["precisions"],
                                 "--modes", *options["modes"], "--shapes", options["shape"]])
