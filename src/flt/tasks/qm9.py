@@ -83,8 +83,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 def base(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train qm9 --preset base``: the full protocol, for a GPU: 110,000 / 10,000 /
     10,831 molecules, 4 layers, width 128, 8 heads, 200,000 steps of 64 (about 116 epochs),
-    target ``gap``. Step measured on one H200 (bfloat16 autocast, median of 200 steps):
-    FLT 50.8 ms, so about 2.8 h for the 200,000 steps plus evaluations; exact softmax 31.2
+    target ``gap``. About 2.8 h on one H200 for FLT, projected from its measured step
+    (bfloat16 autocast, median of 200 steps): FLT 50.8 ms, plus evaluations; exact softmax 31.2
     ms (1.7 h), SchNet 19.7 ms (1.1 h), DimeNet++ 57.7 ms (3.2 h) (docs/results.md, "QM9").
     No full run has been trained yet. The published full-data gap MAEs this budget aims at:
     SchNet 63 meV, DimeNet++ 32.6."""

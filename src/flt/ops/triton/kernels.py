@@ -150,7 +150,7 @@ def favor_attention_kernel(
     ACC = OUT.dtype.element_ty
     # 0.5 log m in the accumulation type: a Python float argument reaches a compiled kernel
     # as float32, which shifted the band's far-field weights against its exact ones by 1e-7.
-    log_norm = 0.5 * tl.log(M.to(ACC))
+    log_norm = 0.5 * tl.log(tl.full((), M, ACC))  # (tl.full: M may arrive as a compile-time constant)
     XQ += bh * N * D
     XK += bh * N * D
     V += bh * N * DV
@@ -304,7 +304,7 @@ def band_attention_kernel(
     ACC = OUT.dtype.element_ty
     # 0.5 log m in the accumulation type: a Python float argument reaches a compiled kernel
     # as float32, which shifted the band's far-field weights against its exact ones by 1e-7.
-    log_norm = 0.5 * tl.log(M.to(ACC))
+    log_norm = 0.5 * tl.log(tl.full((), M, ACC))  # (tl.full: M may arrive as a compile-time constant)
     XQ += bh * N * D
     XK += bh * N * D
     V += bh * N * DV
