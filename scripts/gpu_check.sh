@@ -9,7 +9,7 @@
 #   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
-#          too large to carry to a device machine), median step time (at most 200 s)
+#          too large to carry to a device machine), median step time (at most 300 s; DimeNet++ took 32 s on an H200)
 # The default, `cuda bench`, fits one device call of 600 s. Logs and each pass's results go
 # to $OUT (default: flt-out/gpu; a device call returns at most 8 files): speed-cuda.json when
 # a pass finished, else the speed-cuda.jsonl of what it measured before its limit.
@@ -26,18 +26,28 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 
 PARTS=${*:-cuda bench}
+for p in $PARTS; do
+    case $p in diag|cuda|qm9|bench) ;; *) echo "unknown part '$p': choose from diag cuda qm9 bench" >&2; exit 2 ;; esac
+done
 part() { [[ " $PARTS " == *" $1 "* ]]; }
+STATUS=0
+note() {  # part name, exit status of its command: a failure or a time limit is said, and kept for the exit status
+    if [ "$2" -eq 124 ]; then echo "== $1: stopped at its time limit"; STATUS=1
+    elif [ "$2" -ne 0 ]; then echo "== $1: failed (exit $2)"; STATUS=1; fi
+}
 
 if part diag; then
 # 0. The Triton kernels against the PyTorch path, case by case (bfloat16 and segments; the band in float64).
-timeout 130 $PY scripts/gpu_diag_triton.py 2>&1 | grep -v -i warn | tee "$OUT/diag.log"
+timeout -k 10 130 $PY scripts/gpu_diag_triton.py 2>&1 | tee "$OUT/diag.log" | grep -v -i warn
+note diag "${PIPESTATUS[0]}"
 fi
 
 if part cuda; then
 
 # 1. Every CUDA test (float64 identities, bf16, decoding, Triton kernels, Flex score_mod, sparse pairs).
-timeout 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
+timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
     2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
+note "cuda tests" "${PIPESTATUS[0]}"
 fi
 
 if part qm9; then
@@ -50,10 +60,11 @@ for model in "flt" "softmax" "performer" "schnet" "dimenet++"; do
         *) args=(--attention "$model") ;;
     esac
     run=$(mktemp -d)
-    timeout 40 $PY -m flt train qm9 --preset base --device "${QM9_DEVICE:-cuda}" "${args[@]}" --data "$SAMPLE" \
+    timeout -k 10 60 $PY -m flt train qm9 --preset base --device "${QM9_DEVICE:-cuda}" "${args[@]}" --data "$SAMPLE" \
         --data-opt num_train=2000 --data-opt num_valid=200 --data-opt num_test=200 \
         --steps "${QM9_STEPS:-200}" --eval-every 1000 --checkpoint-every 1000 --no-plots --no-progress \
         --out-dir "$run" > "$run.log" 2>&1
+    note "qm9 $model" $?
     { echo "== $model"; cat "$run.log"; } >> "$OUT/qm9.log"
     $PY -c "import json, sys; s = json.load(open(sys.argv[1])); print(json.dumps({'model': sys.argv[2], **s}))" \
         "$run/summary.json" "$model" >> "$OUT/qm9.jsonl" 2>/dev/null
@@ -67,8 +78,9 @@ bench() {  # name, time limit, bench arguments...
     local name=$1 limit=$2
     shift 2
     echo "== pass $name" >> "$OUT/bench.log"
-    timeout "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 \
+    timeout -k 10 "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 \
         | tee -a "$OUT/bench.log" | grep -v "^|" | grep -v -i "warn" | tail -12
+    note "bench $name" "${PIPESTATUS[0]}"
     cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null || cp "$WORK/$name/speed-cuda.jsonl" "$OUT/$name.jsonl" 2>/dev/null
 }
 WORK=$(mktemp -d)
@@ -84,3 +96,4 @@ bench triton 60 --shapes batch --lengths 4096 --modes fwd \
     --rows "flt-logit triton" "flt-logit band8 triton" "performer triton"
 for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 fi
+exit $STATUS

@@ -4,6 +4,7 @@ rows (each builds and matches its reference on the CPU), the floor and the repor
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
@@ -121,3 +122,23 @@ def test_each_result_is_handed_on_as_it_is_measured(monkeypatch):
                    on_result=lambda r: seen.append((r["N"], r["status"], r.get("median_s"))))
     assert seen == [(1024, "ok", 1e-3), (2048, "failed", None)]
     assert [r["N"] for r in data["results"]] == [1024, 2048]
+
+
+def test_a_stopped_pass_keeps_its_measured_rows_on_disk(tmp_path, monkeypatch):
+    """``flt bench speed --device cuda`` writes each result to speed-cuda.jsonl as it comes:
+    a run that fails (or is killed) after two results leaves those two lines."""
+    from flt.commands.bench import run_speed_cuda
+
+    def two_then_fail(*, on_result, **options):
+        on_result({"row": "sdpa", "N": 1024, "status": "ok"})
+        on_result({"row": "sdpa", "N": 2048, "status": "ok"})
+        raise RuntimeError("stopped")
+
+    monkeypatch.setattr(gpu, "check_cuda", lambda: None)
+    monkeypatch.setattr(gpu, "run", two_then_fail)
+    out = tmp_path / "b"
+    with pytest.raises(RuntimeError, match="stopped"):
+        run_speed_cuda(_args("--device", "cuda", "--rows", "sdpa", "--out-dir", str(out)))
+    lines = (out / "speed-cuda.jsonl").read_text().splitlines()
+    assert [json.loads(line)["N"] for line in lines] == [1024, 2048]
+    assert not (out / "speed-cuda.json").exists()

@@ -36,7 +36,7 @@ from flt.posenc.rope import apply_rope
 #: How a kernel layer computes its forward pass: ``"torch"`` (the PyTorch ops of
 #: :mod:`flt.ops.linear`, any device) or ``"triton"`` (the kernels of :mod:`flt.ops.triton`:
 #: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; FAVOR+ features only). On an
-#: H200 at m = 256 the kernels were 10-18x slower than ``"torch"`` (docs/performance.md): on
+#: H200 at m = 256 the kernels' forward was 10-18x slower than ``"torch"`` (fwd+bwd 7-8x) (docs/performance.md): on
 #: a GPU, ``torch.compile`` of the ``"torch"`` path is the fast one.
 KERNEL_BACKENDS = ("torch", "triton")
 
