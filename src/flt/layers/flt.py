@@ -298,8 +298,8 @@ class FLTAttention(KernelAttention):
         takes ``f``'s estimate. Only ``far_field=True`` computes the random features."""
         if self.far_field is True:
             return self.spectrum.features(pos)
-        params = list(self.spectrum.parameters())[:1]
-        dtype = compute_dtype(pos, *params)
+        first = next(self.spectrum.parameters(), None)
+        dtype = compute_dtype(pos, *([] if first is None else [first]))
         lead = (pos.shape[0] if pos.ndim == 3 else 1, self.heads, pos.shape[-2], 1)
         width = 2 * self.spectrum.num_frequencies
         if self.far_constant is not None:

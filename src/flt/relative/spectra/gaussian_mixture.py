@@ -178,8 +178,7 @@ class GaussianMixtureSpectrum(Spectrum):
         return (self.weights() * osc * env).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        terms, weights = [], self.weights()
-        scales = self._scales_of(self.log_scale)  # min_length included, as mask() has it
+        terms, weights, scales = [], self.weights(), self.scales()  # scales() holds min_length, as mask() has it
         for c in range(self.components):
             d = self.head_offsets(delta, h, c)
             phase = tensor_sum(self.mu[h, c, p] * x for p, x in enumerate(d))
