@@ -25,6 +25,9 @@ make = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make)
 OUTPUTS = load_file(OLD / "outputs.safetensors")
 
+#: The outputs were computed on one thread, and float64 sums may round differently on more.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def fresh(name: str) -> torch.nn.Module:
     """The layer of ``name`` built again, with other weights than the file's (another seed)."""
