@@ -451,3 +451,22 @@ def move_into_cores(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
             module.move_into_core(moved, f"{name}." if name else "")
     return moved
 
+
+def parameters_before_cores(model: nn.Module) -> list[nn.Parameter]:
+    """``model.parameters()`` in the order they had before layers had cores: a core's own
+    parameters (FLT's ``far_constant``) were its layer's, listed before ``to_qkv``; every
+    other parameter keeps its place. An optimizer's saved state follows that order
+    (:func:`flt.train.checkpoint.optimizer_state_before_cores`)."""
+    cores = {id(m.core) for m in model.modules() if isinstance(m, AttentionBase) and "core" in m._modules}
+    order: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [] if id(module) in cores else list(module._parameters.values())
+        if isinstance(module, AttentionBase) and "core" in module._modules:
+            own = list(module.core._parameters.values()) + own
+        for p in own:
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+    return order
+

@@ -186,7 +186,7 @@ class Settings:
         redraw_interval: redraw the layer's draws every this many training forward calls
             (None: never; ``flt train`` redraws by ``RunConfig.redraw_interval`` instead).
         check_condition: warn when rounding can change the multiplicative coupling's
-            outputs (:meth:`flt.layers.flt.FLTAttention.check_conditioning`).
+            outputs (:meth:`flt.layers.flt.FLTCore.check_conditioning`).
     """
 
     rope: bool = False
