@@ -69,33 +69,23 @@ def test_old_run_checkpoint_loads_through_the_resume_path(tmp_path: Path) -> Non
 
 
 def test_old_optimizer_state_gives_each_parameter_its_own_moments(tmp_path: Path) -> None:
-    """A run resumed from a checkpoint saved before cores: FLT's ``far_constant`` was listed
-    first among its layer's parameters and is now listed after them, so the saved optimizer
-    state is renumbered (:func:`flt.train.checkpoint.optimizer_state_before_cores`)."""
-    from safetensors.torch import save_model
-
-    from flt.train.checkpoint import optimizer_state_before_cores, saved_before_cores
+    """A run resumed from a checkpoint saved before cores loads the saved optimizer state
+    as it is (``flt train --resume``): FLT's ``far_constant``, a parameter of the layer then
+    and of its core now, is still listed first among the layer's parameters
+    (:meth:`flt.layers.base.AttentionBase.named_modules`), so every parameter gets its own
+    moments back."""
     from flt.train.loop import parameter_groups
 
     model = build_model(LMConfig(**make.CONSTANT_CONFIG), dtype=torch.float64)
     shutil.copy(OLD / "lm_constant.safetensors", tmp_path / MODEL_FILE)
     load_weights(str(tmp_path), model)
-    assert saved_before_cores(str(tmp_path), model)
-    saved = torch.load(OLD / "lm_constant_optimizer.pt", weights_only=True)
     moments = load_file(OLD / "lm_constant_moments.safetensors")
-
-    def first_moments(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        return {name.replace(".core.", "."): optimizer.state[p]["exp_avg"] for name, p in model.named_parameters()}
-
-    as_saved = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-2)
-    as_saved.load_state_dict(saved)  # without renumbering: moments land on other parameters
-    assert any(m.shape != moments[name].shape for name, m in first_moments(as_saved).items())
     optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-2)
-    optimizer.load_state_dict(optimizer_state_before_cores(optimizer, saved, model))
-    got = first_moments(optimizer)
+    optimizer.load_state_dict(torch.load(OLD / "lm_constant_optimizer.pt", weights_only=True))
+    got = {name.replace(".core.", "."): optimizer.state[p]["exp_avg"] for name, p in model.named_parameters()}
     assert sorted(got) == sorted(moments) and all(torch.equal(got[name], moments[name]) for name in moments)
-    save_model(model, str(tmp_path / MODEL_FILE))  # the current layout: nothing to renumber
-    assert not saved_before_cores(str(tmp_path), model)
+    before = json.loads((OLD / "lm_constant_parameters.json").read_text(encoding="utf-8"))
+    assert [name.replace(".core.", ".") for name, _ in model.named_parameters()] == before
 
 
 def test_flt_evaluate_loads_an_old_checkpoint() -> None:

@@ -27,12 +27,14 @@ attribute of the core through the layer (``layer.spectrum``) returns the core's
 (:meth:`AttentionBase.__getattr__`) and writing one (``layer.check_condition = False``) sets
 the core's. State dicts keep the core's tensors under ``core.`` (``attn.core.spectrum.mu``); a
 file saved before cores existed (``attn.spectrum.mu``) loads as it is
-(:meth:`AttentionBase.move_into_core`).
+(:meth:`AttentionBase.move_into_core`), and ``parameters()`` lists them in their order of
+then (:meth:`AttentionBase.named_modules`), so saved optimizer states load too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
@@ -287,6 +289,35 @@ class AttentionBase(nn.Module):
         return (name in self.__dict__ or name in self._parameters or name in self._buffers or name in self._modules
                 or hasattr(type(self), name))
 
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """``nn.Module.named_modules`` with the core itself listed before the projections and
+        its submodules after them: ``parameters()`` then lists every parameter in the order
+        it had before layers had cores (a core's own parameter, FLT's ``far_constant``, was
+        the layer's and came first), so optimizer states saved then load as they are and
+        gradient-norm sums add in the same order, bit for bit."""
+        core = self._modules.get("core")
+        if core is None:
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        core_prefix = f"{prefix}.core" if prefix else "core"
+        if core not in memo:
+            if remove_duplicate:
+                memo.add(core)
+            yield core_prefix, core
+        for name, module in self._modules.items():
+            if module is not None and name != "core":
+                yield from module.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+        for name, module in core._modules.items():
+            if module is not None:
+                yield from module.named_modules(memo, f"{core_prefix}.{name}", remove_duplicate)
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         self.move_into_core(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -450,23 +481,3 @@ def move_into_cores(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(module, AttentionBase):
             module.move_into_core(moved, f"{name}." if name else "")
     return moved
-
-
-def parameters_before_cores(model: nn.Module) -> list[nn.Parameter]:
-    """``model.parameters()`` in the order they had before layers had cores: a core's own
-    parameters (FLT's ``far_constant``) were its layer's, listed before ``to_qkv``; every
-    other parameter keeps its place. An optimizer's saved state follows that order
-    (:func:`flt.train.checkpoint.optimizer_state_before_cores`)."""
-    cores = {id(m.core) for m in model.modules() if isinstance(m, AttentionBase) and "core" in m._modules}
-    order: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        own = [] if id(module) in cores else list(module._parameters.values())
-        if isinstance(module, AttentionBase) and "core" in module._modules:
-            own = list(module.core._parameters.values()) + own
-        for p in own:
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                order.append(p)
-    return order
-

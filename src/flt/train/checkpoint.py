@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from flt._io import (
@@ -287,46 +287,6 @@ def load_weights(ckpt: str, model: torch.nn.Module) -> None:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {e}") from None
     except RuntimeError as e:
         raise CheckpointError(f"the weights in {path} do not fit this model: {e}") from None
-
-
-def saved_before_cores(ckpt: str, model: torch.nn.Module) -> bool:
-    """True when ``ckpt``'s weights were saved before attention layers held their
-    mechanism in ``core`` (their keys move on load, :meth:`flt.layers.base.AttentionBase.move_into_core`);
-    only the key names are read."""
-    from flt.layers.base import move_into_cores
-
-    path = confined_path(ckpt, MODEL_FILE, f"checkpoint {ckpt}", CheckpointError)
-    with safe_open(path, framework="pt") as f:
-        keys = dict.fromkeys(f.keys())
-    return set(move_into_cores(model, keys)) != set(keys)
-
-
-def optimizer_state_before_cores(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
-                                 model: torch.nn.Module) -> dict[str, Any]:
-    """The optimizer state ``saved`` by a run whose model listed its parameters before
-    layers had cores (:func:`flt.layers.base.parameters_before_cores`), renumbered for
-    ``optimizer`` over ``model`` as it lists them now: each parameter gets its own moments
-    back. Only FLT layers with ``far_field="constant"`` or ``"positive"`` list them
-    differently; for any other model the state comes back as it was."""
-    from flt.layers.base import parameters_before_cores
-
-    before = {id(p): i for i, p in enumerate(parameters_before_cores(model))}
-    current = optimizer.state_dict()["param_groups"]
-    if len(saved["param_groups"]) != len(current):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this model's {len(current)}")
-    state: dict[Any, Any] = {}
-    groups = []
-    for group, now, then in zip(optimizer.param_groups, current, saved["param_groups"], strict=True):
-        if len(then["params"]) != len(group["params"]):
-            raise ValueError(f"the checkpoint's optimizer holds {len(then['params'])} parameters in a group where this "
-                             f"model has {len(group['params'])}")
-        index = {id(p): i for p, i in zip(group["params"], now["params"], strict=True)}
-        listed_then = sorted(group["params"], key=lambda p: before[id(p)])
-        for p, old in zip(listed_then, then["params"], strict=True):
-            if old in saved["state"]:
-                state[index[id(p)]] = saved["state"][old]
-        groups.append({**then, "params": now["params"]})
-    return {"state": state, "param_groups": groups}
 
 
 def load_trainer_state(ckpt: str) -> dict[str, Any]:

@@ -77,10 +77,8 @@ from flt.train.checkpoint import (
     load_trainer_state,
     load_weights,
     locate_checkpoint,
-    optimizer_state_before_cores,
     remove_leftovers,
     save_checkpoint,
-    saved_before_cores,
 )
 from flt.train.lock import RunDirectoryInUse, RunLock, lock_run_dir
 from flt.train.metrics import MetricsLogger
@@ -566,10 +564,7 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
     state = load_trainer_state(origin.checkpoint)
     if state["world_size"] != ctx.world:
         raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
-    saved = state["optimizer"]
-    if saved_before_cores(origin.checkpoint, model):
-        saved = optimizer_state_before_cores(optimizer, saved, model)
-    optimizer.load_state_dict(saved)
+    optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"][ctx.rank], model)
     hooks.load_state(state)
     if origin.step == origin.saved_steps < run.steps:
