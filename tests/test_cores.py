@@ -72,3 +72,14 @@ def test_move_into_cores_renames_an_old_state_dict_to_the_model_keys() -> None:
     new = model.state_dict()
     old = {k.replace(".attn.core.", ".attn."): v for k, v in new.items()}
     assert old != new and move_into_cores(model, old) == new
+
+
+def test_toeplitz_refuses_prefill_as_it_refuses_step() -> None:
+    """Its bias depends on every offset: no constant-size state (a prefill used to return
+    the linear state without the bias)."""
+    layer = ATTENTION["toeplitz"].from_options(16, 2, causal=True, **OPTIONS["toeplitz"])
+    x = torch.randn(1, 5, 16)
+    with pytest.raises(NotImplementedError, match="recurrent state"):
+        layer.prefill(x)
+    with pytest.raises(NotImplementedError, match="recurrent state"):
+        layer.step(x[:, 0])

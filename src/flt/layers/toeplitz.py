@@ -25,6 +25,9 @@ from flt.ops.toeplitz import (
 )
 from flt.relative.tables import DEFAULT_TABLE_SCALE, ClippedBias
 
+#: Why a Toeplitz layer or core refuses ``step`` and ``prefill``.
+NO_DECODING = "toeplitz attention has no constant-size recurrent state (its bias depends on every offset)"
+
 
 class ToeplitzCore(KernelCore):
     """The mechanism of :class:`ToeplitzAttention` without its projections: the kernel
@@ -132,16 +135,16 @@ class ToeplitzCore(KernelCore):
         return rpe_attention_reference(xq.to(cdt), xk.to(cdt), v.to(cdt), bias=bias, mask=mask, causal=self.causal, scale=1.0)
 
     def check_prefill(self, pad: torch.Tensor | None) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)
 
     def step_offset(self, state: Any) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)
 
     def prefill(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)
 
     def step(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)
 
 
 class ToeplitzAttention(KernelAttention):
@@ -231,4 +234,4 @@ class ToeplitzAttention(KernelAttention):
                    features=features, settings=settings, device=device, dtype=dtype)
 
     def step(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)
