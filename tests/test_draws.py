@@ -153,7 +153,7 @@ def test_checkpoints_from_before_the_protocol_load():
     old = {**lay.state_dict(), "feature_map.calls": torch.tensor(4)}
     lay.load_state_dict(old)
     sched = PerformerAttention.from_options(16, 2, num_features=16, redraw_interval=3)
-    old = {k: v for k, v in sched.state_dict().items() if k != "redraw_calls"}
+    old = {k: v for k, v in sched.state_dict().items() if k != "core.redraw_calls"}
     sched.load_state_dict({**old, "feature_map.calls": torch.tensor(4)})
     assert int(sched.redraw_calls) == 4
 

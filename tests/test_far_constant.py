@@ -129,7 +129,7 @@ def test_exact_puts_the_constant_beyond_the_near_set(kw):
     assert_same_gradients(lay.exact(x, pos), brute_force(lay, x, pos, kernel="exact"), [lay.far_constant])
     near = layer(far_field="near", **kw)
     loaded = near.load_state_dict(lay.state_dict(), strict=False)
-    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["core.far_constant"]  # all else carried over
     assert float((near.exact(x, pos) - lay.exact(x, pos)).abs().max().detach()) > 1e-3
 
 
@@ -153,7 +153,7 @@ def test_a_zero_constant_is_far_field_near(kw):
         lay.far_constant.zero_()
     near = layer(far_field="near", **kw)
     loaded = near.load_state_dict(lay.state_dict(), strict=False)
-    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["core.far_constant"]  # all else carried over
     x, pos = inputs(20, 3, seed=6)
     assert torch.equal(lay(x, pos), near(x, pos))
     assert_close(lay.exact(x, pos), near.exact(x, pos))
@@ -172,7 +172,7 @@ def test_a_zero_constant_is_far_field_near_in_exact_for_the_logit_coupling():
         lay.far_constant.zero_()
     near = layer(far_field="near", **kw)
     loaded = near.load_state_dict(lay.state_dict(), strict=False)
-    assert not loaded.missing_keys and loaded.unexpected_keys == ["far_constant"]  # all else carried over
+    assert not loaded.missing_keys and loaded.unexpected_keys == ["core.far_constant"]  # all else carried over
     x, _ = inputs(20, 1, seed=7)
     assert_close(lay.exact(x), near.exact(x))
 
@@ -193,8 +193,8 @@ def test_the_constant_is_in_the_state_dict_and_round_trips():
     kw = CASES["multiplicative, favor+, 5 nearest atoms"]
     lay = trained_look(layer(**kw))
     state = lay.state_dict()
-    assert torch.equal(state["far_constant"], torch.tensor(CONSTANTS, dtype=F64))
-    assert "far_constant" not in layer(far_field="near", **kw).state_dict()
+    assert torch.equal(state["core.far_constant"], torch.tensor(CONSTANTS, dtype=F64))
+    assert "core.far_constant" not in layer(far_field="near", **kw).state_dict()
     fresh = layer(**kw)
     fresh.load_state_dict(state)
     x, pos = inputs(20, 3, seed=9)

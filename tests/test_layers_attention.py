@@ -143,7 +143,7 @@ def test_alibi_and_table_biases_against_hand_built_matrices():
     bare = SoftmaxAttention.from_options(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
     bare.table.table.data.copy_(t5.table.table)
     assert_close(bare.positional_term(pos, F64)[0, 0], expected_h0)
-    assert "relative.scale" not in dict(bare.named_parameters()) and "relative.scale" in dict(t5.named_parameters())
+    assert "relative.scale" not in dict(bare.core.named_parameters()) and "relative.scale" in dict(t5.core.named_parameters())
 
 
 @pytest.mark.parametrize("relative_bias", ["t5", "clipped"])
@@ -208,7 +208,7 @@ def test_toeplitz_loads_state_dicts_from_before_the_shared_table(causal):
     torch.manual_seed(0)
     m_dist, n = 3, 9
     lay = ToeplitzAttention.from_options(16, 2, causal=causal, max_distance=m_dist).double()
-    old = {k: v for k, v in lay.state_dict().items() if not k.startswith("table.")}
+    old = {k: v for k, v in lay.state_dict().items() if not k.startswith("core.table.")}
     old["bias_table"] = torch.randn(2, 2 * m_dist + 1, dtype=F64)
     lay.load_state_dict(old)
     t = torch.arange(-(n - 1), n).clamp(-m_dist, m_dist)

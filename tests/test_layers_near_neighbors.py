@@ -58,7 +58,7 @@ def test_forward_equals_reference_forward_and_backward(P, spectrum):
     out, ref = layer(x, pos, key_padding_mask=pad), layer.reference(x, pos, key_padding_mask=pad)
     g_out = assert_same_gradients(out, ref, [x] + list(layer.parameters()))
     near = dict(zip([n for n, _ in [("x", x)] + list(layer.named_parameters())], g_out))
-    assert any(g is not None and g.abs().sum() > 0 for n, g in near.items() if n.startswith("near_spectrum"))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in near.items() if n.startswith("core.near_spectrum"))
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -163,7 +163,7 @@ def test_multiplicative_coupling_forward_equals_reference_and_exact_is_direct(sp
     out, ref = layer(x, pos, key_padding_mask=pad), layer.reference(x, pos, key_padding_mask=pad)
     g_out = assert_same_gradients(out, ref, [x] + list(layer.parameters()))
     near = dict(zip([n for n, _ in layer.named_parameters()], g_out[1:]))
-    assert any(g is not None and g.abs().sum() > 0 for n, g in near.items() if n.startswith("near_spectrum"))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in near.items() if n.startswith("core.near_spectrum"))
     with torch.no_grad():
         assert_close(layer.exact(x, pos, pad), multiplicative_direct(layer, x, pos, pad))
         big = strong_layer(k=40, P=3, spectrum=spectrum, coupling="multiplicative")

@@ -21,7 +21,7 @@ def pair(near_zero, near_default, **options):
     zero = FLTAttention(16, 2, near=near_zero, **options).to(DTYPE)
     default = FLTAttention(16, 2, near=near_default, **options).to(DTYPE)
     missing, unexpected = default.load_state_dict(zero.state_dict(), strict=False)
-    assert unexpected == [] and missing and all(key.startswith("near_spectrum.") for key in missing)
+    assert unexpected == [] and missing and all(key.startswith("core.near_spectrum.") for key in missing)
     return zero, default
 
 

@@ -191,7 +191,7 @@ def test_near_field_layer_converges_to_exact_and_is_exact_when_the_band_covers_e
     _set_local_amplitude(strong.near_spectrum, 3.5)
     x = torch.randn(2, 128, 64, dtype=F64)
     plain = FLTAttention.from_options(64, 2, spectrum="local", num_features=32, num_frequencies=8).double()
-    plain.load_state_dict({k: v for k, v in strong.state_dict().items() if not k.startswith("near_spectrum")})
+    plain.load_state_dict({k: v for k, v in strong.state_dict().items() if not k.startswith("core.near_spectrum")})
     _set_local_amplitude(plain.spectrum, 3.5)
     with torch.no_grad():
         band_err = ((strong(x) - strong.exact(x)).norm() / strong.exact(x).norm()).item()
@@ -255,7 +255,7 @@ def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causa
     out, ref = layer(x), layer.reference(x)
     g_out = assert_same_gradients(out, ref, [x] + list(layer.parameters()))
     table = dict(zip([n for n, _ in layer.named_parameters()], g_out[1:]))
-    assert any(g is not None and g.abs().sum() > 0 for n, g in table.items() if n.startswith("near_spectrum"))
+    assert any(g is not None and g.abs().sum() > 0 for n, g in table.items() if n.startswith("core.near_spectrum"))
     with torch.no_grad():
         p = layer.prepare(x, None, None)
         xq, xk = layer.scaled_qk(p.q, p.k, p.pos)

@@ -56,10 +56,11 @@ def test_parts_and_flat_options_build_the_same_layer(near):
 def test_state_dict_names_are_those_of_the_flat_layer():
     """Checkpoints written before the parts load: the modules keep their names."""
     layer = FLTAttention.from_options(16, 2, near_field=2, causal=True, redraw_interval=3)
-    prefixes = {key.split(".")[0] for key in layer.state_dict()}
-    assert prefixes == {"to_qkv", "to_out", "scaling", "feature_map", "spectrum", "near_spectrum", "redraw_calls"}
+    prefixes = {key.split(".")[0] for key in layer.core.state_dict()}
+    assert prefixes == {"scaling", "feature_map", "spectrum", "near_spectrum", "redraw_calls"}
+    assert {key.split(".")[0] for key in layer.state_dict()} == {"to_qkv", "to_out", "core"}
     softmax = SoftmaxAttention.from_options(16, 2, relative_bias="t5", max_distance=40)
-    assert {key.split(".")[0] for key in softmax.state_dict()} == {"to_qkv", "to_out", "relative"}
+    assert {key.split(".")[0] for key in softmax.core.state_dict()} == {"relative"}
 
 
 def test_the_spectrum_seed_and_the_feature_seed_are_both_set():

@@ -119,7 +119,7 @@ def test_softmax_state_dicts_from_before_the_registry_load(tmp_path):
     fresh = SoftmaxAttention.from_options(8, 2, relative_bias="alibi", alibi_learnable=True).double()
     with torch.no_grad():
         alibi.relative.log_slopes.add_(0.3)
-    fresh.load_state_dict({"log_slopes" if k == "relative.log_slopes" else k: v for k, v in alibi.state_dict().items()})
+    fresh.load_state_dict({"log_slopes" if k == "core.relative.log_slopes" else k: v for k, v in alibi.state_dict().items()})
     assert_close(fresh(x), alibi(x))
 
 
@@ -159,7 +159,7 @@ def test_toeplitz_exact_is_softmax_with_the_same_clipped_table(causal):
     soft = SoftmaxAttention.from_options(8, 2, relative_bias="clipped", backend="reference", **kw).double()
     with torch.no_grad():
         toe.table.table.normal_()
-    soft.load_state_dict({k.replace("table.", "relative."): v for k, v in toe.state_dict().items() if not k.startswith(("feature_map", "scaling"))})
+    soft.load_state_dict({k.replace("table.", "relative."): v for k, v in toe.state_dict().items() if not k.startswith(("core.feature_map", "core.scaling"))})
     x = torch.randn(2, 7, 8, dtype=F64)
     assert_close(toe.exact(x), soft(x))
 

@@ -9,10 +9,13 @@ term. An :class:`AttentionCore` holds only the learned parts of its mechanism (t
 spectrum, the feature map and its projection, the tables, the query-key scaling), never
 the ``to_qkv`` / ``to_out`` projections of the layer.
 
-A core is a layer of :data:`flt.layers.ATTENTION` with its projections removed, run on
-the queries, keys and values it is given: the layer's own ``forward``, ``reference`` and
-``exact`` compute the output, so a core and the layer it comes from agree to the last bit
-(tests/test_functional.py) and a core gains whatever the layer gains.
+Every layer of :data:`flt.layers.ATTENTION` is its projections plus a mechanism core
+(``layer.core``: :class:`flt.layers.flt.FLTCore`, :class:`~flt.layers.performer.PerformerCore`,
+:class:`~flt.layers.toeplitz.ToeplitzCore`, :class:`~flt.layers.softmax.SoftmaxCore`), and an
+:class:`AttentionCore` holds one such core (``core.attention``, the name its state-dict keys
+have always had) and checks the caller's inputs before calling it. The layer and the core run
+the same code on the same projected inputs, so they agree to the last bit
+(tests/test_functional.py); :meth:`AttentionCore.from_layer` holds the layer's own core.
 :meth:`AttentionCore.weights` gives the ``N x N`` attention weights the output is made of
 (the weights ``flt linearize --transfer weights`` matches to a softmax model's).
 
@@ -25,8 +28,6 @@ against cached keys), computed as the last rows of the full causal attention.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,8 @@ from torch import nn
 
 from flt._checks import check_choice, check_positions, check_tensor
 from flt._dtype import compute_dtype
-from flt.layers.base import AttentionBase, Prepared
+from flt.layers.base import AttentionBase, CoreBase, token_positions
 from flt.layers.registry import ATTENTION
-
-#: What a layer has that a core leaves out.
-PROJECTIONS = ("to_qkv", "to_out")
 
 
 class AttentionCore(nn.Module):
@@ -53,39 +51,37 @@ class AttentionCore(nn.Module):
             ``num_features``, ``relative_bias``, ``qk_norm``, ...), checked by name as the
             layer checks them.
 
-    :meth:`from_layer` makes the core of an existing layer, sharing its parameters.
+    The mechanism's core (the ``core`` of the layer those options build) is
+    ``self.attention``. :meth:`from_layer` holds the core of an existing layer, sharing its
+    parameters.
     """
 
     #: Which method a converted ``transformers`` model calls (``"forward"``, ``"reference"``,
     #: ``"exact"``); set by :func:`flt.integrations.transformers.convert`, absent otherwise.
     path: str
+    attention: CoreBase
 
     def __init__(self, mechanism: str = "flt", *, heads: int, head_dim: int, pos_dim: int = 1, causal: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_choice("mechanism", mechanism, sorted(ATTENTION))
+        # The layer checks the options by name and draws what the layer draws; its projections are dropped.
         layer = ATTENTION[mechanism].from_options(heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
-        for name in PROJECTIONS:
-            delattr(layer, name)
         self.mechanism_name = mechanism
-        self.attention = layer
+        self.attention = layer.core
 
     @classmethod
     def from_layer(cls, layer: nn.Module) -> AttentionCore:
         """The core of ``layer`` (an instance of a class in :data:`flt.layers.ATTENTION`):
-        its learned parts, shared (training the core trains the layer), without its
-        projections; ``layer`` itself keeps them."""
+        ``layer.core`` itself, shared (training the core trains the layer), without the
+        layer's projections."""
         names = {type_: name for name, type_ in ATTENTION.items()}
         if not isinstance(layer, AttentionBase) or type(layer) not in names:  # (every entry is one)
             raise TypeError(f"layer must be an instance of a class in flt.layers.ATTENTION, got {type(layer).__name__}")
-        view = copy.copy(layer)  # shares every parameter and buffer, not the dicts that hold them
-        view._modules = {k: m for k, m in layer._modules.items() if k not in PROJECTIONS}
-        view._parameters = dict(layer._parameters)
-        view._buffers = dict(layer._buffers)
         core = cls.__new__(cls)
         nn.Module.__init__(core)
         core.mechanism_name = names[type(layer)]
-        core.attention = view
+        core.attention = layer.core
         return core
 
     @property
@@ -101,16 +97,16 @@ class AttentionCore(nn.Module):
         return self.attention.causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, H, Nq, Dv]``: the mechanism's estimator (the layer's ``forward``)."""
+        """``[B, H, Nq, Dv]``: the mechanism's estimator (the core's ``forward``)."""
         return self._run("forward", q, k, v, pos, key_padding_mask)
 
     def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same computation by the O(N^2) reference formula (the layer's ``reference``)."""
+        """The same computation by the O(N^2) reference formula (the core's ``reference``)."""
         return self._run("reference", q, k, v, pos, key_padding_mask)
 
     def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention the mechanism estimates, with the same parameters (the
-        layer's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
+        core's ``exact``: for FLT's logit coupling ``softmax(x_q.x_k + f)``)."""
         return self._run("exact", q, k, v, pos, key_padding_mask)
 
     def weights(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor | None = None,
@@ -121,7 +117,7 @@ class AttentionCore(nn.Module):
         ``path="forward"`` (or ``"reference"``) gives the weights of the estimator (the
         kernel features' ``phi(q_i).phi(k_j)`` row-normalised; with FLT's band the exact
         weights on the band and the estimate beyond it); ``"exact"`` those of the attention
-        it estimates (:meth:`exact`). No new formula: they are the layer's own ``O(N^2)``
+        it estimates (:meth:`exact`). No new formula: they are the core's own ``O(N^2)``
         reference (or exact) formula applied to the values ``v = I`` (``[B, H, N, N]``),
         whose output row ``i`` is ``sum_j w_ij e_j``; this costs ``O(N^2 (D + N))`` per head.
         Causal cores give zeros above the diagonal; each row sums to 1 (0 for a row whose
@@ -148,23 +144,21 @@ class AttentionCore(nn.Module):
             # Causal rows are independent: the last rows of the full attention are these
             # queries' outputs, whatever the earlier (zero) queries are.
             q = torch.cat([q.new_zeros(*q.shape[:2], k.shape[2] - nq, q.shape[3]), q], dim=2)
-        # The layer's x only tells its length (and nothing else: its projections are replaced):
-        # a [B, N, dim] view of one zero, as for step()'s token.
-        x = q.new_zeros(()).expand(q.shape[0], q.shape[2], self.attention.dim)
-        out = self._call_layer(lambda layer: getattr(layer, method)(x, pos, key_padding_mask), q, k, v)
+        out = getattr(self.attention, method)(q, k, v, pos, key_padding_mask)
         return out[:, :, -nq:].to(v.dtype)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """The causal attention of a prompt and the state :meth:`step` continues from
-        (the layer's ``prefill``: for the kernel mechanisms the constant-size linear state,
+        (the core's ``prefill``: for the kernel mechanisms the constant-size linear state,
         with FLT's band also the last ``w + 1`` keys and values; for softmax a KV cache):
         ``(out [B, H, N, Dv], state)``. ``key_padding_mask [B, N]`` (True marks padding;
         kernel mechanisms only) keeps padded keys out of both: a batch of prompts padded on
         the left then decodes each row as its prompt alone."""
         self._check_decoding("prefill", q, k)
+        self.attention.check_prefill(key_padding_mask)
         q, pos = self._check(q, k, v, pos)
-        out, state = self._call_layer(lambda layer: layer.prefill(q, pos, key_padding_mask), q, k, v)
+        out, state = self.attention.prefill(q, k, v, pos, key_padding_mask)
         return out.to(v.dtype), state
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
@@ -174,33 +168,22 @@ class AttentionCore(nn.Module):
         self._check_decoding("step", q, k)
         if q.shape[2] != 1:
             raise ValueError(f"step() takes one token (q [B, H, 1, D]), got q {tuple(q.shape)}; use prefill() for a prompt")
+        offset = self.attention.step_offset(state)
         if pos is not None:
-            pos = positions(pos, batch=q.shape[0], length=1, pos_dim=self.attention.pos_dim, like=q)[:, 0]
-        self._check(q, k, v, None if pos is None else pos.unsqueeze(1))
-        token = q.new_empty(q.shape[0], self.attention.dim)  # stands for x: only its shape and dtype are read
-        out, state = self._call_layer(lambda layer: layer.step(token, state, pos), q, k, v, squeezed=True)
+            pos = positions(pos, batch=q.shape[0], length=1, pos_dim=self.attention.pos_dim, like=q)
+        self._check(q, k, v, pos)
+        if pos is None:
+            if self.attention.pos_dim != 1:
+                raise ValueError(f"pos is required when pos_dim = {self.attention.pos_dim} (token indices only serve P = 1)")
+            pos = token_positions(1, q, offset)
+        out, state = self.attention.step(q, k, v, state, pos)
         return out.to(v.dtype), state
 
     def _check_decoding(self, what: str, q: torch.Tensor, k: torch.Tensor) -> None:
-        if not (self.causal and getattr(self.attention, "supports_decoding", False)):
+        if not (self.causal and self.attention.supports_decoding):
             raise ValueError(f"{what}() needs a causal core of a mechanism that decodes ({self.mechanism_name!r}, causal={self.causal})")
         if q.shape[2] != k.shape[2]:
             raise ValueError(f"{what}() takes as many queries as keys (the new tokens); got {q.shape[2]} and {k.shape[2]}")
-
-    def _call_layer(self, call: Callable[[Any], Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, squeezed: bool = False) -> Any:
-        """``call(layer)`` with the layer's projections replaced by the caller's ``q, k, v``:
-        its ``prepare`` returns them (at the positions and padding the layer's method
-        passes on), its ``finish`` returns the heads unprojected (with a dimension for the
-        ``squeeze(1)`` of the layers' ``step``)."""
-        # Instance attributes that shadow the methods for this call. nn.Module's __setattr__
-        # is annotated for tensors and modules only; a function is stored as any attribute.
-        layer: nn.Module = self.attention
-        layer.prepare = lambda x, pos_, pad_: Prepared(q, k, v, pos_, pad_)  # type: ignore[assignment]
-        layer.finish = (lambda out, like: out.unsqueeze(1)) if squeezed else (lambda out, like: out)  # type: ignore[assignment]
-        try:
-            return call(layer)
-        finally:
-            del layer.prepare, layer.finish
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         for name, t in (("q", q), ("k", k), ("v", v)):

@@ -244,16 +244,16 @@ def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5
                         layer = FLTAttention.from_options(dim, heads, pos_dim=pos_dim, spectrum="gaussian", length_scale=length_scale,
                                              num_features=m, num_frequencies=R, **options).double()
                         with torch.no_grad():
-                            getattr(layer, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
-                            cast(torch.Tensor, layer.spectrum.log_length).add_(math.log(far_length))  # the gaussian spectrum's
+                            getattr(layer.core, where).amplitude.fill_(amplitude if options["coupling"] == "logit" else max(amplitude, 1e-3))
+                            cast(torch.Tensor, layer.core.spectrum.log_length).add_(math.log(far_length))  # the gaussian spectrum's
                         x = torch.randn(2, pos.shape[0], dim, dtype=F64)
                         with torch.no_grad():
                             out, exact = layer(x, pos), layer.exact(x, pos)
                             errs.append(((out - exact).norm() / exact.norm()).item())
                             if options["coupling"] == "logit":
-                                k, layer.near_neighbors = getattr(layer, "near_neighbors", 0), pos.shape[0] if where == "near_spectrum" else 0
+                                k, layer.core.near_neighbors = layer.core.near_neighbors, pos.shape[0] if where == "near_spectrum" else 0
                                 full = layer.exact(x, pos)  # the near spectrum on every pair when it holds the bump
-                                layer.near_neighbors = k
+                                layer.core.near_neighbors = k
                                 full_errs.append(((out - full).norm() / full.norm()).item())
                     full_error = sum(full_errs) / len(full_errs) if full_errs else None
                     rows.append(SpatialFidelityError(set_name, label, amplitude, m, R, sum(errs) / len(errs), full_error))

@@ -1,9 +1,13 @@
-"""Layers: modules that own parameters and buffers and call :mod:`flt.ops`."""
+"""Layers: modules that own parameters and buffers and call :mod:`flt.ops`.
 
-from flt.layers.base import AttentionBase, QKScaling
+Each attention layer is its projections plus a mechanism core (``layer.core``: :class:`FLTCore`,
+:class:`PerformerCore`, :class:`ToeplitzCore`, :class:`SoftmaxCore`) that computes on queries,
+keys and values."""
+
+from flt.layers.base import AttentionBase, CoreBase, QKScaling
 from flt.layers.features import FEATURE_MAPS, FeatureMap
-from flt.layers.flt import COUPLINGS, FLTAttention
-from flt.layers.kernel import DecodeState, KernelAttention
+from flt.layers.flt import COUPLINGS, FLTAttention, FLTCore
+from flt.layers.kernel import DecodeState, KernelAttention, KernelCore
 from flt.layers.near import Band, Neighbors
 from flt.layers.parts import (
     FEATURES,
@@ -16,10 +20,10 @@ from flt.layers.parts import (
     TaylorFeatures,
     Term,
 )
-from flt.layers.performer import PerformerAttention
+from flt.layers.performer import PerformerAttention, PerformerCore
 from flt.layers.registry import ATTENTION
-from flt.layers.softmax import RELATIVE_BIASES, SoftmaxAttention
-from flt.layers.toeplitz import ToeplitzAttention
+from flt.layers.softmax import RELATIVE_BIASES, SoftmaxAttention, SoftmaxCore
+from flt.layers.toeplitz import ToeplitzAttention, ToeplitzCore
 
 __all__ = [
     "ATTENTION",
@@ -29,21 +33,27 @@ __all__ = [
     "RELATIVE_BIASES",
     "AttentionBase",
     "Band",
+    "CoreBase",
     "DecodeState",
     "EluFeatures",
     "FLTAttention",
+    "FLTCore",
     "FavorPlus",
     "FeatureMap",
     "Features",
     "Hedgehog",
     "KernelAttention",
+    "KernelCore",
     "Neighbors",
     "PerformerAttention",
+    "PerformerCore",
     "QKScaling",
     "ReLUFeatures",
     "Settings",
     "SoftmaxAttention",
+    "SoftmaxCore",
     "TaylorFeatures",
     "Term",
     "ToeplitzAttention",
+    "ToeplitzCore",
 ]

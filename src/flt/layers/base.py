@@ -16,11 +16,25 @@ checks its own arguments (its parts check theirs, :mod:`flt.layers.rules` their 
 :meth:`AttentionBase.prepare` checks the input of every forward call: rank, feature size,
 at least one token, and the dtype and device of the layer's parameters (metadata only: no
 host synchronisation).
+
+A layer is its projections plus a core: ``to_qkv`` and ``to_out`` here, and ``layer.core``, a
+:class:`CoreBase` that holds every learned part of the mechanism (spectrum, feature map, tables,
+q/k scaling, near set, redraw schedule) and computes on queries, keys and values ``[B, H, N,
+D]``. The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
+project, call the core's method of the same name and project out;
+:class:`flt.functional.AttentionCore` runs a core on the caller's own projections. Reading an
+attribute of the core through the layer (``layer.spectrum``) returns the core's
+(:meth:`AttentionBase.__getattr__`) and writing one (``layer.check_condition = False``) sets
+the core's. State dicts keep the core's tensors under ``core.`` (``attn.core.spectrum.mu``); a
+file saved before cores existed (``attn.spectrum.mu``) loads as it is
+(:meth:`AttentionBase.move_into_core`), and ``parameters()`` lists them in their order of
+then (:meth:`AttentionBase.named_modules`), so saved optimizer states load too.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
@@ -95,6 +109,80 @@ class Prepared:
     pad: torch.Tensor | None  # [B, N] bool, True = padded key
 
 
+def token_positions(length: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Token indices ``offset .. offset + length - 1`` as positions ``[1, length, 1]`` in the
+    compute dtype of ``like``: the default positions when ``P = 1``."""
+    idx = torch.arange(offset, offset + length, device=like.device, dtype=compute_dtype(like))
+    return idx.view(1, length, 1)
+
+
+class CoreBase(nn.Module):
+    """A mechanism without projections: its learned parts, computing on queries, keys and values.
+
+    Every method takes ``q [B, H, N, D]``, ``k [B, H, N, D]``, ``v [B, H, N, Dv]``, checked
+    positions ``pos [B|1, N, P]`` (floating) and ``pad [B, N]`` (bool, True marks a padded key,
+    or None) and returns ``[B, H, N, Dv]``: :meth:`forward` (the estimator), :meth:`reference`
+    (the same computation by its ``O(N^2)`` formula), :meth:`exact` (what it estimates), and,
+    for causal cores of mechanisms that decode, :meth:`prefill` and :meth:`step` with their
+    decoding state. The layer (:class:`AttentionBase`) or :class:`flt.functional.AttentionCore`
+    checks the inputs; a core trusts them.
+    """
+
+    #: Causal cores of this mechanism decode token by token (:meth:`step`, :meth:`prefill`).
+    supports_decoding: bool = False
+
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False) -> None:
+        super().__init__()
+        check_positive_int("heads", heads)
+        check_positive_int("head_dim", head_dim)
+        check_positive_int("pos_dim", pos_dim)
+        self.heads, self.head_dim, self.pos_dim, self.causal = heads, head_dim, pos_dim, bool(causal)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                  pad: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              pad: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """``(out [B, H, N, Dv], state)``: the causal attention of a prompt and the state
+        :meth:`step` continues from."""
+        raise ValueError(f"{type(self).__name__} does not decode: it has no prefill()")
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any, pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One token (``q, k [B, H, 1, D]``, ``v [B, H, 1, Dv]``, ``pos [B|1, 1, P]``) from
+        ``state`` (None to start): ``(out [B, H, 1, Dv], state)``."""
+        raise ValueError(f"{type(self).__name__} does not decode: it has no step()")
+
+    def check_decoding(self, what: str) -> None:
+        """Refuse ``prefill``/``step`` (``what``) on a core that is not causal."""
+        if not self.causal:
+            raise ValueError(f"{what}() decodes causal attention; build the layer with causal=True")
+
+    def check_prefill(self, pad: torch.Tensor | None) -> None:
+        """Refuse a prefill this core cannot do, before any input is projected."""
+        self.check_decoding("prefill")
+
+    def step_offset(self, state: Any) -> int:
+        """How many tokens ``state`` has seen (0 for None): the next token's default position.
+        Refuses a state that is not this core's, and a core that does not decode."""
+        self.check_decoding("step")
+        return 0 if state is None else int(state.position)
+
+    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
+        if pad is None:
+            return None
+        return (~pad).to(dtype)[:, None, None, :]
+
+
 def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] = ()) -> None:
     """Check flat ``options`` of the layer class ``cls`` against the signature that lists
     them (:func:`flt._signatures.check_options`), reported against its registry name
@@ -110,12 +198,30 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
 _Layer = TypeVar("_Layer", bound="AttentionBase")
 
 
+#: Attributes that a layer and its core both hold; set on the layer, they are set on both.
+SHARED_WITH_CORE = ("heads", "head_dim", "pos_dim", "causal")
+
+
 class AttentionBase(nn.Module):
-    """Input/output projections and input validation shared by the attention layers."""
+    """Input/output projections and input validation shared by the attention layers, around
+    ``self.core`` (a :class:`CoreBase`, built by each layer's constructor).
+
+    Attributes of the core read through the layer: ``layer.spectrum`` is
+    ``layer.core.spectrum`` (:meth:`__getattr__`, for names the layer does not have itself),
+    and ``layer.check_condition = False`` sets the core's (:meth:`__setattr__`), so that a
+    write never lands on the layer while the core reads its own.
+    """
 
     #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
     #: its definition; the registry is built from it).
     registry_name: ClassVar[str | None] = None
+    #: Submodules that add no part to the names of draws and generators
+    #: (:func:`flt.layers.draws.stable_named_modules`): those names seed fixed draws and key
+    #: saved random states, and stay what they were before the core existed.
+    unnamed_submodules: ClassVar[tuple[str, ...]] = ("core",)
+    #: Causal layers of this class decode (:meth:`step`); instances copy their core's.
+    supports_decoding: bool = False
+    core: CoreBase
 
     @classmethod
     def from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
@@ -155,11 +261,136 @@ class AttentionBase(nn.Module):
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
         self.to_out = nn.Linear(dim, dim, **fk)
 
+    def __getattr__(self, name: str) -> Any:
+        """A name the layer does not have is looked up on its core (``layer.spectrum`` is
+        ``layer.core.spectrum``); only misses come here, so the forward pass pays nothing."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            core = self.__dict__.get("_modules", {}).get("core")
+            if core is None or name.startswith("__") or not hasattr(core, name):
+                raise
+        return getattr(core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Set an attribute of the core on the core (``layer.check_condition = False``):
+        a name the layer does not hold itself but its core does goes to the core; the shapes
+        both hold (:data:`SHARED_WITH_CORE`) are set on both."""
+        core = self.__dict__.get("_modules", {}).get("core")
+        if core is not None and name != "core":
+            if name in SHARED_WITH_CORE:
+                setattr(core, name, value)
+            elif not self._holds(name) and hasattr(core, name):
+                setattr(core, name, value)
+                return
+        super().__setattr__(name, value)
+
+    def _holds(self, name: str) -> bool:
+        return (name in self.__dict__ or name in self._parameters or name in self._buffers or name in self._modules
+                or hasattr(type(self), name))
+
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """``nn.Module.named_modules`` with the core itself listed before the projections and
+        its submodules after them: ``parameters()`` then lists every parameter in the order
+        it had before layers had cores (a core's own parameter, FLT's ``far_constant``, was
+        the layer's and came first), so optimizer states saved then load as they are and
+        gradient-norm sums add in the same order, bit for bit."""
+        core = self._modules.get("core")
+        if core is None:
+            yield from super().named_modules(memo, prefix, remove_duplicate)
+            return
+        memo = set() if memo is None else memo
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        core_prefix = f"{prefix}.core" if prefix else "core"
+        if core not in memo:
+            if remove_duplicate:
+                memo.add(core)
+            yield core_prefix, core
+        for name, module in self._modules.items():
+            if module is not None and name != "core":
+                yield from module.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+        for name, module in core._modules.items():
+            if module is not None:
+                yield from module.named_modules(memo, f"{core_prefix}.{name}", remove_duplicate)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        self.move_into_core(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def move_into_core(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Move, in place, the keys ``prefix + X`` of a state dict saved before the layer held
+        its mechanism in ``core`` (``attn.spectrum.mu``) to ``prefix + "core." + X``; keys of
+        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. The core's own
+        migrations of older layouts then run on the moved keys."""
+        if "core" not in self._modules:  # a layer of its own without a core
+            return
+        own = set(self._modules) | set(self._parameters) | set(self._buffers)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            if key[len(prefix):].split(".", 1)[0] not in own:
+                state_dict.setdefault(prefix + "core." + key[len(prefix):], state_dict.pop(key))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, N, dim]``: the core's estimator between the projections."""
+        p = self.prepare(x, pos, key_padding_mask)
+        return self.finish(self.core(p.q, p.k, p.v, p.pos, p.pad), x)
+
+    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same computation by the core's O(N^2) formula (the fast path's reference)."""
+        p = self.prepare(x, pos, key_padding_mask)
+        return self.finish(self.core.reference(p.q, p.k, p.v, p.pos, p.pad), x)
+
+    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The O(N^2) attention the core estimates, with the same parameters."""
+        p = self.prepare(x, pos, key_padding_mask)
+        return self.finish(self.core.exact(p.q, p.k, p.v, p.pos, p.pad), x)
+
+    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """The causal forward over a prompt that also returns the decoding state (``causal=True`` only).
+
+        Args:
+            x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
+            key_padding_mask: ``[B, N]`` bool (True marks padding) or None: the kernel
+                mechanisms leave padded keys out of the outputs and of the state (a
+                left-padded batch of prompts decodes as each prompt alone).
+
+        Returns:
+            ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos, key_padding_mask)`` and
+            ``state`` the one :meth:`step` would hold after the ``N`` tokens (the core's
+            ``prefill``), so :meth:`step` continues the sequence.
+        """
+        self.core.check_prefill(key_padding_mask)
+        p = self.prepare(x, pos, key_padding_mask)
+        out, state = self.core.prefill(p.q, p.k, p.v, p.pos, p.pad)
+        return self.finish(out, x), state
+
+    def step(self, x: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """Decode one token (``causal=True`` only).
+
+        Args:
+            x: ``[B, dim]``, the next token.
+            state: the state returned by the previous call or by :meth:`prefill` (``None`` to start).
+            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
+
+        Returns:
+            ``(y [B, dim], state)``: feeding a sequence token by token gives the outputs of
+            ``forward`` with ``causal=True`` (the core's ``step``).
+        """
+        offset = self.core.step_offset(state)
+        x_seq, pos_seq = self.step_input(x, pos, offset)
+        p = self.prepare(x_seq, pos_seq, None)
+        out, state = self.core.step(p.q, p.k, p.v, state, p.pos)
+        return self.finish(out, x_seq).squeeze(1), state
+
     def default_positions(self, length: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if self.pos_dim != 1:
             raise ValueError(f"pos is required when pos_dim = {self.pos_dim} (token indices only serve P = 1)")
-        idx = torch.arange(offset, offset + length, device=like.device, dtype=compute_dtype(like))
-        return idx.view(1, length, 1)
+        return token_positions(length, like, offset)
 
     def step_input(self, x: torch.Tensor, pos: torch.Tensor | None, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Check one decoding step's ``x [B, dim]`` and ``pos [B, P] | [P] | None`` and return
@@ -213,13 +444,6 @@ class AttentionBase(nn.Module):
         """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""
         return self.to_out(rearrange(out.to(like.dtype), "b h n d -> b n (h d)"))
 
-    def padding_mask_matrix(self, pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
-        if pad is None:
-            return None
-        return (~pad).to(dtype)[:, None, None, :]
-
-
 class QKScaling(nn.Module):
     """Scale queries and keys so that the kernel is ``exp(x_q . x_k)``.
 
@@ -246,3 +470,14 @@ class QKScaling(nn.Module):
         cdt = compute_dtype(q)
         root = torch.exp(0.5 * self.log_temperature.to(cdt)).view(1, -1, 1, 1)
         return F.normalize(q.to(cdt), dim=-1) * root, F.normalize(k.to(cdt), dim=-1) * root
+
+
+def move_into_cores(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the state dict ``state`` of ``model`` with the keys of its attention layers
+    in the current layout (:meth:`AttentionBase.move_into_core`), for code that compares
+    keys before loading them (``load_state_dict`` moves them itself)."""
+    moved = dict(state)
+    for name, module in model.named_modules():
+        if isinstance(module, AttentionBase):
+            module.move_into_core(moved, f"{name}." if name else "")
+    return moved

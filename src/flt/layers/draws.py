@@ -32,7 +32,8 @@ from typing import Protocol, TypeGuard, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["RandomFeatures", "draw_generator", "fixed_draw", "has_random_features", "random_feature_modules", "redraw"]
+__all__ = ["RandomFeatures", "draw_generator", "fixed_draw", "has_random_features", "random_feature_modules", "redraw",
+           "stable_named_modules"]
 
 
 @runtime_checkable
@@ -61,9 +62,32 @@ def _draws_used(module: nn.Module) -> TypeGuard[RandomFeatures]:
     return callable(getattr(module, "redraw_random_features", None)) and bool(getattr(module, "has_random_features", False))
 
 
+def stable_named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules`` of ``model``, each module once, except that the
+    submodules a module lists in ``unnamed_submodules`` add no part to the names below them:
+    an attention layer's ``core`` (:class:`flt.layers.base.AttentionBase`), so that
+    ``attn.core.feature_map`` is named ``attn.feature_map``, as before layers had cores.
+    These names seed :func:`fixed_draw`'s draws and key the generators a run saves
+    (:mod:`flt.train.rng`), so evaluations and resumed runs of older checkpoints see the
+    same draws."""
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield name, module
+        unnamed = getattr(type(module), "unnamed_submodules", ())
+        children = [(name if key in unnamed else f"{name}.{key}" if name else key, child)
+                    for key, child in module._modules.items() if child is not None]
+        stack.extend(reversed(children))  # depth first, in registration order, as named_modules
+
+
 def random_feature_modules(model: nn.Module) -> Iterator[tuple[str, RandomFeatures]]:
-    """``(name, module)`` of every submodule (``model`` included) whose draws are used."""
-    for name, module in _unwrap(model).named_modules():
+    """``(name, module)`` of every submodule (``model`` included) whose draws are used,
+    named by :func:`stable_named_modules`."""
+    for name, module in stable_named_modules(_unwrap(model)):
         if _draws_used(module):
             yield name, module
 

@@ -25,8 +25,9 @@ from einops import rearrange
 from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
+from flt.layers.band_decode import BandDecodeState
 from flt.layers.base import Prepared
-from flt.layers.kernel import KernelAttention, KernelFeatures, mask_padded_keys
+from flt.layers.kernel import KernelAttention, KernelCore, KernelFeatures, mask_padded_keys
 from flt.layers.near import Band, Neighbors
 from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, kernel_parts
 from flt.layers.rules import Facts, check_rules
@@ -37,7 +38,7 @@ from flt.relative.spectra import SPECTRA, Spectrum
 COUPLINGS = ("logit", "multiplicative")
 
 #: The multiplicative coupling warns when the bound on its row condition numbers exceeds
-#: this, or ``1 / u`` for inputs of unit roundoff ``u`` (:meth:`FLTAttention.check_conditioning`).
+#: this, or ``1 / u`` for inputs of unit roundoff ``u`` (:meth:`FLTCore.check_conditioning`).
 CONDITION_LIMIT = 1000.0
 
 
@@ -45,96 +46,17 @@ class ConditioningWarning(RuntimeWarning):
     """The multiplicative coupling's row sums cancel so much that rounding changes outputs."""
 
 
-class FLTAttention(KernelAttention):
-    """Multi-head FourierLearner-Transformer attention, linear in the sequence length.
-
-    A layer is its projections (``to_qkv``, ``to_out``) plus a core made of parts
-    (:mod:`flt.layers.parts`, :mod:`flt.layers.near`), each with its own options::
-
-        FLTAttention(64, 4, relative=Term("local", num_frequencies=16),
-                     features=FavorPlus(num_features=64, seed=0), near=Band(16, term="clipped"))
-
-    The flat option names of presets and the command line build the same parts through
-    :meth:`from_options` (``FLTAttention.from_options(64, 4, spectrum="local",
-    num_frequencies=16, num_features=64, seed=0, near_field=16, near_relative="clipped")``).
-    Which parts combine is ruled in :mod:`flt.layers.rules`.
-
-    Args:
-        dim: model width; ``heads`` must divide it.
-        heads: ``H``.
-        pos_dim: ``P``, dimension of the positions (1 text, 2 patches, 3 atoms, ...).
-        causal: token ``i`` attends to ``j <= i``; enables :meth:`step`.
-        relative: the far term ``f``, a spectrum (:data:`flt.spectra.SPECTRA`) with random
-            features ``a(r), c(r)``: a name, a :class:`flt.layers.parts.Term` (name and options:
-            ``num_frequencies`` ``R`` (default 32), ``seed``, the family's own), or a spectrum
-            module. Default ``"gaussian_mixture"``; a spectrum built here starts at ``amplitude``
-            0 for the logit coupling and 1 for the multiplicative one.
-        features: the kernel features (:class:`flt.layers.parts.FavorPlus`, the default, with
-            ``num_features`` ``m = 256``; ``ReLUFeatures``, ``EluFeatures``, ``TaylorFeatures``,
-            ``Hedgehog``: multiplicative coupling only, the logit coupling needs the
-            exponential kernel).
-        near: ``None`` or a near set whose pairs get their exact weights with the mask
-            ``f + f_near`` (:mod:`flt.layers.near`): :class:`~flt.layers.near.Band` ``(w)``, the
-            token band ``|i - j| <= w`` (logit coupling; sequences; causal layers decode it
-            token by token in constant memory), or :class:`~flt.layers.near.Neighbors` ``(k)``,
-            each query's ``k`` nearest keys in position space (either coupling; sets, not
-            causal). ``f_near`` is the near set's own term (``term``; by default a second
-            spectrum of the far term's family starting at 0; ``"zero"``: none, ``f_near =
-            0``), exact only, so a strong local bias costs no variance. See docs/math.md sections 5.1 and 5.1.1.
-        coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
-        far_field: ``False`` fixes the far-field mask at ``f = 0`` and freezes the spectrum:
-            a control for measuring what the random-feature relative term contributes.
-            With the logit coupling the layer is then a Performer (plus the exact near set
-            and its ``f_near``, if one is set: the local + linear hybrid); with the
-            multiplicative coupling only the near set carries weight (a cutoff model), so
-            it needs :class:`~flt.layers.near.Neighbors`, and ``f_near`` starts at the
-            spectrum's ``amplitude`` instead of 0 (at 0 no pair would carry weight and the
-            mask would get no gradient). The spectrum's parameters stay in the state dict.
-            ``"near"`` is the control between the two: the spectrum is learnt and ``f`` is
-            used exactly on the near set (``f + f_near`` there, as with ``True``), but its
-            random-feature estimate beyond the near set is dropped (``f = 0`` there).
-            Comparing it with ``True`` measures what the random-feature far field adds; it
-            needs a near set. ``"constant"`` is the control for the far field's shape: ``f``
-            as with ``"near"`` on the near set, and beyond it a learnt constant ``c_h`` per
-            head (``far_constant``, ``[H]``, starting at 0, so the layer starts as
-            ``"near"``: exactly with the multiplicative coupling, in expectation with the
-            logit one) in place of ``f``'s estimate: ``c_h`` times the kernel for the
-            multiplicative coupling, a logit bias ``c_h`` for the logit one. Comparing it
-            with ``True`` measures what the learnt shape of ``f`` beyond the near set adds
-            over attending there at all; it needs a near set. ``"positive"`` is the same
-            control with ``c_h = softplus(theta_h) >= 0`` (``far_constant`` holds ``theta_h``,
-            starting at -4, ``c_h`` about 0.018): the multiplicative coupling's learnt
-            ``f`` is a nonnegative Gaussian mask beyond the near set, while a free constant
-            can go negative there and make rows of weights cancel.
-        settings: :class:`flt.layers.parts.Settings`: ``rope``/``rope_base`` (also rotate
-            queries and keys by RoPE), ``chunk_size`` (None: chosen from the shapes),
-            ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
-            :func:`flt.ops.triton.favor_attention` and, with a band,
-            :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
-            :class:`~flt.layers.near.Neighbors`), ``redraw_interval`` (a layer-level redraw
-            schedule, :class:`flt.layers.kernel.KernelAttention`; ``flt train`` redraws by
-            ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
-            multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums
-            cancel so much that rounding can reach ``1e-4`` of an output in float32, or swamp
-            it in bfloat16 / float16; :meth:`check_conditioning`; default on: one extra
-            ``O(N 2R m)`` pass and one host synchronisation per forward call).
-        device, dtype: of the parameters and buffers.
-
-    The layer keeps its parts (``layer.kernel``: the features, ``layer.near``, ``layer.settings``) and the
-    modules they build: ``spectrum`` (``f``), ``near_spectrum`` (``f_near``, or None),
-    ``feature_map`` and ``scaling``; ``near_field`` and ``near_neighbors`` are the band's width
-    and the neighbours' ``k`` (0 without).
-
-    Shapes: ``forward(x [B, N, dim], pos [B, N, P] | [N, P] | None, key_padding_mask [B, N])
-    -> [B, N, dim]``.
+class FLTCore(KernelCore):
+    """The mechanism of :class:`FLTAttention` without its projections: the far term
+    (``spectrum``), the kernel features (``feature_map``, ``scaling``), the near set
+    (``near``, ``near_spectrum``) and ``far_constant``, computing on queries, keys and values
+    ``[B, H, N, D]``. The arguments are :class:`FLTAttention`'s, with ``head_dim`` for ``dim``.
     """
-
-    registry_name = "flt"
 
     def __init__(
         self,
-        dim: int,
         heads: int,
+        head_dim: int,
         *,
         pos_dim: int = 1,
         causal: bool = False,
@@ -158,16 +80,14 @@ class FLTAttention(KernelAttention):
                             f"constant kept >= 0), got {far_field!r}")
         if not isinstance(settings.check_condition, bool):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
-        check_positive_int("dim", dim)
         check_positive_int("heads", heads)
-        if dim % heads:
-            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        check_positive_int("head_dim", head_dim)
         check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
-                                settings=settings, head_dim=dim // heads, pos_dim=pos_dim))
+                                settings=settings, head_dim=head_dim, pos_dim=pos_dim))
         num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
         super().__init__(
-            dim, heads, pos_dim=pos_dim, causal=causal,
-            feature_dim=dim // heads + 2 * num_frequencies if coupling == "logit" else dim // heads,
+            heads, head_dim, pos_dim=pos_dim, causal=causal,
+            feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
             **features.map_options(), **settings.kernel_options(), device=device, dtype=dtype,
         )
         self.coupling, self.kernel, self.near, self.settings = coupling, features, near, settings
@@ -209,85 +129,31 @@ class FLTAttention(KernelAttention):
             # the learning rate a step, so a few thousand steps reach c_h ~ 1 (f's amplitude).
             self.far_constant = torch.nn.Parameter(torch.full((heads,), -4.0, device=device, dtype=dtype))
 
-    @classmethod
-    @flat_options
-    def _from_options(
-        cls,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        spectrum: str = "gaussian_mixture",
-        coupling: str = "logit",
-        num_features: int = 256,
-        num_frequencies: int = 32,
-        causal: bool = False,
-        feature_map: str = "favor+",
-        qk_norm: bool | None = None,
-        temperature: float = 1.0,
-        orthogonal: bool = True,
-        redraw_interval: int | None = None,
-        seed: int | None = None,
-        spectrum_seed: int | None = None,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        chunk_size: int | None = None,
-        near_field: int = 0,
-        near_neighbors: int = 0,
-        near_relative: str | None = None,
-        near_relative_options: dict | None = None,
-        far_field: bool | Literal["near", "constant", "positive"] = True,
-        check_condition: bool = True,
-        backend: str = "torch",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **spectrum_options: Any,
-    ) -> FLTAttention:
-        """The layer from the flat options of presets and the command line (checked by
-        :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``
-        (the feature map's), ``qk_norm``, ``temperature`` make the features part;
-        ``spectrum``, ``num_frequencies``, ``spectrum_seed`` (the spectrum's own ``seed``) and
-        ``**spectrum_options`` the far term; ``near_field`` (``w >= 1``: a band; 0 off) or
-        ``near_neighbors`` (``k >= 1``: the nearest keys; 0 off), with ``near_relative`` and
-        ``near_relative_options`` as its term, the near set; ``rope``, ``rope_base``,
-        ``chunk_size``, ``backend``, ``redraw_interval``, ``check_condition`` the settings."""
-        check_choice("coupling", coupling, COUPLINGS)
-        check_choice("spectrum", spectrum, SPECTRA)
-        check_nonnegative_int("near_field", near_field, "the band half-width w in tokens; 0 = off")
-        check_nonnegative_int("near_neighbors", near_neighbors, "k nearest keys in position space; 0 = off")
-        # The rules that only flat options can break (two near sets, a term without a set).
-        check_rules(Facts(features=feature_map, coupling=coupling, near_field=near_field, near_neighbors=near_neighbors,
-                          near_term=near_relative, near_term_options=near_relative_options is not None,
-                          far_field=far_field, causal=causal, backend=backend, spectrum_term=True))
-        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
-                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval,
-                                          check_condition=check_condition)
-        if spectrum_seed is not None:
-            spectrum_options["seed"] = spectrum_seed
-        relative = Term(spectrum, num_frequencies=num_frequencies, **spectrum_options)
-        term = None if near_relative is None else Term(near_relative, **(near_relative_options or {}))
-        near = Band(near_field, term) if near_field else Neighbors(near_neighbors, term) if near_neighbors else None
-        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
-                   coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
+    def step_offset(self, state: Any) -> int:
+        """The next token's default position; with a band the state must be the band's."""
+        if isinstance(self.near, Band):
+            self.check_decoding("step")
+            if state is not None and not isinstance(state, BandDecodeState):
+                raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
+        return super().step_offset(state)
 
-    def step(self, x: torch.Tensor, state: Any = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any, pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Decode one token (``causal=True``); with a band through
         :meth:`flt.layers.near.Band.step` (exact band from a ring buffer, far field
-        from the linear state), else :meth:`flt.layers.kernel.KernelAttention.step`."""
+        from the linear state), else :meth:`flt.layers.kernel.KernelCore.step`."""
         if isinstance(self.near, Band):
-            return self.near.step(self, x, state, pos)
-        return super().step(x, state, pos)
+            return self.near.step(self, q, k, v, state, pos)
+        return super().step(q, k, v, state, pos)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
-        """The causal forward over a prompt and the decoding state :meth:`step` continues
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """The causal attention of a prompt and the decoding state :meth:`step` continues
         from: with a band its ring buffer and far field (:meth:`flt.layers.near.Band.prefill`),
-        else the linear state (:meth:`flt.layers.kernel.KernelAttention.prefill`); padded
-        keys (``key_padding_mask [B, N]``, True marks padding) are in neither."""
+        else the linear state (:meth:`flt.layers.kernel.KernelCore.prefill`); padded
+        keys (``pad [B, N]``, True marks padding) are in neither."""
         if isinstance(self.near, Band):
-            return self.near.prefill(self, x, pos, key_padding_mask)
-        return super().prefill(x, pos, key_padding_mask)
+            return self.near.prefill(self, q, k, v, pos, pad)
+        return super().prefill(q, k, v, pos, pad)
 
     def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The spectrum's random features ``a(r), c(r)`` (``[B|1, H, N, 2R]``), the estimate of
@@ -426,21 +292,22 @@ class FLTAttention(KernelAttention):
         assert self.near_spectrum is not None  # built with the near set, the only caller
         return self.far_mask(delta) + self.near_spectrum.of_offsets(delta)
 
-    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              pad: torch.Tensor | None = None) -> torch.Tensor:
         """The O(N^2) attention this layer approximates, with the same parameters.
 
         The exact softmax kernel ``exp(x_q.x_k)`` and the exact mask ``f`` of the spectrum:
         ``softmax(x_q.x_k + f)`` for the logit coupling, ``f * exp(x_q.x_k)`` normalised for
         the multiplicative one; with ``feature_map="relu"``, ``"elu"``, ``"taylor"`` or
         ``"hedgehog"`` the kernel those features estimate instead of ``exp(x_q.x_k)``
-        (:meth:`flt.layers.kernel.KernelAttention.exact_attention`). As ``num_features`` and
+        (:meth:`flt.layers.kernel.KernelCore.exact_attention`). As ``num_features`` and
         ``num_frequencies`` grow, ``forward`` converges to this. With ``far_field="near"``
         the mask is ``f + f_near`` on the near set and ``0`` beyond it (a Performer's exact
         kernel there for the logit coupling, no weight for the multiplicative one); with
         ``far_field="constant"`` or ``"positive"`` it is ``c_h`` (:meth:`far_constant_value`)
         beyond the near set.
         """
-        p = self.prepare(x, pos, key_padding_mask)
+        p = Prepared(q, k, v, pos, pad)
         xq, xk = self.scaled_qk(p.q, p.k, p.pos)
         cdt = compute_dtype(xq)
         delta = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [B|1, N, N, P]
@@ -460,7 +327,181 @@ class FLTAttention(KernelAttention):
             out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, bias=f, mask=pad)
         else:
             out = self.exact_attention(xq.to(cdt), xk.to(cdt), v, mask=f if pad is None else f * pad)
-        return self.finish(out, x)
+        return out
+
+
+
+class FLTAttention(KernelAttention):
+    """Multi-head FourierLearner-Transformer attention, linear in the sequence length.
+
+    A layer is its projections (``to_qkv``, ``to_out``) plus a core made of parts
+    (:mod:`flt.layers.parts`, :mod:`flt.layers.near`), each with its own options::
+
+        FLTAttention(64, 4, relative=Term("local", num_frequencies=16),
+                     features=FavorPlus(num_features=64, seed=0), near=Band(16, term="clipped"))
+
+    The flat option names of presets and the command line build the same parts through
+    :meth:`from_options` (``FLTAttention.from_options(64, 4, spectrum="local",
+    num_frequencies=16, num_features=64, seed=0, near_field=16, near_relative="clipped")``).
+    Which parts combine is ruled in :mod:`flt.layers.rules`.
+
+    Args:
+        dim: model width; ``heads`` must divide it.
+        heads: ``H``.
+        pos_dim: ``P``, dimension of the positions (1 text, 2 patches, 3 atoms, ...).
+        causal: token ``i`` attends to ``j <= i``; enables :meth:`step`.
+        relative: the far term ``f``, a spectrum (:data:`flt.spectra.SPECTRA`) with random
+            features ``a(r), c(r)``: a name, a :class:`flt.layers.parts.Term` (name and options:
+            ``num_frequencies`` ``R`` (default 32), ``seed``, the family's own), or a spectrum
+            module. Default ``"gaussian_mixture"``; a spectrum built here starts at ``amplitude``
+            0 for the logit coupling and 1 for the multiplicative one.
+        features: the kernel features (:class:`flt.layers.parts.FavorPlus`, the default, with
+            ``num_features`` ``m = 256``; ``ReLUFeatures``, ``EluFeatures``, ``TaylorFeatures``,
+            ``Hedgehog``: multiplicative coupling only, the logit coupling needs the
+            exponential kernel).
+        near: ``None`` or a near set whose pairs get their exact weights with the mask
+            ``f + f_near`` (:mod:`flt.layers.near`): :class:`~flt.layers.near.Band` ``(w)``, the
+            token band ``|i - j| <= w`` (logit coupling; sequences; causal layers decode it
+            token by token in constant memory), or :class:`~flt.layers.near.Neighbors` ``(k)``,
+            each query's ``k`` nearest keys in position space (either coupling; sets, not
+            causal). ``f_near`` is the near set's own term (``term``; by default a second
+            spectrum of the far term's family starting at 0; ``"zero"``: none, ``f_near =
+            0``), exact only, so a strong local bias costs no variance. See docs/math.md sections 5.1 and 5.1.1.
+        coupling: ``"logit"`` or ``"multiplicative"`` (module docstring).
+        far_field: ``False`` fixes the far-field mask at ``f = 0`` and freezes the spectrum:
+            a control for measuring what the random-feature relative term contributes.
+            With the logit coupling the layer is then a Performer (plus the exact near set
+            and its ``f_near``, if one is set: the local + linear hybrid); with the
+            multiplicative coupling only the near set carries weight (a cutoff model), so
+            it needs :class:`~flt.layers.near.Neighbors`, and ``f_near`` starts at the
+            spectrum's ``amplitude`` instead of 0 (at 0 no pair would carry weight and the
+            mask would get no gradient). The spectrum's parameters stay in the state dict.
+            ``"near"`` is the control between the two: the spectrum is learnt and ``f`` is
+            used exactly on the near set (``f + f_near`` there, as with ``True``), but its
+            random-feature estimate beyond the near set is dropped (``f = 0`` there).
+            Comparing it with ``True`` measures what the random-feature far field adds; it
+            needs a near set. ``"constant"`` is the control for the far field's shape: ``f``
+            as with ``"near"`` on the near set, and beyond it a learnt constant ``c_h`` per
+            head (``far_constant``, ``[H]``, starting at 0, so the layer starts as
+            ``"near"``: exactly with the multiplicative coupling, in expectation with the
+            logit one) in place of ``f``'s estimate: ``c_h`` times the kernel for the
+            multiplicative coupling, a logit bias ``c_h`` for the logit one. Comparing it
+            with ``True`` measures what the learnt shape of ``f`` beyond the near set adds
+            over attending there at all; it needs a near set. ``"positive"`` is the same
+            control with ``c_h = softplus(theta_h) >= 0`` (``far_constant`` holds ``theta_h``,
+            starting at -4, ``c_h`` about 0.018): the multiplicative coupling's learnt
+            ``f`` is a nonnegative Gaussian mask beyond the near set, while a free constant
+            can go negative there and make rows of weights cancel.
+        settings: :class:`flt.layers.parts.Settings`: ``rope``/``rope_base`` (also rotate
+            queries and keys by RoPE), ``chunk_size`` (None: chosen from the shapes),
+            ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
+            :func:`flt.ops.triton.favor_attention` and, with a band,
+            :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
+            :class:`~flt.layers.near.Neighbors`), ``redraw_interval`` (a layer-level redraw
+            schedule, :class:`flt.layers.kernel.KernelCore`; ``flt train`` redraws by
+            ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
+            multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums
+            cancel so much that rounding can reach ``1e-4`` of an output in float32, or swamp
+            it in bfloat16 / float16; :meth:`check_conditioning`; default on: one extra
+            ``O(N 2R m)`` pass and one host synchronisation per forward call).
+        device, dtype: of the parameters and buffers.
+
+    The layer is ``to_qkv``, ``to_out`` and its core, ``layer.core`` (an :class:`FLTCore`),
+    which keeps the parts (``core.kernel``: the features, ``core.near``, ``core.settings``) and
+    the modules they build: ``spectrum`` (``f``), ``near_spectrum`` (``f_near``, or None),
+    ``feature_map`` and ``scaling``; ``near_field`` and ``near_neighbors`` are the band's width
+    and the neighbours' ``k`` (0 without). The layer reads them through (``layer.spectrum``
+    is ``layer.core.spectrum``).
+
+    Shapes: ``forward(x [B, N, dim], pos [B, N, P] | [N, P] | None, key_padding_mask [B, N])
+    -> [B, N, dim]``.
+    """
+
+    registry_name = "flt"
+    core: FLTCore
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        relative: str | Term | Spectrum | None = None,
+        features: Features | None = None,
+        near: Band | Neighbors | None = None,
+        coupling: str = "logit",
+        far_field: bool | Literal["near", "constant", "positive"] = True,
+        settings: Settings | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        self.core = FLTCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features,
+                            near=near, coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
+        self.supports_decoding = self.core.supports_decoding
+
+    @classmethod
+    @flat_options
+    def _from_options(
+        cls,
+        dim: int,
+        heads: int,
+        *,
+        pos_dim: int = 1,
+        spectrum: str = "gaussian_mixture",
+        coupling: str = "logit",
+        num_features: int = 256,
+        num_frequencies: int = 32,
+        causal: bool = False,
+        feature_map: str = "favor+",
+        qk_norm: bool | None = None,
+        temperature: float = 1.0,
+        orthogonal: bool = True,
+        redraw_interval: int | None = None,
+        seed: int | None = None,
+        spectrum_seed: int | None = None,
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        chunk_size: int | None = None,
+        near_field: int = 0,
+        near_neighbors: int = 0,
+        near_relative: str | None = None,
+        near_relative_options: dict | None = None,
+        far_field: bool | Literal["near", "constant", "positive"] = True,
+        check_condition: bool = True,
+        backend: str = "torch",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **spectrum_options: Any,
+    ) -> FLTAttention:
+        """The layer from the flat options of presets and the command line (checked by
+        :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``
+        (the feature map's), ``qk_norm``, ``temperature`` make the features part;
+        ``spectrum``, ``num_frequencies``, ``spectrum_seed`` (the spectrum's own ``seed``) and
+        ``**spectrum_options`` the far term; ``near_field`` (``w >= 1``: a band; 0 off) or
+        ``near_neighbors`` (``k >= 1``: the nearest keys; 0 off), with ``near_relative`` and
+        ``near_relative_options`` as its term, the near set; ``rope``, ``rope_base``,
+        ``chunk_size``, ``backend``, ``redraw_interval``, ``check_condition`` the settings."""
+        check_choice("coupling", coupling, COUPLINGS)
+        check_choice("spectrum", spectrum, SPECTRA)
+        check_nonnegative_int("near_field", near_field, "the band half-width w in tokens; 0 = off")
+        check_nonnegative_int("near_neighbors", near_neighbors, "k nearest keys in position space; 0 = off")
+        # The rules that only flat options can break (two near sets, a term without a set).
+        check_rules(Facts(features=feature_map, coupling=coupling, near_field=near_field, near_neighbors=near_neighbors,
+                          near_term=near_relative, near_term_options=near_relative_options is not None,
+                          far_field=far_field, causal=causal, backend=backend, spectrum_term=True))
+        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
+                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
+                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval,
+                                          check_condition=check_condition)
+        if spectrum_seed is not None:
+            spectrum_options["seed"] = spectrum_seed
+        relative = Term(spectrum, num_frequencies=num_frequencies, **spectrum_options)
+        term = None if near_relative is None else Term(near_relative, **(near_relative_options or {}))
+        near = Band(near_field, term) if near_field else Neighbors(near_neighbors, term) if near_neighbors else None
+        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
+                   coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
 
 
 def _constant_features(constant: torch.Tensor, lead: tuple[int, ...], width: int,
@@ -506,3 +547,4 @@ def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: 
                  near_neighbors=near.k if isinstance(near, Neighbors) else 0, near_term=None if near is None else near.term,
                  far_field=far_field, causal=causal,
                  backend=settings.backend, rope=settings.rope, head_dim=head_dim, pos_dim=pos_dim, spectrum_term=True)
+

@@ -1,9 +1,10 @@
-"""Shared machinery of the kernelized (linear) attention layers: Performer and FLT.
+"""Shared machinery of the kernelized (linear) attention cores and layers: Performer, FLT, Toeplitz.
 
-A kernel layer scales queries and keys (optionally L2-normalised with a learned
+:class:`KernelCore` holds the learned parts and computes on queries, keys and values; a
+:class:`KernelAttention` layer is its projections plus such a core. A kernel core scales queries and keys (optionally L2-normalised with a learned
 temperature, optionally rotated by RoPE), maps them to nonnegative features and runs
 :func:`flt.ops.linear_attention` or the Kronecker :func:`flt.ops.flt_attention`.
-Subclasses decide the features through :meth:`KernelAttention.features`.
+Subclasses decide the features through :meth:`KernelCore.features`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from flt._checks import check_choice, check_positive_int
-from flt.layers.base import AttentionBase, Prepared, QKScaling
+from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.layers.rules import Facts, check_rules
@@ -72,14 +73,14 @@ def mask_padded_keys(feats: KernelFeatures, pad: torch.Tensor | None) -> KernelF
     return KernelFeatures(feats.q, kf, kls, feats.a, feats.c)
 
 
-class KernelAttention(AttentionBase):
-    """Base of the linear layers; see :class:`flt.layers.performer.PerformerAttention` for
+class KernelCore(CoreBase):
+    """Base of the linear cores; see :class:`flt.layers.performer.PerformerAttention` for
     the arguments they share (``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
     ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``, ``chunk_size``).
 
     ``redraw_interval=k`` (default ``None``: off) is for training loops of one's own: in
     training mode every ``k``-th forward call (counted by the persistent buffer
-    ``redraw_calls``) first calls :func:`flt.layers.draws.redraw` on the layer, which
+    ``redraw_calls``) first calls :func:`flt.layers.draws.redraw` on the core, which
     redraws all its draws (projection and spectrum). ``flt train`` does not need it: it
     redraws the whole model every ``RunConfig.redraw_interval`` steps through the same
     function.
@@ -93,8 +94,8 @@ class KernelAttention(AttentionBase):
 
     def __init__(
         self,
-        dim: int,
         heads: int,
+        head_dim: int,
         *,
         pos_dim: int = 1,
         causal: bool = False,
@@ -113,17 +114,17 @@ class KernelAttention(AttentionBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal)
         check_choice("backend", backend, KERNEL_BACKENDS)
-        check_rules(Facts(features=feature_map, backend=backend, rope=rope, head_dim=self.head_dim, pos_dim=pos_dim))
+        check_rules(Facts(features=feature_map, backend=backend, rope=rope, head_dim=head_dim, pos_dim=pos_dim))
         self.backend = backend
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {chunk_size!r}")
         self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
         qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
-        self.scaling = QKScaling(heads, self.head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
+        self.scaling = QKScaling(heads, head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
         self.feature_map = FeatureMap(
-            feature_dim or self.head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
+            feature_dim or head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
         )
         self.redraw_calls: torch.Tensor  # a buffer where redraw_interval is set
         if redraw_interval is not None:
@@ -133,7 +134,7 @@ class KernelAttention(AttentionBase):
 
     def step_schedule(self) -> None:
         """Count a training forward call and, every ``redraw_interval`` calls, redraw the
-        layer's draws with :func:`flt.layers.draws.redraw` (from the feature map's seeded
+        core's draws with :func:`flt.layers.draws.redraw` (from the feature map's seeded
         generator, or torch's global one)."""
         if self.training and self.redraw_interval is not None:
             if int(self.redraw_calls) > 0 and int(self.redraw_calls) % self.redraw_interval == 0:
@@ -160,10 +161,26 @@ class KernelAttention(AttentionBase):
         kf, kls = self.feature_map(xk)
         return KernelFeatures(qf, kf, kls)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        p = self.prepare(x, pos, key_padding_mask)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, H, N, Dv]`` by the fast op (after the redraw schedule's count)."""
         self.step_schedule()
-        return self.finish(self.attend(p), x)
+        return self.attend(Prepared(q, k, v, pos, pad))
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                  pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The same features through the O(N^2) quadratic formula (the fast path's reference)."""
+        return self.attend(Prepared(q, k, v, pos, pad), reference=True)
+
+    def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention the features estimate, with the same parameters: softmax
+        ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the
+        deterministic ``"elu"``, ``"taylor"`` and ``"hedgehog"`` maps their own kernel (so ``exact`` equals
+        ``forward``)."""
+        xq, xk = self.scaled_qk(q, k, pos)
+        mask = self.padding_mask_matrix(pad, xq.dtype)
+        return self.exact_attention(xq, xk, v.to(xq.dtype), mask=mask)
 
     def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` from projected inputs, by the fast op or (``reference``) its
@@ -214,57 +231,37 @@ class KernelAttention(AttentionBase):
         zq, zk = xq.new_zeros(*xq.shape[:-1], 1), xk.new_zeros(*xk.shape[:-1], 1)
         return rpe_attention_reference(zq, zk, v, mask=weights, causal=self.causal, scale=1.0)
 
-    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same features through the O(N^2) quadratic formula (the fast path's reference)."""
-        p = self.prepare(x, pos, key_padding_mask)
-        return self.finish(self.attend(p, reference=True), x)
-
-    def step(self, x: torch.Tensor, state: DecodeState | None = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
-        """Decode one token with constant memory (``causal=True`` only).
-
-        Args:
-            x: ``[B, dim]``, the next token.
-            state: the state returned by the previous call (``None`` to start).
-            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
-
-        Returns:
-            ``(y [B, dim], state)``: feeding a sequence token by token gives the outputs of
-            ``forward`` with ``causal=True``.
-        """
-        if not self.causal:
-            raise ValueError("step() decodes causal attention; build the layer with causal=True")
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: DecodeState | None,
+             pos: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:
+        """One token with constant memory (``causal=True`` only): ``q, k [B, H, 1, D]``,
+        ``v [B, H, 1, Dv]``, ``pos [B|1, 1, P]`` -> ``(out [B, H, 1, Dv], state)``;
+        feeding a sequence token by token gives the outputs of the causal forward."""
+        self.check_decoding("step")
         state = state or DecodeState()
-        x_seq, pos_seq = self.step_input(x, pos, state.position)
-        p = self.prepare(x_seq, pos_seq, None)
-        f = self.features(p.q, p.k, p.pos)
+        f = self.features(q, k, pos)
         first = lambda t: None if t is None else t[:, :, 0]  # noqa: E731
         out, inner = recurrent_step(
-            f.q[:, :, 0], f.k[:, :, 0], p.v[:, :, 0], state.inner, a=first(f.a), c=first(f.c), key_log_scale=first(f.key_log_scale)
+            f.q[:, :, 0], f.k[:, :, 0], v[:, :, 0], state.inner, a=first(f.a), c=first(f.c), key_log_scale=first(f.key_log_scale)
         )
-        return self.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), DecodeState(inner, state.position + 1)
+        return out.unsqueeze(2), DecodeState(inner, state.position + 1)
 
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
-        """The causal forward over a prompt that also returns the decoding state (``causal=True`` only).
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, DecodeState]:
+        """The causal attention of a prompt and the state :meth:`step` continues from
+        (``causal=True`` only): ``(out [B, H, N, Dv], state)``, ``out`` that of
+        :meth:`forward` and ``state`` the linear state of the whole prompt. Padded keys
+        (``pad``) are in neither."""
+        self.check_decoding("prefill")
+        p = Prepared(q, k, v, pos, pad)
+        f = mask_padded_keys(self.features(q, k, pos), pad)
+        return self.attend_features(f, p), DecodeState(linear_state(f, v, self.chunk_size), q.shape[2])
 
-        Args:
-            x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
-            key_padding_mask: ``[B, N]`` bool (True marks padding) or None: padded keys
-                are left out of the outputs and of the state (a left-padded batch of
-                prompts decodes as each prompt alone).
 
-        Returns:
-            ``(y [B, N, dim], state)``: ``y`` is ``forward(x, pos, key_padding_mask)`` and
-            ``state`` the one :meth:`step` would hold after the ``N`` tokens (the linear state
-            of the whole prompt; :class:`flt.layers.flt.FLTAttention` with a band overrides
-            this with :meth:`flt.layers.near.Band.prefill`), so :meth:`step` continues the sequence.
-        """
-        if not self.causal:
-            raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
-        p = self.prepare(x, pos, key_padding_mask)
-        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
-        y = self.finish(self.attend_features(f, p), x)
-        return y, DecodeState(linear_state(f, p.v, self.chunk_size), x.shape[1])
+class KernelAttention(AttentionBase):
+    """Base of the linear layers: projections plus a :class:`KernelCore` (``self.core``)."""
+
+    supports_decoding = True
+    core: KernelCore
 
 
 def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None = None) -> RecurrentState:

@@ -12,9 +12,9 @@ multiplicative one); all other pairs get the random-feature estimate (docs/math.
 * :class:`Neighbors` ``(k)``: each query's ``k`` nearest keys in position space (sets of
   atoms, patches), by :func:`flt.ops.neighbors.neighbor_attention`.
 
-Each is a small frozen value (``width``/``k`` and ``term``) whose methods take the layer
-they belong to, for its features and terms (:meth:`flt.layers.flt.FLTAttention.near_set_features`,
-:meth:`~flt.layers.flt.FLTAttention.near_mask`). The rules about which couplings, features
+Each is a small frozen value (``width``/``k`` and ``term``) whose methods take the core
+they belong to, for its features and terms (:meth:`flt.layers.flt.FLTCore.near_set_features`,
+:meth:`~flt.layers.flt.FLTCore.near_mask`). The rules about which couplings, features
 and settings a near set takes are in :mod:`flt.layers.rules`.
 """
 
@@ -41,7 +41,7 @@ from flt.ops.neighbors import (
 from flt.relative.base import RelativeTerm
 
 if TYPE_CHECKING:
-    from flt.layers.flt import FLTAttention
+    from flt.layers.flt import FLTCore
     from flt.layers.parts import Term
 
 
@@ -157,33 +157,33 @@ class Band(NearSet):
     def size(self) -> int:
         return self.width
 
-    def attend(self, layer: FLTAttention, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, core: FLTCore, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the band, the FAVOR+ estimate beyond it."""
-        if layer.backend == "triton" and not reference:
-            return self._attend_triton(layer, p)
-        xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)
-        bias = self.bias(layer, batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
+        if core.backend == "triton" and not reference:
+            return self._attend_triton(core, p)
+        xq, xk, qf, kf, q_shift, k_shift = core.near_set_features(p)
+        bias = self.bias(core, batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
         key_mask = None if p.pad is None else ~p.pad
         if reference:
             return band_attention_reference(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width,
-                                            causal=layer.causal, key_mask=key_mask)
-        return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width, causal=layer.causal,
-                              key_mask=key_mask, chunk_size=layer.chunk_size)
+                                            causal=core.causal, key_mask=key_mask)
+        return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width, causal=core.causal,
+                              key_mask=key_mask, chunk_size=core.chunk_size)
 
-    def _attend_triton(self, layer: FLTAttention, p: Prepared) -> torch.Tensor:
+    def _attend_triton(self, core: FLTCore, p: Prepared) -> torch.Tensor:
         """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
         from flt.ops.triton.band import band_attention as band_kernel
 
-        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
-        a, c = layer.far_features(p.pos)
-        bias = self.bias(layer, batch_shared(p.pos).to(compute_dtype(xq, a)))
+        xq, xk = core.scaled_qk(p.q, p.k, p.pos)
+        a, c = core.far_features(p.pos)
+        bias = self.bias(core, batch_shared(p.pos).to(compute_dtype(xq, a)))
         key_mask = None if p.pad is None else ~p.pad
-        projection = layer.feature_map.projection
+        projection = core.feature_map.projection
         assert projection is not None, "the Triton path is chosen for FAVOR+ features, which have a projection"
         return band_kernel(xq, xk, p.v, projection, bias, width=self.width, extra_q=a, extra_k=c,
-                           causal=layer.causal, key_mask=key_mask)
+                           causal=core.causal, key_mask=key_mask)
 
-    def bias(self, layer: FLTAttention, pos: torch.Tensor) -> torch.Tensor:
+    def bias(self, core: FLTCore, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
         ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
         band op ignores)."""
@@ -196,37 +196,35 @@ class Band(NearSet):
         else:
             neighbours = F.pad(pos, (0, 0, w, w)).unfold(1, 2 * w + 1, 1)  # [B, N, P, 2w+1]
             delta = rearrange(pos.unsqueeze(-1) - neighbours, "b n p o -> b n o p")
-        f = layer.near_mask(delta)  # [B | 1, N | 1, 2w+1, H]
+        f = core.near_mask(delta)  # [B | 1, N | 1, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
-    def pairs(self, layer: FLTAttention, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
+    def pairs(self, core: FLTCore, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the band holds, ``[1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = torch.arange(n, device=p.q.device)
         return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.width).view(1, 1, n, n)
 
-    def step(self, layer: FLTAttention, x: torch.Tensor, state: BandDecodeState | None = None,
-             pos: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
-        """One token of a causal banded layer: exact band from the ring buffer of the last
+    def step(self, core: FLTCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BandDecodeState | None,
+             pos: torch.Tensor) -> tuple[torch.Tensor, BandDecodeState]:
+        """One token of a causal banded core: exact band from the ring buffer of the last
         ``w + 1`` tokens, far field from the linear state (:mod:`flt.layers.band_decode`).
 
         Args:
-            x: ``[B, dim]``, the next token's input.
+            q, k: ``[B, H, 1, D]``, v: ``[B, H, 1, Dv]``: the next token, projected.
             state: from the previous call or :meth:`prefill`, ``None`` to start.
-            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
+            pos: ``[B|1, 1, P]``, the token's position.
 
         Returns:
-            ``(y [B, dim], state)``; a sequence fed token by token gives ``layer.forward``'s
-            outputs (same draws, eval mode).
+            ``(out [B, H, 1, Dv], state)``; a sequence fed token by token gives the core's
+            forward outputs (same draws, eval mode).
         """
-        if not layer.causal:
-            raise ValueError("step() decodes causal attention; build the layer with causal=True")
+        core.check_decoding("step")
         if state is not None and not isinstance(state, BandDecodeState):
             raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
-        _, pos_seq = layer.step_input(x, pos, 0 if state is None else state.position)
         w = self.width
-        p: Prepared = layer.prepare(x.unsqueeze(1), pos_seq, None)
-        xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)  # [B, H, 1, *]
+        p = Prepared(q, k, v, pos, None)
+        xq, xk, qf, kf, q_shift, k_shift = core.near_set_features(p)  # [B, H, 1, *]
         B = xq.shape[0]
         cdt = xq.dtype
         v = p.v.to(cdt)
@@ -251,7 +249,7 @@ class Band(NearSet):
         state.pos[:, slot] = pos[:, 0]
         filled = min(t + 1, w + 1)  # slots 0 .. filled-1 hold tokens max(0, t - w) .. t
         delta = pos - state.pos[:, :filled]  # [B, K, P]: r_i - r_j
-        bias = rearrange(layer.near_mask(delta.unsqueeze(1)), "b one k h -> b h (one k)").to(cdt)  # [B, H, K]
+        bias = rearrange(core.near_mask(delta.unsqueeze(1)), "b one k h -> b h (one k)").to(cdt)  # [B, H, K]
         logits = (xq @ state.xk[:, :, :filled].transpose(-1, -2)).squeeze(-2) + bias  # [B, H, K]
         if state.pad is not None:  # the new token's own slot is real, so every row keeps a finite logit
             logits = logits.masked_fill(state.pad[:, None, :filled], float("-inf"))
@@ -259,37 +257,36 @@ class Band(NearSet):
         top = torch.maximum(logits.amax(dim=-1), far_log)
         near_w = torch.exp(logits - top.unsqueeze(-1))
         far_scale = torch.exp(far_log - top)  # [B, H]
-        q = qf[:, :, 0]
-        num = (near_w.unsqueeze(-1) * state.v[:, :, :filled]).sum(-2) + far_scale.unsqueeze(-1) * (q.unsqueeze(-2) @ state.kv).squeeze(-2)
-        den = near_w.sum(-1) + far_scale * (q * state.z).sum(-1)
+        qf0 = qf[:, :, 0]
+        num = (near_w.unsqueeze(-1) * state.v[:, :, :filled]).sum(-2) + far_scale.unsqueeze(-1) * (qf0.unsqueeze(-2) @ state.kv).squeeze(-2)
+        den = near_w.sum(-1) + far_scale * (qf0 * state.z).sum(-1)
         out = num / den.unsqueeze(-1)  # den >= exp(0) from the largest exact weight or the far part
         state.position = t + 1
-        return layer.finish(out.unsqueeze(2), x.unsqueeze(1)).squeeze(1), state
+        return out.unsqueeze(2), state
 
-    def prefill(self, layer: FLTAttention, x: torch.Tensor, pos: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
-        """The causal forward over a prompt, with the state :meth:`step` would hold after it.
+    def prefill(self, core: FLTCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
+        """The causal attention of a prompt, with the state :meth:`step` would hold after it.
 
         Returns:
-            ``(y [B, N, dim], state)``: ``y`` is ``layer.forward(x, pos, key_padding_mask)``;
-            the ring buffer holds tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot
-            ``t % (w + 1)``, padded ones marked in ``state.pad``) and the far field the real
-            tokens among ``0 .. N - w - 2``, relative to their largest key log scale. The band
-            counts token slots, so a left-padded prompt (padding first) decodes as the
-            prompt alone; padding after a real token would shift the band.
+            ``(out [B, H, N, Dv], state)``: ``out`` is the core's forward; the ring buffer
+            holds tokens ``max(0, N - w - 1) .. N - 1`` (token ``t`` in slot ``t % (w + 1)``,
+            padded ones marked in ``state.pad``) and the far field the real tokens among
+            ``0 .. N - w - 2``, relative to their largest key log scale. The band counts
+            token slots, so a left-padded prompt (padding first) decodes as the prompt alone;
+            padding after a real token would shift the band.
         """
-        if not layer.causal:
-            raise ValueError("prefill() decodes causal attention; build the layer with causal=True")
+        core.check_decoding("prefill")
         w = self.width
-        p: Prepared = layer.prepare(x, pos, key_padding_mask)
-        y = layer.finish(layer.attend(p), x)
-        _, xk, _, kf, _, k_shift = layer.near_set_features(p)  # [B, H, N, *]
+        p = Prepared(q, k, v, pos, pad)
+        y = core.attend(p)
+        _, xk, _, kf, _, k_shift = core.near_set_features(p)  # [B, H, N, *]
         B, _, N, _ = xk.shape
         cdt = xk.dtype
         v = p.v.to(cdt)
         pos = p.pos.to(cdt).expand(B, N, p.pos.shape[-1])
         state = empty_state(w, xk, v, kf, pos)
-        ring = torch.arange(max(0, N - w - 1), N, device=x.device)
+        ring = torch.arange(max(0, N - w - 1), N, device=xk.device)
         slots = ring % (w + 1)
         state.xk[:, :, slots] = xk[:, :, ring]
         state.v[:, :, slots] = v[:, :, ring]
@@ -337,40 +334,40 @@ class Neighbors(NearSet):
     def size(self) -> int:
         return self.k
 
-    def attend(self, layer: FLTAttention, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, core: FLTCore, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the near keys, the estimate elsewhere."""
         key_mask = None if p.pad is None else ~p.pad
         op = neighbor_attention_reference if reference else neighbor_attention
-        if layer.coupling == "logit":
-            xq, xk, qf, kf, q_shift, k_shift = layer.near_set_features(p)
+        if core.coupling == "logit":
+            xq, xk, qf, kf, q_shift, k_shift = core.near_set_features(p)
             pos = batch_shared(p.pos).to(xq.dtype)
             idx = self.keys(pos, key_mask)
-            return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.bias(layer, pos, idx), key_mask=key_mask)
+            return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, self.bias(core, pos, idx), key_mask=key_mask)
         # Multiplicative: the exact mask on the near set (times exp(x_q.x_k) for FAVOR+, the
         # features' own kernel for other maps), the Kronecker estimate elsewhere.
-        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
-        a, c = layer.far_features(p.pos)
+        xq, xk = core.scaled_qk(p.q, p.k, p.pos)
+        a, c = core.far_features(p.pos)
         cdt = torch.promote_types(xq.dtype, a.dtype)
         xq, xk = xq.to(cdt), xk.to(cdt)
-        qf, q_shift = layer.feature_map(xq)
-        kf, k_shift = layer.feature_map(xk)
+        qf, q_shift = core.feature_map(xq)
+        kf, k_shift = core.feature_map(xk)
         pos = batch_shared(p.pos).to(cdt)
         idx = self.keys(pos, key_mask)
         return op(xq, xk, p.v, qf, kf, q_shift, k_shift, idx, None, key_mask=key_mask, a=a, c=c,
-                  near_mask=self.bias(layer, pos, idx),
-                  near_kernel="exp" if layer.feature_map.kind == "favor+" else "features")
+                  near_mask=self.bias(core, pos, idx),
+                  near_kernel="exp" if core.feature_map.kind == "favor+" else "features")
 
     def keys(self, pos: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """The near set: ``min(k, N)`` nearest keys of every query, ``[B|1, N, k]``
         (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
         return nearest_keys(pos, min(self.k, pos.shape[1]), key_mask=key_mask)
 
-    def bias(self, layer: FLTAttention, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def bias(self, core: FLTCore, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
         ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
-        return rearrange(layer.near_mask(near_offsets(pos, idx)), "b n k h -> b h n k")
+        return rearrange(core.near_mask(near_offsets(pos, idx)), "b n k h -> b h n k")
 
-    def pairs(self, layer: FLTAttention, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
+    def pairs(self, core: FLTCore, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = self.keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)

@@ -1,6 +1,7 @@
 """The parts an attention layer is built from: kernel features, relative terms and settings.
 
-:class:`flt.layers.flt.FLTAttention` is its projections plus a core made of these parts::
+:class:`flt.layers.flt.FLTAttention` is its projections plus a core (``layer.core``, a
+:class:`flt.layers.flt.FLTCore`) made of these parts::
 
     FLTAttention(64, 4, features=FavorPlus(num_features=128, seed=0),
                  relative=Term("local", num_frequencies=16, seed=1),
@@ -11,7 +12,8 @@ from its annotations, ranges by its own checks); the rules about combining parts
 :mod:`flt.layers.rules`. The near sets, :class:`flt.layers.near.Band` and
 :class:`flt.layers.near.Neighbors`, are parts too. ``FLTAttention.from_options`` turns the
 flat option names of presets and the command line (``num_features``, ``near_field``, ...)
-into these parts.
+into these parts. The core keeps them (``layer.core.kernel``, ``layer.core.near``,
+``layer.core.settings``) with the modules they build (``layer.core.spectrum``, ...).
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ class Settings:
         redraw_interval: redraw the layer's draws every this many training forward calls
             (None: never; ``flt train`` redraws by ``RunConfig.redraw_interval`` instead).
         check_condition: warn when rounding can change the multiplicative coupling's
-            outputs (:meth:`flt.layers.flt.FLTAttention.check_conditioning`).
+            outputs (:meth:`flt.layers.flt.FLTCore.check_conditioning`).
     """
 
     rope: bool = False

@@ -5,8 +5,22 @@ from __future__ import annotations
 import torch
 
 from flt._signatures import flat_options
-from flt.layers.kernel import KernelAttention
+from flt.layers.kernel import KernelAttention, KernelCore
 from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
+
+
+class PerformerCore(KernelCore):
+    """The Performer's core: the kernel features and settings of :class:`PerformerAttention`
+    on queries and keys ``[B, H, N, D]`` (``features``, ``settings`` as there)."""
+
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
+                 settings: Settings | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        features = FavorPlus() if features is None else features
+        settings = Settings() if settings is None else settings
+        check_kernel_parts(features, settings)
+        super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal, **features.map_options(), **settings.kernel_options(),
+                         device=device, dtype=dtype)
+        self.kernel, self.settings = features, settings
 
 
 class PerformerAttention(KernelAttention):
@@ -25,19 +39,19 @@ class PerformerAttention(KernelAttention):
     ``PerformerAttention.from_options(dim, heads, num_features=64, rope=True)`` builds it from
     the flat options of presets and the command line (``--attention performer:num_features=64``).
     ``forward(x [B, N, dim], pos, key_padding_mask) -> [B, N, dim]``; positions only matter
-    with RoPE.
+    with RoPE. ``exact`` is the attention the features estimate
+    (:meth:`flt.layers.kernel.KernelCore.exact`). The mechanism is ``layer.core``, a
+    :class:`PerformerCore`.
     """
 
     registry_name = "performer"
+    core: PerformerCore
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
                  settings: Settings | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        features = FavorPlus() if features is None else features
-        settings = Settings() if settings is None else settings
-        check_kernel_parts(features, settings)
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, **features.map_options(), **settings.kernel_options(),
-                         device=device, dtype=dtype)
-        self.kernel, self.settings = features, settings
+        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
+        self.core = PerformerCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings,
+                                  device=device, dtype=dtype)
 
     @classmethod
     @flat_options
@@ -55,13 +69,3 @@ class PerformerAttention(KernelAttention):
                                           qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
                                           chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings, device=device, dtype=dtype)
-
-    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention the features estimate, with the same parameters: softmax
-        ``softmax(x_q.x_k)`` for FAVOR+, the arc-cosine kernel for ``"relu"``, and for the
-        deterministic ``"elu"``, ``"taylor"`` and ``"hedgehog"`` maps their own kernel (so ``exact`` equals
-        ``forward``)."""
-        p = self.prepare(x, pos, key_padding_mask)
-        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        pad = self.padding_mask_matrix(p.pad, xq.dtype)
-        return self.finish(self.exact_attention(xq, xk, p.v.to(xq.dtype), mask=pad), x)

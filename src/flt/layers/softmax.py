@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -24,7 +24,7 @@ from einops import rearrange
 from flt._checks import check_choice, check_positive_float
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
-from flt.layers.base import AttentionBase, batch_shared
+from flt.layers.base import AttentionBase, CoreBase, batch_shared
 from flt.layers.rules import BUILT_IN, Facts, check_rules
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
@@ -126,6 +126,184 @@ def _resized(t: torch.Tensor, capacity: int, dim: int) -> torch.Tensor:
     return out
 
 
+class SoftmaxCore(CoreBase):
+    """The mechanism of :class:`SoftmaxAttention` without its projections: the relative
+    term (``relative``), RoPE and the backend, computing on queries, keys and values ``[B,
+    H, N, D]``; causal cores decode from a :class:`KVCache`. The arguments are the layer's,
+    with ``head_dim`` for ``dim``."""
+
+    #: Causal instances decode from a KV cache (set per instance in ``__init__``).
+    supports_decoding = True
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        relative_bias: str | RelativeTerm | None = None,
+        relative_options: dict | None = None,
+        coupling: str = "logit",
+        rope: bool = False,
+        rope_base: float = 10000.0,
+        backend: str = "sdpa",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal)
+        from flt.relative import RELATIVE, build_relative
+
+        if not isinstance(relative_bias, RelativeTerm):
+            check_choice("relative_bias", relative_bias, (None, "spectrum", *RELATIVE))
+        check_choice("backend", backend, BACKENDS)
+        check_choice("coupling", coupling, ("logit", "multiplicative"))
+        if relative_options is not None and not isinstance(relative_options, dict):
+            raise TypeError(f"relative_options must be a dict of the term's options, got {type(relative_options).__name__}")
+        if relative_options and isinstance(relative_bias, RelativeTerm):
+            raise ValueError("relative_options are the options of a term built by name; a RelativeTerm module comes built")
+        options = dict(relative_options or {})
+        name = relative_bias
+        if relative_bias == "spectrum":
+            name = options.pop("spectrum", "gaussian_mixture")
+            check_choice("spectrum", name, SPECTRA)
+        is_spectrum = name in SPECTRA if isinstance(name, str) else isinstance(relative_bias, Spectrum)
+        check_rules(Facts(coupling=coupling, relative=relative_bias, spectrum_term=is_spectrum, pos_dim=pos_dim,
+                          rope=rope, head_dim=head_dim))
+        self.coupling, self.backend = coupling, backend
+        self.rope, self.rope_base = bool(rope), rope_base
+        term = None
+        if isinstance(relative_bias, RelativeTerm):
+            term, relative_bias = relative_bias, type(relative_bias).__name__
+        elif is_spectrum:
+            assert isinstance(name, str)  # a spectrum given built took the branch above
+            options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
+            term = build_relative(name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+            term.has_random_features = False  # only its exact mask is used: nothing to redraw
+            relative_bias = "spectrum"
+        elif relative_bias is not None:
+            term = build_relative(relative_bias, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
+        self.relative_bias, self.relative = relative_bias, term
+        self.supports_decoding = self.causal
+
+    @property
+    def spectrum(self) -> Spectrum | None:
+        """The relative term when it is a spectrum (``relative_bias="spectrum"``), else None."""
+        return self.relative if isinstance(self.relative, Spectrum) else None
+
+    @property
+    def table(self) -> RelativeTerm | None:
+        """The relative term when it is a T5 or clipped table, else None."""
+        return self.relative if self.relative_bias in ("t5", "clipped") else None
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Before the relative-term registry the term sat under its kind's name.
+        for old in ("table.", "spectrum."):
+            for key in [k for k in state_dict if k.startswith(prefix + old)]:
+                state_dict.setdefault(prefix + "relative." + key[len(prefix + old):], state_dict.pop(key))
+        if prefix + "log_slopes" in state_dict:
+            state_dict.setdefault(prefix + "relative.log_slopes", state_dict.pop(prefix + "log_slopes"))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def positional_term(self, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions:
+        :meth:`flt.relative.RelativeTerm.bias` of the layer's term.
+
+        When every sequence of the batch has the same positions (token indices, patch
+        grids) and they need no gradient, the ``N x N`` term is computed once, not ``B`` times.
+        """
+        if self.relative is None:
+            return None
+        pos = batch_shared(pos)  # checked by the layer: the term's unchecked pairwise form
+        term = _toeplitz_spectrum(self.relative, pos)
+        if term is None:
+            term = self.relative.pairwise(pos, pos)
+        # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
+        return term if isinstance(self.relative, Spectrum) else term.to(dtype)
+
+    def _rotated_qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope:
+            return apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
+        return q, k
+
+    def _weights_times_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, term: torch.Tensor | None, pad: torch.Tensor | None, causal: bool,
+                              backend: str) -> torch.Tensor:
+        """``[B, H, N, Dv]``: the layer's attention of ``q [B, H, N, D]`` on ``k, v [B, H, Nk, *]``
+        with the positional term ``[B|1, H, N, Nk]`` (bias or multiplicative mask)."""
+        if self.coupling == "multiplicative":
+            cdt = compute_dtype(q)
+            if pad is None:
+                mask = term
+            else:
+                assert term is not None, "the multiplicative coupling multiplies by its spectrum's mask"
+                mask = term * (~pad).to(cdt)[:, None, None, :]
+            return rpe_attention_reference(q.to(cdt), k.to(cdt), v.to(cdt), mask=mask, causal=causal, scale=1 / math.sqrt(self.head_dim))
+        return softmax_attention(q, k, v, bias=term, causal=causal, key_padding_mask=pad, backend=backend)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, H, N, Dv], keys)``: the attention by ``backend`` and the keys as rotated
+        by RoPE (what a KV cache keeps)."""
+        q, k = self._rotated_qk(q, k, pos)
+        if backend == "flex" and self.coupling == "logit" and self.relative is not None:
+            # The term as a score_mod: FlexAttention never sees an [N, N] bias.
+            mod = self.relative.score_mod(batch_shared(pos))
+            out = softmax_attention(q, k, v, causal=self.causal, key_padding_mask=pad, score_mod=mod, backend="flex")
+        else:
+            term = self.positional_term(pos, q.dtype)
+            out = self._weights_times_values(q, k, v, term, pad, self.causal, backend)
+        return out, k
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        return self._attend(q, k, v, pos, pad, self.backend)[0]
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                  pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The same computation by the plain O(N^2) reference backend."""
+        return self._attend(q, k, v, pos, pad, "reference")[0]
+
+    exact = reference
+
+    def check_prefill(self, pad: torch.Tensor | None) -> None:
+        self.check_decoding("prefill")
+        if pad is not None:
+            raise ValueError("softmax prefill() takes no key_padding_mask: its KV cache keeps no padding mask for the "
+                             "steps after the prompt; prefill prompts of equal length without padding")
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """The causal attention of a prompt and its KV cache (``causal=True`` only, no
+        ``pad``: the cache keeps no padding mask for the steps after the prompt):
+        ``(out [B, H, N, Dv], cache)``; :meth:`step` from ``cache`` continues the sequence
+        as if it had been fed token by token."""
+        self.check_prefill(pad)
+        out, k = self._attend(q, k, v, pos, None, self.backend)
+        return out, KVCache.start(k, v, pos)
+
+    def step_offset(self, state: Any) -> int:
+        self.check_decoding("step")
+        if state is not None and not isinstance(state, KVCache):
+            raise TypeError(f"state must be the KVCache of the previous step (or None), got {type(state).__name__}")
+        return 0 if state is None else state.length
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: KVCache | None,
+             pos: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+        """One token from the KV cache (``causal=True`` only): ``q, k [B, H, 1, D]``, ``v [B,
+        H, 1, Dv]``, ``pos [B|1, 1, P]`` -> ``(out [B, H, 1, Dv], cache)``. The token attends
+        to every cached key and itself with the core's relative term ``relative.bias(pos_q,
+        pos_k)`` (and RoPE), ``O(length)`` per token; token by token equals the forward."""
+        self.step_offset(state)
+        q, k = self._rotated_qk(q, k, pos)
+        cache = KVCache.start(k, v, pos) if state is None else state.append(k, v, pos)
+        term = None
+        if self.relative is not None:
+            term = self.relative.bias(pos, cache.positions)  # [B|1, H, 1, length]
+            term = term if isinstance(self.relative, Spectrum) else term.to(q.dtype)
+        backend = "reference" if self.backend == "reference" else "sdpa"
+        return self._weights_times_values(q, cache.keys, cache.values, term, None, False, backend), cache
+
+
 class SoftmaxAttention(AttentionBase):
     """Exact multi-head softmax attention with an optional relative positional encoding.
 
@@ -163,9 +341,11 @@ class SoftmaxAttention(AttentionBase):
 
     Causal layers decode (``supports_decoding`` is True for them): :meth:`prefill` takes a
     prompt in one pass and returns its :class:`KVCache`, :meth:`step` one token at a time.
+    ``exact`` is ``reference``. The mechanism is ``layer.core``, a :class:`SoftmaxCore`.
     """
 
     registry_name = "softmax"
+    core: SoftmaxCore
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
 
@@ -186,39 +366,10 @@ class SoftmaxAttention(AttentionBase):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        from flt.relative import RELATIVE, build_relative
-
-        if not isinstance(relative_bias, RelativeTerm):
-            check_choice("relative_bias", relative_bias, (None, "spectrum", *RELATIVE))
-        check_choice("backend", backend, BACKENDS)
-        check_choice("coupling", coupling, ("logit", "multiplicative"))
-        if relative_options is not None and not isinstance(relative_options, dict):
-            raise TypeError(f"relative_options must be a dict of the term's options, got {type(relative_options).__name__}")
-        if relative_options and isinstance(relative_bias, RelativeTerm):
-            raise ValueError("relative_options are the options of a term built by name; a RelativeTerm module comes built")
-        options = dict(relative_options or {})
-        name = relative_bias
-        if relative_bias == "spectrum":
-            name = options.pop("spectrum", "gaussian_mixture")
-            check_choice("spectrum", name, SPECTRA)
-        is_spectrum = name in SPECTRA if isinstance(name, str) else isinstance(relative_bias, Spectrum)
-        check_rules(Facts(coupling=coupling, relative=relative_bias, spectrum_term=is_spectrum, pos_dim=pos_dim,
-                          rope=rope, head_dim=self.head_dim))
-        self.coupling, self.backend = coupling, backend
-        self.rope, self.rope_base = bool(rope), rope_base
-        term = None
-        if isinstance(relative_bias, RelativeTerm):
-            term, relative_bias = relative_bias, type(relative_bias).__name__
-        elif is_spectrum:
-            assert isinstance(name, str)  # a spectrum given built took the branch above
-            options.setdefault("amplitude", 0.0 if coupling == "logit" else 1.0)
-            term = build_relative(name, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
-            term.has_random_features = False  # only its exact mask is used: nothing to redraw
-            relative_bias = "spectrum"
-        elif relative_bias is not None:
-            term = build_relative(relative_bias, heads=heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype, **options)
-        self.relative_bias, self.relative = relative_bias, term
-        self.supports_decoding = self.causal
+        self.core = SoftmaxCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, relative_bias=relative_bias,
+                                relative_options=relative_options, coupling=coupling, rope=rope, rope_base=rope_base,
+                                backend=backend, device=device, dtype=dtype)
+        self.supports_decoding = self.core.supports_decoding
 
     @classmethod
     @flat_options
@@ -277,139 +428,3 @@ class SoftmaxAttention(AttentionBase):
             options = {"spectrum": spectrum, "num_frequencies": num_frequencies, **spectrum_options}
         return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative_bias=relative_bias, relative_options=options,
                    coupling=coupling, rope=rope, rope_base=rope_base, backend=backend, device=device, dtype=dtype)
-
-    @property
-    def spectrum(self) -> Spectrum | None:
-        """The relative term when it is a spectrum (``relative_bias="spectrum"``), else None."""
-        return self.relative if isinstance(self.relative, Spectrum) else None
-
-    @property
-    def table(self) -> RelativeTerm | None:
-        """The relative term when it is a T5 or clipped table, else None."""
-        return self.relative if self.relative_bias in ("t5", "clipped") else None
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # Before the relative-term registry the term sat under its kind's name.
-        for old in ("table.", "spectrum."):
-            for key in [k for k in state_dict if k.startswith(prefix + old)]:
-                state_dict.setdefault(prefix + "relative." + key[len(prefix + old):], state_dict.pop(key))
-        if prefix + "log_slopes" in state_dict:
-            state_dict.setdefault(prefix + "relative.log_slopes", state_dict.pop(prefix + "log_slopes"))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def positional_term(self, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """The bias (or, multiplicative coupling, the mask) ``[B|1, H, N, N]`` of positions:
-        :meth:`flt.relative.RelativeTerm.bias` of the layer's term.
-
-        When every sequence of the batch has the same positions (token indices, patch
-        grids) and they need no gradient, the ``N x N`` term is computed once, not ``B`` times.
-        """
-        if self.relative is None:
-            return None
-        pos = batch_shared(pos)  # checked by prepare(): the term's unchecked pairwise form
-        term = _toeplitz_spectrum(self.relative, pos)
-        if term is None:
-            term = self.relative.pairwise(pos, pos)
-        # A spectrum's f stays in float32 or better (it may be a multiplicative mask).
-        return term if isinstance(self.relative, Spectrum) else term.to(dtype)
-
-    def _rotated_qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rope:
-            return apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
-        return q, k
-
-    def _weights_times_values(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, term: torch.Tensor | None, pad: torch.Tensor | None, causal: bool,
-                              backend: str) -> torch.Tensor:
-        """``[B, H, N, Dv]``: the layer's attention of ``q [B, H, N, D]`` on ``k, v [B, H, Nk, *]``
-        with the positional term ``[B|1, H, N, Nk]`` (bias or multiplicative mask)."""
-        if self.coupling == "multiplicative":
-            cdt = compute_dtype(q)
-            if pad is None:
-                mask = term
-            else:
-                assert term is not None, "the multiplicative coupling multiplies by its spectrum's mask"
-                mask = term * (~pad).to(cdt)[:, None, None, :]
-            return rpe_attention_reference(q.to(cdt), k.to(cdt), v.to(cdt), mask=mask, causal=causal, scale=1 / math.sqrt(self.head_dim))
-        return softmax_attention(q, k, v, bias=term, causal=causal, key_padding_mask=pad, backend=backend)
-
-    @overload
-    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
-                cache: Literal[False] = False) -> torch.Tensor: ...
-
-    @overload
-    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
-                cache: Literal[True]) -> tuple[torch.Tensor, KVCache]: ...
-
-    def _attend(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None, backend: str, *,
-                cache: bool = False) -> torch.Tensor | tuple[torch.Tensor, KVCache]:
-        p = self.prepare(x, pos, key_padding_mask)
-        q, k = self._rotated_qk(p.q, p.k, p.pos)
-        if backend == "flex" and self.coupling == "logit" and self.relative is not None:
-            # The term as a score_mod: FlexAttention never sees an [N, N] bias.
-            mod = self.relative.score_mod(batch_shared(p.pos))
-            out = softmax_attention(q, k, p.v, causal=self.causal, key_padding_mask=p.pad, score_mod=mod, backend="flex")
-        else:
-            term = self.positional_term(p.pos, q.dtype)
-            out = self._weights_times_values(q, k, p.v, term, p.pad, self.causal, backend)
-        y = self.finish(out, x)
-        return (y, KVCache.start(k, p.v, p.pos)) if cache else y
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self._attend(x, pos, key_padding_mask, self.backend)
-
-    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same computation by the plain O(N^2) reference backend."""
-        return self._attend(x, pos, key_padding_mask, "reference")
-
-    exact = reference
-
-    def _check_decoding(self, what: str) -> None:
-        if not self.causal:
-            raise ValueError(f"{what}() decodes causal attention; build the layer with causal=True")
-
-    def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
-        """The causal forward over a prompt that also returns its KV cache (``causal=True`` only).
-
-        Args:
-            x: ``[B, N, dim]``; pos: ``[B, N, P]``, ``[N, P]`` or None (token indices).
-            key_padding_mask: None only: the KV cache keeps no padding mask for the steps
-                after the prompt (the kernel layers' ``prefill`` takes one).
-
-        Returns:
-            ``(y [B, N, dim], cache)``: ``y`` is ``forward(x, pos)``, and :meth:`step` from
-            ``cache`` continues the sequence as if it had been fed token by token.
-        """
-        self._check_decoding("prefill")
-        if key_padding_mask is not None:
-            raise ValueError("softmax prefill() takes no key_padding_mask: its KV cache keeps no padding mask for the "
-                             "steps after the prompt; prefill prompts of equal length without padding")
-        return self._attend(x, pos, None, self.backend, cache=True)
-
-    def step(self, x: torch.Tensor, state: KVCache | None = None, pos: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
-        """Decode one token from the KV cache (``causal=True`` only).
-
-        Args:
-            x: ``[B, dim]``, the next token.
-            state: the cache returned by the previous call or by :meth:`prefill` (``None`` to start).
-            pos: ``[B, P]`` or ``[P]``; defaults to the token index for ``P = 1``.
-
-        Returns:
-            ``(y [B, dim], cache)``: feeding a sequence token by token gives the outputs of
-            ``forward``. The token attends to every cached key and itself with the layer's
-            relative term ``relative.bias(pos_q, pos_k)`` (and RoPE), ``O(length)`` per token.
-        """
-        self._check_decoding("step")
-        if state is not None and not isinstance(state, KVCache):
-            raise TypeError(f"state must be the KVCache of the previous step (or None), got {type(state).__name__}")
-        x_seq, pos_seq = self.step_input(x, pos, 0 if state is None else state.length)
-        p = self.prepare(x_seq, pos_seq, None)
-        q, k = self._rotated_qk(p.q, p.k, p.pos)
-        cache = KVCache.start(k, p.v, p.pos) if state is None else state.append(k, p.v, p.pos)
-        term = None
-        if self.relative is not None:
-            term = self.relative.bias(p.pos, cache.positions)  # [B|1, H, 1, length]
-            term = term if isinstance(self.relative, Spectrum) else term.to(q.dtype)
-        backend = "reference" if self.backend == "reference" else "sdpa"
-        out = self._weights_times_values(q, cache.keys, cache.values, term, None, False, backend)
-        return self.finish(out, x.unsqueeze(1)).squeeze(1), cache

@@ -14,8 +14,7 @@ import torch
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
-from flt.layers.base import Prepared
-from flt.layers.kernel import KernelAttention, mask_padded_keys
+from flt.layers.kernel import KernelAttention, KernelCore, mask_padded_keys
 from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import (
@@ -25,6 +24,127 @@ from flt.ops.toeplitz import (
     toeplitz_attention_reference,
 )
 from flt.relative.tables import DEFAULT_TABLE_SCALE, ClippedBias
+
+#: Why a Toeplitz layer or core refuses ``step`` and ``prefill``.
+NO_DECODING = "toeplitz attention has no constant-size recurrent state (its bias depends on every offset)"
+
+
+class ToeplitzCore(KernelCore):
+    """The mechanism of :class:`ToeplitzAttention` without its projections: the kernel
+    features and the bias table (``table``), computing on queries, keys and values ``[B, H,
+    N, D]`` at positions on a unit grid. The arguments are the layer's, with ``head_dim``
+    for ``dim``."""
+
+    supports_decoding = False
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        pos_dim: int = 1,
+        causal: bool = False,
+        max_distance: int = 512,
+        table_scale: float = DEFAULT_TABLE_SCALE,
+        learn_table_scale: bool = True,
+        fft_dtype: torch.dtype | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dense_below: int = DEFAULT_DENSE_BELOW,
+        features: Features | None = None,
+        settings: Settings | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if pos_dim != 1:
+            raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
+        check_positive_int("max_distance", max_distance)
+        check_positive_int("block_size", block_size)
+        check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
+        features = FavorPlus() if features is None else features
+        settings = Settings() if settings is None else settings
+        check_kernel_parts(features, settings)
+        if settings.backend != "torch":
+            raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {settings.backend!r}")
+        super().__init__(heads, head_dim, pos_dim=1, causal=causal, device=device, dtype=dtype, **features.map_options(),
+                         **settings.kernel_options())
+        self.kernel, self.settings = features, settings
+        self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
+        self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
+            heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
+            learn_scale=learn_table_scale, device=device, dtype=dtype,
+        )
+
+    def bias(self, n: int) -> torch.Tensor:
+        """``[H, 2n - 1]``: entry ``t + n - 1`` is the bias of offset ``t = i - j``."""
+        t = torch.arange(-(n - 1), n, device=self.table.table.device)
+        return self.table.of_offsets(t.view(-1, 1)).T
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
+        # t + M for t = i - j, and no scale: the table's rows are that, reversed (the
+        # table indexes key - query), and only the past half when causal; scale 1.
+        old = state_dict.pop(prefix + "bias_table", None)
+        if old is not None and prefix + "table.table" not in state_dict:
+            state_dict[prefix + "table.table"] = old.flip(-1).T[: self.table.table.shape[0]].contiguous()
+            state_dict[prefix + "table.scale"] = torch.ones_like(self.table.scale)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    @staticmethod
+    def check_grid(pos: torch.Tensor) -> None:
+        check_values(
+            "pos", pos, lambda p: p[:, 1:, 0] - p[:, :-1, 0] == 1,
+            "toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)", tag="unit-grid",
+        )
+
+    def _inputs(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self.check_grid(pos)
+        f = mask_padded_keys(self.features(q, k, pos), pad)
+        # The op stabilises the key scales itself (causally when causal).
+        return f.q, f.k, f.key_log_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> torch.Tensor:
+        self.step_schedule()
+        qf, kf, kls = self._inputs(q, k, pos, pad)
+        bias = self.bias(q.shape[2]).to(qf.dtype)
+        return toeplitz_attention(
+            qf, kf, v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls, fft_dtype=self.fft_dtype,
+            block_size=self.block_size, dense_below=self.dense_below,
+        )
+
+    def reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                  pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The same features and bias through the dense O(N^2) formula
+        (:func:`flt.ops.toeplitz_attention_reference`: per-row stabiliser over the keys the
+        row sees, empty rows give zeros)."""
+        qf, kf, kls = self._inputs(q, k, pos, pad)
+        bias = self.bias(q.shape[2]).to(qf.dtype)
+        return toeplitz_attention_reference(qf, kf, v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls)
+
+    def exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+              pad: torch.Tensor | None = None) -> torch.Tensor:
+        """The O(N^2) attention this core estimates: ``exp(b(i - j)) exp(x_q.x_k)``
+        normalised, i.e. softmax of ``x_q.x_k + b(i - j)`` with the exact kernel in place of
+        the random features (float32 or better)."""
+        self.check_grid(pos)
+        xq, xk = self.scaled_qk(q, k, pos)
+        cdt = compute_dtype(xq)
+        bias = self.table.bias(pos[:1] - pos[:1, :1]).to(cdt)  # offsets only: one row of positions serves the batch
+        mask = self.padding_mask_matrix(pad, cdt)
+        return rpe_attention_reference(xq.to(cdt), xk.to(cdt), v.to(cdt), bias=bias, mask=mask, causal=self.causal, scale=1.0)
+
+    def check_prefill(self, pad: torch.Tensor | None) -> NoReturn:
+        raise NotImplementedError(NO_DECODING)
+
+    def step_offset(self, state: Any) -> NoReturn:
+        raise NotImplementedError(NO_DECODING)
+
+    def prefill(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(NO_DECODING)
+
+    def step(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(NO_DECODING)
 
 
 class ToeplitzAttention(KernelAttention):
@@ -59,10 +179,12 @@ class ToeplitzAttention(KernelAttention):
     output (``tests/test_layers_attention.py::test_toeplitz_causal_outputs_ignore_huge_future_keys``).
 
     Positions must be a regular grid with unit step, ``pos[:, i] = pos[:, 0] + i`` (any
-    start: the bias depends only on offsets); anything else is rejected.
+    start: the bias depends only on offsets); anything else is rejected. The mechanism is
+    ``layer.core``, a :class:`ToeplitzCore`.
     """
 
     registry_name = "toeplitz"
+    core: ToeplitzCore
     supports_decoding = False
 
     def __init__(
@@ -85,22 +207,11 @@ class ToeplitzAttention(KernelAttention):
     ) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
-        check_positive_int("max_distance", max_distance)
-        check_positive_int("block_size", block_size)
-        check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
-        features = FavorPlus() if features is None else features
-        settings = Settings() if settings is None else settings
-        check_kernel_parts(features, settings)
-        if settings.backend != "torch":
-            raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {settings.backend!r}")
-        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype, **features.map_options(),
-                         **settings.kernel_options())
-        self.kernel, self.settings = features, settings
-        self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
-        self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
-            heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
-            learn_scale=learn_table_scale, device=device, dtype=dtype,
-        )
+        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype)
+        self.core = ToeplitzCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, max_distance=max_distance,
+                                 table_scale=table_scale, learn_table_scale=learn_table_scale, fft_dtype=fft_dtype,
+                                 block_size=block_size, dense_below=dense_below, features=features, settings=settings,
+                                 device=device, dtype=dtype)
 
     @classmethod
     @flat_options
@@ -122,67 +233,5 @@ class ToeplitzAttention(KernelAttention):
                    learn_table_scale=learn_table_scale, fft_dtype=fft_dtype, block_size=block_size, dense_below=dense_below,
                    features=features, settings=settings, device=device, dtype=dtype)
 
-    def bias(self, n: int) -> torch.Tensor:
-        """``[H, 2n - 1]``: entry ``t + n - 1`` is the bias of offset ``t = i - j``."""
-        t = torch.arange(-(n - 1), n, device=self.table.table.device)
-        return self.table.of_offsets(t.view(-1, 1)).T
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        # Before it used RelativeBiasTable the layer stored bias_table [H, 2M + 1], entry
-        # t + M for t = i - j, and no scale: the table's rows are that, reversed (the
-        # table indexes key - query), and only the past half when causal; scale 1.
-        old = state_dict.pop(prefix + "bias_table", None)
-        if old is not None and prefix + "table.table" not in state_dict:
-            state_dict[prefix + "table.table"] = old.flip(-1).T[: self.table.table.shape[0]].contiguous()
-            state_dict[prefix + "table.scale"] = torch.ones_like(self.table.scale)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    @staticmethod
-    def check_grid(pos: torch.Tensor) -> None:
-        check_values(
-            "pos", pos, lambda p: p[:, 1:, 0] - p[:, :-1, 0] == 1,
-            "toeplitz attention needs positions on a regular 1-D grid with unit step (pos[:, i] = pos[:, 0] + i)", tag="unit-grid",
-        )
-
-    def _inputs(self, x: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None
-                ) -> tuple[Prepared, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        p = self.prepare(x, pos, key_padding_mask)
-        self.check_grid(p.pos)
-        f = mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad)
-        # The op stabilises the key scales itself (causally when causal).
-        return p, f.q, f.k, f.key_log_scale
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.step_schedule()
-        p, qf, kf, kls = self._inputs(x, pos, key_padding_mask)
-        bias = self.bias(x.shape[1]).to(qf.dtype)
-        out = toeplitz_attention(
-            qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls, fft_dtype=self.fft_dtype,
-            block_size=self.block_size, dense_below=self.dense_below,
-        )
-        return self.finish(out, x)
-
-    def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same features and bias through the dense O(N^2) formula
-        (:func:`flt.ops.toeplitz_attention_reference`: per-row stabiliser over the keys the
-        row sees, empty rows give zeros)."""
-        p, qf, kf, kls = self._inputs(x, pos, key_padding_mask)
-        bias = self.bias(x.shape[1]).to(qf.dtype)
-        out = toeplitz_attention_reference(qf, kf, p.v.to(qf.dtype), bias, causal=self.causal, key_log_scale=kls)
-        return self.finish(out, x)
-
-    def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The O(N^2) attention this layer estimates: ``exp(b(i - j)) exp(x_q.x_k)``
-        normalised, i.e. softmax of ``x_q.x_k + b(i - j)`` with the exact kernel in place of
-        the random features (float32 or better)."""
-        p = self.prepare(x, pos, key_padding_mask)
-        self.check_grid(p.pos)
-        xq, xk = self.scaled_qk(p.q, p.k, p.pos)
-        cdt = compute_dtype(xq)
-        bias = self.table.bias(p.pos[:1] - p.pos[:1, :1]).to(cdt)  # offsets only: one row of positions serves the batch
-        pad = self.padding_mask_matrix(p.pad, cdt)
-        out = rpe_attention_reference(xq.to(cdt), xk.to(cdt), p.v.to(cdt), bias=bias, mask=pad, causal=self.causal, scale=1.0)
-        return self.finish(out, x)
-
     def step(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("toeplitz attention has no constant-size recurrent state (its bias depends on every offset)")
+        raise NotImplementedError(NO_DECODING)

@@ -143,9 +143,13 @@ def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title
 def spectra_of(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """``(name, spectrum)`` for every attention layer that has a learned spectrum (``.spectrum.mask``)."""
     found = []
+    seen: set[int] = set()
     for name, module in model.named_modules():
         spec = getattr(module, "spectrum", None)
-        if isinstance(spec, torch.nn.Module) and callable(getattr(spec, "mask", None)):
+        # A layer reads its core's spectrum (``attn.spectrum`` is ``attn.core.spectrum``):
+        # each spectrum once, under the outermost name.
+        if isinstance(spec, torch.nn.Module) and callable(getattr(spec, "mask", None)) and id(spec) not in seen:
+            seen.add(id(spec))
             found.append((name, spec))
     return found
 

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from flt.layers.draws import stable_named_modules
+
 
 def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, numpy's global generator and torch (CPU and CUDA)."""
@@ -21,7 +23,9 @@ def seed_everything(seed: int) -> None:
 def _module_generators(model: nn.Module) -> dict[str, torch.Generator]:
     """Private ``torch.Generator`` attributes of submodules (e.g. feature redraws)."""
     found = {}
-    for name, module in model.named_modules():
+    # Named as before layers had cores (``attn.feature_map``, not ``attn.core.feature_map``),
+    # so that an older checkpoint's generators restore.
+    for name, module in stable_named_modules(model):
         for attr, value in vars(module).items():
             if isinstance(value, torch.Generator):
                 found[f"{name}.{attr}" if name else attr] = value
