@@ -325,14 +325,17 @@ class AttentionBase(nn.Module):
     def move_into_core(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Move, in place, the keys ``prefix + X`` of a state dict saved before the layer held
         its mechanism in ``core`` (``attn.spectrum.mu``) to ``prefix + "core." + X``; keys of
-        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. The core's own
-        migrations of older layouts then run on the moved keys."""
+        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. A key whose new name
+        is already there stays too, so that strict loading reports it as unexpected rather
+        than one of the two tensors being dropped unseen. The core's own migrations of older
+        layouts then run on the moved keys."""
         if "core" not in self._modules:  # a layer of its own without a core
             return
         own = set(self._modules) | set(self._parameters) | set(self._buffers)
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            if key[len(prefix):].split(".", 1)[0] not in own:
-                state_dict.setdefault(prefix + "core." + key[len(prefix):], state_dict.pop(key))
+            moved = prefix + "core." + key[len(prefix):]
+            if key[len(prefix):].split(".", 1)[0] not in own and moved not in state_dict:
+                state_dict[moved] = state_dict.pop(key)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, N, dim]``: the core's estimator between the projections."""
