@@ -263,7 +263,10 @@ class AttentionBase(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """A name the layer does not have is looked up on its core (``layer.spectrum`` is
-        ``layer.core.spectrum``); only misses come here, so the forward pass pays nothing."""
+        ``layer.core.spectrum``). Python comes here for every name not in the instance
+        ``__dict__``, which includes the layer's own submodules (``self.core``,
+        ``self.to_qkv``): those are found by ``nn.Module.__getattr__`` first, at the cost of
+        one extra call in eager mode (``torch.compile`` traces it once, into no graph op)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
