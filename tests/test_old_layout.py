@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
-from flt.layers.base import move_into_cores  # noqa: E402
+from flt.layers.base import move_into_cores
 from flt.models import LMConfig, build_model  # noqa: E402
 from flt.train.checkpoint import MODEL_FILE, load_weights  # noqa: E402
 
