@@ -172,7 +172,9 @@ class CoreBase(nn.Module):
 
     def step_offset(self, state: Any) -> int:
         """How many tokens ``state`` has seen (0 for None): the next token's default position.
-        Refuses a state that is not this core's, and a core that does not decode."""
+        Refuses a core that is not causal; a core whose states differ in kind (FLT's band)
+        also refuses a state that is not its own, while this default reads ``state.position``
+        of whatever it is given."""
         self.check_decoding("step")
         return 0 if state is None else int(state.position)
 
