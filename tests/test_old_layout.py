@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("safetensors")
 from safetensors.torch import load_file  # noqa: E402
 
+from flt.layers.base import move_into_cores
 from flt.models import LMConfig, build_model  # noqa: E402
 from flt.train.checkpoint import MODEL_FILE, load_weights  # noqa: E402
 
@@ -98,3 +99,17 @@ def test_flt_evaluate_loads_an_old_checkpoint() -> None:
     tokens = torch.arange(make.N).remainder(11).view(1, make.N)
     with torch.no_grad():
         assert torch.equal(model(tokens), OUTPUTS["lm.logits"])
+
+
+@pytest.mark.parametrize("name", ["performer", "flt_band"])
+def test_a_tensor_in_both_layouts_is_reported_not_dropped(name: str) -> None:
+    """A file that holds a tensor both under ``core.`` and under its old key is ambiguous:
+    strict loading names the old key as unexpected instead of discarding it unseen."""
+    layer = fresh(name)
+    state = layer.state_dict()
+    new_key = next(k for k in state if k.startswith("core."))
+    old_key = new_key.removeprefix("core.")
+    state[old_key] = torch.zeros_like(state[new_key])
+    with pytest.raises(RuntimeError, match=f'Unexpected key.*"{old_key}"'):
+        layer.load_state_dict(state, strict=True)
+    assert old_key in move_into_cores(layer, state)  # flt evaluate reports it too

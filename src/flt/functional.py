@@ -74,7 +74,9 @@ class AttentionCore(nn.Module):
     def from_layer(cls, layer: nn.Module) -> AttentionCore:
         """The core of ``layer`` (an instance of a class in :data:`flt.layers.ATTENTION`):
         ``layer.core`` itself, shared (training the core trains the layer), without the
-        layer's projections."""
+        layer's projections. The train/eval mode is shared too: ``.eval()`` on the returned
+        core also stops the layer's redraw schedule (``redraw_interval``) while the layer
+        itself stays in training mode, and ``layer.train()`` restarts it."""
         names = {type_: name for name, type_ in ATTENTION.items()}
         if not isinstance(layer, AttentionBase) or type(layer) not in names:  # (every entry is one)
             raise TypeError(f"layer must be an instance of a class in flt.layers.ATTENTION, got {type(layer).__name__}")

@@ -172,7 +172,9 @@ class CoreBase(nn.Module):
 
     def step_offset(self, state: Any) -> int:
         """How many tokens ``state`` has seen (0 for None): the next token's default position.
-        Refuses a state that is not this core's, and a core that does not decode."""
+        Refuses a core that is not causal; a core whose states differ in kind (FLT's band)
+        also refuses a state that is not its own, while this default reads ``state.position``
+        of whatever it is given."""
         self.check_decoding("step")
         return 0 if state is None else int(state.position)
 
@@ -263,7 +265,10 @@ class AttentionBase(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """A name the layer does not have is looked up on its core (``layer.spectrum`` is
-        ``layer.core.spectrum``); only misses come here, so the forward pass pays nothing."""
+        ``layer.core.spectrum``). Python comes here for every name not in the instance
+        ``__dict__``, which includes the layer's own submodules (``self.core``,
+        ``self.to_qkv``): those are found by ``nn.Module.__getattr__`` first, at the cost of
+        one extra call in eager mode (``torch.compile`` traces it once, into no graph op)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -325,14 +330,17 @@ class AttentionBase(nn.Module):
     def move_into_core(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Move, in place, the keys ``prefix + X`` of a state dict saved before the layer held
         its mechanism in ``core`` (``attn.spectrum.mu``) to ``prefix + "core." + X``; keys of
-        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. The core's own
-        migrations of older layouts then run on the moved keys."""
+        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. A key whose new name
+        is already there stays too, so that strict loading reports it as unexpected rather
+        than one of the two tensors being dropped unseen. The core's own migrations of older
+        layouts then run on the moved keys."""
         if "core" not in self._modules:  # a layer of its own without a core
             return
         own = set(self._modules) | set(self._parameters) | set(self._buffers)
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            if key[len(prefix):].split(".", 1)[0] not in own:
-                state_dict.setdefault(prefix + "core." + key[len(prefix):], state_dict.pop(key))
+            moved = prefix + "core." + key[len(prefix):]
+            if key[len(prefix):].split(".", 1)[0] not in own and moved not in state_dict:
+                state_dict[moved] = state_dict.pop(key)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, N, dim]``: the core's estimator between the projections."""
