@@ -29,8 +29,13 @@ CASES = [
     ("matern", dict(nu=2.5, length_scale=3.0)),
     ("local", dict(windows=2, window_sizes=(1.5, 4.0), smoothing=0.8)),
     ("neural", dict(hidden=8, length_scale=3.0)),
+    ("discrete", dict(components=2, length_scale=3.0, length_spread=2.0)),
 ]
 IDS = [name + (f"-nu{opts['nu']}" if "nu" in opts else "") for name, opts in CASES]
+# The families with a density, whose features estimate f by sampling it (the discrete family's
+# frequencies are parameters and its features compute f exactly: tests/test_spectrum_discrete.py).
+SAMPLED = [(case, i) for case, i in zip(CASES, IDS, strict=True) if not SPECTRA[case[0]].exact_estimate]
+SAMPLED_CASES, SAMPLED_IDS = [c for c, _ in SAMPLED], [i for _, i in SAMPLED]
 OPTIONS = {name: opts for name, opts in CASES}  # one case per name (the last Matern) where nu does not matter
 # The families with components, each component moved by a learned shift (build() draws
 # shifts of a few position units, so the masks are far from even).
@@ -40,6 +45,7 @@ SHIFTED = [
 ]
 SHIFTED_IDS = [f"{name}-shifted" for name, _ in SHIFTED]
 WITH_SHIFTED, WITH_SHIFTED_IDS = CASES + SHIFTED, IDS + SHIFTED_IDS
+SAMPLED_WITH_SHIFTED, SAMPLED_WITH_SHIFTED_IDS = SAMPLED_CASES + SHIFTED, SAMPLED_IDS + SHIFTED_IDS
 
 
 # Thousands of tiny tensor ops (quadrature, redraws): a second thread cannot speed them up.
@@ -117,7 +123,7 @@ def test_cases_cover_the_registry():
 
 
 @pytest.mark.parametrize("P, deltas", [(1, [[0.0], [0.7], [2.3], [5.0]]), (2, [[0.0, 0.0], [0.8, -1.7], [2.5, 1.0]])])
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", SAMPLED_CASES, ids=SAMPLED_IDS)
 def test_mask_is_the_fourier_transform_of_the_density(case, P, deltas):
     name, options = case
     spec = build(name, options, P=P)
@@ -162,7 +168,7 @@ def _rmse(name, options, R, sampler, seeds, P=1):
 _RS = (64, 256, 1024)
 
 
-@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
+@pytest.mark.parametrize("case", SAMPLED_WITH_SHIFTED, ids=SAMPLED_WITH_SHIFTED_IDS)
 def test_estimate_converges_at_the_monte_carlo_rate(case):
     name, options = case
     errs = [_rmse(name, options, R, "iid", range(12)) for R in _RS]
@@ -192,7 +198,7 @@ def _unbiased(spec, deltas, draws=400):
     assert (err <= bound).all(), (err, bound)
 
 
-@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
+@pytest.mark.parametrize("case", SAMPLED_WITH_SHIFTED, ids=SAMPLED_WITH_SHIFTED_IDS)
 def test_estimate_is_unbiased(case):
     name, options = case
     spec = build(name, options, P=1, R=4)
@@ -398,7 +404,7 @@ def test_shift_options_are_checked():
     assert LocalSpectrum(2, 1, 8, windows=2).shift is None and LocalSpectrum(2, 1, 8, windows=2).phases(torch.zeros(2, 8, 1)) is None
 
 
-@pytest.mark.parametrize("name", sorted(SPECTRA))
+@pytest.mark.parametrize("name", sorted(n for n in SPECTRA if not SPECTRA[n].exact_estimate))
 def test_frequencies_are_a_fixed_buffer_unless_redrawn(name):
     options = OPTIONS[name]
     pos = torch.randn(5, 1, dtype=F64)
@@ -547,7 +553,8 @@ def test_bad_points_are_rejected(name):
         spec.features(torch.randn(5, 2))
     with pytest.raises(ValueError, match=r"pos must have rank 2 or 3"):
         spec.features(torch.randn(5))
-    for method, arg in [(spec.mask, "delta"), (spec.estimate, "delta"), (spec.density, "xi")]:
+    checked = [(spec.mask, "delta"), (spec.estimate, "delta")] + ([] if spec.exact_estimate else [(spec.density, "xi")])
+    for method, arg in checked:
         with pytest.raises(ValueError, match=rf"{arg} must have last dimension P = 1"):
             method(torch.randn(5, 2))
         with pytest.raises(TypeError, match=rf"{arg} must have a floating-point dtype"):

@@ -6,6 +6,7 @@ an ``amplitude`` option (the initial ``f(0)``; ``0`` gives ``f == 0``).
 """
 
 from flt.relative.spectra.base import Spectrum
+from flt.relative.spectra.discrete import DiscreteSpectrum
 from flt.relative.spectra.gaussian_mixture import GaussianMixtureSpectrum
 from flt.relative.spectra.kernels import MATERN_NU, GaussianKernelSpectrum, MaternSpectrum
 from flt.relative.spectra.local import LocalSpectrum
@@ -18,12 +19,14 @@ SPECTRA: dict[str, type[Spectrum]] = {
     "matern": MaternSpectrum,
     "local": LocalSpectrum,
     "neural": NeuralSpectrum,
+    "discrete": DiscreteSpectrum,
 }
 
 __all__ = [
     "MATERN_NU",
     "SAMPLERS",
     "SPECTRA",
+    "DiscreteSpectrum",
     "GaussianKernelSpectrum",
     "GaussianMixtureSpectrum",
     "LocalSpectrum",

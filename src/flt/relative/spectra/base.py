@@ -82,7 +82,11 @@ class Spectrum(RelativeTerm):
     #: Auxiliary standard normals per frequency beyond the ``P`` spatial ones.
     extra_normals: int = 0
     #: Names of the buffers that hold the draws (:mod:`flt.layers.draws`).
-    random_feature_buffers = ("eps",)
+    random_feature_buffers: tuple[str, ...] = ("eps",)
+    #: Whether the features compute ``f`` exactly (a discrete spectrum, whose frequencies
+    #: are parameters): then there is no density, nothing to redraw, and the seed sets the
+    #: starting parameters instead of the draws.
+    exact_estimate: bool = False
 
     def __init__(
         self,
