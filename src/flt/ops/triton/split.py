@@ -1,0 +1,203 @@
+"""FAVOR+ attention (Performer, FLT logit coupling) by the feature-split kernel
+(:mod:`flt.ops.triton.split_kernels`): the ``m`` features in blocks of ``feature_block``
+over programs, each program an ``[feature_block, value_block]`` slice of the state, chunks of
+``chunk_size`` tokens; the parts of the feature blocks are added here in PyTorch.
+
+Chosen by ``favor_attention(..., split_features=True)`` or called directly as
+:func:`favor_attention_split`. Same function and arguments as
+:func:`flt.ops.triton.favor_attention` without the multiplicative coupling (``a, c``: the
+one-program kernel, whose programs already split the work by spectral index). Gradients:
+:func:`flt.ops.triton.favor_attention_torch`'s, recomputed (no backward kernel yet; the
+design is in :data:`BACKWARD_DESIGN`). Written for speed on GPUs and not yet timed on one
+(docs/performance.md, "GPU (CUDA)").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
+from flt.ops._common import safe_divide
+from flt.ops.triton import (
+    _check,
+    _FavorAttention,
+    check_device,
+    combine_segments,
+    interpreted,
+    launch_fitted,
+    segment_count,
+)
+
+#: Default tile on a GPU: features per program, tokens per chunk, value columns per program.
+SPLIT_FEATURE_BLOCK = 64
+SPLIT_CHUNK = 64
+SPLIT_VALUE_BLOCK = 64
+
+BACKWARD_DESIGN = """\
+Backward kernel for the feature-split path (not written yet). With ``g`` the upstream
+gradient and ``den`` the denominators, the augmented output ``[num, den]`` is linear in
+the augmented values ``v' = [v, 1]``; its upstream gradient is
+``g'_i = [g_i / den_i, -(g_i . out_i) / den_i]`` (from the forward's result, one pass in
+PyTorch). For feature block f it is multiplied by ``exp(LEV_f[i] - max_f' LEV_f'[i])``, the
+factor the forward added the parts with (saved, ``[B H, F, N]``). Per program
+(b h, feature block, segment), as the forward:
+
+* queries, in the forward order: ``dqf_i = S_f(i) g'_i`` with the running key state
+  ``S_f = sum_(j <= i) kf_j v'_j^T`` at the row levels of the forward (the intra-chunk part
+  ``(g'_i . v'_j) kf_j`` under the causal mask), then
+  ``dxq_i += W_f^T (dqf_i * qf_i)`` (the query's ``-|x|^2 / 2`` cancels in the ratio:
+  ``sum_k dphi_ik phi_ik = 0`` for a query), ``dextra_q`` likewise with ``W_e``;
+* keys, in reverse order: the running query state ``T_f = sum_(i >= j) qf_i g'_i^T``
+  rescaled by ``exp(level(j) - level(j + 1)) <= 1`` per step (levels are nondecreasing in
+  ``i``, so every factor stays ``<= 1``), ``dkf_j = T_f v'_j`` and ``dv_j += T_f^T kf_j``
+  (value columns), then ``dxk_j += W_f^T (dkf_j * kf_j) - xk_j sum_k (dkf_j * kf_j)_k``
+  (a key's scale does not cancel), ``dextra_k`` likewise;
+* ``dxq, dxk, dv, dextra`` are sums over the feature blocks: written per block as the
+  forward's parts and added in PyTorch (or atomically). Bidirectional: ``S_f`` and
+  ``T_f`` are the totals over all keys / queries, one pass each.
+Tested as the forward: float64 under ``TRITON_INTERPRET=1`` against autograd of
+:func:`flt.ops.triton.favor_attention_torch`.
+"""
+
+
+def _pow2(n: int) -> int:
+    """The next power of two ``>= max(n, 16)`` (triton's smallest dot operand)."""
+    return max(16, 1 << max(0, n - 1).bit_length())
+
+
+def split_tile_candidates(chunk: int, bv: int, device: torch.device) -> list[tuple[int, int, int | None]]:
+    """Tiles ``(tokens per chunk, value columns, pipeline stages)`` to try, largest first
+    (:func:`flt.ops.triton.launch_fitted`). Compiled for sm_90 (triton 3.9, no GPU), the
+    causal kernel at the default tile (64 tokens, 64 features, 64 value columns, head dim
+    and spectral width 64) needs 147,712 bytes of shared memory at 2 stages in float32
+    (229,632 at 3, 82,176 at 1) and 163,840 at 1 stage in float64 (262,656 at 2), against
+    232,448 a block on an H100/H200; the bidirectional one less. So: 2 stages, then 1,
+    then 32 tokens and 32 value columns (which of the first two is faster is untimed). Off
+    CUDA (the interpreter) only the given tile."""
+    if device.type != "cuda":
+        return [(chunk, bv, None)]
+    tiles: list[tuple[int, int, int | None]] = [(chunk, bv, 2), (chunk, bv, 1), (min(chunk, 32), min(bv, 32), 1)]
+    return list(dict.fromkeys(tiles))
+
+
+def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False,
+                          extra_q: torch.Tensor | None = None, extra_k: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                          chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
+                          segments: int | None = None) -> torch.Tensor:
+    """FAVOR+ attention by the feature-split kernel (module docstring).
+
+    Args:
+        xq, xk, v, projection, causal, extra_q, extra_k, key_mask, segments: as
+            :func:`flt.ops.triton.favor_attention`.
+        chunk_size: tokens per step, a power of two >= 16; None: :data:`SPLIT_CHUNK`
+            on a GPU, 16 under the interpreter.
+        feature_block: features per program, a power of two >= 16; None:
+            :data:`SPLIT_FEATURE_BLOCK` on a GPU, 16 under the interpreter (both at most
+            the next power of two of ``m``).
+        value_block: value columns per program, a power of two >= 16; None:
+            :data:`SPLIT_VALUE_BLOCK` on a GPU, 16 under the interpreter (both at most the
+            next power of two of ``Dv``).
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 when an input is float64); rows with a zero
+        denominator are zeros. Gradients: :func:`flt.ops.triton.favor_attention_torch`'s.
+    """
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    check_device(xq.device)
+    small = xq.device.type != "cuda" or interpreted()
+    tile = []
+    for name, given, default, size in (("chunk_size", chunk_size, SPLIT_CHUNK, None), ("feature_block", feature_block, SPLIT_FEATURE_BLOCK, projection.shape[0]),
+                                       ("value_block", value_block, SPLIT_VALUE_BLOCK, v.shape[-1])):
+        if given is None:
+            given = 16 if small else default
+            given = given if size is None else min(given, _pow2(size))
+        elif given < 16 or given & (given - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
+        tile.append(given)
+    if segments is not None:
+        check_positive_int("segments", segments)
+    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments)
+
+
+def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+    from flt.ops.triton import split_kernels
+
+    chunk_size, bm, value_block = tile
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = compute_dtype(*(t for t in (xq, xk, v, extra_q) if t is not None))
+    # bfloat16 operands and TF32 as the one-program kernel (flt.ops.triton._launch):
+    # bfloat16 only in the bidirectional pass, never under the interpreter.
+    low = v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
+    tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    dummy = xq  # a pointer for the inputs a case does not have (never read)
+    eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
+    if extra_q is not None and eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    e_dim = 0 if extra_q is None else eq.shape[-1]
+    keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
+    n_fb = math.ceil(m / bm)
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_KEEP": key_mask is not None, "LOW": low,
+             "PREC": "tf32" if tf32 else "ieee", "BD": _pow2(D), "BE": _pow2(e_dim), "BM": bm}
+    part = torch.empty(B * H, n_fb, N, Dv + 1, device=xq.device, dtype=acc)
+    lev = torch.empty(B * H, n_fb, N, device=xq.device, dtype=acc)
+
+    def attempt(chunk, bv, stages):
+        n_vb = math.ceil(Dv / bv)
+        n_seg_wanted = segments or segment_count(B * H * n_fb * n_vb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
+
+        def launch(states, levels, states_only, has_init):
+            split_kernels.favor_split_kernel[(B * H, n_fb, n_vb * n_seg)](
+                xq, xk, eq, ek, v, w, keep, part, lev, states, levels,
+                H, N, D, e_dim, m, Dv, 0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
+                seg_len, n_seg, n_vb, n_fb,
+                STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
+                **({} if stages is None else {"num_stages": stages}),
+            )
+
+        if n_seg == 1:
+            launch(dummy, dummy, False, False)
+        else:
+            states = torch.empty(B * H, n_fb, n_seg, bm, Dv + 1, device=xq.device, dtype=acc)
+            levels = torch.empty(B * H, n_fb, n_seg, device=xq.device, dtype=acc)
+            launch(states, levels, True, False)
+            states, levels = combine_segments(states, levels, causal)
+            launch(states.contiguous(), levels.contiguous(), False, True)
+
+    key = ("split", acc, xq.device, tuple(sorted(flags.items())))
+    launch_fitted(key, split_tile_candidates(chunk_size, value_block, xq.device), attempt,
+                  hint=", a smaller feature_block or chunk_size")
+    total = add_feature_blocks(part, lev).view(B, H, N, Dv + 1)
+    return safe_divide(total[..., :-1], total[..., -1:])
+
+
+def add_feature_blocks(part: torch.Tensor, lev: torch.Tensor) -> torch.Tensor:
+    """The sum of the feature blocks' parts ``[..., F, N, X]``, each relative to
+    ``exp(lev [..., F, N])``, relative to the largest level of each row: ``[..., N, X]``.
+    Every factor is ``exp(lev - max lev) <= 1``; the common factor cancels in the ratio."""
+    if part.shape[-3] == 1:
+        return part.squeeze(-3)
+    top = lev.amax(dim=-2, keepdim=True)
+    return (part * torch.exp(lev - top).unsqueeze(-1)).sum(dim=-3)
+
+
+class _FavorSplit(torch.autograd.Function):
+    """Forward: the feature-split kernel. Backward: :class:`flt.ops.triton._FavorAttention`'s
+    (the gradient of :func:`flt.ops.triton.favor_attention_torch`, recomputed), which takes
+    the same first nine inputs (``a, c`` None here) and three options."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, tile, segments):
+        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
+        ctx.causal = causal
+        return _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _FavorAttention.backward(ctx, grad)

@@ -1,0 +1,164 @@
+"""Triton kernel of FAVOR+ attention (Performer, FLT logit coupling) with the ``m`` features
+split over programs: :func:`favor_split_kernel`, launched by :mod:`flt.ops.triton.split`.
+
+:func:`flt.ops.triton.kernels.favor_attention_kernel` keeps the whole ``[m, BV]`` state in
+one program; at ``m = 256`` only its fallback tile (16 tokens, 32 value columns, one stage)
+fits the shared memory of an H200, so it walks the sequence 16 tokens at a time with
+products too small for the tensor cores. Here program ``(b h, feature block f, value block
+x segment)`` owns the ``[BM, BV]`` slice of the state for the features ``[f BM, (f + 1) BM)``
+and walks its segment in chunks of ``BC`` tokens (chunked causal form: the quadratic
+products inside a chunk under the causal mask, the running state for the chunks before).
+Every product is at most ``BC x BM x BV`` (64 cubed by default: tensor-core shapes), and
+the programs of one head share nothing but their inputs.
+
+The numerator and denominator are sums over the features, so each program writes the part
+of its feature block, ``PART [B H, F, N, Dv + 1]``, and the caller adds the ``F`` parts.
+
+Stabilisation: per feature block, not per token. A token's FAVOR+ features
+``phi_k(x) = m^(-1/2) exp(w_k.x - |x|^2 / 2)`` are shifted by the largest exponent of its
+own block, ``t_f(x) = max_(k in f) w_k.x``, instead of the largest over all ``m``
+(:func:`flt.ops.features.favor_plus_features`); ``phi = feat_f * exp(s_f)`` holds per block
+as it does for all ``m`` at once, so the block's keys enter its state relative to a running
+level of their ``s_f`` exactly as in the one-program kernel, and every exponent inside a
+program is ``<= 0``. A program's part for row ``i`` is then relative to
+``exp(LEV_f[i])``, ``LEV_f[i] = s_f(q_i) + level_f(i)`` (the query's block shift plus the
+key level that row saw: over ``j <= i`` when causal, all keys otherwise), which it writes
+to ``LEV [B H, F, N]``; the caller adds the parts with the factors
+``exp(LEV_f[i] - max_f' LEV_f'[i]) <= 1``. No first pass over all ``m`` is needed for the
+row maxima, nothing depends on a key after the row (the levels are causal per block), and
+the result is the same function as :func:`flt.ops.triton.favor_attention_torch`'s: the
+per-token shifts cancel in the ratio there as here. (The alternative, one global key
+level from a first pass as the bidirectional PyTorch path uses, would cost a pass and is
+not causal.)
+
+Segments, products (``PREC``, ``LOW``) and padded keys as in
+:func:`flt.ops.triton.kernels.favor_attention_kernel`, whose helpers this kernel calls on
+the block's slice of the projection.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flt.ops.triton.kernels import (
+    _NO_KEY,
+    _absorb,
+    _features,
+    _projection,
+    _start_state,
+    _store_state,
+)
+
+
+@triton.jit
+def _store_part(PART, LEV, rows, ok, vcols, vcol_ok, num, den, lev, vb, DV):
+    """Write a chunk's numerator columns and, from the first value block, its denominators
+    and row levels."""
+    tl.store(PART + rows[:, None] * (DV + 1) + vcols[None, :], num, mask=ok[:, None] & vcol_ok[None, :])
+    if vb == 0:
+        tl.store(PART + rows * (DV + 1) + DV, den, mask=ok)
+        tl.store(LEV + rows, lev, mask=ok)
+
+
+@triton.jit
+def _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+          HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr,
+          BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
+    """A chunk of keys: block features times their weights (0 for padding and past the
+    end), block log scales (``_NO_KEY`` where the weight is 0) and values."""
+    kf, s = _features(XK, EK, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+    weight = tl.where(ok, 1.0, 0.0).to(ACC)
+    if HAS_KEEP:
+        weight *= tl.load(KEEP + rows, mask=ok, other=0.0).to(ACC)
+    s = tl.where(weight != 0, s, _NO_KEY)
+    v = tl.load(V + rows[:, None] * DV + vcols[None, :], mask=ok[:, None] & vcol_ok[None, :], other=0.0).to(ACC)
+    return kf * weight[:, None], s, v
+
+
+@triton.jit
+def favor_split_kernel(
+    XQ, XK, EQ, EK, V, W, KEEP, PART, LEV, ST, LV,
+    H, N, D, EDIM, M, DV, e_batch_stride, SEG, NSEG, NVB, NMB,
+    CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, LOW: tl.constexpr, PREC: tl.constexpr,
+    STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
+    BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+):
+    """One feature block's part of FAVOR+ attention (module docstring).
+
+    Layouts (contiguous): ``XQ, XK [B, H, N, D]``; ``EQ, EK [B|1, H, N, EDIM]``;
+    ``V [B, H, N, DV]``; ``W [M, D + EDIM]``; ``KEEP [B, N]``; ``PART [B H, NMB, N, DV + 1]``
+    (numerators, then the denominator); ``LEV [B H, NMB, N]``. Program axis 1 is the feature
+    block, axis 2 ``value block + NVB * segment``. ``ST [B H, NMB, NSEG, BM, DV + 1]`` and
+    ``LV [B H, NMB, NSEG]``: a segment's key state per feature block, written
+    (``STATES_ONLY``) or read (``HAS_INIT``) as :func:`flt.ops.triton.kernels.favor_attention_kernel`
+    does for all ``M`` features.
+    """
+    bh = tl.program_id(0)
+    fb = tl.program_id(1)
+    vb = tl.program_id(2) % NVB
+    seg = tl.program_id(2) // NVB
+    b = bh // H
+    h = bh % H
+    ACC = PART.dtype.element_ty
+    # 0.5 log m of all M features (the normaliser of phi), in the accumulation type.
+    log_norm = 0.5 * tl.log(tl.full((), M, ACC))
+    MB = M - fb * BM  # features from this block's first on: the block has min(BM, MB)
+    XQ += bh * N * D
+    XK += bh * N * D
+    V += bh * N * DV
+    EQ += b * e_batch_stride + h * N * EDIM
+    EK += b * e_batch_stride + h * N * EDIM
+    KEEP += b * N
+    W += fb * BM * (D + EDIM)
+    PART += (bh * NMB + fb) * N * (DV + 1)
+    LEV += (bh * NMB + fb) * N
+    ST += ((bh * NMB + fb) * NSEG + seg) * BM * (DV + 1)
+    LV += (bh * NMB + fb) * NSEG + seg
+    lo = seg * SEG
+    hi = tl.minimum(N, lo + SEG)
+
+    WX, WE = _projection(W, D, EDIM, MB, HAS_EXTRA, ACC, BD, BE, BM)
+    vcols = vb * BV + tl.arange(0, BV)
+    vcol_ok = vcols < DV
+    state, zsum, level = _start_state(ST, LV, vcols, vcol_ok, MB, DV, HAS_INIT, ACC, BM, BV)
+    offs = tl.arange(0, BC)
+
+    if STATES_ONLY or (not CAUSAL and not HAS_INIT):
+        # Key pass: the block's state of the segment's keys (of all keys: bidirectional, one segment).
+        for start in range(lo, hi, BC):
+            rows = start + offs
+            ok = rows < hi
+            kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                             HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, LOW, PREC, ACC)
+    if STATES_ONLY:
+        _store_state(ST, LV, state, zsum, level, vb, vcols, vcol_ok, MB, DV, BM)
+    elif CAUSAL:
+        past = offs[:, None] >= offs[None, :]
+        for start in range(lo, hi, BC):
+            rows = start + offs
+            ok = rows < hi
+            kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                             HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+            row_level = tl.maximum(tl.max(tl.where(past, s[None, :], _NO_KEY), axis=1), level)  # [BC]
+            decay = tl.exp(tl.where(past, s[None, :] - row_level[:, None], float("-inf")))
+            carry = tl.exp(level - row_level)
+            scores = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
+            num = tl.dot(scores, v, input_precision=PREC, out_dtype=ACC)
+            num += tl.dot(qf, state, input_precision=PREC, out_dtype=ACC) * carry[:, None]
+            den = tl.sum(scores, axis=1) + tl.sum(qf * zsum[None, :], axis=1) * carry
+            _store_part(PART, LEV, rows, ok, vcols, vcol_ok, num, den, sq + row_level, vb, DV)
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, False, PREC, ACC)
+    else:
+        for start in range(lo, hi, BC):
+            rows = start + offs
+            ok = rows < hi
+            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+            if LOW:
+                num = tl.dot(qf.to(tl.bfloat16), state.to(tl.bfloat16), out_dtype=ACC)
+            else:
+                num = tl.dot(qf, state, input_precision=PREC, out_dtype=ACC)
+            den = tl.sum(qf * zsum[None, :], axis=1)
+            _store_part(PART, LEV, rows, ok, vcols, vcol_ok, num, den, sq + level, vb, DV)

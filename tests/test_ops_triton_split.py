@@ -1,0 +1,131 @@
+"""The feature-split Triton kernel (:mod:`flt.ops.triton.split`) against the float64
+quadratic references, on CPU tensors under triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``conftest.py`` without CUDA); tiny shapes. Skipped when triton is not installed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_close
+from flt.ops.features import gaussian_orthogonal_random_matrix
+
+pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
+
+from flt.ops.triton import favor_attention, interpreted  # noqa: E402
+from flt.ops.triton.split import add_feature_blocks, favor_attention_split  # noqa: E402
+from test_ops_triton import _reference  # noqa: E402
+
+B, H, N, D, E = 2, 2, 37, 8, 6  # N: two chunks of 16 and a tail
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    if not interpreted():
+        pytest.skip("the triton kernels are compiled for the GPU in this process; run with TRITON_INTERPRET=1 to test them on CPU")
+
+
+def _inputs(coupling, *, m=40, dv=5, n=N, dtype=torch.float64, pad=False, scale=0.5):
+    """Scaled queries/keys, values, the projection and (logit) the joined features."""
+    xq = scale * torch.randn(B, H, n, D, dtype=dtype)
+    xk = scale * torch.randn(B, H, n, D, dtype=dtype)
+    v = torch.randn(B, H, n, dv, dtype=dtype)
+    extra = {}
+    if coupling == "logit":
+        extra = {"extra_q": 0.5 * torch.randn(1, H, n, E, dtype=dtype), "extra_k": 0.5 * torch.randn(1, H, n, E, dtype=dtype)}
+    w = gaussian_orthogonal_random_matrix(m, D + (E if extra else 0), dtype=torch.float64).to(dtype)
+    if pad:
+        key_mask = torch.ones(B, n, dtype=torch.bool)
+        key_mask[1, -7:] = False
+        key_mask[0, :3] = False
+        extra["key_mask"] = key_mask
+    return xq, xk, v, w, extra
+
+
+# (m, features per program, tokens per chunk): one block; three, the last ragged (40 = 16 + 16 + 8);
+# two of 32 with chunks of 32; a block wider than m (its padded features carry nothing).
+TILES = [(16, 16, 16), (40, 16, 16), (64, 32, 32), (24, 32, 16)]
+
+
+@pytest.mark.parametrize("m,bm,chunk", TILES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("coupling", ["performer", "logit"])
+def test_split_kernel_matches_reference_float64(coupling, causal, m, bm, chunk):
+    xq, xk, v, w, extra = _inputs(coupling, m=m, pad=True)
+    out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=chunk, feature_block=bm, **extra)
+    assert out.dtype == torch.float64 and out.shape == (B, H, N, 5)
+    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_segments_and_value_blocks(causal):
+    """Three segments combined, and 20 value columns in two blocks of 16."""
+    xq, xk, v, w, extra = _inputs("logit", dv=20, n=50, pad=True)
+    extra["key_mask"][0, :16] = False  # the first segment of sequence 0 has no key
+    out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, value_block=16, segments=3, **extra)
+    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
+    if causal:  # rows whose keys are all padding: zeros, as in the reference
+        assert torch.equal(out[0, :, :16], torch.zeros_like(out[0, :, :16]))
+
+
+def test_blocks_far_apart_in_scale():
+    """Inputs so large that the features of one token span hundreds of orders of magnitude
+    and each feature block has its own stabiliser: still the float64 reference."""
+    xq, xk, v, w, extra = _inputs("performer", m=64, scale=4.0)
+    xq, xk = xq * torch.linspace(0.2, 1.5, N, dtype=torch.float64)[:, None], xk * torch.linspace(1.5, 0.2, N, dtype=torch.float64)[:, None]
+    for causal in (False, True):
+        ref = _reference(xq, xk, v, w, causal)
+        assert torch.isfinite(ref).all()
+        assert_close(favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16), ref)
+
+
+def test_causal_rows_ignore_later_keys():
+    """Changing the last keys (even to huge log scales) changes no earlier output, in any
+    feature block: each block's running level never looks ahead."""
+    xq, xk, v, w, extra = _inputs("logit", m=48)
+    run = lambda xk, v: favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, segments=3, **extra)  # noqa: E731
+    out = run(xk, v)
+    xk2, v2 = xk.clone(), v.clone()
+    xk2[..., -3:, :] *= 6.0
+    v2[..., -3:, :] = 1e6
+    assert torch.equal(out[..., : N - 3, :], run(xk2, v2)[..., : N - 3, :])
+
+
+def test_float32_ragged_and_one_chunk():
+    """float32 inputs (float32 accumulation), a sequence shorter than one chunk."""
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=11)
+    out = favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, **extra)
+    assert out.dtype == torch.float32
+    ref = _reference(*(t.double() for t in (xq, xk, v, w)), True, **{k: t.double() for k, t in extra.items()})
+    assert_close(out, ref, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_option_of_favor_attention_and_gradients(causal):
+    """``favor_attention(split_features=True)`` is this kernel (its default tiles, here
+    16 under the interpreter) with the gradients of the PyTorch path for every input."""
+    xq, xk, v, w, extra = _inputs("logit", n=21)
+    leaves = [t.requires_grad_() for t in (xq, xk, v, extra["extra_q"], extra["extra_k"])]
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, split_features=True, **extra)
+    ref = _reference(xq, xk, v, w, causal, **extra)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
+        assert_close(got, want)
+
+
+def test_add_feature_blocks_rescales_to_the_largest_level():
+    part = torch.tensor([[[2.0, 1.0]], [[4.0, 2.0]]], dtype=torch.float64)  # [F = 2, N = 1, X = 2]
+    lev = torch.tensor([[0.0], [-torch.log(torch.tensor(2.0)).item()]], dtype=torch.float64)
+    assert torch.allclose(add_feature_blocks(part, lev), torch.tensor([[4.0, 2.0]], dtype=torch.float64))
+
+
+def test_bad_arguments_are_named():
+    xq, xk, v, w, extra = _inputs("logit")
+    with pytest.raises(ValueError, match="feature_block"):
+        favor_attention_split(xq, xk, v, w, feature_block=24, **extra)
+    with pytest.raises(ValueError, match="chunk_size"):
+        favor_attention_split(xq, xk, v, w, chunk_size=8, **extra)
+    a = torch.rand(1, H, N, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="split_features=False"):
+        favor_attention(xq, xk, v, w[:, :D], a=a, c=a, split_features=True)
