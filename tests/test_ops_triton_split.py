@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_close
+
 from flt.ops.features import gaussian_orthogonal_random_matrix
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
-from flt.ops.triton import favor_attention, interpreted  # noqa: E402
-from flt.ops.triton.split import add_feature_blocks, favor_attention_split  # noqa: E402
-from test_ops_triton import _reference  # noqa: E402
+from test_ops_triton import _reference
+
+from flt.ops.triton import favor_attention, interpreted
+from flt.ops.triton.split import add_feature_blocks, favor_attention_split
 
 B, H, N, D, E = 2, 2, 37, 8, 6  # N: two chunks of 16 and a tail
 
@@ -69,9 +70,10 @@ def test_segments_and_value_blocks(causal):
 
 
 def test_blocks_far_apart_in_scale():
-    """Inputs so large that the features of one token span hundreds of orders of magnitude
-    and each feature block has its own stabiliser: still the float64 reference."""
-    xq, xk, v, w, extra = _inputs("performer", m=64, scale=4.0)
+    """Inputs so large that the features of one token span up to 50 orders of magnitude and
+    the largest features of its four blocks up to 16 (each block its own stabiliser): still
+    the float64 reference."""
+    xq, xk, v, w, _ = _inputs("performer", m=64, scale=4.0)
     xq, xk = xq * torch.linspace(0.2, 1.5, N, dtype=torch.float64)[:, None], xk * torch.linspace(1.5, 0.2, N, dtype=torch.float64)[:, None]
     for causal in (False, True):
         ref = _reference(xq, xk, v, w, causal)
