@@ -2,10 +2,11 @@
 # The GPU checks, in parts that each keep their own time limit (so that one part that runs
 # long does not cost the others):
 #   cuda   every CUDA test (at most 100 s)
-#   bench  `flt bench speed --device cuda` in three passes (at most 410 s): the compiled
+#   bench  `flt bench speed --device cuda` in three passes (at most 440 s): the compiled
 #          layers against flash attention at N = 4096 and 8192 (the crossovers), the
 #          forward of one 65,536-token sequence with Flex + T5, and the Triton kernels at
-#          N = 4096 (their progress: 10-18x slower than eager when last measured)
+#          N = 4096 (their progress: 10-18x slower than eager when last measured) beside
+#          the feature-split kernel (`triton-split`, untimed) and the eager rows
 #   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
@@ -91,9 +92,10 @@ bench compiled 200 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
 # 2. One sequence of 65,536 tokens, forward: Flex + T5 (only its fwd+bwd was measured), banded FLT, flash.
 bench wide 150 --shapes wide --lengths 65536 --modes fwd \
     --rows "flt-logit band8 compiled" sdpa "softmax+t5 flex compiled"
-# 3. The Triton kernels at N = 4096, forward.
-bench triton 60 --shapes batch --lengths 4096 --modes fwd \
-    --rows "flt-logit triton" "flt-logit band8 triton" "performer triton"
+# 3. The Triton kernels at N = 4096, forward: the feature-split ones (first timing), the eager
+#    PyTorch row of the same layer and the one-program kernels, in one process.
+bench triton 90 --shapes batch --lengths 4096 --modes fwd \
+    --rows "flt-logit triton-split" "performer triton-split" "flt-logit eager" "flt-logit triton" "flt-logit band8 triton" "performer triton"
 for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 fi
 exit $STATUS

@@ -131,3 +131,28 @@ def test_bad_arguments_are_named():
     a = torch.rand(1, H, N, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="split_features=False"):
         favor_attention(xq, xk, v, w[:, :D], a=a, c=a, split_features=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,options", [("performer", {}), ("flt", {"coupling": "logit", "num_frequencies": 4})], ids=["performer", "flt-logit"])
+def test_layer_backend_triton_split_matches_torch(name, options, causal):
+    """``backend="triton-split"`` computes the same forward and gradients as the PyTorch
+    ops, with padded keys (bidirectional) and in float64; the multiplicative coupling and
+    the band are refused with the backend that has them."""
+    from flt.layers.registry import ATTENTION
+
+    kw = dict(pos_dim=1, causal=causal, num_features=40, dtype=torch.float64, seed=1, **options)
+    torch_layer = ATTENTION[name].from_options(16, 2, **kw)
+    split_layer = ATTENTION[name].from_options(16, 2, backend="triton-split", **kw)
+    split_layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(2, 19, 16, dtype=torch.float64, requires_grad=True)
+    pad = None if causal else torch.zeros(2, 19, dtype=torch.bool).index_fill_(1, torch.tensor([17, 18]), True)
+    ref = torch_layer(x, key_padding_mask=pad)
+    out = split_layer(x, key_padding_mask=pad)
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    (g_out,) = torch.autograd.grad((out * up).sum(), x)
+    (g_ref,) = torch.autograd.grad((ref * up).sum(), x)
+    assert_close(g_out, g_ref)
+    with pytest.raises(ValueError, match="use backend='triton' for near_field"):
+        ATTENTION["flt"].from_options(16, 2, backend="triton-split", near_field=4)
