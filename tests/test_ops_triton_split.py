@@ -102,18 +102,88 @@ def test_float32_ragged_and_one_chunk():
     assert_close(out, ref, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_option_of_favor_attention_and_gradients(causal):
-    """``favor_attention(split_features=True)`` is this kernel (its default tiles, here
-    16 under the interpreter) with the gradients of the PyTorch path for every input."""
-    xq, xk, v, w, extra = _inputs("logit", n=21)
-    leaves = [t.requires_grad_() for t in (xq, xk, v, extra["extra_q"], extra["extra_k"])]
-    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, split_features=True, **extra)
-    ref = _reference(xq, xk, v, w, causal, **extra)
+def _assert_gradients_match(out, ref, leaves):
+    """Same values, and the same gradients of every leaf for a random upstream gradient."""
     assert_close(out, ref)
     up = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
         assert_close(got, want)
+
+
+def _leaves(xq, xk, v, extra):
+    return [t.requires_grad_() for t in (xq, xk, v)] + [extra[k].requires_grad_() for k in ("extra_q", "extra_k") if k in extra]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_option_of_favor_attention_and_gradients(causal):
+    """``favor_attention(split_features=True)`` is this kernel (its default tiles, here
+    16 under the interpreter) with the backward kernels' gradients, and
+    ``backward="torch"`` gives the same by the PyTorch path."""
+    xq, xk, v, w, extra = _inputs("logit", n=21)
+    leaves = _leaves(xq, xk, v, extra)
+    out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, split_features=True, **extra)
+    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    out = favor_attention_split(xq, xk, v, w, causal=causal, backward="torch", **extra)
+    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+
+
+# (m, features per program, tokens per chunk, value columns, keys padded): as TILES, with
+# the padding of _inputs (the first 3 keys of sequence 0: causal rows with no key) and 20
+# value columns (one program holds all of them in the backward: a tile of 32).
+BACKWARD_TILES = [(16, 16, 16, 5, False), (40, 16, 16, 5, True), (64, 32, 32, 20, True), (24, 32, 16, 5, True)]
+
+
+@pytest.mark.parametrize("m,bm,chunk,dv,pad", BACKWARD_TILES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("coupling", ["performer", "logit"])
+def test_backward_kernels_match_reference_gradients_float64(coupling, causal, m, bm, chunk, dv, pad):
+    """The backward kernels' gradients of ``xq, xk, v`` and (logit) of ``extra_q, extra_k``
+    (given once for the batch: summed over it) equal autograd of the float64 reference."""
+    xq, xk, v, w, extra = _inputs(coupling, m=m, dv=dv, pad=pad)
+    leaves = _leaves(xq, xk, v, extra)
+    out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=chunk, feature_block=bm, **extra)
+    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+
+
+def test_backward_with_batched_extra_and_far_apart_scales():
+    """``extra_q, extra_k`` per batch element, and inputs whose feature blocks have their
+    largest features 16 orders of magnitude apart (test_blocks_far_apart_in_scale)."""
+    xq, xk, v, w, extra = _inputs("logit", m=64, scale=4.0)
+    extra = {k: t.expand(B, -1, -1, -1).clone() for k, t in extra.items()}
+    leaves = _leaves(xq, xk, v, extra)
+    for causal in (False, True):
+        out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, **extra)
+        _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+
+
+def test_keys_far_from_the_origin():
+    """Keys 40 times the usual size: their FAVOR+ log scales run from about -3800 to -150,
+    so ``exp`` of one underflows even in float64 and every factor must be taken relative
+    to a running level, in the backward's reverse walk too: still the reference's values
+    and gradients."""
+    xq, xk, v, w, _ = _inputs("performer", m=48)
+    xk = 40 * xk
+    leaves = _leaves(xq, xk, v, {})
+    for causal in (False, True):
+        out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16)
+        _assert_gradients_match(out, _reference(xq, xk, v, w, causal), leaves)
+
+
+def test_backward_float32():
+    """float32 inputs: float32 gradients within float32's tolerance of the float64 reference's."""
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=27, pad=True)
+    leaves = _leaves(xq, xk, v, extra)
+    wide = {k: t.detach().double() if t.is_floating_point() else t for k, t in extra.items()}
+    wide_leaves = _leaves(*(t.detach().double() for t in (xq, xk, v)), wide)
+    out = favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, **extra)
+    ref = _reference(*wide_leaves[:3], w.double(), True, **wide)
+    up = torch.randn_like(ref)
+    got = torch.autograd.grad((out * up.float()).sum(), leaves)
+    want = torch.autograd.grad((ref * up).sum(), wide_leaves)
+    for g, g_ref in zip(got, want, strict=True):
+        assert g.dtype == torch.float32
+        assert_close(g, g_ref, dtype=torch.float32)
 
 
 def test_add_feature_blocks_rescales_to_the_largest_level():

@@ -86,7 +86,7 @@ def split_tile_candidates(chunk: int, bv: int, device: torch.device) -> list[tup
 def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False,
                           extra_q: torch.Tensor | None = None, extra_k: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                           chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
-                          segments: int | None = None) -> torch.Tensor:
+                          segments: int | None = None, backward: str = "kernel") -> torch.Tensor:
     """FAVOR+ attention by the feature-split kernel (module docstring).
 
     Args:
@@ -100,10 +100,13 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         value_block: value columns per program, a power of two >= 16; None:
             :data:`SPLIT_VALUE_BLOCK` on a GPU, 16 under the interpreter (both at most the
             next power of two of ``Dv``).
+        backward: ``"kernel"``: the gradients by the split backward kernels (same feature
+            blocks and chunks; all value columns per program; one segment); ``"torch"``:
+            :func:`flt.ops.triton.favor_attention_torch`'s, recomputed.
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 when an input is float64); rows with a zero
-        denominator are zeros. Gradients: :func:`flt.ops.triton.favor_attention_torch`'s.
+        denominator are zeros.
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
     check_device(xq.device)
@@ -119,10 +122,15 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         tile.append(given)
     if segments is not None:
         check_positive_int("segments", segments)
-    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments)
+    if backward not in ("kernel", "torch"):
+        raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
+    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments,
+                             backward == "torch")
 
 
 def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+    """``(total [B H, N, Dv + 1], lev [B H, F, N])``: the numerators and denominators, the
+    feature blocks added (:func:`add_feature_blocks`), and each block's row levels."""
     from flt.ops.triton import split_kernels
 
     chunk_size, bm, value_block = tile
@@ -173,8 +181,7 @@ def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, til
     key = ("split", acc, xq.device, tuple(sorted(flags.items())))
     launch_fitted(key, split_tile_candidates(chunk_size, value_block, xq.device), attempt,
                   hint=", a smaller feature_block or chunk_size")
-    total = add_feature_blocks(part, lev).view(B, H, N, Dv + 1)
-    return safe_divide(total[..., :-1], total[..., -1:])
+    return add_feature_blocks(part, lev), lev
 
 
 def add_feature_blocks(part: torch.Tensor, lev: torch.Tensor) -> torch.Tensor:
@@ -188,16 +195,89 @@ def add_feature_blocks(part: torch.Tensor, lev: torch.Tensor) -> torch.Tensor:
 
 
 class _FavorSplit(torch.autograd.Function):
-    """Forward: the feature-split kernel. Backward: :class:`flt.ops.triton._FavorAttention`'s
-    (the gradient of :func:`flt.ops.triton.favor_attention_torch`, recomputed), which takes
-    the same first nine inputs (``a, c`` None here) and three options."""
+    """Forward: the feature-split kernel. Backward: the split backward kernels
+    (:func:`_backward_split`), or, with ``torch_backward``,
+    :class:`flt.ops.triton._FavorAttention`'s (the gradient of
+    :func:`flt.ops.triton.favor_attention_torch`, recomputed), which takes the same first
+    nine inputs (``a, c`` None here)."""
 
     @staticmethod
-    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, tile, segments):
-        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
-        ctx.causal = causal
-        return _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, tile, segments, torch_backward):
+        total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+        kept = (total, lev) if not torch_backward else ()  # _FavorAttention.backward reads nine tensors
+        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, *kept)
+        ctx.causal, ctx.tile, ctx.torch_backward = causal, tile, torch_backward
+        out = safe_divide(total[..., :-1], total[..., -1:])
+        return out.view(*v.shape[:3], v.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        return _FavorAttention.backward(ctx, grad)
+        if ctx.torch_backward:
+            return (*_FavorAttention.backward(ctx, grad), None)
+        xq, xk, v, projection, extra_q, extra_k, _a, _c, key_mask, total, lev = ctx.saved_tensors
+        grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile)
+        return (*grads[:3], None, *grads[3:], None, None, None, None, None, None, None)
+
+
+def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The gradient of the added numerators and denominators ``total [..., N, Dv + 1]`` from
+    that of the output ``grad [..., N, Dv]`` (``out = num / den``): ``[g / den, -(g.out) / den]``,
+    zeros where the row's denominator counts as zero (:func:`flt.ops._common.safe_divide`)."""
+    num, den = total[..., :-1], total[..., -1:]
+    out = safe_divide(num, den)
+    inv = safe_divide(torch.ones_like(den), den)
+    grad = grad.to(total.dtype)
+    return torch.cat([grad * inv, -(grad * out).sum(dim=-1, keepdim=True) * inv], dim=-1)
+
+
+def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, causal, tile):
+    """Gradients of ``xq, xk, v, extra_q, extra_k`` by :func:`flt.ops.triton.split_kernels.favor_split_dq_kernel`
+    and :func:`flt.ops.triton.split_kernels.favor_split_dkv_kernel` (per feature block,
+    added here), for the forward's ``total`` and ``lev``."""
+    from flt.ops.triton import split_kernels
+
+    chunk_size, bm, _ = tile
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = total.dtype
+    tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    xq_, xk_, v_, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    dummy = xq_
+    eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
+    if extra_q is not None and eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    e_dim = 0 if extra_q is None else eq.shape[-1]
+    keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
+    n_fb = lev.shape[1]
+    g = upstream_gradient(grad.reshape(B * H, N, Dv), total).contiguous()
+    top = lev.amax(dim=1).contiguous()
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_KEEP": key_mask is not None,
+             "PREC": "tf32" if tf32 else "ieee", "BD": _pow2(D), "BE": _pow2(e_dim), "BM": bm}
+    bv = _pow2(Dv)
+    e_stride = 0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim
+    dxq = torch.empty(B * H, n_fb, N, D, device=xq.device, dtype=acc)
+    dxk = torch.empty_like(dxq)
+    deq = torch.empty(B * H, n_fb, N, e_dim, device=xq.device, dtype=acc)
+    dek = torch.empty_like(deq)
+    dv = torch.empty(B * H, n_fb, N, Dv, device=xq.device, dtype=acc)
+
+    def attempt(chunk, _bv, stages):
+        common = {"BC": chunk, "BV": bv, **flags, **({} if stages is None else {"num_stages": stages})}
+        split_kernels.favor_split_dq_kernel[(B * H, n_fb)](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxq, deq, H, N, D, e_dim, m, Dv, e_stride, n_fb, **common)
+        split_kernels.favor_split_dkv_kernel[(B * H, n_fb)](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, H, N, D, e_dim, m, Dv, e_stride, n_fb, **common)
+
+    candidates = split_tile_candidates(chunk_size, bv, xq.device)
+    launch_fitted(("split-backward", acc, xq.device, tuple(sorted(flags.items()))), candidates, attempt,
+                  hint=", a smaller feature_block or chunk_size")
+
+    def added(parts, like):
+        return parts.sum(dim=1).view(B, H, N, parts.shape[-1]).to(like.dtype)
+
+    def shared(gradient, like):  # extra_q / extra_k given once for the batch: the batch's sum
+        return gradient.sum(dim=0, keepdim=True) if like.shape[0] == 1 and B > 1 else gradient
+
+    d_eq = None if extra_q is None else shared(added(deq, extra_q), extra_q)
+    d_ek = None if extra_k is None else shared(added(dek, extra_k), extra_k)
+    return added(dxq, xq), added(dxk, xk), added(dv, v), d_eq, d_ek

@@ -162,3 +162,191 @@ def favor_split_kernel(
                 num = tl.dot(qf, state, input_precision=PREC, out_dtype=ACC)
             den = tl.sum(qf * zsum[None, :], axis=1)
             _store_part(PART, LEV, rows, ok, vcols, vcol_ok, num, den, sq + level, vb, DV)
+
+
+@triton.jit
+def _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC: tl.constexpr):
+    """The upstream gradient of a chunk's rows for this feature block: ``(gn [BC, BV], gd [BC])``,
+    the gradient of the numerators and of the denominator (``G [B H, N, DV + 1]``) times the
+    factor ``exp(LEV - TOP)`` the forward added the block's part with (0 past the end)."""
+    scale = tl.exp(tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - tl.load(TOP + rows, mask=ok, other=0.0).to(ACC))
+    scale = tl.where(ok, scale, 0.0)
+    gn = tl.load(G + rows[:, None] * (DV + 1) + vcols[None, :], mask=ok[:, None] & vcol_ok[None, :], other=0.0).to(ACC)
+    gd = tl.load(G + rows * (DV + 1) + DV, mask=ok, other=0.0).to(ACC)
+    return gn * scale[:, None], gd * scale
+
+
+@triton.jit
+def _input_gradient(DX, DE, X, E, dfx, rows, ok, D, EDIM, WX, WE, WITH_NORM: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                    ACC: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Write a chunk's part of ``d x`` (and ``d e``) from ``dfx = dL/dfeat * feat`` ``[BC, BM]``:
+    ``W^T dfx``, less ``x sum_k dfx`` (``WITH_NORM``: the ``-|x|^2 / 2`` of a key's
+    features; a query's cancels in the ratio)."""
+    cols = tl.arange(0, BD)
+    part = tl.dot(dfx, tl.trans(WX), input_precision=PREC, out_dtype=ACC)
+    total = tl.sum(dfx, axis=1)
+    if WITH_NORM:
+        x = tl.load(X + rows[:, None] * D + cols[None, :], mask=ok[:, None] & (cols[None, :] < D), other=0.0).to(ACC)
+        part -= x * total[:, None]
+    tl.store(DX + rows[:, None] * D + cols[None, :], part, mask=ok[:, None] & (cols[None, :] < D))
+    if HAS_EXTRA:
+        ecols = tl.arange(0, BE)
+        epart = tl.dot(dfx, tl.trans(WE), input_precision=PREC, out_dtype=ACC)
+        if WITH_NORM:
+            e = tl.load(E + rows[:, None] * EDIM + ecols[None, :], mask=ok[:, None] & (ecols[None, :] < EDIM), other=0.0).to(ACC)
+            epart -= e * total[:, None]
+        tl.store(DE + rows[:, None] * EDIM + ecols[None, :], epart, mask=ok[:, None] & (ecols[None, :] < EDIM))
+
+
+@triton.jit
+def favor_split_dq_kernel(
+    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXQ, DEQ,
+    H, N, D, EDIM, M, DV, e_batch_stride, NMB,
+    CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
+    BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+):
+    """Backward, queries: one feature block's part of ``d xq`` (and ``d extra_q``), in the
+    forward's order and at its levels. ``dL/dqf_i = S(i) gn_i + z(i) gd_i`` with the running
+    key state ``S, z`` (inside a chunk ``sum_(j <= i) (gn_i.v_j + gd_i) decay_ij kw_j``).
+    ``G [B H, N, DV + 1]`` (module :mod:`flt.ops.triton.split`), ``LEV [B H, NMB, N]`` and
+    ``TOP [B H, N]`` from the forward; ``DXQ [B H, NMB, N, D]``, ``DEQ [B H, NMB, N, EDIM]``
+    the parts. All ``DV`` value columns in one program (``BV >= DV``), one segment."""
+    bh = tl.program_id(0)
+    fb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    ACC = DXQ.dtype.element_ty
+    log_norm = 0.5 * tl.log(tl.full((), M, ACC))
+    MB = M - fb * BM
+    XQ += bh * N * D
+    XK += bh * N * D
+    V += bh * N * DV
+    EQ += b * e_batch_stride + h * N * EDIM
+    EK += b * e_batch_stride + h * N * EDIM
+    KEEP += b * N
+    W += fb * BM * (D + EDIM)
+    G += bh * N * (DV + 1)
+    LEV += (bh * NMB + fb) * N
+    TOP += bh * N
+    DXQ += (bh * NMB + fb) * N * D
+    DEQ += (bh * NMB + fb) * N * EDIM
+
+    WX, WE = _projection(W, D, EDIM, MB, HAS_EXTRA, ACC, BD, BE, BM)
+    vcols = tl.arange(0, BV)
+    vcol_ok = vcols < DV
+    state = tl.zeros([BM, BV], dtype=ACC)
+    zsum = tl.zeros([BM], dtype=ACC)
+    level = tl.full([], _NO_KEY, ACC)
+    offs = tl.arange(0, BC)
+    if not CAUSAL:
+        for start in range(0, N, BC):
+            rows = start + offs
+            ok = rows < N
+            kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                             HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, False, PREC, ACC)
+    past = offs[:, None] >= offs[None, :]
+    for start in range(0, N, BC):
+        rows = start + offs
+        ok = rows < N
+        qf, _sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+        gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
+        dqf = tl.dot(gn, tl.trans(state), input_precision=PREC, out_dtype=ACC) + gd[:, None] * zsum[None, :]
+        if CAUSAL:
+            kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                             HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+            row_level = tl.maximum(tl.max(tl.where(past, s[None, :], _NO_KEY), axis=1), level)
+            decay = tl.exp(tl.where(past, s[None, :] - row_level[:, None], float("-inf")))
+            carry = tl.exp(level - row_level)
+            ds = (tl.dot(gn, tl.trans(v), input_precision=PREC, out_dtype=ACC) + gd[:, None]) * decay
+            dqf = dqf * carry[:, None] + tl.dot(ds, kw, input_precision=PREC, out_dtype=ACC)
+            state, zsum, level = _absorb(state, zsum, level, kw, s, v, False, PREC, ACC)
+        _input_gradient(DXQ, DEQ, XQ, EQ, dqf * qf, rows, ok, D, EDIM, WX, WE, False, HAS_EXTRA, ACC, PREC, BD, BE)
+
+
+@triton.jit
+def favor_split_dkv_kernel(
+    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXK, DEK, DV_,
+    H, N, D, EDIM, M, DV, e_batch_stride, NMB,
+    CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
+    BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+):
+    """Backward, keys and values: one feature block's part of ``d xk``, ``d extra_k`` and
+    ``d v``, walking the chunks from the last. The running query state
+    ``T = sum_(i later) exp(lam - r_i) qf_i [gn_i, gd_i]^T`` is kept at ``lam``, the least row
+    level ``r_i`` among the rows it holds (levels grow with ``i``, so every factor is
+    ``<= 1``; a key ``j`` before them has ``s_j <= r_j <= lam``). A row's level is the
+    forward's, ``r_i = LEV_i - s_q(i)`` (the query's block shift recomputed), so that the
+    weights here are the forward's: ``w_ij = exp(s_j - r_i) qf_i.kw_j`` for ``j <= i``
+    (all ``j``: bidirectional). Then ``dL/dkf_j = sum_i w_ij (gn_i.v_j + gd_i) qf_i`` and
+    ``dv_j = sum_i w_ij gn_i``. Layouts as :func:`favor_split_dq_kernel`;
+    ``DV_ [B H, NMB, N, DV]``."""
+    bh = tl.program_id(0)
+    fb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    ACC = DXK.dtype.element_ty
+    log_norm = 0.5 * tl.log(tl.full((), M, ACC))
+    MB = M - fb * BM
+    XQ += bh * N * D
+    XK += bh * N * D
+    V += bh * N * DV
+    EQ += b * e_batch_stride + h * N * EDIM
+    EK += b * e_batch_stride + h * N * EDIM
+    KEEP += b * N
+    W += fb * BM * (D + EDIM)
+    G += bh * N * (DV + 1)
+    LEV += (bh * NMB + fb) * N
+    TOP += bh * N
+    DXK += (bh * NMB + fb) * N * D
+    DEK += (bh * NMB + fb) * N * EDIM
+    DV_ += (bh * NMB + fb) * N * DV
+
+    WX, WE = _projection(W, D, EDIM, MB, HAS_EXTRA, ACC, BD, BE, BM)
+    vcols = tl.arange(0, BV)
+    vcol_ok = vcols < DV
+    tn = tl.zeros([BM, BV], dtype=ACC)
+    td = tl.zeros([BM], dtype=ACC)
+    lam = tl.full([], -_NO_KEY, ACC)  # no rows held yet: every factor exp(. - lam) is 0
+    offs = tl.arange(0, BC)
+    chunks = tl.cdiv(N, BC)
+    if not CAUSAL:
+        # The query state of all rows, at the level of the first row (all rows share one level).
+        lam = tl.load(LEV).to(ACC) - _features(XQ, EQ, WX, WE, offs, offs < 1, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)[1]
+        lam = tl.max(tl.where(offs < 1, lam, _NO_KEY), axis=0)
+        for start in range(0, N, BC):
+            rows = start + offs
+            ok = rows < N
+            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+            gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
+            r = tl.where(ok, tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - sq, -_NO_KEY)
+            qs = qf * tl.exp(lam - r)[:, None]
+            tn += tl.dot(tl.trans(qs), gn, input_precision=PREC, out_dtype=ACC)
+            td += tl.sum(qs * gd[:, None], axis=0)
+    past = offs[:, None] >= offs[None, :]  # [i, j]: query i sees key j
+    for step in range(0, chunks):
+        start = (chunks - 1 - step) * BC if CAUSAL else step * BC
+        rows = start + offs
+        ok = rows < N
+        kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                         HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+        key_scale = tl.exp(s - lam)  # [BC], <= 1
+        dv = tl.dot(kw * key_scale[:, None], tn, input_precision=PREC, out_dtype=ACC)
+        dkf = (tl.dot(v, tl.trans(tn), input_precision=PREC, out_dtype=ACC) + td[None, :]) * key_scale[:, None]
+        if CAUSAL:
+            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+            gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
+            r = tl.where(ok, tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - sq, -_NO_KEY)
+            decay = tl.exp(tl.where(past, s[None, :] - r[:, None], float("-inf")))  # [i, j]
+            wts = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
+            dv += tl.dot(tl.trans(wts), gn, input_precision=PREC, out_dtype=ACC)
+            ds = (tl.dot(gn, tl.trans(v), input_precision=PREC, out_dtype=ACC) + gd[:, None]) * decay
+            dkf += tl.dot(tl.trans(ds), qf, input_precision=PREC, out_dtype=ACC)
+            new_lam = tl.minimum(tl.min(r, axis=0), lam)
+            qs = qf * tl.exp(new_lam - r)[:, None]
+            keep_old = tl.exp(new_lam - lam)
+            tn = tn * keep_old + tl.dot(tl.trans(qs), gn, input_precision=PREC, out_dtype=ACC)
+            td = td * keep_old + tl.sum(qs * gd[:, None], axis=0)
+            lam = new_lam
+        tl.store(DV_ + rows[:, None] * DV + vcols[None, :], dv, mask=ok[:, None] & vcol_ok[None, :])
+        _input_gradient(DXK, DEK, XK, EK, dkf * kw, rows, ok, D, EDIM, WX, WE, True, HAS_EXTRA, ACC, PREC, BD, BE)
