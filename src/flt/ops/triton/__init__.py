@@ -15,7 +15,10 @@ kernel's backward pass (recomputed from the inputs, linear memory) and its refer
 The kernels are tested against the float64 quadratic references on CPU tensors under
 ``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
 They are correct, not fast: on an H200 at m = 256 (a fallback tile of 16 tokens) the forward
-took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)").
+took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)"). The feature-split
+kernels (:mod:`flt.ops.triton.split`, ``split_features=True``; Performer and the logit
+coupling) split the ``m`` features over programs (64 features x 64 tokens x 64 value columns
+a program) and have a backward kernel; they are written for speed and not yet timed.
 Triton is the optional extra ``triton``.
 """
 

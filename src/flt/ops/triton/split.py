@@ -1,15 +1,19 @@
-"""FAVOR+ attention (Performer, FLT logit coupling) by the feature-split kernel
+"""FAVOR+ attention (Performer, FLT logit coupling) by the feature-split kernels
 (:mod:`flt.ops.triton.split_kernels`): the ``m`` features in blocks of ``feature_block``
 over programs, each program an ``[feature_block, value_block]`` slice of the state, chunks of
 ``chunk_size`` tokens; the parts of the feature blocks are added here in PyTorch.
 
-Chosen by ``favor_attention(..., split_features=True)`` or called directly as
-:func:`favor_attention_split`. Same function and arguments as
+Chosen by ``favor_attention(..., split_features=True)`` (layers: ``backend="triton-split"``)
+or called directly as :func:`favor_attention_split`. Same function and arguments as
 :func:`flt.ops.triton.favor_attention` without the multiplicative coupling (``a, c``: the
-one-program kernel, whose programs already split the work by spectral index). Gradients:
-:func:`flt.ops.triton.favor_attention_torch`'s, recomputed (no backward kernel yet; the
-design is in :data:`BACKWARD_DESIGN`). Written for speed on GPUs and not yet timed on one
-(docs/performance.md, "GPU (CUDA)").
+one-program kernel, whose programs already split the work by spectral index).
+
+Gradients by two backward kernels over the same feature blocks and chunks (queries in the
+forward's order; keys and values from the last chunk), from the forward's added numerators
+and denominators and its row levels per block (``[B H, F, N]``, saved); or, with
+``backward="torch"``, those of :func:`flt.ops.triton.favor_attention_torch`, recomputed.
+The backward runs one segment per sequence (``B H F`` programs). Written for speed on GPUs
+and not yet timed on one (docs/performance.md, "GPU (CUDA)").
 """
 
 from __future__ import annotations
@@ -35,33 +39,6 @@ from flt.ops.triton import (
 SPLIT_FEATURE_BLOCK = 64
 SPLIT_CHUNK = 64
 SPLIT_VALUE_BLOCK = 64
-
-BACKWARD_DESIGN = """\
-Backward kernel for the feature-split path (not written yet). With ``g`` the upstream
-gradient and ``den`` the denominators, the augmented output ``[num, den]`` is linear in
-the augmented values ``v' = [v, 1]``; its upstream gradient is
-``g'_i = [g_i / den_i, -(g_i . out_i) / den_i]`` (from the forward's result, one pass in
-PyTorch). For feature block f it is multiplied by ``exp(LEV_f[i] - max_f' LEV_f'[i])``, the
-factor the forward added the parts with (saved, ``[B H, F, N]``). Per program
-(b h, feature block, segment), as the forward:
-
-* queries, in the forward order: ``dqf_i = S_f(i) g'_i`` with the running key state
-  ``S_f = sum_(j <= i) kf_j v'_j^T`` at the row levels of the forward (the intra-chunk part
-  ``(g'_i . v'_j) kf_j`` under the causal mask), then
-  ``dxq_i += W_f^T (dqf_i * qf_i)`` (the query's ``-|x|^2 / 2`` cancels in the ratio:
-  ``sum_k dphi_ik phi_ik = 0`` for a query), ``dextra_q`` likewise with ``W_e``;
-* keys, in reverse order: the running query state ``T_f = sum_(i >= j) qf_i g'_i^T``
-  rescaled by ``exp(level(j) - level(j + 1)) <= 1`` per step (levels are nondecreasing in
-  ``i``, so every factor stays ``<= 1``), ``dkf_j = T_f v'_j`` and ``dv_j += T_f^T kf_j``
-  (value columns), then ``dxk_j += W_f^T (dkf_j * kf_j) - xk_j sum_k (dkf_j * kf_j)_k``
-  (a key's scale does not cancel), ``dextra_k`` likewise;
-* ``dxq, dxk, dv, dextra`` are sums over the feature blocks: written per block as the
-  forward's parts and added in PyTorch (or atomically). Bidirectional: ``S_f`` and
-  ``T_f`` are the totals over all keys / queries, one pass each.
-Tested as the forward: float64 under ``TRITON_INTERPRET=1`` against autograd of
-:func:`flt.ops.triton.favor_attention_torch`.
-"""
-
 
 def _pow2(n: int) -> int:
     """The next power of two ``>= max(n, 16)`` (triton's smallest dot operand)."""

@@ -34,6 +34,19 @@ not causal.)
 Segments, products (``PREC``, ``LOW``) and padded keys as in
 :func:`flt.ops.triton.kernels.favor_attention_kernel`, whose helpers this kernel calls on
 the block's slice of the projection.
+
+Backward (:func:`favor_split_dq_kernel`, :func:`favor_split_dkv_kernel`), per feature block
+and with all value columns in one program: the output ``num / den`` is linear in the
+augmented values ``[v, 1]``, so with the upstream gradient ``g`` the added numerators and
+denominators get ``[g / den, -(g.out) / den]`` (computed in PyTorch), and block ``f`` that
+times ``exp(LEV_f - max_f' LEV_f')``, the factor the forward added it with. Queries walk
+the chunks in the forward's order with the running key state (``dL/dqf_i = S(i) gn_i +
+z(i) gd_i``); keys and values walk them from the last, with a running query state kept at
+the least row level it holds. The per-token stabilisers are constants here: the forward's
+result does not depend on them. The query's ``-|x|^2 / 2`` scales all of a row's weights
+alike and cancels in the ratio, so ``d xq = W^T (dL/dqf * qf)``; a key's does not:
+``d xk = W^T (dL/dkf * kf) - xk sum_k (dL/dkf * kf)_k``. Each block writes its part of every
+gradient; PyTorch adds them.
 """
 
 from __future__ import annotations
