@@ -43,6 +43,19 @@ def _inputs(coupling, *, m=40, dv=5, n=N, dtype=torch.float64, pad=False, scale=
     return xq, xk, v, w, extra
 
 
+def _assert_gradients_match(out, ref, leaves):
+    """Same values, and the same gradients of every leaf for a random upstream gradient."""
+    assert_close(out, ref)
+    up = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want)
+
+
+def _leaves(xq, xk, v, extra):
+    return [t.requires_grad_() for t in (xq, xk, v)] + [extra[k].requires_grad_() for k in ("extra_q", "extra_k") if k in extra]
+
+
 # (m, features per program, tokens per chunk): one block; three, the last ragged (40 = 16 + 16 + 8);
 # two of 32 with chunks of 32; a block wider than m (its padded features carry nothing).
 TILES = [(16, 16, 16), (40, 16, 16), (64, 32, 32), (24, 32, 16)]
@@ -60,13 +73,15 @@ def test_split_kernel_matches_reference_float64(coupling, causal, m, bm, chunk):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_segments_and_value_blocks(causal):
-    """Three segments combined, and 20 value columns in two blocks of 16."""
+    """Three segments combined, and 20 value columns in two blocks of 16; the backward
+    (one segment) from that forward's levels."""
     xq, xk, v, w, extra = _inputs("logit", dv=20, n=50, pad=True)
     extra["key_mask"][0, :16] = False  # the first segment of sequence 0 has no key
+    leaves = _leaves(xq, xk, v, extra)
     out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, value_block=16, segments=3, **extra)
-    assert_close(out, _reference(xq, xk, v, w, causal, **extra))
     if causal:  # rows whose keys are all padding: zeros, as in the reference
         assert torch.equal(out[0, :, :16], torch.zeros_like(out[0, :, :16]))
+    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
 
 
 def test_blocks_far_apart_in_scale():
@@ -100,19 +115,6 @@ def test_float32_ragged_and_one_chunk():
     assert out.dtype == torch.float32
     ref = _reference(*(t.double() for t in (xq, xk, v, w)), True, **{k: t.double() for k, t in extra.items()})
     assert_close(out, ref, dtype=torch.float32)
-
-
-def _assert_gradients_match(out, ref, leaves):
-    """Same values, and the same gradients of every leaf for a random upstream gradient."""
-    assert_close(out, ref)
-    up = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want)
-
-
-def _leaves(xq, xk, v, extra):
-    return [t.requires_grad_() for t in (xq, xk, v)] + [extra[k].requires_grad_() for k in ("extra_q", "extra_k") if k in extra]
 
 
 @pytest.mark.parametrize("causal", [False, True])

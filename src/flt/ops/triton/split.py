@@ -40,6 +40,7 @@ SPLIT_FEATURE_BLOCK = 64
 SPLIT_CHUNK = 64
 SPLIT_VALUE_BLOCK = 64
 
+
 def _pow2(n: int) -> int:
     """The next power of two ``>= max(n, 16)`` (triton's smallest dot operand)."""
     return max(16, 1 << max(0, n - 1).bit_length())
@@ -52,8 +53,10 @@ def split_tile_candidates(chunk: int, bv: int, device: torch.device) -> list[tup
     and spectral width 64) needs 147,712 bytes of shared memory at 2 stages in float32
     (229,632 at 3, 82,176 at 1) and 163,840 at 1 stage in float64 (262,656 at 2), against
     232,448 a block on an H100/H200; the bidirectional one less. So: 2 stages, then 1,
-    then 32 tokens and 32 value columns (which of the first two is faster is untimed). Off
-    CUDA (the interpreter) only the given tile."""
+    then 32 tokens and 32 value columns (which of the first two is faster is untimed). The
+    backward kernels take the same list with all value columns in one program (up to
+    181,248 bytes in float32 at 2 stages, 229,888 in float64 at 1). Off CUDA (the
+    interpreter) only the given tile."""
     if device.type != "cuda":
         return [(chunk, bv, None)]
     tiles: list[tuple[int, int, int | None]] = [(chunk, bv, 2), (chunk, bv, 1), (min(chunk, 32), min(bv, 32), 1)]
