@@ -172,6 +172,18 @@ def test_keys_far_from_the_origin():
         _assert_gradients_match(out, _reference(xq, xk, v, w, causal), leaves)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_in_segments(causal):
+    """The backward cut into four segments (each segment's key and query states, combined
+    in PyTorch, as the forward's): the reference's gradients, with ragged feature blocks
+    and keys whose log scales span thousands."""
+    xq, xk, v, w, extra = _inputs("logit", m=40, n=61, pad=True)
+    xk = xk * torch.linspace(1.0, 30.0, 61, dtype=torch.float64)[:, None]
+    leaves = _leaves(xq, xk, v, extra)
+    out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, segments=4, **extra)
+    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+
+
 def test_backward_float32():
     """float32 inputs: float32 gradients within float32's tolerance of the float64 reference's."""
     xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=27, pad=True)

@@ -12,8 +12,9 @@ Gradients by two backward kernels over the same feature blocks and chunks (queri
 forward's order; keys and values from the last chunk), from the forward's added numerators
 and denominators and its row levels per block (``[B H, F, N]``, saved); or, with
 ``backward="torch"``, those of :func:`flt.ops.triton.favor_attention_torch`, recomputed.
-The backward runs one segment per sequence (``B H F`` programs). Written for speed on GPUs
-and not yet timed on one (docs/performance.md, "GPU (CUDA)").
+The backward cuts the sequence into segments as the forward does (each segment's key state
+and query state in a first launch, combined here). Written for speed on GPUs and not yet
+timed on one (docs/performance.md, "GPU (CUDA)").
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
             :data:`SPLIT_VALUE_BLOCK` on a GPU, 16 under the interpreter (both at most the
             next power of two of ``Dv``).
         backward: ``"kernel"``: the gradients by the split backward kernels (same feature
-            blocks and chunks; all value columns per program; one segment); ``"torch"``:
+            blocks, chunks and segments; all value columns per program); ``"torch"``:
             :func:`flt.ops.triton.favor_attention_torch`'s, recomputed.
 
     Returns:
@@ -186,7 +187,7 @@ class _FavorSplit(torch.autograd.Function):
         total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
         kept = (total, lev) if not torch_backward else ()  # _FavorAttention.backward reads nine tensors
         ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, *kept)
-        ctx.causal, ctx.tile, ctx.torch_backward = causal, tile, torch_backward
+        ctx.causal, ctx.tile, ctx.segments, ctx.torch_backward = causal, tile, segments, torch_backward
         out = safe_divide(total[..., :-1], total[..., -1:])
         return out.view(*v.shape[:3], v.shape[-1])
 
@@ -195,7 +196,7 @@ class _FavorSplit(torch.autograd.Function):
         if ctx.torch_backward:
             return (*_FavorAttention.backward(ctx, grad), None)
         xq, xk, v, projection, extra_q, extra_k, _a, _c, key_mask, total, lev = ctx.saved_tensors
-        grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile)
+        grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile, ctx.segments)
         return (*grads[:3], None, *grads[3:], None, None, None, None, None, None, None)
 
 
@@ -210,7 +211,7 @@ def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.cat([grad * inv, -(grad * out).sum(dim=-1, keepdim=True) * inv], dim=-1)
 
 
-def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, causal, tile):
+def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, causal, tile, segments):
     """Gradients of ``xq, xk, v, extra_q, extra_k`` by :func:`flt.ops.triton.split_kernels.favor_split_dq_kernel`
     and :func:`flt.ops.triton.split_kernels.favor_split_dkv_kernel` (per feature block,
     added here), for the forward's ``total`` and ``lev``."""
@@ -243,10 +244,35 @@ def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, tot
 
     def attempt(chunk, _bv, stages):
         common = {"BC": chunk, "BV": bv, **flags, **({} if stages is None else {"num_stages": stages})}
-        split_kernels.favor_split_dq_kernel[(B * H, n_fb)](
-            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxq, deq, H, N, D, e_dim, m, Dv, e_stride, n_fb, **common)
-        split_kernels.favor_split_dkv_kernel[(B * H, n_fb)](
-            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, H, N, D, e_dim, m, Dv, e_stride, n_fb, **common)
+        n_seg_wanted = segments or segment_count(B * H * n_fb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
+        grid = (B * H, n_fb, n_seg)
+        sizes = (H, N, D, e_dim, m, Dv, e_stride, seg_len, n_seg, n_fb)
+        keys = queries = (dummy, dummy)
+        if n_seg > 1:
+            # Each segment's key state (the forward kernel's first launch) and query state,
+            # combined into what each segment starts from: the keys before it and the rows
+            # after it (all of either, bidirectionally). A query state is held at the least
+            # row level, so it combines as a key state of the negated levels in reverse order.
+            keys = (torch.empty(B * H, n_fb, n_seg, bm, Dv + 1, device=xq.device, dtype=acc),
+                    torch.empty(B * H, n_fb, n_seg, device=xq.device, dtype=acc))
+            split_kernels.favor_split_kernel[grid](
+                xq_, xk_, eq, ek, v_, w, keep, dxq, lev, *keys, *sizes[:7], seg_len, n_seg, 1, n_fb,  # (dxq, lev: not written)
+                STATES_ONLY=True, HAS_INIT=False, LOW=False, **common)
+            state, level = combine_segments(*keys, causal)
+            keys = (state.contiguous(), level.contiguous())
+            queries = (torch.empty_like(keys[0]), torch.empty_like(keys[1]))
+            split_kernels.favor_split_dkv_kernel[grid](
+                xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, *queries, *sizes,  # (dxk, dek, dv: not written)
+                STATES_ONLY=True, HAS_INIT=False, **common)
+            state, level = combine_segments(queries[0].flip(2), -queries[1].flip(2), causal)
+            queries = (state.flip(2).contiguous(), (-level).flip(2).contiguous())
+        split_kernels.favor_split_dq_kernel[grid](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxq, deq, *keys, *sizes, HAS_INIT=n_seg > 1, **common)
+        split_kernels.favor_split_dkv_kernel[grid](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, *queries, *sizes,
+            STATES_ONLY=False, HAS_INIT=n_seg > 1, **common)
 
     candidates = split_tile_candidates(chunk_size, bv, xq.device)
     launch_fitted(("split-backward", acc, xq.device, tuple(sorted(flags.items()))), candidates, attempt,

@@ -212,20 +212,48 @@ def _input_gradient(DX, DE, X, E, dfx, rows, ok, D, EDIM, WX, WE, WITH_NORM: tl.
 
 
 @triton.jit
+def _query_rows(XQ, EQ, G, LEV, TOP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                HAS_EXTRA: tl.constexpr, ACC: tl.constexpr, PREC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr):
+    """A chunk of query rows for the key gradients: block features, upstream gradients
+    (:func:`_upstream`) and the forward's row levels ``r = LEV - s_q`` (``-_NO_KEY``, above
+    every level, past the end)."""
+    qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
+    gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
+    r = tl.where(ok, tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - sq, -_NO_KEY)
+    return qf, gn, gd, r
+
+
+@triton.jit
+def _absorb_queries(tn, td, lam, qf, gn, gd, r, PREC: tl.constexpr, ACC: tl.constexpr):
+    """Add query rows to the query state ``(tn, td)`` held at ``lam``, moved to the new
+    least level ``min(lam, min r)``: every factor ``<= 1``."""
+    new_lam = tl.minimum(tl.min(r, axis=0), lam)
+    qs = qf * tl.exp(new_lam - r)[:, None]
+    keep_old = tl.exp(new_lam - lam)
+    tn = tn * keep_old + tl.dot(tl.trans(qs), gn, input_precision=PREC, out_dtype=ACC)
+    td = td * keep_old + tl.sum(qs * gd[:, None], axis=0)
+    return tn, td, new_lam
+
+
+@triton.jit
 def favor_split_dq_kernel(
-    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXQ, DEQ,
-    H, N, D, EDIM, M, DV, e_batch_stride, NMB,
-    CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
+    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXQ, DEQ, ST, LV,
+    H, N, D, EDIM, M, DV, e_batch_stride, SEG, NSEG, NMB,
+    CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
-    """Backward, queries: one feature block's part of ``d xq`` (and ``d extra_q``), in the
-    forward's order and at its levels. ``dL/dqf_i = S(i) gn_i + z(i) gd_i`` with the running
-    key state ``S, z`` (inside a chunk ``sum_(j <= i) (gn_i.v_j + gd_i) decay_ij kw_j``).
-    ``G [B H, N, DV + 1]`` (module :mod:`flt.ops.triton.split`), ``LEV [B H, NMB, N]`` and
-    ``TOP [B H, N]`` from the forward; ``DXQ [B H, NMB, N, D]``, ``DEQ [B H, NMB, N, EDIM]``
-    the parts. All ``DV`` value columns in one program (``BV >= DV``), one segment."""
+    """Backward, queries: one feature block's part of ``d xq`` (and ``d extra_q``) for one
+    segment, in the forward's order and at its levels. ``dL/dqf_i = S(i) gn_i + z(i) gd_i``
+    with the running key state ``S, z`` (inside a chunk ``sum_(j <= i) (gn_i.v_j + gd_i)
+    decay_ij kw_j``). ``G [B H, N, DV + 1]`` (:func:`flt.ops.triton.split.upstream_gradient`),
+    ``LEV [B H, NMB, N]`` and ``TOP [B H, N]`` (its maximum over the blocks) from the forward;
+    ``DXQ [B H, NMB, N, D]``, ``DEQ [B H, NMB, N, EDIM]`` the parts. All ``DV`` value columns in
+    one program (``BV >= DV``). ``HAS_INIT``: the segment starts from the key state in
+    ``ST, LV`` (as :func:`favor_split_kernel` reads it: the keys before the segment, or all
+    keys bidirectionally); else one segment."""
     bh = tl.program_id(0)
     fb = tl.program_id(1)
+    seg = tl.program_id(2)
     b = bh // H
     h = bh % H
     ACC = DXQ.dtype.element_ty
@@ -243,15 +271,17 @@ def favor_split_dq_kernel(
     TOP += bh * N
     DXQ += (bh * NMB + fb) * N * D
     DEQ += (bh * NMB + fb) * N * EDIM
+    ST += ((bh * NMB + fb) * NSEG + seg) * BM * (DV + 1)
+    LV += (bh * NMB + fb) * NSEG + seg
+    lo = seg * SEG
+    hi = tl.minimum(N, lo + SEG)
 
     WX, WE = _projection(W, D, EDIM, MB, HAS_EXTRA, ACC, BD, BE, BM)
     vcols = tl.arange(0, BV)
     vcol_ok = vcols < DV
-    state = tl.zeros([BM, BV], dtype=ACC)
-    zsum = tl.zeros([BM], dtype=ACC)
-    level = tl.full([], _NO_KEY, ACC)
+    state, zsum, level = _start_state(ST, LV, vcols, vcol_ok, MB, DV, HAS_INIT, ACC, BM, BV)
     offs = tl.arange(0, BC)
-    if not CAUSAL:
+    if not CAUSAL and not HAS_INIT:
         for start in range(0, N, BC):
             rows = start + offs
             ok = rows < N
@@ -259,9 +289,9 @@ def favor_split_dq_kernel(
                              HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
             state, zsum, level = _absorb(state, zsum, level, kw, s, v, False, PREC, ACC)
     past = offs[:, None] >= offs[None, :]
-    for start in range(0, N, BC):
+    for start in range(lo, hi, BC):
         rows = start + offs
-        ok = rows < N
+        ok = rows < hi
         qf, _sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
         gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
         dqf = tl.dot(gn, tl.trans(state), input_precision=PREC, out_dtype=ACC) + gd[:, None] * zsum[None, :]
@@ -279,23 +309,30 @@ def favor_split_dq_kernel(
 
 @triton.jit
 def favor_split_dkv_kernel(
-    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXK, DEK, DV_,
-    H, N, D, EDIM, M, DV, e_batch_stride, NMB,
+    XQ, XK, EQ, EK, V, W, KEEP, G, LEV, TOP, DXK, DEK, DV_, ST, LV,
+    H, N, D, EDIM, M, DV, e_batch_stride, SEG, NSEG, NMB,
     CAUSAL: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_KEEP: tl.constexpr, PREC: tl.constexpr,
+    STATES_ONLY: tl.constexpr, HAS_INIT: tl.constexpr,
     BC: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
     """Backward, keys and values: one feature block's part of ``d xk``, ``d extra_k`` and
-    ``d v``, walking the chunks from the last. The running query state
-    ``T = sum_(i later) exp(lam - r_i) qf_i [gn_i, gd_i]^T`` is kept at ``lam``, the least row
-    level ``r_i`` among the rows it holds (levels grow with ``i``, so every factor is
-    ``<= 1``; a key ``j`` before them has ``s_j <= r_j <= lam``). A row's level is the
-    forward's, ``r_i = LEV_i - s_q(i)`` (the query's block shift recomputed), so that the
-    weights here are the forward's: ``w_ij = exp(s_j - r_i) qf_i.kw_j`` for ``j <= i``
-    (all ``j``: bidirectional). Then ``dL/dkf_j = sum_i w_ij (gn_i.v_j + gd_i) qf_i`` and
-    ``dv_j = sum_i w_ij gn_i``. Layouts as :func:`favor_split_dq_kernel`;
-    ``DV_ [B H, NMB, N, DV]``."""
+    ``d v`` for one segment, walking its chunks from the last. The query state
+    ``T = sum_i exp(lam - r_i) qf_i [gn_i, gd_i]^T`` over the rows after the chunk (all rows:
+    bidirectional) is kept at ``lam``, the least row level ``r_i`` it holds (levels grow
+    with ``i``, so every factor is ``<= 1``; a key ``j`` before them has
+    ``s_j <= r_j <= lam``). A row's level is the forward's, ``r_i = LEV_i - s_q(i)`` (the
+    query's block shift recomputed), so that the weights here are the forward's:
+    ``w_ij = exp(s_j - r_i) qf_i.kw_j`` for ``j <= i`` (all ``j``: bidirectional). Then
+    ``dL/dkf_j = sum_i w_ij (gn_i.v_j + gd_i) qf_i`` and ``dv_j = sum_i w_ij gn_i``.
+
+    Segments as :func:`favor_split_kernel`, with the query state in ``ST [B H, NMB, NSEG,
+    BM, DV + 1]`` (``T``'s ``gd`` column last) and ``lam`` in ``LV``: ``STATES_ONLY`` writes
+    the segment's own rows' state, ``HAS_INIT`` starts from the caller's combination (the
+    rows after the segment; all rows bidirectionally). Other layouts as
+    :func:`favor_split_dq_kernel`; ``DV_ [B H, NMB, N, DV]``."""
     bh = tl.program_id(0)
     fb = tl.program_id(1)
+    seg = tl.program_id(2)
     b = bh // H
     h = bh % H
     ACC = DXK.dtype.element_ty
@@ -314,52 +351,51 @@ def favor_split_dkv_kernel(
     DXK += (bh * NMB + fb) * N * D
     DEK += (bh * NMB + fb) * N * EDIM
     DV_ += (bh * NMB + fb) * N * DV
+    ST += ((bh * NMB + fb) * NSEG + seg) * BM * (DV + 1)
+    LV += (bh * NMB + fb) * NSEG + seg
+    lo = seg * SEG
+    hi = tl.minimum(N, lo + SEG)
 
     WX, WE = _projection(W, D, EDIM, MB, HAS_EXTRA, ACC, BD, BE, BM)
     vcols = tl.arange(0, BV)
     vcol_ok = vcols < DV
-    tn = tl.zeros([BM, BV], dtype=ACC)
-    td = tl.zeros([BM], dtype=ACC)
-    lam = tl.full([], -_NO_KEY, ACC)  # no rows held yet: every factor exp(. - lam) is 0
     offs = tl.arange(0, BC)
-    chunks = tl.cdiv(N, BC)
-    if not CAUSAL:
-        # The query state of all rows, at the level of the first row (all rows share one level).
-        lam = tl.load(LEV).to(ACC) - _features(XQ, EQ, WX, WE, offs, offs < 1, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)[1]
-        lam = tl.max(tl.where(offs < 1, lam, _NO_KEY), axis=0)
-        for start in range(0, N, BC):
+    if HAS_INIT:
+        tn, td, lam = _start_state(ST, LV, vcols, vcol_ok, MB, DV, True, ACC, BM, BV)
+    else:  # no rows held yet: every factor exp(. - lam) is 0
+        tn = tl.zeros([BM, BV], dtype=ACC)
+        td = tl.zeros([BM], dtype=ACC)
+        lam = tl.full([], -_NO_KEY, ACC)
+    if STATES_ONLY or (not CAUSAL and not HAS_INIT):
+        # Query pass: the state of the segment's rows (of all rows: bidirectional, one segment).
+        for start in range(lo, hi, BC):
             rows = start + offs
-            ok = rows < N
-            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
-            gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
-            r = tl.where(ok, tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - sq, -_NO_KEY)
-            qs = qf * tl.exp(lam - r)[:, None]
-            tn += tl.dot(tl.trans(qs), gn, input_precision=PREC, out_dtype=ACC)
-            td += tl.sum(qs * gd[:, None], axis=0)
-    past = offs[:, None] >= offs[None, :]  # [i, j]: query i sees key j
-    for step in range(0, chunks):
-        start = (chunks - 1 - step) * BC if CAUSAL else step * BC
-        rows = start + offs
-        ok = rows < N
-        kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
-                         HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
-        key_scale = tl.exp(s - lam)  # [BC], <= 1
-        dv = tl.dot(kw * key_scale[:, None], tn, input_precision=PREC, out_dtype=ACC)
-        dkf = (tl.dot(v, tl.trans(tn), input_precision=PREC, out_dtype=ACC) + td[None, :]) * key_scale[:, None]
-        if CAUSAL:
-            qf, sq = _features(XQ, EQ, WX, WE, rows, ok, D, EDIM, log_norm, HAS_EXTRA, ACC, BD, BE, BM, MB, PREC)
-            gn, gd = _upstream(G, LEV, TOP, rows, ok, vcols, vcol_ok, DV, ACC)
-            r = tl.where(ok, tl.load(LEV + rows, mask=ok, other=0.0).to(ACC) - sq, -_NO_KEY)
-            decay = tl.exp(tl.where(past, s[None, :] - r[:, None], float("-inf")))  # [i, j]
-            wts = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
-            dv += tl.dot(tl.trans(wts), gn, input_precision=PREC, out_dtype=ACC)
-            ds = (tl.dot(gn, tl.trans(v), input_precision=PREC, out_dtype=ACC) + gd[:, None]) * decay
-            dkf += tl.dot(tl.trans(ds), qf, input_precision=PREC, out_dtype=ACC)
-            new_lam = tl.minimum(tl.min(r, axis=0), lam)
-            qs = qf * tl.exp(new_lam - r)[:, None]
-            keep_old = tl.exp(new_lam - lam)
-            tn = tn * keep_old + tl.dot(tl.trans(qs), gn, input_precision=PREC, out_dtype=ACC)
-            td = td * keep_old + tl.sum(qs * gd[:, None], axis=0)
-            lam = new_lam
-        tl.store(DV_ + rows[:, None] * DV + vcols[None, :], dv, mask=ok[:, None] & vcol_ok[None, :])
-        _input_gradient(DXK, DEK, XK, EK, dkf * kw, rows, ok, D, EDIM, WX, WE, True, HAS_EXTRA, ACC, PREC, BD, BE)
+            ok = rows < hi
+            qf, gn, gd, r = _query_rows(XQ, EQ, G, LEV, TOP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                                        HAS_EXTRA, ACC, PREC, BD, BE, BM)
+            tn, td, lam = _absorb_queries(tn, td, lam, qf, gn, gd, r, PREC, ACC)
+    if STATES_ONLY:
+        _store_state(ST, LV, tn, td, lam, 0, vcols, vcol_ok, MB, DV, BM)
+    else:
+        past = offs[:, None] >= offs[None, :]  # [i, j]: query i sees key j
+        chunks = tl.cdiv(hi - lo, BC)
+        for step in range(0, chunks):
+            start = lo + ((chunks - 1 - step) * BC if CAUSAL else step * BC)
+            rows = start + offs
+            ok = rows < hi
+            kw, s, v = _keys(XK, EK, V, KEEP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                             HAS_EXTRA, HAS_KEEP, ACC, PREC, BD, BE, BM)
+            key_scale = tl.exp(s - lam)  # [BC], <= 1
+            dv = tl.dot(kw * key_scale[:, None], tn, input_precision=PREC, out_dtype=ACC)
+            dkf = (tl.dot(v, tl.trans(tn), input_precision=PREC, out_dtype=ACC) + td[None, :]) * key_scale[:, None]
+            if CAUSAL:
+                qf, gn, gd, r = _query_rows(XQ, EQ, G, LEV, TOP, WX, WE, rows, ok, vcols, vcol_ok, D, EDIM, DV, MB, log_norm,
+                                            HAS_EXTRA, ACC, PREC, BD, BE, BM)
+                decay = tl.exp(tl.where(past, s[None, :] - r[:, None], float("-inf")))  # [i, j]
+                wts = tl.dot(qf, tl.trans(kw), input_precision=PREC, out_dtype=ACC) * decay
+                dv += tl.dot(tl.trans(wts), gn, input_precision=PREC, out_dtype=ACC)
+                ds = (tl.dot(gn, tl.trans(v), input_precision=PREC, out_dtype=ACC) + gd[:, None]) * decay
+                dkf += tl.dot(tl.trans(ds), qf, input_precision=PREC, out_dtype=ACC)
+                tn, td, lam = _absorb_queries(tn, td, lam, qf, gn, gd, r, PREC, ACC)
+            tl.store(DV_ + rows[:, None] * DV + vcols[None, :], dv, mask=ok[:, None] & vcol_ok[None, :])
+            _input_gradient(DXK, DEK, XK, EK, dkf * kw, rows, ok, D, EDIM, WX, WE, True, HAS_EXTRA, ACC, PREC, BD, BE)
