@@ -126,9 +126,10 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
         segments: cut the sequence into this many segments processed in parallel (two
             launches; :func:`combine_segments`); None: from the GPU's size
             (:func:`segment_count`; 1 off CUDA).
-        split_features: run the feature-split kernel (:func:`flt.ops.triton.split.favor_attention_split`,
-            its default tile; ``chunk_size`` is then its chunk) instead: Performer and the
-            logit coupling only (``ValueError`` with ``a, c``).
+        split_features: run the feature-split kernels instead, forward and backward
+            (:func:`flt.ops.triton.split.favor_attention_split`, its default tile;
+            ``chunk_size`` is then its chunk): Performer and the logit coupling only
+            (``ValueError`` with ``a, c``).
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 when an input is float64). Rows with a zero
