@@ -212,6 +212,10 @@ def test_bad_arguments_are_named():
         favor_attention_split(xq, xk, v, w, feature_block=24, **extra)
     with pytest.raises(ValueError, match="chunk_size"):
         favor_attention_split(xq, xk, v, w, chunk_size=8, **extra)
+    # 128 x 8 sequences of 65,536 tokens, 4 blocks of 16 features, 9 columns: 2.4e9 elements.
+    big = torch.zeros(1, 1, 1, D, dtype=torch.float64).expand(128, 8, 2**16, D)  # no memory: a stride-0 view
+    with pytest.raises(ValueError, match="32-bit"):
+        favor_attention_split(big, big, big, gaussian_orthogonal_random_matrix(64, D, dtype=torch.float64), feature_block=16)
     a = torch.rand(1, H, N, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="split_features=False"):
         favor_attention(xq, xk, v, w[:, :D], a=a, c=a, split_features=True)

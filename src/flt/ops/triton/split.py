@@ -105,6 +105,11 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         check_positive_int("segments", segments)
     if backward not in ("kernel", "torch"):
         raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
+    B, H, N, D = xq.shape
+    width = max(v.shape[-1] + 1, D, 0 if extra_q is None else extra_q.shape[-1])
+    if B * H * math.ceil(projection.shape[0] / tile[1]) * N * width >= 2**31:
+        raise ValueError(f"the feature-split kernels index their per-block parts [B H, m / {tile[1]}, N, {width}] with 32-bit "
+                         f"integers: at B = {B}, H = {H}, N = {N} that is 2^31 elements or more; pass fewer sequences at a time")
     return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments,
                              backward == "torch")
 
