@@ -89,7 +89,9 @@ class KernelCore(CoreBase):
 
     ``backend="triton"`` computes ``forward`` by :func:`flt.ops.triton.favor_attention`
     (features made inside the kernel; the backward pass recomputes through the PyTorch ops)
-    and raises, naming the fix, on CPU tensors outside triton's interpreter. Decoding
+    and raises, naming the fix, on CPU tensors outside triton's interpreter;
+    ``backend="triton-split"`` by the feature-split kernels (``split_features=True``), whose
+    backward is a kernel too. Decoding
     (:meth:`step`, :meth:`prefill`) and :meth:`reference` use the PyTorch ops."""
 
     supports_decoding = True
