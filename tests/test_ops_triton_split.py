@@ -200,6 +200,27 @@ def test_backward_float32():
         assert_close(g, g_ref, dtype=torch.float32)
 
 
+def test_bfloat16_inputs():
+    """bfloat16 inputs: float32 outputs and bfloat16 gradients, equal to the float64
+    reference on the same rounded inputs within float32's tolerance (the interpreter
+    computes the TF32 products such inputs get on a GPU in float32)."""
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=27)
+    xq, xk, v = (t.bfloat16() for t in (xq, xk, v))
+    leaves = _leaves(xq, xk, v, extra)
+    out = favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, **extra)
+    assert out.dtype == torch.float32
+    wide = {k: t.detach().double().requires_grad_() for k, t in extra.items()}
+    wide_leaves = [t.detach().double().requires_grad_() for t in (xq, xk, v)] + list(wide.values())
+    ref = _reference(*wide_leaves[:3], w.double(), True, **wide)
+    assert_close(out, ref, dtype=torch.float32)
+    up = torch.randn_like(ref)
+    got = torch.autograd.grad((out * up.float()).sum(), leaves)
+    want = torch.autograd.grad((ref * up).sum(), wide_leaves)
+    for g, g_ref, leaf in zip(got, want, leaves, strict=True):
+        assert g.dtype == leaf.dtype
+        assert_close(g.float(), g_ref, dtype=torch.bfloat16 if leaf.dtype == torch.bfloat16 else torch.float32)
+
+
 def test_add_feature_blocks_rescales_to_the_largest_level():
     part = torch.tensor([[[2.0, 1.0]], [[4.0, 2.0]]], dtype=torch.float64)  # [F = 2, N = 1, X = 2]
     lev = torch.tensor([[0.0], [-torch.log(torch.tensor(2.0)).item()]], dtype=torch.float64)

@@ -47,6 +47,17 @@ def _pow2(n: int) -> int:
     return max(16, 1 << max(0, n - 1).bit_length())
 
 
+def _tf32(acc: torch.dtype, *inputs: torch.Tensor) -> bool:
+    """Whether the kernels' float32 products run in TF32: where torch's matmuls do, and for
+    bfloat16 / float16 inputs (whose 8 or 11 significant bits TF32's 11 keep). Otherwise
+    float32 products are IEEE, which Triton computes without tensor cores: the causal pass
+    of bfloat16 inputs (no bfloat16 operands there, see :func:`_launch_split`) would then
+    run at a fraction of the GPU's speed."""
+    if acc != torch.float32:
+        return False
+    return bool(torch.backends.cuda.matmul.allow_tf32) or any(t.dtype in (torch.bfloat16, torch.float16) for t in inputs)
+
+
 def split_tile_candidates(chunk: int, bv: int, device: torch.device) -> list[tuple[int, int, int | None]]:
     """Tiles ``(tokens per chunk, value columns, pipeline stages)`` to try, largest first
     (:func:`flt.ops.triton.launch_fitted`). Compiled for sm_90 (triton 3.9, no GPU), the
@@ -123,10 +134,10 @@ def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, til
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
     acc = compute_dtype(*(t for t in (xq, xk, v, extra_q) if t is not None))
-    # bfloat16 operands and TF32 as the one-program kernel (flt.ops.triton._launch):
-    # bfloat16 only in the bidirectional pass, never under the interpreter.
+    # bfloat16 operands as the one-program kernel (flt.ops.triton._launch): only in the
+    # bidirectional pass, never under the interpreter. TF32: _tf32.
     low = v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
-    tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    tf32 = _tf32(acc, xq, xk, v)
     xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq  # a pointer for the inputs a case does not have (never read)
     eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
@@ -226,7 +237,7 @@ def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, tot
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
     acc = total.dtype
-    tf32 = acc == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    tf32 = _tf32(acc, xq, xk, v)
     xq_, xk_, v_, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq_
     eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
