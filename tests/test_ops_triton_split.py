@@ -221,6 +221,17 @@ def test_bfloat16_inputs():
         assert_close(g.float(), g_ref, dtype=torch.bfloat16 if leaf.dtype == torch.bfloat16 else torch.float32)
 
 
+def test_autocast_leaves_the_combination_of_segments_alone():
+    """Under bfloat16 autocast the PyTorch steps between the launches (the causal
+    segments' combination is an einsum, which autocast would run in bfloat16: 9e-3 off
+    here) stay in float32: the same result as without autocast."""
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=50, dv=20)
+    run = lambda: favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, segments=3, **extra)  # noqa: E731
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(run(), plain)
+
+
 def test_add_feature_blocks_rescales_to_the_largest_level():
     part = torch.tensor([[[2.0, 1.0]], [[4.0, 2.0]]], dtype=torch.float64)  # [F = 2, N = 1, X = 2]
     lev = torch.tensor([[0.0], [-torch.log(torch.tensor(2.0)).item()]], dtype=torch.float64)

@@ -200,7 +200,10 @@ class _FavorSplit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, tile, segments, torch_backward):
-        total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+        # No autocast for the PyTorch steps between the launches (the segments' combination,
+        # the addition of the parts): their sums stay in the accumulation type.
+        with torch.autocast(xq.device.type, enabled=False):
+            total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
         kept = (total, lev) if not torch_backward else ()  # _FavorAttention.backward reads nine tensors
         ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, *kept)
         ctx.causal, ctx.tile, ctx.segments, ctx.torch_backward = causal, tile, segments, torch_backward
@@ -212,7 +215,9 @@ class _FavorSplit(torch.autograd.Function):
         if ctx.torch_backward:
             return (*_FavorAttention.backward(ctx, grad), None)
         xq, xk, v, projection, extra_q, extra_k, _a, _c, key_mask, total, lev = ctx.saved_tensors
-        grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile, ctx.segments)
+        with torch.autocast(grad.device.type, enabled=False):
+            grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile,
+                                    ctx.segments)
         return (*grads[:3], None, *grads[3:], None, None, None, None, None, None, None)
 
 
