@@ -7,6 +7,9 @@
 #          forward of one 65,536-token sequence with Flex + T5, and the Triton kernels at
 #          N = 4096 (their progress: 10-18x slower than eager when last measured)
 #   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
+#   split  the feature-split Triton kernels (`backend="triton-split"`): their CUDA tests, then
+#          their first timing, forward and forward+backward at N = 4096 and 16384 beside the
+#          eager PyTorch row (at most 260 s)
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
 #          too large to carry to a device machine), median step time (at most 300 s; DimeNet++ took 32 s on an H200)
@@ -27,7 +30,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 PARTS=${*:-cuda bench}
 for p in $PARTS; do
-    case $p in diag|cuda|qm9|bench) ;; *) echo "unknown part '$p': choose from diag cuda qm9 bench" >&2; exit 2 ;; esac
+    case $p in diag|cuda|qm9|bench|split) ;; *) echo "unknown part '$p': choose from diag cuda qm9 bench split" >&2; exit 2 ;; esac
 done
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 STATUS=0
@@ -35,6 +38,17 @@ note() {  # part name, exit status of its command: a failure or a time limit is 
     if [ "$2" -eq 124 ]; then echo "== $1: stopped at its time limit"; STATUS=1
     elif [ "$2" -ne 0 ]; then echo "== $1: failed (exit $2)"; STATUS=1; fi
 }
+
+bench() {  # name, time limit, bench arguments...
+    local name=$1 limit=$2
+    shift 2
+    echo "== pass $name" >> "$OUT/bench.log"
+    timeout -k 10 "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 \
+        | tee -a "$OUT/bench.log" | grep -v "^|" | grep -v -i "warn" | tail -12
+    note "bench $name" "${PIPESTATUS[0]}"
+    cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null || cp "$WORK/$name/speed-cuda.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+}
+WORK=$(mktemp -d)
 
 if part diag; then
 # 0. The Triton kernels against the PyTorch path, case by case (bfloat16 and segments; the band in float64).
@@ -73,17 +87,6 @@ done
 fi
 
 if part bench; then
-
-bench() {  # name, time limit, bench arguments...
-    local name=$1 limit=$2
-    shift 2
-    echo "== pass $name" >> "$OUT/bench.log"
-    timeout -k 10 "$limit" $PY -m flt bench speed --device cuda --precisions bf16 --out-dir "$WORK/$name" "$@" 2>&1 \
-        | tee -a "$OUT/bench.log" | grep -v "^|" | grep -v -i "warn" | tail -12
-    note "bench $name" "${PIPESTATUS[0]}"
-    cp "$WORK/$name/speed-cuda.json" "$OUT/$name.json" 2>/dev/null || cp "$WORK/$name/speed-cuda.jsonl" "$OUT/$name.jsonl" 2>/dev/null
-}
-WORK=$(mktemp -d)
 # 1. The compiled layers at 4k and 8k, width 512, batch 4, fwd+bwd: where plain and banded FLT
 #    cross flash attention (16k and 65k were measured).
 bench compiled 200 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
@@ -91,9 +94,19 @@ bench compiled 200 --shapes batch --lengths 4096 8192 --modes fwd+bwd \
 # 2. One sequence of 65,536 tokens, forward: Flex + T5 (only its fwd+bwd was measured), banded FLT, flash.
 bench wide 150 --shapes wide --lengths 65536 --modes fwd \
     --rows "flt-logit band8 compiled" sdpa "softmax+t5 flex compiled"
-# 3. The Triton kernels at N = 4096, forward.
+# 3. The Triton kernels at N = 4096, forward (the feature-split ones: part `split`).
 bench triton 60 --shapes batch --lengths 4096 --modes fwd \
     --rows "flt-logit triton" "flt-logit band8 triton" "performer triton"
-for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 fi
+
+if part split; then
+# The feature-split kernels: correctness on the GPU first (m = 256 in blocks of 64, float64
+# and float32, bf16 autocast), then forward and forward+backward at width 512, batch 4.
+timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
+    2>&1 | tee "$OUT/pytest-split.log" | tail -15
+note "split tests" "${PIPESTATUS[0]}"
+bench split 160 --shapes batch --lengths 4096 16384 \
+    --rows "flt-logit triton-split" "flt-logit eager" "performer triton-split"
+fi
+for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 exit $STATUS

@@ -127,6 +127,34 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
     assert_close(g_out, g_ref, scale=scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", ["performer", "flt"])
+def test_triton_split_backend_on_gpu(name, causal, dtype):
+    """The feature-split kernel (``backend="triton-split"``) at its GPU tile: m = 256 in four
+    blocks of 64 features, head dim 64, chunks of 64, 1000 tokens (segments), padded keys
+    bidirectionally; forward and gradients equal the PyTorch layer's."""
+    pytest.importorskip("triton", reason="the triton extra is not installed")
+    from flt.ops.triton import interpreted
+
+    if interpreted():
+        pytest.skip("the kernels were built for the interpreter (TRITON_INTERPRET=1)")
+    kw = dict(causal=causal, num_features=256, device="cuda", dtype=dtype, seed=3)
+    if name == "flt":
+        kw["num_frequencies"] = 8
+    torch_layer = ATTENTION[name].from_options(128, 2, **kw)
+    split_layer = ATTENTION[name].from_options(128, 2, backend="triton-split", **kw)
+    split_layer.load_state_dict(torch_layer.state_dict())
+    x = torch.randn(2, 1000, 128, device="cuda", dtype=dtype, requires_grad=True)
+    pad = None if causal else torch.zeros(2, 1000, dtype=torch.bool, device="cuda").index_fill_(1, torch.arange(990, 1000, device="cuda"), True)
+    out, ref = split_layer(x, key_padding_mask=pad), torch_layer(x, key_padding_mask=pad)
+    scale = 1 if dtype == torch.float64 else 10
+    assert_close(out, ref, scale=scale)
+    (g_out,) = torch.autograd.grad(out.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    assert_close(g_out, g_ref, scale=scale)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_segments_on_gpu(causal):
     """The sequence cut into segments (two launches and their combination) gives the
@@ -148,15 +176,16 @@ def test_triton_segments_on_gpu(causal):
     assert_close(band_attention(xq, xk, v, w, bias, width=16, extra_q=a, extra_k=c, causal=causal, segments=5), one)
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton-split"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name", ["performer", "flt"])
-def test_triton_backend_under_bfloat16_autocast(name, causal):
+def test_triton_backend_under_bfloat16_autocast(name, causal, backend):
     """bfloat16 inputs, 1000 tokens (several segments on a GPU): bidirectional, bfloat16
     operands in the kernel's products (positive weights); causal, float32 operands. Within
     bfloat16's tolerance of the float32 layer."""
     pytest.importorskip("triton", reason="the triton extra is not installed")
     torch_layer = ATTENTION[name].from_options(64, 2, causal=causal, num_features=64, device="cuda", seed=3)
-    triton_layer = ATTENTION[name].from_options(64, 2, causal=causal, num_features=64, device="cuda", seed=3, backend="triton")
+    triton_layer = ATTENTION[name].from_options(64, 2, causal=causal, num_features=64, device="cuda", seed=3, backend=backend)
     triton_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 1000, 64, device="cuda")
     with torch.no_grad():

@@ -397,7 +397,9 @@ class FLTAttention(KernelAttention):
             ``backend`` (``"torch"``, or ``"triton"``: the forward pass by
             :func:`flt.ops.triton.favor_attention` and, with a band,
             :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
-            :class:`~flt.layers.near.Neighbors`), ``redraw_interval`` (a layer-level redraw
+            :class:`~flt.layers.near.Neighbors`; ``"triton-split"``: the feature-split kernels
+            of :mod:`flt.ops.triton.split`, forward and backward, logit coupling without a
+            band), ``redraw_interval`` (a layer-level redraw
             schedule, :class:`flt.layers.kernel.KernelCore`; ``flt train`` redraws by
             ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
             multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums

@@ -38,8 +38,10 @@ from flt.posenc.rope import apply_rope
 #: :mod:`flt.ops.linear`, any device) or ``"triton"`` (the kernels of :mod:`flt.ops.triton`:
 #: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; FAVOR+ features only). On an
 #: H200 at m = 256 the kernels' forward was 10-18x slower than ``"torch"`` (fwd+bwd 7-8x) (docs/performance.md): on
-#: a GPU, ``torch.compile`` of the ``"torch"`` path is the fast one.
-KERNEL_BACKENDS = ("torch", "triton")
+#: a GPU, ``torch.compile`` of the ``"torch"`` path is the fast one. ``"triton-split"``: the
+#: feature-split kernel (:mod:`flt.ops.triton.split`; Performer and FLT's logit coupling
+#: without a band), written to be the fast one and not yet timed.
+KERNEL_BACKENDS = ("torch", "triton", "triton-split")
 
 
 @dataclass
@@ -87,7 +89,9 @@ class KernelCore(CoreBase):
 
     ``backend="triton"`` computes ``forward`` by :func:`flt.ops.triton.favor_attention`
     (features made inside the kernel; the backward pass recomputes through the PyTorch ops)
-    and raises, naming the fix, on CPU tensors outside triton's interpreter. Decoding
+    and raises, naming the fix, on CPU tensors outside triton's interpreter;
+    ``backend="triton-split"`` by the feature-split kernels (``split_features=True``), whose
+    backward is a kernel too. Decoding
     (:meth:`step`, :meth:`prefill`) and :meth:`reference` use the PyTorch ops."""
 
     supports_decoding = True
@@ -185,7 +189,7 @@ class KernelCore(CoreBase):
     def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]`` from projected inputs, by the fast op or (``reference``) its
         O(N^2) formula. Subclasses with another estimator override this."""
-        if self.backend == "triton" and not reference:
+        if self.backend in ("triton", "triton-split") and not reference:
             return self.attend_triton(p)
         return self.attend_features(mask_padded_keys(self.features(p.q, p.k, p.pos), p.pad), p, reference=reference)
 
@@ -199,7 +203,7 @@ class KernelCore(CoreBase):
         projection = self.feature_map.projection
         assert projection is not None  # rule triton_needs_favor: the Triton kernel is FAVOR+'s
         return favor_attention(xq, xk, p.v, projection, causal=self.causal, key_mask=key_mask,
-                               **self.triton_inputs(p.pos))
+                               split_features=self.backend == "triton-split", **self.triton_inputs(p.pos))
 
     def triton_inputs(self, pos: torch.Tensor) -> dict[str, Any]:
         """What the kernel joins to the queries and keys (none for a Performer)."""

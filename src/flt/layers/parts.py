@@ -182,7 +182,7 @@ class Settings:
     Args:
         rope, rope_base: also rotate queries and keys by RoPE at the same positions.
         chunk_size: block size of the chunked computations (None: chosen from the shapes).
-        backend: ``"torch"`` or ``"triton"`` (:data:`flt.layers.kernel.KERNEL_BACKENDS`).
+        backend: ``"torch"``, ``"triton"`` or ``"triton-split"`` (:data:`flt.layers.kernel.KERNEL_BACKENDS`).
         redraw_interval: redraw the layer's draws every this many training forward calls
             (None: never; ``flt train`` redraws by ``RunConfig.redraw_interval`` instead).
         check_condition: warn when rounding can change the multiplicative coupling's

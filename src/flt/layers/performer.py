@@ -34,7 +34,8 @@ class PerformerAttention(KernelAttention):
             ``EluFeatures``, ``TaylorFeatures`` or ``Hedgehog``, each with its own options.
         settings: :class:`~flt.layers.parts.Settings`: ``rope``/``rope_base`` (rotate queries
             and keys by RoPE at ``pos``, 1-D or axial), ``chunk_size``, ``backend``
-            (``"triton"``: the kernels of :mod:`flt.ops.triton`), ``redraw_interval``.
+            (``"triton"``: the kernels of :mod:`flt.ops.triton`; ``"triton-split"``: the
+            feature-split ones, :mod:`flt.ops.triton.split`), ``redraw_interval``.
 
     ``PerformerAttention.from_options(dim, heads, num_features=64, rope=True)`` builds it from
     the flat options of presets and the command line (``--attention performer:num_features=64``).

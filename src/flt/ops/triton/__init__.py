@@ -15,7 +15,10 @@ kernel's backward pass (recomputed from the inputs, linear memory) and its refer
 The kernels are tested against the float64 quadratic references on CPU tensors under
 ``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
 They are correct, not fast: on an H200 at m = 256 (a fallback tile of 16 tokens) the forward
-took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)").
+took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)"). The feature-split
+kernels (:mod:`flt.ops.triton.split`, ``split_features=True``; Performer and the logit
+coupling) split the ``m`` features over programs (64 features x 64 tokens x 64 value columns
+a program) and have a backward kernel; they are written for speed and not yet timed.
 Triton is the optional extra ``triton``.
 """
 
@@ -108,7 +111,7 @@ def _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask) -> None:
 
 def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False, extra_q: torch.Tensor | None = None,
                     extra_k: torch.Tensor | None = None, a: torch.Tensor | None = None, c: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-                    chunk_size: int = TRITON_CHUNK, segments: int | None = None) -> torch.Tensor:
+                    chunk_size: int = TRITON_CHUNK, segments: int | None = None, split_features: bool = False) -> torch.Tensor:
     """FAVOR+ attention by the Triton kernel (module docstring for the three cases).
 
     Args:
@@ -123,6 +126,10 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
         segments: cut the sequence into this many segments processed in parallel (two
             launches; :func:`combine_segments`); None: from the GPU's size
             (:func:`segment_count`; 1 off CUDA).
+        split_features: run the feature-split kernels instead, forward and backward
+            (:func:`flt.ops.triton.split.favor_attention_split`, its default tile;
+            ``chunk_size`` is then its chunk): Performer and the logit coupling only
+            (``ValueError`` with ``a, c``).
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 when an input is float64). Rows with a zero
@@ -134,6 +141,14 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
     if segments is not None:
         check_positive_int("segments", segments)
     check_device(xq.device)
+    if split_features:
+        if a is not None:
+            raise ValueError("split_features=True covers Performer and the logit coupling (extra_q, extra_k); the multiplicative "
+                             "coupling (a, c) runs on the one-program kernel: pass split_features=False")
+        from flt.ops.triton.split import favor_attention_split
+
+        return favor_attention_split(xq, xk, v, projection, causal=causal, extra_q=extra_q, extra_k=extra_k, key_mask=key_mask,
+                                     chunk_size=chunk_size, segments=segments)
     return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments)
 
 

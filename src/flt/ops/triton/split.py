@@ -1,0 +1,310 @@
+"""FAVOR+ attention (Performer, FLT logit coupling) by the feature-split kernels
+(:mod:`flt.ops.triton.split_kernels`): the ``m`` features in blocks of ``feature_block``
+over programs, each program an ``[feature_block, value_block]`` slice of the state, chunks of
+``chunk_size`` tokens; the parts of the feature blocks are added here in PyTorch.
+
+Chosen by ``favor_attention(..., split_features=True)`` (layers: ``backend="triton-split"``)
+or called directly as :func:`favor_attention_split`. Same function and arguments as
+:func:`flt.ops.triton.favor_attention` without the multiplicative coupling (``a, c``: the
+one-program kernel, whose programs already split the work by spectral index).
+
+Gradients by two backward kernels over the same feature blocks and chunks (queries in the
+forward's order; keys and values from the last chunk), from the forward's added numerators
+and denominators and its row levels per block (``[B H, F, N]``, saved); or, with
+``backward="torch"``, those of :func:`flt.ops.triton.favor_attention_torch`, recomputed.
+The backward cuts the sequence into segments as the forward does (each segment's key state
+and query state in a first launch, combined here). Written for speed on GPUs and not yet
+timed on one (docs/performance.md, "GPU (CUDA)").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flt._checks import check_positive_int
+from flt._dtype import compute_dtype
+from flt.ops._common import safe_divide
+from flt.ops.triton import (
+    _check,
+    _FavorAttention,
+    check_device,
+    combine_segments,
+    interpreted,
+    launch_fitted,
+    segment_count,
+)
+
+#: Default tile on a GPU: features per program, tokens per chunk, value columns per program.
+SPLIT_FEATURE_BLOCK = 64
+SPLIT_CHUNK = 64
+SPLIT_VALUE_BLOCK = 64
+
+
+def _pow2(n: int) -> int:
+    """The next power of two ``>= max(n, 16)`` (triton's smallest dot operand)."""
+    return max(16, 1 << max(0, n - 1).bit_length())
+
+
+def _tf32(acc: torch.dtype, *inputs: torch.Tensor) -> bool:
+    """Whether the kernels' float32 products run in TF32: where torch's matmuls do, and for
+    bfloat16 / float16 inputs (whose 8 or 11 significant bits TF32's 11 keep). Otherwise
+    float32 products are IEEE, which Triton computes without tensor cores: the causal pass
+    of bfloat16 inputs (no bfloat16 operands there, see :func:`_launch_split`) would then
+    run at a fraction of the GPU's speed."""
+    if acc != torch.float32:
+        return False
+    return bool(torch.backends.cuda.matmul.allow_tf32) or any(t.dtype in (torch.bfloat16, torch.float16) for t in inputs)
+
+
+def split_tile_candidates(chunk: int, bv: int, device: torch.device) -> list[tuple[int, int, int | None]]:
+    """Tiles ``(tokens per chunk, value columns, pipeline stages)`` to try, largest first
+    (:func:`flt.ops.triton.launch_fitted`). Compiled for sm_90 (triton 3.9, no GPU), the
+    causal kernel at the default tile (64 tokens, 64 features, 64 value columns, head dim
+    and spectral width 64) needs 147,712 bytes of shared memory at 2 stages in float32
+    (229,632 at 3, 82,176 at 1) and 163,840 at 1 stage in float64 (262,656 at 2), against
+    232,448 a block on an H100/H200; the bidirectional one less. So: 2 stages, then 1,
+    then 32 tokens and 32 value columns (which of the first two is faster is untimed). The
+    backward kernels take the same list with all value columns in one program (up to
+    181,248 bytes in float32 at 2 stages, 229,888 in float64 at 1). Off CUDA (the
+    interpreter) only the given tile."""
+    if device.type != "cuda":
+        return [(chunk, bv, None)]
+    tiles: list[tuple[int, int, int | None]] = [(chunk, bv, 2), (chunk, bv, 1), (min(chunk, 32), min(bv, 32), 1)]
+    return list(dict.fromkeys(tiles))
+
+
+def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False,
+                          extra_q: torch.Tensor | None = None, extra_k: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                          chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
+                          segments: int | None = None, backward: str = "kernel") -> torch.Tensor:
+    """FAVOR+ attention by the feature-split kernel (module docstring).
+
+    Args:
+        xq, xk, v, projection, causal, extra_q, extra_k, key_mask, segments: as
+            :func:`flt.ops.triton.favor_attention`.
+        chunk_size: tokens per step, a power of two >= 16; None: :data:`SPLIT_CHUNK`
+            on a GPU, 16 under the interpreter.
+        feature_block: features per program, a power of two >= 16; None:
+            :data:`SPLIT_FEATURE_BLOCK` on a GPU, 16 under the interpreter (both at most
+            the next power of two of ``m``).
+        value_block: value columns per program, a power of two >= 16; None:
+            :data:`SPLIT_VALUE_BLOCK` on a GPU, 16 under the interpreter (both at most the
+            next power of two of ``Dv``).
+        backward: ``"kernel"``: the gradients by the split backward kernels (same feature
+            blocks, chunks and segments; all value columns per program); ``"torch"``:
+            :func:`flt.ops.triton.favor_attention_torch`'s, recomputed.
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 when an input is float64); rows with a zero
+        denominator are zeros.
+    """
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    check_device(xq.device)
+    small = xq.device.type != "cuda" or interpreted()
+    tile = []
+    for name, given, default, size in (("chunk_size", chunk_size, SPLIT_CHUNK, None), ("feature_block", feature_block, SPLIT_FEATURE_BLOCK, projection.shape[0]),
+                                       ("value_block", value_block, SPLIT_VALUE_BLOCK, v.shape[-1])):
+        if given is None:
+            given = 16 if small else default
+            given = given if size is None else min(given, _pow2(size))
+        elif given < 16 or given & (given - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
+        tile.append(given)
+    if segments is not None:
+        check_positive_int("segments", segments)
+    if backward not in ("kernel", "torch"):
+        raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
+    B, H, N, D = xq.shape
+    width = max(v.shape[-1] + 1, D, 0 if extra_q is None else extra_q.shape[-1])
+    if B * H * math.ceil(projection.shape[0] / tile[1]) * N * width >= 2**31:
+        raise ValueError(f"the feature-split kernels index their per-block parts [B H, m / {tile[1]}, N, {width}] with 32-bit "
+                         f"integers: at B = {B}, H = {H}, N = {N} that is 2^31 elements or more; pass fewer sequences at a time")
+    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments,
+                             backward == "torch")
+
+
+def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+    """``(total [B H, N, Dv + 1], lev [B H, F, N])``: the numerators and denominators, the
+    feature blocks added (:func:`add_feature_blocks`), and each block's row levels."""
+    from flt.ops.triton import split_kernels
+
+    chunk_size, bm, value_block = tile
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = compute_dtype(*(t for t in (xq, xk, v, extra_q) if t is not None))
+    # bfloat16 operands as the one-program kernel (flt.ops.triton._launch): only in the
+    # bidirectional pass, never under the interpreter. TF32: _tf32.
+    low = v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
+    tf32 = _tf32(acc, xq, xk, v)
+    xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    dummy = xq  # a pointer for the inputs a case does not have (never read)
+    eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
+    if extra_q is not None and eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    e_dim = 0 if extra_q is None else eq.shape[-1]
+    keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
+    n_fb = math.ceil(m / bm)
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_KEEP": key_mask is not None, "LOW": low,
+             "PREC": "tf32" if tf32 else "ieee", "BD": _pow2(D), "BE": _pow2(e_dim), "BM": bm}
+    part = torch.empty(B * H, n_fb, N, Dv + 1, device=xq.device, dtype=acc)
+    lev = torch.empty(B * H, n_fb, N, device=xq.device, dtype=acc)
+
+    def attempt(chunk, bv, stages):
+        n_vb = math.ceil(Dv / bv)
+        n_seg_wanted = segments or segment_count(B * H * n_fb * n_vb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
+
+        def launch(states, levels, states_only, has_init):
+            split_kernels.favor_split_kernel[(B * H, n_fb, n_vb * n_seg)](
+                xq, xk, eq, ek, v, w, keep, part, lev, states, levels,
+                H, N, D, e_dim, m, Dv, 0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim,
+                seg_len, n_seg, n_vb, n_fb,
+                STATES_ONLY=states_only, HAS_INIT=has_init, BC=chunk, BV=bv, **flags,
+                **({} if stages is None else {"num_stages": stages}),
+            )
+
+        if n_seg == 1:
+            launch(dummy, dummy, False, False)
+        else:
+            states = torch.empty(B * H, n_fb, n_seg, bm, Dv + 1, device=xq.device, dtype=acc)
+            levels = torch.empty(B * H, n_fb, n_seg, device=xq.device, dtype=acc)
+            launch(states, levels, True, False)
+            states, levels = combine_segments(states, levels, causal)
+            launch(states.contiguous(), levels.contiguous(), False, True)
+
+    key = ("split", acc, xq.device, tuple(sorted(flags.items())))
+    launch_fitted(key, split_tile_candidates(chunk_size, value_block, xq.device), attempt,
+                  hint=", a smaller feature_block or chunk_size")
+    return add_feature_blocks(part, lev), lev
+
+
+def add_feature_blocks(part: torch.Tensor, lev: torch.Tensor) -> torch.Tensor:
+    """The sum of the feature blocks' parts ``[..., F, N, X]``, each relative to
+    ``exp(lev [..., F, N])``, relative to the largest level of each row: ``[..., N, X]``.
+    Every factor is ``exp(lev - max lev) <= 1``; the common factor cancels in the ratio."""
+    if part.shape[-3] == 1:
+        return part.squeeze(-3)
+    top = lev.amax(dim=-2, keepdim=True)
+    return (part * torch.exp(lev - top).unsqueeze(-1)).sum(dim=-3)
+
+
+class _FavorSplit(torch.autograd.Function):
+    """Forward: the feature-split kernel. Backward: the split backward kernels
+    (:func:`_backward_split`), or, with ``torch_backward``,
+    :class:`flt.ops.triton._FavorAttention`'s (the gradient of
+    :func:`flt.ops.triton.favor_attention_torch`, recomputed), which takes the same first
+    nine inputs (``a, c`` None here)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, tile, segments, torch_backward):
+        # No autocast for the PyTorch steps between the launches (the segments' combination,
+        # the addition of the parts): their sums stay in the accumulation type.
+        with torch.autocast(xq.device.type, enabled=False):
+            total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+        kept = (total, lev) if not torch_backward else ()  # _FavorAttention.backward reads nine tensors
+        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, *kept)
+        ctx.causal, ctx.tile, ctx.segments, ctx.torch_backward = causal, tile, segments, torch_backward
+        out = safe_divide(total[..., :-1], total[..., -1:])
+        return out.view(*v.shape[:3], v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.torch_backward:
+            return (*_FavorAttention.backward(ctx, grad), None)
+        xq, xk, v, projection, extra_q, extra_k, _a, _c, key_mask, total, lev = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):
+            grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile,
+                                    ctx.segments)
+        return (*grads[:3], None, *grads[3:], None, None, None, None, None, None, None)
+
+
+def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """The gradient of the added numerators and denominators ``total [..., N, Dv + 1]`` from
+    that of the output ``grad [..., N, Dv]`` (``out = num / den``): ``[g / den, -(g.out) / den]``,
+    zeros where the row's denominator counts as zero (:func:`flt.ops._common.safe_divide`)."""
+    num, den = total[..., :-1], total[..., -1:]
+    out = safe_divide(num, den)
+    inv = safe_divide(torch.ones_like(den), den)
+    grad = grad.to(total.dtype)
+    return torch.cat([grad * inv, -(grad * out).sum(dim=-1, keepdim=True) * inv], dim=-1)
+
+
+def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, causal, tile, segments):
+    """Gradients of ``xq, xk, v, extra_q, extra_k`` by :func:`flt.ops.triton.split_kernels.favor_split_dq_kernel`
+    and :func:`flt.ops.triton.split_kernels.favor_split_dkv_kernel` (per feature block,
+    added here), for the forward's ``total`` and ``lev``."""
+    from flt.ops.triton import split_kernels
+
+    chunk_size, bm, _ = tile
+    B, H, N, D = xq.shape
+    Dv, m = v.shape[-1], projection.shape[0]
+    acc = total.dtype
+    tf32 = _tf32(acc, xq, xk, v)
+    xq_, xk_, v_, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
+    dummy = xq_
+    eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
+    if extra_q is not None and eq.shape[0] != ek.shape[0]:
+        eq, ek = eq.expand(B, -1, -1, -1).contiguous(), ek.expand(B, -1, -1, -1).contiguous()
+    e_dim = 0 if extra_q is None else eq.shape[-1]
+    keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
+    n_fb = lev.shape[1]
+    g = upstream_gradient(grad.reshape(B * H, N, Dv), total).contiguous()
+    top = lev.amax(dim=1).contiguous()
+    flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_KEEP": key_mask is not None,
+             "PREC": "tf32" if tf32 else "ieee", "BD": _pow2(D), "BE": _pow2(e_dim), "BM": bm}
+    bv = _pow2(Dv)
+    e_stride = 0 if extra_q is None or eq.shape[0] == 1 else H * N * e_dim
+    dxq = torch.empty(B * H, n_fb, N, D, device=xq.device, dtype=acc)
+    dxk = torch.empty_like(dxq)
+    deq = torch.empty(B * H, n_fb, N, e_dim, device=xq.device, dtype=acc)
+    dek = torch.empty_like(deq)
+    dv = torch.empty(B * H, n_fb, N, Dv, device=xq.device, dtype=acc)
+
+    def attempt(chunk, _bv, stages):
+        common = {"BC": chunk, "BV": bv, **flags, **({} if stages is None else {"num_stages": stages})}
+        n_seg_wanted = segments or segment_count(B * H * n_fb, N, chunk, xq.device)
+        seg_len = chunk * math.ceil(N / (n_seg_wanted * chunk))
+        n_seg = math.ceil(N / seg_len)
+        grid = (B * H, n_fb, n_seg)
+        sizes = (H, N, D, e_dim, m, Dv, e_stride, seg_len, n_seg, n_fb)
+        keys = queries = (dummy, dummy)
+        if n_seg > 1:
+            # Each segment's key state (the forward kernel's first launch) and query state,
+            # combined into what each segment starts from: the keys before it and the rows
+            # after it (all of either, bidirectionally). A query state is held at the least
+            # row level, so it combines as a key state of the negated levels in reverse order.
+            keys = (torch.empty(B * H, n_fb, n_seg, bm, Dv + 1, device=xq.device, dtype=acc),
+                    torch.empty(B * H, n_fb, n_seg, device=xq.device, dtype=acc))
+            split_kernels.favor_split_kernel[grid](
+                xq_, xk_, eq, ek, v_, w, keep, dxq, lev, *keys, *sizes[:7], seg_len, n_seg, 1, n_fb,  # (dxq, lev: not written)
+                STATES_ONLY=True, HAS_INIT=False, LOW=False, **common)
+            state, level = combine_segments(*keys, causal)
+            keys = (state.contiguous(), level.contiguous())
+            queries = (torch.empty_like(keys[0]), torch.empty_like(keys[1]))
+            split_kernels.favor_split_dkv_kernel[grid](
+                xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, *queries, *sizes,  # (dxk, dek, dv: not written)
+                STATES_ONLY=True, HAS_INIT=False, **common)
+            state, level = combine_segments(queries[0].flip(2), -queries[1].flip(2), causal)
+            queries = (state.flip(2).contiguous(), (-level).flip(2).contiguous())
+        split_kernels.favor_split_dq_kernel[grid](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxq, deq, *keys, *sizes, HAS_INIT=n_seg > 1, **common)
+        split_kernels.favor_split_dkv_kernel[grid](
+            xq_, xk_, eq, ek, v_, w, keep, g, lev, top, dxk, dek, dv, *queries, *sizes,
+            STATES_ONLY=False, HAS_INIT=n_seg > 1, **common)
+
+    candidates = split_tile_candidates(chunk_size, bv, xq.device)
+    launch_fitted(("split-backward", acc, xq.device, tuple(sorted(flags.items()))), candidates, attempt,
+                  hint=", a smaller feature_block or chunk_size")
+
+    def added(parts, like):
+        return parts.sum(dim=1).view(B, H, N, parts.shape[-1]).to(like.dtype)
+
+    def shared(gradient, like):  # extra_q / extra_k given once for the batch: the batch's sum
+        return gradient.sum(dim=0, keepdim=True) if like.shape[0] == 1 and B > 1 else gradient
+
+    d_eq = None if extra_q is None else shared(added(deq, extra_q), extra_q)
+    d_ek = None if extra_k is None else shared(added(dek, extra_k), extra_k)
+    return added(dxq, xq), added(dxk, xk), added(dv, v), d_eq, d_ek
