@@ -166,3 +166,21 @@ def test_a_half_cast_keeps_the_float32_values(family, cast):
         assert torch.equal(spec.mask(pos), mask)
     first = next(spec.parameters())
     assert first.grad is not None and first.grad.dtype == torch.float32 and torch.equal(first.grad, grad)
+
+
+def test_a_default_near_term_starts_at_zero_and_learns():
+    """A near set's default term copies the far family at amplitude 0: for this family all
+    weights 0, so the near mask is 0 at the start; the gradients are finite and reach the
+    weights (the frequencies get theirs once a weight moves off 0)."""
+    layer = FLTAttention.from_options(16, 2, pos_dim=2, spectrum="discrete", coupling="multiplicative", num_frequencies=8,
+                                      num_features=8, near_neighbors=4, seed=0).double()
+    near = layer.core.near_spectrum
+    assert isinstance(near, DiscreteSpectrum) and not near.has_random_features
+    delta = torch.randn(5, 2, dtype=F64)
+    with torch.no_grad():
+        assert torch.equal(near.mask(delta), torch.zeros(5, 2, dtype=F64))
+    x, pos = torch.randn(2, 11, 16, dtype=F64), torch.randn(2, 11, 2, dtype=F64) * 2
+    layer(x, pos).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+    assert bool((near.beta.grad != 0).any())
