@@ -244,6 +244,18 @@ def test_bad_arguments_are_named():
         favor_attention_split(xq, xk, v, w, feature_block=24, **extra)
     with pytest.raises(ValueError, match="chunk_size"):
         favor_attention_split(xq, xk, v, w, chunk_size=8, **extra)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two >= 16"):
+        favor_attention_split(xq, xk, v, w, chunk_size=16.0, **extra)
+    with pytest.raises(ValueError, match="value_block must be a power of two >= 16"):
+        favor_attention_split(xq, xk, v, w, value_block=True, **extra)
+    with pytest.raises(ValueError, match="backward must be 'kernel' or 'torch'"):
+        favor_attention_split(xq, xk, v, w, backward="autograd", **extra)
+    # Tensors the kernels cannot reach: the message names the backend that chose the kernels.
+    meta = [t.to("meta") for t in (xq, xk, v, w[:, :D])]
+    with pytest.raises(ValueError, match="backend='triton-split' runs Triton kernels on CUDA tensors; these are on meta"):
+        favor_attention(*meta, split_features=True)
+    with pytest.raises(ValueError, match="backend='triton' runs Triton kernels on CUDA tensors; these are on meta"):
+        favor_attention(*meta)
     # 128 x 8 sequences of 65,536 tokens, 4 blocks of 16 features, 9 columns: 2.4e9 elements.
     big = torch.zeros(1, 1, 1, D, dtype=torch.float64).expand(128, 8, 2**16, D)  # no memory: a stride-0 view
     with pytest.raises(ValueError, match="32-bit"):

@@ -32,7 +32,7 @@ CASES = {
     ),
     "triton_has_no_neighbors": (
         Facts(features="favor+", backend="triton", near_neighbors=4, coupling="logit"),
-        "backend='triton' has no kernel for near_neighbors (the band, near_field, has one); use backend='torch'",
+        "backend='triton' has no kernel for near_neighbors (the band, near_field, has one on backend='triton'); use backend='torch'",
         lambda: FLTAttention(16, 2, near=Neighbors(4), settings=Settings(backend="triton")),
     ),
     "one_near_set": (

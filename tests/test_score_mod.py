@@ -137,7 +137,7 @@ def test_softmax_flex_backend_matches_sdpa_without_a_dense_bias(relative_bias, c
 
 @pytest.mark.slow
 @pytest.mark.skipif(not flex_attention_available("cpu", False)[0], reason="FlexAttention forward does not run on CPU here")
-@pytest.mark.parametrize("name", ["alibi", "gaussian_mixture", "local", "t5"])
+@pytest.mark.parametrize("name", ["alibi", "discrete", "gaussian_mixture", "local", "t5"])
 def test_compiled_flex_attention_with_score_mod_matches_dense_bias(name, one_thread):
     """torch.compile(flex_attention) lowers a score_mod to scalar code per score (where an
     operation on a whole captured tensor went wrong): the per-score form and the offset

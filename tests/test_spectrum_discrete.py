@@ -144,3 +144,43 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="a discrete spectrum has no density"):
         DiscreteSpectrum(2, 1, 8).density(torch.zeros(1, 1))
     assert SPECTRA["discrete"] is DiscreteSpectrum
+
+
+@pytest.mark.parametrize("cast", [torch.nn.Module.half, torch.nn.Module.bfloat16])
+@pytest.mark.parametrize("family", [DiscreteSpectrum, GaussianMixtureSpectrum])
+def test_a_half_cast_keeps_the_float32_values(family, cast):
+    """Cast to a half type, a spectrum keeps its parameters, draws and (discrete) spreads in
+    float32 with their values unrounded: a frequency rounded to float16 moves a phase at
+    r = 10^4 by about a tenth of a turn."""
+    spec = moved(family(2, 2, 8, components=2, seed=0, length_scale=3.0))
+    first = next(spec.parameters())
+    first.grad = torch.randn_like(first)
+    before = {k: v.clone() for k, v in [*spec.named_parameters(), *spec.named_buffers()]}
+    grad = first.grad.clone()
+    pos = torch.randn(7, 2) * 1e3
+    with torch.no_grad():
+        mask = spec.mask(pos)
+        cast(spec)
+        for k, v in [*spec.named_parameters(), *spec.named_buffers()]:
+            assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
+        assert torch.equal(spec.mask(pos), mask)
+    first = next(spec.parameters())
+    assert first.grad is not None and first.grad.dtype == torch.float32 and torch.equal(first.grad, grad)
+
+
+def test_a_default_near_term_starts_at_zero_and_learns():
+    """A near set's default term copies the far family at amplitude 0: for this family all
+    weights 0, so the near mask is 0 at the start; the gradients are finite and reach the
+    weights (the frequencies get theirs once a weight moves off 0)."""
+    layer = FLTAttention.from_options(16, 2, pos_dim=2, spectrum="discrete", coupling="multiplicative", num_frequencies=8,
+                                      num_features=8, near_neighbors=4, seed=0).double()
+    near = layer.core.near_spectrum
+    assert isinstance(near, DiscreteSpectrum) and not near.has_random_features
+    delta = torch.randn(5, 2, dtype=F64)
+    with torch.no_grad():
+        assert torch.equal(near.mask(delta), torch.zeros(5, 2, dtype=F64))
+    x, pos = torch.randn(2, 11, 16, dtype=F64), torch.randn(2, 11, 2, dtype=F64) * 2
+    layer(x, pos).square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+    assert bool((near.beta.grad != 0).any())

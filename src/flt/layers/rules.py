@@ -81,7 +81,8 @@ RULES: tuple[Rule, ...] = (
          lambda f: f"rope needs head_dim ({f.head_dim}) divisible by 2 * pos_dim ({2 * f.pos_dim})"),
     Rule("triton_has_no_neighbors", "Neighbors",
          lambda f: f.backend in ("triton", "triton-split") and bool(f.near_neighbors),
-         lambda f: f"backend={f.backend!r} has no kernel for near_neighbors (the band, near_field, has one); use backend='torch'"),
+         lambda f: f"backend={f.backend!r} has no kernel for near_neighbors (the band, near_field, has one on backend='triton'); "
+                   "use backend='torch'"),
     Rule("one_near_set", "near",
          lambda f: bool(f.near_field and f.near_neighbors),
          lambda f: f"near_field ({f.near_field}) and near_neighbors ({f.near_neighbors}) are exclusive: choose one near set, "

@@ -67,9 +67,10 @@ def interpreted() -> bool:
     return isinstance(_kernels().favor_attention_kernel, InterpretedFunction)
 
 
-def check_device(device: torch.device) -> None:
-    """Refuse devices the kernels cannot run on (``ValueError``): CUDA always works; CPU
-    tensors only under triton's interpreter (slow; for tests)."""
+def check_device(device: torch.device, backend: str = "triton") -> None:
+    """Refuse devices the kernels cannot run on (``ValueError``, naming ``backend``, the
+    layers' option that chose them): CUDA always works; CPU tensors only under triton's
+    interpreter (slow; for tests)."""
     device = torch.device(device)
     if device.type == "cuda":
         _kernels()
@@ -77,7 +78,7 @@ def check_device(device: torch.device) -> None:
     if device.type == "cpu" and interpreted():
         return
     raise ValueError(
-        f"backend='triton' runs Triton kernels on CUDA tensors; these are on {device.type}. Use backend='torch' "
+        f"backend={backend!r} runs Triton kernels on CUDA tensors; these are on {device.type}. Use backend='torch' "
         "here, or, to test the kernels on CPU, set TRITON_INTERPRET=1 in the environment before flt imports "
         "them (triton's interpreter: slow)."
     )
@@ -140,7 +141,7 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
         raise ValueError(f"chunk_size must be a power of two >= 16 (the kernels' tile), got {chunk_size}")
     if segments is not None:
         check_positive_int("segments", segments)
-    check_device(xq.device)
+    check_device(xq.device, "triton-split" if split_features else "triton")
     if split_features:
         if a is not None:
             raise ValueError("split_features=True covers Performer and the logit coupling (extra_q, extra_k); the multiplicative "

@@ -101,7 +101,7 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         denominator are zeros.
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
-    check_device(xq.device)
+    check_device(xq.device, "triton-split")
     small = xq.device.type != "cuda" or interpreted()
     tile = []
     for name, given, default, size in (("chunk_size", chunk_size, SPLIT_CHUNK, None), ("feature_block", feature_block, SPLIT_FEATURE_BLOCK, projection.shape[0]),
@@ -109,7 +109,7 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         if given is None:
             given = 16 if small else default
             given = given if size is None else min(given, _pow2(size))
-        elif given < 16 or given & (given - 1):
+        elif isinstance(given, bool) or not isinstance(given, int) or given < 16 or given & (given - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
         tile.append(given)
     if segments is not None:

@@ -128,13 +128,22 @@ class Spectrum(RelativeTerm):
         # Parameters and draws stay in float32 when the module is cast to a half type: the
         # gradient of a frequency, sum_n 2 pi r_n dL/dphase_n, grows with the positions and
         # overflows float16 (65504) from about a thousand tokens on. They are a few numbers.
+        # They are restored from the values before the cast: a round trip through float16
+        # would round them to 11 bits (a frequency by 5e-4 of itself, a phase at r = 10^4 by
+        # a tenth of a turn).
+        half = (torch.float16, torch.bfloat16)
+        before = {key: (t.data, None if t.grad is None else t.grad.data) for tensors in (self._parameters, self._buffers)
+                  for key, t in tensors.items() if t is not None}
         super()._apply(fn, recurse)
         for tensors in (self._parameters, self._buffers):
-            for t in tensors.values():
-                if t is not None and t.dtype in (torch.float16, torch.bfloat16):
-                    t.data = t.data.float()
-                    if t.grad is not None:
-                        t.grad = t.grad.float()
+            for key, t in tensors.items():
+                if t is None or t.dtype not in half:
+                    continue
+                data, grad = before.get(key, (t.data, t.grad))
+                t.data = (data if data.dtype not in half else t.data).to(device=t.device, dtype=torch.float32)
+                if t.grad is not None:
+                    t.grad = (grad if grad is not None and grad.dtype not in half else t.grad).to(device=t.device,
+                                                                                                  dtype=torch.float32)
         return self
 
     @classmethod
