@@ -13,7 +13,7 @@ from flt.layers.draws import redraw
 from flt.relative.spectra import SPECTRA, DiscreteSpectrum, GaussianMixtureSpectrum
 
 F64 = torch.float64
-OPTIONS = dict(components=2, length_scale=2.5, length_spread=4.0)
+OPTIONS = {"components": 2, "length_scale": 2.5, "length_spread": 4.0}
 
 
 def moved(spec: DiscreteSpectrum, scale: float = 0.3) -> DiscreteSpectrum:

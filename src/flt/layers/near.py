@@ -122,7 +122,8 @@ class NearSet:
                 if not isinstance(relative, Term):
                     raise ValueError("a near set's default term is a copy of the far term's family, which needs the far term "
                                      "as a Term (name and options); with a module as relative, give the near set its term")
-                # Only its exact f is used; its frequencies are never sampled (nor seeded).
+                # Only its exact f is used, never a sample of it, so no seed: a discrete family's
+                # starting frequencies (its parameters) then come from torch's global generator.
                 options = {k: v for k, v in relative.options.items() if k != "seed"}
                 term = Term(relative.name, **{**options, "amplitude": start})
             defaults: dict = {}

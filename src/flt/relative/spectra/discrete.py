@@ -23,7 +23,7 @@ from torch import nn
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.relative.base import tensor_sum
-from flt.relative.spectra.base import Spectrum, as_dtype, cycles
+from flt.relative.spectra.base import Spectrum, as_dtype
 from flt.relative.spectra.kernels import check_amplitude
 
 
@@ -111,7 +111,12 @@ class DiscreteSpectrum(Spectrum):
         self._check_points("delta", delta)
         cdt = compute_dtype(delta, self.theta)
         xi, w = self.precise_frequencies(delta)
-        return (torch.cos(2 * math.pi * cycles(delta, xi).to(cdt)) * w.to(cdt)).sum(-1)
+        with torch.autocast(delta.device.type, enabled=False):
+            # xi_k.Delta as a contraction over P (the near set asks for N k offsets at once:
+            # no [..., H, R, P] product tensor), in the phase dtype, then whole cycles off.
+            turns = torch.einsum("...p,hrp->...hr", delta.to(xi.dtype), xi)
+        turns = turns - torch.round(turns.detach())
+        return (torch.cos(2 * math.pi * turns.to(cdt)) * w.to(cdt)).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         # One scalar term per frequency (a score_mod indexes with a traced head, not slices).
