@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.relative.base import tensor_sum
 from flt.relative.spectra.base import Spectrum, as_dtype
+from flt.relative.spectra.gaussian_mixture import component_lengths
 from flt.relative.spectra.kernels import check_amplitude
 
 
@@ -65,17 +65,8 @@ class DiscreteSpectrum(Spectrum):
         length_spread: float = 8.0,
         **kwargs: Any,
     ) -> None:
-        check_positive_int("num_frequencies", num_frequencies)
-        check_positive_int("components", components)
         amplitude = check_amplitude(amplitude)
-        for name, value in (("length_scale", length_scale), ("length_spread", length_spread)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number (position units), got {value!r}")
-        if num_frequencies % components:
-            raise ValueError(
-                f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
-                "so every starting component gets the same number of frequencies"
-            )
+        lengths = component_lengths(num_frequencies, components, length_scale, length_spread)
         if kwargs.get("shift"):
             raise ValueError("shift: the discrete family has no components to shift (its mask is even); use shift=False")
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
@@ -84,8 +75,6 @@ class DiscreteSpectrum(Spectrum):
         self.components = components
         per = num_frequencies // components
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
-        lengths = (length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64)
-                   if components > 1 else torch.tensor([length_scale], dtype=torch.float64))
         spread = (1.0 / (2 * math.pi * lengths)).repeat_interleave(per).view(1, num_frequencies, 1)
         self.register_buffer("spread", spread.expand(heads, num_frequencies, 1).clone().to(**fk), persistent=False)
         self.theta = nn.Parameter(self.eps[..., :pos_dim].detach().clone().to(**fk))

@@ -35,6 +35,26 @@ from flt.relative.spectra.base import Spectrum, as_dtype, inverse_positive, posi
 from flt.relative.spectra.kernels import check_amplitude
 
 
+def component_lengths(num_frequencies: int, components: int, length_scale: float, length_spread: float) -> torch.Tensor:
+    """The starting lengths of ``components`` components, geometric from ``length_scale`` to
+    ``length_scale * length_spread`` (float64 ``[C]``), after checking that each component
+    gets ``num_frequencies / components`` frequencies (the mixture and the discrete family)."""
+    check_positive_int("num_frequencies", num_frequencies)
+    check_positive_int("components", components)
+    # An initial length of 0, inf or NaN would give log scales of +-inf.
+    for name, value in (("length_scale", length_scale), ("length_spread", length_spread)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive finite number (position units), got {value!r}")
+    if num_frequencies % components:
+        raise ValueError(
+            f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
+            "so every component gets the same number of frequencies"
+        )
+    if components == 1:
+        return torch.tensor([float(length_scale)], dtype=torch.float64)
+    return length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64)
+
+
 class GaussianMixtureSpectrum(Spectrum):
     """Learned Gaussian mixture per head: ``alpha [H, C]``, ``mu [H, C, P]``, ``log s [H, C, P]``.
 
@@ -85,13 +105,8 @@ class GaussianMixtureSpectrum(Spectrum):
         alpha_scale: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        check_positive_int("num_frequencies", num_frequencies)
-        check_positive_int("components", components)
         amplitude = check_amplitude(amplitude)
-        # Checked here: an initial length of 0, inf or NaN would give log scales of +-inf.
-        for name, value in (("length_scale", length_scale), ("length_spread", length_spread)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive finite number (position units), got {value!r}")
+        lengths = component_lengths(num_frequencies, components, length_scale, length_spread)
         if isinstance(mean_scale, bool) or not isinstance(mean_scale, (int, float)) or not (math.isfinite(mean_scale) and mean_scale >= 0):
             raise ValueError(f"mean_scale must be a finite number >= 0 (std of the initial component means), got {mean_scale!r}")
         if isinstance(min_length, bool) or not isinstance(min_length, (int, float)) or not (math.isfinite(min_length) and min_length >= 0):
@@ -110,11 +125,6 @@ class GaussianMixtureSpectrum(Spectrum):
                 f"basis={basis} fixes the component centres on a grid of offsets: it needs shift=True, pos_dim=1 and "
                 f"mean_scale=0, got shift={kwargs.get('shift', False)!r}, pos_dim={pos_dim}, mean_scale={mean_scale}"
             )
-        if num_frequencies % components:
-            raise ValueError(
-                f"num_frequencies ({num_frequencies}) must be a multiple of components ({components}) "
-                "so every mixture component gets the same number of frequencies"
-            )
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
         self.components = components
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
@@ -122,7 +132,6 @@ class GaussianMixtureSpectrum(Spectrum):
         self.alpha = nn.Parameter(torch.full((heads, components), amplitude / components / self.alpha_scale, **fk))
         mu = torch.randn(heads, components, pos_dim, dtype=torch.float64) * mean_scale
         self.mu = nn.Parameter(mu.to(**fk))
-        lengths = length_scale * torch.logspace(0, math.log10(length_spread), components, dtype=torch.float64) if components > 1 else torch.tensor([length_scale], dtype=torch.float64)
         self.min_length = float(min_length)
         # log_scale holds the learned part l' = l - min_length (all of l without a floor).
         scales = (1.0 / (2 * math.pi * (lengths - self.min_length))).view(1, components, 1)
