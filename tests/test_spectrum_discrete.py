@@ -130,8 +130,15 @@ def test_flt_layer_with_a_discrete_far_term_matches_its_reference():
     layer = FLTAttention.from_options(16, 2, pos_dim=3, spectrum="discrete", coupling="multiplicative", num_frequencies=8,
                                       num_features=8, near_neighbors=4, seed=0).double()
     moved(layer.spectrum, 0.2)
-    x, pos = torch.randn(2, 11, 16, dtype=F64), torch.randn(2, 11, 3, dtype=F64) * 2
-    torch.testing.assert_close(layer(x, pos), layer.reference(x, pos), rtol=1e-10, atol=1e-12)
+    x, pos = torch.randn(2, 11, 16, dtype=F64, requires_grad=True), torch.randn(2, 11, 3, dtype=F64) * 2
+    fast, ref = layer(x, pos), layer.reference(x, pos)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    # Backward as well: the input and every frequency and weight get the reference's gradient.
+    cot = torch.randn_like(fast)
+    wrt = (x, layer.spectrum.theta, layer.spectrum.beta)
+    for g_fast, g_ref in zip(torch.autograd.grad(fast, wrt, cot), torch.autograd.grad(ref, wrt, cot), strict=True):
+        assert g_fast.abs().max() > 0
+        torch.testing.assert_close(g_fast, g_ref, rtol=1e-9, atol=1e-11)
 
 
 def test_options_are_checked():
