@@ -110,7 +110,7 @@ class Spectrum(RelativeTerm):
         self.heads, self.pos_dim, self.num_frequencies = heads, pos_dim, num_frequencies
         self.sampler, self.seed = sampler, seed
         #: Whether the layer that owns this spectrum samples its frequencies.
-        self.has_random_features = True
+        self.has_random_features = not self.exact_estimate
         self._factory: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
         if not isinstance(shift, bool):
@@ -361,11 +361,12 @@ def cycles(points: torch.Tensor, xi: torch.Tensor) -> torch.Tensor:
     ``cos(2 pi t)`` and ``sin(2 pi t)`` only need ``t`` modulo 1, and after the reduction
     the angle is at most ``pi``, so casting it to float32 costs one float32 rounding of a
     number below ``pi``, however large the positions. The reduction is not differentiated
-    (whole cycles are locally constant): gradients are those of ``xi . x``.
+    (whole cycles are locally constant): gradients are those of ``xi . x``. The products are
+    one contraction over ``P``, with no ``[..., H, R, P]`` tensor of products.
     """
     dtype = phase_dtype(points)
     with torch.autocast(points.device.type, enabled=False):
-        t = (points.to(dtype)[..., None, None, :] * xi.to(dtype)).sum(-1)
+        t = torch.einsum("...p,hrp->...hr", points.to(dtype), xi.to(dtype))
     return t - torch.round(t.detach())
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from flt._dtype import compute_dtype
 from flt.relative.base import tensor_sum
-from flt.relative.spectra.base import Spectrum, as_dtype
+from flt.relative.spectra.base import Spectrum, as_dtype, cycles
 from flt.relative.spectra.gaussian_mixture import component_lengths
 from flt.relative.spectra.kernels import check_amplitude
 
@@ -51,7 +51,7 @@ class DiscreteSpectrum(Spectrum):
     exact_estimate = True
     random_feature_buffers = ()
 
-    spread: torch.Tensor  # buffer: ``s_c`` of every frequency, ``[H, R, 1]`` (from the options, not saved)
+    spread: torch.Tensor  # buffer: ``s_c`` of every frequency, ``[1, R, 1]`` (from the options, not saved)
 
     def __init__(
         self,
@@ -69,14 +69,12 @@ class DiscreteSpectrum(Spectrum):
         lengths = component_lengths(num_frequencies, components, length_scale, length_spread)
         if kwargs.get("shift"):
             raise ValueError("shift: the discrete family has no components to shift (its mask is even); use shift=False")
-        super().__init__(heads, pos_dim, num_frequencies, **kwargs)
-        # The frequencies are parameters: no owner may redraw them.
-        self.has_random_features = False
+        super().__init__(heads, pos_dim, num_frequencies, **kwargs)  # has_random_features: False
         self.components = components
         per = num_frequencies // components
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
         spread = (1.0 / (2 * math.pi * lengths)).repeat_interleave(per).view(1, num_frequencies, 1)
-        self.register_buffer("spread", spread.expand(heads, num_frequencies, 1).clone().to(**fk), persistent=False)
+        self.register_buffer("spread", spread.to(**fk), persistent=False)
         self.theta = nn.Parameter(self.eps[..., :pos_dim].detach().clone().to(**fk))
         self.beta = nn.Parameter(torch.full((heads, num_frequencies), amplitude / components, **fk))
 
@@ -100,12 +98,7 @@ class DiscreteSpectrum(Spectrum):
         self._check_points("delta", delta)
         cdt = compute_dtype(delta, self.theta)
         xi, w = self.precise_frequencies(delta)
-        with torch.autocast(delta.device.type, enabled=False):
-            # xi_k.Delta as a contraction over P (the near set asks for N k offsets at once:
-            # no [..., H, R, P] product tensor), in the phase dtype, then whole cycles off.
-            turns = torch.einsum("...p,hrp->...hr", delta.to(xi.dtype), xi)
-        turns = turns - torch.round(turns.detach())
-        return (torch.cos(2 * math.pi * turns.to(cdt)) * w.to(cdt)).sum(-1)
+        return (torch.cos(2 * math.pi * cycles(delta, xi).to(cdt)) * w.to(cdt)).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         # One scalar term per frequency (a score_mod indexes with a traced head, not slices).
@@ -116,8 +109,9 @@ class DiscreteSpectrum(Spectrum):
     def pairwise(self, pos_q: torch.Tensor, pos_k: torch.Tensor) -> torch.Tensor:
         """The exact ``f`` of every pair, ``[B|1, H, N, Nk]``, as products of the features
         (exact for this family): ``O(N Nk R)`` without the ``[B, N, Nk, H, R]`` phases."""
-        a, _ = self.features(pos_q)
-        _, c = self.features(pos_k)
+        a, c = self.features(pos_q)
+        if pos_k is not pos_q:
+            _, c = self.features(pos_k)
         return a @ c.transpose(-1, -2)
 
     def extra_repr(self) -> str:
