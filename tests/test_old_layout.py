@@ -1,6 +1,8 @@
 """State dicts written before a layer held its mechanism in ``layer.core`` load into the
-current layers and give the same float64 outputs, bit for bit (tests/fixtures/old_layout/make.py
-wrote them, with their outputs, at commit 3aaa523)."""
+current layers and give the same float64 outputs (tests/fixtures/old_layout/make.py wrote
+them, with their outputs, at commit 3aaa523). Same to float64 rounding: the fast paths may
+since add the same terms in another order (a transposed operand of a matmul, a contraction
+by einsum); fresh weights differ from the file's by far more (the first check)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ OUTPUTS = load_file(OLD / "outputs.safetensors")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal to float64 rounding (module docstring)."""
+    return torch.allclose(got, expected, rtol=1e-12, atol=1e-13)
+
+
 def fresh(name: str) -> torch.nn.Module:
     """The layer of ``name`` built again, with other weights than the file's (another seed)."""
     cls, options, pos_dim, causal = make.LAYERS[name]
@@ -44,12 +51,12 @@ def test_old_state_dict_loads_and_gives_the_same_outputs(name: str) -> None:
     layer = fresh(name)
     x, pos = make.inputs(make.LAYERS[name][2])
     with torch.no_grad():
-        assert not torch.equal(layer(x, pos), OUTPUTS[f"{name}.forward"])  # the fresh weights differ
+        assert not same(layer(x, pos), OUTPUTS[f"{name}.forward"])  # the fresh weights differ
     old = load_file(OLD / f"{name}.safetensors")
     layer.load_state_dict(old, strict=True)
     with torch.no_grad():
-        assert torch.equal(layer(x, pos), OUTPUTS[f"{name}.forward"])
-        assert torch.equal(layer.exact(x, pos), OUTPUTS[f"{name}.exact"])
+        assert same(layer(x, pos), OUTPUTS[f"{name}.forward"])
+        assert same(layer.exact(x, pos), OUTPUTS[f"{name}.exact"])
     # Every tensor of the file reached the layer: saved again, the same values.
     new = layer.state_dict()
     assert len(new) == len(old)
@@ -66,7 +73,7 @@ def test_old_run_checkpoint_loads_through_the_resume_path(tmp_path: Path) -> Non
     load_weights(str(tmp_path), model)
     tokens = torch.arange(make.N).remainder(11).view(1, make.N)
     with torch.no_grad():
-        assert torch.equal(model(tokens), OUTPUTS["lm.logits"])
+        assert same(model(tokens), OUTPUTS["lm.logits"])
 
 
 def test_old_optimizer_state_gives_each_parameter_its_own_moments(tmp_path: Path) -> None:
@@ -98,7 +105,7 @@ def test_flt_evaluate_loads_an_old_checkpoint() -> None:
     assert load_with_draws(model, load_file(OLD / "lm.safetensors"), {}) is True
     tokens = torch.arange(make.N).remainder(11).view(1, make.N)
     with torch.no_grad():
-        assert torch.equal(model(tokens), OUTPUTS["lm.logits"])
+        assert same(model(tokens), OUTPUTS["lm.logits"])
 
 
 @pytest.mark.parametrize("name", ["performer", "flt_band"])
