@@ -132,8 +132,16 @@ def _write(kf, c, vaug):
     the values with the narrower of ``c`` (``2R``) and ``kf`` (``m``) is formed, then contracted
     with the other: ``[..., m, 2R*(Dv+1)]`` when ``2R <= m``, else ``[..., 2R, m*(Dv+1)]``.
     Either way ``O(T * 2R * m * (Dv+1))`` work in one matmul.
+
+    Layout: the gradient of the transposed operand of a batched matmul comes back
+    transposed, and every elementwise pass over a transposed ``[N, m]`` gradient (the
+    features' own backward) is several times slower than over a contiguous one. So the
+    narrower of the two operands is the one transposed: in the plain case ``(vaug^T kf)^T``
+    (a transposed view of the state) when ``vaug`` is narrower than ``kf``.
     """
     if c is None:
+        if vaug.shape[-1] < kf.shape[-1]:
+            return (vaug.transpose(-1, -2) @ kf).transpose(-1, -2)
         return kf.transpose(-1, -2) @ vaug
     if c.shape[-1] <= kf.shape[-1]:
         return kf.transpose(-1, -2) @ (c.unsqueeze(-1) * vaug.unsqueeze(-2)).flatten(-2)
@@ -228,7 +236,7 @@ def _bidirectional(qf, kf, v, a, c, kls, chunk_size):
     # One global shift of the key log scales; it cancels in the ratio.
     vaug = _augment(v, None if kls is None else torch.exp(kls - kls.amax(dim=-1, keepdim=True)))
     if a is None:
-        return qf @ (kf.transpose(-1, -2) @ vaug)
+        return qf @ _write(kf, None, vaug)
     # Kronecker: stream the Khatri-Rao intermediate [block, min(2R, m) * (Dv+1)] over blocks
     # of tokens, as large as keeps it within the size of the features (few, large matmuls)
     # and at least chunk_size. split, not slicing: the backward concatenates block gradients once.
