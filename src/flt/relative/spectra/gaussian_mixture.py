@@ -182,9 +182,14 @@ class GaussianMixtureSpectrum(Spectrum):
         # would round the shift.
         d = self.component_offsets(delta.to(compute_dtype(delta, self.mu)))  # [..., 1, 1, P] or [..., H, C, P]
         s = self.scales()
-        osc = torch.cos(2 * math.pi * (self.mu * d).sum(-1))
-        env = torch.exp(-2 * math.pi**2 * (s * s * d * d).sum(-1))
-        return (self.weights() * osc * env).sum(-1)
+        if self.shift is None:
+            # Unshifted: the phase and the decay contract P by one product each, with no
+            # [..., H, C, P] tensor (the near set's k pairs per query, every step).
+            x, mu, s2 = d[..., 0, 0, :], self.mu.to(d.dtype), (s * s).to(d.dtype)
+            phase, decay = torch.einsum("...p,hcp->...hc", x, mu), torch.einsum("...p,hcp->...hc", x * x, s2)
+        else:
+            phase, decay = (self.mu * d).sum(-1), (s * s * d * d).sum(-1)
+        return (self.weights() * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay)).sum(-1)
 
     def head_value(self, delta: list[torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         terms, weights, scales = [], self.weights(), self.scales()  # scales() holds min_length, as mask() has it
