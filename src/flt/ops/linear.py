@@ -405,21 +405,26 @@ def _scan(fresh, ends, carry):
     outer, block_levels = _prefix_matrix(block_ends, level, S, flat)
     starts = None if e is None else block_levels[..., :S]
     inner, chunk_levels = _prefix_matrix(e, starts, b, flat)
-    within = inner @ flat  # [B, H, S, b + 1, XY]: rows t < b at l_(s,t), row b the block total at E_s
+    # Rows t < b at l_(s,t), row b the block total at E_s. split, not slicing, for the large
+    # tensors here: the backward of a slice fills a zero tensor of the whole size per slice
+    # and adds them; that of a split concatenates once.
+    prefix, totals = (inner @ flat).split([b, 1], dim=3)  # [B, H, S, b, XY], [B, H, S, 1, XY]
     start = state.flatten(-2).unsqueeze(2)  # the carry, re-expressed at every block's level
     if block_levels is not None:
         start = start * torch.exp(level.unsqueeze(-1) - block_levels).unsqueeze(-1)
-    across = outer @ within[:, :, :, b] + start  # [B, H, S + 1, XY]
-    prefix = within[:, :, :, :b]
+    before, after = (outer @ totals.squeeze(3) + start).split([S, 1], dim=2)  # [B, H, S + 1, XY] cut
     if e is None:
-        prefix = prefix + across[:, :, :S].unsqueeze(3)
+        prefix = prefix + before.unsqueeze(3)
     else:
         assert starts is not None and chunk_levels is not None  # both set when e is
         chunk_levels = chunk_levels[..., :b]  # [B, H, S, b]
-        prefix = prefix + across[:, :, :S].unsqueeze(3) * torch.exp(starts.unsqueeze(-1) - chunk_levels).unsqueeze(-1)
+        prefix = prefix + before.unsqueeze(3) * torch.exp(starts.unsqueeze(-1) - chunk_levels).unsqueeze(-1)
         chunk_levels = chunk_levels.flatten(2)[..., :G]
-    prefix = prefix.flatten(2, 3)[:, :, :G].unflatten(-1, fresh.shape[-2:])
-    carry = (across[:, :, S].unflatten(-1, fresh.shape[-2:]), None if e is None else block_levels[..., S])
+    prefix = prefix.flatten(2, 3)
+    if prefix.shape[2] > G:
+        prefix = prefix[:, :, :G]
+    prefix = prefix.unflatten(-1, fresh.shape[-2:])
+    carry = (after.squeeze(2).unflatten(-1, fresh.shape[-2:]), None if e is None else block_levels[..., S])
     return prefix, chunk_levels, carry
 
 
