@@ -10,6 +10,12 @@
 #   split  the feature-split Triton kernels (`backend="triton-split"`): their CUDA tests, then
 #          their first timing, forward and forward+backward at N = 4096 and 16384 beside the
 #          eager PyTorch row (at most 260 s)
+#   presets  the ListOps and longlm `base` presets, FLT and softmax + T5, seeds 0 and 1: eight
+#          trainings at once on the one GPU (each about 7 minutes alone on an H200 by the step
+#          times measured there), each stopped at PRESET_LIMIT seconds (default 540); their
+#          summaries (or, for a run stopped early, its last logged lines) go to
+#          $OUT/presets.jsonl and $OUT/presets.log. Meant as its own device call.
+#          PRESET=smoke PRESET_DEVICE=cpu PRESET_STEPS=2 checks the plumbing without a GPU.
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
 #          too large to carry to a device machine), median step time (at most 300 s; DimeNet++ took 32 s on an H200)
@@ -30,7 +36,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.ve
 
 PARTS=${*:-cuda bench}
 for p in $PARTS; do
-    case $p in diag|cuda|qm9|bench|split) ;; *) echo "unknown part '$p': choose from diag cuda qm9 bench split" >&2; exit 2 ;; esac
+    case $p in diag|cuda|qm9|bench|split|presets) ;; *) echo "unknown part '$p': choose from diag cuda qm9 bench split presets" >&2; exit 2 ;; esac
 done
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 STATUS=0
@@ -62,6 +68,36 @@ if part cuda; then
 timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
     2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
 note "cuda tests" "${PIPESTATUS[0]}"
+fi
+
+if part presets; then
+# Eight trainings side by side; the GPU is shared, so each one's s/step is not its speed alone.
+PRESET=${PRESET:-base}
+runs=()
+for task in listops longlm; do
+    for attention in flt "softmax:relative_bias=t5"; do
+        for seed in 0 1; do
+            name="$task-${attention%%:*}-s$seed"
+            dir="$WORK/presets/$name"
+            mkdir -p "$dir"
+            steps=()
+            [ -n "${PRESET_STEPS:-}" ] && steps=(--steps "$PRESET_STEPS")
+            timeout -k 10 "${PRESET_LIMIT:-540}" $PY -m flt train "$task" --preset "$PRESET" --attention "$attention" --seed "$seed" \
+                --device "${PRESET_DEVICE:-cuda}" "${steps[@]}" --no-plots --no-progress --out-dir "$dir/run" > "$dir/log" 2>&1 &
+            runs+=("$!:$name")
+        done
+    done
+done
+for entry in "${runs[@]}"; do
+    pid=${entry%%:*} name=${entry#*:}
+    wait "$pid"
+    note "presets $name" $?
+    { echo "== $name"; tail -25 "$WORK/presets/$name/log"; } >> "$OUT/presets.log"
+    $PY -c "import json, sys; s = json.load(open(sys.argv[1])); print(json.dumps({'run': sys.argv[2], **s}))" \
+        "$WORK/presets/$name/run/summary.json" "$name" >> "$OUT/presets.jsonl" 2>/dev/null \
+        || echo "{\"run\": \"$name\", \"finished\": false}" >> "$OUT/presets.jsonl"
+    echo "presets $name: $(grep -a -h "s/step\|Error" "$WORK/presets/$name/log" | tail -1)"
+done
 fi
 
 if part qm9; then
