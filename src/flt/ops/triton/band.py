@@ -20,6 +20,7 @@ bidirectional: the estimate over all keys less its band part), the exact band by
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -184,7 +185,12 @@ def band_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, pr
     true FAVOR+ scale, that of ``exp(x_q.x_k)``), and bidirectionally the band part of the
     estimate (PyTorch features, :func:`flt.ops.band._band_estimate`) relative to
     ``exp(q_shift_i + max_j k_shift_j)``. They are added at the largest of the levels, so
-    every factor is ``exp(. ) <= 1``; the levels are detached (the common factor cancels).
+    every factor is at most 1; the levels are detached (the common factor cancels). The
+    diagonal's exponent is taken even where its key is padded (its values are zero): a
+    row whose other band keys lie more than ~80 below it (float32) would lose them.
+    Bidirectionally the band part of the estimate needs the ``[B, H, N, m]`` features in
+    PyTorch, as :func:`flt.ops.band.band_attention` does; causally nothing of size ``m``
+    per token is stored.
 
     Args:
         xq, xk, v, projection, band_bias, width, extra_q, extra_k, causal, key_mask, segments:
@@ -208,12 +214,12 @@ def band_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, pr
     check_positive_int("block_size", T)
     if T < width:
         raise ValueError(f"block_size ({T}) must be at least width ({width})")
-    B, H, N, _ = xq.shape
+    B, N = xq.shape[0], xq.shape[2]
     cdt = compute_dtype(xq, xk, v, extra_q)
     xq, xk, bias = xq.to(cdt), xk.to(cdt), band_bias.to(cdt)
     valid = torch.ones(B, N, dtype=torch.bool, device=xq.device) if key_mask is None else key_mask
     vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1) * valid[:, None, :, None].to(cdt)
-    tile = {"chunk_size": chunk_size, "feature_block": feature_block, "value_block": value_block, "segments": segments}
+    tile: dict[str, Any] = {"chunk_size": chunk_size, "feature_block": feature_block, "value_block": value_block, "segments": segments}
 
     # The diagonal pair is in every row's band: its exponent is on the band's scale even
     # where the far field has no key (its level is then about -1e30, too far for float32).
@@ -240,5 +246,7 @@ def band_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, pr
         estimate = torch_band._band_estimate(qf, kf * key_weight.unsqueeze(-1), vaug, windows, T)
         parts.append((-estimate, q_shift + top))
     level = torch.stack([lev for _, lev in parts]).amax(dim=0)
-    sums = sum(part * torch.exp(lev - level).unsqueeze(-1) for part, lev in parts)
+    sums = near * torch.exp(diagonal + c - level).unsqueeze(-1)
+    for part, lev in parts[1:]:
+        sums = sums + part * torch.exp(lev - level).unsqueeze(-1)
     return safe_divide(sums[..., :-1], sums[..., -1:])
