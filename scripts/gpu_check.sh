@@ -9,7 +9,7 @@
 #   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   split  the feature-split Triton kernels (`backend="triton-split"`): their CUDA tests, then
 #          their first timing, forward and forward+backward at N = 4096 and 16384 beside the
-#          eager PyTorch row (at most 260 s)
+#          eager PyTorch row, the band (near_field=8) on them too (at most 320 s)
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
 #          too large to carry to a device machine), median step time (at most 300 s; DimeNet++ took 32 s on an H200)
@@ -105,8 +105,8 @@ if part split; then
 timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
     2>&1 | tee "$OUT/pytest-split.log" | tail -15
 note "split tests" "${PIPESTATUS[0]}"
-bench split 160 --shapes batch --lengths 4096 16384 \
-    --rows "flt-logit triton-split" "flt-logit eager" "performer triton-split"
+bench split 220 --shapes batch --lengths 4096 16384 \
+    --rows "flt-logit triton-split" "flt-logit eager" "performer triton-split" "flt-logit band8 triton-split"
 fi
 for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 exit $STATUS
