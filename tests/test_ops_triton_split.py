@@ -269,8 +269,8 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("name,options", [("performer", {}), ("flt", {"coupling": "logit", "num_frequencies": 4})], ids=["performer", "flt-logit"])
 def test_layer_backend_triton_split_matches_torch(name, options, causal):
     """``backend="triton-split"`` computes the same forward and gradients as the PyTorch
-    ops, with padded keys (bidirectional) and in float64; the multiplicative coupling and
-    the band are refused with the backend that has them."""
+    ops, with padded keys (bidirectional) and in float64; the multiplicative coupling is
+    refused with the backend that has it (the band: tests/test_ops_triton_split_band.py)."""
     from flt.layers.registry import ATTENTION
 
     kw = dict(pos_dim=1, causal=causal, num_features=40, dtype=torch.float64, seed=1, **options)
@@ -286,5 +286,5 @@ def test_layer_backend_triton_split_matches_torch(name, options, causal):
     (g_out,) = torch.autograd.grad((out * up).sum(), x)
     (g_ref,) = torch.autograd.grad((ref * up).sum(), x)
     assert_close(g_out, g_ref)
-    with pytest.raises(ValueError, match="use backend='triton' for near_field"):
-        ATTENTION["flt"].from_options(16, 2, backend="triton-split", near_field=4)
+    with pytest.raises(ValueError, match="use backend='triton' for coupling='multiplicative'"):
+        ATTENTION["flt"].from_options(16, 2, backend="triton-split", coupling="multiplicative", num_frequencies=4)

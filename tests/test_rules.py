@@ -32,7 +32,8 @@ CASES = {
     ),
     "triton_has_no_neighbors": (
         Facts(features="favor+", backend="triton", near_neighbors=4, coupling="logit"),
-        "backend='triton' has no kernel for near_neighbors (the band, near_field, has one on backend='triton'); use backend='torch'",
+        "backend='triton' has no kernel for near_neighbors (the band, near_field, has them on backend='triton' and 'triton-split'); "
+        "use backend='torch'",
         lambda: FLTAttention(16, 2, near=Neighbors(4), settings=Settings(backend="triton")),
     ),
     "one_near_set": (
@@ -102,7 +103,7 @@ CASES = {
     ),
     "split_kernel_covers": (
         Facts(features="favor+", coupling="multiplicative", backend="triton-split", spectrum_term=True),
-        "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' without a band; "
+        "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' (with or without a band); "
         "use backend='triton' for coupling='multiplicative'",
         lambda: FLTAttention(16, 2, coupling="multiplicative", settings=Settings(backend="triton-split")),
     ),
@@ -149,5 +150,6 @@ def test_the_defaults_break_no_rule():
     assert broken_rules(Facts()) == []
     assert broken_rules(Facts(features="favor+", coupling="logit", backend="triton-split", spectrum_term=True)) == []
     assert broken_rules(Facts(features="favor+", coupling="logit", near_field=16, spectrum_term=True)) == []
+    assert broken_rules(Facts(features="favor+", coupling="logit", near_field=16, backend="triton-split", spectrum_term=True)) == []
     assert broken_rules(Facts(features="favor+", coupling="multiplicative", near_neighbors=8, far_field=False,
                               spectrum_term=True)) == []

@@ -62,6 +62,8 @@ GPU_ROWS: dict[str, GpuRow] = {
     "flt-mult triton": GpuRow("flt-mult/m64/R8", (("backend", "triton"), ("check_condition", False)), note="Triton kernel, one program per spectral index"),
     "flt-logit band8 compiled": GpuRow("flt-logit/m256/R32/band8", compile=True, note="exact band of 17 tokens + far field"),
     "flt-logit band8 triton": GpuRow("flt-logit/m256/R32/band8", (("backend", "triton"),), note="band kernel, far-field features made in it"),
+    "flt-logit band8 triton-split": GpuRow("flt-logit/m256/R32/band8", (("backend", "triton-split"),),
+                                           note="far field on the feature-split kernels, exact band by the PyTorch blocks"),
     "performer compiled": GpuRow("performer/m256", compile=True),
     "performer triton": GpuRow("performer/m256", (("backend", "triton"),)),
     "flt-logit triton-split": GpuRow("flt-logit/m256/R32", (("backend", "triton-split"),),

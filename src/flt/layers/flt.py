@@ -398,9 +398,9 @@ class FLTAttention(KernelAttention):
             :func:`flt.ops.triton.favor_attention` and, with a band,
             :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
             :class:`~flt.layers.near.Neighbors`; ``"triton-split"``: the feature-split kernels
-            of :mod:`flt.ops.triton.split`, forward and backward, logit coupling without a
-            band), ``redraw_interval`` (a layer-level redraw
-            schedule, :class:`flt.layers.kernel.KernelCore`; ``flt train`` redraws by
+            of :mod:`flt.ops.triton.split`, forward and backward, logit coupling; with a
+            band :func:`flt.ops.triton.band.band_attention_split`), ``redraw_interval`` (a
+            layer-level redraw schedule, :class:`flt.layers.kernel.KernelCore`; ``flt train`` redraws by
             ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
             multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums
             cancel so much that rounding can reach ``1e-4`` of an output in float32, or swamp

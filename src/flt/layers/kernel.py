@@ -39,8 +39,9 @@ from flt.posenc.rope import apply_rope
 #: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; FAVOR+ features only). On an
 #: H200 at m = 256 the kernels' forward was 10-18x slower than ``"torch"`` (fwd+bwd 7-8x) (docs/performance.md): on
 #: a GPU, ``torch.compile`` of the ``"torch"`` path is the fast one. ``"triton-split"``: the
-#: feature-split kernel (:mod:`flt.ops.triton.split`; Performer and FLT's logit coupling
-#: without a band), written to be the fast one and not yet timed.
+#: feature-split kernel (:mod:`flt.ops.triton.split`; Performer and FLT's logit coupling,
+#: with a band too, :func:`flt.ops.triton.band.band_attention_split`), written to be the
+#: fast one and not yet timed.
 KERNEL_BACKENDS = ("torch", "triton", "triton-split")
 
 

@@ -160,7 +160,7 @@ class Band(NearSet):
 
     def attend(self, core: FLTCore, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the band, the FAVOR+ estimate beyond it."""
-        if core.backend == "triton" and not reference:
+        if core.backend in ("triton", "triton-split") and not reference:
             return self._attend_triton(core, p)
         xq, xk, qf, kf, q_shift, k_shift = core.near_set_features(p)
         bias = self.bias(core, batch_shared(p.pos).to(xq.dtype))  # [B|1, H, N, 2w + 1]
@@ -172,8 +172,12 @@ class Band(NearSet):
                               key_mask=key_mask, chunk_size=core.chunk_size)
 
     def _attend_triton(self, core: FLTCore, p: Prepared) -> torch.Tensor:
-        """The band by :func:`flt.ops.triton.band.band_attention` (far-field features made in the kernel)."""
-        from flt.ops.triton.band import band_attention as band_kernel
+        """The band by :func:`flt.ops.triton.band.band_attention` (``backend="triton"``) or
+        :func:`flt.ops.triton.band.band_attention_split` (``"triton-split"``), far-field
+        features made in the kernels."""
+        from flt.ops.triton.band import band_attention, band_attention_split
+
+        band_kernel = band_attention_split if core.backend == "triton-split" else band_attention
 
         xq, xk = core.scaled_qk(p.q, p.k, p.pos)
         a, c = core.far_features(p.pos)

@@ -81,8 +81,8 @@ RULES: tuple[Rule, ...] = (
          lambda f: f"rope needs head_dim ({f.head_dim}) divisible by 2 * pos_dim ({2 * f.pos_dim})"),
     Rule("triton_has_no_neighbors", "Neighbors",
          lambda f: f.backend in ("triton", "triton-split") and bool(f.near_neighbors),
-         lambda f: f"backend={f.backend!r} has no kernel for near_neighbors (the band, near_field, has one on backend='triton'); "
-                   "use backend='torch'"),
+         lambda f: f"backend={f.backend!r} has no kernel for near_neighbors (the band, near_field, has them on backend='triton' "
+                   "and 'triton-split'); use backend='torch'"),
     Rule("one_near_set", "near",
          lambda f: bool(f.near_field and f.near_neighbors),
          lambda f: f"near_field ({f.near_field}) and near_neighbors ({f.near_neighbors}) are exclusive: choose one near set, "
@@ -127,9 +127,9 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.coupling == "multiplicative" and not f.spectrum_term,
          lambda f: "coupling='multiplicative' applies to relative_bias='spectrum' only"),
     Rule("split_kernel_covers", "settings.backend",
-         lambda f: f.backend == "triton-split" and (f.coupling == "multiplicative" or bool(f.near_field)),
-         lambda f: "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' without a band; "
-                   "use backend='triton' for " + ("near_field" if f.near_field else "coupling='multiplicative'")),
+         lambda f: f.backend == "triton-split" and f.coupling == "multiplicative",
+         lambda f: "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' (with or "
+                   "without a band); use backend='triton' for coupling='multiplicative'"),
     Rule("tables_are_one_dimensional", "relative",
          lambda f: f.relative in ("t5", "clipped") and f.pos_dim != 1,
          lambda f: f"relative_bias={f.relative!r} is a table over 1-D integer offsets; got pos_dim = {f.pos_dim}"),

@@ -1,18 +1,29 @@
-"""FLT's banded estimator (:func:`flt.ops.band.band_attention`) as a Triton kernel, with the
-FAVOR+ features of the far field computed inside it (:mod:`flt.ops.triton.kernels`).
+"""FLT's banded estimator (:func:`flt.ops.band.band_attention`) on Triton kernels, with the
+FAVOR+ features of the far field computed inside them.
 
 :func:`band_attention` takes what the features are made of: the scaled queries and keys
 (the exact band uses ``exp(x_q.x_k + b)``), the spectral features ``a(r), c(r)`` joined to
-them for the far field's FAVOR+ (logit coupling) and the projection. Its gradients are
-those of :func:`band_attention_torch`, the same computation by the PyTorch ops,
+them for the far field's FAVOR+ (logit coupling) and the projection. It is one kernel
+(:mod:`flt.ops.triton.kernels`, band and far field in one program per head); its gradients
+are those of :func:`band_attention_torch`, the same computation by the PyTorch ops,
 recomputed in the backward pass.
+
+:func:`band_attention_split` (layers: ``backend="triton-split"``) computes the same function
+from the feature-split kernels (:mod:`flt.ops.triton.split`, forward and backward) and
+the PyTorch blocked band of :mod:`flt.ops.band`, composed here: the far field's sums and
+their row level by :func:`flt.ops.triton.split.favor_sums_split` (causal: keys, values and
+``extra_k`` delayed by ``w + 1`` tokens, so the scan never sees a band pair;
+bidirectional: the estimate over all keys less its band part), the exact band by
+:func:`flt.ops.band._exact_band`, added at a common row level, then divided.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from flt._checks import check_positive_int, check_tensor
 from flt._dtype import compute_dtype
@@ -159,3 +170,83 @@ class _BandAttention(torch.autograd.Function):
             grads = iter(torch.autograd.grad(out, sources, grad.to(out.dtype)) if sources else ())
         g = [next(grads) if w else None for w in wanted]
         return g[0], g[1], g[2], None, g[3], g[4], g[5], None, None, None, None, None
+
+
+def band_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, band_bias: torch.Tensor, *, width: int,
+                         extra_q: torch.Tensor, extra_k: torch.Tensor, causal: bool = False, key_mask: torch.Tensor | None = None,
+                         chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
+                         segments: int | None = None, block_size: int | None = None) -> torch.Tensor:
+    """:func:`band_attention` with the far field on the feature-split kernels (module docstring).
+
+    Every part is a sum of nonnegative weights times ``[v, 1]`` relative to its own row
+    level: the exact band relative to ``exp(d_i + c_i)`` (``d_i = x_q.x_k + b`` of the
+    diagonal pair, ``c_i >= 0`` the band's largest exponent above it), the kernel's far
+    sums relative to ``exp(level_i)`` (:func:`flt.ops.triton.split.favor_sums_split`: the
+    true FAVOR+ scale, that of ``exp(x_q.x_k)``), and bidirectionally the band part of the
+    estimate (PyTorch features, :func:`flt.ops.band._band_estimate`) relative to
+    ``exp(q_shift_i + max_j k_shift_j)``. They are added at the largest of the levels, so
+    every factor is at most 1; the levels are detached (the common factor cancels). The
+    diagonal's exponent is taken even where its key is padded (its values are zero): a
+    row whose other band keys lie more than ~80 below it (float32) would lose them.
+    Bidirectionally the band part of the estimate needs the ``[B, H, N, m]`` features in
+    PyTorch, as :func:`flt.ops.band.band_attention` does; causally nothing of size ``m``
+    per token is stored.
+
+    Args:
+        xq, xk, v, projection, band_bias, width, extra_q, extra_k, causal, key_mask, segments:
+            as :func:`band_attention`.
+        chunk_size, feature_block, value_block: the far field's tile, as
+            :func:`flt.ops.triton.split.favor_attention_split` (None: its defaults).
+        block_size: ``T >= w``, the exact band's query blocks (default ``max(w, 16)``,
+            :func:`flt.ops.band.band_attention`).
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 when an input is float64); rows without any
+        valid key are zeros.
+    """
+    from flt.ops.triton.split import favor_sums_split
+
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    _check_band(xq, band_bias, width)
+    if extra_q is None:
+        raise ValueError("extra_q and extra_k are required: the band is FLT's logit coupling")
+    T = max(width, 16) if block_size is None else block_size
+    check_positive_int("block_size", T)
+    if T < width:
+        raise ValueError(f"block_size ({T}) must be at least width ({width})")
+    B, N = xq.shape[0], xq.shape[2]
+    cdt = compute_dtype(xq, xk, v, extra_q)
+    xq, xk, bias = xq.to(cdt), xk.to(cdt), band_bias.to(cdt)
+    valid = torch.ones(B, N, dtype=torch.bool, device=xq.device) if key_mask is None else key_mask
+    vaug = torch.cat([v.to(cdt), v.new_ones(*v.shape[:-1], 1).to(cdt)], dim=-1) * valid[:, None, :, None].to(cdt)
+    tile: dict[str, Any] = {"chunk_size": chunk_size, "feature_block": feature_block, "value_block": value_block, "segments": segments}
+
+    # The diagonal pair is in every row's band: its exponent is on the band's scale even
+    # where the far field has no key (its level is then about -1e30, too far for float32).
+    diagonal = ((xq * xk).sum(dim=-1) + bias[..., width]).detach()
+    near, c, windows = torch_band._exact_band(xq, xk, vaug, bias, diagonal, valid, width, T, causal)
+    parts = [(near, diagonal + c)]
+    if causal and width + 1 < N:
+        shift = width + 1
+
+        def delay(t: torch.Tensor) -> torch.Tensor:  # key j enters at token j + w + 1
+            return F.pad(t, (0, 0, shift, -shift))
+
+        keep = torch.zeros_like(valid)
+        keep[:, shift:] = valid[:, :-shift]  # the filler keys are padding
+        parts.append(favor_sums_split(xq, delay(xk), delay(v), projection, causal=True, extra_q=extra_q, extra_k=delay(extra_k),
+                                      key_mask=keep, **tile))
+    elif not causal:
+        parts.append(favor_sums_split(xq, xk, v, projection, extra_q=extra_q, extra_k=extra_k, key_mask=key_mask, **tile))
+        qf, q_shift = favor_plus_features_split(xq, extra_q.to(cdt), projection)
+        kf, k_shift = favor_plus_features_split(xk, extra_k.to(cdt), projection)
+        top = k_shift.masked_fill(~valid[:, None, :], -float("inf")).amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # no valid key at all
+        key_weight = torch.exp(torch.where(valid[:, None, :], k_shift, top) - top)  # <= 1; padded keys are masked in the band
+        estimate = torch_band._band_estimate(qf, kf * key_weight.unsqueeze(-1), vaug, windows, T)
+        parts.append((-estimate, q_shift + top))
+    level = torch.stack([lev for _, lev in parts]).amax(dim=0)
+    sums = near * torch.exp(diagonal + c - level).unsqueeze(-1)
+    for part, lev in parts[1:]:
+        sums = sums + part * torch.exp(lev - level).unsqueeze(-1)
+    return safe_divide(sums[..., :-1], sums[..., -1:])

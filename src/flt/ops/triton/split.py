@@ -101,6 +101,50 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         denominator are zeros.
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    tile = _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments)
+    if backward not in ("kernel", "torch"):
+        raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
+    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tile, segments,
+                             backward == "torch")
+
+
+def favor_sums_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False,
+                     extra_q: torch.Tensor | None = None, extra_k: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
+                     chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
+                     segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FAVOR+ numerators and denominators by the feature-split kernel, unnormalised, with
+    their row level: what a caller adds other weights to (:func:`flt.ops.triton.band.band_attention_split`).
+
+    ``total * exp(level)`` are the true sums ``sum_j phi(q_i).phi(k_j) [v_j, 1]`` (``j <= i``
+    when causal, valid keys only), on the scale of ``exp(q.k)``: every factor the kernel
+    takes out of the features (each block's shift, the ``m^(-1/2)``, ``-|x|^2 / 2`` of
+    queries and keys) is in ``level``. ``level`` is detached (a stabiliser: the largest of
+    the feature blocks' levels, :func:`add_feature_blocks`); ``total``'s gradient is that
+    of the true sums divided by ``exp(level)``, by the split backward kernels. Those drop
+    the query's ``-|x|^2 / 2`` (it cancels in ``num / den``, not in a sum); here it is put
+    back as the factor ``exp(h - h)`` of value 1, ``h = -|[x_q, extra_q]|^2 / 2`` with the
+    second ``h`` detached, whose gradient autograd adds.
+
+    Args:
+        As :func:`favor_attention_split` (no ``backward``: the kernels').
+
+    Returns:
+        ``(total [B, H, N, Dv + 1], level [B, H, N])``, the denominators last, in float32
+        (float64 when an input is float64). A row without any valid key (causal: before
+        the first) has ``total = 0`` and a level near ``-1e30``.
+    """
+    _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
+    tile = _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments)
+    total, level = _FavorSums.apply(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+    acc = total.dtype
+    half = 0.5 * xq.to(acc).square().sum(dim=-1)
+    if extra_q is not None:
+        half = half + 0.5 * extra_q.to(acc).square().sum(dim=-1)
+    return total * torch.exp(half.detach() - half).unsqueeze(-1), level
+
+
+def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments) -> tuple[int, int, int]:
+    """The checked tile ``(chunk_size, feature_block, value_block)`` (defaults filled in)."""
     check_device(xq.device, "triton-split")
     small = xq.device.type != "cuda" or interpreted()
     tile = []
@@ -114,15 +158,12 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         tile.append(given)
     if segments is not None:
         check_positive_int("segments", segments)
-    if backward not in ("kernel", "torch"):
-        raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
     B, H, N, D = xq.shape
     width = max(v.shape[-1] + 1, D, 0 if extra_q is None else extra_q.shape[-1])
     if B * H * math.ceil(projection.shape[0] / tile[1]) * N * width >= 2**31:
         raise ValueError(f"the feature-split kernels index their per-block parts [B H, m / {tile[1]}, N, {width}] with 32-bit "
                          f"integers: at B = {B}, H = {H}, N = {N} that is 2^31 elements or more; pass fewer sequences at a time")
-    return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tuple(tile), segments,
-                             backward == "torch")
+    return tile[0], tile[1], tile[2]
 
 
 def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
@@ -216,9 +257,33 @@ class _FavorSplit(torch.autograd.Function):
             return (*_FavorAttention.backward(ctx, grad), None)
         xq, xk, v, projection, extra_q, extra_k, _a, _c, key_mask, total, lev = ctx.saved_tensors
         with torch.autocast(grad.device.type, enabled=False):
-            grads = _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, ctx.causal, ctx.tile,
-                                    ctx.segments)
+            g = upstream_gradient(grad.reshape(total.shape[0], total.shape[1], -1), total)
+            grads = _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, ctx.causal, ctx.tile, ctx.segments)
         return (*grads[:3], None, *grads[3:], None, None, None, None, None, None, None)
+
+
+class _FavorSums(torch.autograd.Function):
+    """Forward: the feature-split kernel's added sums and their row levels, ``[B, H, N, Dv + 1]``
+    and ``[B, H, N]`` (not differentiable). Backward: the split backward kernels, given the
+    gradient of the sums directly (:func:`favor_sums_split` adds the query's norm)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+        with torch.autocast(xq.device.type, enabled=False):
+            total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+        ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, key_mask, lev)
+        ctx.causal, ctx.tile, ctx.segments = causal, tile, segments
+        level = lev.amax(dim=1).view(xq.shape[:3])
+        ctx.mark_non_differentiable(level)
+        return total.view(*v.shape[:3], v.shape[-1] + 1), level
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_level):
+        xq, xk, v, projection, extra_q, extra_k, key_mask, lev = ctx.saved_tensors
+        with torch.autocast(grad_total.device.type, enabled=False):
+            g = grad_total.reshape(lev.shape[0], lev.shape[-1], -1).to(lev.dtype).contiguous()
+            grads = _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, ctx.causal, ctx.tile, ctx.segments)
+        return (*grads[:3], None, *grads[3:], None, None, None, None)
 
 
 def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -232,16 +297,18 @@ def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.cat([grad * inv, -(grad * out).sum(dim=-1, keepdim=True) * inv], dim=-1)
 
 
-def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, total, lev, causal, tile, segments):
+def _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, causal, tile, segments):
     """Gradients of ``xq, xk, v, extra_q, extra_k`` by :func:`flt.ops.triton.split_kernels.favor_split_dq_kernel`
     and :func:`flt.ops.triton.split_kernels.favor_split_dkv_kernel` (per feature block,
-    added here), for the forward's ``total`` and ``lev``."""
+    added here), from ``g [B H, N, Dv + 1]``, the gradient of the forward's added sums
+    (relative to ``exp`` of ``lev``'s largest block level; the query's ``-|x|^2 / 2`` held
+    constant), and the forward's ``lev``."""
     from flt.ops.triton import split_kernels
 
     chunk_size, bm, _ = tile
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
-    acc = total.dtype
+    acc = g.dtype
     tf32 = _tf32(acc, xq, xk, v)
     xq_, xk_, v_, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq_
@@ -251,7 +318,7 @@ def _backward_split(grad, xq, xk, v, projection, extra_q, extra_k, key_mask, tot
     e_dim = 0 if extra_q is None else eq.shape[-1]
     keep = dummy if key_mask is None else key_mask.to(acc).contiguous()
     n_fb = lev.shape[1]
-    g = upstream_gradient(grad.reshape(B * H, N, Dv), total).contiguous()
+    g = g.contiguous()
     top = lev.amax(dim=1).contiguous()
     flags = {"CAUSAL": bool(causal), "HAS_EXTRA": extra_q is not None, "HAS_KEEP": key_mask is not None,
              "PREC": "tf32" if tf32 else "ieee", "BD": _pow2(D), "BE": _pow2(e_dim), "BM": bm}
