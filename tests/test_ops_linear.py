@@ -66,11 +66,15 @@ def test_flt_attention_equals_quadratic_formula_forward_and_backward(causal, chu
         assert_close(gf, gs)
 
 
+# The key state is written two ways (ops.linear._write): kf^T vaug when the features are
+# no wider than the values with their column of ones (m = 6, Dv + 1 = 6), (vaug^T kf)^T
+# when they are wider (m = 16, Dv + 1 = 4).
 @pytest.mark.parametrize("causal", [False, True])
-def test_linear_attention_equals_reference_forward_and_backward(causal):
-    qf, kf, v, _, _, kls = inputs(N=31)
+@pytest.mark.parametrize("m, Dv", [(6, 5), (16, 3)])
+def test_linear_attention_equals_reference_forward_and_backward(causal, m, Dv):
+    qf, kf, v, _, _, kls = inputs(N=31, m=m, Dv=Dv)
     tensors = [t.requires_grad_() for t in (qf, kf, v, kls)]
-    upstream = torch.randn(2, 3, 31, 5, dtype=F64)
+    upstream = torch.randn(2, 3, 31, Dv, dtype=F64)
     fast, g_fast = grads(lambda *t: linear_attention(*t[:3], causal=causal, key_log_scale=t[3], chunk_size=8), tensors, upstream)
     slow, g_slow = grads(lambda *t: linear_attention_reference(*t[:3], causal=causal, key_log_scale=t[3]), tensors, upstream)
     assert_close(fast, slow)
@@ -84,10 +88,11 @@ def test_linear_attention_equals_reference_forward_and_backward(causal):
 # chunks): plain, 256 / 4 = 64 chunks in one group, 8 full blocks of 8; 300 / 4 = 75 chunks
 # in 9 blocks of 9, the last padded. Kronecker (2R = 8): 400 chunks in
 # groups of 33 (6 blocks of 6, the last padded), a state carried from group to group, and
-# a short last group.
-@pytest.mark.parametrize("N, chunk_size, kronecker", [(256, 4, False), (300, 4, False), (800, 2, True)])
-def test_causal_scan_over_several_blocks_and_groups_equals_quadratic_formula(N, chunk_size, kronecker):
-    qf, kf, v, a, c, kls = inputs(B=1, H=2, N=N, R2=8)
+# a short last group. m = 16 wider than Dv + 1 = 6: the chunks' states are written
+# transposed (ops.linear._write).
+@pytest.mark.parametrize("N, chunk_size, kronecker, m", [(256, 4, False, 6), (300, 4, False, 6), (300, 4, False, 16), (800, 2, True, 6)])
+def test_causal_scan_over_several_blocks_and_groups_equals_quadratic_formula(N, chunk_size, kronecker, m):
+    qf, kf, v, a, c, kls = inputs(B=1, H=2, N=N, m=m, R2=8)
     kls = kls + torch.linspace(0, 60, N, dtype=F64)  # the running max climbs across blocks: every rescale is used
     if not kronecker:
         a = c = torch.ones(1, 2, N, 1, dtype=F64)
