@@ -435,6 +435,22 @@ def test_frequencies_are_a_fixed_buffer_unless_redrawn(name):
         assert torch.equal(redrawn.mask(pos), mask)  # f itself does not depend on the draws
 
 
+@pytest.mark.parametrize("case", WITH_SHIFTED, ids=WITH_SHIFTED_IDS)
+def test_mask_runs_in_float32_under_autocast(case):
+    """Autocast lowers matrix products (einsum included) to bfloat16; the mask's phases and
+    decays are contracted over P = 2 coordinates of offsets of up to ~50 units and must
+    stay in float32 (a bfloat16 phase is off by a large fraction of a turn)."""
+    name, options = case
+    spec = build(name, options, P=2).float()
+    delta = torch.randn(40, 7, 2, generator=torch.Generator().manual_seed(5)) * 20
+    with torch.no_grad():
+        plain = spec.mask(delta)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lowered = spec.mask(delta)
+    assert lowered.dtype == torch.float32
+    torch.testing.assert_close(lowered, plain, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(SPECTRA))
 def test_registry_signature_and_dtypes(name):
     multiple = {"local": {"windows": 2}, "gaussian_mixture": {"components": 2}}.get(name, {})

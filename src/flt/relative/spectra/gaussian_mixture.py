@@ -184,9 +184,11 @@ class GaussianMixtureSpectrum(Spectrum):
         s = self.scales()
         if self.shift is None:
             # Unshifted: the phase and the decay contract P by one product each, with no
-            # [..., H, C, P] tensor (the near set's k pairs per query, every step).
+            # [..., H, C, P] tensor (the near set's k pairs per query, every step). Outside
+            # autocast, which would lower these products to 16 bits.
             x, mu, s2 = d[..., 0, 0, :], self.mu.to(d.dtype), (s * s).to(d.dtype)
-            phase, decay = torch.einsum("...p,hcp->...hc", x, mu), torch.einsum("...p,hcp->...hc", x * x, s2)
+            with torch.autocast(d.device.type, enabled=False):
+                phase, decay = torch.einsum("...p,hcp->...hc", x, mu), torch.einsum("...p,hcp->...hc", x * x, s2)
         else:
             phase, decay = (self.mu * d).sum(-1), (s * s * d * d).sum(-1)
         return (self.weights() * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay)).sum(-1)
