@@ -70,21 +70,25 @@ def test_compiled_layer_rejects_nan_positions_by_name():
         compiled(x, bad)
 
 
+# m = 8 features against values of 8 + 1 columns, and m = 16: the key state written both
+# ways (flt.ops.linear._write: kf^T [v, 1], or ([v, 1]^T kf)^T, a transposed view).
 @pytest.mark.parametrize(
-    "causal, backend",
+    "causal, backend, m",
     [
-        (False, "aot_eager"),
-        (True, "aot_eager"),
-        pytest.param(False, "inductor", marks=pytest.mark.slow),  # ~1-3 min of C++ compilation on a busy 2-core machine
-        pytest.param(True, "inductor", marks=pytest.mark.slow),
+        (False, "aot_eager", 8),
+        (True, "aot_eager", 8),
+        (False, "aot_eager", 16),
+        (True, "aot_eager", 16),
+        pytest.param(False, "inductor", 16, marks=pytest.mark.slow),  # ~1-3 min of C++ compilation on a busy 2-core machine
+        pytest.param(True, "inductor", 16, marks=pytest.mark.slow),
     ],
-    ids=["bidirectional-aot", "causal-aot", "bidirectional-inductor", "causal-inductor"],
+    ids=["bidirectional-aot", "causal-aot", "bidirectional-aot-m16", "causal-aot-m16", "bidirectional-inductor", "causal-inductor"],
 )
-def test_compiled_flt_layer_equals_eager_forward_and_backward(causal, backend):
+def test_compiled_flt_layer_equals_eager_forward_and_backward(causal, backend, m):
     # The bench's +compile switch is torch.compile (inductor) of the layer, as a user would
     # write it; aot_eager traces the same forward and backward graphs without generating code.
     torch.manual_seed(0)
-    layer = FLTAttention.from_options(16, 2, num_features=8, num_frequencies=4, causal=causal, chunk_size=8).double()
+    layer = FLTAttention.from_options(16, 2, num_features=m, num_frequencies=4, causal=causal, chunk_size=8).double()
     with torch.no_grad():
         for p in layer.parameters():  # zero-initialised amplitudes and biases: give them work
             if p.abs().sum() == 0:
