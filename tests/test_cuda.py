@@ -129,46 +129,23 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", ["performer", "flt"])
-def test_triton_split_backend_on_gpu(name, causal, dtype):
+@pytest.mark.parametrize("name, options", [("performer", {}), ("flt", {"num_frequencies": 8}),
+                                           ("flt", {"num_frequencies": 8, "near_field": 8})],
+                         ids=["performer", "flt", "flt-band8"])
+def test_triton_split_backend_on_gpu(name, options, causal, dtype):
     """The feature-split kernel (``backend="triton-split"``) at its GPU tile: m = 256 in four
     blocks of 64 features, head dim 64, chunks of 64, 1000 tokens (segments), padded keys
-    bidirectionally; forward and gradients equal the PyTorch layer's."""
+    bidirectionally; Performer, FLT, and FLT's band (``near_field=8``,
+    :func:`flt.ops.triton.band.band_attention_split`): forward and gradients equal the
+    PyTorch layer's."""
     pytest.importorskip("triton", reason="the triton extra is not installed")
     from flt.ops.triton import interpreted
 
     if interpreted():
         pytest.skip("the kernels were built for the interpreter (TRITON_INTERPRET=1)")
-    kw = dict(causal=causal, num_features=256, device="cuda", dtype=dtype, seed=3)
-    if name == "flt":
-        kw["num_frequencies"] = 8
+    kw = dict(causal=causal, num_features=256, device="cuda", dtype=dtype, seed=3, **options)
     torch_layer = ATTENTION[name].from_options(128, 2, **kw)
     split_layer = ATTENTION[name].from_options(128, 2, backend="triton-split", **kw)
-    split_layer.load_state_dict(torch_layer.state_dict())
-    x = torch.randn(2, 1000, 128, device="cuda", dtype=dtype, requires_grad=True)
-    pad = None if causal else torch.zeros(2, 1000, dtype=torch.bool, device="cuda").index_fill_(1, torch.arange(990, 1000, device="cuda"), True)
-    out, ref = split_layer(x, key_padding_mask=pad), torch_layer(x, key_padding_mask=pad)
-    scale = 1 if dtype == torch.float64 else 10
-    assert_close(out, ref, scale=scale)
-    (g_out,) = torch.autograd.grad(out.sum(), x)
-    (g_ref,) = torch.autograd.grad(ref.sum(), x)
-    assert_close(g_out, g_ref, scale=scale)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("causal", [False, True])
-def test_triton_split_band_on_gpu(causal, dtype):
-    """The band (``near_field=8``) on the feature-split kernels at their GPU tile (m = 256 in
-    four blocks of 64, head dim 64, 1000 tokens: segments), padded keys bidirectionally:
-    forward and gradients equal the PyTorch layer's."""
-    pytest.importorskip("triton", reason="the triton extra is not installed")
-    from flt.ops.triton import interpreted
-
-    if interpreted():
-        pytest.skip("the kernels were built for the interpreter (TRITON_INTERPRET=1)")
-    kw = dict(causal=causal, num_features=256, num_frequencies=8, near_field=8, device="cuda", dtype=dtype, seed=3)
-    torch_layer = ATTENTION["flt"].from_options(128, 2, **kw)
-    split_layer = ATTENTION["flt"].from_options(128, 2, backend="triton-split", **kw)
     split_layer.load_state_dict(torch_layer.state_dict())
     x = torch.randn(2, 1000, 128, device="cuda", dtype=dtype, requires_grad=True)
     pad = None if causal else torch.zeros(2, 1000, dtype=torch.bool, device="cuda").index_fill_(1, torch.arange(990, 1000, device="cuda"), True)
