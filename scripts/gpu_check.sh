@@ -14,7 +14,8 @@
 #          trainings at once on the one GPU (each about 7 minutes alone on an H200 by the step
 #          times measured there), each stopped at PRESET_LIMIT seconds (default 540); their
 #          summaries (or, for a run stopped early, its last logged lines) go to
-#          $OUT/presets.jsonl and $OUT/presets.log. Meant as its own device call.
+#          $OUT/presets.jsonl and $OUT/presets.log. Meant as its own device call; if eight
+#          at once would not finish, PRESET_TASKS=listops (then longlm) runs four per call.
 #          PRESET=smoke PRESET_DEVICE=cpu PRESET_STEPS=2 checks the plumbing without a GPU.
 #   qm9    the QM9 `base` preset's training step of each model, 200 steps each on a sample
 #          CSV of QM9 rows (QM9_SAMPLE, default .gpu/qm9-sample.csv; the qm9pack wheel is
@@ -74,7 +75,7 @@ if part presets; then
 # Eight trainings side by side; the GPU is shared, so each one's s/step is not its speed alone.
 PRESET=${PRESET:-base}
 runs=()
-for task in listops longlm; do
+for task in ${PRESET_TASKS:-listops longlm}; do
     for attention in flt "softmax:relative_bias=t5"; do
         for seed in 0 1; do
             name="$task-${attention%%:*}-s$seed"
