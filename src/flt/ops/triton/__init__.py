@@ -16,9 +16,12 @@ The kernels are tested against the float64 quadratic references on CPU tensors u
 ``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
 They are correct, not fast: on an H200 at m = 256 (a fallback tile of 16 tokens) the forward
 took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)"). The feature-split
-kernels (:mod:`flt.ops.triton.split`, ``split_features=True``; Performer and the logit
-coupling) split the ``m`` features over programs (64 features x 64 tokens x 64 value columns
-a program) and have a backward kernel; they are written for speed and not yet timed.
+kernels (:mod:`flt.ops.triton.split`, ``split_features=True``) split the ``m`` features over
+programs (64 features x 64 tokens x 64 value columns a program) and have a backward kernel;
+Performer and the logit coupling run on them directly, the multiplicative coupling as their
+sums of values widened by ``c`` read with ``a``
+(:func:`flt.ops.triton.split.favor_attention_split_kronecker`). They are written for speed
+and not yet timed.
 Triton is the optional extra ``triton``.
 """
 
@@ -129,12 +132,14 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
             (:func:`segment_count`; 1 off CUDA).
         split_features: run the feature-split kernels instead, forward and backward
             (:func:`flt.ops.triton.split.favor_attention_split`, its default tile;
-            ``chunk_size`` is then its chunk): Performer and the logit coupling only
-            (``ValueError`` with ``a, c``).
+            ``chunk_size`` is then its chunk); with ``a, c``
+            :func:`flt.ops.triton.split.favor_attention_split_kronecker`, the same kernels
+            on values widened by ``c``.
 
     Returns:
         ``[B, H, N, Dv]`` in float32 (float64 when an input is float64). Rows with a zero
-        denominator are zeros. Gradients: :func:`favor_attention_torch`'s, recomputed.
+        denominator are zeros. Gradients: :func:`favor_attention_torch`'s, recomputed
+        (``split_features``: the split backward kernels').
     """
     _check(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -143,11 +148,12 @@ def favor_attention(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, project
         check_positive_int("segments", segments)
     check_device(xq.device, "triton-split" if split_features else "triton")
     if split_features:
-        if a is not None:
-            raise ValueError("split_features=True covers Performer and the logit coupling (extra_q, extra_k); the multiplicative "
-                             "coupling (a, c) runs on the one-program kernel: pass split_features=False")
-        from flt.ops.triton.split import favor_attention_split
+        from flt.ops.triton.split import favor_attention_split, favor_attention_split_kronecker
 
+        if a is not None:
+            assert c is not None  # given together with a (_check)
+            return favor_attention_split_kronecker(xq, xk, v, projection, a, c, causal=causal, key_mask=key_mask,
+                                                   chunk_size=chunk_size, segments=segments)
         return favor_attention_split(xq, xk, v, projection, causal=causal, extra_q=extra_q, extra_k=extra_k, key_mask=key_mask,
                                      chunk_size=chunk_size, segments=segments)
     return _FavorAttention.apply(xq, xk, v, projection, extra_q, extra_k, a, c, key_mask, causal, chunk_size, segments)

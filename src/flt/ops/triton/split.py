@@ -5,8 +5,9 @@ over programs, each program an ``[feature_block, value_block]`` slice of the sta
 
 Chosen by ``favor_attention(..., split_features=True)`` (layers: ``backend="triton-split"``)
 or called directly as :func:`favor_attention_split`. Same function and arguments as
-:func:`flt.ops.triton.favor_attention` without the multiplicative coupling (``a, c``: the
-one-program kernel, whose programs already split the work by spectral index).
+:func:`flt.ops.triton.favor_attention` without the multiplicative coupling (``a, c``), which
+:func:`favor_attention_split_kronecker` computes from the same kernels: the FAVOR+ sums of
+the values widened by ``c`` (:func:`favor_sums_split`), read with ``a``.
 
 Gradients by two backward kernels over the same feature blocks and chunks (queries in the
 forward's order; keys and values from the last chunk), from the forward's added numerators
@@ -111,7 +112,7 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
 def favor_sums_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, *, causal: bool = False,
                      extra_q: torch.Tensor | None = None, extra_k: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
                      chunk_size: int | None = None, feature_block: int | None = None, value_block: int | None = None,
-                     segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     segments: int | None = None, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The FAVOR+ numerators and denominators by the feature-split kernel, unnormalised, with
     their row level: what a caller adds other weights to (:func:`flt.ops.triton.band.band_attention_split`).
 
@@ -126,7 +127,13 @@ def favor_sums_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projec
     second ``h`` detached, whose gradient autograd adds.
 
     Args:
-        As :func:`favor_attention_split` (no ``backward``: the kernels').
+        As :func:`favor_attention_split` (no ``backward``: the kernels'), and
+        signed: the values carry weights of both signs whose sums may cancel (the
+            multiplicative coupling's ``c_j [v_j, 1]``, :func:`favor_attention_split_kronecker`):
+            every product of the kernels in IEEE float32 (or float64), never TF32 nor
+            bfloat16 operands, as the one-program kernel does for that coupling
+            (docs/math.md section 4, "Conditioning"). Pass such values in float32 or
+            better.
 
     Returns:
         ``(total [B, H, N, Dv + 1], level [B, H, N])``, the denominators last, in float32
@@ -135,12 +142,86 @@ def favor_sums_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projec
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
     tile = _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments)
-    total, level = _FavorSums.apply(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+    total, level = _FavorSums.apply(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments, signed)
     acc = total.dtype
     half = 0.5 * xq.to(acc).square().sum(dim=-1)
     if extra_q is not None:
         half = half + 0.5 * extra_q.to(acc).square().sum(dim=-1)
     return total * torch.exp(half.detach() - half).unsqueeze(-1), level
+
+
+def favor_attention_split_kronecker(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projection: torch.Tensor, a: torch.Tensor, c: torch.Tensor, *,
+                                   causal: bool = False, key_mask: torch.Tensor | None = None, chunk_size: int | None = None,
+                                   feature_block: int | None = None, value_block: int | None = None,
+                                   segments: int | None = None) -> torch.Tensor:
+    """FLT's multiplicative coupling by the feature-split kernels, composed in PyTorch (no
+    kernel of its own): ``out_i = sum_j (a_i.c_j) phi_i.phi_j v_j / sum_j (a_i.c_j) phi_i.phi_j``,
+    ``phi`` the FAVOR+ features of ``xq``, ``xk`` (docs/math.md section 4).
+
+    The mask factors over the keys: ``sum_j (a_i.c_j) phi_i.phi_j [v_j, 1] = sum_r a_ir
+    sum_j phi_i.phi_j c_jr [v_j, 1]``. So the FAVOR+ sums of the widened values ``c_j (x)
+    [v_j, 1]`` (``2R (Dv + 1)`` columns) by :func:`favor_sums_split`, read with ``a_i``, give
+    the numerator and the signed denominator; the kernel's own column of plain denominators
+    is not used. Those sums are relative to ``exp`` of their row level, which cancels in
+    the ratio (a detached per-row factor). Rows without any valid key (causal: before the
+    first) get sums of 0 and outputs of 0; so do rows whose signed denominator cancels to
+    zero (:func:`flt.ops._common.safe_divide`). The state is ``2R`` times wider than
+    Performer's, as the Kronecker state of :func:`flt.ops.linear.flt_attention` is.
+
+    The split backward kernels hold all value columns of a feature block in one program,
+    so the widened values go through in groups of ``value_block`` columns, one
+    :func:`favor_sums_split` call each (each group's tile is Performer's at
+    ``Dv = value_block``, which fits the GPU's shared memory; its 32-bit index check is per
+    group); the groups' sums are put on their largest row level before they are read.
+
+    The signed sums cancel, so rounding is amplified (docs/math.md section 4,
+    "Conditioning"): they are computed in float32 or better whatever the inputs' dtype
+    and autocast, with IEEE products (``signed=True``), as :func:`flt.ops.linear.flt_attention`
+    does (:func:`flt.ops.linear.full_precision`) and the one-program kernel.
+
+    A function of its own rather than options of :func:`favor_attention_split`: it is a
+    composition whose gradients autograd takes through :func:`favor_sums_split` (the split
+    backward kernels) and the PyTorch steps, not one autograd function with a choice of
+    backward; ``a, c`` are required here.
+
+    Args:
+        xq, xk, v, projection, causal, key_mask, chunk_size, feature_block, segments: as
+            :func:`favor_attention_split` (``projection`` ``[m, D]``).
+        a, c: ``[B or 1, H, N, 2R]``, the mask's factors: ``a_i.c_j = f^(r_i - r_j)``, of
+            either sign.
+        value_block: widened value columns per :func:`favor_sums_split` call and per
+            program, a power of two >= 16; None: :data:`SPLIT_VALUE_BLOCK` on a GPU, 16
+            under the interpreter (both at most the next power of two of ``2R (Dv + 1)``).
+
+    Returns:
+        ``[B, H, N, Dv]`` in float32 (float64 when an input is float64).
+    """
+    _check(xq, xk, v, projection, None, None, a, c, key_mask)
+    if a is None or c is None:
+        raise ValueError("a and c ([B or 1, H, N, 2R], the multiplicative coupling's mask factors) are required")
+    check_device(xq.device, "triton-split")
+    width = a.shape[-1] * (v.shape[-1] + 1)
+    if value_block is None:
+        value_block = min(16 if xq.device.type != "cuda" or interpreted() else SPLIT_VALUE_BLOCK, _pow2(width))
+    _check_block("value_block", value_block)
+    acc = compute_dtype(xq, xk, v, a, c)
+    with torch.autocast(xq.device.type, enabled=False):  # the signed sums and their reading in `acc`
+        xq, xk, v, a, c = (t.to(acc) for t in (xq, xk, v, a, c))
+        vaug = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        wide = (c.unsqueeze(-1) * vaug.unsqueeze(-2)).flatten(-2)  # [B, H, N, 2R (Dv + 1)]
+        parts = [favor_sums_split(xq, xk, group, projection, causal=causal, key_mask=key_mask, chunk_size=chunk_size,
+                                  feature_block=feature_block, value_block=value_block, segments=segments, signed=True)
+                 for group in wide.split(value_block, dim=-1)]
+        level = torch.stack([lev for _, lev in parts]).amax(dim=0)
+        sums = torch.cat([total[..., :-1] * torch.exp(lev - level).unsqueeze(-1) for total, lev in parts], dim=-1)
+        sums = (a.unsqueeze(-2) @ sums.unflatten(-1, (a.shape[-1], -1))).squeeze(-2)  # [B, H, N, Dv + 1]
+        return safe_divide(sums[..., :-1], sums[..., -1:])
+
+
+def _check_block(name: str, given: object) -> None:
+    """``ValueError`` unless ``given`` is a power of two >= 16 (a tile of the kernels)."""
+    if isinstance(given, bool) or not isinstance(given, int) or given < 16 or given & (given - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
 
 
 def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments) -> tuple[int, int, int]:
@@ -153,8 +234,8 @@ def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, se
         if given is None:
             given = 16 if small else default
             given = given if size is None else min(given, _pow2(size))
-        elif isinstance(given, bool) or not isinstance(given, int) or given < 16 or given & (given - 1):
-            raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
+        else:
+            _check_block(name, given)
         tile.append(given)
     if segments is not None:
         check_positive_int("segments", segments)
@@ -166,9 +247,10 @@ def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, se
     return tile[0], tile[1], tile[2]
 
 
-def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments, signed=False):
     """``(total [B H, N, Dv + 1], lev [B H, F, N])``: the numerators and denominators, the
-    feature blocks added (:func:`add_feature_blocks`), and each block's row levels."""
+    feature blocks added (:func:`add_feature_blocks`), and each block's row levels.
+    ``signed``: IEEE products only (:func:`favor_sums_split`)."""
     from flt.ops.triton import split_kernels
 
     chunk_size, bm, value_block = tile
@@ -176,9 +258,9 @@ def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, til
     Dv, m = v.shape[-1], projection.shape[0]
     acc = compute_dtype(*(t for t in (xq, xk, v, extra_q) if t is not None))
     # bfloat16 operands as the one-program kernel (flt.ops.triton._launch): only in the
-    # bidirectional pass, never under the interpreter. TF32: _tf32.
-    low = v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
-    tf32 = _tf32(acc, xq, xk, v)
+    # bidirectional pass, never under the interpreter. TF32: _tf32. Neither for signed values.
+    low = not signed and v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
+    tf32 = not signed and _tf32(acc, xq, xk, v)
     xq, xk, v, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq  # a pointer for the inputs a case does not have (never read)
     eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
@@ -268,11 +350,11 @@ class _FavorSums(torch.autograd.Function):
     gradient of the sums directly (:func:`favor_sums_split` adds the query's norm)."""
 
     @staticmethod
-    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments):
+    def forward(ctx, xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments, signed):
         with torch.autocast(xq.device.type, enabled=False):
-            total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments)
+            total, lev = _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments, signed)
         ctx.save_for_backward(xq, xk, v, projection, extra_q, extra_k, key_mask, lev)
-        ctx.causal, ctx.tile, ctx.segments = causal, tile, segments
+        ctx.causal, ctx.tile, ctx.segments, ctx.signed = causal, tile, segments, signed
         level = lev.amax(dim=1).view(xq.shape[:3])
         ctx.mark_non_differentiable(level)
         return total.view(*v.shape[:3], v.shape[-1] + 1), level
@@ -282,8 +364,9 @@ class _FavorSums(torch.autograd.Function):
         xq, xk, v, projection, extra_q, extra_k, key_mask, lev = ctx.saved_tensors
         with torch.autocast(grad_total.device.type, enabled=False):
             g = grad_total.reshape(lev.shape[0], lev.shape[-1], -1).to(lev.dtype).contiguous()
-            grads = _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, ctx.causal, ctx.tile, ctx.segments)
-        return (*grads[:3], None, *grads[3:], None, None, None, None)
+            grads = _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, ctx.causal, ctx.tile, ctx.segments,
+                                    ctx.signed)
+        return (*grads[:3], None, *grads[3:], None, None, None, None, None)
 
 
 def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
@@ -297,19 +380,19 @@ def upstream_gradient(grad: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return torch.cat([grad * inv, -(grad * out).sum(dim=-1, keepdim=True) * inv], dim=-1)
 
 
-def _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, causal, tile, segments):
+def _backward_split(g, xq, xk, v, projection, extra_q, extra_k, key_mask, lev, causal, tile, segments, signed=False):
     """Gradients of ``xq, xk, v, extra_q, extra_k`` by :func:`flt.ops.triton.split_kernels.favor_split_dq_kernel`
     and :func:`flt.ops.triton.split_kernels.favor_split_dkv_kernel` (per feature block,
     added here), from ``g [B H, N, Dv + 1]``, the gradient of the forward's added sums
     (relative to ``exp`` of ``lev``'s largest block level; the query's ``-|x|^2 / 2`` held
-    constant), and the forward's ``lev``."""
+    constant), and the forward's ``lev``. ``signed``: IEEE products only (:func:`favor_sums_split`)."""
     from flt.ops.triton import split_kernels
 
     chunk_size, bm, _ = tile
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
     acc = g.dtype
-    tf32 = _tf32(acc, xq, xk, v)
+    tf32 = not signed and _tf32(acc, xq, xk, v)
     xq_, xk_, v_, w = (t.contiguous() for t in (xq, xk, v, projection.to(acc)))
     dummy = xq_
     eq, ek = (dummy, dummy) if extra_q is None else (extra_q.contiguous(), extra_k.contiguous())
