@@ -260,17 +260,15 @@ def test_bad_arguments_are_named():
     big = torch.zeros(1, 1, 1, D, dtype=torch.float64).expand(128, 8, 2**16, D)  # no memory: a stride-0 view
     with pytest.raises(ValueError, match="32-bit"):
         favor_attention_split(big, big, big, gaussian_orthogonal_random_matrix(64, D, dtype=torch.float64), feature_block=16)
-    a = torch.rand(1, H, N, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="split_features=False"):
-        favor_attention(xq, xk, v, w[:, :D], a=a, c=a, split_features=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name,options", [("performer", {}), ("flt", {"coupling": "logit", "num_frequencies": 4})], ids=["performer", "flt-logit"])
 def test_layer_backend_triton_split_matches_torch(name, options, causal):
     """``backend="triton-split"`` computes the same forward and gradients as the PyTorch
-    ops, with padded keys (bidirectional) and in float64; the multiplicative coupling is
-    refused with the backend that has it (the band: tests/test_ops_triton_split_band.py)."""
+    ops, with padded keys (bidirectional) and in float64 (the band:
+    tests/test_ops_triton_split_band.py; the multiplicative coupling:
+    tests/test_ops_triton_split_kronecker.py)."""
     from flt.layers.registry import ATTENTION
 
     kw = dict(pos_dim=1, causal=causal, num_features=40, dtype=torch.float64, seed=1, **options)
@@ -286,5 +284,3 @@ def test_layer_backend_triton_split_matches_torch(name, options, causal):
     (g_out,) = torch.autograd.grad((out * up).sum(), x)
     (g_ref,) = torch.autograd.grad((ref * up).sum(), x)
     assert_close(g_out, g_ref)
-    with pytest.raises(ValueError, match="use backend='triton' for coupling='multiplicative'"):
-        ATTENTION["flt"].from_options(16, 2, backend="triton-split", coupling="multiplicative", num_frequencies=4)

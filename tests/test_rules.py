@@ -101,12 +101,6 @@ CASES = {
         "coupling='multiplicative' applies to relative_bias='spectrum' only",
         lambda: SoftmaxAttention(16, 2, relative_bias="alibi", coupling="multiplicative"),
     ),
-    "split_kernel_covers": (
-        Facts(features="favor+", coupling="multiplicative", backend="triton-split", spectrum_term=True),
-        "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' (with or without a band); "
-        "use backend='triton' for coupling='multiplicative'",
-        lambda: FLTAttention(16, 2, coupling="multiplicative", settings=Settings(backend="triton-split")),
-    ),
     "tables_are_one_dimensional": (
         Facts(relative="t5", pos_dim=2),
         "relative_bias='t5' is a table over 1-D integer offsets; got pos_dim = 2",
@@ -149,6 +143,7 @@ def test_each_rule_guards_its_layer(name):
 def test_the_defaults_break_no_rule():
     assert broken_rules(Facts()) == []
     assert broken_rules(Facts(features="favor+", coupling="logit", backend="triton-split", spectrum_term=True)) == []
+    assert broken_rules(Facts(features="favor+", coupling="multiplicative", backend="triton-split", spectrum_term=True)) == []
     assert broken_rules(Facts(features="favor+", coupling="logit", near_field=16, spectrum_term=True)) == []
     assert broken_rules(Facts(features="favor+", coupling="logit", near_field=16, backend="triton-split", spectrum_term=True)) == []
     assert broken_rules(Facts(features="favor+", coupling="multiplicative", near_neighbors=8, far_field=False,

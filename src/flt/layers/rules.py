@@ -126,10 +126,6 @@ RULES: tuple[Rule, ...] = (
     Rule("multiplicative_needs_spectrum", "coupling",
          lambda f: f.coupling == "multiplicative" and not f.spectrum_term,
          lambda f: "coupling='multiplicative' applies to relative_bias='spectrum' only"),
-    Rule("split_kernel_covers", "settings.backend",
-         lambda f: f.backend == "triton-split" and f.coupling == "multiplicative",
-         lambda f: "backend='triton-split' (the feature-split kernel) covers Performer and coupling='logit' (with or "
-                   "without a band); use backend='triton' for coupling='multiplicative'"),
     Rule("tables_are_one_dimensional", "relative",
          lambda f: f.relative in ("t5", "clipped") and f.pos_dim != 1,
          lambda f: f"relative_bias={f.relative!r} is a table over 1-D integer offsets; got pos_dim = {f.pos_dim}"),
