@@ -398,8 +398,10 @@ class FLTAttention(KernelAttention):
             :func:`flt.ops.triton.favor_attention` and, with a band,
             :func:`flt.ops.triton.band.band_attention`; CUDA; FAVOR+; no
             :class:`~flt.layers.near.Neighbors`; ``"triton-split"``: the feature-split kernels
-            of :mod:`flt.ops.triton.split`, forward and backward, logit coupling; with a
-            band :func:`flt.ops.triton.band.band_attention_split`), ``redraw_interval`` (a
+            of :mod:`flt.ops.triton.split`, forward and backward, both couplings (the
+            multiplicative one as sums of values widened by ``c``,
+            :func:`flt.ops.triton.split.favor_attention_split_kronecker`); with a band
+            :func:`flt.ops.triton.band.band_attention_split`), ``redraw_interval`` (a
             layer-level redraw schedule, :class:`flt.layers.kernel.KernelCore`; ``flt train`` redraws by
             ``RunConfig.redraw_interval`` instead) and ``check_condition`` (with the
             multiplicative coupling, warn, :class:`ConditioningWarning`, when its row sums

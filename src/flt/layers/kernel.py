@@ -40,8 +40,9 @@ from flt.posenc.rope import apply_rope
 #: H200 at m = 256 the kernels' forward was 10-18x slower than ``"torch"`` (fwd+bwd 7-8x) (docs/performance.md): on
 #: a GPU, ``torch.compile`` of the ``"torch"`` path is the fast one. ``"triton-split"``: the
 #: feature-split kernel (:mod:`flt.ops.triton.split`; Performer and FLT's logit coupling,
-#: with a band too, :func:`flt.ops.triton.band.band_attention_split`), written to be the
-#: fast one and not yet timed.
+#: with a band too, :func:`flt.ops.triton.band.band_attention_split`, and the multiplicative
+#: coupling composed from its sums, :func:`flt.ops.triton.split.favor_attention_split_kronecker`),
+#: written to be the fast one and not yet timed.
 KERNEL_BACKENDS = ("torch", "triton", "triton-split")
 
 
@@ -91,7 +92,8 @@ class KernelCore(CoreBase):
     ``backend="triton"`` computes ``forward`` by :func:`flt.ops.triton.favor_attention`
     (features made inside the kernel; the backward pass recomputes through the PyTorch ops)
     and raises, naming the fix, on CPU tensors outside triton's interpreter;
-    ``backend="triton-split"`` by the feature-split kernels (``split_features=True``), whose
+    ``backend="triton-split"`` by the feature-split kernels (``split_features=True``; for the
+    multiplicative coupling their sums of values widened by ``c``, read with ``a``), whose
     backward is a kernel too. Decoding
     (:meth:`step`, :meth:`prefill`) and :meth:`reference` use the PyTorch ops."""
 
