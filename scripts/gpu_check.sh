@@ -9,7 +9,8 @@
 #   diag   the Triton kernels against the PyTorch path, one case per process (at most 130 s)
 #   split  the feature-split Triton kernels (`backend="triton-split"`): their CUDA tests, then
 #          their first timing, forward and forward+backward at N = 4096 and 16384 beside the
-#          eager PyTorch row, the band (near_field=8) on them too (at most 320 s)
+#          eager PyTorch row, the band (near_field=8) and the multiplicative coupling (beside
+#          its eager row) on them too (at most 440 s)
 #   presets  the ListOps and longlm `base` presets, FLT and softmax + T5, seeds 0 and 1: eight
 #          trainings at once on the one GPU (each about 7 minutes alone on an H200 by the step
 #          times measured there), each stopped at PRESET_LIMIT seconds (default 540); their
@@ -142,8 +143,9 @@ if part split; then
 timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
     2>&1 | tee "$OUT/pytest-split.log" | tail -15
 note "split tests" "${PIPESTATUS[0]}"
-bench split 220 --shapes batch --lengths 4096 16384 \
-    --rows "flt-logit triton-split" "flt-logit eager" "performer triton-split" "flt-logit band8 triton-split"
+bench split 340 --shapes batch --lengths 4096 16384 \
+    --rows "flt-logit triton-split" "flt-logit eager" "performer triton-split" "flt-logit band8 triton-split" \
+    "flt-mult triton-split" "flt-mult eager"
 fi
 for f in "$WORK"/*/speed-cuda.md; do [ -f "$f" ] && { echo "== $f"; grep "^|\|^Shape\|^GPU" "$f"; }; done
 exit $STATUS

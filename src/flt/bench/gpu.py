@@ -60,6 +60,8 @@ GPU_ROWS: dict[str, GpuRow] = {
     "flt-logit triton": GpuRow("flt-logit/m256/R32", (("backend", "triton"),), note="Triton kernel forward; backward recomputed by the PyTorch ops"),
     "flt-mult eager": GpuRow("flt-mult/m64/R8", (("check_condition", False),), note="PyTorch ops (Kronecker)"),
     "flt-mult triton": GpuRow("flt-mult/m64/R8", (("backend", "triton"), ("check_condition", False)), note="Triton kernel, one program per spectral index"),
+    "flt-mult triton-split": GpuRow("flt-mult/m64/R8", (("backend", "triton-split"), ("check_condition", False)),
+                                    note="feature-split kernels on values widened by c (2R (Dv + 1) columns), read with a"),
     "flt-logit band8 compiled": GpuRow("flt-logit/m256/R32/band8", compile=True, note="exact band of 17 tokens + far field"),
     "flt-logit band8 triton": GpuRow("flt-logit/m256/R32/band8", (("backend", "triton"),), note="band kernel, far-field features made in it"),
     "flt-logit band8 triton-split": GpuRow("flt-logit/m256/R32/band8", (("backend", "triton-split"),),
