@@ -102,7 +102,7 @@ def favor_attention_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, p
         denominator are zeros.
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
-    tile = _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments)
+    tile = _tile(xq, v.shape[-1], projection, extra_q, chunk_size, feature_block, value_block, segments)
     if backward not in ("kernel", "torch"):
         raise ValueError(f"backward must be 'kernel' or 'torch', got {backward!r}")
     return _FavorSplit.apply(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask, causal, tile, segments,
@@ -141,7 +141,7 @@ def favor_sums_split(xq: torch.Tensor, xk: torch.Tensor, v: torch.Tensor, projec
         the first) has ``total = 0`` and a level near ``-1e30``.
     """
     _check(xq, xk, v, projection, extra_q, extra_k, None, None, key_mask)
-    tile = _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments)
+    tile = _tile(xq, v.shape[-1], projection, extra_q, chunk_size, feature_block, value_block, segments)
     total, level = _FavorSums.apply(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, tile, segments, signed)
     acc = total.dtype
     half = 0.5 * xq.to(acc).square().sum(dim=-1)
@@ -172,7 +172,7 @@ def favor_attention_split_kronecker(xq: torch.Tensor, xk: torch.Tensor, v: torch
     so the widened values go through in groups of ``value_block`` columns, one
     :func:`favor_sums_split` call each (each group's tile is Performer's at
     ``Dv = value_block``, which fits the GPU's shared memory; its 32-bit index check is per
-    group); the groups' sums are put on their largest row level before they are read.
+    group); the groups' sums share their row level (it does not depend on the values).
 
     The signed sums cancel, so rounding is amplified (docs/math.md section 4,
     "Conditioning"): they are computed in float32 or better whatever the inputs' dtype
@@ -203,7 +203,10 @@ def favor_attention_split_kronecker(xq: torch.Tensor, xk: torch.Tensor, v: torch
     width = a.shape[-1] * (v.shape[-1] + 1)
     if value_block is None:
         value_block = min(16 if xq.device.type != "cuda" or interpreted() else SPLIT_VALUE_BLOCK, _pow2(width))
-    _check_block("value_block", value_block)
+    else:
+        _check_block("value_block", value_block)
+    # The tile and the 32-bit index check of the widest group, before the widened values are made.
+    _tile(xq, min(value_block, width), projection, None, chunk_size, feature_block, value_block, segments)
     acc = compute_dtype(xq, xk, v, a, c)
     with torch.autocast(xq.device.type, enabled=False):  # the signed sums and their reading in `acc`
         xq, xk, v, a, c = (t.to(acc) for t in (xq, xk, v, a, c))
@@ -212,8 +215,9 @@ def favor_attention_split_kronecker(xq: torch.Tensor, xk: torch.Tensor, v: torch
         parts = [favor_sums_split(xq, xk, group, projection, causal=causal, key_mask=key_mask, chunk_size=chunk_size,
                                   feature_block=feature_block, value_block=value_block, segments=segments, signed=True)
                  for group in wide.split(value_block, dim=-1)]
-        level = torch.stack([lev for _, lev in parts]).amax(dim=0)
-        sums = torch.cat([total[..., :-1] * torch.exp(lev - level).unsqueeze(-1) for total, lev in parts], dim=-1)
+        # One scale for all groups: a row's level depends on the queries, keys, mask and tile,
+        # not on the values, so every group's is the same.
+        sums = torch.cat([total[..., :-1] for total, _ in parts], dim=-1)
         sums = (a.unsqueeze(-2) @ sums.unflatten(-1, (a.shape[-1], -1))).squeeze(-2)  # [B, H, N, Dv + 1]
         return safe_divide(sums[..., :-1], sums[..., -1:])
 
@@ -224,13 +228,14 @@ def _check_block(name: str, given: object) -> None:
         raise ValueError(f"{name} must be a power of two >= 16 (a tile of the kernel), got {given}")
 
 
-def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, segments) -> tuple[int, int, int]:
-    """The checked tile ``(chunk_size, feature_block, value_block)`` (defaults filled in)."""
+def _tile(xq, dv, projection, extra_q, chunk_size, feature_block, value_block, segments) -> tuple[int, int, int]:
+    """The checked tile ``(chunk_size, feature_block, value_block)`` (defaults filled in) for
+    ``dv`` value columns."""
     check_device(xq.device, "triton-split")
     small = xq.device.type != "cuda" or interpreted()
     tile = []
     for name, given, default, size in (("chunk_size", chunk_size, SPLIT_CHUNK, None), ("feature_block", feature_block, SPLIT_FEATURE_BLOCK, projection.shape[0]),
-                                       ("value_block", value_block, SPLIT_VALUE_BLOCK, v.shape[-1])):
+                                       ("value_block", value_block, SPLIT_VALUE_BLOCK, dv)):
         if given is None:
             given = 16 if small else default
             given = given if size is None else min(given, _pow2(size))
@@ -240,7 +245,7 @@ def _tile(xq, v, projection, extra_q, chunk_size, feature_block, value_block, se
     if segments is not None:
         check_positive_int("segments", segments)
     B, H, N, D = xq.shape
-    width = max(v.shape[-1] + 1, D, 0 if extra_q is None else extra_q.shape[-1])
+    width = max(dv + 1, D, 0 if extra_q is None else extra_q.shape[-1])
     if B * H * math.ceil(projection.shape[0] / tile[1]) * N * width >= 2**31:
         raise ValueError(f"the feature-split kernels index their per-block parts [B H, m / {tile[1]}, N, {width}] with 32-bit "
                          f"integers: at B = {B}, H = {H}, N = {N} that is 2^31 elements or more; pass fewer sequences at a time")
