@@ -145,11 +145,15 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_layer_backend_triton_split_matches_torch(causal):
+def test_layer_backend_triton_split_matches_torch(causal, monkeypatch):
     """``FLTAttention(coupling="multiplicative", backend="triton-split")`` computes the same
     forward, input gradient and parameter gradients as ``backend="torch"``, in float64,
-    with padded keys bidirectionally."""
+    with padded keys bidirectionally, and it does so by the split kernels' signed sums."""
     from flt.layers.registry import ATTENTION
+    from flt.ops.triton import split
+
+    calls = []
+    monkeypatch.setattr(split, "favor_sums_split", lambda *args, **kw: calls.append(kw) or favor_sums_split(*args, **kw))
 
     kw = {"pos_dim": 1, "causal": causal, "coupling": "multiplicative", "num_frequencies": 4, "num_features": 24,
           "check_condition": False, "dtype": torch.float64, "seed": 1}
@@ -160,6 +164,7 @@ def test_layer_backend_triton_split_matches_torch(causal):
     pad = None if causal else torch.zeros(2, 19, dtype=torch.bool).index_fill_(1, torch.tensor([17, 18]), True)
     ref = torch_layer(x, key_padding_mask=pad)
     out = split_layer(x, key_padding_mask=pad)
+    assert calls and all(kw["signed"] for kw in calls)  # the signed sums' IEEE products
     assert_close(out, ref)
     up = torch.randn_like(out)
     params = [p for p in split_layer.parameters() if p.requires_grad]
