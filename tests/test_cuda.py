@@ -130,14 +130,21 @@ def test_triton_backend_on_gpu(name, options, causal, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name, options", [("performer", {}), ("flt", {"num_frequencies": 8}),
-                                           ("flt", {"num_frequencies": 8, "near_field": 8})],
-                         ids=["performer", "flt", "flt-band8"])
+                                           ("flt", {"num_frequencies": 8, "near_field": 8}),
+                                           ("flt", {"num_frequencies": 8, "coupling": "multiplicative", "length_scale": 64.0,
+                                                    "check_condition": False})],
+                         ids=["performer", "flt", "flt-band8", "flt-mult"])
 def test_triton_split_backend_on_gpu(name, options, causal, dtype):
     """The feature-split kernel (``backend="triton-split"``) at its GPU tile: m = 256 in four
     blocks of 64 features, head dim 64, chunks of 64, 1000 tokens (segments), padded keys
-    bidirectionally; Performer, FLT, and FLT's band (``near_field=8``,
-    :func:`flt.ops.triton.band.band_attention_split`): forward and gradients equal the
-    PyTorch layer's."""
+    bidirectionally; Performer, FLT, FLT's band (``near_field=8``,
+    :func:`flt.ops.triton.band.band_attention_split`) and FLT's multiplicative coupling
+    (:func:`flt.ops.triton.split.favor_attention_split_kronecker`: 2R = 16, so 1040 widened
+    value columns in 17 groups of 64): forward and gradients equal the PyTorch layer's.
+    The multiplicative case has a broad mask (``length_scale=64``), whose row sums are well
+    conditioned, so two float32 orders of summation agree to float32's tolerance; at the
+    default start they cancel so much at N = 1000 that the float32 PyTorch layer is itself
+    2e-4 of the largest output off float64 bidirectionally, 2e-3 causally (on a CPU)."""
     pytest.importorskip("triton", reason="the triton extra is not installed")
     from flt.ops.triton import interpreted
 
