@@ -10,7 +10,7 @@
 #   split  the feature-split Triton kernels (`backend="triton-split"`): their CUDA tests, then
 #          their first timing, forward and forward+backward at N = 4096 and 16384 beside the
 #          eager PyTorch row, the band (near_field=8) and the multiplicative coupling (beside
-#          its eager row) on them too (at most 440 s)
+#          its eager row) on them too (at most 470 s)
 #   presets  the ListOps and longlm `base` presets, FLT and softmax + T5, seeds 0 and 1: eight
 #          trainings at once on the one GPU (each about 7 minutes alone on an H200 by the step
 #          times measured there), each stopped at PRESET_LIMIT seconds (default 540); their
@@ -140,7 +140,7 @@ fi
 if part split; then
 # The feature-split kernels: correctness on the GPU first (m = 256 in blocks of 64, float64
 # and float32, bf16 autocast), then forward and forward+backward at width 512, batch 4.
-timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
+timeout -k 10 130 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
     2>&1 | tee "$OUT/pytest-split.log" | tail -15
 note "split tests" "${PIPESTATUS[0]}"
 bench split 340 --shapes batch --lengths 4096 16384 \
