@@ -28,18 +28,20 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
     torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rtol * scale, atol=atol * scale, msg=msg or None)
 
 
-def assert_same_gradients(out: torch.Tensor, ref: torch.Tensor, inputs) -> tuple:
+def assert_same_gradients(out: torch.Tensor, ref: torch.Tensor, inputs, *, exact_dtype: bool = False) -> tuple:
     """``out`` and ``ref`` agree (:func:`assert_close`), and so do their gradients for one
-    random upstream gradient with respect to ``inputs`` (``None`` on both sides or neither).
-    Returns the gradients of ``out``, for further checks."""
+    random upstream gradient with respect to ``inputs`` (``None`` on both sides or neither;
+    ``exact_dtype``: each pair of gradients also has one dtype, which :func:`assert_close`
+    alone would not see). Returns the gradients of ``out``, for further checks."""
     assert_close(out, ref)
     inputs = list(inputs)
     up = torch.randn_like(out)
     g_out = torch.autograd.grad((out * up).sum(), inputs, retain_graph=True, allow_unused=True)
     g_ref = torch.autograd.grad((ref * up).sum(), inputs, allow_unused=True)
-    for a, b in zip(g_out, g_ref):
+    for a, b in zip(g_out, g_ref, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
+            assert not exact_dtype or a.dtype == b.dtype, f"gradient dtype {a.dtype}, reference {b.dtype}"
             assert_close(a, b)
     return g_out
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, assert_same_gradients
 
 from flt.ops.features import gaussian_orthogonal_random_matrix
 
@@ -43,15 +43,6 @@ def _inputs(coupling, *, m=40, dv=5, n=N, dtype=torch.float64, pad=False, scale=
     return xq, xk, v, w, extra
 
 
-def _assert_gradients_match(out, ref, leaves):
-    """Same values, and the same gradients of every leaf for a random upstream gradient."""
-    assert_close(out, ref)
-    up = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want)
-
-
 def _leaves(xq, xk, v, extra):
     return [t.requires_grad_() for t in (xq, xk, v)] + [extra[k].requires_grad_() for k in ("extra_q", "extra_k") if k in extra]
 
@@ -81,7 +72,7 @@ def test_segments_and_value_blocks(causal):
     out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, value_block=16, segments=3, **extra)
     if causal:  # rows whose keys are all padding: zeros, as in the reference
         assert torch.equal(out[0, :, :16], torch.zeros_like(out[0, :, :16]))
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
 def test_blocks_far_apart_in_scale():
@@ -125,9 +116,9 @@ def test_option_of_favor_attention_and_gradients(causal):
     xq, xk, v, w, extra = _inputs("logit", n=21)
     leaves = _leaves(xq, xk, v, extra)
     out = favor_attention(xq, xk, v, w, causal=causal, chunk_size=16, split_features=True, **extra)
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
     out = favor_attention_split(xq, xk, v, w, causal=causal, backward="torch", **extra)
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
 # (m, features per program, tokens per chunk, value columns, keys padded): as TILES, with
@@ -145,7 +136,7 @@ def test_backward_kernels_match_reference_gradients_float64(coupling, causal, m,
     xq, xk, v, w, extra = _inputs(coupling, m=m, dv=dv, pad=pad)
     leaves = _leaves(xq, xk, v, extra)
     out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=chunk, feature_block=bm, **extra)
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
 def test_backward_with_batched_extra_and_far_apart_scales():
@@ -156,7 +147,7 @@ def test_backward_with_batched_extra_and_far_apart_scales():
     leaves = _leaves(xq, xk, v, extra)
     for causal in (False, True):
         out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, **extra)
-        _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+        assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
 def test_keys_far_from_the_origin():
@@ -169,7 +160,7 @@ def test_keys_far_from_the_origin():
     leaves = _leaves(xq, xk, v, {})
     for causal in (False, True):
         out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16)
-        _assert_gradients_match(out, _reference(xq, xk, v, w, causal), leaves)
+        assert_same_gradients(out, _reference(xq, xk, v, w, causal), leaves, exact_dtype=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -181,7 +172,7 @@ def test_backward_in_segments(causal):
     xk = xk * torch.linspace(1.0, 30.0, 61, dtype=torch.float64)[:, None]
     leaves = _leaves(xq, xk, v, extra)
     out = favor_attention_split(xq, xk, v, w, causal=causal, chunk_size=16, feature_block=16, segments=4, **extra)
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, **extra), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
 def test_backward_float32():

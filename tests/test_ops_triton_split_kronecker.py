@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_close
+from conftest import assert_close, assert_same_gradients
 
 from flt.ops.features import gaussian_orthogonal_random_matrix
 
@@ -43,15 +43,6 @@ def _inputs(*, batch_ac=1, n=N, dv=DV, dtype=torch.float64):
     return xq, xk, v, w, a, c, key_mask
 
 
-def _assert_gradients_match(out, ref, leaves):
-    """Same values, and the same gradients of every leaf for a random upstream gradient."""
-    assert_close(out, ref)
-    up = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want)
-
-
 # (a, c per sequence or shared, widened columns per kernel call, segments): two groups (16 and
 # 8 columns) with a and c shared by the batch, one group of 32 (8 columns of padding) per
 # sequence, and three segments combined in each launch.
@@ -72,7 +63,7 @@ def test_matches_reference_float64(causal, batch_ac, value_block, segments):
     assert out.dtype == torch.float64 and out.shape == (B, H, N, DV)
     if causal:
         assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, a=a, c=c, key_mask=key_mask), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, a=a, c=c, key_mask=key_mask), leaves, exact_dtype=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -92,7 +83,7 @@ def test_option_of_favor_attention(causal):
     xq, xk, v, w, a, c, key_mask = _inputs(n=21)
     leaves = [t.requires_grad_() for t in (xq, xk, v, a, c)]
     out = favor_attention(xq, xk, v, w, a=a, c=c, causal=causal, key_mask=key_mask, chunk_size=16, split_features=True)
-    _assert_gradients_match(out, _reference(xq, xk, v, w, causal, a=a, c=c, key_mask=key_mask), leaves)
+    assert_same_gradients(out, _reference(xq, xk, v, w, causal, a=a, c=c, key_mask=key_mask), leaves, exact_dtype=True)
 
 
 def test_cancelled_denominators_are_zeros():
