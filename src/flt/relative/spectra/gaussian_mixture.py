@@ -180,16 +180,17 @@ class GaussianMixtureSpectrum(Spectrum):
         self._check_points("delta", delta)
         # In float32 or better (as the local family): a half-precision offset minus a shift
         # would round the shift.
-        d = self.component_offsets(delta.to(compute_dtype(delta, self.mu)))  # [..., 1, 1, P] or [..., H, C, P]
+        x = delta.to(compute_dtype(delta, self.mu))
         s = self.scales()
         if self.shift is None:
             # Unshifted: the phase and the decay contract P by one product each, with no
             # [..., H, C, P] tensor (the near set's k pairs per query, every step). Outside
             # autocast, which would lower these products to 16 bits.
-            x, mu, s2 = d[..., 0, 0, :], self.mu.to(d.dtype), (s * s).to(d.dtype)
-            with torch.autocast(d.device.type, enabled=False):
+            mu, s2 = self.mu.to(x.dtype), (s * s).to(x.dtype)
+            with torch.autocast(x.device.type, enabled=False):
                 phase, decay = torch.einsum("...p,hcp->...hc", x, mu), torch.einsum("...p,hcp->...hc", x * x, s2)
         else:
+            d = self.component_offsets(x)  # [..., H, C, P]
             phase, decay = (self.mu * d).sum(-1), (s * s * d * d).sum(-1)
         return (self.weights() * torch.cos(2 * math.pi * phase) * torch.exp(-2 * math.pi**2 * decay)).sum(-1)
 
