@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 #: Subcommand modules, in the order ``flt --help`` lists them.
@@ -55,8 +56,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of any failure instead of the one-line error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"flt.commands.{name}").add_parser(sub)
+        try:
+            importlib.import_module(f"flt.commands.{name}").add_parser(sub)
+        except ImportError as err:
+            _add_unavailable(sub, name, err)
     return parser
+
+
+def _add_unavailable(sub: argparse._SubParsersAction, name: str, err: ImportError) -> None:
+    """List command ``name``, whose module needs an extra that is not installed (the
+    library alone has torch and einops), so that ``flt --help`` and ``flt --version``
+    still work; running it, ``--help`` included, is the one-line missing-extra error."""
+    from flt.commands.failures import explain
+
+    failure = explain(err, None)
+    if failure is None or name in sub.choices:
+        raise err
+    # `--help` is not this parser's own: it reaches the command, which names the extra.
+    p = sub.add_parser(name, add_help=False, help=f"(unavailable) {failure.message}".replace("%", "%%"))
+    p.set_defaults(func=_missing_extra(err), unavailable=True)
+
+
+def _missing_extra(err: ImportError) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise err
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flt: error: {failure.message}", file=sys.stderr, flush=True)
         return failure.code
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # A command that needs a missing extra takes any arguments and says what to install.
+    if unknown and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     # The arguments as given, for commands that print how to run them again (flt train
     # after Ctrl-C prints its command with --resume).
     args.argv = argv
