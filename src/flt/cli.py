@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     # The arguments as given, for commands that print how to run them again (flt train
     # after Ctrl-C prints its command with --resume).
     args.argv = argv
+    # An empty --out-dir would read as "not given" and write into the default folder of
+    # the current directory (or into the current directory itself).
+    if isinstance(getattr(args, "out_dir", None), str) and not args.out_dir.strip():
+        from flt.commands.failures import BAD_INPUT, command_name
+
+        print(f"flt {command_name(args)}: error: --out-dir is empty; give the directory to write into", file=sys.stderr, flush=True)
+        return BAD_INPUT
     if args.debug:
         return int(args.func(args) or 0)
     from flt.commands.failures import command_name, explain
