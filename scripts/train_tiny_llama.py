@@ -6,8 +6,8 @@ through ``transformers``, and save it with ``save_pretrained``: the model that
         [--width 128] [--heads 4] [--seq-len 128] [--batch-size 16] [--threads 1]
     python scripts/train_tiny_llama.py --smoke --out-dir /tmp/tiny-llama-smoke   # seconds
 
-Tokens are bytes (``vocab_size = 256``, no tokenizer files: ``flt linearize`` reads such a
-checkpoint as bytes). Batches are random windows drawn from ``(seed, step)``
+Tokens are bytes (``vocab_size = 256``, no tokenizer files: ``flt linearize --bytes`` reads
+such a checkpoint as bytes). Batches are random windows drawn from ``(seed, step)``
 (:func:`flt.train.linearize.window_batch`); AdamW with a linear warm-up and a cosine
 decay; validation perplexity by :func:`flt.train.linearize.perplexity`, the function
 ``flt linearize`` reports with, written with the settings to ``OUT/train_summary.json``.

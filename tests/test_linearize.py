@@ -81,14 +81,14 @@ def text_file(tmp_path):
 
 def small_config(text_file, **changes) -> LinearizeConfig:
     base = {"data": str(text_file), "seq_len": 24, "batch_size": 2, "transfer_steps": 3, "finetune_steps": 3, "warmup_steps": 1,
-            "eval_every": 2, "eval_batches": 2, "checkpoint_every": 2, "attention_options": BAND}
+            "eval_every": 2, "eval_batches": 2, "checkpoint_every": 2, "attention_options": BAND, "byte_tokens": True}
     return LinearizeConfig(**{**base, **changes})
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_cli_linearizes_a_checkpoint_into_a_run_directory(name, checkpoints, text_file, tmp_path, isolated_cli):
     out = tmp_path / "run"
-    code = main(["linearize", str(checkpoints[name]), "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
+    code = main(["linearize", str(checkpoints[name]), "--bytes", "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
                  "--batch-size", "2", "--transfer-steps", "3", "--finetune-steps", "3", "--warmup-steps", "1",
                  "--eval-every", "2", "--eval-batches", "2", "--attention", "flt:near_field=4:qk_norm=false:num_features=16",
                  "--no-progress"])
@@ -167,13 +167,15 @@ def test_resume_continues_bit_for_bit(stop, transfer, checkpoints, text_file, tm
 
 
 def test_resume_continues_a_run_from_before_transfer_was_an_option(checkpoints, text_file, tmp_path, one_thread):
-    """A checkpoint whose settings have no ``transfer`` matched outputs: it resumes as one."""
+    """A checkpoint whose settings have no ``transfer`` matched outputs, and one without
+    ``byte_tokens`` read bytes if its record says so: it resumes as such."""
     config = small_config(text_file, transfer_steps=2, finetune_steps=1, checkpoint_every=1)
     with pytest.raises(LinearizeInterrupted):
         linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False, on_step=_StopAt(1))
     meta_file = tmp_path / "run" / "checkpoints" / "step-00000001" / "config.json"
     meta = json.loads(meta_file.read_text())
-    del meta["linearize"]["transfer"]
+    del meta["linearize"]["transfer"], meta["linearize"]["byte_tokens"]
+    assert meta["tokens"] == "bytes"
     meta_file.write_text(json.dumps(meta))
     summary = linearize(checkpoints["llama"], str(tmp_path / "run"), config, resume=True, progress=False, plots=False)
     assert summary["transfer"] == "outputs" and summary["steps"] == 3
@@ -199,14 +201,14 @@ def _cli_error(argv, capsys) -> str:
 
 def test_bad_model_dir_is_one_line_error(checkpoints, tmp_path, capsys, isolated_cli):
     out = str(tmp_path / "run")
-    assert "MODEL_DIR" in _cli_error(["linearize", str(tmp_path / "missing"), "--out-dir", out], capsys)
+    assert "MODEL_DIR" in _cli_error(["linearize", str(tmp_path / "missing"), "--bytes", "--out-dir", out], capsys)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "not a transformers checkpoint: it has no config.json" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    assert "not a transformers checkpoint: it has no config.json" in _cli_error(["linearize", str(empty), "--bytes", "--out-dir", out], capsys)
     (empty / "config.json").write_text("{}")
-    assert "has no model_type" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    assert "has no model_type" in _cli_error(["linearize", str(empty), "--bytes", "--out-dir", out], capsys)
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert "no loadable weights" in _cli_error(["linearize", str(empty), "--out-dir", out], capsys)
+    assert "no loadable weights" in _cli_error(["linearize", str(empty), "--bytes", "--out-dir", out], capsys)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -217,12 +219,12 @@ def test_bad_model_dir_is_one_line_error(checkpoints, tmp_path, capsys, isolated
     ("flt:causal=true", "causal is not an attention option"),
 ])
 def test_bad_attention_is_refused_before_loading(attention, message, checkpoints, tmp_path, capsys, isolated_cli):
-    err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--attention", attention], capsys)
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--bytes", "--out-dir", str(tmp_path / "run"), "--attention", attention], capsys)
     assert message in err and "Traceback" not in err
 
 
 def test_weights_transfer_refuses_the_multiplicative_coupling_before_loading(checkpoints, tmp_path, capsys, isolated_cli):
-    err = _cli_error(["linearize", str(checkpoints["llama"]), "--out-dir", str(tmp_path / "run"), "--transfer", "weights",
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--bytes", "--out-dir", str(tmp_path / "run"), "--transfer", "weights",
                       "--attention", "flt:coupling=multiplicative:near_field=0"], capsys)
     assert "does not have (its signed mask" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
@@ -260,6 +262,28 @@ def test_text_that_does_not_fit_the_model_is_refused(checkpoints, tmp_path, one_
         linearize(small, str(tmp_path / "run2"), small_config(text), progress=False, plots=False)
 
 
+def test_a_folder_without_a_tokenizer_is_refused_unless_bytes_are_asked_for(checkpoints, text_file, tmp_path, capsys,
+                                                                             isolated_cli):
+    """A model trained on another tokenizer would train on bytes, ids that mean nothing to it,
+    without a word: a folder without a tokenizer needs --bytes, checked before any model loads."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"has no tokenizer \(none of tokenizer.json.*pass --bytes"):
+        linearize(checkpoints["llama"], str(out), small_config(text_file, byte_tokens=False), progress=False, plots=False)
+    err = _cli_error(["linearize", str(checkpoints["llama"]), "--data", str(text_file), "--out-dir", str(out)], capsys)
+    assert err.count("\n") == 1 and "has no tokenizer" in err and "pass --bytes" in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="byte_tokens must be true or false"):
+        small_config(text_file, byte_tokens="yes")
+
+
+def test_bytes_are_refused_where_the_folder_has_a_tokenizer(tmp_path, text_file):
+    directory = save_gpt2(tmp_path / "model")
+    (directory / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"--bytes: MODEL_DIR .* has a tokenizer \(tokenizer.json\)"):
+        linearize(directory, str(tmp_path / "run"), small_config(text_file), progress=False, plots=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_checkpoint_with_a_tokenizer_is_read_with_it(tmp_path, one_thread):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -272,7 +296,7 @@ def test_a_checkpoint_with_a_tokenizer_is_read_with_it(tmp_path, one_thread):
     tokenizer.save_pretrained(directory)
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
-    config = small_config(text, seq_len=8, transfer_steps=1, finetune_steps=1)
+    config = small_config(text, seq_len=8, transfer_steps=1, finetune_steps=1, byte_tokens=False)
     summary = linearize(directory, str(tmp_path / "run"), config, progress=False, plots=False)
     assert summary["tokens"] != "bytes"
     # Word tokens: far fewer than the text's bytes.
@@ -385,7 +409,7 @@ def test_cli_transfer_flag(checkpoints, text_file, tmp_path, capsys, isolated_cl
 
     assert config_from_args(build_parser().parse_args(["linearize", "m", "--out-dir", "o"])).transfer == "outputs"
     out = tmp_path / "run"
-    code = main(["linearize", str(checkpoints["gpt2"]), "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
+    code = main(["linearize", str(checkpoints["gpt2"]), "--bytes", "--data", str(text_file), "--out-dir", str(out), "--seq-len", "24",
                  "--batch-size", "2", "--transfer-steps", "2", "--finetune-steps", "1", "--warmup-steps", "1",
                  "--eval-every", "2", "--eval-batches", "1", "--transfer", "both", "--no-progress"])
     assert code == 0

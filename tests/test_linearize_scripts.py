@@ -28,7 +28,7 @@ def test_tiny_llama_trains_and_linearized_state_stays_constant(tmp_path):
     _run(SCRIPTS / "train_tiny_llama.py", "--smoke", "--out-dir", softmax)
     trained = json.loads((softmax / "train_summary.json").read_text())
     assert trained["valid"]["step"] == 20 and trained["valid"]["ppl"] < 256  # below the uniform guess over bytes
-    _run("-m", "flt", "linearize", softmax, "--out-dir", tmp_path / "run", "--attention", "flt:near_field=4:num_features=16",
+    _run("-m", "flt", "linearize", softmax, "--bytes", "--out-dir", tmp_path / "run", "--attention", "flt:near_field=4:num_features=16",
          "--seq-len", "32", "--batch-size", "2", "--transfer-steps", "1", "--finetune-steps", "1", "--eval-batches", "1",
          "--threads", "1", "--no-progress", "--no-plots")
     _run(SCRIPTS / "decode_state_size.py", "--linearized", tmp_path / "run" / "model", "--softmax", softmax,

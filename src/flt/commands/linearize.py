@@ -2,7 +2,8 @@
 attention transfer and fine-tuning (:mod:`flt.train.linearize`).
 
 ``MODEL_DIR`` is any local ``transformers`` checkpoint of a causal LM of the Llama family
-(Llama, Qwen2, Mistral) or GPT-2 (``save_pretrained``; nothing is downloaded). Its
+(Llama, Qwen2, Mistral) or GPT-2 (``save_pretrained``; nothing is downloaded), with its
+tokenizer, or, with ``--bytes``, a model trained on bytes without one. Its
 attention is converted to ``--attention`` (the syntax of ``flt train``: a mechanism and
 its options), then the cores are trained to reproduce each softmax layer's output
 (``--transfer outputs``, the default), its attention weights (``--transfer weights``: the
@@ -17,11 +18,11 @@ converted, after transfer, after fine-tuning), ``learning_curves.png`` and ``mod
 Examples::
 
     python scripts/train_tiny_llama.py --out-dir runs/tiny-llama
-    flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --transfer-steps 100 --finetune-steps 200
-    flt linearize runs/tiny-llama --attention flt:near_field=8 --out-dir runs/tiny-llama-band8   # a narrower band
-    flt linearize runs/tiny-llama --transfer weights --out-dir runs/tiny-llama-weights   # match attention weights
-    flt linearize runs/tiny-llama --attention performer:feature_map=hedgehog:num_features=64 --out-dir runs/tiny-llama-hedgehog
-    flt linearize runs/tiny-llama --out-dir runs/tiny-llama-flt --resume   # continue a stopped run
+    flt linearize runs/tiny-llama --bytes --out-dir runs/tiny-llama-flt --transfer-steps 100 --finetune-steps 200
+    flt linearize runs/tiny-llama --bytes --attention flt:near_field=8 --out-dir runs/tiny-llama-band8   # a narrower band
+    flt linearize runs/tiny-llama --bytes --transfer weights --out-dir runs/tiny-llama-weights   # match attention weights
+    flt linearize runs/tiny-llama --bytes --attention performer:feature_map=hedgehog:num_features=64 --out-dir runs/tiny-llama-hedgehog
+    flt linearize runs/tiny-llama --bytes --out-dir runs/tiny-llama-flt --resume   # continue a stopped run
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer", choices=TRANSFER, default=defaults.transfer,
                    help="what attention transfer matches: each softmax layer's output, its attention weights (KL per row, "
                    "as Hedgehog and LoLCATs), or both (default: outputs)")
+    p.add_argument("--bytes", action="store_true", help="train on the text's bytes as token ids 0..255: for a model trained "
+                   "on bytes, whose MODEL_DIR has no tokenizer (without --bytes, such a MODEL_DIR is refused)")
     p.add_argument("--finetune", choices=("all", "attention", "cores"), default="all",
                    help="what trains in fine-tuning: the whole model, the attention modules, or the flt cores (default: all)")
     for name, (kind, text) in CONFIG_FLAGS.items():
@@ -99,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> LinearizeConfig:
     changes["attention_options"] = options
     # Recorded absolute, so that --resume from another directory finds the same text.
     data = None if args.data is None else os.path.abspath(args.data)
-    config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, transfer=args.transfer, **changes)
+    config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, transfer=args.transfer, byte_tokens=args.bytes,
+                             **changes)
     check_attention(config)
     return config
 

@@ -31,9 +31,11 @@ with ``save_pretrained`` (load it with :func:`flt.integrations.transformers.from
 
 Text: a UTF-8 file (its last ``valid_fraction`` is validation) or, by default, the
 embedded Python-documentation corpus (:func:`flt.data.text.load_python_docs`). Tokens: the
-checkpoint's tokenizer when ``MODEL_DIR`` has one (``AutoTokenizer``), else bytes (ids
-0..255, for models with ``vocab_size >= 256`` trained on bytes, such as
-``scripts/train_tiny_llama.py``'s).
+checkpoint's tokenizer when ``MODEL_DIR`` has one (``AutoTokenizer``), else, when asked
+for (``byte_tokens=True``, ``--bytes``), bytes (ids 0..255, for models with ``vocab_size >=
+256`` trained on bytes, such as ``scripts/train_tiny_llama.py``'s). A folder without a
+tokenizer is refused unless bytes are asked for: a model trained on another tokenizer
+would otherwise train, silently, on ids that mean nothing to it.
 
 Attention dropout is set to 0 on load (a linear core has no attention matrix to drop);
 the random features are drawn once (``seed``) and not redrawn. Matching weights runs the
@@ -94,6 +96,8 @@ class LinearizeConfig:
     no query-key normalisation, so that the converted core starts as close as an estimate
     can to the softmax it replaces (with ``f = 0`` its exact path *is* that softmax).
     ``transfer`` is what attention transfer matches (:data:`TRANSFER`; module docstring).
+    ``byte_tokens``: the text's bytes are the token ids (``MODEL_DIR`` must then have no
+    tokenizer); without it ``MODEL_DIR`` must have one.
     Learning rates follow a linear warm-up and a cosine decay within each stage.
     """
 
@@ -116,8 +120,11 @@ class LinearizeConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     seed: int = 0
+    byte_tokens: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.byte_tokens, bool):
+            raise ValueError(f"byte_tokens must be true or false, got {self.byte_tokens!r}")
         for name in ("seq_len", "batch_size", "eval_every", "checkpoint_every", "keep_checkpoints"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -184,13 +191,28 @@ def load_text(path: str | None, valid_fraction: float = 0.1) -> tuple[bytes, byt
     return train, valid, file.name
 
 
-class Tokens:
-    """Turns text into token ids with ``MODEL_DIR``'s tokenizer, or bytes without one."""
+def check_tokens(model_dir: str | os.PathLike, byte_tokens: bool) -> None:
+    """Refuse a ``MODEL_DIR`` without a tokenizer unless bytes are asked for
+    (``byte_tokens``), and bytes asked for where it has one."""
+    tokenizer = [name for name in TOKENIZER_FILES if (Path(model_dir) / name).is_file()]
+    if byte_tokens and tokenizer:
+        raise ValueError(f"--bytes: MODEL_DIR {model_dir} has a tokenizer ({tokenizer[0]}), which bytes would ignore; "
+                         "drop --bytes to use it")
+    if not byte_tokens and not tokenizer:
+        raise ValueError(f"MODEL_DIR {model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); pass --bytes "
+                         "(byte_tokens=True) to train on the text's bytes as token ids 0..255, right only for a model "
+                         "trained on bytes, or save the model's tokenizer into it (tokenizer.save_pretrained)")
 
-    def __init__(self, model_dir: str | os.PathLike, vocab_size: int):
+
+class Tokens:
+    """Turns text into token ids with ``MODEL_DIR``'s tokenizer, or bytes
+    (``byte_tokens``, for a folder without one: :func:`check_tokens`)."""
+
+    def __init__(self, model_dir: str | os.PathLike, vocab_size: int, byte_tokens: bool = False):
+        check_tokens(model_dir, byte_tokens)
         directory = Path(model_dir)
         self.tokenizer = None
-        if any((directory / name).is_file() for name in TOKENIZER_FILES):
+        if not byte_tokens:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -581,6 +603,7 @@ def linearize(model_dir: str | os.PathLike, out_dir: str, config: LinearizeConfi
 
     check_attention(config)
     check_model_dir(model_dir)
+    check_tokens(model_dir, config.byte_tokens)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
     lock = lock_run_dir(out_dir, command="flt linearize")
     reached = [0]
@@ -626,7 +649,7 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: t
     weights = config.transfer != "outputs"
     if weights:
         teacher.set_attn_implementation("eager")  # the implementation that returns the softmax weights
-    tokens = Tokens(model_dir, teacher.config.vocab_size)
+    tokens = Tokens(model_dir, teacher.config.vocab_size, config.byte_tokens)
     train_text, valid_text, corpus = load_text(config.data, config.valid_fraction)
     train_ids, valid_ids = tokens.encode(train_text), tokens.encode(valid_text)
     top = int(max(train_ids.max(), valid_ids.max()))
@@ -655,8 +678,10 @@ def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tup
 
     ckpt, meta = locate_checkpoint(out_dir, report=notes.append)
     saved = {k: meta.get(k) for k in ("linearize", "model_dir")}
-    if isinstance(saved["linearize"], dict):  # runs from before `transfer` existed matched outputs
-        saved["linearize"] = {"transfer": "outputs", **saved["linearize"]}
+    if isinstance(saved["linearize"], dict):
+        # Runs from before `transfer` existed matched outputs; those from before
+        # `byte_tokens` read bytes wherever MODEL_DIR had no tokenizer (their record says which).
+        saved["linearize"] = {"transfer": "outputs", "byte_tokens": meta.get("tokens") == "bytes", **saved["linearize"]}
     if saved["linearize"] != json.loads(json.dumps(record["linearize"])):
         diffs = sorted(k for k in record["linearize"] if (saved["linearize"] or {}).get(k) != json.loads(json.dumps(record["linearize"][k])))
         raise ValueError(f"--resume needs the options of the run in {out_dir}; these differ: {', '.join(diffs)}")
