@@ -143,3 +143,57 @@ def test_non_finite_positions_are_refused_for_every_mechanism():
     for core in ("flt", "softmax", "performer"):
         with pytest.raises(ValueError, match="pos contains 1 non-finite value"):
             attention(q, q, q, pos=pos, core=core, pos_dim=2)
+
+
+def test_the_core_is_named_by_every_call():
+    """No default mechanism: neither softmax (what flt replaces) nor a fresh FLT estimator is every caller's."""
+    q = torch.randn(1, HEADS, 5, 8)
+    with pytest.raises(TypeError, match="core"):
+        attention(q, q, q)
+
+
+@pytest.mark.parametrize("mechanism", sorted(ATTENTION))
+def test_a_core_built_from_a_name_gives_the_same_output_every_call(mechanism):
+    q, k, v = (torch.randn(2, HEADS, 7, 8, dtype=F64) for _ in range(3))
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    first = attention(q, k, v, core=mechanism, causal=True)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    assert torch.equal(attention(q, k, v, core=mechanism, causal=True), first)
+    if mechanism != "softmax":  # an explicit seed still chooses the draws
+        assert not torch.equal(attention(q, k, v, core=mechanism, causal=True, seed=7), first)
+
+
+def test_positions_of_another_dimension_name_pos_dim():
+    q = torch.randn(1, HEADS, 5, 8)
+    pos = torch.rand(1, 5, 2)
+    with pytest.raises(ValueError, match=r"pos has position dimension P = 2 .* built for pos_dim = 1; pass pos_dim=2"):
+        attention(q, q, q, pos=pos, core="flt")
+    with pytest.raises(ValueError, match="pass pos_dim=2"):
+        AttentionCore("softmax", heads=HEADS, head_dim=8)(q, q, q, pos[0])
+    assert attention(q, q, q, pos=pos, core="flt", pos_dim=2).shape == q.shape
+
+
+@pytest.mark.parametrize(("mechanism", "options"), [*CASES, ("toeplitz", {"causal": True}), ("toeplitz", {}),
+                                                    ("performer", {}), ("softmax", {})])
+def test_no_tokens_give_an_empty_output(mechanism, options):
+    """N = 0 was an IndexError (FLT), a ZeroDivisionError (causal Performer) or a RuntimeError (Toeplitz)."""
+    q, k = torch.randn(2, HEADS, 0, 8), torch.randn(2, HEADS, 0, 8)
+    v = torch.randn(2, HEADS, 0, 5)
+    out = attention(q, k, v, core=mechanism, **options)
+    assert out.shape == (2, HEADS, 0, 5) and out.dtype == v.dtype
+    core = AttentionCore(mechanism, heads=HEADS, head_dim=8, **options)
+    for method in ("forward", "reference", "exact"):
+        assert getattr(core, method)(q, k, v).shape == (2, HEADS, 0, 5)
+    if options.get("causal"):  # no new query against cached keys: no row either
+        keys = torch.randn(2, HEADS, 4, 8)
+        assert core(q, keys, torch.randn(2, HEADS, 4, 5)).shape == (2, HEADS, 0, 5)
+        if core.attention.supports_decoding:
+            with pytest.raises(ValueError, match="at least one token"):
+                core.prefill(q, k, v)
+
+
+def test_the_module_declares_its_public_names():
+    import flt.functional
+
+    assert set(flt.functional.__all__) == {"AttentionCore", "attention", "DEFAULT_SEED"}

@@ -23,11 +23,14 @@ Shapes: ``q [B, H, Nq, D]``, ``k [B, H, N, D]``, ``v [B, H, N, Dv]``, positions
 ``pos [B, N, P]``, ``[N, P]`` or ``[B, N]`` (integer position ids, ``P = 1``), None for
 token indices; ``key_padding_mask [B, N]`` (bool, True marks padding). ``Nq < N`` is
 allowed for causal cores only: the queries are then the last ``Nq`` tokens (decoding
-against cached keys), computed as the last rows of the full causal attention.
+against cached keys), computed as the last rows of the full causal attention. No token
+(``N = 0``) or no query (``Nq = 0``) gives the empty output ``[B, H, Nq, Dv]``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +40,13 @@ from flt._checks import check_choice, check_positions, check_tensor
 from flt._dtype import compute_dtype
 from flt.layers.base import AttentionBase, CoreBase, token_positions
 from flt.layers.registry import ATTENTION
+
+__all__ = ["DEFAULT_SEED", "AttentionCore", "attention"]
+
+#: The seed of the random draws (features, initial spectra) of a core that
+#: :func:`attention` builds from a name without ``seed=``: the same call gives the same
+#: output every time.
+DEFAULT_SEED = 0
 
 
 class AttentionCore(nn.Module):
@@ -142,6 +152,8 @@ class AttentionCore(nn.Module):
     def _run(self, method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         q, pos = self._check(q, k, v, pos)
         nq = q.shape[2]
+        if nq == 0:  # no query (and for N = 0 no key either): nothing to attend with
+            return v.new_zeros(*v.shape[:2], 0, v.shape[3])
         if nq < k.shape[2]:
             # Causal rows are independent: the last rows of the full attention are these
             # queries' outputs, whatever the earlier (zero) queries are.
@@ -160,6 +172,8 @@ class AttentionCore(nn.Module):
         self._check_decoding("prefill", q, k)
         self.attention.check_prefill(key_padding_mask)
         q, pos = self._check(q, k, v, pos)
+        if q.shape[2] == 0:
+            raise ValueError("prefill() needs a prompt of at least one token (q, k, v have N = 0); start from step() with state=None")
         out, state = self.attention.prefill(q, k, v, pos, key_padding_mask)
         return out.to(v.dtype), state
 
@@ -213,25 +227,45 @@ def positions(pos: torch.Tensor | None, *, batch: int, length: int, pos_dim: int
         raise TypeError(f"pos must be a tensor [B, N, P], [N, P] or [B, N] (position ids), got {type(pos).__name__}")
     if not pos.is_floating_point():
         pos = (pos.unsqueeze(-1) if pos.ndim == 2 else pos).to(dtype)  # [B, N] are position ids
+    if pos.ndim in (2, 3) and pos.shape[-1] != pos_dim:
+        raise ValueError(f"pos has position dimension P = {pos.shape[-1]} (shape {tuple(pos.shape)}), but the core was built "
+                         f"for pos_dim = {pos_dim}; pass pos_dim={pos.shape[-1]} (attention(..., pos_dim={pos.shape[-1]}) or "
+                         f"AttentionCore(..., pos_dim={pos.shape[-1]}))")
     return check_positions("pos", pos, batch=batch, length=length, pos_dim=pos_dim).to(device=like.device, dtype=dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pos: torch.Tensor | None = None, core: AttentionCore | str = "softmax", causal: bool | None = None,
-              key_padding_mask: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, core: AttentionCore | str, pos: torch.Tensor | None = None,
+              causal: bool | None = None, key_padding_mask: torch.Tensor | None = None, **options: Any) -> torch.Tensor:
     """Attention of ``q [B, H, Nq, D]`` on ``k [B, H, N, D]``, ``v [B, H, N, Dv]`` at
     positions ``pos``: ``[B, H, Nq, Dv]``.
 
-    ``core`` is an :class:`AttentionCore` (its learned parts are used and trained), or the
-    name of a mechanism, for which a fresh core is built from ``causal`` and ``options``
-    (a learned term at its initial value, random features freshly drawn unless ``seed``
-    is given): ``attention(q, k, v, core="softmax", causal=True)`` is causal softmax,
-    ``attention(q, k, v, core="flt", seed=0)`` FLT at initialisation.
+    ``core`` is required, since no mechanism is every caller's: an :class:`AttentionCore`
+    (its learned parts are used and trained), or the name of a mechanism, for which a
+    fresh core is built from ``causal``, ``pos_dim`` and ``options`` (a learned term at its
+    initial value): ``attention(q, k, v, core="softmax", causal=True)`` is causal softmax,
+    ``attention(q, k, v, core="flt")`` FLT at initialisation. A core built from a name
+    draws its random parts (features, initial spectra) from ``seed`` when given, else
+    from :data:`DEFAULT_SEED`, so a call gives the same output every time; the caller's
+    random state (CPU, and the CUDA device of ``q``) is left as it was.
     """
     if isinstance(core, str):
-        core = AttentionCore(core, heads=q.shape[1], head_dim=q.shape[-1], causal=bool(causal), device=q.device,
-                             dtype=q.dtype if q.is_floating_point() else None, **options)
+        with _default_draws(q.device):
+            core = AttentionCore(core, heads=q.shape[1], head_dim=q.shape[-1], causal=bool(causal), device=q.device,
+                                 dtype=q.dtype if q.is_floating_point() else None, **options)
     elif not isinstance(core, AttentionCore):
         raise TypeError(f"core must be an AttentionCore or a mechanism name in {sorted(ATTENTION)}, got {type(core).__name__}")
     elif options or causal is not None:
         raise ValueError(f"causal and options ({sorted(options)}) build a core from a name; core {core.mechanism_name!r} was built with its own")
     return core(q, k, v, pos, key_padding_mask)
+
+
+@contextlib.contextmanager
+def _default_draws(device: torch.device) -> Iterator[None]:
+    """Draws from torch's generators seeded with :data:`DEFAULT_SEED` (those of the CPU and
+    of ``device`` when it is a CUDA device), restored to their state before on exit."""
+    cuda = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.random.default_generator.manual_seed(DEFAULT_SEED)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(DEFAULT_SEED)
+        yield
