@@ -4,11 +4,21 @@ and round-trips save_pretrained / from_pretrained. Tiny random configurations, n
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from flt.integrations.transformers import FLTCache, convert, from_pretrained  # noqa: E402
 
@@ -45,6 +55,12 @@ FAMILY = {
     "qwen2": tiny_llama_family(transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": tiny_llama_family(transformers.MistralConfig, transformers.MistralForCausalLM),
 }
+
+
+#: The causal-LM class of each family, which a converted model's class derives from.
+model_classes = {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}
+SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 @pytest.fixture(params=sorted(MODELS))
@@ -121,6 +137,93 @@ def test_save_and_load_keep_the_settings_and_the_cores(build, tmp_path):
     assert loaded.config.flt_attention == {"attention": "flt", "path": "forward", "num_features": 16, "num_frequencies": 4,
                                            "amplitude": 0.5, "seed": 3, "near_field": 2}
     torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_the_standard_loader_returns_the_converted_model(name, tmp_path):
+    """``AutoModelForCausalLM.from_pretrained`` on a saved converted model: the converted
+    class (its own model_type), every tensor loaded, the same logits. It used to return the
+    softmax original with the cores' tensors listed as unexpected."""
+    model = FAMILY[name]()
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=3, near_field=2)
+    with torch.no_grad():  # a trained spectrum, not the one the settings would draw
+        for param_name, p in model.named_parameters():
+            if "flt_core" in param_name:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = tokens()
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == f"flt_{name}" and saved["architectures"] == [f"FLT{model_classes[name].__name__}"]
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert isinstance(loaded, model_classes[name]) and type(loaded).__name__.startswith("FLT")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert type(AutoConfig.from_pretrained(tmp_path)).model_type == f"flt_{name}"
+    assert loaded.config._attn_implementation == "flt"
+    torch.testing.assert_close(loaded.eval()(ids).logits, expected, rtol=0, atol=0)
+    torch.testing.assert_close(from_pretrained(tmp_path).eval()(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_a_folder_saved_by_the_previous_version_still_loads_through_flt(tmp_path):
+    """Folders saved before the converted model types (the original model_type plus
+    flt_attention) load through flt's from_pretrained, as before, and save as the new type."""
+    model = tiny_llama()
+    convert(model, "flt", num_features=16, num_frequencies=4, amplitude=0.5, seed=3)
+    ids = tokens()
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path / "old")
+    config_file = tmp_path / "old" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])  # as the previous version wrote it
+    config_file.write_text(json.dumps(config))
+    loaded = from_pretrained(tmp_path / "old").eval()
+    torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+    loaded.save_pretrained(tmp_path / "new")
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["model_type"] == "flt_llama"
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path / "new").eval()(ids).logits, expected, rtol=0, atol=0)
+
+
+def test_importing_the_integration_registers_the_converted_types(tmp_path):
+    """A fresh process: the import alone makes the standard loader return the converted model."""
+    import os
+    import subprocess
+    import sys
+
+    model = tiny_gpt2()
+    convert(model, "performer", num_features=8, seed=1)
+    ids = tokens()
+    model.save_pretrained(tmp_path)
+    torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    script = f"""
+import torch
+import flt.integrations.transformers
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).eval()
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+assert type(model).__name__ == "FLTGPT2LMHeadModel", type(model)
+torch.testing.assert_close(model(expected["ids"]).logits, expected["logits"], rtol=0, atol=0)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_a_family_outside_the_table_is_registered_when_met(tmp_path):
+    """A Llama-family model of a type the import does not register: convert() registers its
+    classes; a folder of it loads through flt's from_pretrained (registering them) and,
+    after that, through the standard loader."""
+    config_class = getattr(transformers, "Qwen3Config", None)
+    if config_class is None:
+        pytest.skip("this transformers has no Qwen3")
+    model = tiny_llama_family(config_class, transformers.Qwen3ForCausalLM)()
+    convert(model, "flt", num_features=16, seed=2)
+    ids = tokens()
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "flt_qwen3"
+    torch.testing.assert_close(from_pretrained(tmp_path).eval()(ids).logits, expected, rtol=0, atol=0)
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits, expected, rtol=0, atol=0)
 
 
 def test_from_pretrained_refuses_an_unconverted_model(tmp_path):

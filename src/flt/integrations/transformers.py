@@ -9,8 +9,12 @@ weights, its rotary embedding (applied by the model before the core sees the que
 keys), its KV cache. The core reads the model's ``position_ids`` as 1-D positions, so
 FLT's relative term sees the same positions as the rotary embedding.
 
-The settings are stored in ``model.config.flt_attention``; ``save_pretrained`` writes them
-with the core's parameters, and :func:`from_pretrained` rebuilds the converted model.
+The settings are stored in ``model.config.flt_attention``, and the converted model becomes
+an instance of its family's converted class (:func:`converted_class`: ``FLTLlamaForCausalLM``,
+``model_type`` ``flt_llama``). ``save_pretrained`` writes that ``model_type`` with the
+settings and the cores' parameters; importing this module registers the converted classes
+with ``AutoConfig`` and ``AutoModelForCausalLM``, so the standard loader returns the
+converted model. :func:`from_pretrained` also loads folders saved by earlier versions.
 
 Decoding: ``model.generate()`` works through the model's own KV cache, each new token the
 last row of the causal core over all cached keys (``O(t)`` per token, as softmax), or, with
@@ -25,6 +29,7 @@ the beams. Generating from a right-padded batch raises (:func:`check_left_paddin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -51,6 +56,17 @@ from flt.functional import AttentionCore
 IMPLEMENTATION = "flt"
 #: The config attribute holding the conversion's settings.
 CONFIG_KEY = "flt_attention"
+#: The start of a converted model's ``model_type``: a converted Llama saves as ``flt_llama``
+#: and loads back through ``AutoModelForCausalLM`` as one (:func:`converted_class`).
+MODEL_TYPE_PREFIX = "flt_"
+#: The families whose converted classes are registered with ``transformers``' Auto classes
+#: when this module is imported: ``{model_type: (config class, causal-LM class)}``, names
+#: in ``transformers``. Another family's classes are made and registered when
+#: :func:`convert` or :func:`from_pretrained` first meets one.
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "gpt2": ("GPT2Config", "GPT2LMHeadModel")}
+#: Original causal-LM class -> the class of its converted models.
+_CONVERTED: dict[type[PreTrainedModel], type[PreTrainedModel]] = {}
 #: How a converted core computes: its estimator, its O(N^2) reference of the same
 #: features, or the exact attention it estimates (for FLT's logit coupling with ``f = 0``
 #: and ``qk_norm=False``, softmax itself).
@@ -88,23 +104,91 @@ def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forw
     check_choice("path", path, PATHS)
     if "causal" in options:
         raise ValueError("causal is not an option of convert: a decoder's attention is causal")
+    _equip(model, attention, path, options)
+    model.config.flt_attention = {"attention": attention, "path": path, **options}
+    adopt(model)
+    return model
+
+
+def _equip(model: PreTrainedModel, attention: str, path: str, options: dict[str, Any]) -> None:
+    """Give every self-attention module of ``model`` a core and switch its attention to flt's."""
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no self-attention module convert() knows (q_proj/k_proj of the Llama family, c_attn of GPT-2)")
     param = next(model.parameters())
+    # `from_pretrained` builds a model under the meta device, where the cores cannot draw
+    # their initial values; they are built on the CPU and replaced by the saved tensors.
+    meta = param.device.type == "meta"
+    device = torch.device("cpu") if meta else param.device
     for module in modules:
         heads, head_dim = _heads(model.config, module)
         converted = cast(_ConvertedAttention, module)  # gains the attributes the attention function reads
-        converted.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=param.device,
-                                           dtype=param.dtype, **options)
+        with torch.device("cpu") if meta else contextlib.nullcontext():
+            converted.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=device,
+                                               dtype=param.dtype, **options)
         converted.flt_core.path = path
         if not hasattr(module, "_flt_cache"):
             converted._flt_cache = None
             module.register_forward_pre_hook(_remember_cache, with_kwargs=True)
     register()
-    model.config.flt_attention = {"attention": attention, "path": path, **options}
     model.set_attn_implementation(IMPLEMENTATION)
-    return model
+
+
+def converted_class(model_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    """The class of converted ``model_class`` models: a subclass whose config class (a
+    subclass of ``model_class``'s) has its own ``model_type``, ``flt_`` and the original's
+    (:data:`MODEL_TYPE_PREFIX`), and whose constructor converts the model its parent builds
+    with the config's ``flt_attention`` settings. Made once per class and registered with
+    ``AutoConfig`` and ``AutoModelForCausalLM``, so that a folder written by ``save_pretrained``
+    loads back through ``AutoModelForCausalLM.from_pretrained`` as the converted model."""
+    if model_class in _CONVERTED.values():
+        return model_class
+    if model_class in _CONVERTED:
+        return _CONVERTED[model_class]
+    base_config = model_class.config_class
+    if not isinstance(base_config, type) or not getattr(base_config, "model_type", ""):
+        raise ValueError(f"{model_class.__name__} has no config class with a model_type; convert() cannot name its converted models")
+    model_type = MODEL_TYPE_PREFIX + base_config.model_type
+    config_class = type(f"FLT{base_config.__name__}", (base_config,), {
+        "model_type": model_type, "__module__": __name__,
+        "__doc__": f"The config of a {base_config.__name__} model converted by flt: its settings plus ``{CONFIG_KEY}``."})
+
+    def __init__(self: PreTrainedModel, config: PretrainedConfig, *args: Any, **kwargs: Any) -> None:
+        settings = getattr(config, CONFIG_KEY, None)
+        if not isinstance(settings, dict) or "attention" not in settings:
+            raise ValueError(f"{type(self).__name__} needs config.{CONFIG_KEY}, the settings that "
+                             "flt.integrations.transformers.convert stores")
+        model_class.__init__(self, config, *args, **kwargs)
+        options = dict(settings)
+        _equip(self, options.pop("attention"), options.pop("path", "forward"), options)
+
+    flt_class = type(f"FLT{model_class.__name__}", (model_class,), {
+        "config_class": config_class, "__init__": __init__, "__module__": __name__,
+        "__doc__": f"A {model_class.__name__} whose attention is flt's (:func:`convert`)."})
+    AutoConfig.register(model_type, config_class, exist_ok=True)
+    AutoModelForCausalLM.register(config_class, flt_class, exist_ok=True)
+    _CONVERTED[model_class] = flt_class
+    return flt_class
+
+
+def adopt(model: PreTrainedModel) -> None:
+    """Make a model that :func:`_equip` converted an instance of its :func:`converted_class`,
+    and its config of that class's config class, in place (neither adds any state): its
+    ``save_pretrained`` then writes the converted ``model_type``."""
+    flt_class = converted_class(type(model))
+    model.__class__ = flt_class
+    model.config.__class__ = cast(type[PretrainedConfig], flt_class.config_class)
+
+
+def register_families() -> None:
+    """Register the converted classes of :data:`FAMILIES` with the Auto classes (idempotent)."""
+    import transformers
+
+    for config_name, model_name in FAMILIES.values():
+        model_class = getattr(transformers, model_name)
+        if model_class.config_class is not getattr(transformers, config_name):
+            raise TypeError(f"transformers.{model_name} is not configured by transformers.{config_name}")
+        converted_class(model_class)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -338,16 +422,24 @@ def key_positions(position_ids: torch.Tensor | None, batch: int, length: int, de
 
 
 def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
-    """Load a model saved by ``save_pretrained`` after :func:`convert`: the model by
-    ``AutoModelForCausalLM.from_pretrained(directory, **kwargs)``, converted again with
-    the stored settings, then the cores' parameters from the checkpoint's safetensors files."""
+    """Load a model saved by ``save_pretrained`` after :func:`convert`.
+
+    A folder with a converted ``model_type`` (``flt_llama``, ...) loads by
+    ``AutoModelForCausalLM.from_pretrained(directory, **kwargs)`` itself, its family's
+    classes registered first if this process has not met it yet. A folder saved by an
+    earlier flt (the original ``model_type`` with ``flt_attention`` settings, which the
+    Auto classes load as the softmax model) loads as that model, converted again with the
+    stored settings, then the cores' parameters from the checkpoint's safetensors files."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    _register_saved_family(directory)
     config = AutoConfig.from_pretrained(directory)
     settings = getattr(config, CONFIG_KEY, None)
     if not settings:
         raise ValueError(f"{directory} holds no flt settings (config.{CONFIG_KEY}); it was not saved after flt.integrations.transformers.convert")
+    if config.model_type.startswith(MODEL_TYPE_PREFIX):
+        return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # its load report would list the cores' parameters as unexpected
     try:
@@ -366,3 +458,30 @@ def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
     model.load_state_dict(cores, strict=False)
     return model
 
+
+
+def _register_saved_family(directory: Path) -> None:
+    """Register the converted classes of the family a folder's ``config.json`` names
+    (``flt_<model_type>``), when it is one this process has not registered."""
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_type = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # AutoConfig names what is wrong with the folder
+    if not isinstance(model_type, str) or not model_type.startswith(MODEL_TYPE_PREFIX) or model_type in CONFIG_MAPPING:
+        return
+    base = model_type[len(MODEL_TYPE_PREFIX):]
+    if base not in CONFIG_MAPPING or CONFIG_MAPPING[base] not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"{directory / 'config.json'}: model_type {model_type!r} is a converted {base!r}, which this "
+                         "transformers has no causal language model for")
+    found = MODEL_FOR_CAUSAL_LM_MAPPING[CONFIG_MAPPING[base]]
+    # A few types map to several classes, the first the default.
+    converted_class(cast(type[PreTrainedModel], found[0] if isinstance(found, tuple) else found))
+
+
+# What importing this module is for: converted models load through the Auto classes.
+register_families()
