@@ -41,8 +41,11 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from flt.commands import THREADS_HELP, default_threads
+
 if TYPE_CHECKING:
     import torch
+    from tqdm import tqdm
 
     from flt.models.config import TrunkConfig
 
@@ -74,7 +77,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="validation batches (default: the run's draw_gap_batches, i.e. the draw gap's)")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal's stderr: the step running and its batches)")
     p.set_defaults(func=run)
 
 
@@ -142,7 +146,7 @@ def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: Trunk
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device: torch.device | str = "cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid",
-                 fidelity: bool = False) -> dict:
+                 fidelity: bool = False, bar: tqdm | None = None) -> dict:
     """The metrics of a saved run on ``split`` (``"valid"`` or ``"test"``): ``{"metric",
     "split", "options", "data", "dropped", "own", "fresh", "fresh_mean", "fresh_std",
     "exact"}`` (``own``, the checkpoint's own draw, only without changed attention options;
@@ -152,7 +156,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     ``data_options`` change the run's data options (its validation set) for the evaluation;
     ``data`` in the result lists them, ``dropped`` the trained data options that a new path
     dropped (:func:`flt.tasks.change_data`). ``split="test"`` scores the task's test split
-    (tasks with ``has_test_split``) instead of the validation split."""
+    (tasks with ``has_test_split``) instead of the validation split. ``bar``, a tqdm
+    bar, shows the step running (loading, each draw, the exact evaluation) and counts its batches."""
     import statistics
 
     from safetensors.torch import load_file
@@ -187,6 +192,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     name, trained = meta["preset"]["task"], meta["preset"].get("data", {})
     options = change_data(name, trained, data, "--data-opt/--data")
     dropped = sorted(set(trained) - set(options))
+    _stage(bar, f"loading the {name} data")
     task = load_task(name, options)
     if split == "test" and not has_test_split(task):
         raise ValueError(f"--split test: task {name!r} has no test split (it defines no test_batches)")
@@ -199,15 +205,24 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
         from flt.models.memory import check_task_memory
 
         check_task_memory(task, cfg, batch_size=bs, training=False, device=dev)
+    _stage(bar, "building the model")
     model = type(task).build_model(cfg, device=dev)
     own_draw = load_with_draws(model, load_file(os.path.join(ckpt, ckpt_io.MODEL_FILE), device=str(dev)),
                                {"--attn-opt": changed})  # data that changes the config was refused above
     model.eval()
+    if bar is not None:  # one model call per batch, through ExactForward too
+        counter = bar
+
+        def count(module: torch.nn.Module, args: tuple) -> None:
+            counter.update()
+
+        model.register_forward_pre_hook(count)
     ctx = Context(0, 1, dev)
     batches = max_batches if max_batches is not None else run.draw_gap_batches
     metric = task.metric
 
-    def measure(m: torch.nn.Module, size: int = bs) -> float:
+    def measure(m: torch.nn.Module, size: int = bs, what: str = "") -> float:
+        _stage(bar, what, batches)
         return float(evaluate(task, m, ctx, size, batches, split=split)[metric])
 
     rows = None
@@ -215,24 +230,32 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
         from flt.train.fidelity import layer_fidelity
 
         split_batches = task.eval_batches if split == "valid" else task.test_batches
+        _stage(bar, "each layer's fidelity")
         rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, to_device(b, dev)))
 
     fresh = []
     for i in range(draws):
         with fixed_draw(model, DG.draw_seed(run.seed, f"fresh-{i}")):
-            fresh.append(measure(model))
+            fresh.append(measure(model, what=f"fresh draw {i + 1} of {draws}"))
     exact_value = None
     if exact:
         exact_bs = DG.exact_batch_size(task, model, cfg, bs, exact_max_elements or DG.EXACT_MAX_ELEMENTS)
         if exact_bs is not None:
-            exact_value = measure(DG.ExactForward(model), exact_bs)
+            exact_value = measure(DG.ExactForward(model), exact_bs, "exact attention")
     return {
         # The own draw is the trained configuration's: with changed options there is none.
-        "metric": metric, "split": split, "options": changed, "data": data, "dropped": dropped, "own": measure(model) if own_draw and not changed else None, "fresh": fresh,
+        "metric": metric, "split": split, "options": changed, "data": data, "dropped": dropped, "own": measure(model, what="own draw") if own_draw and not changed else None, "fresh": fresh,
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
         "exact": exact_value, **({"fidelity": rows} if rows is not None else {}),
     }
+
+
+def _stage(bar: tqdm | None, what: str, batches: int | None = None) -> None:
+    """Show the step ``what`` on ``bar``, counting its ``batches`` from 0."""
+    if bar is not None:
+        bar.reset(total=batches)
+        bar.set_description_str(f"evaluate: {what}", refresh=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -254,10 +277,20 @@ def run(args: argparse.Namespace) -> int:
         from flt.tasks import set_data_path
 
         set_data_path(data, args.data)
-    res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
-                       batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
-                       exact_max_elements=args.exact_max_elements, data_options=data, split=args.split,
-                       fidelity=args.fidelity)
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        # On a terminal only (disable=None): a log keeps the result and one-line errors alone.
+        bar = tqdm(desc="evaluate", unit=" batches", dynamic_ncols=True, leave=False, disable=None)
+    try:
+        res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
+                           batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
+                           exact_max_elements=args.exact_max_elements, data_options=data, split=args.split,
+                           fidelity=args.fidelity, bar=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     num = lambda x: "n/a" if x is None else f"{x:.4g}"  # noqa: E731
     fresh = " ".join(num(v) for v in res["fresh"])
     on = f" on {data}" if data else ""

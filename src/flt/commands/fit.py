@@ -27,6 +27,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from flt.commands import THREADS_HELP, default_threads
+
 if TYPE_CHECKING:
     from flt.fit import FitConfig
 
@@ -62,7 +64,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "float64"), help="default float32")
     p.add_argument("--out-dir", help="run directory (default: runs/fit-TASK-POSENC[-sweep-KEY])")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="no PNG figures")
     p.set_defaults(func=run)

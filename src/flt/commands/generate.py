@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from flt.commands import THREADS_HELP, default_threads
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -29,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed, a non-negative integer (default: 0)")
     p.add_argument("--recompute", action="store_true", help="recompute the context each step instead of the recurrent state")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
     p.set_defaults(func=run)
 
 

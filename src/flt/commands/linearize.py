@@ -33,6 +33,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from flt.commands import THREADS_HELP, default_threads
+
 if TYPE_CHECKING:
     from flt.train.linearize import LinearizeConfig
 
@@ -82,7 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{text} (default: {getattr(defaults, name)})")
     p.add_argument("--resume", action="store_true", help="continue the run in --out-dir from its latest checkpoint (same options)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots")
     p.set_defaults(func=run)

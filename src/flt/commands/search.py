@@ -37,6 +37,7 @@ import shlex
 import sys
 from typing import TYPE_CHECKING
 
+from flt.commands import THREADS_HELP, default_threads
 from flt.commands.train import preset_from_args
 from flt.tasks import holdout_tasks
 
@@ -75,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out-dir", help="search directory (default: runs/search-TASK-PRESET-sSEED)")
     p.add_argument("--resume", action="store_true", help="continue the search in --out-dir from its latest checkpoint, with the same options")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
     p.add_argument("--no-plots", action="store_true", help="no search.png")
     p.set_defaults(func=run)
 

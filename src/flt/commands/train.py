@@ -42,6 +42,8 @@ import shutil
 import sys
 from typing import TYPE_CHECKING
 
+from flt.commands import THREADS_HELP, default_threads
+
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value
 from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
@@ -117,7 +119,7 @@ def _apply_shortcuts(args: argparse.Namespace, model_changes: dict, data_changes
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     """Options that do not change what is computed."""
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="no PNG plots")
 
