@@ -99,7 +99,9 @@ def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forw
 
     Returns:
         ``model``, converted: every projection weight kept, one core per layer (its
-        parameters in float32 or the model's dtype), ``model.config.flt_attention`` set.
+        parameters in float32 or the model's dtype), ``model.config.flt_attention`` set,
+        the model an instance of :func:`converted_class` (a subclass of its class) and its
+        config of that class's config class, whose ``model_type`` is ``flt_`` and the original's.
     """
     check_choice("path", path, PATHS)
     if "causal" in options:
