@@ -350,6 +350,8 @@ class LongRangeBlock(nn.Module):
         feature_seed: seeds the FAVOR+ draw (None: torch's generator); the trainer redraws
             it like any FAVOR+ map (:mod:`flt.layers.draws`).
         prenorm: a LayerNorm on ``h`` before the projections.
+        exact: always compute the O(N^2) sum with the exact kernels (:meth:`reference`): the
+            control "the same relative term, exactly", at O(N^2 R) cost.
 
     ``W_o`` starts at zero, so a fresh block is the identity and adding it to a trained
     model changes nothing until it learns.
@@ -361,7 +363,7 @@ class LongRangeBlock(nn.Module):
 
     def __init__(self, dim: int, *, heads: int = 4, pos_dim: int = 3, frequencies: str = "discrete",
                  normalised: bool = False, content: str = "none", num_features: int = 16,
-                 feature_seed: int | None = None, prenorm: bool = True, device: torch.device | str | None = None,
+                 feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_positive_int("dim", dim)
@@ -371,9 +373,10 @@ class LongRangeBlock(nn.Module):
         check_choice("content", content, CONTENT)
         check_bool("normalised", normalised)
         check_bool("prenorm", prenorm)
+        check_bool("exact", exact)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.dim, self.heads, self.pos_dim = dim, heads, pos_dim
-        self.frequency_set, self.normalised, self.content = frequencies, normalised, content
+        self.frequency_set, self.normalised, self.content, self.exact = frequencies, normalised, content, exact
         self.kernel = build_frequencies(frequencies, heads, pos_dim, **fk, **options)
         self.norm = nn.LayerNorm(dim, **fk) if prenorm else nn.Identity()
         self.value = nn.Linear(dim, dim, **fk)
@@ -430,9 +433,10 @@ class LongRangeBlock(nn.Module):
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
                 exact: bool = False) -> torch.Tensor:
-        """``[B, N, d] -> [B, N, d]`` in ``O(N R d)``; ``exact=True`` is :meth:`reference` with
-        the exact kernels (the sinc for ``"radial"``, ``exp(q.k / sqrt(Dk))`` for FAVOR+)."""
-        if exact:
+        """``[B, N, d] -> [B, N, d]`` in ``O(N R d)``; ``exact=True`` (or the constructor's) is
+        :meth:`reference` with the exact kernels (the sinc for ``"radial"``, ``exp(q.k /
+        sqrt(Dk))`` for FAVOR+)."""
+        if exact or self.exact:
             return self.reference(h, pos, key_padding_mask, kernel="exact")
         pad = self._check(h, pos, key_padding_mask)
         pos, v, q, k = self._inputs(h, pos, pad)
@@ -480,7 +484,7 @@ class LongRangeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, frequencies={self.frequency_set!r}, "
-                f"normalised={self.normalised}, content={self.content!r}")
+                f"normalised={self.normalised}, content={self.content!r}" + (", exact=True" if self.exact else ""))
 
 
 __all__ = [
