@@ -6,9 +6,15 @@ import math
 
 import pytest
 import torch
-
 from conftest import assert_close, assert_same_gradients
-from flt.layers.longrange import CONTENT, FREQUENCIES, LongRangeBlock, build_frequencies, sphere_quadrature
+
+from flt.layers.longrange import (
+    CONTENT,
+    FREQUENCIES,
+    LongRangeBlock,
+    build_frequencies,
+    sphere_quadrature,
+)
 
 DIM, HEADS = 8, 2
 

@@ -204,7 +204,7 @@ class GridFrequencies(Frequencies):
         lead = m.gather(-1, first[:, None]).squeeze(-1)
         m = m[inside & (lead >= 0)]
         self.frequency_cutoff, self.grid_spacing = float(frequency_cutoff), float(grid_spacing)
-        fk = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("xi", (m * grid_spacing).unsqueeze(0).to(**fk), persistent=False)
         self.beta = nn.Parameter(torch.full((heads, len(m)), float(amplitude), **fk))
 
@@ -252,7 +252,7 @@ class RadialFrequencies(Frequencies):
                 math.isfinite(length_scale) and length_scale > 0):
             raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
         u, q = sphere_quadrature(quadrature)
-        fk = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)
         self.register_buffer("directions", u.to(**fk), persistent=False)
         self.register_buffer("weights", q.to(**fk), persistent=False)
@@ -296,7 +296,7 @@ def build_frequencies(name: str, heads: int, pos_dim: int, *, device: torch.devi
     """``FREQUENCIES[name](heads, pos_dim, **options)``; an option the set does not take is
     refused with the ones it does."""
     check_choice("frequencies", name, FREQUENCIES)
-    cls = FREQUENCIES[name]
+    cls: Any = FREQUENCIES[name]  # every set's constructor takes device and dtype (the base class does not)
     known = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "heads", "pos_dim", "device", "dtype")]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -406,7 +406,8 @@ class LongRangeBlock(nn.Module):
         check_finite("pos", pos[~key_padding_mask])
         return key_padding_mask
 
-    def _inputs(self, h: torch.Tensor, pos: torch.Tensor, pad: torch.Tensor):
+    def _inputs(self, h: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Positions with padding at 0, values ``[B, H, N, Dv]``, queries and keys (or None)."""
         pos = pos.masked_fill(pad.unsqueeze(-1), 0.0)
         x = self.norm(h)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -103,7 +103,7 @@ class AfterBlock(nn.Module):
     @property
     def attn(self) -> nn.Module:
         """The wrapped block's attention (:meth:`flt.models.Trunk.attention_layers` reads it)."""
-        return self.inner.attn
+        return cast(nn.Module, self.inner.attn)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
                 exact: bool = False) -> torch.Tensor:
@@ -157,8 +157,8 @@ __all__ = [
     "AfterBlock",
     "AfterOutput",
     "AfterResidual",
-    "blocks_of",
     "LongRangeContext",
+    "blocks_of",
     "check_longrange",
     "list_slots",
     "wrap_modules",

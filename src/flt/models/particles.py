@@ -26,7 +26,14 @@ from torch import nn
 from flt._checks import check_choice, check_positive_int
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import LayeredConfig
-from flt.models.longrange import AfterBlock, AfterResidual, LongRangeContext, check_longrange, list_slots, wrap_modules
+from flt.models.longrange import (
+    AfterBlock,
+    AfterResidual,
+    LongRangeContext,
+    check_longrange,
+    list_slots,
+    wrap_modules,
+)
 from flt.models.molecule import tie_isotropic
 from flt.models.qm9 import radius_graph
 
@@ -133,7 +140,11 @@ class ParticleSchNet(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         try:
-            from torch_geometric.nn.models.schnet import GaussianSmearing, InteractionBlock, ShiftedSoftplus
+            from torch_geometric.nn.models.schnet import (
+                GaussianSmearing,
+                InteractionBlock,
+                ShiftedSoftplus,
+            )
         except ImportError as error:
             raise ImportError(f"encoder='schnet' uses torch_geometric's SchNet blocks, which could not be imported "
                               f"({error}); install the qm9 extra: pip install -e '.[qm9]'") from error

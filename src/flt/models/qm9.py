@@ -21,7 +21,7 @@ PyG's versions (those need ``pyg-lib`` and ``torch_sparse``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -218,10 +218,10 @@ class QM9Regressor(nn.Module):
                                             cutoff=cutoff)
         self.net.to(device=device, dtype=dtype)
         if encoder == "schnet+lr":
-            wrap_modules(list_slots(self.net.interactions), dim, longrange, longrange_placement, AfterResidual,
+            wrap_modules(list_slots(cast(nn.ModuleList, self.net.interactions)), dim, longrange, longrange_placement, AfterResidual,
                          self.context, **fk)
         elif encoder == "dimenet++lr":
-            slots = [(block, "lin_up") for block in self.net.output_blocks]
+            slots: list[tuple[nn.Module, str]] = [(block, "lin_up") for block in cast(nn.ModuleList, self.net.output_blocks)]
             wrap_modules(slots, 2 * dim, longrange, longrange_placement, AfterOutput, self.context, **fk)
 
     def forward(self, z: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,

@@ -41,8 +41,22 @@ from torch import nn
 
 from flt.data.nbody import Clouds, box_side, cloud_splits
 from flt.models import replace_fields
-from flt.models.particles import PARTICLE_ENCODERS, ParticleConfig, ParticleRegressor, particle_model
-from flt.tasks.base import Presets, Shortcuts, Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.models.memory import check_model_memory
+from flt.models.particles import (
+    PARTICLE_ENCODERS,
+    ParticleConfig,
+    ParticleRegressor,
+    particle_model,
+)
+from flt.tasks.base import (
+    Presets,
+    Shortcuts,
+    Task,
+    epoch_indices,
+    eval_slices,
+    mechanism_options,
+    shard,
+)
 from flt.tasks.preset import Preset, RunConfig
 
 #: ``(pos [B, N, 3], charge [B, N], y [B, N])``.
@@ -126,9 +140,10 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
     def build_model(cls, config: Any, *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
         """The model ``config.encoder`` names (:func:`flt.models.particles.particle_model`)."""
-        if isinstance(config, ParticleConfig) and config.encoder != "transformer":
-            return particle_model(config, device=device, dtype=dtype)
-        return super().build_model(config, device=device, dtype=dtype)
+        if not isinstance(config, ParticleConfig):
+            raise TypeError(f"task {cls.name!r} builds from ParticleConfig, got {type(config).__name__}")
+        check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
+        return particle_model(config, device=device, dtype=dtype)
 
     def configure(self, cfg: ParticleConfig) -> ParticleConfig:
         return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std, spacing=self.spacing)
