@@ -13,6 +13,7 @@ from flt.layers.longrange import (
     FREQUENCIES,
     LongRangeBlock,
     build_frequencies,
+    check_block_options,
     sphere_quadrature,
 )
 
@@ -204,7 +205,7 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"frequencies": "fourier"}, "frequencies"),
     ({"frequencies": "radial", "pos_dim": 2}, "pos_dim must be 3"),
-    ({"frequencies": "grid", "num_frequencies": 8}, "frequencies='grid' takes the options frequency_cutoff"),
+    ({"frequencies": "grid", "num_frequencies": 8}, "frequencies='grid' takes heads, .*frequency_cutoff"),
     ({"frequencies": "radial", "quadrature": 7}, "order must be even"),
     ({"content": "softmax"}, "content"),
     ({"normalised": 1}, "normalised must be a bool"),
@@ -213,3 +214,23 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
 def test_bad_options_are_refused_with_their_name(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         LongRangeBlock(DIM, heads=HEADS, **kwargs)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"frequencies": "grid", "num_frequencies": 8}, r"frequencies='grid' takes heads, .*frequency_cutoff.*got unknown num_frequencies"),
+    ({"frequencies": "waves"}, "frequencies"),
+    ({"content": "relu"}, "content"),
+    ({"radius": 3}, "got unknown radius"),
+])
+def test_block_options_are_checked_before_anything_is_built(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        check_block_options(options)
+    with pytest.raises((ValueError, TypeError), match=message):
+        LongRangeBlock(DIM, heads=HEADS, **options)
+
+
+def test_every_documented_option_passes_the_check():
+    for name in FREQUENCIES:
+        check_block_options({"frequencies": name, "heads": 2, "normalised": True, "content": "favor+", "exact": True})
+    check_block_options({"frequencies": "radial", "num_radii": 4, "quadrature": 6, "length_scale": 2.0})
+    check_block_options({"frequencies": "grid", "frequency_cutoff": 0.5, "grid_spacing": 0.05})

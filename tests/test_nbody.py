@@ -246,3 +246,26 @@ def test_the_exact_control_is_an_option_of_the_block():
     with torch.no_grad():
         torch.testing.assert_close(exact(clouds.charge, clouds.pos), fast(clouds.charge, clouds.pos), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(fast(clouds.charge, clouds.pos, exact=True), exact(clouds.charge, clouds.pos))
+
+
+def test_the_cloud_radius_graph_is_every_close_pair_of_one_cloud_in_any_row_chunks():
+    from flt.models.particles import cloud_radius_graph
+    from flt.models.qm9 import radius_graph
+
+    pos = torch.randn(3, 11, 3) * 2
+    batch = torch.arange(3).repeat_interleave(11)
+    expected, dist = radius_graph(pos.reshape(-1, 3), batch, 2.5)
+    for rows in (1, 4, 64):
+        edges, d = cloud_radius_graph(pos, 2.5, rows=rows)
+        assert set(map(tuple, edges.t().tolist())) == set(map(tuple, expected.t().tolist())) and edges.shape == expected.shape
+        order, ref_order = torch.argsort(edges[0] * 100 + edges[1]), torch.argsort(expected[0] * 100 + expected[1])
+        torch.testing.assert_close(d[order], dist[ref_order])
+
+
+@pytest.mark.usefixtures("isolated_cli")
+def test_an_unknown_block_option_is_a_usage_error_before_any_data(tmp_path, capsys):
+    code = main(["train", "nbody", "--preset", "smoke", "--model", "schnet+lr", "--model-opt",
+                 'longrange={"frequencies": "grid", "num_frequencies": 8}', "--out-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert "got unknown num_frequencies" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

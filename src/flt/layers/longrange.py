@@ -304,6 +304,23 @@ def build_frequencies(name: str, heads: int, pos_dim: int, *, device: torch.devi
     return cls(heads, pos_dim, device=device, dtype=dtype, **options)
 
 
+def check_block_options(options: dict[str, Any]) -> None:
+    """Refuse options :class:`LongRangeBlock` would refuse by name, before anything is built:
+    an unknown ``frequencies`` or ``content``, or a keyword neither the block nor its
+    frequency set takes (values are checked when the block is built)."""
+    frequencies = options.get("frequencies", "discrete")
+    check_choice("frequencies", frequencies, FREQUENCIES)
+    check_choice("content", options.get("content", "none"), CONTENT)
+    own = [p for p in inspect.signature(LongRangeBlock.__init__).parameters
+           if p not in ("self", "dim", "device", "dtype", "options")]
+    theirs = [p for p in inspect.signature(FREQUENCIES[frequencies].__init__).parameters
+              if p not in ("self", "heads", "pos_dim", "device", "dtype")]
+    unknown = sorted(set(options) - set(own) - set(theirs))
+    if unknown:
+        raise TypeError(f"LongRangeBlock with frequencies={frequencies!r} takes {', '.join(own + theirs)}; "
+                        f"got unknown {', '.join(unknown)}")
+
+
 def feature_sum(a: torch.Tensor, c: torch.Tensor, v: torch.Tensor, qf: torch.Tensor | None = None,
                 kf: torch.Tensor | None = None, *, normalised: bool = False) -> torch.Tensor:
     """``out_i = sum_j (a_i.c_j) (qf_i.kf_j) v_j`` in ``O(N 2R m Dv)``, divided by the same sum
@@ -366,6 +383,7 @@ class LongRangeBlock(nn.Module):
                  feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
+        check_block_options({"frequencies": frequencies, "content": content, **options})
         check_positive_int("dim", dim)
         check_positive_int("heads", heads)
         if dim % heads:
@@ -498,6 +516,7 @@ __all__ = [
     "RadialFrequencies",
     "RandomFrequencies",
     "build_frequencies",
+    "check_block_options",
     "dense_sum",
     "feature_sum",
     "sphere_quadrature",

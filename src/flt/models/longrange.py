@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice
-from flt.layers.longrange import LongRangeBlock
+from flt.layers.longrange import LongRangeBlock, check_block_options
 
 #: Where the blocks go: once before the readout, or after each wrapped module.
 PLACEMENTS = ("readout", "each")
@@ -150,6 +150,7 @@ def check_longrange(encoder: str, options: object, placement: object, default_pl
     for reserved in ("dim", "device", "dtype"):
         if reserved in options:
             raise ValueError(f"longrange: {reserved} is set by the model, leave it out")
+    check_block_options(options)
 
 
 __all__ = [

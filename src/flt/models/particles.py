@@ -35,7 +35,6 @@ from flt.models.longrange import (
     wrap_modules,
 )
 from flt.models.molecule import tie_isotropic
-from flt.models.qm9 import radius_graph
 
 #: ``ParticleConfig.encoder`` choices (the keys of :data:`PARTICLE_MODELS`).
 PARTICLE_ENCODERS = ("transformer", "schnet", "transformer+lr", "schnet+lr")
@@ -119,11 +118,31 @@ class ParticleRegressor(nn.Module):
         return self.target_mean + self.target_std * self.head(x).squeeze(-1)
 
 
+def cloud_radius_graph(pos: torch.Tensor, cutoff: float, *, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(edge_index [2, E], distance [E])`` of every ordered pair ``(i, j)``, ``i != j``, of
+    particles of one cloud closer than ``cutoff``, for clouds ``pos [B, N, 3]`` (flat
+    indices ``b N + i``). The distances of ``rows`` query rows at a time, so memory stays
+    ``O(B rows N)`` on large clouds; distances are recomputed from the positions so
+    gradients reach them."""
+    B, N, _ = pos.shape
+    flat = pos.reshape(B * N, 3)
+    found = []
+    with torch.no_grad():
+        for start in range(0, N, rows):
+            block = pos[:, start:start + rows].detach()
+            near = torch.cdist(block, pos.detach()) < cutoff  # [B, rows, N]
+            near[:, torch.arange(block.shape[1]), torch.arange(start, start + block.shape[1])] = False
+            b, i, j = near.nonzero(as_tuple=True)
+            found.append(torch.stack([b * N + start + i, b * N + j]))
+    edge_index = torch.cat(found, dim=1)
+    return edge_index, (flat[edge_index[0]] - flat[edge_index[1]]).norm(dim=-1)
+
+
 class ParticleSchNet(nn.Module):
     """A per-particle SchNet (Schütt et al., 2017) from torch_geometric's parts: the
     embedding of each particle's charge, ``depth`` of PyG's ``InteractionBlock`` (width
     ``dim``, ``num_gaussians`` Gaussians, cosine cutoff) on the radius graph of each cloud
-    (:func:`flt.models.qm9.radius_graph`, dense per cloud), and SchNet's two-layer head per
+    (:func:`cloud_radius_graph`), and SchNet's two-layer head per
     particle. ``cutoff`` is in mean spacings, ``spacing`` position units each.
 
     ``longrange`` (options of :class:`flt.layers.LongRangeBlock`, or None for the plain
@@ -167,9 +186,7 @@ class ParticleSchNet(nn.Module):
         if exact and not self.has_longrange:
             raise ValueError("exact=True is the long-range block's exact sum; this SchNet has no block")
         B, N = charge.shape
-        flat = pos.reshape(B * N, 3)
-        batch = torch.arange(B, device=pos.device).repeat_interleave(N)
-        edge_index, distance = radius_graph(flat, batch, self.radius)
+        edge_index, distance = cloud_radius_graph(pos, self.radius)
         basis = self.expand(distance)
         h = self.embed((charge > 0).long()).reshape(B * N, -1)
         with self.context.bound(pos, torch.zeros(B, N, dtype=torch.bool, device=pos.device), exact=exact):
