@@ -234,3 +234,31 @@ def test_every_documented_option_passes_the_check():
         check_block_options({"frequencies": name, "heads": 2, "normalised": True, "content": "favor+", "exact": True})
     check_block_options({"frequencies": "radial", "num_radii": 4, "quadrature": 6, "length_scale": 2.0})
     check_block_options({"frequencies": "grid", "frequency_cutoff": 0.5, "grid_spacing": 0.05})
+
+
+@pytest.mark.parametrize("pos_dim", [1, 2])
+@pytest.mark.parametrize("frequencies", ["discrete", "grid", "random"])
+def test_any_number_of_coordinates(frequencies, pos_dim):
+    torch.manual_seed(1)
+    options = {"frequency_cutoff": 0.5, "grid_spacing": 0.05} if frequencies == "grid" else {}
+    block = LongRangeBlock(DIM, heads=HEADS, pos_dim=pos_dim, frequencies=frequencies, dtype=torch.float64, **options)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    h = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+    pos = (3 * torch.randn(2, 9, pos_dim, dtype=torch.float64)).requires_grad_()
+    assert_same_gradients(block(h, pos), block.reference(h, pos), [h, pos])
+
+
+def test_phases_stay_in_float32_under_bfloat16_autocast():
+    """Far from the origin (|r| ~ 1e3) the bfloat16 matmuls of autocast round the values, not
+    the phases: the output stays within bfloat16's tolerance of the float32 block's."""
+    block = make_block("discrete", dtype=torch.float32)
+    h = torch.randn(2, 7, DIM)
+    pos = torch.randn(2, 7, 3) * 3 + 1000.0
+    ref = block(h, pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(h, pos)
+    assert_close(out.float(), ref, dtype=torch.bfloat16)
+    a, c = block.kernel.features(pos)
+    assert a.dtype == c.dtype == torch.float32
