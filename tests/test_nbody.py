@@ -130,3 +130,142 @@ def test_the_per_particle_model_predicts_in_target_units():
     torch.nn.init.zeros_(model.head.bias)
     charge = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
     assert torch.equal(model(charge, torch.randn(1, 4, 3)), torch.full((1, 4), 3.0))
+
+
+def _particle_model(encoder: str, seed: int = 0, **fields):
+    """The smoke preset's model as ``encoder``, built from ``seed``; its blocks' ``W_o`` moved off zero."""
+    from flt.models import replace_fields
+    from flt.models.longrange import blocks_of
+
+    cfg = replace_fields(get_preset("nbody", "smoke").model, encoder=encoder, **fields)
+    torch.manual_seed(seed)
+    model = NBodyTask.build_model(cfg).eval()
+    for block in blocks_of(model):
+        torch.nn.init.normal_(block.out.weight, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("encoder", ["schnet", "schnet+lr", "transformer+lr"])
+def test_every_particle_model_is_permutation_equivariant_and_translation_invariant(encoder):
+    model = _particle_model(encoder, longrange={"frequencies": "radial"} if encoder == "schnet+lr" else {})
+    clouds = generate_clouds(2, 32, seed=0, split="train")
+    with torch.no_grad():
+        out = model(clouds.charge, clouds.pos)
+        perm = torch.randperm(32)
+        torch.testing.assert_close(model(clouds.charge[:, perm], clouds.pos[:, perm]), out[:, perm], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(clouds.charge, clouds.pos + 3.0), out, rtol=1e-4, atol=1e-5)
+    assert out.shape == (2, 32)
+    with pytest.raises(ValueError, match=r"charges must be \+1 or -1"):
+        model(clouds.charge * 2, clouds.pos)
+
+
+def test_schnet_with_a_radial_block_is_rotation_invariant_exactly_on_its_exact_path():
+    model = _particle_model("schnet+lr", longrange={"frequencies": "radial"})
+    plain = _particle_model("schnet")
+    clouds = generate_clouds(1, 32, seed=0, split="train")
+    q, _ = torch.linalg.qr(torch.randn(3, 3))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(clouds.charge, clouds.pos @ q.T), plain(clouds.charge, clouds.pos), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(clouds.charge, clouds.pos @ q.T, exact=True), model(clouds.charge, clouds.pos, exact=True),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="this SchNet has no block"):
+        plain(clouds.charge, clouds.pos, exact=True)
+
+
+def test_a_fresh_block_leaves_schnet_unchanged_and_the_cutoff_is_in_mean_spacings():
+    from flt.models import replace_fields
+
+    clouds = generate_clouds(1, 32, seed=0, split="train")
+    cfg = replace_fields(get_preset("nbody", "smoke").model, encoder="schnet")
+    torch.manual_seed(0)
+    plain = NBodyTask.build_model(cfg).eval()
+    torch.manual_seed(0)
+    fresh = NBodyTask.build_model(replace_fields(cfg, encoder="schnet+lr", longrange_placement="each")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(clouds.charge, clouds.pos), plain(clouds.charge, clouds.pos))
+    task = NBodyTask(num_particles=16, num_train=2, num_valid=2, num_test=2, density=8.0)
+    configured = task.configure(replace_fields(cfg, cutoff=3.0))
+    assert configured.spacing == pytest.approx(0.5)
+    assert NBodyTask.build_model(configured).radius == pytest.approx(1.5)  # 3 spacings of 0.5
+
+
+def test_the_block_sees_beyond_schnets_cutoff():
+    """Two particles 6 spacings apart, a 2-spacing cutoff: SchNet's prediction for one does not
+    move when the other moves away; with the block it does."""
+    charge = torch.tensor([[1.0, -1.0]])
+    near, far = torch.tensor([[[0.0, 0, 0], [6.0, 0, 0]]]), torch.tensor([[[0.0, 0, 0], [7.0, 0, 0]]])
+    for encoder, moves in (("schnet", False), ("schnet+lr", True)):
+        model = _particle_model(encoder)
+        with torch.no_grad():
+            assert bool((model(charge, near) - model(charge, far)).abs().max() > 1e-4) == moves, encoder
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"encoder": "mace"}, "encoder"),
+    ({"encoder": "schnet", "longrange": {"frequencies": "grid"}}, "encoder='schnet' has none"),
+    ({"encoder": "schnet", "cutoff": 0.0}, "cutoff must be a positive finite number"),
+])
+def test_bad_particle_model_fields_are_refused_with_their_name(fields, message):
+    from flt.models import replace_fields
+
+    with pytest.raises((ValueError, TypeError), match=message):
+        replace_fields(get_preset("nbody", "smoke").model, **fields)
+
+
+def test_particle_model_is_the_one_builder():
+    from flt.models import replace_fields
+    from flt.models.particles import PARTICLE_MODELS, ParticleSchNet, particle_model
+
+    cfg = get_preset("nbody", "smoke").model
+    assert isinstance(particle_model(cfg), ParticleRegressor) and isinstance(NBodyTask.build_model(cfg), ParticleRegressor)
+    assert isinstance(particle_model(replace_fields(cfg, encoder="schnet+lr")), ParticleSchNet)
+    assert set(PARTICLE_MODELS) == {"transformer", "schnet", "transformer+lr", "schnet+lr"}
+    with pytest.raises(TypeError, match="particle_model builds from a ParticleConfig"):
+        particle_model(object())
+
+
+@pytest.mark.usefixtures("isolated_cli")
+def test_schnet_with_a_grid_block_trains_through_the_cli_and_scores_larger_clouds(tmp_path):
+    out = tmp_path / "run"
+    code = main(["train", "nbody", "--preset", "smoke", "--model", "schnet+lr", "--model-opt",
+                 'longrange={"frequencies": "grid", "frequency_cutoff": 0.5}', "--steps", "4", "--run-opt", "eval_every=2",
+                 "--out-dir", str(out), "--no-progress", "--no-plots"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isfinite(summary["test"]["nmse"])
+    larger = evaluate_run(str(out), draws=0, exact=False, data_options={"eval_particles": 256})
+    assert math.isfinite(larger["own"]) and larger["own"] != summary["final"]["nmse"]
+
+
+def test_the_exact_control_is_an_option_of_the_block():
+    """``longrange={"exact": true}`` trains the O(N^2) sum of the same kernel: the same
+    predictions as the fast path for a discrete kernel, and as ``exact=True`` at call time."""
+    fast = _particle_model("schnet+lr", seed=1)
+    exact = _particle_model("schnet+lr", seed=1, longrange={"exact": True})
+    clouds = generate_clouds(1, 32, seed=0, split="train")
+    with torch.no_grad():
+        torch.testing.assert_close(exact(clouds.charge, clouds.pos), fast(clouds.charge, clouds.pos), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast(clouds.charge, clouds.pos, exact=True), exact(clouds.charge, clouds.pos))
+
+
+def test_the_cloud_radius_graph_is_every_close_pair_of_one_cloud_in_any_row_chunks():
+    from flt.models.particles import cloud_radius_graph
+    from flt.models.qm9 import radius_graph
+
+    pos = torch.randn(3, 11, 3) * 2
+    batch = torch.arange(3).repeat_interleave(11)
+    expected, dist = radius_graph(pos.reshape(-1, 3), batch, 2.5)
+    for rows in (1, 4, 64):
+        edges, d = cloud_radius_graph(pos, 2.5, rows=rows)
+        assert set(map(tuple, edges.t().tolist())) == set(map(tuple, expected.t().tolist())) and edges.shape == expected.shape
+        order, ref_order = torch.argsort(edges[0] * 100 + edges[1]), torch.argsort(expected[0] * 100 + expected[1])
+        torch.testing.assert_close(d[order], dist[ref_order])
+
+
+@pytest.mark.usefixtures("isolated_cli")
+def test_an_unknown_block_option_is_a_usage_error_before_any_data(tmp_path, capsys):
+    code = main(["train", "nbody", "--preset", "smoke", "--model", "schnet+lr", "--model-opt",
+                 'longrange={"frequencies": "grid", "num_frequencies": 8}', "--out-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert "got unknown num_frequencies" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

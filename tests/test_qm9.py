@@ -15,7 +15,9 @@ import torch
 from flt.cli import main
 from flt.data import DataError, MissingDataError, collate_molecules
 from flt.data.qm9 import HARTREE_MEV, TARGETS, load_qm9pack, read_qm9_csv, split_qm9
-from flt.models.qm9 import QM9Config, radius_graph
+from flt.layers.longrange import LongRangeBlock
+from flt.models.longrange import blocks_of
+from flt.models.qm9 import QM9Config, QM9Regressor, radius_graph
 from flt.tasks import TASKS, get_preset
 from flt.tasks.qm9 import QM9Task
 
@@ -165,6 +167,8 @@ MODELS = [
     {"encoder": "transformer", "attention": "softmax"},
     {"encoder": "transformer", "attention": "performer"},
     {"encoder": "schnet"},
+    {"encoder": "schnet+lr", "longrange": {"frequencies": "radial"}, "longrange_placement": "each"},
+    {"encoder": "transformer+lr", "attention": "softmax", "longrange": {"content": "elu", "normalised": True}},
 ]
 
 
@@ -177,12 +181,18 @@ def _batch(n=5, seed=0):
     return collate_molecules(samples), samples
 
 
-def _model(fields):
+def _model(fields, *, seed=None):
     preset = get_preset("qm9", "smoke", fields.get("attention", "flt"))
     options = fields.get("attention_options", preset.model.attention_options)
     cfg = QM9Config(**{**preset.model.__dict__, **fields, "attention_options": options, "readout": "sum",
                        "target_mean": 5.0, "target_std": 2.0})
-    return QM9Task.build_model(cfg).eval()
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = QM9Task.build_model(cfg).eval()
+    # A fresh block is the identity (W_o = 0); give it something to add.
+    for block in blocks_of(model):
+        torch.nn.init.normal_(block.out.weight, std=0.2)
+    return model
 
 
 @pytest.mark.parametrize("fields", MODELS, ids=lambda f: f["encoder"] + "-" + f.get("attention", "") + (
@@ -213,6 +223,66 @@ def test_schnet_is_rotation_invariant_and_refuses_exact():
         model(batch.z, batch.pos, batch.key_padding_mask, exact=True)
 
 
+@pytest.mark.parametrize(("encoder", "inside", "per_block"), [
+    ("schnet", "interactions", 1), ("transformer", "trunk.blocks", 1),
+    pytest.param("dimenet++", "output_blocks", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("placement", ["readout", "each"])
+def test_a_fresh_block_leaves_the_base_model_unchanged_and_sits_where_placed(encoder, inside, per_block, placement):
+    """The +lr model built from the same seed computes what its base model does (the block
+    starts as the identity), with one block before the readout or one per block."""
+    fields = {"attention": "softmax"} if encoder == "transformer" else {}
+    base = _model({**fields, "encoder": encoder}, seed=3)
+    lr_name = {"schnet": "schnet+lr", "transformer": "transformer+lr", "dimenet++": "dimenet++lr"}[encoder]
+    preset = get_preset("qm9", "smoke", fields.get("attention", "flt"))
+    cfg = QM9Config(**{**preset.model.__dict__, **fields, "encoder": lr_name, "readout": "sum", "target_mean": 5.0,
+                       "target_std": 2.0, "longrange_placement": placement})
+    torch.manual_seed(3)
+    with_block = QM9Task.build_model(cfg).eval()
+    batch, _ = _batch()
+    with torch.no_grad():
+        assert torch.allclose(with_block(batch.z, batch.pos, batch.key_padding_mask),
+                              base(batch.z, batch.pos, batch.key_padding_mask), atol=1e-6)
+    wrapped = [name for name, m in with_block.named_modules() if isinstance(m, LongRangeBlock)]
+    depth = cfg.depth + (1 if encoder == "dimenet++" else 0)  # DimeNet++ has one more output block than blocks
+    assert len(wrapped) == (depth if placement == "each" else 1) * per_block
+    assert all(inside in name for name in wrapped)
+
+
+def test_the_block_reaches_beyond_the_cutoff_and_its_exact_sum_is_its_fast_sum():
+    """SchNet at a 1 Angstrom cutoff sees nothing of an atom 8 Angstrom away; with the block
+    the prediction moves with that atom. ``exact=True`` (the O(N^2) sum of the same discrete
+    kernel) gives the fast path's value."""
+    z = torch.tensor([[6, 1]])
+    near, far = torch.tensor([[[0.0, 0, 0], [8.0, 0, 0]]]), torch.tensor([[[0.0, 0, 0], [9.0, 0, 0]]])
+    pad = torch.zeros(1, 2, dtype=torch.bool)
+    for encoder, moves in (("schnet", False), ("schnet+lr", True)):
+        model = _model({"encoder": encoder, "cutoff": 1.0}, seed=0)
+        with torch.no_grad():
+            a, b = model(z, near, pad), model(z, far, pad)
+        assert bool((a - b).abs().max() > 1e-4) == moves, encoder
+    with torch.no_grad():
+        assert torch.allclose(model(z, near, pad, exact=True), model(z, near, pad), atol=1e-5)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"encoder": "schnet", "longrange": {"frequencies": "grid"}}, "encoder='schnet' has none"),
+    ({"encoder": "schnet+lr", "longrange_placement": "middle"}, "longrange_placement"),
+    ({"encoder": "schnet+lr", "longrange": {"dim": 8}}, "longrange: dim is set by the model"),
+    ({"encoder": "schnet+lr", "longrange": "grid"}, r"longrange must be dict\[str, typing.Any\]"),
+])
+def test_bad_long_range_fields_are_refused_with_their_name(fields, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        QM9Config(**fields)
+
+
+def test_long_range_options_reach_the_block():
+    cfg = QM9Config(encoder="schnet+lr", dim=16, depth=2, heads=2, longrange={"frequencies": "grid", "frequency_cutoff": 0.5})
+    from flt.models import config_kwargs
+
+    (block,) = blocks_of(QM9Regressor(**config_kwargs(cfg)))
+    assert block.frequency_set == "grid" and block.kernel.frequency_cutoff == 0.5 and block.heads == 2
+
+
 def test_the_readout_follows_the_target_unless_given(qm9_csv):
     path, _ = qm9_csv
     cfg = get_preset("qm9", "smoke").model
@@ -225,7 +295,8 @@ def test_the_readout_follows_the_target_unless_given(qm9_csv):
 
 @pytest.mark.usefixtures("isolated_cli")
 # DimeNet++ is slow only to build: sympy derives its Bessel basis in about 9 s of CPU.
-@pytest.mark.parametrize("model", ["transformer", "schnet", pytest.param("dimenet++", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["transformer", "schnet", "schnet+lr", pytest.param("dimenet++", marks=pytest.mark.slow),
+                                   pytest.param("dimenet++lr", marks=pytest.mark.slow)])
 def test_a_smoke_run_through_the_cli_reports_validation_and_test_mae(qm9_csv, tmp_path, model, capsys):
     path, _ = qm9_csv
     out = tmp_path / "run"
@@ -238,7 +309,7 @@ def test_a_smoke_run_through_the_cli_reports_validation_and_test_mae(qm9_csv, tm
     assert summary["test_mae"] == summary["test"]["mae"] and math.isfinite(summary["test_mae"])
     # meV of a gap spread over 0.2-0.4 Ha: hundreds to thousands, not hartree or eV.
     assert 100 < summary["final"]["mae"] < 5000
-    assert ("draw_gap" in summary) == (model == "transformer")
+    assert ("draw_gap" in summary) == (model == "transformer")  # the +lr models' discrete block draws nothing
     assert "target gap in meV" in capsys.readouterr().out
     # The saved run reloads (SchNet's shared filter network is saved under one name) and scores the same.
     from flt.commands.evaluate import evaluate_run

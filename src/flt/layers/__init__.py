@@ -2,12 +2,14 @@
 
 Each attention layer is its projections plus a mechanism core (``layer.core``: :class:`FLTCore`,
 :class:`PerformerCore`, :class:`ToeplitzCore`, :class:`SoftmaxCore`) that computes on queries,
-keys and values."""
+keys and values. :class:`LongRangeBlock` is not attention: it adds a sum over all points
+weighed by a learned kernel of their offsets (:mod:`flt.layers.longrange`)."""
 
 from flt.layers.base import AttentionBase, CoreBase, QKScaling
 from flt.layers.features import FEATURE_MAPS, FeatureMap
 from flt.layers.flt import COUPLINGS, FLTAttention, FLTCore
 from flt.layers.kernel import DecodeState, KernelAttention, KernelCore
+from flt.layers.longrange import FREQUENCIES, LongRangeBlock
 from flt.layers.near import Band, Neighbors
 from flt.layers.parts import (
     FEATURES,
@@ -30,6 +32,7 @@ __all__ = [
     "COUPLINGS",
     "FEATURES",
     "FEATURE_MAPS",
+    "FREQUENCIES",
     "RELATIVE_BIASES",
     "AttentionBase",
     "Band",
@@ -44,6 +47,7 @@ __all__ = [
     "Hedgehog",
     "KernelAttention",
     "KernelCore",
+    "LongRangeBlock",
     "Neighbors",
     "PerformerAttention",
     "PerformerCore",

@@ -17,6 +17,13 @@ training mean (``1 - R^2``; predicting the mean gives 1), lower is better; ``rel
 likewise with absolute errors. ``loss`` is the MSE of the standardised target. The test
 split is evaluated once, after training (``summary.json``'s ``test``), and chooses nothing.
 
+Models (``--model``, ``ParticleConfig.encoder``; built by
+:func:`flt.models.particles.particle_model`): ``transformer`` (the default, with any
+``--attention``), ``schnet`` (a per-particle SchNet from torch_geometric's blocks, radius
+graph at ``cutoff`` mean spacings, ``--model-opt cutoff=3``), and both with the long-range
+block, ``transformer+lr`` and ``schnet+lr`` (``--model-opt longrange='{"frequencies":
+"grid"}'``, ``--model-opt longrange_placement=each``; docs/longrange.md).
+
 Attention averages, the target is a sum: the values are averaged with weights ``f K``;
 in a neutral cloud a mask ``f = g + c`` makes the average proportional to the sum (see
 :mod:`flt.data.nbody`), so a model needs no count channel, and none is given.
@@ -34,8 +41,22 @@ from torch import nn
 
 from flt.data.nbody import Clouds, box_side, cloud_splits
 from flt.models import replace_fields
-from flt.models.particles import ParticleConfig, ParticleRegressor
-from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
+from flt.models.memory import check_model_memory
+from flt.models.particles import (
+    PARTICLE_ENCODERS,
+    ParticleConfig,
+    ParticleRegressor,
+    particle_model,
+)
+from flt.tasks.base import (
+    Presets,
+    Shortcuts,
+    Task,
+    epoch_indices,
+    eval_slices,
+    mechanism_options,
+    shard,
+)
 from flt.tasks.preset import Preset, RunConfig
 
 #: ``(pos [B, N, 3], charge [B, N], y [B, N])``.
@@ -101,6 +122,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "nmse": "normalised MSE (1 - R^2)",
                                       "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
+    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"nbody: the model, one of {', '.join(PARTICLE_ENCODERS)} (--model-opt encoder=)")}
 
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
@@ -110,11 +132,21 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
                               screening=screening, softening=softening)
         self.train, self.valid, self.test = splits.train, splits.valid, splits.test
         self.side = box_side(num_particles, density)
+        self.spacing = float(density) ** (-1 / 3)
         y = self.train.y.double()
         self.target_mean, self.target_std = float(y.mean()), float(y.std())
 
+    @classmethod
+    def build_model(cls, config: Any, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Module:
+        """The model ``config.encoder`` names (:func:`flt.models.particles.particle_model`)."""
+        if not isinstance(config, ParticleConfig):
+            raise TypeError(f"task {cls.name!r} builds from ParticleConfig, got {type(config).__name__}")
+        check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
+        return particle_model(config, device=device, dtype=dtype)
+
     def configure(self, cfg: ParticleConfig) -> ParticleConfig:
-        return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
+        return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std, spacing=self.spacing)
 
     def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> CloudBatch:
         idx = epoch_indices(len(self.train), batch_size, seed, step)[shard(batch_size, rank, world)]

@@ -17,7 +17,10 @@ energy. Every target is standardised with the training split's mean and deviatio
 
 Models (``--model``, ``QM9Config.encoder``): ``transformer``, the molecule regressor with
 any attention mechanism (``--attention``), and torch_geometric's ``schnet`` and
-``dimenet++``, both on graphs computed in plain torch (:mod:`flt.models.qm9`).
+``dimenet++``, both on graphs computed in plain torch (:mod:`flt.models.qm9`); each with
+the long-range block as ``transformer+lr``, ``schnet+lr`` and ``dimenet++lr``
+(``--model-opt longrange='{"frequencies": "grid"}'``, ``--model-opt
+longrange_placement=each``, the base model's ``--model-opt cutoff=5``; docs/longrange.md).
 docs/qm9.md gives the protocol and docs/results.md the measurements.
 """
 

@@ -1,0 +1,523 @@
+"""A long-range block for point sets: ``h_i + W_o sum_j f(r_i - r_j) K_ij W_v h_j`` in O(N R d).
+
+For features ``h [B, N, d]`` at positions ``pos [B, N, P]`` the block adds to every point a
+sum over all the others of their projected features, weighed by a translation-invariant
+kernel ``f`` of the offset (and optionally a content kernel ``K_ij``). ``f`` is a cosine sum,
+``f(r) = sum_k w_k cos(2 pi xi_k.r)``, so it factorises: with ``cos_ik = cos(2 pi xi_k.r_i)``
+and ``sin_ik`` likewise,
+
+    sum_j f(r_i - r_j) v_j = sum_k w_k [cos_ik (sum_j cos_jk v_j) + sin_ik (sum_j sin_jk v_j)],
+
+two sums over the points per frequency, then one read per point: ``O(N R Dv)`` per head
+instead of ``O(N^2)``. It is Ewald's reciprocal-space sum without periodic boundaries, and
+the numerator of FLT's linear attention without its denominator (docs/longrange.md).
+
+Frequency sets (``frequencies=``, :data:`FREQUENCIES`), one ``f`` per head:
+
+* ``"discrete"``: learned frequencies and weights, :class:`flt.relative.spectra.DiscreteSpectrum`'s
+  parametrisation (``num_frequencies``, ``components``, ``length_scale``, ``length_spread``,
+  ``sampler``, ``seed``, ``amplitude``).
+* ``"radial"``: learned radii ``rho_k`` and weights, ``f(r) = sum_k w_k sinc(2 rho_k |r|)``
+  (``P = 3``), the average of ``cos(2 pi xi.r)`` over the directions of ``|xi| = rho_k``,
+  computed by the product quadrature of :func:`sphere_quadrature`; ``exact`` uses the sinc.
+* ``"grid"``: the Ewald message-passing control: fixed frequencies on a regular grid
+  (``grid_spacing``) up to ``frequency_cutoff``, learned weights (filters); ``f`` is then
+  periodic with period ``1 / grid_spacing`` along each axis.
+* ``"random"``: the discrete set's starting frequencies, drawn once and frozen; learned weights.
+
+Shapes: frequencies ``xi [H, R, P]`` and weights ``w [H, R]`` (:meth:`Frequencies.frequencies`),
+one kernel per head; values ``[B, H, N, Dv]`` with ``Dv = dim / heads``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from flt._checks import check_bool, check_choice, check_finite, check_positive_int, check_tensor
+from flt._dtype import compute_dtype
+from flt.layers.features import FeatureMap
+from flt.ops._common import safe_divide
+from flt.relative.spectra.base import cycles, phase_dtype
+from flt.relative.spectra.discrete import DiscreteSpectrum
+
+#: Content kernels ``K_ij``: none (``K = 1``), ``elu + 1`` features of projected queries and
+#: keys (deterministic), or FAVOR+ random features estimating ``exp(q.k / sqrt(Dk))``.
+CONTENT = ("none", "elu", "favor+")
+
+# Query rows per chunk of the O(N^2) reference: its [B, rows, N, H, R] phases stay below this.
+_REFERENCE_ELEMENTS = 1 << 23
+
+
+def sphere_quadrature(order: int, *, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Directions ``u [S, 3]`` and weights ``q [S]`` (summing to 1) for averages over the unit
+    sphere of functions even in ``u`` (``g(u) = g(-u)``), ``S = order^2``.
+
+    The product rule: Gauss-Legendre nodes ``mu_i`` in ``cos(theta)`` (``order`` of them,
+    from the eigenvalues of the Jacobi matrix, Golub-Welsch) times ``2 order`` equally spaced
+    azimuths, exact for spherical harmonics of degree below ``2 order``. The rule is
+    antipodally symmetric (``(mu, phi) -> (-mu, phi + pi)`` maps nodes to nodes), so for an
+    even function the lower hemisphere repeats the upper one: only ``mu_i > 0`` is kept,
+    with twice the weight. Deterministic, no random rotation. ``order`` must be even.
+    """
+    check_positive_int("order", order)
+    if order % 2:
+        raise ValueError(f"order must be even (the rule keeps the upper half of its symmetric nodes), got {order}")
+    k = torch.arange(1, order, dtype=torch.float64)
+    off = k / torch.sqrt(4 * k * k - 1)
+    jacobi = torch.diag(off, 1) + torch.diag(off, -1)
+    mu, vectors = torch.linalg.eigh(jacobi)
+    weight = 2 * vectors[0] ** 2  # Gauss-Legendre weights on [-1, 1], summing to 2
+    upper = mu > 0
+    mu, weight = mu[upper], weight[upper]
+    azimuths = 2 * order
+    phi = 2 * math.pi * (torch.arange(azimuths, dtype=torch.float64) + 0.5) / azimuths
+    sin_theta = torch.sqrt(1 - mu * mu)
+    u = torch.stack([sin_theta[:, None] * torch.cos(phi), sin_theta[:, None] * torch.sin(phi),
+                     mu[:, None].expand(-1, azimuths)], dim=-1).reshape(-1, 3)
+    # Upper half: weight w_i / 2 per node of the full rule, doubled, over `azimuths` nodes.
+    q = (weight[:, None] / azimuths).expand(-1, azimuths).reshape(-1)
+    return u.to(dtype), q.to(dtype)
+
+
+class Frequencies(nn.Module):
+    """A kernel per head, ``f(r) = sum_k w_k cos(2 pi xi_k.r)``.
+
+    Subclasses implement :meth:`frequencies`; :meth:`exact_mask` is the kernel the set
+    stands for (the cosine sum itself unless a subclass says otherwise).
+    """
+
+    def __init__(self, heads: int, pos_dim: int) -> None:
+        super().__init__()
+        check_positive_int("heads", heads)
+        check_positive_int("pos_dim", pos_dim)
+        self.heads, self.pos_dim = heads, pos_dim
+
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xi [H, R, P], w [H, R])``, differentiable in the parameters, cast to ``dtype``."""
+        raise NotImplementedError
+
+    def _precise(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Phases are formed in float64 (float32 on MPS) outside autocast, as the spectra do.
+        with torch.autocast(like.device.type, enabled=False):
+            return self.frequencies(phase_dtype(like))
+
+    def mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The cosine sum evaluated directly at offsets: ``[..., P] -> [..., H]``."""
+        xi, w = self._precise(delta)
+        cdt = compute_dtype(delta)
+        return (torch.cos(2 * math.pi * cycles(delta, xi).to(cdt)) * w.to(cdt)).sum(-1)
+
+    def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The kernel this set stands for, ``[..., P] -> [..., H]``: here the cosine sum."""
+        return self.mask(delta)
+
+    def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(a, c)``, each ``[B, H, N, 2R]`` in float32 or better, with ``a_i . c_j =
+        f(r_i - r_j)``: ``c = [cos, sin]`` of the phases, ``a`` the same times ``w``."""
+        xi, w = self._precise(pos)
+        cdt = compute_dtype(pos)
+        phase = 2 * math.pi * rearrange(cycles(pos, xi), "b n h r -> b h n r").to(cdt)
+        c = torch.cat([torch.cos(phase), torch.sin(phase)], dim=-1)
+        return c * torch.cat([w, w], dim=-1).to(cdt).unsqueeze(-2), c
+
+
+class DiscreteFrequencies(Frequencies):
+    """Learned frequencies and weights: :class:`flt.relative.spectra.DiscreteSpectrum`
+    (``xi_k = s_c theta_k``, ``w_k = beta_k C / R``, starting as a Gaussian mixture's draws
+    with lengths from ``length_scale`` to ``length_scale * length_spread``)."""
+
+    def __init__(self, heads: int, pos_dim: int, *, num_frequencies: int = 64, components: int = 4,
+                 amplitude: float = 1.0, length_scale: float = 1.0, length_spread: float = 16.0,
+                 sampler: str = "qmc", seed: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(heads, pos_dim)
+        self.spectrum = DiscreteSpectrum(heads, pos_dim, num_frequencies, components=components, amplitude=amplitude,
+                                         length_scale=length_scale, length_spread=length_spread, sampler=sampler,
+                                         seed=seed, device=device, dtype=dtype)
+
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.spectrum.frequencies(dtype)
+
+
+class RandomFrequencies(Frequencies):
+    """The discrete set's starting frequencies (same options, same draw for the same
+    ``seed``), frozen in a buffer ``xi [H, R, P]``; only the weights ``w_k = beta_k C / R``
+    are learned. The control for "do the frequencies need to move?"."""
+
+    xi: torch.Tensor
+
+    def __init__(self, heads: int, pos_dim: int, *, num_frequencies: int = 64, components: int = 4,
+                 amplitude: float = 1.0, length_scale: float = 1.0, length_spread: float = 16.0,
+                 sampler: str = "qmc", seed: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(heads, pos_dim)
+        start = DiscreteSpectrum(heads, pos_dim, num_frequencies, components=components, amplitude=amplitude,
+                                 length_scale=length_scale, length_spread=length_spread, sampler=sampler, seed=seed,
+                                 device=device, dtype=torch.float64)
+        xi, _ = start.frequencies()
+        self.scale = components / num_frequencies
+        self.register_buffer("xi", xi.detach().to(device=device, dtype=dtype or torch.get_default_dtype()))
+        self.beta = nn.Parameter(start.beta.detach().to(device=device, dtype=dtype or torch.get_default_dtype()))
+
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        xi, beta = (t if dtype is None else t.to(dtype) for t in (self.xi, self.beta))
+        return xi, beta * self.scale
+
+
+class GridFrequencies(Frequencies):
+    """The Ewald message-passing design without periodic boundaries: frequencies fixed at
+    ``grid_spacing * m`` for every integer vector ``m`` with ``|grid_spacing m| <=
+    frequency_cutoff``, one of each pair ``+-m`` (the cosine is even) and ``m = 0``; learned
+    weights ``w [H, R] = beta / R`` (``f(0) = amplitude`` at the start).
+
+    ``f`` is periodic with period ``1 / grid_spacing`` along each axis, so ``1 /
+    grid_spacing`` should exceed the largest offset of the point sets (twice it for no
+    image within the set); ``frequency_cutoff`` sets the finest length, about ``1 / (2
+    frequency_cutoff)``. Defaults: period 16, cutoff 0.25 (``R = 129`` in 3-D).
+    """
+
+    xi: torch.Tensor
+
+    def __init__(self, heads: int, pos_dim: int, *, frequency_cutoff: float = 0.25, grid_spacing: float = 0.0625,
+                 amplitude: float = 1.0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(heads, pos_dim)
+        for name, value in (("frequency_cutoff", frequency_cutoff), ("grid_spacing", grid_spacing)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number (cycles per position unit), got {value!r}")
+        reach = int(math.floor(frequency_cutoff / grid_spacing + 1e-9))
+        if (2 * reach + 1) ** pos_dim > 1 << 22:
+            raise ValueError(f"frequency_cutoff / grid_spacing = {frequency_cutoff / grid_spacing:g} gives too many grid "
+                             f"frequencies in {pos_dim}-D; raise grid_spacing or lower frequency_cutoff")
+        axis = torch.arange(-reach, reach + 1, dtype=torch.float64)
+        m = torch.cartesian_prod(*[axis] * pos_dim).reshape(-1, pos_dim)
+        inside = (m * grid_spacing).norm(dim=-1) <= frequency_cutoff * (1 + 1e-12)
+        # One of each pair +-m: the first nonzero coordinate positive (and m = 0).
+        nonzero = m != 0
+        first = torch.where(nonzero.any(-1), nonzero.float().argmax(-1), torch.zeros(len(m), dtype=torch.long))
+        lead = m.gather(-1, first[:, None]).squeeze(-1)
+        m = m[inside & (lead >= 0)]
+        self.frequency_cutoff, self.grid_spacing = float(frequency_cutoff), float(grid_spacing)
+        fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        self.register_buffer("xi", (m * grid_spacing).unsqueeze(0).to(**fk), persistent=False)
+        self.beta = nn.Parameter(torch.full((heads, len(m)), float(amplitude), **fk))
+
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        xi, beta = (t if dtype is None else t.to(dtype) for t in (self.xi, self.beta))
+        return xi.expand(self.heads, -1, -1), beta / beta.shape[-1]
+
+    def extra_repr(self) -> str:
+        return f"R={self.xi.shape[1]}, frequency_cutoff={self.frequency_cutoff}, grid_spacing={self.grid_spacing}"
+
+
+class RadialFrequencies(Frequencies):
+    """Learned radii ``rho [H, K]`` and weights ``w [H, K]``: ``f(r) = sum_k w_k sinc(2 rho_k |r|)``
+    (``sinc(x) = sin(pi x) / (pi x)``), rotation invariant; ``P = 3``.
+
+    The sinc is the average of ``cos(2 pi xi.r)`` over ``|xi| = rho_k``; the fast path
+    replaces that average by :func:`sphere_quadrature` of ``quadrature`` (even) Legendre
+    nodes, ``R = K quadrature^2`` frequencies ``rho_k u_s`` with weights ``w_k q_s``.
+    :meth:`exact_mask` is the sinc itself. The quadrature is exact for harmonics of degree
+    below ``2 quadrature``; its error in ``f`` per unit of ``sum |w_k|``, the largest over
+    directions of ``r`` (float64, ``tests/test_longrange.py``): order 8 (64 directions)
+    below ``1e-5`` for ``rho |r| <= 1`` and ``3e-3`` for ``rho |r| <= 1.6``; order 12 (144)
+    below ``1e-7`` for ``rho |r| <= 1.6`` and ``1e-5`` for ``rho |r| <= 2``. Past that range
+    it does not decay like the sinc (errors up to 0.7 at ``rho |r| = 3`` for order 8): keep
+    ``rho_k |r|`` within it for the offsets that matter (at the default ``length_scale = 1``
+    the starting radii are below ``0.16``, so order 8 holds to ``|r| = 10``). The rotation
+    invariance error, ``|f(Q r) - f(r)|`` for a rotation ``Q``, is at most twice these.
+
+    Parametrisation: ``rho_k = rho_max theta_k`` with ``theta_k`` starting at ``(k + 1/2) /
+    K`` and ``rho_max = 1 / (2 pi length_scale)``; ``w_k = beta_k / K`` with ``beta_k``
+    starting at ``amplitude``.
+    """
+
+    directions: torch.Tensor
+    weights: torch.Tensor
+
+    def __init__(self, heads: int, pos_dim: int, *, num_radii: int = 8, quadrature: int = 8, amplitude: float = 1.0,
+                 length_scale: float = 1.0, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(heads, pos_dim)
+        if pos_dim != 3:
+            raise ValueError(f"frequencies='radial' averages over the directions of 3-D space; pos_dim must be 3, got {pos_dim}")
+        check_positive_int("num_radii", num_radii)
+        if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
+                math.isfinite(length_scale) and length_scale > 0):
+            raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
+        u, q = sphere_quadrature(quadrature)
+        fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
+        self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)
+        self.register_buffer("directions", u.to(**fk), persistent=False)
+        self.register_buffer("weights", q.to(**fk), persistent=False)
+        start = (torch.arange(num_radii, dtype=torch.float64) + 0.5) / num_radii
+        self.theta = nn.Parameter(start.expand(heads, -1).clone().to(**fk))
+        self.beta = nn.Parameter(torch.full((heads, num_radii), float(amplitude), **fk))
+
+    def radii(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rho [H, K], w [H, K])`` in position units."""
+        theta, beta = (t if dtype is None else t.to(dtype) for t in (self.theta, self.beta))
+        return self.rho_max * theta, beta / beta.shape[-1]
+
+    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        rho, w = self.radii(dtype)
+        u, q = (t if dtype is None else t.to(dtype) for t in (self.directions, self.weights))
+        xi = rearrange(rho[..., None, None] * u, "h k s p -> h (k s) p")
+        return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
+
+    def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """``sum_k w_k sinc(2 rho_k |delta|)``: ``[..., 3] -> [..., H]``, in float32 or better."""
+        cdt = compute_dtype(delta)
+        rho, w = self.radii(cdt)
+        r = delta.to(cdt).norm(dim=-1)[..., None, None]
+        return (torch.sinc(2 * rho * r) * w).sum(-1)
+
+    def extra_repr(self) -> str:
+        return f"K={self.theta.shape[-1]}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
+
+
+#: Frequency sets by name; every class takes ``(heads, pos_dim, *, device, dtype, **options)``.
+FREQUENCIES: dict[str, type[Frequencies]] = {
+    "discrete": DiscreteFrequencies,
+    "radial": RadialFrequencies,
+    "grid": GridFrequencies,
+    "random": RandomFrequencies,
+}
+
+
+def build_frequencies(name: str, heads: int, pos_dim: int, *, device: torch.device | str | None = None,
+                      dtype: torch.dtype | None = None, **options: Any) -> Frequencies:
+    """``FREQUENCIES[name](heads, pos_dim, **options)``; an option the set does not take is
+    refused with the ones it does."""
+    check_choice("frequencies", name, FREQUENCIES)
+    cls: Any = FREQUENCIES[name]  # every set's constructor takes device and dtype (the base class does not)
+    known = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "heads", "pos_dim", "device", "dtype")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"frequencies={name!r} takes the options {', '.join(known)}; got unknown {', '.join(unknown)}")
+    return cls(heads, pos_dim, device=device, dtype=dtype, **options)
+
+
+def check_block_options(options: dict[str, Any]) -> None:
+    """Refuse options :class:`LongRangeBlock` would refuse by name, before anything is built:
+    an unknown ``frequencies`` or ``content``, or a keyword neither the block nor its
+    frequency set takes (values are checked when the block is built)."""
+    frequencies = options.get("frequencies", "discrete")
+    check_choice("frequencies", frequencies, FREQUENCIES)
+    check_choice("content", options.get("content", "none"), CONTENT)
+    own = [p for p in inspect.signature(LongRangeBlock.__init__).parameters
+           if p not in ("self", "dim", "device", "dtype", "options")]
+    theirs = [p for p in inspect.signature(FREQUENCIES[frequencies].__init__).parameters
+              if p not in ("self", "heads", "pos_dim", "device", "dtype")]
+    unknown = sorted(set(options) - set(own) - set(theirs))
+    if unknown:
+        raise TypeError(f"LongRangeBlock with frequencies={frequencies!r} takes {', '.join(own + theirs)}; "
+                        f"got unknown {', '.join(unknown)}")
+
+
+def feature_sum(a: torch.Tensor, c: torch.Tensor, v: torch.Tensor, qf: torch.Tensor | None = None,
+                kf: torch.Tensor | None = None, *, normalised: bool = False) -> torch.Tensor:
+    """``out_i = sum_j (a_i.c_j) (qf_i.kf_j) v_j`` in ``O(N 2R m Dv)``, divided by the same sum
+    with ``v = 1`` when ``normalised`` (rows whose sum is 0 give 0, :func:`flt.ops._common.safe_divide`).
+
+    ``a, c [B, H, N, 2R]``, ``v [B, H, N, Dv]``, content features ``qf, kf [B, H, N, m]``
+    or None (``qf_i.kf_j = 1``) -> ``[B, H, N, Dv]``.
+    """
+    if normalised:
+        v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+    if qf is None or kf is None:
+        out = a @ (c.transpose(-1, -2) @ v)
+    else:
+        state = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v)
+        out = torch.einsum("bhnr,bhnm,bhrmd->bhnd", a, qf, state)
+    return safe_divide(out[..., :-1], out[..., -1:]) if normalised else out
+
+
+def dense_sum(f: torch.Tensor, v: torch.Tensor, kernel: torch.Tensor | None = None, *,
+              normalised: bool = False) -> torch.Tensor:
+    """The O(N^2) form of :func:`feature_sum`: ``f [B, H, N, N]`` (padded keys already zero),
+    ``v [B, H, N, Dv]``, ``kernel [B, H, N, N]`` or None -> ``[B, H, N, Dv]``."""
+    weights = f if kernel is None else f * kernel
+    out = weights @ v
+    return safe_divide(out, weights.sum(-1, keepdim=True)) if normalised else out
+
+
+class LongRangeBlock(nn.Module):
+    """``h_i + W_o sum_j f(r_i - r_j) K_ij W_v LN(h)_j`` over all points of a set, per head.
+
+    Args:
+        dim: ``d``, the width of ``h``.
+        heads: ``H``; ``f`` and the content kernel are per head, values ``Dv = d / H`` wide.
+        pos_dim: ``P`` (``"radial"`` needs 3).
+        frequencies: a key of :data:`FREQUENCIES`; ``**options`` go to its constructor.
+        normalised: divide by ``sum_j f K`` (attention's weighted average; a signed ``f``
+            can make that sum vanish or change sign, rows whose sum is 0 give 0) instead of
+            the plain sum (the default: physical targets are sums, and a sum keeps its
+            meaning on larger sets).
+        content: a key of :data:`CONTENT`; ``"elu"`` and ``"favor+"`` project queries and keys
+            (``Dk = d / H``) and multiply ``f`` by ``phi(q_i).phi(k_j)`` (a Kronecker product
+            of the position and content features, ``O(N 2R m Dv)``).
+        num_features: ``m`` of ``"favor+"`` (``"elu"`` has ``m = Dk``).
+        feature_seed: seeds the FAVOR+ draw (None: torch's generator); the trainer redraws
+            it like any FAVOR+ map (:mod:`flt.layers.draws`).
+        prenorm: a LayerNorm on ``h`` before the projections.
+        exact: always compute the O(N^2) sum with the exact kernels (:meth:`reference`): the
+            control "the same relative term, exactly", at O(N^2 R) cost.
+
+    ``W_o`` starts at zero, so a fresh block is the identity and adding it to a trained
+    model changes nothing until it learns.
+
+    Shapes: ``forward(h [B, N, d], pos [B, N, P], key_padding_mask [B, N] bool (True =
+    padding) or None) -> [B, N, d]``. Padded points neither send nor receive (their rows
+    come back unchanged); their positions may hold anything, NaN included.
+    """
+
+    def __init__(self, dim: int, *, heads: int = 4, pos_dim: int = 3, frequencies: str = "discrete",
+                 normalised: bool = False, content: str = "none", num_features: int = 16,
+                 feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **options: Any) -> None:
+        super().__init__()
+        check_block_options({"frequencies": frequencies, "content": content, **options})
+        check_positive_int("dim", dim)
+        check_positive_int("heads", heads)
+        if dim % heads:
+            raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        check_choice("content", content, CONTENT)
+        check_bool("normalised", normalised)
+        check_bool("prenorm", prenorm)
+        check_bool("exact", exact)
+        fk: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.dim, self.heads, self.pos_dim = dim, heads, pos_dim
+        self.frequency_set, self.normalised, self.content, self.exact = frequencies, normalised, content, exact
+        self.kernel = build_frequencies(frequencies, heads, pos_dim, **fk, **options)
+        self.norm = nn.LayerNorm(dim, **fk) if prenorm else nn.Identity()
+        self.value = nn.Linear(dim, dim, **fk)
+        self.out = nn.Linear(dim, dim, **fk)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+        self.query: nn.Linear | None = None
+        self.key: nn.Linear | None = None
+        self.feature_map: FeatureMap | None = None
+        if content != "none":
+            self.query, self.key = nn.Linear(dim, dim, **fk), nn.Linear(dim, dim, **fk)
+            self.feature_map = FeatureMap(dim // heads, num_features, kind=content, seed=feature_seed, **fk)
+
+    def _check(self, h: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """The validated padding mask ``[B, N]`` (all False when None)."""
+        check_tensor("h", h, ndim=3, layout="[B, N, d]")
+        check_tensor("pos", pos, ndim=3, layout="[B, N, P]")
+        if h.shape[-1] != self.dim:
+            raise ValueError(f"h must be [B, N, d] with d = {self.dim}, got shape {tuple(h.shape)}")
+        if pos.shape != (*h.shape[:2], self.pos_dim):
+            raise ValueError(f"pos must be [B, N, P] = [{h.shape[0]}, {h.shape[1]}, {self.pos_dim}] like h, got shape {tuple(pos.shape)}")
+        if key_padding_mask is None:
+            key_padding_mask = torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool or key_padding_mask.shape != h.shape[:2]:
+            got = f"{tuple(key_padding_mask.shape)} {key_padding_mask.dtype}" if isinstance(key_padding_mask, torch.Tensor) else type(key_padding_mask).__name__
+            raise ValueError(f"key_padding_mask must be a bool tensor [B, N] = {tuple(h.shape[:2])} (True = padding), got {got}")
+        check_finite("pos", pos[~key_padding_mask])
+        return key_padding_mask
+
+    def _inputs(self, h: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Positions with padding at 0, values ``[B, H, N, Dv]``, queries and keys (or None)."""
+        pos = pos.masked_fill(pad.unsqueeze(-1), 0.0)
+        x = self.norm(h)
+        v = rearrange(self.value(x), "b n (h d) -> b h n d", h=self.heads)
+        if self.query is None or self.key is None:
+            return pos, v, None, None
+        q, k = (rearrange(lin(x), "b n (h d) -> b h n d", h=self.heads) for lin in (self.query, self.key))
+        return pos, v, q, k
+
+    def _content_features(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``phi(q), phi(k) [B, H, N, m]`` whose products are the content kernel (FAVOR+ of
+        ``q / Dk^(1/4)``, with its per-row scale folded in: a sum has no ratio to cancel it)."""
+        assert self.feature_map is not None
+        if self.content == "favor+":
+            scale = q.shape[-1] ** -0.25
+            (fq, sq), (fk_, sk) = self.feature_map(q * scale), self.feature_map(k * scale)
+            assert sq is not None and sk is not None
+            return fq * sq.exp().unsqueeze(-1), fk_ * sk.exp().unsqueeze(-1)
+        return self.feature_map(q)[0], self.feature_map(k)[0]
+
+    def _finish(self, h: torch.Tensor, msg: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        update = self.out(rearrange(msg, "b h n d -> b n (h d)").to(h.dtype))
+        return h + update.masked_fill(pad.unsqueeze(-1), 0.0)
+
+    def forward(self, h: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
+                exact: bool = False) -> torch.Tensor:
+        """``[B, N, d] -> [B, N, d]`` in ``O(N R d)``; ``exact=True`` (or the constructor's) is
+        :meth:`reference` with the exact kernels (the sinc for ``"radial"``, ``exp(q.k /
+        sqrt(Dk))`` for FAVOR+)."""
+        if exact or self.exact:
+            return self.reference(h, pos, key_padding_mask, kernel="exact")
+        pad = self._check(h, pos, key_padding_mask)
+        pos, v, q, k = self._inputs(h, pos, pad)
+        a, c = self.kernel.features(pos)
+        keep = (~pad)[:, None, :, None].to(c.dtype)
+        a, c = a * keep, c * keep
+        cdt = compute_dtype(a, v)
+        qf = kf = None
+        if q is not None and k is not None:
+            qf, kf = (t.to(cdt) for t in self._content_features(q, k))
+        msg = feature_sum(a.to(cdt), c.to(cdt), v.to(cdt), qf, kf, normalised=self.normalised)
+        return self._finish(h, msg, pad)
+
+    def pair_kernel(self, pos: torch.Tensor, *, kernel: str = "features") -> torch.Tensor:
+        """``f(r_i - r_j)`` of every pair, ``[B, H, N, N]``, evaluated directly from the offsets:
+        ``kernel="features"`` the cosine sum the fast path computes, ``"exact"`` the kernel the
+        set stands for (:meth:`Frequencies.exact_mask`). In query chunks that bound the
+        ``[B, rows, N, H, R]`` phases."""
+        check_choice("kernel", kernel, ("features", "exact"))
+        fn = self.kernel.mask if kernel == "features" else self.kernel.exact_mask
+        B, N, _ = pos.shape
+        width = max(1, B * N * self.heads * self.kernel.frequencies()[1].shape[-1])
+        rows = max(1, _REFERENCE_ELEMENTS // width)
+        parts = [fn(pos[:, i:i + rows, None, :] - pos[:, None, :, :]) for i in range(0, N, rows)]
+        return rearrange(torch.cat(parts, dim=1), "b i j h -> b h i j")
+
+    def reference(self, h: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
+                  kernel: str = "features") -> torch.Tensor:
+        """The O(N^2) sum with ``f`` evaluated pair by pair (:meth:`pair_kernel`), in the
+        compute dtype of the inputs (float64 in the tests). ``kernel="features"`` computes
+        what the fast path does (the same FAVOR+ draw); ``"exact"`` the exact kernels."""
+        pad = self._check(h, pos, key_padding_mask)
+        pos, v, q, k = self._inputs(h, pos, pad)
+        cdt = compute_dtype(pos, v)
+        f = self.pair_kernel(pos.to(cdt), kernel=kernel).to(cdt) * (~pad)[:, None, None, :].to(cdt)
+        content = None
+        if q is not None and k is not None:
+            if kernel == "exact" and self.content == "favor+":
+                content = torch.exp((q.to(cdt) @ k.to(cdt).transpose(-1, -2)) / math.sqrt(q.shape[-1]))
+            else:
+                qf, kf = self._content_features(q, k)
+                content = qf.to(cdt) @ kf.to(cdt).transpose(-1, -2)
+        msg = dense_sum(f, v.to(cdt), content, normalised=self.normalised)
+        return self._finish(h, msg, pad)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, heads={self.heads}, frequencies={self.frequency_set!r}, "
+                f"normalised={self.normalised}, content={self.content!r}" + (", exact=True" if self.exact else ""))
+
+
+__all__ = [
+    "CONTENT",
+    "FREQUENCIES",
+    "DiscreteFrequencies",
+    "Frequencies",
+    "GridFrequencies",
+    "LongRangeBlock",
+    "RadialFrequencies",
+    "RandomFrequencies",
+    "build_frequencies",
+    "check_block_options",
+    "dense_sum",
+    "feature_sum",
+    "sphere_quadrature",
+]

@@ -1,0 +1,264 @@
+"""The long-range block (flt.layers.longrange) against its float64 O(N^2) reference, and its identities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_close, assert_same_gradients
+
+from flt.layers.longrange import (
+    CONTENT,
+    FREQUENCIES,
+    LongRangeBlock,
+    build_frequencies,
+    check_block_options,
+    sphere_quadrature,
+)
+
+DIM, HEADS = 8, 2
+
+
+def make_block(frequencies: str, *, content: str = "none", normalised: bool = False, dtype=torch.float64, **options) -> LongRangeBlock:
+    """A float64 block with every parameter moved off its start (``W_o`` starts at zero)."""
+    torch.manual_seed(1)
+    block = LongRangeBlock(DIM, heads=HEADS, frequencies=frequencies, content=content, normalised=normalised,
+                           feature_seed=0, dtype=dtype, **options)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return block
+
+
+def inputs(B: int = 2, N: int = 7, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    h = torch.randn(B, N, DIM, dtype=dtype, requires_grad=True)
+    pos = (2 * torch.randn(B, N, 3, dtype=dtype)).requires_grad_()
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[B - 1, N - 2:] = B > 1  # with two sets, the second has two padded points
+    return h, pos, pad
+
+
+def random_rotation(dtype=torch.float64) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(3, 3, dtype=dtype))
+    q = q * torch.sign(torch.diagonal(r))
+    return q if torch.det(q) > 0 else -q
+
+
+@pytest.mark.parametrize("content", CONTENT)
+@pytest.mark.parametrize("normalised", [False, True])
+@pytest.mark.parametrize("frequencies", list(FREQUENCIES))
+def test_fast_path_is_the_dense_sum_forward_and_backward(frequencies, normalised, content):
+    """Odd N, one padded set: output and the gradients of h, pos and every parameter match
+    the pair-by-pair float64 sum of the same kernel (FAVOR+: the same draw)."""
+    block = make_block(frequencies, content=content, normalised=normalised)
+    h, pos, pad = inputs()
+    out = block(h, pos, pad)
+    ref = block.reference(h, pos, pad)
+    params = [p for p in block.parameters() if p.requires_grad]
+    grads = assert_same_gradients(out, ref, [h, pos, *params])
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in grads[:2]), "h and pos must get gradients"
+
+
+@pytest.mark.parametrize("frequencies", list(FREQUENCIES))
+def test_the_plain_sum_is_the_formula(frequencies):
+    """Unnormalised, no content, no LayerNorm: ``h_i + W_o sum_j f(r_i - r_j) W_v h_j`` with f
+    from the set's own mask, written out here."""
+    block = make_block(frequencies, prenorm=False)
+    h, pos, _ = inputs(B=1, N=5)
+    f = block.kernel.mask(pos[0, :, None] - pos[0, None, :])  # [N, N, H]
+    v = block.value(h[0]).view(5, HEADS, DIM // HEADS)
+    msg = torch.einsum("ijh,jhd->ihd", f, v).reshape(5, DIM)
+    assert_close(block(h, pos)[0], h[0] + block.out(msg))
+
+
+def test_a_fresh_block_is_the_identity():
+    block = LongRangeBlock(DIM, heads=HEADS, dtype=torch.float64)
+    h, pos, pad = inputs()
+    assert torch.equal(block(h, pos, pad), h)
+
+
+@pytest.mark.parametrize("frequencies", list(FREQUENCIES))
+def test_padding_neither_sends_nor_receives(frequencies):
+    """Padded points (any features, NaN positions) change no real point's output and come back unchanged."""
+    block = make_block(frequencies, content="elu", normalised=True)
+    h, pos, _ = inputs(B=1, N=5)
+    out = block(h, pos)
+    h2 = torch.cat([h, torch.randn(1, 3, DIM, dtype=h.dtype)], dim=1)
+    pos2 = torch.cat([pos, torch.full((1, 3, 3), float("nan"), dtype=pos.dtype)], dim=1)
+    pad = torch.tensor([[False] * 5 + [True] * 3])
+    out2 = block(h2, pos2, pad)
+    assert_close(out2[:, :5], out)
+    assert torch.equal(out2[:, 5:], h2[:, 5:])
+    assert_close(block.reference(h2, pos2, pad)[:, :5], out)
+
+
+@pytest.mark.parametrize("frequencies", list(FREQUENCIES))
+def test_translation_invariance_and_permutation_equivariance(frequencies):
+    block = make_block(frequencies, content="elu")
+    h, pos, pad = inputs()
+    out = block(h, pos, pad)
+    assert_close(block(h, pos + torch.tensor([3.0, -7.5, 11.0], dtype=pos.dtype), pad), out)
+    perm = torch.randperm(h.shape[1])
+    assert_close(block(h[:, perm], pos[:, perm], pad[:, perm]), out[:, perm])
+
+
+def test_radial_fast_path_is_rotation_invariant_to_the_quadrature_error_and_exact_path_exactly():
+    """Order 8 at |r| rho <= 1: the fast path moves by at most twice the stated 1e-5 per
+    unit of sum |w| (times |W_o W_v h| sums); the exact sinc path does not move."""
+    block = make_block("radial", length_scale=2.0)
+    h, pos, pad = inputs(B=1, N=6)
+    with torch.no_grad():
+        block.kernel.theta.clamp_(0.0, 1.0)
+        pos = pos.detach() / pos.detach().norm(dim=-1).max() * 1.5  # |r_i - r_j| <= 3, rho <= 1/(4 pi)
+    rot = random_rotation()
+    rho_r = float(block.kernel.radii()[0].detach().abs().max()) * 3.0
+    assert rho_r <= 1.0
+    exact, exact_rot = block(h, pos, pad, exact=True), block(h, pos @ rot.T, pad, exact=True)
+    assert_close(exact_rot, exact)
+    with torch.no_grad():
+        fast, fast_rot = block(h, pos, pad), block(h, pos @ rot.T, pad)
+    assert float((fast_rot - fast).abs().max()) > 1e-14  # the quadrature is not exactly invariant
+    assert float((fast_rot - fast).abs().max()) < 1e-3
+    with torch.no_grad():
+        f, f_rot, f_exact = block.pair_kernel(pos), block.pair_kernel(pos @ rot.T), block.pair_kernel(pos, kernel="exact")
+    w = float(block.kernel.radii()[1].detach().abs().sum(-1).max())
+    assert float((f - f_rot).abs().max()) <= 2 * 1e-5 * w
+    assert float((f - f_exact).abs().max()) <= 1e-5 * w
+
+
+@pytest.mark.parametrize(("order", "reach", "bound"), [(8, 1.0, 1e-5), (8, 1.6, 3e-3), (12, 1.6, 1e-7), (12, 2.0, 1e-5)])
+def test_sphere_quadrature_error_and_rotation_error_are_the_documented_bounds(order, reach, bound):
+    """The average of cos(2 pi u.r) over the rule against sinc(2 |r|), and the rule at a
+    rotated r against the rule at r, over 2,000 random directions and 0 < |r| <= reach."""
+    u, q = sphere_quadrature(order)
+    assert u.shape == (order * order, 3) and bool(torch.allclose(q.sum(), torch.tensor(1.0, dtype=q.dtype)))
+    assert_close(u.norm(dim=-1), torch.ones(len(u), dtype=u.dtype))
+    d = torch.randn(2000, 3, dtype=torch.float64)
+    r = d / d.norm(dim=-1, keepdim=True) * torch.linspace(0.01, reach, 2000, dtype=torch.float64)[:, None]
+    rule = (torch.cos(2 * math.pi * r @ u.T) * q).sum(-1)
+    assert float((rule - torch.sinc(2 * r.norm(dim=-1))).abs().max()) <= bound
+    rotated = (torch.cos(2 * math.pi * (r @ random_rotation().T) @ u.T) * q).sum(-1)
+    assert float((rotated - rule).abs().max()) <= 2 * bound
+
+
+def test_sphere_quadrature_integrates_even_harmonics_below_its_degree():
+    """Exact (float64) for x^a y^b z^c of even total degree below 2 order, zero above it fails."""
+    u, q = sphere_quadrature(6)
+    x, y, z = u.unbind(-1)
+    assert_close((q * z**10).sum(), torch.tensor(1 / 11, dtype=u.dtype))  # mean of z^n is 1/(n+1)
+    assert_close((q * x**4 * y**2 * z**4).sum(), torch.tensor(3 * 1 * 3 / (11 * 9 * 7 * 5 * 3), dtype=u.dtype))
+    assert abs(float((q * z**12).sum()) - 1 / 13) > 1e-8
+
+
+def test_grid_frequencies_are_a_half_grid_within_the_cutoff_and_f_is_periodic():
+    kern = build_frequencies("grid", 2, 3, frequency_cutoff=0.25, grid_spacing=0.0625, dtype=torch.float64)
+    xi, w = kern.frequencies()
+    m = torch.cartesian_prod(*[torch.arange(-4, 5)] * 3)
+    inside = int(((m * m).sum(-1) <= 16).sum())  # integer vectors within radius 4: 257
+    R = (inside + 1) // 2  # m = 0 and one of each pair +-m
+    assert xi.shape == (2, R, 3) and w.shape == (2, R)
+    assert float(xi.norm(dim=-1).max()) <= 0.25 + 1e-12
+    both = torch.cat([xi[0], -xi[0]])
+    assert len(torch.unique(both, dim=0)) == 2 * R - 1  # no frequency appears with its negative
+    with torch.no_grad():
+        kern.beta.normal_()
+    delta = torch.randn(10, 3, dtype=torch.float64)
+    assert_close(kern.mask(delta + torch.tensor([16.0, 0.0, -32.0], dtype=torch.float64)), kern.mask(delta))
+
+
+def test_random_frequencies_are_the_discrete_start_frozen():
+    options = {"num_frequencies": 16, "components": 4, "seed": 3}
+    discrete = build_frequencies("discrete", 2, 3, dtype=torch.float64, **options)
+    random = build_frequencies("random", 2, 3, dtype=torch.float64, **options)
+    delta = torch.randn(5, 3, dtype=torch.float64)
+    assert_close(random.mask(delta), discrete.mask(delta))
+    assert [n for n, _ in random.named_parameters()] == ["beta"]
+    assert "xi" in random.state_dict()
+
+
+def test_float32_block_matches_its_float64_copy():
+    block = make_block("discrete", content="favor+")
+    h, pos, pad = inputs()
+    ref = block(h, pos, pad)
+    out = block.float()(h.float(), pos.float(), pad)
+    assert out.dtype == torch.float32
+    assert_close(out, ref, dtype=torch.float32, scale=10)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda b, h, p, m: b(h[0], p, m), r"h must have rank 3 \[B, N, d\]"),
+    (lambda b, h, p, m: b(h, p[..., :2], m), r"pos must be \[B, N, P\] = \[2, 7, 3\]"),
+    (lambda b, h, p, m: b(h[..., :4], p, m), r"h must be \[B, N, d\] with d = 8"),
+    (lambda b, h, p, m: b(h, p.long(), m), r"pos must have a floating-point dtype"),
+    (lambda b, h, p, m: b(h, p, m.float()), r"key_padding_mask must be a bool tensor \[B, N\]"),
+    (lambda b, h, p, m: b(h, p, m[:, :3]), r"key_padding_mask must be a bool tensor \[B, N\]"),
+    (lambda b, h, p, m: b(h, p.detach().index_fill(1, torch.tensor([0]), float("nan")), m), r"pos contains 6 non-finite"),
+])
+def test_bad_inputs_are_refused_naming_the_argument(call, message):
+    block = make_block("discrete")
+    h, pos, pad = inputs()
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(block, h, pos, pad)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"frequencies": "fourier"}, "frequencies"),
+    ({"frequencies": "radial", "pos_dim": 2}, "pos_dim must be 3"),
+    ({"frequencies": "grid", "num_frequencies": 8}, "frequencies='grid' takes heads, .*frequency_cutoff"),
+    ({"frequencies": "radial", "quadrature": 7}, "order must be even"),
+    ({"content": "softmax"}, "content"),
+    ({"normalised": 1}, "normalised must be a bool"),
+    ({"frequencies": "grid", "grid_spacing": 0.0}, "grid_spacing must be a positive finite number"),
+])
+def test_bad_options_are_refused_with_their_name(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        LongRangeBlock(DIM, heads=HEADS, **kwargs)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"frequencies": "grid", "num_frequencies": 8}, r"frequencies='grid' takes heads, .*frequency_cutoff.*got unknown num_frequencies"),
+    ({"frequencies": "waves"}, "frequencies"),
+    ({"content": "relu"}, "content"),
+    ({"radius": 3}, "got unknown radius"),
+])
+def test_block_options_are_checked_before_anything_is_built(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        check_block_options(options)
+    with pytest.raises((ValueError, TypeError), match=message):
+        LongRangeBlock(DIM, heads=HEADS, **options)
+
+
+def test_every_documented_option_passes_the_check():
+    for name in FREQUENCIES:
+        check_block_options({"frequencies": name, "heads": 2, "normalised": True, "content": "favor+", "exact": True})
+    check_block_options({"frequencies": "radial", "num_radii": 4, "quadrature": 6, "length_scale": 2.0})
+    check_block_options({"frequencies": "grid", "frequency_cutoff": 0.5, "grid_spacing": 0.05})
+
+
+@pytest.mark.parametrize("pos_dim", [1, 2])
+@pytest.mark.parametrize("frequencies", ["discrete", "grid", "random"])
+def test_any_number_of_coordinates(frequencies, pos_dim):
+    torch.manual_seed(1)
+    options = {"frequency_cutoff": 0.5, "grid_spacing": 0.05} if frequencies == "grid" else {}
+    block = LongRangeBlock(DIM, heads=HEADS, pos_dim=pos_dim, frequencies=frequencies, dtype=torch.float64, **options)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    h = torch.randn(2, 9, DIM, dtype=torch.float64, requires_grad=True)
+    pos = (3 * torch.randn(2, 9, pos_dim, dtype=torch.float64)).requires_grad_()
+    assert_same_gradients(block(h, pos), block.reference(h, pos), [h, pos])
+
+
+def test_phases_stay_in_float32_under_bfloat16_autocast():
+    """Far from the origin (|r| ~ 1e3) the bfloat16 matmuls of autocast round the values, not
+    the phases: the output stays within bfloat16's tolerance of the float32 block's."""
+    block = make_block("discrete", dtype=torch.float32)
+    h = torch.randn(2, 7, DIM)
+    pos = torch.randn(2, 7, 3) * 3 + 1000.0
+    ref = block(h, pos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(h, pos)
+    assert_close(out.float(), ref, dtype=torch.bfloat16)
+    a, c = block.kernel.features(pos)
+    assert a.dtype == c.dtype == torch.float32
