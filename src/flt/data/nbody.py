@@ -69,11 +69,6 @@ def box_side(num_particles: int, density: float) -> float:
     return (num_particles / density) ** (1.0 / 3.0)
 
 
-def is_screened(screening: float | None) -> bool:
-    """Whether ``screening`` asks for an exponential factor (None and ``inf`` do not)."""
-    return screening is not None and math.isfinite(screening)
-
-
 def check_screening(screening: float | None) -> None:
     """Refuse a ``screening`` that is neither a positive number, ``inf`` nor None."""
     if screening is None:
@@ -93,14 +88,14 @@ def yukawa_potential(pos: torch.Tensor, charge: torch.Tensor, screening: float |
     pos, charge = pos.double(), charge.double()
     n = pos.shape[1]
     out = torch.empty(charge.shape, dtype=torch.float64)
-    screened = is_screened(screening)
+    length = screening if screening is not None and math.isfinite(screening) else None  # None: no exponential
     for s in range(pos.shape[0]):
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             r = torch.cdist(pos[s, start:stop], pos[s])  # [c, N]
             g = 1.0 / torch.sqrt(r * r + softening * softening)
-            if screened:
-                g = g * torch.exp(-r / screening)
+            if length is not None:
+                g = g * torch.exp(-r / length)
             rows = torch.arange(start, stop)
             g[rows - start, rows] = 0.0  # no self-interaction
             out[s, start:stop] = g @ charge[s]
