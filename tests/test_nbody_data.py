@@ -70,9 +70,13 @@ def test_bad_screening_values_are_refused_with_their_name(value, error, message)
         load_task("nbody", {"num_particles": 8, "num_train": 2, "num_valid": 1, "num_test": 1, "screening": value})
 
 
-def test_the_cli_refuses_a_bad_screening_with_one_line_and_status_2(tmp_path, capsys):
+@pytest.mark.parametrize(("value", "message"), [
+    ("-1", "screening must be a positive finite number, or none (or inf)"),
+    ("inf", "option 'screening' must be a number or None (null), got 'inf'"),
+])
+def test_the_cli_refuses_a_bad_screening_with_one_line_and_status_2(tmp_path, capsys, value, message):
     code = main(["train", "nbody", "--preset", "smoke", "--out-dir", str(tmp_path / "run"), "--no-progress", "--no-plots",
-                 "--data-opt", "screening=-1"])
+                 "--data-opt", f"screening={value}"])
     err = capsys.readouterr().err.strip()
     assert code == 2
-    assert len(err.splitlines()) == 1 and "screening must be a positive finite number, or none (or inf)" in err
+    assert len(err.splitlines()) == 1 and message in err
