@@ -48,6 +48,13 @@ def test_the_energies_are_the_pair_by_pair_float64_sums(softening):
         assert float(pairs.energy_b[k]) == pytest.approx(_pair_sum(pos[n:], charge[n:], softening), rel=1e-6, abs=1e-6)
         assert float(pairs.interaction[k]) == pytest.approx(_pair_sum(pos, charge, softening, across), rel=1e-6, abs=1e-6)
     torch.testing.assert_close(pairs.energy - pairs.energy_a - pairs.energy_b, pairs.interaction, rtol=0, atol=1e-5)
+    for k in range(4):
+        pos, charge = pairs.pos[k].double().numpy(), pairs.charge[k].double().numpy()
+        others = [[(i, j) for j in range(2 * n) if j != i] for i in range(2 * n)]
+        phi = [sum(charge[j] / math.sqrt(float(np.sum((pos[i] - pos[j]) ** 2)) + softening**2) for _, j in o)
+               for i, o in enumerate(others)]
+        np.testing.assert_allclose(pairs.potential[k].double().numpy(), phi, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(0.5 * (pairs.charge * pairs.potential).sum(1), pairs.energy, rtol=0, atol=1e-5)
 
 
 def test_generation_is_a_function_of_the_seed_split_and_index():
@@ -107,6 +114,7 @@ def test_the_interaction_falls_off_as_the_product_of_the_net_charges_over_the_di
     ({"softening": -1.0}, r"softening must be a finite number >= 0"),
     ({"cluster_particles": 0}, r"cluster_particles must be a positive integer"),
     ({"num_test": 0}, r"num_test must be a positive integer"),
+    ({"target": "force"}, r"target must be one of"),
 ])
 def test_bad_data_options_are_refused_with_their_name(options, message):
     with pytest.raises(ValueError, match=message):
@@ -121,18 +129,20 @@ def test_unknown_and_mistyped_data_options_are_named():
 
 
 class _Oracle(nn.Module):
-    """Per-particle ``q_i phi_i / 2`` (``phi_i`` the softened potential of the others): the
-    outputs sum to the exact energy, of any subset of the particles."""
+    """Exact per-particle outputs for ``target``: the softened potential ``phi_i`` of the
+    others (``"potential"``), or ``q_i phi_i / 2`` (``"energy"``: the outputs sum to the
+    exact energy), of any subset of the particles."""
 
-    def __init__(self, softening: float) -> None:
+    def __init__(self, softening: float, target: str = "potential") -> None:
         super().__init__()
-        self.softening = softening
+        self.softening, self.target = softening, target
         self.unused = nn.Parameter(torch.zeros(()))
 
     def forward(self, charge: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         r = torch.cdist(pos.double(), pos.double())
         g = 1.0 / torch.sqrt(r * r + self.softening**2) * (1 - torch.eye(pos.shape[1], dtype=torch.float64))
-        return 0.5 * charge.double() * (g @ charge.double()[..., None])[..., 0]
+        phi = (g @ charge.double()[..., None])[..., 0]
+        return phi if self.target == "potential" else 0.5 * charge.double() * phi
 
 
 class _Local(nn.Module):
@@ -147,14 +157,19 @@ class _Local(nn.Module):
 
 
 @torch.no_grad()
-def test_the_metrics_are_zero_for_the_exact_energy_and_the_interaction_for_a_model_that_sees_nothing_across():
-    task = SeparationTask(**TINY)
+@pytest.mark.parametrize("target", ["potential", "energy"])
+def test_the_metrics_are_zero_for_the_exact_outputs_and_the_interaction_for_a_model_that_sees_nothing_across(target):
+    task = SeparationTask(**TINY, target=target)
     batch = next(task.test_batches(6, None, 0, 1))
-    exact = task.metrics(task.eval_sums(_Oracle(1.0), batch))
+    exact = task.metrics(task.eval_sums(_Oracle(1.0, target), batch))
     assert set(exact) == {"loss", "mae", "int_mae", "mae_beyond", "int_mae_beyond"}
     assert all(v == pytest.approx(0.0, abs=1e-5) for v in exact.values())
-    _, pred_int = predict(_Local(), batch[1], batch[0])
-    assert torch.equal(pred_int, torch.zeros(6))
+    assert float(task.loss(_Oracle(1.0, target), task.train_batch(1, 4, 0, 0, 1))) == pytest.approx(0, abs=1e-8)
+    # The exact outputs of the other target are wrong for this one: the loss sees it.
+    other = "energy" if target == "potential" else "potential"
+    assert task.metrics(task.eval_sums(_Oracle(1.0, other), batch))["loss"] > 1e-3
+    _, pred_int = predict(_Local(), batch[1], batch[0], target)
+    torch.testing.assert_close(pred_int, torch.zeros(6), rtol=0, atol=1e-6)  # up to rounding
     local = task.metrics(task.eval_sums(_Local(), batch))
     inside, beyond = task.test.interaction[0::2], task.test.interaction[1::2]
     assert local["int_mae"] == pytest.approx(float(inside.abs().mean()), rel=1e-5)
@@ -180,6 +195,10 @@ def test_the_plot_is_written_and_its_sweep_is_the_exact_interaction_for_the_exac
 def test_the_task_trains_nbodys_model_and_saves_it_under_nbodys_key():
     assert TASKS["separation"] is SeparationTask
     assert SeparationTask.config is NBodyTask.config and SeparationTask.shortcuts == NBodyTask.shortcuts
+    assert SeparationTask.attention_defaults is NBodyTask.attention_defaults
+    defaults = NBodyTask.attention_defaults["softmax"]
+    assert SeparationTask.attention_options("softmax", defaults, {"relative_bias": "t5"}) == \
+        NBodyTask.attention_options("softmax", defaults, {"relative_bias": "t5"})
     preset = get_preset("separation", "smoke", "softmax")
     saved = config_to_dict(preset.model)
     assert saved["task"] == "nbody" and config_from_dict(saved) == preset.model

@@ -11,7 +11,8 @@ Plummer softening ``s`` over all pairs,
 
     E = sum_{i < j} q_i q_j / sqrt(r_ij^2 + s^2),
 
-and the interaction energy ``E_int(d) = E - E_A - E_B`` (``E_A``, ``E_B``: each cluster
+each particle's potential ``phi_i = sum_{j != i} q_j / sqrt(r_ij^2 + s^2)`` (so
+``E = sum_i q_i phi_i / 2``), and the interaction energy ``E_int(d) = E - E_A - E_B`` (``E_A``, ``E_B``: each cluster
 alone) is the sum over the pairs that straddle the clusters; it tends to
 ``Q_A Q_B / d`` as ``d`` grows (the clusters' dipoles add ``O(1 / d^2)``).
 
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from flt._checks import check_choice, check_positive_int
+from flt.data.nbody import yukawa_potential
 
 SPLITS = ("train", "valid", "test")
 #: Gap between the two balls' surfaces at the smallest separation, in mean spacings.
@@ -44,13 +46,15 @@ MIN_GAP = 1.0
 @dataclass
 class Pairs:
     """``S`` systems of two clusters of ``n`` particles: ``pos [S, 2n, 3]`` (cluster A
-    first), ``charge [S, 2n]`` (``+-1``), ``energy``, ``energy_a``, ``energy_b``,
+    first), ``charge [S, 2n]`` (``+-1``), ``potential [S, 2n]`` (each particle's, from all
+    the others), ``energy``, ``energy_a``, ``energy_b``,
     ``interaction`` (``E - E_A - E_B``), ``separation`` (``d``, between the balls'
     centres) ``[S]``, ``direction [S, 3]`` (unit, from A to B), ``beyond [S]`` (bool:
     ``d`` past the training range). Float32; energies computed in float64."""
 
     pos: torch.Tensor
     charge: torch.Tensor
+    potential: torch.Tensor
     energy: torch.Tensor
     energy_a: torch.Tensor
     energy_b: torch.Tensor
@@ -178,7 +182,8 @@ def generate_pairs(num_systems: int, cluster_particles: int, *, seed: int, split
     energy_a = coulomb_energy(pos[:, :n], charge_t[:, :n], softening)
     energy_b = coulomb_energy(pos[:, n:], charge_t[:, n:], softening)
     interaction = interaction_energy(pos[:, :n], charge_t[:, :n], pos[:, n:], charge_t[:, n:], softening)
-    return Pairs(pos.float(), charge_t.float(), energy.float(), energy_a.float(), energy_b.float(), interaction.float(),
+    potential = yukawa_potential(pos, charge_t, None, softening)
+    return Pairs(pos.float(), charge_t.float(), potential.float(), energy.float(), energy_a.float(), energy_b.float(), interaction.float(),
                  separation_t.float(), direction_t.float(), torch.from_numpy(beyond))
 
 

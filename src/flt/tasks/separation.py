@@ -3,22 +3,26 @@ trained at separations up to ``train_max`` and tested beyond it: a test that a d
 cutoff cannot pass, since past ``2 R + cutoff`` a cutoff model predicts no interaction.
 
 The model is ``nbody``'s per-particle model (:class:`~flt.tasks.nbody.NBodyTask`'s config
-class and builder, so every ``--model`` and ``--attention`` of ``nbody`` works here); the
-predicted energy of a system is the sum of its particles' outputs. The predicted
-interaction energy is ``model(A + B) - model(A) - model(B)``, each cluster run alone.
+class and builder, so every ``--model`` and ``--attention`` of ``nbody`` works here).
+``target="potential"`` (the default) trains its outputs on each particle's potential, as
+``nbody`` does, and the predicted energy is ``sum_i q_i out_i / 2``; ``target="energy"``
+trains the sum of the outputs on the energy, one number per system (the usual protocol of
+machine-learned potentials; it learns more slowly: docs/separation.md). The predicted
+interaction energy is ``E(A + B) - E(A) - E(B)``, each cluster run alone through the model.
 
 Data options (generated, nothing downloaded): ``cluster_particles`` (``n`` per cluster,
 default 16), ``num_train`` (4096 systems), ``num_valid`` (128), ``num_test`` (512),
 ``seed``, ``train_max`` (largest training separation between the clusters' centres, in
 mean spacings; default 10), ``test_max`` (largest validation and test separation, 20),
-``max_charge`` (largest net charge of a cluster, 4), ``softening`` (1 spacing).
-Validation and test systems alternate inside and beyond the training range.
+``max_charge`` (largest net charge of a cluster, 4), ``softening`` (1 spacing),
+``target`` (``"potential"`` or ``"energy"``). Validation and test systems alternate
+inside and beyond the training range.
 
 Metrics, each over the systems inside the training range and, with ``_beyond``, over those
 beyond it: ``mae`` (the headline: MAE of the total energy inside the training range, which
 is what a run's learning rate is chosen on), ``int_mae`` (MAE of the predicted interaction
-energy), and ``loss`` (MSE of the standardised energy, inside only: the training
-objective's). Energies in Coulomb units: charges ``+-1``, distances in mean spacings. After
+energy), and ``loss`` (the training objective: MSE of the standardised target, inside
+only). Energies in Coulomb units: charges ``+-1``, distances in mean spacings. After
 training, ``separation.png`` in the run directory plots predicted against true interaction
 energy over the separation. docs/separation.md describes the task.
 """
@@ -34,16 +38,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flt._checks import check_choice
 from flt._io import atomic_write
-from flt.data.separation import Pairs, cluster_radius, min_separation, move_apart, separation_splits
+from flt.data.separation import (
+    Pairs,
+    cluster_radius,
+    interaction_energy,
+    min_separation,
+    move_apart,
+    separation_splits,
+)
 from flt.models import replace_fields
 from flt.models.particles import ParticleConfig
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.nbody import NBodyTask
 from flt.tasks.preset import Preset, RunConfig
 
-#: ``(pos [B, 2n, 3], charge [B, 2n], energy [B], interaction [B], beyond [B] bool)``.
-PairBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: ``(pos [B, 2n, 3], charge [B, 2n], potential [B, 2n], energy [B], interaction [B], beyond [B] bool)``.
+PairBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: What the model's per-particle outputs are trained on (``target``): the energy, as their
+#: sum, or each particle's potential, the energy being ``sum_i q_i out_i / 2``.
+TARGETS = ("energy", "potential")
 
 #: Where the metrics are summed: the systems inside the training range, and beyond it.
 GROUPS = {"inside": "", "beyond": "_beyond"}
@@ -53,10 +68,10 @@ PLOT_NAME, SWEPT_SYSTEMS, SWEEP_POINTS = "separation.png", 3, 48
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train separation --preset smoke``: 30 steps of 4 systems of two clusters of 8
-    particles, width 32, one layer. About 20 s for the whole command, mostly start-up
-    (measured once: FLT, seed 0, ``--threads 1``, the 2-core VM at a load average of 6
-    from other jobs; 21 ms per step); valid mae 2.6, int_mae 0.46 (nothing learned in 30
-    steps: it is for tests)."""
+    particles, width 32, one layer, target ``potential``. About 20 s for the whole command,
+    mostly start-up (measured: 23 s and 25 ms per step with FLT, seed 0, ``--threads 1``,
+    on the 2-core VM at a load average of 6 from other jobs); valid mae 3.9, int_mae 0.29
+    (nothing learned in 30 steps: it is for tests)."""
     model = ParticleConfig(dim=32, depth=1, heads=2, **mechanism_options(SeparationTask, attention, posenc))
     run = RunConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=5, eval_every=15, checkpoint_every=15, log_every=5)
     data = {"cluster_particles": 8, "num_train": 64, "num_valid": 8, "num_test": 8}
@@ -66,9 +81,10 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train separation --preset small``: 2 layers, width 64, 4 heads, 2000 steps of
     16 systems of two clusters of 16 particles (4096 training systems, about 8 epochs),
-    separations up to 10 spacings in training and up to 20 in validation and test. About
-    5 to 15 min: estimated, not measured (the smoke preset's step scaled by 8 times the
-    particles per step and twice the width). Metric: not measured."""
+    target ``potential``, separations up to 10 spacings in training and up to 20 in
+    validation and test. About 3 to 10 min: estimated, not run end to end (exact softmax
+    took 94 ms per step over 300 of these steps at a load average of 7, ``--threads 1``;
+    FLT not timed). Metric: not measured (docs/separation.md has 300-step checks)."""
     model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(SeparationTask, attention, posenc))
     run = RunConfig(steps=2000, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=500, checkpoint_every=500,
                     log_every=50, eval_batch_size=64, draw_gap_batches=2)
@@ -86,13 +102,13 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
     metric, higher_is_better, unit = "mae", False, "systems"
     compare_metrics = ("int_mae", "mae_beyond", "int_mae_beyond")
     options = ("cluster_particles", "num_train", "num_valid", "num_test", "seed", "train_max", "test_max", "max_charge",
-               "softening")
+               "softening", "target")
     bundled_options = options
     dataset = staticmethod(separation_splits)
     presets: ClassVar[Presets] = {"smoke": smoke, "small": small}
     attention_defaults, posenc_defaults, shortcuts = NBodyTask.attention_defaults, NBodyTask.posenc_defaults, NBodyTask.shortcuts
     axes: ClassVar[dict[str, str]] = {
-        "loss": "MSE, standardised energy (unitless)", "mae": "energy MAE, inside the training range (Coulomb units)",
+        "loss": "MSE, standardised training target (unitless)", "mae": "energy MAE, inside the training range (Coulomb units)",
         "int_mae": "interaction-energy MAE, inside the training range (Coulomb units)",
         "mae_beyond": "energy MAE, beyond the training range (Coulomb units)",
         "int_mae_beyond": "interaction-energy MAE, beyond the training range (Coulomb units)",
@@ -104,9 +120,15 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
         """``nbody``'s model of ``config`` (:meth:`NBodyTask.build_model`)."""
         return NBodyTask.build_model(config, device=device, dtype=dtype)
 
+    @classmethod
+    def attention_options(cls, attention: str, defaults: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+        """``nbody``'s (:meth:`NBodyTask.attention_options`)."""
+        return NBodyTask.attention_options(attention, defaults, chosen)
+
     def __init__(self, *, cluster_particles: int = 16, num_train: int = 4096, num_valid: int = 128, num_test: int = 512,
                  seed: int = 0, train_max: float = 10.0, test_max: float = 20.0, max_charge: int = 4,
-                 softening: float = 1.0) -> None:
+                 softening: float = 1.0, target: str = "potential") -> None:
+        check_choice("target", target, TARGETS)
         splits = separation_splits(cluster_particles=cluster_particles, num_train=num_train, num_valid=num_valid,
                                    num_test=num_test, seed=seed, train_max=train_max, test_max=test_max,
                                    max_charge=max_charge, softening=softening)
@@ -115,14 +137,17 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
         self.softening = float(softening)
         # The widest system: both balls at the largest separation.
         self.side = self.test_max + 2.0 * cluster_radius(cluster_particles)
-        energy = self.train.energy.double()
-        self.energy_mean, self.energy_std = float(energy.mean()), float(energy.std())
-        if not self.energy_std > 0:
-            self.energy_std = 1.0
-        # Per-particle output scale: the sum of N outputs of spread energy_std / sqrt(N)
-        # starts with the energies' spread.
-        n = self.train.num_particles
-        self.target_mean, self.target_std = self.energy_mean / n, self.energy_std / math.sqrt(n)
+        self.target = target
+        # The training loss standardises what it compares: energies per system, or
+        # potentials per particle.
+        trained = self.train.energy if target == "energy" else self.train.potential
+        self.loss_mean, self.loss_std = float(trained.double().mean()), float(trained.double().std())
+        if not self.loss_std > 0:
+            self.loss_std = 1.0
+        # The model's per-particle output scale: for energies, N outputs of spread
+        # std / sqrt(N) sum to the energies' spread.
+        n = self.train.num_particles if target == "energy" else 1
+        self.target_mean, self.target_std = self.loss_mean / n, self.loss_std / math.sqrt(n)
 
     def configure(self, cfg: ParticleConfig) -> ParticleConfig:
         return replace_fields(cfg, target_mean=self.target_mean, target_std=self.target_std)
@@ -132,12 +157,18 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
         return _batch(self.train, idx)
 
     def batch_items(self, batch: PairBatch) -> int:
-        return batch[2].numel()
+        return batch[3].numel()
+
+    def _trained(self, out: torch.Tensor, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(prediction, target)`` of the training loss, standardised: per system
+        (``target="energy"``) or per particle (``"potential"``), from the outputs ``out``."""
+        _, _, potential, energy, _, _ = batch
+        pred, true = (out.sum(-1), energy) if self.target == "energy" else (out, potential)
+        return (pred.float() - self.loss_mean) / self.loss_std, (true.float() - self.loss_mean) / self.loss_std
 
     def loss(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
-        pos, charge, energy, _, _ = batch
-        pred = model(charge, pos).float().sum(-1)
-        return F.mse_loss((pred - self.energy_mean) / self.energy_std, (energy.float() - self.energy_mean) / self.energy_std)
+        pos, charge = batch[0], batch[1]
+        return F.mse_loss(*self._trained(model(charge, pos), batch))
 
     def _batches(self, pairs: Pairs, batch_size: int, max_batches: int | None, rank: int, world: int) -> Iterator[PairBatch]:
         for sl in eval_slices(len(pairs), batch_size, max_batches, rank, world):
@@ -150,14 +181,18 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
         return self._batches(self.test, batch_size, max_batches, rank, world)
 
     def eval_sums(self, model: nn.Module, batch: PairBatch) -> dict[str, float]:
-        pos, charge, energy, interaction, beyond = batch
-        pred, pred_int = predict(model, charge, pos)
+        pos, charge, _, energy, interaction, beyond = batch
+        out = model(charge, pos)
+        pred, pred_int = predict(model, charge, pos, self.target, out=out)
         err, int_err = pred.double() - energy.double(), pred_int.double() - interaction.double()
+        # The training loss's squared error per system (the mean over its particles for potentials).
+        trained, true = self._trained(out, batch)
+        sq = ((trained.double() - true.double()) ** 2).reshape(len(energy), -1).mean(-1)
         sums = {}
         # Every key, even with no system in a group, so that processes agree on the keys.
         for group, suffix in GROUPS.items():
             mask = beyond if group == "beyond" else ~beyond
-            sums.update({f"sq{suffix}": float((err[mask] ** 2).sum()), f"abs{suffix}": float(err[mask].abs().sum()),
+            sums.update({f"sq{suffix}": float(sq[mask].sum()), f"abs{suffix}": float(err[mask].abs().sum()),
                          f"int_abs{suffix}": float(int_err[mask].abs().sum()), f"count{suffix}": float(mask.sum())})
         return sums
 
@@ -168,7 +203,7 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
             if count > 0:  # a capped evaluation may hold no system beyond the range
                 out.update({f"mae{suffix}": sums[f"abs{suffix}"] / count, f"int_mae{suffix}": sums[f"int_abs{suffix}"] / count})
                 if not suffix:
-                    out["loss"] = sums["sq"] / count / self.energy_std**2
+                    out["loss"] = sums["sq"] / count
         return out
 
     def rpe_extent(self, cfg: ParticleConfig) -> tuple[float, bool]:
@@ -189,16 +224,26 @@ class SeparationTask(Task[PairBatch, ParticleConfig]):
 
 
 def _batch(pairs: Pairs, idx: torch.Tensor | slice) -> PairBatch:
-    return pairs.pos[idx], pairs.charge[idx], pairs.energy[idx], pairs.interaction[idx], pairs.beyond[idx]
+    return pairs.pos[idx], pairs.charge[idx], pairs.potential[idx], pairs.energy[idx], pairs.interaction[idx], pairs.beyond[idx]
 
 
-def predict(model: nn.Module, charge: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(energy [B], interaction [B])`` predicted by a per-particle ``model`` for systems
-    ``charge [B, 2n], pos [B, 2n, 3]`` of two clusters (the first ``n`` particles, then the
-    last): the sum of the outputs, and that sum less each cluster's run alone."""
+def energy_of(out: torch.Tensor, charge: torch.Tensor, target: str) -> torch.Tensor:
+    """The energy ``[B]`` that per-particle outputs ``out [B, N]`` trained on ``target``
+    mean: their sum (``"energy"``), or ``sum_i q_i out_i / 2`` (``"potential"``)."""
+    return out.sum(-1) if target == "energy" else 0.5 * (charge * out).sum(-1)
+
+
+def predict(model: nn.Module, charge: torch.Tensor, pos: torch.Tensor, target: str = "energy", *,
+            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(energy [B], interaction [B])`` predicted by a per-particle ``model`` trained on
+    ``target`` for systems ``charge [B, 2n], pos [B, 2n, 3]`` of two clusters (the first
+    ``n`` particles, then the last): the energy of its outputs (:func:`energy_of`; ``out``,
+    the outputs on the whole systems if already computed), and that energy less each
+    cluster's run alone."""
     n = pos.shape[1] // 2
-    energy = model(charge, pos).sum(-1)
-    alone = model(charge[:, :n], pos[:, :n]).sum(-1) + model(charge[:, n:], pos[:, n:]).sum(-1)
+    energy = energy_of(model(charge, pos) if out is None else out, charge, target)
+    alone = energy_of(model(charge[:, :n], pos[:, :n]), charge[:, :n], target) \
+        + energy_of(model(charge[:, n:], pos[:, n:]), charge[:, n:], target)
     return energy, energy - alone
 
 
@@ -208,8 +253,6 @@ def interaction_sweep(model: nn.Module, task: SeparationTask, systems: int = SWE
     """The first ``systems`` test systems moved to ``points`` separations from the smallest
     to ``test_max``: ``{"separation": [points], "true": [systems, points], "pred": [systems,
     points], "charges": [(Q_A, Q_B)] }`` (tensors on the CPU, float64 truth)."""
-    from flt.data.separation import interaction_energy
-
     test = task.test
     systems = min(systems, len(test))
     device = next(model.parameters()).device
@@ -223,7 +266,7 @@ def interaction_sweep(model: nn.Module, task: SeparationTask, systems: int = SWE
     was_training = model.training
     model.eval()
     try:
-        _, pred = predict(model, charge.to(device), moved.float().to(device))
+        _, pred = predict(model, charge.to(device), moved.float().to(device), task.target)
     finally:
         model.train(was_training)
     charges = [(int(test.charge[k, :n].sum()), int(test.charge[k, n:].sum())) for k in range(systems)]
@@ -232,14 +275,14 @@ def interaction_sweep(model: nn.Module, task: SeparationTask, systems: int = SWE
 
 
 @torch.no_grad()
-def test_interactions(model: nn.Module, task: SeparationTask, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def split_interactions(model: nn.Module, task: SeparationTask, batch_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``(true, predicted)`` interaction energies ``[S]`` of the test systems (CPU)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
-        preds = [predict(model, charge.to(device), pos.to(device))[1].double().cpu()
-                 for pos, charge, _, _, _ in task._batches(task.test, batch_size, None, 0, 1)]
+        preds = [predict(model, charge.to(device), pos.to(device), task.target)[1].double().cpu()
+                 for pos, charge, *_ in task._batches(task.test, batch_size, None, 0, 1)]
     finally:
         model.train(was_training)
     return task.test.interaction.double(), torch.cat(preds)
@@ -254,7 +297,7 @@ def plot_separation(model: nn.Module, task: SeparationTask, path: str) -> None:
     from flt.train.plots import _figure
 
     sweep = interaction_sweep(model, task)
-    true, pred = test_interactions(model, task)
+    true, pred = split_interactions(model, task)
     beyond = task.test.beyond
     fig = _figure(10, 4.0)
     ax1, ax2 = fig.subplots(1, 2)
