@@ -11,17 +11,18 @@ Plummer softening ``s`` over all pairs,
 
     E = sum_{i < j} q_i q_j / sqrt(r_ij^2 + s^2),
 
-each particle's potential ``phi_i = sum_{j != i} q_j / sqrt(r_ij^2 + s^2)`` (so
-``E = sum_i q_i phi_i / 2``), and the interaction energy ``E_int(d) = E - E_A - E_B`` (``E_A``, ``E_B``: each cluster
-alone) is the sum over the pairs that straddle the clusters; it tends to
-``Q_A Q_B / d`` as ``d`` grows (the clusters' dipoles add ``O(1 / d^2)``).
+each particle's potential is ``phi_i = sum_{j != i} q_j / sqrt(r_ij^2 + s^2)`` (so
+``E = sum_i q_i phi_i / 2``), and the interaction energy ``E_int(d) = E - E_A - E_B``
+(``E_A``, ``E_B``: each cluster alone) is the sum over the pairs that straddle the
+clusters; it tends to ``Q_A Q_B / d`` as ``d`` grows (the dipoles add ``O(1 / d^2)``).
 
 Separations: training systems have ``d`` uniform on ``[d_min, train_max]``, with
 ``d_min = 2 R + 1`` (the balls' surfaces at least one spacing apart); validation and test
 systems alternate, even indices inside that range and odd ones beyond it, uniform on
 ``(train_max, test_max]``, so any two consecutive systems hold both. A model with a
 distance cutoff ``c`` sees no pair across the clusters once ``d > 2 R + c``: its predicted
-``E_int`` is exactly 0 there, inside the training range when ``train_max > 2 R + c``.
+``E_int`` is 0 there (up to rounding), inside the training range when
+``train_max > 2 R + c``.
 
 Nothing is downloaded: system ``k`` of a split is a function of ``(seed, split, k, n)``
 and the separation options alone. Energies are computed in float64 and stored as float32.
@@ -47,9 +48,8 @@ MIN_GAP = 1.0
 class Pairs:
     """``S`` systems of two clusters of ``n`` particles: ``pos [S, 2n, 3]`` (cluster A
     first), ``charge [S, 2n]`` (``+-1``), ``potential [S, 2n]`` (each particle's, from all
-    the others), ``energy``, ``energy_a``, ``energy_b``,
-    ``interaction`` (``E - E_A - E_B``), ``separation`` (``d``, between the balls'
-    centres) ``[S]``, ``direction [S, 3]`` (unit, from A to B), ``beyond [S]`` (bool:
+    the others), ``energy``, ``energy_a``, ``energy_b``, ``interaction`` (``E - E_A -
+    E_B``), ``separation`` (``d``, between the balls' centres) ``[S]``, ``direction [S, 3]`` (unit, from A to B), ``beyond [S]`` (bool:
     ``d`` past the training range). Float32; energies computed in float64."""
 
     pos: torch.Tensor
@@ -183,8 +183,8 @@ def generate_pairs(num_systems: int, cluster_particles: int, *, seed: int, split
     energy_b = coulomb_energy(pos[:, n:], charge_t[:, n:], softening)
     interaction = interaction_energy(pos[:, :n], charge_t[:, :n], pos[:, n:], charge_t[:, n:], softening)
     potential = yukawa_potential(pos, charge_t, None, softening)
-    return Pairs(pos.float(), charge_t.float(), potential.float(), energy.float(), energy_a.float(), energy_b.float(), interaction.float(),
-                 separation_t.float(), direction_t.float(), torch.from_numpy(beyond))
+    return Pairs(pos.float(), charge_t.float(), potential.float(), energy.float(), energy_a.float(), energy_b.float(),
+                 interaction.float(), separation_t.float(), direction_t.float(), torch.from_numpy(beyond))
 
 
 @dataclass(frozen=True)

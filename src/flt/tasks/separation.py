@@ -72,7 +72,8 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
     mostly start-up (measured: 23 s and 25 ms per step with FLT, seed 0, ``--threads 1``,
     on the 2-core VM at a load average of 6 from other jobs); valid mae 3.9, int_mae 0.29
     (nothing learned in 30 steps: it is for tests)."""
-    model = ParticleConfig(dim=32, depth=1, heads=2, **mechanism_options(SeparationTask, attention, posenc))
+    # nbody's config class, whichever it is, so that the preset builds nbody's models.
+    model = SeparationTask.config(dim=32, depth=1, heads=2, **mechanism_options(SeparationTask, attention, posenc))
     run = RunConfig(steps=30, batch_size=4, lr=3e-3, warmup_steps=5, eval_every=15, checkpoint_every=15, log_every=5)
     data = {"cluster_particles": 8, "num_train": 64, "num_valid": 8, "num_test": 8}
     return Preset(SeparationTask.name, model, run, data)
@@ -85,7 +86,7 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     validation and test. About 3 to 10 min: estimated, not run end to end (exact softmax
     took 94 ms per step over 300 of these steps at a load average of 7, ``--threads 1``;
     FLT not timed). Metric: not measured (docs/separation.md has 300-step checks)."""
-    model = ParticleConfig(dim=64, depth=2, heads=4, **mechanism_options(SeparationTask, attention, posenc))
+    model = SeparationTask.config(dim=64, depth=2, heads=4, **mechanism_options(SeparationTask, attention, posenc))
     run = RunConfig(steps=2000, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=500, checkpoint_every=500,
                     log_every=50, eval_batch_size=64, draw_gap_batches=2)
     return Preset(SeparationTask.name, model, run, {})
