@@ -22,6 +22,7 @@ def _small_kwargs(task, tmp_path):
         "nbody": {"num_particles": 8, "num_train": 2, "num_valid": 1, "num_test": 1},
         "offsets": {"length": 32, "num_train": 2, "num_valid": 1, "num_test": 1, "centers": [4.0], "width": 2.0},
         "qm9": {"cache_dir": tmp_path},
+        "separation": {"cluster_particles": 4, "num_train": 2, "num_valid": 2, "num_test": 2},
     }[task]
 
 
@@ -29,7 +30,7 @@ def _small_kwargs(task, tmp_path):
 @pytest.mark.parametrize("task", [pytest.param(t, marks=pytest.mark.slow) if t == "qm9" else t for t in sorted(TASKS)])
 def test_default_datasets_have_train_and_valid(task, tmp_path):
     pytest.importorskip({"lm": "flt", "image": "sklearn", "molecule": "ase", "graph": "networkx", "listops": "flt", "longlm": "flt",
-                        "nbody": "flt", "offsets": "flt", "qm9": "flt"}[task])
+                        "nbody": "flt", "offsets": "flt", "qm9": "flt", "separation": "flt"}[task])
     if task == "qm9" and importlib.util.find_spec("qm9pack") is None:  # found, not imported: its import needs pandas
         pytest.skip("qm9pack is not installed (the qm9 extra)")
     splits = TASKS[task].dataset(**_small_kwargs(task, tmp_path))
@@ -37,7 +38,7 @@ def test_default_datasets_have_train_and_valid(task, tmp_path):
 
 
 def test_registry_names():
-    assert set(TASKS) == {"lm", "image", "molecule", "graph", "listops", "longlm", "nbody", "offsets", "qm9"}
+    assert set(TASKS) == {"lm", "image", "molecule", "graph", "listops", "longlm", "nbody", "offsets", "qm9", "separation"}
 
 
 def test_import_loads_no_optional_dependency():

@@ -52,9 +52,10 @@ from flt.tasks.preset import (
     run_config_from_dict,
 )
 from flt.tasks.qm9 import QM9Task
+from flt.tasks.separation import SeparationTask
 
 #: Every task, by name, in the order the CLI lists them.
-TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask, QM9Task)}
+TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, ImageTask, MoleculeTask, GraphTask, ListOpsTask, LongLMTask, NBodyTask, OffsetsTask, QM9Task, SeparationTask)}
 
 
 def config_keys() -> dict[type[TrunkConfig], str]:

@@ -245,6 +245,12 @@ class Task(Generic[BatchT, ConfigT]):
         """A line or two printed at the end of training (e.g. a generated sample)."""
         return None
 
+    def plots(self, model: nn.Module, out_dir: str) -> list[str]:
+        """The task's own PNG plots of the trained ``model``, written atomically into the run
+        directory ``out_dir`` after training when plots are on (matplotlib is installed);
+        returns their file names. None by default."""
+        return []
+
 
 def check_data_fields(cfg: TrunkConfig, configured: TrunkConfig) -> None:
     """Refuse a model config whose data-dependent fields (an LM's ``vocab_size``, the

@@ -11,6 +11,7 @@ trained run on larger clouds at the same density, i.e. a larger box), ``num_trai
 box or ``"blobs"``, four Gaussian blobs whose density varies), ``density`` (particles per
 unit volume: the mean spacing is 1 at the default 1.0), ``screening`` (``lambda``, default
 3 spacings; the box side is 6.3 at ``N = 256``), ``softening`` (default 1 spacing).
+``--data-opt screening=none`` is the bare softened Coulomb potential (docs/nbody.md).
 
 Metric: ``nmse``, the normalised MSE ``sum (pred - y)^2 / sum (y - mean)^2`` with the
 training mean (``1 - R^2``; predicting the mean gives 1), lower is better; ``rel_mae``
@@ -126,7 +127,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
 
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,
-                 screening: float = 3.0, softening: float = 1.0) -> None:
+                 screening: float | None = 3.0, softening: float = 1.0) -> None:
         splits = cloud_splits(num_particles=num_particles, eval_particles=eval_particles, num_train=num_train,
                               num_valid=num_valid, num_test=num_test, seed=seed, layout=layout, density=density,
                               screening=screening, softening=softening)

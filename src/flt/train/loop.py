@@ -786,4 +786,4 @@ def _plots(r: Run) -> list[str]:
     extent, causal = task.rpe_extent(cfg)
     if plot_rpe_functions(r.model, os.path.join(r.out_dir, "rpe_functions.png"), extent=extent, causal=causal, task=task.name) is not None:
         saved.append("rpe_functions.png")
-    return saved
+    return saved + task.plots(r.model, r.out_dir)
