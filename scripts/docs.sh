@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The CLI reference imports flt's parsers from this checkout, not from an installed copy.
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-python -m mkdocs build --strict "$@"
+# NO_MKDOCS_2_WARNING: Material prints a banner about its successor on every build.
+NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict "$@"
 # Every public name of the documented modules has its anchor in the rendered API reference.
 python - <<'PY'
 import importlib.util, re, sys

@@ -124,7 +124,7 @@ HINT_PLACES = ["README.md", "CHANGELOG.md", "docs", "src", "examples", "scripts"
 #: Files whose hints are another change's to fix (the missing-extra message and three
 #: docstrings); empty this once they name ``flt-attention``.
 PENDING = {"src/flt/_extras.py", "src/flt/train/__init__.py", "src/flt/train/loop.py", "src/flt/integrations/__init__.py"}
-WRONG_NAME = re.compile(r"(?<![\w./-])flt\[|pip install\s+(?:-U\s+|--upgrade\s+)?[\"']?flt(?![\w-])")
+WRONG_NAME = re.compile(r"(?<![\w./-])flt\[[\w,\s-]+\]|pip install\s+(?:-U\s+|--upgrade\s+)?[\"']?flt(?![\w-])")
 
 
 def wrong_install_hints(text: str) -> list[str]:
@@ -134,7 +134,7 @@ def wrong_install_hints(text: str) -> list[str]:
 def test_the_install_hint_pattern():
     bad = ['pip install "flt[train]"', "pip install flt[hf]", "pip install flt", "extra (flt[train])", "pip install -U flt"]
     good = ['pip install "flt-attention[train]"', "pip install flt-attention", 'pip install -e ".[train]"',
-            "src/flt[0]", "pip install flt_other", "import flt"]
+            "src/flt[0]", "pip install flt_other", "import flt", r"""re.findall(r'id="(flt[\w.]*)"', page)"""]
     assert all(wrong_install_hints(s) for s in bad)
     assert not any(wrong_install_hints(s) for s in good)
 
