@@ -1,4 +1,4 @@
-"""The scripts of the linearisation measurement: ``scripts/train_tiny_llama.py`` saves a
+"""The scripts of the linearisation measurement: ``examples/train_tiny_llama.py`` saves a
 softmax model ``flt linearize`` reads, and ``scripts/decode_state_size.py`` reports an
 ``FLTCache`` whose size does not grow with the prompt while the softmax KV cache does."""
 
@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+EXAMPLES = SCRIPTS.parent / "examples"
 ENV = {**os.environ, "PYTHONPATH": str(SCRIPTS.parent / "src")}
 
 
@@ -25,7 +26,7 @@ def _run(*argv) -> str:
 @pytest.mark.slow  # three subprocesses: about 20 s of CPU
 def test_tiny_llama_trains_and_linearized_state_stays_constant(tmp_path):
     softmax = tmp_path / "softmax"
-    _run(SCRIPTS / "train_tiny_llama.py", "--smoke", "--out-dir", softmax)
+    _run(EXAMPLES / "train_tiny_llama.py", "--smoke", "--out-dir", softmax)
     trained = json.loads((softmax / "train_summary.json").read_text())
     assert trained["valid"]["step"] == 20 and trained["valid"]["ppl"] < 256  # below the uniform guess over bytes
     _run("-m", "flt", "linearize", softmax, "--bytes", "--out-dir", tmp_path / "run", "--attention", "flt:near_field=4:num_features=16",

@@ -2,7 +2,7 @@
 any PNG or JPEG file.
 
 :func:`load_image` returns ``float64`` intensities in ``[0, 1]``, ``[H, W]`` (grey) or
-``[H, W, 3]`` (RGB). Needs the ``vision`` extra (``pip install flt[vision]``: scikit-image).
+``[H, W, 3]`` (RGB). Needs the ``vision`` extra (``pip install "flt-attention[vision]"``: scikit-image).
 
 Only the images stored inside the scikit-image package are offered (:data:`SHIPPED`):
 they are read from the package's own data folder, so nothing is ever downloaded; some of

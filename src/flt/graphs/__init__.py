@@ -1,7 +1,7 @@
 """Graphs as position spaces: anchor distances, anchor indication and GIR path encodings.
 
 Nothing is generated or read at import time; the generators need ``networkx``
-(``pip install flt[graph]``). See ``docs/graphs.md`` for the design and measured numbers.
+(``pip install "flt-attention[graph]"``). See ``docs/graphs.md`` for the design and measured numbers.
 
 * :mod:`~flt.graphs.data`: :class:`Graph`, :func:`grid_graph`, :func:`communities`,
   :func:`load_edge_list`, :func:`load_pyg` (PyTorch Geometric files), :func:`load_graph`.

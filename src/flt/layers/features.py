@@ -21,6 +21,7 @@ from flt.ops.features import (
     taylor_kernel,
 )
 
+#: The kernel feature maps by the name ``feature_map`` takes.
 FEATURE_MAPS = ("favor+", "relu", "elu", "taylor", "hedgehog")
 #: The maps with no random projection: their features are a function of the input (and of
 #: learned parameters) alone.

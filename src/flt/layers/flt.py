@@ -35,6 +35,8 @@ from flt.ops.linear import kronecker_condition
 from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
 
+#: How FLT combines its relative term with the kernel: added to the logits, or multiplying
+#: the kernel's weights.
 COUPLINGS = ("logit", "multiplicative")
 
 #: The multiplicative coupling warns when the bound on its row condition numbers exceeds

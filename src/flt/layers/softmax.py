@@ -33,6 +33,7 @@ from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
 from flt.relative.tables import DEFAULT_TABLE_SCALE
 
+#: The ``relative_bias`` values exact softmax takes (``None``: no relative term).
 RELATIVE_BIASES = (None, *BUILT_IN)
 
 

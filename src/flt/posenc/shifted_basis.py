@@ -41,6 +41,7 @@ from torch import nn
 from flt._checks import check_choice, check_positive_float, check_positive_int, check_tensor
 from flt.posenc._common import check_abs_positions, compute_dtype
 
+#: The basis functions of ``ShiftedBasisEncoding`` (``kind=``); ``rff`` is random Fourier features.
 KINDS = ("gaussian", "triangle", "square", "impulse", "sine", "rff")
 
 

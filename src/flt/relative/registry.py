@@ -20,6 +20,8 @@ from flt.relative.shortest_path import ShortestPathBias
 from flt.relative.spectra import SPECTRA
 from flt.relative.tables import ClippedBias, T5Bias
 
+#: Every relative term by name, one interface (``bias(pos_q, pos_k)``): the tables, ALiBi,
+#: graph shortest paths and every spectrum of ``SPECTRA``.
 RELATIVE: dict[str, type[RelativeTerm]] = {
     "t5": T5Bias,
     "clipped": ClippedBias,

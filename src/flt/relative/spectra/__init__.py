@@ -13,6 +13,8 @@ from flt.relative.spectra.local import LocalSpectrum
 from flt.relative.spectra.neural import NeuralSpectrum
 from flt.relative.spectra.sampling import SAMPLERS, standard_normal_draws
 
+#: The spectral families ``g`` by name: each gives its exact ``f`` and the random-feature
+#: factorisation ``f(r_i - r_j) ~ a(r_i) . c(r_j)`` FLT uses.
 SPECTRA: dict[str, type[Spectrum]] = {
     "gaussian_mixture": GaussianMixtureSpectrum,
     "gaussian": GaussianKernelSpectrum,

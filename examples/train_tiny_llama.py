@@ -2,9 +2,9 @@
 through ``transformers``, and save it with ``save_pretrained``: the model that
 ``flt linearize`` turns into an FLT model (docs/integrations.md, "Linearising a trained model").
 
-    python scripts/train_tiny_llama.py --out-dir /tmp/tiny-llama [--steps 1500] [--layers 4] \\
+    python examples/train_tiny_llama.py --out-dir /tmp/tiny-llama [--steps 1500] [--layers 4] \\
         [--width 128] [--heads 4] [--seq-len 128] [--batch-size 16] [--threads 1]
-    python scripts/train_tiny_llama.py --smoke --out-dir /tmp/tiny-llama-smoke   # seconds
+    python examples/train_tiny_llama.py --smoke --out-dir /tmp/tiny-llama-smoke   # seconds
 
 Tokens are bytes (``vocab_size = 256``, no tokenizer files: ``flt linearize --bytes`` reads
 such a checkpoint as bytes). Batches are random windows drawn from ``(seed, step)``
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flt.tasks.preset import RunConfig
 from flt.train.linearize import (
     byte_ids,
     load_text,
@@ -31,7 +32,6 @@ from flt.train.linearize import (
     perplexity,
     window_batch,
 )
-from flt.tasks.preset import RunConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
