@@ -5,7 +5,7 @@ state against its softmax original's KV cache.
         [--lengths 1024 8192] [--new-tokens 8] [--threads 1] [--out sizes.json]
 
 The prompts are the first ``L`` tokens of the validation text of the embedded
-Python-documentation corpus (bytes, as ``scripts/train_tiny_llama.py`` trains on). Each
+Python-documentation corpus (bytes, as ``examples/train_tiny_llama.py`` trains on). Each
 model generates ``--new-tokens`` greedy tokens after the prompt; the bytes its cache holds
 afterwards are reported: ``FLTCache.state_bytes()`` (flt's constant-size state, with
 ``near_field`` also the last ``w + 1`` keys and values) and, for the softmax model, the keys

@@ -171,7 +171,7 @@ def test_version_comes_from_the_package_metadata(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.strip() == f"flt {importlib.metadata.version('flt')}"
+    assert capsys.readouterr().out.strip() == f"flt {importlib.metadata.version('flt-attention')}"
 
 
 def _ctrl_c(*args, **kwargs):
@@ -299,7 +299,7 @@ def test_install_hints_fit_the_installation(monkeypatch):
     assert root is not None and (root / "src" / "flt" / "_extras.py").exists()
     assert extras.install_hint("graph") == f'pip install -e "{root}[graph]"'
     monkeypatch.setattr(extras, "checkout_root", lambda: None)
-    assert extras.install_hint("graph") == 'pip install "flt[graph]"'
+    assert extras.install_hint("graph") == 'pip install "flt-attention[graph]"'
 
 
 def test_the_draw_gap_spread_has_the_precision_of_its_mean():

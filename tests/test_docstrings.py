@@ -123,7 +123,7 @@ HINT_PLACES = ["README.md", "CHANGELOG.md", "docs", "src", "examples", "scripts"
 #: (``-e ".[train]"``) or ``flt-attention`` is this project.
 #: Files whose hints are another change's to fix (the missing-extra message and three
 #: docstrings); empty this once they name ``flt-attention``.
-PENDING = {"src/flt/_extras.py", "src/flt/train/__init__.py", "src/flt/train/loop.py", "src/flt/integrations/__init__.py"}
+PENDING: set[str] = set()
 WRONG_NAME = re.compile(r"(?<![\w./-])flt\[[\w,\s-]+\]|pip install\s+(?:-U\s+|--upgrade\s+)?[\"']?flt(?![\w-])")
 
 

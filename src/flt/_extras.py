@@ -1,8 +1,8 @@
 """How to install an optional extra of ``pyproject.toml`` (``graph``, ``mol``, ``plot``, ...),
 as the one command that works for this installation: ``pip install -e "CHECKOUT[graph]"``
 when flt runs from a source checkout (an editable install or ``PYTHONPATH=src``), where
-``pip install "flt[graph]"`` would fetch another copy, and ``pip install "flt[graph]"``
-otherwise."""
+installing from the package index would fetch another copy, and
+``pip install "flt-attention[graph]"`` otherwise."""
 
 from __future__ import annotations
 
@@ -31,4 +31,4 @@ def install_hint(extra: str) -> str:
     root = checkout_root()
     if root is not None:
         return f'pip install -e "{root}[{extra}]"'
-    return f'pip install "flt[{extra}]"'
+    return f'pip install "flt-attention[{extra}]"'

@@ -29,7 +29,7 @@ def version() -> str:
     from importlib import metadata
 
     try:
-        return metadata.version("flt")
+        return metadata.version("flt-attention")
     except metadata.PackageNotFoundError:
         from flt import __version__
 

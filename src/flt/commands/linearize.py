@@ -17,7 +17,7 @@ converted, after transfer, after fine-tuning), ``learning_curves.png`` and ``mod
 
 Examples::
 
-    python scripts/train_tiny_llama.py --out-dir runs/tiny-llama
+    python examples/train_tiny_llama.py --out-dir runs/tiny-llama
     flt linearize runs/tiny-llama --bytes --out-dir runs/tiny-llama-flt --transfer-steps 100 --finetune-steps 200
     flt linearize runs/tiny-llama --bytes --attention flt:near_field=8 --out-dir runs/tiny-llama-band8   # a narrower band
     flt linearize runs/tiny-llama --bytes --transfer weights --out-dir runs/tiny-llama-weights   # match attention weights

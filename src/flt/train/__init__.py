@@ -4,7 +4,7 @@ metrics, plots; the presets and task adapters are re-exported from :mod:`flt.tas
 ``train(get_preset("lm", "small"), "runs/lm")`` is what ``flt train lm --preset small``
 runs. Optional dependencies: ``safetensors`` (checkpoints), ``tqdm`` (progress bar),
 ``matplotlib`` (plots) and the data extras (``scikit-learn`` for digits, ``ase`` for
-molecules): ``pip install flt[train,mol]``.
+molecules): ``pip install "flt-attention[train,mol]"``.
 """
 
 from flt.tasks import TASKS, generate_text, load_task, tokenizer_from_extra

@@ -33,7 +33,7 @@ Text: a UTF-8 file (its last ``valid_fraction`` is validation) or, by default, t
 embedded Python-documentation corpus (:func:`flt.data.text.load_python_docs`). Tokens: the
 checkpoint's tokenizer when ``MODEL_DIR`` has one (``AutoTokenizer``), else, when asked
 for (``byte_tokens=True``, ``--bytes``), bytes (ids 0..255, for models with ``vocab_size >=
-256`` trained on bytes, such as ``scripts/train_tiny_llama.py``'s). A folder without a
+256`` trained on bytes, such as ``examples/train_tiny_llama.py``'s). A folder without a
 tokenizer is refused unless bytes are asked for: a model trained on another tokenizer
 would otherwise train, silently, on ids that mean nothing to it.
 

@@ -597,7 +597,7 @@ def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
 
 
 def _progress_bar(r: Run) -> tqdm:
-    # tqdm is an optional dependency (flt[train]); --no-progress runs without it.
+    # tqdm is an optional dependency (flt-attention[train]); --no-progress runs without it.
     from tqdm.auto import tqdm
 
     return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
