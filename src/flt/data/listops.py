@@ -31,6 +31,7 @@ import torch
 
 from flt._io import atomic_write
 from flt._limits import check_memory
+from flt.data._files import check_file_size, open_regular
 from flt.data.errors import DataError
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -284,16 +285,43 @@ def parse_tokens(source: str) -> list[str]:
     return [t for t in source.replace("(", " ").replace(")", " ").split() if t]
 
 
+#: Bytes each byte of a ListOps TSV costs once read: a token of two characters becomes an
+#: int64 list entry (8 bytes), then a row of the padded int64 table.
+TSV_BYTES_PER_BYTE = 8
+
+
+def _bracket_problem(tokens: list[str]) -> str:
+    """What makes ``tokens`` not one expression of balanced brackets ("" when nothing
+    does): a ``]`` without an operation, an operation left open, or tokens after the end."""
+    if len(tokens) == 1 and tokens[0] not in OPERATORS and tokens[0] != CLOSE:
+        return ""  # a lone digit
+    depth = 0
+    for i, tok in enumerate(tokens):
+        if depth == 0 and i > 0:
+            return f"token {i + 1} ({tok!r}) comes after the end of the expression"
+        if tok in OPERATORS:
+            depth += 1
+        elif tok == CLOSE:
+            if depth == 0:
+                return f"token {i + 1} is a ']' that closes no operation"
+            depth -= 1
+        elif depth == 0:
+            return f"token {i + 1} ({tok!r}) lies outside any operation"
+    return f"{depth} operation(s) left open (a ']' is missing)" if depth else ""
+
+
 def read_tsv(path: str | os.PathLike) -> ListOpsData:
     """One LRA ListOps TSV file (``Source<TAB>Target`` with a header line)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise DataError(f"ListOps file {path!r} does not exist")
     seqs, labels = [], []
-    with open(path, "rb") as fh:
+    with open_regular(path, "ListOps file") as fh:
+        check_file_size(path, os.fstat(fh.fileno()).st_size, "ListOps file", bytes_per_byte=TSV_BYTES_PER_BYTE)
         for n, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8").rstrip("\r\n")
+                # utf-8-sig on the first line: a byte-order mark is not part of the header.
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip() or (n == 1 and line.split("\t")[0].strip() == "Source"):
@@ -307,6 +335,9 @@ def read_tsv(path: str | os.PathLike) -> ListOpsData:
             unknown = [t for t in tokens if t not in TOKEN_ID or t == VOCAB[PAD]]
             if unknown:
                 raise DataError(f"{path}:{n}: unknown tokens {sorted(set(unknown))}")
+            problem = _bracket_problem(tokens)
+            if problem:
+                raise DataError(f"{path}:{n}: the source expression is not well formed: {problem}")
             try:
                 label = int(fields[1])
             except ValueError:
