@@ -178,3 +178,25 @@ def check_positions(name: str, pos: torch.Tensor, *, batch: int, length: int, po
         raise ValueError(f"{name} has position dimension P = {pos.shape[2]}, expected P = {pos_dim}")
     check_finite(name, pos)
     return pos
+
+
+def check_state_tensors(kind: str, state: object, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    """Require the decoding state ``state`` (a ``kind``) to hold, for each name of
+    ``shapes``, a tensor of that shape on ``device``: a state from another layer, another
+    batch or another device is refused by name instead of failing in a broadcast."""
+    for name, shape in shapes.items():
+        t = getattr(state, name, None)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state.{name} must be a tensor (state must be the {kind} of the previous step), got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shape) or t.device != device:
+            raise ValueError(f"state is not a {kind} of this layer for this batch: its {name} has shape {tuple(t.shape)} "
+                             f"on {t.device}, this step needs {tuple(shape)} on {device} (a state of another layer or batch?)")
+
+
+def check_state_position(kind: str, state: object) -> int:
+    """``state.position``, required to be an int ``>= 0`` (the tokens a ``kind`` has seen)."""
+    position = getattr(state, "position", None)
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise TypeError(f"state must be the {kind} of the previous step (or None), got {type(state).__name__}"
+                        + (f" with position {position!r}" if hasattr(state, "position") else ""))
+    return position

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from flt._checks import check_choice, check_positive_int
+from flt._checks import check_choice, check_positive_int, check_state_position
 from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
@@ -237,6 +237,15 @@ class KernelCore(CoreBase):
         # Zero logits: the weights are the kernel times the mask.
         zq, zk = xq.new_zeros(*xq.shape[:-1], 1), xk.new_zeros(*xk.shape[:-1], 1)
         return rpe_attention_reference(zq, zk, v, mask=weights, causal=self.causal, scale=1.0)
+
+    def step_offset(self, state: Any) -> int:
+        """The next token's default position; the state must be this core's :class:`DecodeState`."""
+        self.check_decoding("step")
+        if state is None:
+            return 0
+        if not isinstance(state, DecodeState):
+            raise TypeError(f"state must be the DecodeState of the previous step (or None), got {type(state).__name__}")
+        return check_state_position("DecodeState", state)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: DecodeState | None,
              pos: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_positive_int
+from flt._checks import check_positive_int, check_state_position, check_state_tensors
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
@@ -236,8 +236,15 @@ class Band(NearSet):
         pos = p.pos.to(cdt).expand(B, 1, p.pos.shape[-1])  # [B, 1, P]
         if state is None:
             state = empty_state(w, xk, v, kf, pos)
-        elif state.xk.shape[0] != B or state.xk.dtype != cdt:
-            raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
+        else:
+            H, S = xk.shape[1], w + 1
+            check_state_position("BandDecodeState", state)
+            check_state_tensors("BandDecodeState", state, {
+                "xk": (B, H, S, xk.shape[-1]), "v": (B, H, S, v.shape[-1]), "kf": (B, H, S, kf.shape[-1]), "kls": (B, H, S),
+                "pos": (B, S, pos.shape[-1]), "kv": (B, H, kf.shape[-1], v.shape[-1]), "z": (B, H, kf.shape[-1]),
+                "level": (B, H)}, xq.device)
+            if state.xk.dtype != cdt:
+                raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
         t = state.position
         slot = t % (w + 1)
         copies: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
