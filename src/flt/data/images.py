@@ -20,8 +20,8 @@ from typing import IO, Any, NoReturn
 import numpy as np
 import torch
 
-from ._split import carve_test, split_indices
 from ._files import check_file_memory, open_regular, read_regular, regular_files
+from ._split import carve_test, split_indices
 from .errors import DataError, require_dir
 
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))

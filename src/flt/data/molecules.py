@@ -32,8 +32,8 @@ import torch
 
 from flt._io import atomic_write
 
-from ._split import carve_test, split_indices
 from ._files import check_file_size, check_float32, open_regular
+from ._split import carve_test, split_indices
 from .errors import DataError
 
 if TYPE_CHECKING:

@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_choice, check_nonnegative_int, check_positive_int, check_state_position, compiling
+from flt._checks import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    check_state_position,
+    compiling,
+)
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
 from flt.layers.band_decode import BandDecodeState
