@@ -10,6 +10,7 @@ import pickle
 import struct
 import tarfile
 import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -195,3 +196,29 @@ def test_a_layer_whose_projections_cannot_fit_is_refused_in_its_constructor(dim,
         with pytest.raises(MemoryLimitError, match=rf"\(dim={dim}, heads=4\): its projections needs about .*make dim smaller"):
             cls(dim, 4)
     assert ATTENTION["flt"](64, 4) is not None
+
+
+@pytest.mark.parametrize("cache", ["molecules", "qm9", "listops"])
+def test_a_cache_whose_npy_header_declares_more_than_it_holds_is_refused_unread(tmp_path, cache):
+    from flt.data import listops, molecules, qm9
+
+    path = tmp_path / "c.npz"
+    params, z = io.BytesIO(), io.BytesIO()
+    np.save(params, np.asarray("p"))
+    np.save(z, np.zeros(4, np.int64))
+    # z's header declares 2^40 values (8 TiB) over the 32 bytes of data it holds; the
+    # header is padded with spaces to a multiple of 64 bytes, which absorb the longer shape.
+    raw = z.getvalue()
+    old, new = b"'shape': (4,), }", b"'shape': (1099511627776,), }"
+    cut = raw.index(old)
+    end = raw.index(b"\n", cut)
+    raw = raw[:cut] + new + raw[cut + len(old):end][len(new) - len(old):] + raw[end:]
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("params.npy", params.getvalue())
+        archive.writestr("z.npy", raw)
+    read = {"molecules": lambda: molecules._load_cache(str(path), "p"), "qm9": lambda: qm9._read_cache(str(path), "p"),
+            "listops": lambda: listops._cached(str(path), "p", lambda: None)}[cache]
+    start_time = time.perf_counter()
+    with pytest.raises(DataError, match=r"c.npz is corrupt: its member z.npy declares 8,796,093,022,208 bytes but holds"):
+        read()
+    assert time.perf_counter() - start_time < 10

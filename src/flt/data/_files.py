@@ -115,3 +115,59 @@ def check_float32(value: float, where: str) -> float:
     if not abs(value) <= FLOAT32_MAX:  # also catches NaN
         raise DataError(f"{where}: {value:g} does not fit float32 (|x| <= {FLOAT32_MAX:.4g}), the precision it is used in")
     return value
+
+
+def load_npz(path: str, what: str, fix: str) -> dict[str, Any]:
+    """The arrays of the ``.npz`` archive ``path`` (no pickles), each member's header
+    checked first: the shape a header declares is allocated before its data is read, so a
+    member declaring more bytes than it holds (a crafted or damaged cache) is refused, and
+    the members together are checked against the memory limit. Any damage is a
+    :class:`DataError` naming the file and ending with ``fix``."""
+    import zipfile
+    import zlib
+
+    import numpy as np
+
+    with open_regular(path, what) as fh:
+        try:
+            with zipfile.ZipFile(fh) as archive:
+                total = 0
+                for info in archive.infolist():
+                    with archive.open(info) as member:
+                        declared = _npy_declared_bytes(member)
+                    if declared is not None and declared > info.file_size:
+                        raise DataError(f"{what} {path} is corrupt: its member {info.filename} declares {declared:,} bytes "
+                                        f"but holds {info.file_size:,}; {fix}")
+                    total += info.file_size
+                check_file_memory(path, total, what, detail=f"{total:,} bytes of arrays")
+            fh.seek(0)
+            loaded = np.load(fh, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise DataError(f"{what} {path} is not an .npz archive; {fix}")
+            with loaded:
+                return {k: loaded[k] for k in loaded.files}
+        except DataError:
+            raise
+        # What numpy and zipfile raise for a damaged archive: a bad header or zip directory,
+        # truncated or undecompressable data, an encrypted or unsupported member.
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, AttributeError, RuntimeError,
+                NotImplementedError, zlib.error) as e:
+            raise DataError(f"{what} {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+
+
+def _npy_declared_bytes(member: IO[bytes]) -> int | None:
+    """Bytes the ``.npy`` header at the start of ``member`` declares (shape times item
+    size); None for a header this check does not read (numpy's loader reports it)."""
+    import numpy as np
+
+    version = np.lib.format.read_magic(member)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+    else:
+        return None
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize

@@ -31,7 +31,7 @@ import torch
 
 from flt._io import atomic_write
 from flt._limits import check_memory
-from flt.data._files import check_file_size, open_regular
+from flt.data._files import check_file_size, load_npz, open_regular
 from flt.data.errors import DataError
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -239,11 +239,7 @@ def _params(**kw: object) -> str:
 def _cached(path: str, params: str, make: Callable[[], ListOpsData]) -> ListOpsData:
     fix = "delete it to regenerate"
     if os.path.exists(path):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except Exception as e:  # noqa: BLE001 - any unreadable archive
-            raise DataError(f"cached ListOps set {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+        arrays = load_npz(path, "cached ListOps set", fix)
         if str(arrays.get("params")) != params:
             raise DataError(f"cached ListOps set {path} was made with other parameters ({arrays.get('params')}); {fix}")
         return ListOpsData(torch.from_numpy(arrays["tokens"].astype(np.int64)), torch.from_numpy(arrays["lengths"]),

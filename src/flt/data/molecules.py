@@ -22,7 +22,6 @@ import os
 import pathlib
 import re
 import sqlite3
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -32,7 +31,7 @@ import torch
 
 from flt._io import atomic_write
 
-from ._files import check_file_size, check_float32, open_regular
+from ._files import check_file_size, check_float32, load_npz, open_regular
 from ._split import carve_test, split_indices
 from .errors import DataError
 
@@ -381,18 +380,7 @@ def catalysis_cache_path(
 def _load_cache(path: str, params: str) -> MoleculeData:
     # The advice must work from the command line too, where refresh is not a data option.
     fix = "delete that file and run again to regenerate it (or pass refresh=True to load_catalysis)"
-    try:
-        # Own the file handle: np.load leaks the one it opens when the zip is truncated.
-        with open(path, "rb") as fh:
-            loaded = np.load(fh, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise DataError(f"cached molecule dataset {path} is not an .npz archive; {fix}")
-            with loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-    except DataError:
-        raise
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        raise DataError(f"cached molecule dataset {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+    arrays = load_npz(path, "cached molecule dataset", fix)
     required = ("params", "z", "pos", "offsets", "y", *(f"info_{k}" for k in _INFO_KEYS))
     missing = [k for k in required if k not in arrays]
     if missing:

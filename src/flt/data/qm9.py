@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import sys
-import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ import numpy as np
 
 from flt._io import atomic_write
 
-from ._files import check_file_size, check_float32, open_regular
+from ._files import check_file_size, check_float32, load_npz, open_regular
 from .errors import DataError, MissingDataError
 from .molecules import MAX_COORDINATE, MoleculeData, default_cache_dir
 from .qm9_xyz import is_xyz_source, iter_xyz_texts, parse_xyz_molecule
@@ -297,11 +296,7 @@ def load_qm9pack(cache_dir: str | os.PathLike | None = None) -> QM9Table:
 
 def _read_cache(path: str, params: str) -> QM9Table:
     fix = "delete that file and run again to parse the qm9pack CSVs anew"
-    try:
-        with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as loaded:
-            arrays = {k: loaded[k] for k in loaded.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as e:
-        raise DataError(f"cached QM9 set {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+    arrays = load_npz(path, "cached QM9 set", fix)
     missing = [k for k in ("params", "z", "pos", "offsets", "values") if k not in arrays]
     if missing:
         raise DataError(f"cached QM9 set {path} lacks arrays {missing}; {fix}")
