@@ -301,3 +301,17 @@ def test_an_array_target_is_named_on_one_line(tmp_path):
     with pytest.raises(DataError, match=r"a.xyz: structure 0 property 'energy' must be one finite number") as info:
         load_ase(path)
     assert "\n" not in str(info.value)
+
+
+def test_a_tensor_given_as_a_size_is_quoted_on_one_line():
+    from flt import ATTENTION, FLTAttention
+
+    big = torch.arange(40).reshape(4, 10)
+    for cls in ATTENTION.values():
+        with pytest.raises(ValueError, match=r"dim must be a positive integer, got tensor\(\[\[ 0, 1, 2,.*\.\.\.$") as info:
+            cls(big, 2)
+        assert "\n" not in str(info.value)
+    for option in ("num_features", "coupling", "chunk_size"):
+        with pytest.raises(TypeError, match=rf"option '{option}' must be .*, got tensor\(\[\[") as info:
+            FLTAttention.from_options(64, 4, **{option: big})
+        assert "\n" not in str(info.value)

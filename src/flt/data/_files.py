@@ -21,6 +21,13 @@ from typing import IO, Any
 from .errors import DataError, MissingDataError
 
 
+def one_line(error: object, width: int = 200) -> str:
+    """The text of an error on one line, cut to about ``width`` characters: a parser's
+    message may span lines (a traceback excerpt, an array's repr)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def file_kind(mode: int) -> str:
     """What a ``st_mode`` is, in words: ``"a FIFO"``, ``"a directory"``, ..."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
@@ -152,7 +159,7 @@ def load_npz(path: str, what: str, fix: str) -> dict[str, Any]:
         # truncated or undecompressable data, an encrypted or unsupported member.
         except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, AttributeError, RuntimeError,
                 NotImplementedError, zlib.error) as e:
-            raise DataError(f"{what} {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+            raise DataError(f"{what} {path} is corrupt ({type(e).__name__}: {one_line(e)}); {fix}") from None
 
 
 def _npy_declared_bytes(member: IO[bytes]) -> int | None:

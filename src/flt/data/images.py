@@ -20,7 +20,7 @@ from typing import IO, Any, NoReturn
 import numpy as np
 import torch
 
-from ._files import check_file_memory, open_regular, read_regular, regular_files
+from ._files import check_file_memory, one_line, open_regular, read_regular, regular_files
 from ._split import carve_test, split_indices
 from .errors import DataError, require_dir
 
@@ -225,7 +225,7 @@ def safe_unpickle(path: str | os.PathLike, what: str = "pickle file") -> Any:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
             AttributeError, OverflowError, UnicodeDecodeError) as e:
-        raise DataError(f"{what} {path} is truncated or corrupt: {type(e).__name__}: {e}") from None
+        raise DataError(f"{what} {path} is truncated or corrupt: {type(e).__name__}: {one_line(e)}") from None
 
 
 def _check_declared_lengths(data: bytes, path: str, what: str) -> None:
@@ -242,7 +242,7 @@ def _check_declared_lengths(data: bytes, path: str, what: str) -> None:
     except DataError:
         raise
     except ValueError as e:  # genops: a length beyond the data, an unknown opcode, a bad argument
-        raise DataError(f"{what} {path} is truncated or corrupt: {e}") from None
+        raise DataError(f"{what} {path} is truncated or corrupt: {one_line(e)}") from None
 
 
 def _key(d: dict, name: str, path: str) -> Any:
@@ -375,7 +375,7 @@ def _decode_image(Image: ModuleType, fh: IO[bytes], path: str, mode: str, size: 
     # Pillow reports unreadable files as OSError (UnidentifiedImageError, truncated data),
     # SyntaxError (broken PNG chunks), ValueError or DecompressionBombError.
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
+        raise DataError(f"cannot read image {path}: {type(e).__name__}: {one_line(e)}") from None
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 

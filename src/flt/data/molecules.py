@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from flt._checks import shown
 from flt._io import atomic_write
 
-from ._files import check_file_size, check_float32, load_npz, open_regular
+from ._files import check_file_size, check_float32, load_npz, one_line, open_regular
 from ._split import carve_test, split_indices
 from .errors import DataError
 
@@ -453,18 +454,12 @@ def _scalar_target(value: object, path: str, where: str, target: str) -> float:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
-        raise DataError(f"{path}: {where} property {target!r} is not a number: {_one_line(value)}") from None
+        raise DataError(f"{path}: {where} property {target!r} is not a number: {shown(value)}") from None
     if arr.size != 1 or not np.isfinite(arr).all():
-        raise DataError(f"{path}: {where} property {target!r} must be one finite number, got {_one_line(value)}")
+        raise DataError(f"{path}: {where} property {target!r} must be one finite number, got {shown(value)}")
     # The targets are float32 (MoleculeData): 1e300 is finite here and infinite there.
     return check_float32(float(arr.reshape(())), f"{path}: {where} property {target!r}")
 
-
-def _one_line(value: object, width: int = 80) -> str:
-    """``repr(value)`` on one line and at most about ``width`` characters (an array's repr
-    spans lines)."""
-    text = " ".join(repr(value).split())
-    return text if len(text) <= width else text[:width] + "..."
 
 
 def _atoms_target(atoms: Atoms, path: str, index: int, target: str) -> float:
@@ -544,8 +539,7 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
             raise
         except (OSError, ValueError, IndexError, KeyError, UnknownFileTypeError, AssertionError, RuntimeError,
                 TypeError, AttributeError, StopIteration) as e:
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {first}") from None
+            raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {one_line(e)}") from None
         ys = [_atoms_target(a, path, i, target) for i, a in enumerate(frames)]
         zs = [a.get_atomic_numbers().astype(np.int64) for a in frames]
         positions = [a.get_positions() for a in frames]

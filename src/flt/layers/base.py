@@ -43,7 +43,14 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_dim, check_positions, check_positive_int, check_tensor, compiling
+from flt._checks import (
+    check_dim,
+    check_positions,
+    check_positive_int,
+    check_tensor,
+    compiling,
+    shown,
+)
 from flt._dtype import compute_dtype
 from flt._limits import FLOAT_BYTES, check_attention_memory, check_memory
 from flt._signatures import check_options
@@ -496,7 +503,7 @@ class QKScaling(nn.Module):
         self.head_dim, self.qk_norm = head_dim, bool(qk_norm)
         if self.qk_norm:
             if not temperature > 0:
-                raise ValueError(f"temperature must be positive, got {temperature!r}")
+                raise ValueError(f"temperature must be positive, got {shown(temperature)}")
             self.log_temperature = nn.Parameter(torch.full((heads,), math.log(temperature), device=device, dtype=dtype))
         else:
             self.register_parameter("log_temperature", None)

@@ -28,6 +28,7 @@ from flt._checks import (
     check_positive_int,
     check_state_position,
     compiling,
+    shown,
 )
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
@@ -83,9 +84,9 @@ class FLTCore(KernelCore):
         if not (isinstance(far_field, bool) or far_field in ("near", "constant", "positive")):
             raise TypeError(f"far_field must be true, false, 'near' (f exact on the near set, 0 beyond it), 'constant' "
                             f"(f exact on the near set, a learnt constant per head beyond it) or 'positive' (the same "
-                            f"constant kept >= 0), got {far_field!r}")
+                            f"constant kept >= 0), got {shown(far_field)}")
         if not isinstance(settings.check_condition, bool):
-            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
+            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {shown(settings.check_condition)}")
         check_positive_int("heads", heads)
         check_positive_int("head_dim", head_dim)
         check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
@@ -562,7 +563,7 @@ def _check_parts(features: object, near: object, settings: object) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
     check_kernel_parts(features, settings)
     if not isinstance(near, (Band, Neighbors, type(None))):
-        raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {near!r} ({type(near).__name__})")
+        raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {shown(near)} ({type(near).__name__})")
 
 
 def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: str, far_field: bool | str, causal: bool,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_positive_int, check_state_position, check_state_tensors
+from flt._checks import check_positive_int, check_state_position, check_state_tensors, shown
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
@@ -101,7 +101,7 @@ class NearSet:
             object.__setattr__(self, "term", Term(self.term))
         elif not (self.term is None or isinstance(self.term, (Term, RelativeTerm))):
             raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
-                            f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
+                            f"RelativeTerm module, got {shown(self.term)} ({type(self.term).__name__})")
 
     def build_term(self, relative: Term | RelativeTerm, *, heads: int, pos_dim: int, causal: bool, start: float,
                    device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RelativeTerm:
