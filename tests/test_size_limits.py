@@ -222,3 +222,19 @@ def test_a_cache_whose_npy_header_declares_more_than_it_holds_is_refused_unread(
     with pytest.raises(DataError, match=r"c.npz is corrupt: its member z.npy declares 8,796,093,022,208 bytes but holds"):
         read()
     assert time.perf_counter() - start_time < 10
+
+
+def test_a_layer_on_the_meta_device_is_not_refused_by_the_machines_memory(limit):
+    from flt import FLTAttention
+
+    limit("1M")
+    layer = FLTAttention(2**14, 4, device="meta")
+    assert layer.to_qkv.weight.device.type == "meta"
+
+
+def test_nbody_options_that_overflow_float32_positions_are_refused():
+    from flt.data.nbody import generate_clouds
+
+    with pytest.raises(ValueError, match=r"density=1e-300, .* give positions beyond float32's range"):
+        generate_clouds(2, 8, seed=0, split="train", density=1e-300)
+    assert torch.isfinite(generate_clouds(2, 8, seed=0, split="train").pos).all()

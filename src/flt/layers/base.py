@@ -277,8 +277,10 @@ class AttentionBase(nn.Module):
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
         # Before nn.Linear allocates: dim = 2**40 would overflow its size, 2**16 ask for 48 GiB.
-        check_memory(f"{type(self).__name__}(dim={dim}, heads={heads}): its projections", (4 * dim * dim + dim) * FLOAT_BYTES,
-                     device=device, hint="make dim smaller")
+        # A layer on the meta device allocates nothing.
+        if str(device) != "meta":
+            check_memory(f"{type(self).__name__}(dim={dim}, heads={heads}): its projections", (4 * dim * dim + dim) * FLOAT_BYTES,
+                         device=device, hint="make dim smaller")
         self.dim, self.heads, self.head_dim, self.pos_dim, self.causal = dim, heads, dim // heads, pos_dim, bool(causal)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
