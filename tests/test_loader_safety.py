@@ -107,6 +107,16 @@ def test_every_file_loader_refuses_a_fifo_given_as_its_file(tmp_path, loader):
 
 
 @needs_fifo
+def test_a_fifo_in_a_listops_folder_is_named_as_a_fifo(tmp_path):
+    from flt.data.listops import load_listops_tsv
+
+    (tmp_path / "basic_train.tsv").write_text("Source\tTarget\n[MIN 3 4 ]\t3\n")
+    os.mkfifo(tmp_path / "basic_val.tsv")
+    with deadline(), pytest.raises(DataError, match=r"basic_val.tsv is a FIFO \(named pipe\), not a regular file"):
+        load_listops_tsv(tmp_path)
+
+
+@needs_fifo
 def test_flt_train_on_an_image_folder_with_a_fifo_exits_2_with_one_line(tmp_path, isolated_cli, capsys):
     from flt.cli import main
 

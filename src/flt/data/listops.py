@@ -359,8 +359,9 @@ def load_listops_tsv(path: str | os.PathLike) -> ListOpsSplits:
         if stem is None:
             raise DataError(f"ListOps path {path!r} must be a directory with basic_train.tsv and basic_val.tsv, or a *_train.tsv file")
         names = {part: f"{stem}_{part}.tsv" for part in ("train", "val", "test")}
+    # exists, not isfile: a FIFO or a folder of that name is reported by read_tsv as what it is.
     for part in ("train", "val"):
-        if not os.path.isfile(names[part]):
+        if not os.path.exists(names[part]):
             raise DataError(f"ListOps needs {names[part]} (the LRA release's {os.path.basename(names[part])})")
-    test = read_tsv(names["test"]) if os.path.isfile(names["test"]) else None
+    test = read_tsv(names["test"]) if os.path.exists(names["test"]) else None
     return ListOpsSplits(read_tsv(names["train"]), read_tsv(names["val"]), test, name=os.path.basename(path.rstrip("/")))
