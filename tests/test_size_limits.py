@@ -238,3 +238,15 @@ def test_nbody_options_that_overflow_float32_positions_are_refused():
     with pytest.raises(ValueError, match=r"density=1e-300, .* give positions beyond float32's range"):
         generate_clouds(2, 8, seed=0, split="train", density=1e-300)
     assert torch.isfinite(generate_clouds(2, 8, seed=0, split="train").pos).all()
+
+
+def test_flt_parts_that_cannot_fit_are_refused_before_the_core_allocates(limit):
+    from flt import FLTAttention
+    from flt.layers.parts import FavorPlus
+
+    limit("8G")
+    with pytest.raises(MemoryLimitError, match=r"FLTAttention's parts \(heads=4, pos_dim=1099511627776, .*make these sizes smaller"):
+        FLTAttention(64, 4, pos_dim=2**40)
+    with pytest.raises(MemoryLimitError, match=r"num_features=68719476736"):
+        FLTAttention(64, 4, features=FavorPlus(num_features=2**36))
+    assert FLTAttention(64, 4, pos_dim=3).pos_dim == 3

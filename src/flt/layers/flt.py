@@ -31,6 +31,7 @@ from flt._checks import (
     shown,
 )
 from flt._dtype import compute_dtype
+from flt._limits import FLOAT_BYTES, check_memory
 from flt._signatures import flat_options
 from flt.layers.band_decode import BandDecodeState
 from flt.layers.base import Prepared
@@ -92,6 +93,7 @@ class FLTCore(KernelCore):
         check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
                                 settings=settings, head_dim=head_dim, pos_dim=pos_dim))
         num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
+        self._check_part_memory(heads, head_dim, pos_dim, features, num_frequencies, near, coupling, device)
         super().__init__(
             heads, head_dim, pos_dim=pos_dim, causal=causal,
             feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
@@ -135,6 +137,22 @@ class FLTCore(KernelCore):
             # softplus(-4) ~ 0.018: near where "near" starts, and Adam moves theta by about
             # the learning rate a step, so a few thousand steps reach c_h ~ 1 (f's amplitude).
             self.far_constant = torch.nn.Parameter(torch.full((heads,), -4.0, device=device, dtype=dtype))
+
+    @staticmethod
+    def _check_part_memory(heads: int, head_dim: int, pos_dim: int, features: Features, num_frequencies: object,
+                           near: Band | Neighbors | None, coupling: str, device: torch.device | str | None) -> None:
+        """Refuse parts whose parameters cannot fit (:func:`flt._limits.attention_parameter_values`'
+        terms: the feature projection ``m x`` its input, and ``4 H R P`` for the spectrum and
+        again for the near set's), before the core allocates them: ``pos_dim = 2**40``
+        would otherwise ask for petabytes."""
+        m, r = features.map_options()["num_features"], num_frequencies
+        if str(device) == "meta" or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (m, r, pos_dim)):
+            return  # other types are the parts' own checks to report
+        assert isinstance(m, int) and isinstance(r, int)
+        feature_dim = head_dim + 2 * r if coupling == "logit" else head_dim
+        values = m * feature_dim + 4 * heads * r * pos_dim * (2 if near is not None else 1)
+        check_memory(f"FLTAttention's parts (heads={heads}, pos_dim={pos_dim}, num_features={m}, num_frequencies={r})",
+                     values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
 
     def pairwise_values(self, batch: int, length: int) -> int:
         """:meth:`flt.layers.base.CoreBase.pairwise_values` plus the exact mask ``f`` of every
