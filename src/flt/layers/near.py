@@ -239,12 +239,13 @@ class Band(NearSet):
         else:
             H, S = xk.shape[1], w + 1
             check_state_position("BandDecodeState", state)
+            xk_state = getattr(state, "xk", None)
+            if isinstance(xk_state, torch.Tensor) and (xk_state.shape[:1] != (B,) or xk_state.dtype != cdt):
+                raise ValueError(f"state holds batch {xk_state.shape[0]} in {xk_state.dtype}; this token has batch {B} in {cdt}")
             check_state_tensors("BandDecodeState", state, {
                 "xk": (B, H, S, xk.shape[-1]), "v": (B, H, S, v.shape[-1]), "kf": (B, H, S, kf.shape[-1]), "kls": (B, H, S),
                 "pos": (B, S, pos.shape[-1]), "kv": (B, H, kf.shape[-1], v.shape[-1]), "z": (B, H, kf.shape[-1]),
                 "level": (B, H)}, xq.device)
-            if state.xk.dtype != cdt:
-                raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
         t = state.position
         slot = t % (w + 1)
         copies: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value
