@@ -13,6 +13,13 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 
+def shown(value: object, width: int = 80) -> str:
+    """``repr(value)`` on one line, cut to about ``width`` characters: what an error message
+    quotes of a value it refuses (a tensor's or an array's repr spans lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None, layout: str = "") -> None:
     """Require a floating-point tensor, optionally of a given rank."""
     if not isinstance(x, torch.Tensor):
@@ -115,31 +122,31 @@ def check_choice(name: str, value: object, choices: Iterable) -> None:
     """Require ``value`` to be one of ``choices``."""
     choices = list(choices)
     if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"{name} must be one of {choices}, got {shown(value)}")
 
 
 def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {shown(value)}")
 
 
 def check_nonnegative_int(name: str, value: object, meaning: str = "") -> None:
     """``value`` is an int ``>= 0`` (not a bool); ``meaning`` goes in the message, in brackets."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {value!r}")
+        raise ValueError(f"{name} must be a nonnegative int{f' ({meaning})' if meaning else ''}, got {shown(value)}")
 
 
 def check_positive_float(name: str, value: object) -> float:
     """Require a finite real number ``> 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number > 0, got {shown(value)}")
     return float(value)
 
 
 def check_nonnegative_float(name: str, value: object) -> float:
     """Require a finite real number ``>= 0`` and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise ValueError(f"{name} must be a finite number >= 0, got {shown(value)}")
     return float(value)
 
 
@@ -178,3 +185,25 @@ def check_positions(name: str, pos: torch.Tensor, *, batch: int, length: int, po
         raise ValueError(f"{name} has position dimension P = {pos.shape[2]}, expected P = {pos_dim}")
     check_finite(name, pos)
     return pos
+
+
+def check_state_tensors(kind: str, state: object, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+    """Require the decoding state ``state`` (a ``kind``) to hold, for each name of
+    ``shapes``, a tensor of that shape on ``device``: a state from another layer, another
+    batch or another device is refused by name instead of failing in a broadcast."""
+    for name, shape in shapes.items():
+        t = getattr(state, name, None)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state.{name} must be a tensor (state must be the {kind} of the previous step), got {type(t).__name__}")
+        if tuple(t.shape) != tuple(shape) or t.device != device:
+            raise ValueError(f"state is not a {kind} of this layer for this batch: its {name} has shape {tuple(t.shape)} "
+                             f"on {t.device}, this step needs {tuple(shape)} on {device} (a state of another layer or batch?)")
+
+
+def check_state_position(kind: str, state: object) -> int:
+    """``state.position``, required to be an int ``>= 0`` (the tokens a ``kind`` has seen)."""
+    position = getattr(state, "position", None)
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise TypeError(f"state must be the {kind} of the previous step (or None), got {type(state).__name__}"
+                        + (f" with position {shown(position)}" if hasattr(state, "position") else ""))
+    return position

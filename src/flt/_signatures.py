@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from flt._checks import check_choice
+from flt._checks import check_choice, shown
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -201,7 +201,7 @@ def _check_type(owner: str, option: Option, value: object, via: str = "") -> Non
         where = f" (of {via})" if via else ""
         raise TypeError(
             f"{owner}: option {option.name!r}{where} must be {_describe(option.hint)}, "
-            f"got {value!r} ({type(value).__name__})"
+            f"got {shown(value)} ({type(value).__name__})"
         )
 
 
@@ -217,7 +217,7 @@ def check_fields(obj: DataclassInstance) -> None:
         hint = hints.get(f.name)
         if hint is not None and not _accepts(getattr(obj, f.name), hint):
             value = getattr(obj, f.name)
-            raise TypeError(f"{type(obj).__name__}: {f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})")
+            raise TypeError(f"{type(obj).__name__}: {f.name} must be {_describe(hint)}, got {shown(value)} ({type(value).__name__})")
 
 
 @functools.cache

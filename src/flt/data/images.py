@@ -8,8 +8,10 @@ and whose labels are int64 ``[N]`` in ``[0, num_classes)``.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
+import pickletools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -18,8 +20,9 @@ from typing import IO, Any, NoReturn
 import numpy as np
 import torch
 
+from ._files import check_file_memory, one_line, open_regular, read_regular, regular_files
 from ._split import carve_test, split_indices
-from .errors import DataError, require_dir, require_file
+from .errors import DataError, require_dir
 
 CIFAR10_TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST_BATCH = "test_batch"
@@ -211,15 +214,35 @@ def safe_unpickle(path: str | os.PathLike, what: str = "pickle file") -> Any:
     Raises :class:`DataError` naming ``path`` for a forbidden global, or a truncated or
     corrupt stream, and :class:`MissingDataError` if the file does not exist.
     """
-    path = require_file(path, what)
-    with open(path, "rb") as f:
-        try:
-            return _RestrictedUnpickler(f, path).load()
-        except DataError:
-            raise
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
-                AttributeError, OverflowError, UnicodeDecodeError) as e:
-            raise DataError(f"{what} {path} is truncated or corrupt: {type(e).__name__}: {e}") from None
+    path = os.fspath(path)
+    # The objects of a plain-data pickle take about what the file does (CIFAR: one bytes
+    # object, then the array made from it), read whole first.
+    data = read_regular(path, what, bytes_per_byte=3)
+    _check_declared_lengths(data, path, what)
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data), path).load()
+    except DataError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
+            AttributeError, OverflowError, UnicodeDecodeError) as e:
+        raise DataError(f"{what} {path} is truncated or corrupt: {type(e).__name__}: {one_line(e)}") from None
+
+
+def _check_declared_lengths(data: bytes, path: str, what: str) -> None:
+    """Refuse a pickle whose opcodes declare more bytes than the file holds. The unpickler
+    allocates a counted bytes or string object at its declared length before it reads it,
+    so a 20-byte file declaring 15 GB would allocate 15 GB; :mod:`pickletools` reads the
+    same opcodes without allocating what they declare."""
+    stream = io.BytesIO(data)
+    try:
+        for op, arg, _ in pickletools.genops(stream):
+            if op.name == "FRAME" and isinstance(arg, int) and arg > len(data) - stream.tell():
+                raise DataError(f"{what} {path} is truncated or corrupt: a frame declares {arg:,} bytes, "
+                                f"but only {len(data) - stream.tell():,} follow")
+    except DataError:
+        raise
+    except ValueError as e:  # genops: a length beyond the data, an unknown opcode, a bad argument
+        raise DataError(f"{what} {path} is truncated or corrupt: {one_line(e)}") from None
 
 
 def _key(d: dict, name: str, path: str) -> Any:
@@ -237,6 +260,15 @@ def _read_cifar_batch(path: str, num_classes: int) -> tuple[np.ndarray, np.ndarr
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != _CIFAR_PIXELS:
         got = f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"CIFAR batch file {path}: 'data' must be a uint8 array [n, {_CIFAR_PIXELS}], got {got}")
+    # Checked before np.asarray: a few hundred bytes of pickle can nest shared references
+    # to one list into 2^30 labels, which asarray would allocate.
+    if isinstance(labels, np.ndarray):
+        if labels.ndim != 1:
+            raise DataError(f"CIFAR batch file {path}: 'labels' must be one label per image, got an array of shape {labels.shape}")
+    elif not isinstance(labels, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+        raise DataError(f"CIFAR batch file {path}: 'labels' must be a list of integers, one per image")
+    if len(labels) != data.shape[0]:
+        raise DataError(f"CIFAR batch file {path}: {data.shape[0]} images but {len(labels)} labels")
     labels = np.asarray(labels)
     if labels.size and labels.dtype.kind not in "iu":
         raise DataError(f"CIFAR batch file {path}: 'labels' must be integers, got {labels.dtype} values")
@@ -274,13 +306,28 @@ def load_cifar10(root: str | os.PathLike, *, test_fraction: float = 0.0, seed: i
     if not isinstance(raw_names, list) or not raw_names or not all(isinstance(n, (bytes, str)) for n in raw_names):
         raise DataError(f"CIFAR meta file {meta_path}: 'label_names' must be a non-empty list of strings")
     names = [n.decode("utf-8", errors="replace") if isinstance(n, bytes) else n for n in raw_names]
-    parts = [_read_cifar_batch(os.path.join(root, b), len(names)) for b in CIFAR10_TRAIN_BATCHES]
-    test_x, test_y = _read_cifar_batch(os.path.join(root, CIFAR10_TEST_BATCH), len(names))
+    batches = [os.path.join(root, b) for b in (*CIFAR10_TRAIN_BATCHES, CIFAR10_TEST_BATCH)]
+    _check_cifar_memory(root, batches)
+    parts = [_read_cifar_batch(b, len(names)) for b in batches[:-1]]
+    test_x, test_y = _read_cifar_batch(batches[-1], len(names))
     train_x = np.concatenate([p[0] for p in parts])
     train_y = np.concatenate([p[1] for p in parts])
     if len(train_y) == 0 or len(test_y) == 0:
         raise DataError(f"CIFAR directory {root} has an empty split ({len(train_y)} train, {len(test_y)} test images)")
     return _make_splits(train_x / np.float32(255), train_y, test_x / np.float32(255), test_y, names, test_fraction, seed)
+
+
+#: Bytes a CIFAR pixel takes once loaded: the uint8 batches and their concatenation, then
+#: float32 three times (scaled, centred, standardised; :func:`_make_splits`).
+_CIFAR_PIXEL_BYTES = 2 + 3 * 4
+
+
+def _check_cifar_memory(root: str, batches: list[str]) -> None:
+    """Refuse CIFAR batches whose images cannot all be held, from the files' sizes (a
+    batch's pixels take about its size), before any is read."""
+    sizes = [os.path.getsize(b) for b in batches if os.path.isfile(b)]
+    check_file_memory(root, sum(sizes) * _CIFAR_PIXEL_BYTES, "CIFAR-10 directory",
+                      detail=f"{len(sizes)} batch files of {sum(sizes):,} bytes", hint="use fewer or smaller batch files")
 
 
 def _import_pil() -> ModuleType:
@@ -303,10 +350,7 @@ def _scan_folder(root: str, what: str) -> dict[str, list[str]]:
     files = {}
     for c in classes:
         folder = os.path.join(root, c)
-        found = sorted(
-            os.path.join(folder, n) for n in os.listdir(folder)
-            if not n.startswith(".") and os.path.splitext(n)[1].lower() in IMAGE_EXTENSIONS
-        )
+        found = regular_files(folder, IMAGE_EXTENSIONS, "image")
         if not found:
             raise DataError(f"class folder {folder} contains no images ({', '.join(IMAGE_EXTENSIONS)})")
         files[c] = found
@@ -315,8 +359,15 @@ def _scan_folder(root: str, what: str) -> dict[str, list[str]]:
 
 def _read_image(Image: ModuleType, path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     """One image as uint8 ``[C, H, W]``."""
+    # Opened here, not by Pillow: a FIFO or a directory named like an image is refused
+    # (open_regular) instead of blocking or failing without a clear cause.
+    with open_regular(path, "image") as fh:
+        return _decode_image(Image, fh, path, mode, size)
+
+
+def _decode_image(Image: ModuleType, fh: IO[bytes], path: str, mode: str, size: tuple[int, int] | None) -> np.ndarray:
     try:
-        with Image.open(path) as img:
+        with Image.open(fh) as img:
             img = img.convert(mode)
             if size is not None:
                 img = img.resize((size[1], size[0]), Image.BILINEAR)
@@ -324,7 +375,7 @@ def _read_image(Image: ModuleType, path: str, mode: str, size: tuple[int, int] |
     # Pillow reports unreadable files as OSError (UnidentifiedImageError, truncated data),
     # SyntaxError (broken PNG chunks), ValueError or DecompressionBombError.
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"cannot read image {path}: {type(e).__name__}: {e}") from None
+        raise DataError(f"cannot read image {path}: {type(e).__name__}: {one_line(e)}") from None
     return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
 
 

@@ -31,6 +31,7 @@ import torch
 
 from flt._io import atomic_write
 from flt._limits import check_memory
+from flt.data._files import check_file_size, load_npz, open_regular
 from flt.data.errors import DataError
 
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
@@ -238,11 +239,7 @@ def _params(**kw: object) -> str:
 def _cached(path: str, params: str, make: Callable[[], ListOpsData]) -> ListOpsData:
     fix = "delete it to regenerate"
     if os.path.exists(path):
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except Exception as e:  # noqa: BLE001 - any unreadable archive
-            raise DataError(f"cached ListOps set {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+        arrays = load_npz(path, "cached ListOps set", fix)
         if str(arrays.get("params")) != params:
             raise DataError(f"cached ListOps set {path} was made with other parameters ({arrays.get('params')}); {fix}")
         return ListOpsData(torch.from_numpy(arrays["tokens"].astype(np.int64)), torch.from_numpy(arrays["lengths"]),
@@ -284,16 +281,43 @@ def parse_tokens(source: str) -> list[str]:
     return [t for t in source.replace("(", " ").replace(")", " ").split() if t]
 
 
+#: Bytes each byte of a ListOps TSV costs once read: a token of two characters becomes an
+#: int64 list entry (8 bytes), then a row of the padded int64 table.
+TSV_BYTES_PER_BYTE = 8
+
+
+def _bracket_problem(tokens: list[str]) -> str:
+    """What makes ``tokens`` not one expression of balanced brackets ("" when nothing
+    does): a ``]`` without an operation, an operation left open, or tokens after the end."""
+    if len(tokens) == 1 and tokens[0] not in OPERATORS and tokens[0] != CLOSE:
+        return ""  # a lone digit
+    depth = 0
+    for i, tok in enumerate(tokens):
+        if depth == 0 and i > 0:
+            return f"token {i + 1} ({tok!r}) comes after the end of the expression"
+        if tok in OPERATORS:
+            depth += 1
+        elif tok == CLOSE:
+            if depth == 0:
+                return f"token {i + 1} is a ']' that closes no operation"
+            depth -= 1
+        elif depth == 0:
+            return f"token {i + 1} ({tok!r}) lies outside any operation"
+    return f"{depth} operation(s) left open (a ']' is missing)" if depth else ""
+
+
 def read_tsv(path: str | os.PathLike) -> ListOpsData:
     """One LRA ListOps TSV file (``Source<TAB>Target`` with a header line)."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise DataError(f"ListOps file {path!r} does not exist")
     seqs, labels = [], []
-    with open(path, "rb") as fh:
+    with open_regular(path, "ListOps file") as fh:
+        check_file_size(path, os.fstat(fh.fileno()).st_size, "ListOps file", bytes_per_byte=TSV_BYTES_PER_BYTE)
         for n, raw in enumerate(fh, 1):
             try:
-                line = raw.decode("utf-8").rstrip("\r\n")
+                # utf-8-sig on the first line: a byte-order mark is not part of the header.
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip() or (n == 1 and line.split("\t")[0].strip() == "Source"):
@@ -307,6 +331,9 @@ def read_tsv(path: str | os.PathLike) -> ListOpsData:
             unknown = [t for t in tokens if t not in TOKEN_ID or t == VOCAB[PAD]]
             if unknown:
                 raise DataError(f"{path}:{n}: unknown tokens {sorted(set(unknown))}")
+            problem = _bracket_problem(tokens)
+            if problem:
+                raise DataError(f"{path}:{n}: the source expression is not well formed: {problem}")
             try:
                 label = int(fields[1])
             except ValueError:
@@ -332,8 +359,9 @@ def load_listops_tsv(path: str | os.PathLike) -> ListOpsSplits:
         if stem is None:
             raise DataError(f"ListOps path {path!r} must be a directory with basic_train.tsv and basic_val.tsv, or a *_train.tsv file")
         names = {part: f"{stem}_{part}.tsv" for part in ("train", "val", "test")}
+    # exists, not isfile: a FIFO or a folder of that name is reported by read_tsv as what it is.
     for part in ("train", "val"):
-        if not os.path.isfile(names[part]):
+        if not os.path.exists(names[part]):
             raise DataError(f"ListOps needs {names[part]} (the LRA release's {os.path.basename(names[part])})")
-    test = read_tsv(names["test"]) if os.path.isfile(names["test"]) else None
+    test = read_tsv(names["test"]) if os.path.exists(names["test"]) else None
     return ListOpsSplits(read_tsv(names["train"]), read_tsv(names["val"]), test, name=os.path.basename(path.rstrip("/")))

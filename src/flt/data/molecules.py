@@ -20,8 +20,8 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import sqlite3
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
+from flt._checks import shown
 from flt._io import atomic_write
 
+from ._files import check_file_size, check_float32, load_npz, one_line, open_regular
 from ._split import carve_test, split_indices
-from .errors import DataError, require_file
+from .errors import DataError
 
 if TYPE_CHECKING:
     from ase import Atoms
@@ -72,6 +74,11 @@ _INFO_KEYS = ("metal", "facet", "site", "adsorbate", "steps", "converged")
 MAX_COORDINATE = 1e6
 #: Fewest bytes an atom's line of an XYZ file takes: an element, three numbers, separators.
 XYZ_ATOM_BYTES = 7
+#: Fewest bytes one column of an atom's line takes: a character and a separator.
+XYZ_COLUMN_BYTES = 2
+#: Bytes each byte of a structure file costs while ASE reads it: its lines as Python
+#: strings, the split fields, then the arrays of every frame.
+STRUCTURE_BYTES_PER_BYTE = 10
 
 
 def _import_ase() -> None:
@@ -142,6 +149,14 @@ class MoleculeData(torch.utils.data.Dataset):
         for k, v in self.info.items():
             if v.shape[:1] != (m,):
                 raise ValueError(f"info[{k!r}] has shape {v.shape}, expected [{m}]")
+        # After the conversion to float32: a value finite in float64 (1e300) may not be here.
+        for what, t in (("positions", self.pos), ("targets", self.y)):
+            bad = ~torch.isfinite(t)
+            if bool(bad.any()):
+                first = int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0])
+                structure = int(torch.searchsorted(self.offsets, first, right=True)) - 1 if what == "positions" else first
+                raise ValueError(f"molecule data {name or '(unnamed)'}: structure {structure} has {what} that are not finite "
+                                 "in float32 (beyond 3.4e38, or NaN)")
 
     @classmethod
     def from_lists(cls, zs: Sequence, positions: Sequence, ys: Sequence, *, name: str = "", info: dict | None = None) -> MoleculeData:
@@ -366,18 +381,7 @@ def catalysis_cache_path(
 def _load_cache(path: str, params: str) -> MoleculeData:
     # The advice must work from the command line too, where refresh is not a data option.
     fix = "delete that file and run again to regenerate it (or pass refresh=True to load_catalysis)"
-    try:
-        # Own the file handle: np.load leaks the one it opens when the zip is truncated.
-        with open(path, "rb") as fh:
-            loaded = np.load(fh, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise DataError(f"cached molecule dataset {path} is not an .npz archive; {fix}")
-            with loaded:
-                arrays = {k: loaded[k] for k in loaded.files}
-    except DataError:
-        raise
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        raise DataError(f"cached molecule dataset {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+    arrays = load_npz(path, "cached molecule dataset", fix)
     required = ("params", "z", "pos", "offsets", "y", *(f"info_{k}" for k in _INFO_KEYS))
     missing = [k for k in required if k not in arrays]
     if missing:
@@ -450,10 +454,12 @@ def _scalar_target(value: object, path: str, where: str, target: str) -> float:
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
-        raise DataError(f"{path}: {where} property {target!r} is not a number: {value!r}") from None
+        raise DataError(f"{path}: {where} property {target!r} is not a number: {shown(value)}") from None
     if arr.size != 1 or not np.isfinite(arr).all():
-        raise DataError(f"{path}: {where} property {target!r} must be one finite number, got {value!r}")
-    return float(arr.reshape(()))
+        raise DataError(f"{path}: {where} property {target!r} must be one finite number, got {shown(value)}")
+    # The targets are float32 (MoleculeData): 1e300 is finite here and infinite there.
+    return check_float32(float(arr.reshape(())), f"{path}: {where} property {target!r}")
+
 
 
 def _atoms_target(atoms: Atoms, path: str, index: int, target: str) -> float:
@@ -511,9 +517,13 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
     import ase.io
     from ase.io.formats import UnknownFileTypeError
 
-    path = require_file(path, "structure file")
-    if os.path.getsize(path) == 0:
+    path = os.fspath(path)
+    with open_regular(path, "structure file") as fh:  # a FIFO or a directory is refused, not read
+        size = os.fstat(fh.fileno()).st_size
+    if size == 0:
         raise DataError(f"structure file is empty: {path}")
+    binary = path.lower().endswith(".db")  # SQLite rows hold binary arrays: about their size once read
+    check_file_size(path, size, "structure file", bytes_per_byte=2 if binary else STRUCTURE_BYTES_PER_BYTE)
     if path.lower().endswith(".db"):
         zs, positions, ys = _read_db(path, target)
     else:
@@ -522,9 +532,15 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
         try:
             frames = ase.io.read(path, index=":")
         # ASE reports a bad file as XYZError (an OSError), ValueError, IndexError or KeyError
-        # from its parsers, or UnknownFileTypeError when it cannot tell the format.
-        except (OSError, ValueError, IndexError, KeyError, UnknownFileTypeError) as e:
-            raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {e}") from None
+        # from its parsers, or UnknownFileTypeError when it cannot tell the format; some of
+        # its parsers (xsf) fail on a malformed file with an AssertionError or a
+        # StopIteration turned RuntimeError. A file that ASE cannot parse is bad input,
+        # whatever the parser raises; running out of memory is not.
+        except MemoryError:
+            raise
+        except (OSError, ValueError, IndexError, KeyError, UnknownFileTypeError, AssertionError, RuntimeError,
+                TypeError, AttributeError, StopIteration) as e:
+            raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {one_line(e)}") from None
         ys = [_atoms_target(a, path, i, target) for i, a in enumerate(frames)]
         zs = [a.get_atomic_numbers().astype(np.int64) for a in frames]
         positions = [a.get_positions() for a in frames]
@@ -563,8 +579,9 @@ def check_xyz_headers(path: str) -> int:
     return the number of frames: a frame is a line with its atom count ``n``, a comment
     line and ``n`` atom lines of at least :data:`XYZ_ATOM_BYTES` bytes each, so a count
     that the bytes left cannot hold (a header claiming 10^9 atoms in a 3-line file) is
-    refused here, before ASE tries to read that many. Lines that are not a count are left
-    to ASE's parser to report."""
+    refused here, before ASE tries to read that many; so is an extended-XYZ
+    ``Properties=`` entry declaring more columns than the atom lines can hold
+    (``pos:R:1000000000``). Lines that are not a count are left to ASE's parser to report."""
     size = os.path.getsize(path)
     frames = 0
     with open(path, "rb") as f:
@@ -587,9 +604,37 @@ def check_xyz_headers(path: str) -> int:
             if count * XYZ_ATOM_BYTES > left:
                 raise DataError(f"{path}, line {lineno}: frame {frames} declares {count:,} atoms, but only {left:,} bytes "
                                 f"follow (an atom line takes at least {XYZ_ATOM_BYTES}): truncated, or a wrong atom count")
-            for _ in range(count + 1):  # the comment line, then the atoms
+            comment = f.readline()
+            if not comment:
+                raise DataError(f"{path}: frame {frames} (header at line {lineno}) declares {count} atoms, "
+                                "but the file ends before them")
+            columns = _declared_columns(comment)
+            left = size - f.tell()
+            # ASE sizes its per-atom arrays from Properties= before reading an atom line.
+            if columns is not None and (count * columns * XYZ_COLUMN_BYTES > left or columns * XYZ_COLUMN_BYTES > size):
+                raise DataError(f"{path}, line {lineno + 1}: frame {frames} declares {columns:,} columns per atom line "
+                                f"(Properties=) for {count:,} atoms, but only {left:,} bytes follow: a wrong Properties= entry")
+            for _ in range(count):
                 if not f.readline():
                     raise DataError(f"{path}: frame {frames} (header at line {lineno}) declares {count} atoms, "
                                     "but the file ends before them")
             lineno += count + 1
             frames += 1
+
+
+_PROPERTIES = re.compile(r"""(?:^|\s)properties\s*=\s*(["']?)([^\s"']+)\1""", re.IGNORECASE)
+
+
+def _declared_columns(comment: bytes) -> int | None:
+    """The number of columns an extended-XYZ comment line's ``Properties=name:type:count:...``
+    declares for each atom line; None without one, or when it is not that form (ASE reports it)."""
+    match = _PROPERTIES.search(comment.decode("utf-8", errors="replace"))
+    if match is None:
+        return None
+    fields = match.group(2).split(":")
+    if len(fields) % 3:
+        return None
+    try:
+        return sum(int(n) for n in fields[2::3])
+    except ValueError:
+        return None

@@ -137,7 +137,13 @@ def generate_clouds(num_clouds: int, num_particles: int, *, seed: int, split: st
         pos[k], charge[k] = _cloud(rng, num_particles, side, layout)
     pos_t, charge_t = torch.from_numpy(pos), torch.from_numpy(charge)
     y = yukawa_potential(pos_t, charge_t, screening, softening)
-    return Clouds(pos_t.float(), charge_t.float(), y.float())
+    clouds = Clouds(pos_t.float(), charge_t.float(), y.float())
+    # The clouds are float32: a box of side 1e100 (density 1e-300) is finite in float64 only.
+    for name, t in (("positions", clouds.pos), ("targets", clouds.y)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"density={density!r}, screening={screening!r} and softening={softening!r} give {name} beyond "
+                             f"float32's range (a box of side {side:.3g}); choose values nearer 1")
+    return clouds
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flt.data._files import read_regular, regular_files
 from flt.data.errors import DataError
 
 #: Directory names skipped under the stdlib directory.
@@ -55,12 +56,13 @@ def source_files(root: str | os.PathLike | None = None) -> list[str]:
     if not os.path.isdir(root):
         raise DataError(f"source root {root!r} is not a directory")
     found = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, _ in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in EXCLUDED_DIRS)
         rel = os.path.relpath(folder, root)
-        for name in files:
-            if name.endswith(".py"):
-                found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+        # os.walk lists FIFOs and devices among the files: regular_files refuses them by name.
+        for path in regular_files(folder, (".py",), "source file"):
+            name = os.path.basename(path)
+            found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
     return sorted(found)
 
 
@@ -89,8 +91,7 @@ def split_files(files: list[str], valid_fraction: float = 0.1, seed: int = 0) ->
 def _join(root: str, files: list[str], budget: int | None) -> torch.Tensor:
     parts, total = [], 0
     for rel in files:
-        with open(os.path.join(root, rel), "rb") as fh:
-            data = fh.read()
+        data = read_regular(os.path.join(root, rel), "source file")
         parts.append(data)
         total += len(data) + len(_SEPARATOR)
         if budget is not None and total >= budget:

@@ -17,14 +17,15 @@ cal/(mol K) for the heat capacity. The qm9pack set is parsed once and cached as 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
-import zipfile
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,9 @@ import numpy as np
 
 from flt._io import atomic_write
 
-from .errors import DataError, MissingDataError, require_file
-from .molecules import MoleculeData, default_cache_dir
+from ._files import check_file_size, check_float32, load_npz, open_regular
+from .errors import DataError, MissingDataError
+from .molecules import MAX_COORDINATE, MoleculeData, default_cache_dir
 from .qm9_xyz import is_xyz_source, iter_xyz_texts, parse_xyz_molecule
 
 #: meV per hartree (CODATA 2018).
@@ -132,6 +134,10 @@ def _parse_xyz(text: str, atoms: int, where: str) -> np.ndarray:
         raise DataError(f"{where}: not a list of [x,y,z] numbers: {text[:60]!r}") from None
     if flat.size != 3 * atoms or not np.isfinite(flat).all():
         raise DataError(f"{where}: expected {atoms} finite [x,y,z] triples (one per element), got {flat.size} numbers")
+    if flat.size and np.abs(flat).max() > MAX_COORDINATE:
+        atom = int(np.abs(flat).argmax()) // 3
+        raise DataError(f"{where}: atom {atom} lies at {flat[3 * atom:3 * atom + 3].tolist()} Å, beyond the "
+                        f"{MAX_COORDINATE:g} Å that any molecule spans")
     return flat.reshape(atoms, 3)
 
 
@@ -149,38 +155,19 @@ def read_qm9_csv(paths: str | os.PathLike | Sequence[str | os.PathLike], targets
     counts: list[int] = []
     values: list[list[float]] = []
     for path in paths:
-        path = require_file(path, "QM9 CSV file")
-        with open(path, newline="", encoding="utf-8") as fh:
+        path = os.fspath(path)
+        # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name.
+        with open_regular(path, "QM9 CSV file", encoding="utf-8-sig", newline="") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            check_file_size(path, size, "QM9 CSV file", bytes_per_byte=CSV_BYTES_PER_BYTE)
             reader = csv.reader(fh)
-            header = next(reader, None)
-            if header is None:
-                raise DataError(f"QM9 CSV file {path} is empty (expected a header row)")
-            wanted = ["Elements", "XYZ_Ang", *(s.column for s in specs)]
-            missing = [c for c in wanted if c not in header]
-            if missing:
-                raise DataError(f"QM9 CSV file {path} lacks the columns {missing} (it has {header[:8]}{' ...' if len(header) > 8 else ''})")
-            cols = [header.index(c) for c in wanted]
-            for row in reader:
-                if not row:
-                    continue
-                where = f"{path}, line {reader.line_num}"
-                if len(row) != len(header):
-                    raise DataError(f"{where}: {len(row)} fields, the header has {len(header)}")
-                z = _parse_elements(row[cols[0]], f"{where}, column 'Elements'")
-                xyz = _parse_xyz(row[cols[1]], len(z), f"{where}, column 'XYZ_Ang'")
-                vals = []
-                for spec, c in zip(specs, cols[2:], strict=True):
-                    try:
-                        v = float(row[c])
-                    except ValueError:
-                        raise DataError(f"{where}, column {spec.column!r}: not a number: {row[c][:40]!r}") from None
-                    if not np.isfinite(v):
-                        raise DataError(f"{where}, column {spec.column!r}: not finite: {row[c]!r}")
-                    vals.append(v * spec.scale)
-                zs.extend(z)
-                pos.append(xyz)
-                counts.append(len(z))
-                values.append(vals)
+            try:
+                # csv's default field limit (131,072 characters) refuses a molecule of a few
+                # thousand atoms; no field can be longer than the file.
+                with _field_size_limit(size):
+                    _read_csv_rows(reader, path, specs, zs, pos, counts, values)
+            except csv.Error as e:
+                raise DataError(f"QM9 CSV file {path}, line {reader.line_num}: not valid CSV ({e})") from None
     if not counts:
         raise DataError(f"QM9 CSV files {[os.fspath(p) for p in paths]} hold no molecules")
     return QM9Table(
@@ -188,6 +175,57 @@ def read_qm9_csv(paths: str | os.PathLike | Sequence[str | os.PathLike], targets
         offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         values=np.asarray(values, dtype=np.float64).reshape(len(counts), len(specs)), targets=tuple(targets),
     )
+
+
+#: Bytes each byte of a QM9 CSV costs once parsed: a Python float (about 32 bytes with its
+#: list entry) for each coordinate of 8 or more characters, then float64 arrays.
+CSV_BYTES_PER_BYTE = 4
+
+
+@contextlib.contextmanager
+def _field_size_limit(size: int) -> Iterator[None]:
+    """csv's field limit raised to ``size`` (at least) while reading one file, then restored."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, min(size, sys.maxsize)))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(old)
+
+
+def _read_csv_rows(reader: Any, path: str, specs: list[Target], zs: list[int], pos: list[np.ndarray],
+                   counts: list[int], values: list[list[float]]) -> None:
+    """Append the molecules of one QM9 CSV (``reader`` at its start) to the lists."""
+    header = next(reader, None)
+    if header is None:
+        raise DataError(f"QM9 CSV file {path} is empty (expected a header row)")
+    wanted = ["Elements", "XYZ_Ang", *(s.column for s in specs)]
+    missing = [c for c in wanted if c not in header]
+    if missing:
+        raise DataError(f"QM9 CSV file {path} lacks the columns {missing} (it has {header[:8]}{' ...' if len(header) > 8 else ''})")
+    cols = [header.index(c) for c in wanted]
+    for row in reader:
+        if not row:
+            continue
+        where = f"{path}, line {reader.line_num}"
+        if len(row) != len(header):
+            raise DataError(f"{where}: {len(row)} fields, the header has {len(header)}")
+        z = _parse_elements(row[cols[0]], f"{where}, column 'Elements'")
+        xyz = _parse_xyz(row[cols[1]], len(z), f"{where}, column 'XYZ_Ang'")
+        vals = []
+        for spec, c in zip(specs, cols[2:], strict=True):
+            try:
+                v = float(row[c])
+            except ValueError:
+                raise DataError(f"{where}, column {spec.column!r}: not a number: {row[c][:40]!r}") from None
+            if not np.isfinite(v):
+                raise DataError(f"{where}, column {spec.column!r}: not finite: {row[c]!r}")
+            # In the unit the targets are used in, and in float32, which they become.
+            vals.append(check_float32(v * spec.scale, f"{where}, column {spec.column!r} (in {spec.unit})"))
+        zs.extend(z)
+        pos.append(xyz)
+        counts.append(len(z))
+        values.append(vals)
 
 
 def read_qm9_xyz(path: str | os.PathLike, targets: Sequence[str]) -> QM9Table:
@@ -258,11 +296,7 @@ def load_qm9pack(cache_dir: str | os.PathLike | None = None) -> QM9Table:
 
 def _read_cache(path: str, params: str) -> QM9Table:
     fix = "delete that file and run again to parse the qm9pack CSVs anew"
-    try:
-        with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as loaded:
-            arrays = {k: loaded[k] for k in loaded.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, AttributeError) as e:
-        raise DataError(f"cached QM9 set {path} is corrupt ({type(e).__name__}: {e}); {fix}") from None
+    arrays = load_npz(path, "cached QM9 set", fix)
     missing = [k for k in ("params", "z", "pos", "offsets", "values") if k not in arrays]
     if missing:
         raise DataError(f"cached QM9 set {path} lacks arrays {missing}; {fix}")

@@ -23,7 +23,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ._files import check_file_memory, check_float32, read_regular, regular_files
 from .errors import DataError, require_file
+from .molecules import MAX_COORDINATE
 
 #: Position of each target's value among the whitespace-separated fields of line 2
 #: (``gdb``, the index, A, B, C, then the targets in this order).
@@ -64,7 +66,8 @@ def parse_xyz_molecule(text: str, targets: Sequence[str], where: str, atomic_num
     if len(fields) < 17 or fields[0] != "gdb":
         raise DataError(f"{where}, line 2: expected 'gdb INDEX' and 15 properties, got {lines[1][:60]!r}")
     index = int(_number(fields[1], f"{where}, line 2, the index"))
-    values = [_number(fields[XYZ_FIELD[t]], f"{where}, line 2, property {t!r}") * scale[t] for t in targets]
+    values = [check_float32(_number(fields[XYZ_FIELD[t]], f"{where}, line 2, property {t!r}") * scale[t],
+                            f"{where}, line 2, property {t!r} (in its target unit)") for t in targets]
     z, pos = [], []
     for k in range(n):
         atom = lines[2 + k].split()
@@ -74,25 +77,38 @@ def parse_xyz_molecule(text: str, targets: Sequence[str], where: str, atomic_num
         if atom[0] not in atomic_number:
             raise DataError(f"{line}: unknown element symbol {atom[0]!r}")
         z.append(atomic_number[atom[0]])
-        pos.append([_number(c, line) for c in atom[1:4]])
+        xyz = [_number(c, line) for c in atom[1:4]]
+        if max(map(abs, xyz)) > MAX_COORDINATE:
+            raise DataError(f"{line}: the atom lies at {xyz} Å, beyond the {MAX_COORDINATE:g} Å that any molecule spans")
+        pos.append(xyz)
     return index, z, np.asarray(pos, dtype=np.float64), values
+
+
+#: Bytes each byte of an xyz file costs once read and parsed: its text, then a Python
+#: float (about 32 bytes) for each number of a few characters.
+XYZ_BYTES_PER_BYTE = 10
+
+
+def _decode(data: bytes, where: str) -> str:
+    """UTF-8 text of one file, a byte-order mark dropped (editors on Windows write one)."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def iter_xyz_texts(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
     """``(where, text)`` of every ``.xyz`` file in a folder, a tar archive, or the one file at ``path``."""
     if os.path.isdir(path):
-        names = sorted(n for n in os.listdir(path) if n.endswith(".xyz"))
+        names = regular_files(os.fspath(path), (".xyz",), "QM9 xyz file")
         if not names:
             raise DataError(f"QM9 xyz folder {path} holds no .xyz files")
-        for name in names:
-            full = os.path.join(path, name)
-            with open(full, encoding="utf-8") as fh:
-                yield full, fh.read()
+        for full in names:
+            yield full, _decode(read_regular(full, "QM9 xyz file", bytes_per_byte=XYZ_BYTES_PER_BYTE), full)
         return
     path = require_file(path, "QM9 xyz file or archive")
     if os.fspath(path).lower().endswith(".xyz"):
-        with open(path, encoding="utf-8") as fh:
-            yield os.fspath(path), fh.read()
+        yield os.fspath(path), _decode(read_regular(path, "QM9 xyz file", bytes_per_byte=XYZ_BYTES_PER_BYTE), path)
         return
     try:
         archive = tarfile.open(path, "r:*")  # noqa: SIM115 (closed by the `with archive` below; opened apart so only its errors read as "not an archive")
@@ -103,8 +119,12 @@ def iter_xyz_texts(path: str | os.PathLike) -> Iterator[tuple[str, str]]:
         for member in archive:
             if member.isfile() and member.name.endswith(".xyz"):
                 found = True
+                where = f"{path}:{member.name}"
+                # The size comes from the member's header: checked before it is read.
+                check_file_memory(where, member.size * XYZ_BYTES_PER_BYTE, "QM9 xyz file",
+                                  detail=f"{member.size:,} bytes in the archive")
                 handle = archive.extractfile(member)
                 assert handle is not None  # a regular file (member.isfile())
-                yield f"{path}:{member.name}", handle.read().decode("utf-8")
+                yield where, _decode(handle.read(), where)
     if not found:
         raise DataError(f"QM9 archive {path} holds no .xyz files")

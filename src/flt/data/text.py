@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import DataError, MissingDataError, require_dir, require_file
+from ._files import read_regular
+from .errors import DataError, MissingDataError, require_dir
 
 #: Standard-library sources appended to the pydoc topics in the default corpus. Paths are
 #: relative to ``sysconfig.get_paths()["stdlib"]``; files a Python version lacks are skipped.
@@ -147,10 +148,13 @@ def carve_text_test(splits: TextSplits, test_fraction: float, require_utf8: bool
     return TextSplits(train=splits.train[:cut], valid=splits.valid, test=splits.train[cut:], name=splits.name)
 
 
+#: Bytes each byte of a text file costs once loaded: the bytes, the splits cut from them,
+#: and a token of int64 per byte (the byte tokenizer; characters take no more).
+TEXT_BYTES_PER_BYTE = 10
+
+
 def _read_bytes(path: str, what: str, require_utf8: bool) -> bytes:
-    path = require_file(path, what)
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_regular(path, what, bytes_per_byte=TEXT_BYTES_PER_BYTE, hint="use a smaller file")
     if not data:
         raise DataError(f"{what} is empty: {path}")
     if require_utf8:

@@ -21,10 +21,14 @@ import numpy as np
 import torch
 
 from flt._checks import check_positive_int
-from flt.data.errors import DataError, require_file
+from flt.data._files import check_file_size, open_regular
+from flt.data.errors import DataError
 
 #: Node ids must fit int64.
 MAX_NODE_ID = 2**63 - 1
+#: Bytes each byte of an edge list costs once read: a line of a few bytes becomes a tuple
+#: of two ints in a list (about 80 bytes), then int64 tensors.
+EDGE_LIST_BYTES_PER_BYTE = 16
 #: Bytes a node takes at least once a graph task holds it (features, positions, anchor
 #: distances, labels), for :func:`check_node_memory`.
 NODE_BYTES = 64
@@ -47,6 +51,8 @@ def canonical_edges(edges: torch.Tensor | np.ndarray | Sequence, num_nodes: int)
     lie in ``[0, num_nodes)``.
     """
     e = torch.as_tensor(edges)
+    if e.layout != torch.strided:
+        raise TypeError(f"edges must be a dense tensor, got layout {e.layout} (call .to_dense() first)")
     if e.numel() == 0:
         return torch.zeros(0, 2, dtype=torch.int64)
     if e.ndim != 2 or e.shape[1] != 2:
@@ -84,7 +90,8 @@ class Graph:
         object.__setattr__(self, "edges", canonical_edges(self.edges, self.num_nodes))
         if self.labels is not None:
             labels = torch.as_tensor(self.labels)
-            if labels.shape != (self.num_nodes,) or labels.is_floating_point() or labels.dtype == torch.bool:
+            if (labels.shape != (self.num_nodes,) or labels.layout != torch.strided or labels.is_floating_point()
+                    or labels.is_complex() or labels.dtype == torch.bool):
                 raise ValueError(
                     f"labels must be an integer tensor of shape [num_nodes] = [{self.num_nodes}], "
                     f"got {labels.dtype} of shape {tuple(labels.shape)}"
@@ -169,10 +176,12 @@ def load_edge_list(path: str | os.PathLike, *, num_nodes: int | None = None, nam
     :class:`flt.data.DataError`, naming the file and the line, if a line cannot be read
     or the file holds no edge.
     """
-    path = require_file(path, "edge-list file")
+    path = os.fspath(path)
     rows: list[tuple[int, int]] = []
     try:
-        with open(path, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark is not part of the first node id.
+        with open_regular(path, "edge-list file", encoding="utf-8-sig") as f:
+            check_file_size(path, os.fstat(f.fileno()).st_size, "edge-list file", bytes_per_byte=EDGE_LIST_BYTES_PER_BYTE)
             for lineno, line in enumerate(f, start=1):
                 fields = line.split("#", 1)[0].split()
                 if not fields:
@@ -244,7 +253,9 @@ def load_pyg(path: str | os.PathLike, *, name: str | None = None) -> Graph:
     the file cannot run code. Raises :class:`flt.data.MissingDataError` for a missing file
     and :class:`flt.data.DataError`, naming the file, for anything else it cannot use.
     """
-    path = require_file(path, "PyTorch Geometric file")
+    path = os.fspath(path)
+    with open_regular(path, "PyTorch Geometric file") as fh:  # a FIFO or a directory is refused, not read
+        check_file_size(path, os.fstat(fh.fileno()).st_size, "PyTorch Geometric file", bytes_per_byte=2)
     try:
         with torch.serialization.safe_globals(_pyg_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -257,26 +268,32 @@ def load_pyg(path: str | os.PathLike, *, name: str | None = None) -> Graph:
     if not isinstance(fields, dict) or "edge_index" not in fields:
         raise DataError(f"{path} holds a {type(obj).__name__} without 'edge_index'; expected a PyG Data object or a dict with edge_index [2, E]")
     ei = fields["edge_index"]
-    if not isinstance(ei, torch.Tensor) or ei.ndim != 2 or ei.shape[0] != 2 or ei.is_floating_point() or ei.dtype == torch.bool:
+    if not isinstance(ei, torch.Tensor) or ei.ndim != 2 or ei.shape[0] != 2 or ei.is_floating_point() or ei.is_complex() \
+            or ei.dtype == torch.bool:
         raise DataError(f"{path}: edge_index must be an integer tensor of shape [2, E], got {getattr(ei, 'dtype', type(ei).__name__)} "
                         f"of shape {tuple(getattr(ei, 'shape', ()))}")
+    if ei.layout != torch.strided:
+        raise DataError(f"{path}: edge_index must be a dense tensor [2, E], got layout {ei.layout}")
     if ei.numel() == 0:
         raise DataError(f"{path} holds no edge")
     if int(ei.min()) < 0:
         raise DataError(f"{path}: edge_index holds negative node ids")
     num_nodes = fields.get("num_nodes")
     y = fields.get("y")
-    if isinstance(num_nodes, torch.Tensor) and num_nodes.ndim == 0 and not (num_nodes.is_floating_point() or num_nodes.dtype == torch.bool):
+    if isinstance(num_nodes, torch.Tensor) and num_nodes.ndim == 0 and num_nodes.layout == torch.strided \
+            and not (num_nodes.is_floating_point() or num_nodes.is_complex() or num_nodes.dtype == torch.bool):
         num_nodes = int(num_nodes)
     if num_nodes is None:
         num_nodes = max(int(ei.max()) + 1, len(y) if isinstance(y, torch.Tensor) and y.ndim == 1 else 0)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int):
-        raise DataError(f"{path}: num_nodes must be an integer, got {num_nodes!r} ({type(num_nodes).__name__})")
+        shown = " ".join(repr(num_nodes).split())[:80]  # a tensor's repr spans lines
+        raise DataError(f"{path}: num_nodes must be an integer, got {shown} ({type(num_nodes).__name__})")
     if num_nodes <= int(ei.max()):
         raise DataError(f"{path}: num_nodes = {num_nodes!r} does not cover node id {int(ei.max())} of edge_index")
     check_node_memory(path, num_nodes, "its num_nodes" if "num_nodes" in fields else "the largest node id + 1")
     labels = None
-    if isinstance(y, torch.Tensor) and y.ndim == 1 and len(y) == num_nodes and not y.is_floating_point() and y.dtype != torch.bool:
+    if isinstance(y, torch.Tensor) and y.ndim == 1 and len(y) == num_nodes and y.layout == torch.strided \
+            and not (y.is_floating_point() or y.is_complex() or y.dtype == torch.bool):
         labels = y
     return Graph(num_nodes, ei.T, labels=labels, name=name or os.path.basename(path))
 

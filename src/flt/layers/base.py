@@ -43,9 +43,16 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_dim, check_positions, check_positive_int, check_tensor, compiling
+from flt._checks import (
+    check_dim,
+    check_positions,
+    check_positive_int,
+    check_tensor,
+    compiling,
+    shown,
+)
 from flt._dtype import compute_dtype
-from flt._limits import check_attention_memory
+from flt._limits import FLOAT_BYTES, check_attention_memory, check_memory
 from flt._signatures import check_options
 
 #: Arguments of every :data:`flt.ATTENTION` constructor that the caller (the model) sets:
@@ -107,6 +114,10 @@ class Prepared:
     v: torch.Tensor  # [B, H, N, D]
     pos: torch.Tensor  # [B or 1, N, P]
     pad: torch.Tensor | None  # [B, N] bool, True = padded key
+
+
+#: Values per head and pair of tokens that an O(N^2) path forms (:meth:`CoreBase.pairwise_values`).
+PAIR_VALUES_PER_HEAD = 4
 
 
 def token_positions(length: int, like: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -177,6 +188,13 @@ class CoreBase(nn.Module):
         of whatever it is given."""
         self.check_decoding("step")
         return 0 if state is None else int(state.position)
+
+    def pairwise_values(self, batch: int, length: int) -> int:
+        """Values of the largest tensors that :meth:`exact` and :meth:`reference` form over
+        ``batch`` sequences of ``length`` tokens, for :func:`flt._limits.check_memory`
+        before they are formed: the logits, the weights, a positional term and a temporary,
+        ``4 B H N^2`` (cores whose relative term costs more per pair add it)."""
+        return PAIR_VALUES_PER_HEAD * batch * self.heads * length * length
 
     def padding_mask_matrix(self, pad: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``[B, 1, 1, N]`` 0/1 multiplicative mask of valid keys for the exact references."""
@@ -258,6 +276,11 @@ class AttentionBase(nn.Module):
         check_positive_int("pos_dim", pos_dim)
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads})")
+        # Before nn.Linear allocates: dim = 2**40 would overflow its size, 2**16 ask for 48 GiB.
+        # A layer on the meta device allocates nothing.
+        if str(device) != "meta":
+            check_memory(f"{type(self).__name__}(dim={dim}, heads={heads}): its projections", (4 * dim * dim + dim) * FLOAT_BYTES,
+                         device=device, hint="make dim smaller")
         self.dim, self.heads, self.head_dim, self.pos_dim, self.causal = dim, heads, dim // heads, pos_dim, bool(causal)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
@@ -350,12 +373,28 @@ class AttentionBase(nn.Module):
     def reference(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same computation by the core's O(N^2) formula (the fast path's reference)."""
         p = self.prepare(x, pos, key_padding_mask)
+        self.check_pairwise_memory("reference", p)
         return self.finish(self.core.reference(p.q, p.k, p.v, p.pos, p.pad), x)
 
     def exact(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The O(N^2) attention the core estimates, with the same parameters."""
+        """The O(N^2) attention the core estimates, with the same parameters. Refused
+        (:class:`flt._limits.MemoryLimitError`) before anything of size ``N^2`` is formed
+        when its estimate (:meth:`CoreBase.pairwise_values`) exceeds the memory limit."""
         p = self.prepare(x, pos, key_padding_mask)
+        self.check_pairwise_memory("exact", p)
         return self.finish(self.core.exact(p.q, p.k, p.v, p.pos, p.pad), x)
+
+    def check_pairwise_memory(self, method: str, p: Prepared) -> None:
+        """Refuse an O(N^2) ``method`` whose tensors cannot fit (``FLT_MEMORY_LIMIT``, else
+        the device's free memory): N = 200,000 tokens would ask for hundreds of GB.
+        Backward keeps about as much again when the parameters take gradients."""
+        B, N = p.q.shape[0], p.q.shape[2]
+        values = self.core.pairwise_values(B, N)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v)):
+            values *= 2
+        check_memory(f"{type(self).__name__}.{method}() on {B} sequence(s) of N = {N:,} tokens ({B * N * N:,} pairs)",
+                     values * FLOAT_BYTES, device=p.q.device,
+                     hint="use forward() (linear in N), or fewer tokens or sequences; under torch.no_grad() it needs half")
 
     def prefill(self, x: torch.Tensor, pos: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
@@ -466,7 +505,7 @@ class QKScaling(nn.Module):
         self.head_dim, self.qk_norm = head_dim, bool(qk_norm)
         if self.qk_norm:
             if not temperature > 0:
-                raise ValueError(f"temperature must be positive, got {temperature!r}")
+                raise ValueError(f"temperature must be positive, got {shown(temperature)}")
             self.log_temperature = nn.Parameter(torch.full((heads,), math.log(temperature), device=device, dtype=dtype))
         else:
             self.register_parameter("log_temperature", None)

@@ -22,8 +22,16 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_choice, check_nonnegative_int, check_positive_int, compiling
+from flt._checks import (
+    check_choice,
+    check_nonnegative_int,
+    check_positive_int,
+    check_state_position,
+    compiling,
+    shown,
+)
 from flt._dtype import compute_dtype
+from flt._limits import FLOAT_BYTES, check_memory
 from flt._signatures import flat_options
 from flt.layers.band_decode import BandDecodeState
 from flt.layers.base import Prepared
@@ -79,14 +87,15 @@ class FLTCore(KernelCore):
         if not (isinstance(far_field, bool) or far_field in ("near", "constant", "positive")):
             raise TypeError(f"far_field must be true, false, 'near' (f exact on the near set, 0 beyond it), 'constant' "
                             f"(f exact on the near set, a learnt constant per head beyond it) or 'positive' (the same "
-                            f"constant kept >= 0), got {far_field!r}")
+                            f"constant kept >= 0), got {shown(far_field)}")
         if not isinstance(settings.check_condition, bool):
-            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {settings.check_condition!r}")
+            raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {shown(settings.check_condition)}")
         check_positive_int("heads", heads)
         check_positive_int("head_dim", head_dim)
         check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
                                 settings=settings, head_dim=head_dim, pos_dim=pos_dim))
         num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
+        self._check_part_memory(heads, head_dim, pos_dim, features, num_frequencies, near, coupling, device)
         super().__init__(
             heads, head_dim, pos_dim=pos_dim, causal=causal,
             feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
@@ -131,12 +140,43 @@ class FLTCore(KernelCore):
             # the learning rate a step, so a few thousand steps reach c_h ~ 1 (f's amplitude).
             self.far_constant = torch.nn.Parameter(torch.full((heads,), -4.0, device=device, dtype=dtype))
 
+    @staticmethod
+    def _check_part_memory(heads: int, head_dim: int, pos_dim: int, features: Features, num_frequencies: object,
+                           near: Band | Neighbors | None, coupling: str, device: torch.device | str | None) -> None:
+        """Refuse parts whose parameters cannot fit (:func:`flt._limits.attention_parameter_values`'
+        terms: the feature projection ``m x`` its input, and ``4 H R P`` for the spectrum and
+        again for the near set's), before the core allocates them: ``pos_dim = 2**40``
+        would otherwise ask for petabytes."""
+        m, r = features.map_options()["num_features"], num_frequencies
+        if str(device) == "meta" or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (m, r, pos_dim)):
+            return  # other types are the parts' own checks to report
+        assert isinstance(m, int) and isinstance(r, int)
+        feature_dim = head_dim + 2 * r if coupling == "logit" else head_dim
+        values = m * feature_dim + 4 * heads * r * pos_dim * (2 if near is not None else 1)
+        check_memory(f"FLTAttention's parts (heads={heads}, pos_dim={pos_dim}, num_features={m}, num_frequencies={r})",
+                     values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
+
+    def pairwise_values(self, batch: int, length: int) -> int:
+        """:meth:`flt.layers.base.CoreBase.pairwise_values` plus the exact mask ``f`` of every
+        pair: the offsets ``[B, N, N, P]``, and per head and mixture component a phase, a
+        decay and their products (five values; a spectrum without components counts as one),
+        again for the near set's own term. Measured for README example 1 (4 heads of 4
+        components, P = 2): 87 values per pair formed without gradients, against 98 here."""
+        per_pair = 0
+        for spectrum in (self.spectrum, self.near_spectrum):
+            if spectrum is not None:
+                components = getattr(spectrum, "components", 1)
+                components = components if isinstance(components, int) and components > 0 else 1
+                per_pair += self.pos_dim + 5 * self.heads * components
+        return super().pairwise_values(batch, length) + batch * length * length * per_pair
+
     def step_offset(self, state: Any) -> int:
         """The next token's default position; with a band the state must be the band's."""
         if isinstance(self.near, Band):
             self.check_decoding("step")
             if state is not None and not isinstance(state, BandDecodeState):
                 raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
+            return 0 if state is None else check_state_position("BandDecodeState", state)
         return super().step_offset(state)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any, pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -543,7 +583,7 @@ def _check_parts(features: object, near: object, settings: object) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
     check_kernel_parts(features, settings)
     if not isinstance(near, (Band, Neighbors, type(None))):
-        raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {near!r} ({type(near).__name__})")
+        raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {shown(near)} ({type(near).__name__})")
 
 
 def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: str, far_field: bool | str, causal: bool,

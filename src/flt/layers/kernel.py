@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from flt._checks import check_choice, check_positive_int
+from flt._checks import check_choice, check_positive_int, check_state_position, shown
 from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
@@ -126,7 +126,7 @@ class KernelCore(CoreBase):
         check_rules(Facts(features=feature_map, backend=backend, rope=rope, head_dim=head_dim, pos_dim=pos_dim))
         self.backend = backend
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {chunk_size!r}")
+            raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {shown(chunk_size)}")
         self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
         qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
         self.scaling = QKScaling(heads, head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
@@ -237,6 +237,15 @@ class KernelCore(CoreBase):
         # Zero logits: the weights are the kernel times the mask.
         zq, zk = xq.new_zeros(*xq.shape[:-1], 1), xk.new_zeros(*xk.shape[:-1], 1)
         return rpe_attention_reference(zq, zk, v, mask=weights, causal=self.causal, scale=1.0)
+
+    def step_offset(self, state: Any) -> int:
+        """The next token's default position; the state must be this core's :class:`DecodeState`."""
+        self.check_decoding("step")
+        if state is None:
+            return 0
+        if not isinstance(state, DecodeState):
+            raise TypeError(f"state must be the DecodeState of the previous step (or None), got {type(state).__name__}")
+        return check_state_position("DecodeState", state)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: DecodeState | None,
              pos: torch.Tensor) -> tuple[torch.Tensor, DecodeState]:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from flt._checks import check_positive_int
+from flt._checks import check_positive_int, check_state_position, check_state_tensors, shown
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
@@ -101,7 +101,7 @@ class NearSet:
             object.__setattr__(self, "term", Term(self.term))
         elif not (self.term is None or isinstance(self.term, (Term, RelativeTerm))):
             raise TypeError(f"{type(self).__name__}: term must be None, a name in flt.relative.RELATIVE, a Term or a "
-                            f"RelativeTerm module, got {self.term!r} ({type(self.term).__name__})")
+                            f"RelativeTerm module, got {shown(self.term)} ({type(self.term).__name__})")
 
     def build_term(self, relative: Term | RelativeTerm, *, heads: int, pos_dim: int, causal: bool, start: float,
                    device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> RelativeTerm:
@@ -236,8 +236,16 @@ class Band(NearSet):
         pos = p.pos.to(cdt).expand(B, 1, p.pos.shape[-1])  # [B, 1, P]
         if state is None:
             state = empty_state(w, xk, v, kf, pos)
-        elif state.xk.shape[0] != B or state.xk.dtype != cdt:
-            raise ValueError(f"state holds batch {state.xk.shape[0]} in {state.xk.dtype}; this token has batch {B} in {cdt}")
+        else:
+            H, S = xk.shape[1], w + 1
+            check_state_position("BandDecodeState", state)
+            xk_state = getattr(state, "xk", None)
+            if isinstance(xk_state, torch.Tensor) and (xk_state.shape[:1] != (B,) or xk_state.dtype != cdt):
+                raise ValueError(f"state holds batch {xk_state.shape[0]} in {xk_state.dtype}; this token has batch {B} in {cdt}")
+            check_state_tensors("BandDecodeState", state, {
+                "xk": (B, H, S, xk.shape[-1]), "v": (B, H, S, v.shape[-1]), "kf": (B, H, S, kf.shape[-1]), "kls": (B, H, S),
+                "pos": (B, S, pos.shape[-1]), "kv": (B, H, kf.shape[-1], v.shape[-1]), "z": (B, H, kf.shape[-1]),
+                "level": (B, H)}, xq.device)
         t = state.position
         slot = t % (w + 1)
         copies: dict[str, Any] = {name: value.clone() if isinstance(value, torch.Tensor) else value

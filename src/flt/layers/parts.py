@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from flt._checks import check_positive_int
+from flt._checks import check_positive_int, shown
 from flt._signatures import check_fields
 from flt.layers.features import FeatureMap
 
@@ -41,7 +41,7 @@ class Term:
 
     def __init__(self, name: str, **options: Any) -> None:
         if not isinstance(name, str):
-            raise TypeError(f"Term: name must be a string (a key of flt.relative.RELATIVE), got {name!r} ({type(name).__name__})")
+            raise TypeError(f"Term: name must be a string (a key of flt.relative.RELATIVE), got {shown(name)} ({type(name).__name__})")
         self.name, self.options = name, dict(options)
 
     def with_defaults(self, **defaults: Any) -> Term:
@@ -88,7 +88,7 @@ class Features:
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.temperature > 0:
-            raise ValueError(f"{type(self).__name__}: temperature must be positive, got {self.temperature!r}")
+            raise ValueError(f"{type(self).__name__}: temperature must be positive, got {shown(self.temperature)}")
         if "num_features" in {f.name for f in fields(self)}:
             check_positive_int("num_features", getattr(self, "num_features", None))  # the kinds with the field
 
@@ -211,7 +211,7 @@ def check_kernel_parts(features: Any, settings: Any) -> None:
     for name, value, kind, what in (("features", features, Features, "a flt.layers.parts.Features (e.g. FavorPlus())"),
                                     ("settings", settings, Settings, "a flt.layers.parts.Settings")):
         if not isinstance(value, kind):
-            raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+            raise TypeError(f"{name} must be {what}, got {shown(value)} ({type(value).__name__})")
 
 
 def kernel_parts(*, feature_map: str = "favor+", num_features: int = 256, orthogonal: bool = True, seed: int | None = None,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from flt._checks import check_choice, check_positive_float
+from flt._checks import check_choice, check_positive_float, check_state_tensors
 from flt._dtype import compute_dtype
 from flt._signatures import flat_options
 from flt.layers.base import AttentionBase, CoreBase, batch_shared
@@ -85,6 +85,11 @@ class KVCache:
         n, B = self.length, self.k.shape[0]
         if k.shape[0] != B or k.dtype != self.k.dtype:
             raise ValueError(f"the cache holds batch {B} in {self.k.dtype}; this token has batch {k.shape[0]} in {k.dtype}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.k.shape[2]:
+            raise ValueError(f"the cache's length {n!r} does not fit its buffer of {self.k.shape[2]} tokens")
+        check_state_tensors("KVCache", self, {"k": (B, k.shape[1], self.k.shape[2], k.shape[3]),
+                                              "v": (B, v.shape[1], self.k.shape[2], v.shape[3]),
+                                              "pos": (B, self.k.shape[2], pos.shape[-1])}, k.device)
         pos = pos.to(self.pos.dtype).expand(B, 1, pos.shape[-1])
         if torch.is_grad_enabled() and any(t.requires_grad for t in (self.k, self.v, k, v)):
             return KVCache.start(torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2), torch.cat([self.positions, pos], 1))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flt._checks import check_positive_int, check_tensor
+from flt._checks import check_positive_int, check_state_tensors, check_tensor
 from flt._dtype import autocast_dtype
 from flt.ops._common import safe_divide
 
@@ -473,9 +473,14 @@ def _step(q_feat, k_feat, v, state, a, c, key_log_scale):
         a = c = q_feat.new_ones(1, H, 1)
     a, c = a.to(dtype), c.to(dtype)
     kls = q_feat.new_zeros(B, H) if key_log_scale is None else key_log_scale.to(dtype)
+    R2 = a.shape[-1]
     if state is None:
-        R2 = a.shape[-1]
         state = RecurrentState(q_feat.new_zeros(B, H, R2, m * Dv), q_feat.new_zeros(B, H, R2, m), kls, 0)
+    else:
+        if not isinstance(state, RecurrentState):
+            raise TypeError(f"state must be the RecurrentState of the previous step (or None), got {type(state).__name__}")
+        check_state_tensors("RecurrentState", state, {"kv": (B, H, R2, m * Dv), "z": (B, H, R2, m), "level": (B, H)},
+                            q_feat.device)
     level = torch.maximum(state.level, kls)
     keep = torch.exp(state.level - level)[..., None, None]
     kf = k_feat * torch.exp(kls - level).unsqueeze(-1)  # [B, H, m]
