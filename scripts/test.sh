@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Install flt with its test dependencies (torch pinned to the CPU build) and run the tests.
-# pytest's exit code 5 (no tests collected) counts as a failure. Without arguments (the
-# default run) it also runs scripts/lint.sh (ruff and mypy, from the dev extra) and fails if
-# that does, after the tests have run.
+# Install flt with its test dependencies, every version from the lock in constraints.txt
+# (torch the CPU build), and run the tests. pytest's exit code 5 (no tests collected) counts
+# as a failure. Without arguments (the default run) it also runs scripts/lint.sh (ruff and
+# mypy, from the dev extra) and fails if that does, after the tests have run; and it runs the
+# suite in a shuffled order (pytest-random-order, from the dev extra): the modules in a random
+# order and the tests of each module too, from a fixed seed, so that a test that leaks state
+# into another fails, every time, in the run that has it. The bucket is the module, not the
+# whole suite, so a module's fixtures are built once, as in the plain order. To run that
+# order again: python -m pytest -p random_order --random-order-bucket=module --random-order-seed=SEED
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet -c constraints.txt -e ".[dev,train,mol,graph,vision,triton,hf,qm9]"
@@ -10,11 +15,14 @@ python -m pip install --quiet -c constraints.txt -e ".[dev,train,mol,graph,visio
 python -m pip install --quiet --no-deps -r requirements-peers.txt \
     || echo "note: peer packages could not be installed; their agreement tests will be skipped" >&2
 lint_rc=0
+order=()
 if [ "$#" -eq 0 ]; then
     bash scripts/lint.sh || lint_rc=$?
+    order=(-p random_order --random-order-bucket=module --random-order-seed=4545)
 fi
 set +e
-python -m pytest -q -rs "$@"
+# -ra: the summary names every test that failed, errored or was skipped, and why.
+python -m pytest -q -ra ${order[@]+"${order[@]}"} "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
