@@ -57,7 +57,7 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_extras(script: Path = TEST_SCRIPT) -> list[str]:
+def script_extras(script: Path = TEST_SCRIPT) -> list[str]:
     """The extras scripts/test.sh installs flt with (``-e ".[dev,train,...]"``)."""
     found = re.findall(r'-e\s+"?\.\[([A-Za-z0-9_,-]+)\]', script.read_text())
     if len(found) != 1:
@@ -201,7 +201,7 @@ def main() -> int:
                 [p, "-c", ""], capture_output=True, check=False).returncode != 0:
             raise SystemExit(f"--python: {p} does not run here; pass the path of an interpreter")
     head, _ = split_constraints()
-    extras = test_extras()
+    extras = script_extras()
     cpu_version = torch_pin(head) + "+cpu"
     work = args.work or Path(tempfile.mkdtemp(prefix="flt-lock-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -232,12 +232,12 @@ def main() -> int:
     skip = pinned_names(head) | NOT_LOCKED | {"flt"}
     note = [
         GENERATED,
-        f"# Resolved for Python {' and '.join(resolved)} (extras {','.join(extras)}); the Python "
-        f"{resolved[-1]} pins serve later Pythons too, untested there.",
+        f"# Resolved for Python {' and '.join(resolved)} (extras {','.join(extras)});",
+        f"# the Python {resolved[-1]} pins serve later Pythons too, untested there.",
     ]
     if stand_ins:
-        note.append(f"# Python {', '.join(stand_ins)}: pip found no torch CPU build here, so a stand-in with its "
-                    "requirements was resolved around.")
+        note.append(f"# Python {', '.join(stand_ins)}: pip found no torch CPU build, so the rest was resolved "
+                    "around a stand-in\n# with that build's requirements.")
     CONSTRAINTS.write_text(head.rstrip("\n") + "\n" + "\n".join(note + generated_lines(results, skip)) + "\n")
     print(f"wrote {CONSTRAINTS}")
     return 0

@@ -4,7 +4,7 @@ into this environment is pinned there, at the version installed (scripts/lock.py
 from __future__ import annotations
 
 import importlib.metadata as md
-import re
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,16 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lock_script():
+    spec = importlib.util.spec_from_file_location("flt_lock_script", ROOT / "scripts" / "lock.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lock = _lock_script()
 
 
 def pins(path: Path, environment: dict[str, str] | None = None) -> dict[str, Requirement]:
@@ -31,14 +41,6 @@ def pins(path: Path, environment: dict[str, str] | None = None) -> dict[str, Req
         assert name not in found, f"{path.name}:{number}: {req.name} is pinned twice for this Python"
         found[name] = req
     return found
-
-
-def script_extras() -> list[str]:
-    """The extras scripts/test.sh installs flt with (the README's command 2; command 1's
-    extras are among them)."""
-    found = re.findall(r'-e\s+"?\.\[([A-Za-z0-9_,-]+)\]', (ROOT / "scripts" / "test.sh").read_text())
-    assert len(found) == 1, "scripts/test.sh: expected one `-e \".[EXTRAS]\"` install"
-    return found[0].split(",")
 
 
 def applies(req: Requirement, extras: set[str]) -> bool:
@@ -94,7 +96,7 @@ def test_every_installed_distribution_of_the_install_path_is_pinned():
         pytest.skip("flt is not installed as a distribution: the lock is checked after the README's "
                     "`pip install -c constraints.txt -e .[...]` (scripts/test.sh)")
     locked = pins(ROOT / "constraints.txt")
-    installed = install_closure("flt", script_extras())
+    installed = install_closure("flt", lock.script_extras())
     assert "torch" in installed
     unpinned = sorted(f"{n}=={v}" for n, v in installed.items() if n not in locked)
     other = sorted(f"{n}=={v} (pinned {locked[n].specifier})" for n, v in installed.items()
@@ -102,3 +104,15 @@ def test_every_installed_distribution_of_the_install_path_is_pinned():
     assert not unpinned and not other, (
         f"installed but not pinned in constraints.txt: {unpinned}; installed at another version than "
         f"pinned: {other} (run scripts/test.sh to install the lock, or scripts/lock.py to renew it)")
+
+
+def test_lock_script_merges_the_pythons_pins_with_markers():
+    """A version all Pythons resolved is one plain pin; others are pinned per Python, the
+    newest one's pin covering later Pythons; pip, flt and the hand pins are left out."""
+    per_python = {"3.11": {"a": "1", "b": "3", "c": "4", "pip": "25", "torch": "2"},
+                  "3.10": {"a": "1", "b": "2", "pip": "23", "torch": "2"}}
+    head = "# why\ntorch==2  # the CPU build\n"
+    skip = lock.pinned_names(head) | lock.NOT_LOCKED
+    assert lock.generated_lines(per_python, skip) == [
+        "a==1", 'b==2; python_version < "3.11"', 'b==3; python_version >= "3.11"', 'c==4; python_version >= "3.11"']
+    assert lock.script_extras() == ["dev", "train", "mol", "graph", "vision", "triton", "hf", "qm9"]
