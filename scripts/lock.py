@@ -141,20 +141,18 @@ def make_venv(python: str, folder: Path) -> Path:
 
 
 def resolve(python: str, head_file: Path, extras: list[str], work: Path,
-            cpu_requires: list[str] | None, cpu_version: str) -> tuple[dict[str, str] | None, list[str] | None, bool]:
-    """Install the README's path for one Python into a fresh venv; returns (versions or
-    None when no CPU torch is found and no stand-in is given, the CPU torch's requirements,
-    whether a stand-in was used)."""
+            cpu_requires: list[str] | None, cpu_version: str) -> tuple[dict[str, str] | None, list[str] | None]:
+    """Install the README's path for one Python into a fresh venv; returns (the installed
+    versions, the CPU torch's requirements), or (None, None) when pip finds no CPU torch
+    and no ``cpu_requires`` are given for a stand-in."""
     vpy = make_venv(python, work / f"venv-{python_version(python)}")
     pip = [str(vpy), "-m", "pip"]
-    stand_in = False
     if run([*pip, "install", "-c", str(head_file), f"torch=={cpu_version}"]) != 0:
         if cpu_requires is None:
-            return None, None, False
+            return None, None
         wheel = stand_in_wheel(cpu_requires, cpu_version, work)
         if run([*pip, "install", "--no-deps", "--no-index", str(wheel)]) != 0:
             raise SystemExit(f"{python}: the torch stand-in did not install")
-        stand_in = True
     requires = torch_requires(vpy)
     spec = f"{ROOT}[{','.join(extras)}]"
     if run([*pip, "install", "-c", str(head_file), "-e", spec]) != 0:
@@ -162,7 +160,7 @@ def resolve(python: str, head_file: Path, extras: list[str], work: Path,
     versions = installed(vpy)
     if any(n.startswith(("nvidia-", "cuda-")) for n in versions):
         raise SystemExit(f"{python}: CUDA packages were installed; the lock is for torch's CPU build")
-    return versions, requires, stand_in
+    return versions, requires
 
 
 def marker(version: str, all_versions: list[str]) -> str:
@@ -213,7 +211,7 @@ def main() -> int:
         cpu_requires: list[str] | None = None
         missing = []
         for python in pythons:
-            versions, requires, _ = resolve(python, head_file, extras, work, None, cpu_version)
+            versions, requires = resolve(python, head_file, extras, work, None, cpu_version)
             if versions is None:
                 missing.append(python)
                 continue
@@ -221,7 +219,7 @@ def main() -> int:
         for python in missing:
             if cpu_requires is None:
                 raise SystemExit(f"pip found torch's CPU build ({cpu_version}) for none of {pythons}")
-            versions, _, _ = resolve(python, head_file, extras, work, cpu_requires, cpu_version)
+            versions, _ = resolve(python, head_file, extras, work, cpu_requires, cpu_version)
             assert versions is not None
             results[python_version(python)] = versions
             stand_ins.append(python_version(python))
