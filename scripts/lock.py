@@ -22,7 +22,7 @@ that venv's own pip, as a user's fresh one has:
 2. ``pip install -c <hand pins> -e ".[EXTRAS]"``, EXTRAS read from scripts/test.sh: the
    newest releases that fit the hand pins.
 3. Every installed distribution except pip (the venv's own; the commands install no pip)
-   and flt becomes a pin. A version on which all Pythons agree is a plain pin; others get
+   and the project itself becomes a pin. A version on which all Pythons agree is a plain pin; others get
    ``python_version`` markers, the newest Python's covering the later ones.
 
 The peer packages of requirements-peers.txt are pinned there and installed without
@@ -55,6 +55,14 @@ NOT_LOCKED = {"pip"}
 def canonical(name: str) -> str:
     """A distribution name as PEP 503 compares them (``Torch_Geometric`` -> ``torch-geometric``)."""
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def project_name(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """The distribution name of ``[project]`` in pyproject.toml (``tomllib`` is 3.11+)."""
+    m = re.search(r'^\[project\]\n(?:(?!\[).*\n)*?name\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+    if not m:
+        raise SystemExit(f"{pyproject}: no name in [project]")
+    return m.group(1)
 
 
 def script_extras(script: Path = TEST_SCRIPT) -> list[str]:
@@ -227,7 +235,7 @@ def main() -> int:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
     resolved = sorted(results, key=lambda v: tuple(int(p) for p in v.split(".")))
-    skip = pinned_names(head) | NOT_LOCKED | {"flt"}
+    skip = pinned_names(head) | NOT_LOCKED | {canonical(project_name())}
     note = [
         GENERATED,
         f"# Resolved for Python {' and '.join(resolved)} (extras {','.join(extras)});",

@@ -90,13 +90,14 @@ def test_every_installed_distribution_of_the_install_path_is_pinned():
     """The distributions that flt with scripts/test.sh's extras brings into this environment,
     transitively, are pinned in constraints.txt at their installed versions: a new release
     of any of them cannot change what the README's commands install."""
+    name = lock.project_name()
     try:
-        md.distribution("flt")
+        md.distribution(name)
     except md.PackageNotFoundError:
-        pytest.skip("flt is not installed as a distribution: the lock is checked after the README's "
+        pytest.skip(f"{name} is not installed as a distribution: the lock is checked after the README's "
                     "`pip install -c constraints.txt -e .[...]` (scripts/test.sh)")
     locked = pins(ROOT / "constraints.txt")
-    installed = install_closure("flt", lock.script_extras())
+    installed = install_closure(name, lock.script_extras())
     assert "torch" in installed
     unpinned = sorted(f"{n}=={v}" for n, v in installed.items() if n not in locked)
     other = sorted(f"{n}=={v} (pinned {locked[n].specifier})" for n, v in installed.items()
@@ -108,7 +109,7 @@ def test_every_installed_distribution_of_the_install_path_is_pinned():
 
 def test_lock_script_merges_the_pythons_pins_with_markers():
     """A version all Pythons resolved is one plain pin; others are pinned per Python, the
-    newest one's pin covering later Pythons; pip, flt and the hand pins are left out."""
+    newest one's pin covering later Pythons; pip and the hand pins are left out."""
     per_python = {"3.11": {"a": "1", "b": "3", "c": "4", "pip": "25", "torch": "2"},
                   "3.10": {"a": "1", "b": "2", "pip": "23", "torch": "2"}}
     head = "# why\ntorch==2  # the CPU build\n"
