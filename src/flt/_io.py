@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
-import tempfile
-import math
 import stat
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import IO, Any
@@ -253,7 +253,7 @@ class JSONError(ValueError):
     """Text that is not a JSON document flt can read; the message names where it came from."""
 
 
-def _depth_exceeds(value: object, limit: int) -> bool:
+def nests_deeper_than(value: object, limit: int) -> bool:
     """True if ``value`` nests lists and dicts more than ``limit`` deep (walked without
     recursion)."""
     stack: list[tuple[object, int]] = [(value, 0)]
@@ -278,7 +278,7 @@ def loads_json(text: str | bytes, where: str, *, max_depth: int = MAX_JSON_DEPTH
         raise JSONError(f"{where} is not a JSON document flt can read: it nests more than {max_depth} levels deep") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise JSONError(f"{where} is not valid JSON: {_one_line(e)}") from None
-    if _depth_exceeds(value, max_depth):
+    if nests_deeper_than(value, max_depth):
         raise JSONError(f"{where} is not a JSON document flt can read: it nests more than {max_depth} levels deep")
     return value
 
