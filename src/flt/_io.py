@@ -154,6 +154,10 @@ def open_own_file(path: str, flags: int, what: str = "file") -> int:
         if os.path.islink(path):
             raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}), not the {what} flt writes there; "
                              "flt does not write through links: remove it") from None
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            # A FIFO without a reader (ENXIO for a write-only open), a socket, a directory.
+            raise ValueError(f"{path} is not a regular file, not the {what} flt writes there; "
+                             "flt does not write into it: remove it") from None
         raise e from None
     st = os.fstat(fd)
     problem = None

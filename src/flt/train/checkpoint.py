@@ -100,7 +100,7 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
             files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
         meta = {"format": FORMAT, "step": step, "files": files, **config}
         config_path = os.path.join(tmp, CONFIG_FILE)
-        with open(config_path, "w", encoding="utf-8") as f:
+        with open(config_path, "x", encoding="utf-8") as f:  # a new file of the fresh temporary directory
             f.write(dumps_json(meta, os.path.join(root, name, CONFIG_FILE), indent=2, sort_keys=True))
             f.flush()
             os.fsync(f.fileno())
