@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_run_safety import run_quietly, tiny_lm
 
 from flt._io import JSONError, loads_json, read_json_file
 from flt.cli import main
 from flt.options import parse_value
-from flt.train import CheckpointError, load_checkpoint_model
-from flt.train import checkpoint as ckpt_io
-from flt.train.checkpoint import find_checkpoint, read_checkpoint_config
+from flt.train import CheckpointError, checkpoint as ckpt_io, load_checkpoint_model
+from flt.train.checkpoint import read_checkpoint_config
 from flt.train.metrics import read_metrics
-from test_run_safety import run_quietly, tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

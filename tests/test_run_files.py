@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_run_safety import run_quietly, tiny_lm
 
 from flt._io import atomic_savefig, atomic_write_json, dumps_json, open_append_text, open_own_file
-from flt.train import checkpoint as ckpt_io
-from flt.train import loop
+from flt.train import checkpoint as ckpt_io, loop
 from flt.train.lock import LOCK_FILE, lock_run_dir
 from flt.train.loop import TrainingDiverged
 from flt.train.metrics import MetricsLogger
-from test_run_safety import run_quietly, tiny_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,15 +97,15 @@ def test_files_written_in_place_refuse_links_hard_links_and_fifos(tmp_path):
     link = tmp_path / "run" / "train.log"
     link.parent.mkdir()
     plant_link(link, notes)
-    with pytest.raises(ValueError, match="train.log is a symbolic link"):
+    with pytest.raises(ValueError, match=r"train\.log is a symbolic link"):
         open_own_file(str(link), os.O_WRONLY | os.O_APPEND, "log file")
     link.unlink()
     os.link(notes, link)
-    with pytest.raises(ValueError, match="train.log has 2 names"):
+    with pytest.raises(ValueError, match=r"train\.log has 2 names"):
         open_append_text(str(link), "log file")
     link.unlink()
     os.mkfifo(link)  # opened for writing without a reader, a FIFO would block forever
-    with pytest.raises(ValueError, match="train.log is not a regular file"):
+    with pytest.raises(ValueError, match=r"train\.log is not a regular file"):
         open_append_text(str(link), "log file")
     assert notes.read_text() == NOTES
 

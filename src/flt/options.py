@@ -113,7 +113,7 @@ def check_seed(value: object, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-        raise ValueError(f"{name} must be a non-negative integer below 2**63, got {value!r}")
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r} (seeds lie in [0, 2**63 - 1])")
 
 
 def check_threads(value: object, name: str = "--threads") -> None:
@@ -121,7 +121,7 @@ def check_threads(value: object, name: str = "--threads") -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
-        raise ValueError(f"{name} must be a positive integer up to {MAX_THREADS}, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {value!r} (at most {MAX_THREADS})")
 
 
 _WORDS = {"true": True, "false": False, "none": None, "null": None}
