@@ -78,7 +78,7 @@ def rehash(ckpt: Path, name: str) -> None:
 # --- one reader ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", [DEEP, '{"a": ' + "[" * 200 + "]" * 200 + "}", b"\xff\xfe{", "{", "NaNx"])
+@pytest.mark.parametrize("text", [DEEP, '{"a": ' + "[" * 200 + "]" * 200 + "}", b"\xff\xfe{", "{", "NaNx"], ids=["deep", "deep-200", "not-utf8", "torn", "not-json"])
 def test_loads_json_is_one_error_naming_where(text):
     with pytest.raises(JSONError, match=r"^the file x\.json is ") as e:
         loads_json(text, "the file x.json")
@@ -157,7 +157,7 @@ def test_a_trainer_state_of_another_shape_names_the_file(run, state):
         run_quietly(tiny_lm(steps=6), run, resume=True)
 
 
-@pytest.mark.parametrize("line", ['[1, 2]', '{"step": "4", "split": "valid"}', '{"split": "train"}', DEEP[:5000] + DEEP[-5000:]])
+@pytest.mark.parametrize("line", ['[1, 2]', '{"step": "4", "split": "valid"}', '{"split": "train"}', DEEP[:5000] + DEEP[-5000:]], ids=["list", "string-step", "no-step", "deep"])
 def test_metrics_lines_of_another_shape_name_the_line(tmp_path, line):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "split": "train", "loss": 2.0}\n' + line + "\n" + '{"step": 2, "split": "train"}\n')

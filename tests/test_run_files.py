@@ -16,6 +16,7 @@ import pytest
 import torch
 from test_run_safety import run_quietly, tiny_lm
 
+import flt
 from flt._io import atomic_savefig, atomic_write_json, dumps_json, open_append_text, open_own_file
 from flt.train import checkpoint as ckpt_io, loop
 from flt.train.lock import LOCK_FILE, lock_run_dir
@@ -24,7 +25,7 @@ from flt.train.metrics import MetricsLogger
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "flt"
+SRC = Path(flt.__file__).resolve().parent
 NOTES = "the user's notes\n"
 
 
@@ -78,7 +79,7 @@ def test_a_lock_that_is_a_hard_link_or_a_fifo_is_refused(tmp_path):
         lock_run_dir(str(run))
 
 
-@pytest.mark.parametrize("record", ["[" * 100_000, '{"pid": ' + "[" * 5000 + "]" * 5000 + "}", "\xff\xfe"])
+@pytest.mark.parametrize("record", ["[" * 100_000, '{"pid": ' + "[" * 5000 + "]" * 5000 + "}", "\xff\xfe"], ids=["deep", "deep-pid", "not-utf8"])
 def test_a_leftover_lock_with_a_corrupt_record_is_taken_over(tmp_path, record):
     run = tmp_path / "run"
     run.mkdir()
