@@ -198,6 +198,10 @@ def test_compare_refuses_a_summary_of_another_shape(tmp_path):
     (tmp_path / "summary.json").write_text(DEEP)
     with pytest.raises(ValueError, match="nests more than"):
         _read_run(str(tmp_path), "loss", [])
+    (tmp_path / "summary.json").unlink()
+    os.mkfifo(tmp_path / "summary.json")  # opened for reading, it would wait for a writer
+    with pytest.raises(ValueError, match=r"summary\.json is not a regular file"):
+        _read_run(str(tmp_path), "loss", [])
 
 
 def test_read_json_file_names_the_file(tmp_path):

@@ -115,14 +115,20 @@ def test_metrics_logger_never_appends_through_a_link(tmp_path):
     notes = outside_file(tmp_path)
     path = tmp_path / "run" / "metrics.jsonl"
     path.parent.mkdir()
-    for resume_step in (None, 3):  # a fresh run deletes the link, a resumed one rewrites the file
-        plant_link(path, notes)
-        notes.write_text("")  # an empty (valid) metrics file, so a resume reads it
-        logger = MetricsLogger(str(path), resume_step=resume_step)
-        logger.log(4, "valid", loss=1.0)
-        logger.close()
-        assert notes.read_text() == "" and not path.is_symlink()
-        assert json.loads(path.read_text())["step"] == 4
+    plant_link(path, notes)
+    logger = MetricsLogger(str(path))  # a fresh run deletes the link
+    logger.log(4, "valid", loss=1.0)
+    logger.close()
+    assert notes.read_text() == NOTES and not path.is_symlink()
+    assert json.loads(path.read_text())["step"] == 4
+    plant_link(path, notes)  # a resumed run reads the file first: it refuses a link
+    with pytest.raises(ValueError, match=r"metrics\.jsonl is a symbolic link, not the metrics file"):
+        MetricsLogger(str(path), resume_step=3)
+    path.unlink()
+    os.mkfifo(path)  # reading it would wait for a writer forever
+    with pytest.raises(ValueError, match=r"metrics\.jsonl is not a regular file"):
+        MetricsLogger(str(path), resume_step=3)
+    assert notes.read_text() == NOTES
 
 
 def test_a_checkpoints_folder_that_links_out_of_the_run_is_refused(tmp_path, finished):
@@ -147,12 +153,11 @@ def test_a_run_replaces_links_of_its_files_and_never_writes_their_targets(tmp_pa
     pytest.importorskip("matplotlib")
     run, notes = tmp_path / "run", outside_file(tmp_path)
     shutil.copytree(finished, run)
-    names = ("summary.json", "run.json", "learning_curves.png", "rpe_functions.png", "metrics.jsonl")
+    names = ("summary.json", "run.json", "learning_curves.png", "rpe_functions.png")
     for name in names:
         plant_link(run / name, notes)
-    (notes).write_text("")  # metrics.jsonl is read on resume: an empty file is a valid one
     loop.train(tiny_lm(steps=6), str(run), resume=True, progress=False, plots=True)
-    assert notes.read_text() == ""
+    assert notes.read_text() == NOTES
     for name in names:
         assert not (run / name).is_symlink() and (run / name).stat().st_size > 0, name
     assert json.loads((run / "summary.json").read_text())["steps"] == 6

@@ -294,7 +294,11 @@ def _one_line(e: Exception) -> str:
 
 def read_json_file(path: str, what: str | None = None, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """The JSON document in the file ``path`` (:func:`loads_json`; errors name ``what``,
-    default the path). A missing file raises ``FileNotFoundError``."""
+    default the path). A missing file raises ``FileNotFoundError``; a FIFO, device or
+    directory, which no JSON file is, is refused before it is opened (opening a FIFO would
+    wait for a writer)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise JSONError(f"{what or path} is not a regular file")
     with open(path, "rb") as f:
         raw = f.read()
     return loads_json(raw, what or path, max_depth=max_depth)

@@ -5,7 +5,8 @@ validation metrics). Records are flushed as they are written so a killed run kee
 them; on resume the records after the checkpoint's step are dropped, since the resumed
 run writes them again.
 
-The file is appended to through :func:`flt._io.open_append_text` (never through a link),
+The file is appended to through :func:`flt._io.open_append_text` (never through a link;
+a link or special file of its name is deleted by a fresh run and refused by a resumed one),
 and read back record by record, each checked to be an object with an integer ``step`` and
 a string ``split``: a file of another shape is refused with a message naming its line.
 """
@@ -32,7 +33,12 @@ class MetricsLogger:
     def __init__(self, path: str, *, resume_step: int | None = None) -> None:
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        if resume_step is not None and os.path.exists(path):
+        if resume_step is not None and os.path.lexists(path):
+            if os.path.islink(path) or not os.path.isfile(path):
+                # Reading it would follow the link, or wait forever on a FIFO.
+                kind = "a symbolic link" if os.path.islink(path) else "not a regular file"
+                raise ValueError(f"{path} is {kind}, not the metrics file flt writes; move it away to resume "
+                                 "(the run's checkpoints do not need it)")
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
             atomic_write_text(path, "".join(dumps_json(r, path, sort_keys=True) + "\n" for r in kept))
         elif resume_step is None and os.path.lexists(path):
