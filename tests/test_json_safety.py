@@ -242,7 +242,7 @@ def test_a_flag_and_a_run_option_that_disagree_are_refused(flag, option, tmp_pat
     assert seen == [8]
 
 
-@pytest.mark.parametrize("argv, words", [
+OUT_OF_RANGE = [
     (["train", "lm", *SMOKE, "--attn-opt", "seed=-1"], ["attention option seed", "-1"]),
     (["train", "lm", *SMOKE, "--seed", str(2**64)], ["--seed", str(2**64)]),
     (["train", "lm", *SMOKE, "--run-opt", f"seed={2**64}"], ["seed must be", str(2**64)]),
@@ -256,7 +256,10 @@ def test_a_flag_and_a_run_option_that_disagree_are_refused(flag, option, tmp_pat
     (["generate", "RUN", "--max-new-tokens", str(2**64)], ["--max-new-tokens", str(2**64)]),
     (["fit", "signal", "--preset", "smoke", "--seed", str(2**64)], ["--seed", str(2**64)]),
     (["fit", "signal", "--preset", "smoke", "--threads", str(2**64)], ["--threads", str(2**64)]),
-])
+]
+
+
+@pytest.mark.parametrize("argv, words", OUT_OF_RANGE, ids=[f"{a[0]} {a[-2]} {a[-1][:12]}" for a, _ in OUT_OF_RANGE])
 def test_seeds_threads_and_temperatures_out_of_range_are_usage_errors(argv, words, run, capsys, monkeypatch):
     monkeypatch.chdir(run.parent)
     assert main([str(run) if a == "RUN" else a for a in argv]) == 2
