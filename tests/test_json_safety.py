@@ -153,7 +153,7 @@ def test_a_trainer_state_of_another_shape_names_the_file(run, state):
     ckpt = run / "checkpoints" / "step-00000004"
     torch.save(state, ckpt / "trainer.pt")
     rehash(ckpt, "trainer.pt")
-    with pytest.raises((CheckpointError, ValueError), match=rf"{ckpt / 'trainer.pt'}|written by None processes"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {ckpt / 'trainer.pt'} (holds|is not a trainer state)"):
         run_quietly(tiny_lm(steps=6), run, resume=True)
 
 

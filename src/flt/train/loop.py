@@ -577,7 +577,9 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
     load_weights(origin.checkpoint, model)
     state = load_trainer_state(origin.checkpoint, origin.step)
     path = os.path.join(origin.checkpoint, STATE_FILE)
-    if state.get("world_size") != ctx.world:
+    if isinstance(state.get("world_size"), bool) or not isinstance(state.get("world_size"), int):
+        raise CheckpointError(f"checkpoint file {path} is not a trainer state this run can resume (no world_size)")
+    if state["world_size"] != ctx.world:
         raise ValueError(f"the checkpoint was written by {state.get('world_size')!r} processes; resume with the same number (got {ctx.world})")
     try:
         rngs, windows = state["rng"], state.get("log_window")
