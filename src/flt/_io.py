@@ -1,5 +1,13 @@
 """File I/O shared by checkpoints, metrics, run files and dataset caches: atomic writes,
-fsync, hashes, the temporaries a killed process leaves, and file names confined to a folder.
+fsync, hashes, the temporaries a killed process leaves, file names confined to a folder,
+and JSON read and written safely.
+
+Nothing here writes through a link: a file is replaced by renaming a new one onto its
+name (:func:`atomic_write`, which replaces a link of that name instead of following it),
+and the files that are appended to or locked are opened without following links and must
+be plain files of their own (:func:`open_own_file`). JSON is written without NaN or
+infinity (:func:`dumps_json`) and read into an error that names the file for any text that
+is not a JSON document of bounded depth (:func:`loads_json`).
 
 Files and directories written here get the permissions a plain ``open()`` or
 ``os.makedirs`` would give them (``0o666 & ~umask`` and ``0o777 & ~umask``: 0644 and 0755
@@ -11,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -119,6 +129,57 @@ def atomic_write_text(path: str, text: str) -> None:
     atomic_write(path, lambda f: f.write(text))
 
 
+def atomic_write_json(path: str, data: object, **dump_options: Any) -> None:
+    """Write ``data`` as JSON (:func:`dumps_json`, with ``dump_options`` such as ``indent``)
+    and a final newline to ``path`` atomically (:func:`atomic_write`)."""
+    atomic_write_text(path, dumps_json(data, path, **dump_options) + "\n")
+
+
+def atomic_savefig(fig: Any, path: str, **savefig_options: Any) -> None:
+    """Save a matplotlib figure as a PNG to ``path`` atomically (:func:`atomic_write`): a
+    kill mid-plot leaves the previous file, and a link named ``path`` is replaced, not
+    written through."""
+    atomic_write(path, lambda f: fig.savefig(f, format="png", **savefig_options), binary=True)
+
+
+def open_own_file(path: str, flags: int, what: str = "file") -> int:
+    """``os.open(path, flags | O_NOFOLLOW)`` for a file that is written in place (appended
+    to, locked), refused with a ``ValueError`` naming it unless ``path`` is a plain file with
+    no other name: a symbolic link, a hard link to a file elsewhere, a FIFO or a device
+    would make the write land outside the folder, or hang. ``what`` names the file's role
+    in the error. Returns the open descriptor."""
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o666)
+    except OSError as e:
+        if os.path.islink(path):
+            raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}), not the {what} flt writes there; "
+                             "flt does not write through links: remove it") from None
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            # A FIFO without a reader (ENXIO for a write-only open), a socket, a directory.
+            raise ValueError(f"{path} is not a regular file, not the {what} flt writes there; "
+                             "flt does not write into it: remove it") from None
+        raise e from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif st.st_nlink > 1:
+        problem = f"has {st.st_nlink} names (a hard link shared with another file)"
+    if problem is not None:
+        os.close(fd)
+        raise ValueError(f"{path} {problem}, not the {what} flt writes there; flt does not write into it: remove it")
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+def open_append_text(path: str, what: str = "file") -> IO[str]:
+    """``path`` opened for appending UTF-8 text, created if missing, through
+    :func:`open_own_file` (no links, plain files only)."""
+    fd = open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, what)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
 def discard_dir(path: str) -> None:
     """Delete the directory ``path`` so that no process killed meanwhile leaves it half
     deleted under its own name: it is first renamed to a temporary name (atomic), which
@@ -186,13 +247,97 @@ def confined_path(folder: str, name: object, what: str, error: type[ValueError] 
     return path
 
 
+#: How deeply JSON that flt reads may nest: its own files nest a few levels; a document
+#: nested thousands deep is crafted, and would end in a RecursionError where it is read
+#: or used.
+MAX_JSON_DEPTH = 64
+
+
+class JSONError(ValueError):
+    """Text that is not a JSON document flt can read; the message names where it came from."""
+
+
+def nests_deeper_than(value: object, limit: int) -> bool:
+    """True if ``value`` nests lists and dicts more than ``limit`` deep (walked without
+    recursion)."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            if depth >= limit:
+                return True
+            stack.extend((v, depth + 1) for v in item)
+    return False
+
+
+def loads_json(text: str | bytes, where: str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(text)`` for text read from ``where`` (a file, an option), refusing with
+    a one-line :class:`JSONError` that names ``where`` text that is not JSON, not UTF-8,
+    or nested more than ``max_depth`` deep (which would otherwise be a ``RecursionError``)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise JSONError(f"{where} is not a JSON document flt can read: it nests more than {max_depth} levels deep") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise JSONError(f"{where} is not valid JSON: {_one_line(e)}") from None
+    if nests_deeper_than(value, max_depth):
+        raise JSONError(f"{where} is not a JSON document flt can read: it nests more than {max_depth} levels deep")
+    return value
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text[:200] + ("..." if len(text) > 200 else "")
+
+
+def read_json_file(path: str, what: str | None = None, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON document in the file ``path`` (:func:`loads_json`; errors name ``what``,
+    default the path). A missing file raises ``FileNotFoundError``; a FIFO, device or
+    directory, which no JSON file is, is refused before it is opened (opening a FIFO would
+    wait for a writer)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise JSONError(f"{what or path} is not a regular file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    return loads_json(raw, what or path, max_depth=max_depth)
+
+
 def read_json(path: str, missing: str, corrupt: Callable[[Exception], Exception]) -> Any:
     """The JSON document in ``path``: no such file raises ``FileNotFoundError(missing)``,
-    text that is not UTF-8 JSON raises ``corrupt(error)``."""
+    text that is not UTF-8 JSON of bounded depth (:func:`loads_json`) raises
+    ``corrupt(error)``."""
     if not os.path.isfile(path):
         raise FileNotFoundError(missing)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return read_json_file(path)
+    except JSONError as e:
         raise corrupt(e) from None
+
+
+def _non_finite(value: object, where: str = "") -> str | None:
+    """The first place in ``value`` (``final.mae``, ``rows[2]``) that holds NaN or an infinity, or None."""
+    stack: list[tuple[object, str]] = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"{at or 'the value'} is {item}"
+        if isinstance(item, dict):
+            stack.extend((v, f"{at}.{k}" if at else str(k)) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+    return None
+
+
+def dumps_json(data: object, where: str, **dump_options: Any) -> str:
+    """``json.dumps(data, allow_nan=False, ...)``: JSON has no NaN or infinity, and a file
+    that holds them is not JSON, so writing one to ``where`` is refused with a
+    ``ValueError`` that names the value."""
+    try:
+        return json.dumps(data, allow_nan=False, **dump_options)
+    except ValueError:
+        found = _non_finite(data)
+        if found is None:
+            raise
+        raise ValueError(f"refusing to write {where}: {found}, which is not a finite number (JSON has no NaN or infinity)") from None

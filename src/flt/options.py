@@ -42,6 +42,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from flt._io import MAX_JSON_DEPTH, nests_deeper_than
 from flt._signatures import (
     FORWARDS,
     Option,
@@ -77,18 +78,50 @@ __all__ = [
 # -- syntax ------------------------------------------------------------------------------
 
 
-def parse_value(text: str) -> Any:
+def parse_value(text: str, where: str = "an option value") -> Any:
     """A JSON value, or the text itself when it is not valid JSON (``local`` -> ``"local"``).
 
     Python's spellings ``True``/``False``/``None`` (any case) are read as the booleans and
-    null: a flag typed the Python way must not become the always-true string ``"False"``."""
+    null: a flag typed the Python way must not become the always-true string ``"False"``.
+    JSON nested more than :data:`flt._io.MAX_JSON_DEPTH` deep is refused with a
+    ``ValueError`` naming ``where`` (the option)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        too_deep = nests_deeper_than(value, MAX_JSON_DEPTH)
+    except RecursionError:
+        too_deep = True
     except json.JSONDecodeError:
         word = text.strip().lower()
         if word in _WORDS:
             return _WORDS[word]
         return text
+    if too_deep:
+        raise ValueError(f"{where}: the value nests more than {MAX_JSON_DEPTH} levels deep; no option takes such a value")
+    return value
+
+
+#: Seeds fit a signed 64-bit integer: torch's generators take seeds below 2**64, and flt
+#: derives seeds from a run's by small offsets (a process's rank, a draw's index).
+MAX_SEED = 2**63 - 1
+#: More CPU threads than any machine has is a typo (torch takes a C int).
+MAX_THREADS = 1 << 16
+
+
+def check_seed(value: object, name: str, *, allow_none: bool = False) -> None:
+    """Refuse a seed ``name`` that is not an integer in [0, :data:`MAX_SEED`] (or None
+    with ``allow_none``), with a ``ValueError`` naming it."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r} (seeds lie in [0, 2**63 - 1])")
+
+
+def check_threads(value: object, name: str = "--threads") -> None:
+    """Refuse a thread count ``name`` that is not an integer in [1, :data:`MAX_THREADS`]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise ValueError(f"{name} must be a positive integer, got {value!r} (at most {MAX_THREADS})")
 
 
 _WORDS = {"true": True, "false": False, "none": None, "null": None}
@@ -99,7 +132,7 @@ def _assignment(item: str, where: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"{where} expects KEY=VALUE, got {item!r}")
-    return key, parse_value(value)
+    return key, parse_value(value, f"{where} {key}")
 
 
 def parse_assignments(items: list[str] | None, flag: str) -> dict:
@@ -260,6 +293,8 @@ def check_attention_options(mechanism: str | type, options: dict[str, Any], *, r
     from flt.layers.registry import ATTENTION
 
     cls, owner = _resolve(mechanism, ATTENTION, "attention")
+    # A seed of the mechanism's draws is a seed as the run's is (check_seed), whatever the class's annotation allows.
+    check_seed(options.get("seed"), "attention option seed", allow_none=True)
     _check_once(_option_key(owner, cls, options, reserved),
                 lambda: check_layer_options(cls, options, reserved=reserved))
 
@@ -270,6 +305,7 @@ def check_posenc_options(encoding: str | type, options: dict[str, Any], *, reser
     from flt.posenc import POSENC
 
     cls, owner = _resolve(encoding, POSENC, "posenc")
+    check_seed(options.get("seed"), "posenc option seed", allow_none=True)
     _check_once(_option_key(owner, cls, options, reserved),
                 lambda: check_options(owner, cls, options, arguments=POSENC_ARGUMENTS, reserved=reserved))
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 
+from flt._io import atomic_write_json, atomic_write_text, open_own_file
 from flt.commands.train import (
     add_config_arguments,
     add_runtime_arguments,
@@ -140,10 +141,15 @@ def _run_state(run_dir: str, expected: dict) -> str:
     if not os.path.exists(run_dir):
         return "new"
     if os.path.isfile(os.path.join(run_dir, "summary.json")):
+        from flt._io import read_json_file
+
         try:
-            with open(os.path.join(run_dir, "run.json"), encoding="utf-8") as f:
-                saved = json.load(f).get("preset")
+            record = read_json_file(os.path.join(run_dir, "run.json"))
         except (OSError, ValueError):
+            record = None
+        # A run.json of another shape says nothing about the run: train it again or resume it.
+        saved = record.get("preset") if isinstance(record, dict) else None
+        if not isinstance(saved, dict) or not isinstance(saved.get("run"), dict):
             saved = None
         own = (saved or {}).get("run", {}).get("precision")
         if own is not None and expected["run"].get("precision") is None:  # unset: the run's own (decided by its device)
@@ -180,31 +186,47 @@ def _out_dir(args: argparse.Namespace) -> str:
 
 
 def _train_one(args: argparse.Namespace, label: str, name: str, options: dict, seed: int, run_dir: str, state: str,
-               metric: str) -> tuple[dict, list] | str:
+               metric: str, extra: list[str]) -> tuple[dict, list] | str:
     """Train (or continue) one run in its own process; returns ``(summary, curve)``, or why it failed."""
     argv = _child_argv(args, name, options, seed, run_dir) + (["--resume"] if state == "resume" else [])
     os.makedirs(run_dir, exist_ok=True)
-    # Appended: a resumed run keeps the log of its first part.
-    with open(os.path.join(run_dir, "train.log"), "a" if state == "resume" else "w", encoding="utf-8") as log:
+    # Appended: a resumed run keeps the log of its first part. Never through a link.
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if state == "resume" else os.O_TRUNC)
+    with os.fdopen(open_own_file(os.path.join(run_dir, "train.log"), flags, "log file"), "w", encoding="utf-8") as log:
         proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0:
-        with open(os.path.join(run_dir, "train.log"), encoding="utf-8") as log:
+        with open(os.path.join(run_dir, "train.log"), encoding="utf-8", errors="replace") as log:
             lines = [ln for ln in log.read().splitlines() if ln.strip()]
         if proc.returncode < 0:
             return f"seed {seed} killed by signal {-proc.returncode}"
         return f"seed {seed}: " + (lines[-1] if lines else f"exit code {proc.returncode}")
-    return _read_run(run_dir, metric)
+    return _read_run(run_dir, metric, extra)
 
 
-def _read_run(run_dir: str, metric: str) -> tuple[dict, list]:
-    """A finished run's ``summary.json`` and its validation curve ``[(step, metric)]``."""
+def _read_run(run_dir: str, metric: str, extra: list[str]) -> tuple[dict, list]:
+    """A finished run's ``summary.json`` and its validation curve ``[(step, metric)]``;
+    a summary without what the table reads is refused, naming the file."""
+    from flt._io import read_json_file
     from flt.train.metrics import read_metrics
 
-    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-        summary = json.load(f)
+    path = os.path.join(run_dir, "summary.json")
+    summary = read_json_file(path)
+    final = summary.get("final") if isinstance(summary, dict) else None
+    if not isinstance(final, dict) or not all(_is_number(final.get(k)) for k in (metric, *extra)) \
+            or not all(k in summary for k in _SUMMARY_KEYS):
+        raise ValueError(f"{path} is not a summary of a finished flt train run (an object with {', '.join(_SUMMARY_KEYS)} "
+                         f"and numbers {', '.join(f'final.{k}' for k in (metric, *extra))})")
     curve = [(r["step"], r[metric]) for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-             if r["split"] == "valid" and r.get(metric) is not None]
+             if r["split"] == "valid" and _is_number(r.get(metric))]
     return summary, curve
+
+
+#: What the comparison table reads from every run's ``summary.json``, besides ``final``.
+_SUMMARY_KEYS = ("task", "final", "time_per_step_s", "peak_memory_mib", "memory_kind", "parameters")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _interrupted_message(args: argparse.Namespace, label: str, seed: int, out: str) -> str:
@@ -255,13 +277,13 @@ def run(args: argparse.Namespace) -> int:
             state = states[label, seed]
             print(f"[{done}/{total}] {label} seed {seed} ...", end=" ", flush=True)
             if state == "finished":
-                summary, curve = _read_run(run_dir, metric)
+                summary, curve = _read_run(run_dir, metric, extra)
                 print(f"finished earlier: {metric} {summary['final'][metric]:.4g}")
             else:
                 if state != "new":
                     print(f"({'continuing from its last checkpoint' if state == 'resume' else 'starting again'})", end=" ", flush=True)
                 try:
-                    outcome = _train_one(args, label, name, options, seed, run_dir, state, metric)
+                    outcome = _train_one(args, label, name, options, seed, run_dir, state, metric, extra)
                 except KeyboardInterrupt:
                     print(flush=True)
                     print(_interrupted_message(args, label, seed, out), file=sys.stderr, flush=True)
@@ -293,10 +315,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(table)
     print(note)
-    with open(os.path.join(out, "compare.md"), "w", encoding="utf-8") as f:
-        f.write(table + "\n\n" + note + "\n")
-    with open(os.path.join(out, "compare.json"), "w", encoding="utf-8") as f:
-        json.dump({"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows}, f, indent=2)
+    atomic_write_text(os.path.join(out, "compare.md"), table + "\n\n" + note + "\n")
+    atomic_write_json(os.path.join(out, "compare.json"), {"task": args.task, "preset": args.preset, "metric": metric, "seeds": seeds, "rows": rows},
+                      indent=2)
     # plot_comparison returns None (nothing written) when no run reached a validation: an
     # empty plot says nothing.
     if not args.no_plots and plot_comparison(curves, os.path.join(out, "compare.png"), metric=metric, title=f"{args.task} ({args.preset})", task=args.task) is None:

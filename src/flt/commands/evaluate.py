@@ -143,6 +143,35 @@ def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: Trunk
                          "evaluate only on data the trained model fits")
 
 
+#: Folders of the system's own special files, never a dataset.
+_SYSTEM_DIRS = ("/dev", "/proc", "/sys")
+
+
+def _check_recorded_paths(task: str, options: dict, given: dict, config: str) -> None:
+    """Refuse the dataset paths that the checkpoint's ``config`` recorded (not those
+    ``given`` on the command line) unless each is an existing regular file or directory
+    outside the system's special folders: no hash covers ``config.json``, so a path read
+    from it could name a device, a FIFO or a file of the system instead of a dataset."""
+    from flt.tasks import get_task
+
+    for key in ("path", *get_task(task).path_options):
+        value = options.get(key)
+        if key in given or value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            problem = "is not a path"
+        elif not os.path.exists(value):
+            problem = "does not exist"
+        elif not (os.path.isfile(value) or os.path.isdir(value)):
+            problem = "is not a regular file or directory"
+        elif any(os.path.realpath(value) == d or os.path.realpath(value).startswith(d + os.sep) for d in _SYSTEM_DIRS):
+            problem = "is a file of the system, not a dataset"
+        else:
+            continue
+        raise ValueError(f"{config} records the dataset {key}={value!r}, which {problem}; "
+                         f"pass --data PATH (or --data-opt {key}=PATH) to evaluate on a dataset")
+
+
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device: torch.device | str = "cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid",
@@ -179,18 +208,20 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     _positive("--exact-max-elements", exact_max_elements)
     dev = resolve_device(device) if isinstance(device, str) else device
     ckpt, meta = ckpt_io.locate_checkpoint(path)  # verified once; a corrupt newest one is skipped with a note
-    model_dict = json.loads(json.dumps(meta["model"]))
+    preset, model_record = ckpt_io.saved_run(ckpt, meta)
+    model_dict = json.loads(json.dumps(model_record))
     changed = dict(attention_options or {})
     if changed and model_dict.get("layer_attention"):
         raise ValueError("--attn-opt changes the model's one attention; this run chooses one per layer (layer_attention)")
     model_dict["attention_options"] = {**model_dict.get("attention_options", {}), **changed}
     cfg = config_from_dict(model_dict)
-    run = run_config_from_dict(meta["preset"]["run"])
+    run = run_config_from_dict(preset["run"])
     if changed:  # bad estimator options are refused before any data is loaded
         check_attention_options(model_dict["attention"], model_dict["attention_options"], reserved=ATTENTION_ARGUMENTS)
     data = dict(data_options or {})
-    name, trained = meta["preset"]["task"], meta["preset"].get("data", {})
+    name, trained = preset["task"], preset.get("data", {})
     options = change_data(name, trained, data, "--data-opt/--data")
+    _check_recorded_paths(name, options, data, os.path.join(ckpt, ckpt_io.CONFIG_FILE))
     dropped = sorted(set(trained) - set(options))
     _stage(bar, f"loading the {name} data")
     task = load_task(name, options)
@@ -262,14 +293,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_file, check_run_path
-    from flt.options import parse_assignments
+    from flt.options import check_threads, parse_assignments
     from flt.train.drawgap import mean_and_spread
 
     check_run_path(args.checkpoint)
     if args.out is not None:
         check_output_file(args.out, "--out")  # before the evaluation, not after it
     if args.threads is not None:
-        _positive("--threads", args.threads)
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     options = parse_assignments(args.attn_opt, "--attn-opt")
     data = parse_assignments(args.data_opt, "--data-opt")
@@ -304,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
 
         print(format_fidelity(res["fidelity"]))
     if args.out:
-        from flt._io import atomic_write_text
+        from flt._io import atomic_write_json
 
-        atomic_write_text(args.out, json.dumps(res, indent=2))
+        atomic_write_json(args.out, res, indent=2)
     return 0

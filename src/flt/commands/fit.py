@@ -108,14 +108,12 @@ def run(args: argparse.Namespace) -> int:
 
     from flt.commands.outputs import check_output_dir, plots_available
     from flt.fit.run import parse_sweep, run_fit, run_sweep
-    from flt.options import run_label
+    from flt.options import check_seed, check_threads, run_label
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
-    if args.seed < 0:
-        raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
+    check_seed(args.seed, "--seed")
     config = config_from_args(args)
     sweep = parse_sweep(args.sweep) if args.sweep else None
     label = run_label(args.posenc) + (f"-sweep-{run_label(sweep[0])}" if sweep else "")

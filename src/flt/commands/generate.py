@@ -17,6 +17,12 @@ import math
 
 from flt.commands import THREADS_HELP, default_threads
 
+#: Temperatures outside these divide the logits into infinities (a tiny one: use 0 for
+#: greedy) or into a uniform draw that no longer depends on the model (a huge one).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
+#: More new tokens than this is a typo: the text is held and printed whole.
+MAX_NEW_TOKENS = 1 << 20
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -37,16 +43,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse values that would fail (or sample garbage) only once the model is loaded."""
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    from flt.options import check_seed, check_threads
+
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens must lie in [0, {MAX_NEW_TOKENS}], got {args.max_new_tokens}")
     if args.top_k < 0:
         raise ValueError(f"--top-k must be >= 0, got {args.top_k}")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.seed < 0:
-        raise ValueError(f"--seed must be a non-negative integer, got {args.seed}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+    if not (math.isfinite(args.temperature) and (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE)):
+        raise ValueError(f"--temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                         f"got {args.temperature}")
+    check_seed(args.seed, "--seed")
+    check_threads(args.threads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     model, meta = load_checkpoint_model(args.checkpoint, device=device)
-    task = meta["model"].get("task")
+    task = meta["model"].get("task")  # load_checkpoint_model checked that the model record is a dict
     if task != LMTask.name:
         article = "an" if str(task)[:1] in "aeiou" else "a"  # 'image' -> "an 'image' model"
         raise ValueError(f"{args.checkpoint} holds {article} {task!r} model; generation needs a language model ({LMTask.name!r})")

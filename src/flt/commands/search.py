@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_dir, plots_available
+    from flt.options import check_threads
     from flt.search import SearchInterrupted, search
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     preset, config = build(args)
     out_dir = args.out_dir or os.path.join("runs", f"search-{args.task}-{args.preset}-s{preset.run.seed}")

@@ -209,8 +209,13 @@ def preset_from_args(args: argparse.Namespace, attention: str, attention_options
     model = replace_fields(preset.model, attention_options=attn_options, posenc_options=posenc_options, **model_changes)
     run_changes = parse_assignments(args.run_opt, "--run-opt")
     for name in RUN_FLAGS:  # commands that share this function may lack some flags (flt search)
-        if getattr(args, name, None) is not None:
-            run_changes[name] = getattr(args, name)
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        # No silent precedence: a flag and --run-opt that disagree are refused, as for --seed.
+        if name in run_changes and run_changes[name] != value:
+            raise ValueError(f"--{name.replace('_', '-')} {value!r} contradicts --run-opt {name}={run_changes[name]!r}; give it once")
+        run_changes[name] = value
     if run_changes.get("init_from") is not None:  # recorded absolute, so --resume works from anywhere
         run_changes["init_from"] = os.path.abspath(run_changes["init_from"])
     _merge_seed(args, run_changes)
@@ -226,11 +231,12 @@ def preset_from_args(args: argparse.Namespace, attention: str, attention_options
 def _merge_seed(args: argparse.Namespace, run_changes: dict) -> None:
     """Put ``--seed`` into the ``--run-opt`` changes: given both, they must agree (a
     default never overrides an explicit ``--run-opt seed=N``), and a seed is never negative."""
+    from flt.options import check_seed
+
     seed = getattr(args, "seed", None)
     if seed is None:
         return
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"--seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed, "--seed")
     if "seed" in run_changes and run_changes["seed"] != seed:
         raise ValueError(f"--seed {seed} contradicts --run-opt seed={run_changes['seed']!r}; give the seed once")
     run_changes["seed"] = seed
@@ -313,12 +319,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flt.commands.outputs import check_output_dir, plots_available
+    from flt.options import check_threads
     from flt.train import train
     from flt.train.loop import TrainingInterrupted
 
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     from flt.options import parse_attention, run_label
 

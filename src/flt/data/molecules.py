@@ -499,6 +499,8 @@ def _read_db(path: str, target: str) -> tuple[list[np.ndarray], list[np.ndarray]
             positions.append(np.asarray(row.positions, dtype=np.float64))
     except sqlite3.DatabaseError as e:
         raise DataError(f"ASE database {path} is corrupt: {e}") from None
+    except RecursionError:  # a row's JSON columns nested deeper than the decoder recurses
+        raise DataError(f"ASE database {path} is corrupt: a row's data nests too deeply") from None
     return zs, positions, ys
 
 
@@ -541,6 +543,8 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
         except (OSError, ValueError, IndexError, KeyError, UnknownFileTypeError, AssertionError, RuntimeError,
                 TypeError, AttributeError, StopIteration) as e:
             raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {one_line(e)}") from None
+        except RecursionError:  # ASE's JSON database format, nested deeper than its decoder recurses
+            raise DataError(f"cannot read structure file {path}: it nests too deeply to be a structure file") from None
         ys = [_atoms_target(a, path, i, target) for i, a in enumerate(frames)]
         zs = [a.get_atomic_numbers().astype(np.int64) for a in frames]
         positions = [a.get_positions() for a in frames]

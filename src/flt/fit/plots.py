@@ -2,7 +2,7 @@
 
 Built with matplotlib's object API (``matplotlib.figure.Figure``, rendered by Agg): no global
 backend is switched and no window opens. Files are written atomically with the permissions
-of a plain ``open()`` (:func:`flt._io.atomic_write`).
+of a plain ``open()`` (:func:`flt._io.atomic_savefig`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flt._io import atomic_write
+from flt._io import atomic_savefig
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,7 +31,7 @@ def _figure(width: float, height: float, dpi: int = 110) -> Figure:
 
 
 def save(fig: Figure, path: str) -> None:
-    atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
+    atomic_savefig(fig, path)
 
 
 def _show_image(ax: Axes, img: np.ndarray, title: str) -> None:

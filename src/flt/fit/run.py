@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 import numpy as np
 import torch
 
-from flt._io import atomic_write
+from flt._io import atomic_write, atomic_write_json
 from flt.fit.config import FitConfig, row_indices
 from flt.fit.core import FitResult, Problem, fit_problem, image_problem, signal_problem
 from flt.fit.encodings import check_encoding
@@ -39,7 +39,7 @@ def check_out_dir(out_dir: str) -> None:
 
 
 def _write_json(path: str, data: dict) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(data, indent=2, sort_keys=True) + "\n"))
+    atomic_write_json(path, data, indent=2, sort_keys=True)
 
 
 def _write_npy(path: str, array: np.ndarray) -> None:

@@ -16,7 +16,7 @@ def read_search(path: str) -> dict[str, Any]:
     """The contents of a ``search.json`` (a file, or the search directory holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "search.json")
-    data = read_json(path, f"--arch: no search result at {path}", lambda e: ValueError(f"--arch: {path} is not valid JSON: {e}"))
+    data = read_json(path, f"--arch: no search result at {path}", lambda e: ValueError(f"--arch: {e}"))
     if not isinstance(data, dict) or data.get("format") != "flt-search-1":
         raise ValueError(f"--arch: {path} is not a search.json written by flt search")
     missing = [key for key in ("task", "candidates") if key not in data]
@@ -24,7 +24,38 @@ def read_search(path: str) -> dict[str, Any]:
         raise ValueError(f"--arch: {path} lacks {', '.join(map(repr, missing))}; a search.json written by flt search has them")
     if not data.get("complete"):
         raise ValueError(f"--arch: the search in {path} has not decided every layer yet; finish it with flt search --resume")
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise ValueError(f"--arch: {path} is not a search.json written by flt search: {problem}")
     return data
+
+
+def _shape_problem(data: dict[str, Any]) -> str | None:
+    """What in ``data`` has not the shape :func:`arch_fields` reads, or None."""
+    def candidates(key: str, kind: str) -> str | None:
+        entries = data.get(key)
+        if key == "posenc_candidates" and entries is None:
+            return None
+        if not isinstance(entries, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("label"), str) and isinstance(c.get(kind), str)
+                and isinstance(c.get(f"{kind}_options"), dict) for c in entries):
+            return f"{key} is not a list of {{label, {kind}, {kind}_options}} entries"
+        return None
+
+    for key, kind in (("candidates", "attention"), ("posenc_candidates", "posenc")):
+        problem = candidates(key, kind)
+        if problem is not None:
+            return problem
+    if not isinstance(data["task"], str):
+        return "task is not a task name"
+    for selection in SELECTIONS:
+        chosen = data.get(selection)
+        if chosen is not None and not (isinstance(chosen, list) and all(isinstance(label, str) for label in chosen)):
+            return f"{selection} is not a list of candidate labels"
+    posenc = data.get("posenc")
+    if posenc is not None and not (isinstance(posenc, dict) and all(isinstance(posenc.get(s), (str, type(None))) for s in SELECTIONS)):
+        return "posenc is not an object of chosen labels"
+    return None
 
 
 def arch_layers(data: dict[str, Any], selection: str = "perturbation") -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flt._io import atomic_savefig
 from flt.train.plots import _figure, axis_label
 
 
@@ -52,5 +53,5 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
             bottom.set_ylabel("softmax(alpha) after\nthe supernet phase", fontsize=8)
             top.legend(fontsize=7)
     fig.suptitle(f"{task}: perturbation choice (red) and magnitude choice (blue) per slot", fontsize=9)
-    fig.savefig(out_path)
+    atomic_savefig(fig, out_path)
     return out_path

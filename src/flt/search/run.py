@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from flt._io import atomic_write_text
+from flt._io import atomic_write_json
 from flt.models.config import TrunkConfig
 from flt.search.holdout import holdout_seed, split_task
 from flt.search.mixed import (
@@ -53,7 +53,7 @@ from flt.search.supernet import Supernet, empty_progress
 from flt.tasks import Task, check_preset, config_to_dict, holdout_tasks
 from flt.tasks.preset import Preset, preset_to_dict, record_differences
 from flt.train import distributed as D
-from flt.train.checkpoint import has_checkpoint, load_trainer_state, locate_checkpoint
+from flt.train.checkpoint import CONFIG_FILE, has_checkpoint, load_trainer_state, locate_checkpoint
 from flt.train.lock import lock_run_dir
 from flt.train.loop import (
     Origin,
@@ -224,7 +224,7 @@ def _search(preset: Preset, config: SearchConfig, out_dir: str, ctx: D.Context, 
         result = _result(preset, config, model_cfg, progress, supernet.slots, task, step, done=done)
         if done:
             result.update(final_metric=supernet.holdout_metric(), wall_time_s=time.perf_counter() - wall)
-        atomic_write_text(os.path.join(out_dir, RESULT), json.dumps(result, indent=2))
+        atomic_write_json(os.path.join(out_dir, RESULT), result, indent=2)
         return result
 
     run_steps(r, None, None, say, on_step, reached)
@@ -245,11 +245,16 @@ def _origin(out_dir: str, record: dict[str, Any], resume: bool, say: Callable[[s
     diffs = _differences(meta, record)
     if diffs:
         raise ValueError(f"--resume needs the configuration of the search in {out_dir}; these differ: {', '.join(diffs)}")
-    if "optimizer" not in load_trainer_state(ckpt):
+    if "optimizer" not in load_trainer_state(ckpt, int(meta["step"])):
         raise ValueError(f"{ckpt} was written by an earlier version of flt search, whose checkpoints this one does not "
                          "resume; start the search again in another --out-dir")
     steps = record["preset"]["run"]["steps"]
-    return Origin(ckpt, int(meta["step"]), steps), meta["progress"]
+    progress = meta.get("progress")
+    if not (isinstance(progress, dict) and all(isinstance(progress.get(k), list) for k in ("slots", "history"))
+            and isinstance(progress.get("seconds"), dict)) or int(meta["step"]) > steps:
+        raise ValueError(f"{os.path.join(ckpt, CONFIG_FILE)} is not the checkpoint of a search of this configuration "
+                         "(its progress record or step does not read); start the search again in another --out-dir")
+    return Origin(ckpt, int(meta["step"]), steps), progress
 
 
 def _announce(r: Run, supernet: Supernet, say: Callable[[str], None]) -> None:

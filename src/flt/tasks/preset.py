@@ -19,7 +19,7 @@ from typing import Any
 
 from flt._checks import check_positive_int
 from flt.models.config import TrunkConfig
-from flt.options import check_fields
+from flt.options import check_fields, check_seed
 
 #: Arithmetic of a training step (:attr:`RunConfig.precision`).
 PRECISIONS = ("bf16", "fp32")
@@ -122,8 +122,7 @@ class RunConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        check_seed(self.seed, "seed")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):  # NaN fails too

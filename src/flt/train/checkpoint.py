@@ -24,7 +24,10 @@ clears what a killed trainer left behind.
 
 Every file name read from a checkpoint (``latest``, the files listed in ``config.json``)
 must name an entry of its own directory (:func:`flt._io.confined_path`): absolute paths,
-``..`` and links that lead elsewhere are refused before anything is opened.
+``..`` and links that lead elsewhere are refused before anything is opened. No hash covers
+``config.json`` itself, so what it says is checked against what else records it: its
+``step`` must be the one in its ``step-NNNNNNNN`` name and in ``trainer.pt``, and a
+``RUN/checkpoints`` that is a link is refused rather than written through.
 
 Files and directories get the permissions of a plain ``open()`` / ``os.makedirs`` under
 the process's umask (:mod:`flt._io`), not the 0600 / 0700 of temporary files.
@@ -32,7 +35,6 @@ the process's umask (:mod:`flt._io`), not the 0600 / 0700 of temporary files.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -50,9 +52,11 @@ from flt._io import (
     atomic_write_text,
     confined_path,
     discard_dir,
+    dumps_json,
     file_mode,
     fsync_file,
     read_json,
+    read_json_file,
     remove_temporaries,
     sha256_file,
 )
@@ -77,7 +81,7 @@ def step_dir_name(step: int) -> str:
 
 def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: dict[str, Any], trainer_state: dict[str, Any], keep: int = 2) -> str:
     """Save weights, trainer state and ``config`` for ``step``; keep the newest ``keep``. Returns the path."""
-    root = os.path.join(run_dir, CHECKPOINTS)
+    root = _own_checkpoints_dir(run_dir)
     os.makedirs(root, exist_ok=True)
     name = step_dir_name(step)
 
@@ -95,8 +99,9 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
             fsync_file(path)
             files[fname] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
         meta = {"format": FORMAT, "step": step, "files": files, **config}
-        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
+        config_path = os.path.join(tmp, CONFIG_FILE)
+        with open(config_path, "x", encoding="utf-8") as f:  # a new file of the fresh temporary directory
+            f.write(dumps_json(meta, os.path.join(root, name, CONFIG_FILE), indent=2, sort_keys=True))
             f.flush()
             os.fsync(f.fileno())
 
@@ -106,6 +111,16 @@ def save_checkpoint(run_dir: str, step: int, model: torch.nn.Module, *, config: 
     atomic_write_text(os.path.join(root, LATEST), name + "\n")
     _prune(root, keep, current=name)
     return final
+
+
+def _own_checkpoints_dir(run_dir: str) -> str:
+    """``run_dir/checkpoints``, refused (``ValueError`` naming it) if it is a link or not a
+    directory: checkpoints are written, and old ones deleted, only inside the run."""
+    root = os.path.join(run_dir, CHECKPOINTS)
+    if os.path.islink(root) or (os.path.lexists(root) and not os.path.isdir(root)):
+        what = f"a symbolic link (to {os.readlink(root)})" if os.path.islink(root) else "not a directory"
+        raise ValueError(f"{root} is {what}, not the checkpoint directory flt writes; flt does not write through links: remove it")
+    return root
 
 
 def _prune(root: str, keep: int, current: str) -> None:
@@ -223,7 +238,7 @@ def remove_leftovers(run_dir: str) -> list[str]:
     missing, or ``config.json`` itself).
     Returns the paths removed. Only while holding the run directory's lock
     (:mod:`flt.train.lock`): another trainer's temporaries are live files."""
-    root = os.path.join(run_dir, CHECKPOINTS)
+    root = _own_checkpoints_dir(run_dir)
     removed = [os.path.join(run_dir, n) for n in remove_temporaries(run_dir)]
     removed += [os.path.join(root, n) for n in remove_temporaries(root)]
     # Pruning deletes only checkpoints older than the one `latest` names, after writing it.
@@ -245,8 +260,7 @@ def _half_deleted(ckpt: str) -> bool:
     if not os.path.lexists(path):
         return True
     try:
-        with open(path, encoding="utf-8") as f:
-            files = json.load(f)["files"]
+        files = read_json_file(path)["files"]
         paths = [confined_path(ckpt, name, path) for name in files]
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -264,6 +278,13 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
     meta = read_json(path, f"checkpoint file missing: {path}", lambda e: CheckpointError(f"checkpoint file {path} is corrupt: {e}"))
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
         raise CheckpointError(f"{path} is not an flt checkpoint config (format {FORMAT!r})")
+    step = meta.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path} has no valid step (a non-negative integer), got {step!r}")
+    named = _STEP_DIR.match(os.path.basename(os.path.normpath(ckpt)))
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"{path} says step {step}, but its directory is {os.path.basename(os.path.normpath(ckpt))}; "
+                              "the checkpoint was altered")
     files = {fname: (confined_path(ckpt, fname, path, CheckpointError), info) for fname, info in meta["files"].items()}
     missing = [name for name in (MODEL_FILE, STATE_FILE) if name not in files]
     if missing:
@@ -289,15 +310,37 @@ def load_weights(ckpt: str, model: torch.nn.Module) -> None:
         raise CheckpointError(f"the weights in {path} do not fit this model: {e}") from None
 
 
-def load_trainer_state(ckpt: str) -> dict[str, Any]:
-    """``trainer.pt`` loaded with ``weights_only=True`` (tensors and plain containers only)."""
+def load_trainer_state(ckpt: str, step: int | None = None) -> dict[str, Any]:
+    """``trainer.pt`` loaded with ``weights_only=True`` (tensors and plain containers only),
+    checked to be a dict whose ``step`` is ``step`` (the checkpoint's, from its
+    ``config.json``) when given; anything else raises :class:`CheckpointError` naming it."""
     path = confined_path(ckpt, STATE_FILE, f"checkpoint {ckpt}", CheckpointError)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file missing: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {e}") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, RecursionError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {first}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a trainer state (a dict)")
+    if step is not None and state.get("step") != step:
+        raise CheckpointError(f"checkpoint file {path} holds the state of step {state.get('step')!r}, but "
+                              f"{os.path.join(ckpt, CONFIG_FILE)} says step {step}; the checkpoint was altered")
+    return state
+
+
+def saved_run(ckpt: str, meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(preset, model)``: the records of a checkpoint's ``config.json`` (``meta``) that
+    rebuild its run, refused with a :class:`CheckpointError` naming the file unless they have
+    the shape ``flt train`` writes (a preset with a task name, a run and data options, and a
+    model config)."""
+    preset, model = meta.get("preset"), meta.get("model")
+    if not (isinstance(preset, dict) and isinstance(preset.get("task"), str) and isinstance(preset.get("run"), dict)
+            and isinstance(preset.get("data", {}), dict) and isinstance(model, dict)):
+        raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FILE)} records no run flt can rebuild (a preset with task, run "
+                              "and data, and a model)")
+    return preset, model
 
 
 def load_checkpoint_model(path: str, *, device: torch.device | str = "cpu", report: Callable[[str], None] = _note) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -305,9 +348,10 @@ def load_checkpoint_model(path: str, *, device: torch.device | str = "cpu", repo
     config with the saved weights, in eval mode; ``meta`` is the checkpoint's ``config.json``.
     ``report`` receives :func:`find_checkpoint`'s messages."""
     ckpt, meta = locate_checkpoint(path, report=report)
+    preset, model_record = saved_run(ckpt, meta)
     try:
-        task, cfg = get_task(meta["preset"]["task"]), config_from_dict(meta["model"])
-    except (KeyError, TypeError) as e:
+        task, cfg = get_task(preset["task"]), config_from_dict(model_record)
+    except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FILE)} has no valid model config: {e}") from None
     model = task.build_model(cfg, device=device)
     load_weights(ckpt, model)

@@ -16,6 +16,12 @@ read or written, for a fresh run and for ``--resume`` alike:
   a lock file found with a holder's record in it was therefore left by a trainer that was
   killed, which :attr:`RunLock.note` says.
 
+The lock file is opened without following links and must be a plain file with one name
+(:func:`flt._io.open_own_file`): a ``.lock`` that is a link, or a hard link to another
+file, is refused with a message naming it, so the record is never written outside the run
+directory. A record that is not a small JSON object (torn, corrupt, nested thousands deep)
+is treated as no record.
+
 Readers of a run (``flt evaluate``, ``flt generate``) take no lock. On a file system
 without ``flock`` (some network mounts) the run goes on unlocked, with a note saying so.
 """
@@ -30,6 +36,8 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+
+from flt._io import JSONError, loads_json, open_own_file
 
 LOCK_FILE = ".lock"
 #: How long a refused trainer waits for the holder's record to appear (the holder writes
@@ -88,7 +96,7 @@ def lock_run_dir(run_dir: str, command: str = "flt train") -> RunLock:
     for _ in range(20):
         os.makedirs(run_dir, exist_ok=True)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = open_own_file(path, os.O_RDWR | os.O_CREAT, "lock file")
         except FileNotFoundError:
             continue  # the directory was removed by a releasing trainer that had created it
         try:
@@ -120,9 +128,9 @@ def lock_run_dir(run_dir: str, command: str = "flt train") -> RunLock:
 
 
 def _same_file(fd: int, path: str) -> bool:
-    """True if ``path`` still names the file open as ``fd``."""
+    """True if ``path`` still names the file open as ``fd`` (itself, not through a link)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         return False
     own = os.fstat(fd)
@@ -133,8 +141,8 @@ def _read_record(fd: int) -> dict | None:
     """The holder's record in the lock file, or None if it is empty or unreadable."""
     raw = os.pread(fd, 1 << 16, 0)
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        record = loads_json(raw, "lock file", max_depth=2)
+    except JSONError:
         return None
     return record if isinstance(record, dict) else None
 

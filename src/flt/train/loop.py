@@ -57,7 +57,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from flt import perf
-from flt._io import atomic_write_text
+from flt._io import atomic_write_json
 from flt.models.config import TrunkConfig
 from flt.models.memory import check_task_memory
 from flt.tasks import Task, check_preset, config_to_dict, load_task, preset_from_dict
@@ -71,6 +71,8 @@ from flt.tasks.preset import (
 )
 from flt.train import distributed as D, drawgap as DG
 from flt.train.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
     CheckpointError,
     find_checkpoint,
     has_checkpoint,
@@ -467,16 +469,28 @@ def _find_origin(preset: Preset, out_dir: str, ctx: D.Context, resume: bool, kee
         return origin
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(out_dir, ctx, notes, "to resume from in")
-    saved = preset_from_dict(meta["preset"])
+    saved = _saved_preset(ckpt, meta)
     # Runs saved before RunConfig.precision existed trained in float32.
     saved_precision = saved.run.precision or "fp32"
     saved = _with_precision(saved, saved_precision)
     preset = _with_precision(preset, preset.run.precision or saved_precision)
     step = int(meta["step"])
+    if step > saved.run.steps:
+        raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FILE)} says step {step}, beyond its run's budget of {saved.run.steps} steps; "
+                              "the checkpoint was altered")
     if keep_steps:
         preset = dataclasses.replace(preset, run=dataclasses.replace(preset.run, steps=saved.run.steps))
     _check_resume(saved, preset_to_dict(preset), preset, step, out_dir)
     return Origin(ckpt, step, saved.run.steps, notes, init=meta.get("init"), preset=preset)
+
+
+def _saved_preset(ckpt: str, meta: dict[str, Any]) -> Preset:
+    """The preset a checkpoint's ``config.json`` records, refused (:class:`CheckpointError`
+    naming the file) when it holds none that reads."""
+    try:
+        return preset_from_dict(meta["preset"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{os.path.join(ckpt, CONFIG_FILE)} records no valid preset ({type(e).__name__}: {e})") from None
 
 
 def _with_precision(preset: Preset, precision: str) -> Preset:
@@ -490,7 +504,7 @@ def _init_origin(preset: Preset, ctx: D.Context) -> Origin:
         return Origin()
     notes: list[str] = []
     ckpt, meta = _shared_checkpoint(preset.run.init_from, ctx, notes, "in init_from")
-    task = meta["preset"]["task"]
+    task = _saved_preset(ckpt, meta).task
     if task != preset.task:
         raise ValueError(f"init_from: {ckpt} holds a {task!r} model; this run trains {preset.task!r}")
     return Origin(notes=notes, init={"checkpoint": ckpt, "step": int(meta["step"])})
@@ -561,16 +575,26 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
         torch.manual_seed(run.seed + 7919 * ctx.rank)
         return 0, _Window(), []
     load_weights(origin.checkpoint, model)
-    state = load_trainer_state(origin.checkpoint)
+    state = load_trainer_state(origin.checkpoint, origin.step)
+    path = os.path.join(origin.checkpoint, STATE_FILE)
+    if isinstance(state.get("world_size"), bool) or not isinstance(state.get("world_size"), int):
+        raise CheckpointError(f"checkpoint file {path} is not a trainer state this run can resume (no world_size)")
     if state["world_size"] != ctx.world:
-        raise ValueError(f"the checkpoint was written by {state['world_size']} processes; resume with the same number (got {ctx.world})")
-    optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"][ctx.rank], model)
-    hooks.load_state(state)
+        raise ValueError(f"the checkpoint was written by {state.get('world_size')!r} processes; resume with the same number (got {ctx.world})")
+    try:
+        rngs, windows = state["rng"], state.get("log_window")
+        if not isinstance(rngs, list) or len(rngs) != ctx.world or (windows is not None and (not isinstance(windows, list) or len(windows) != ctx.world)):
+            raise ValueError("one random state and logging window per process expected")
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(rngs[ctx.rank], model)
+        hooks.load_state(state)
+        window = _Window(**windows[ctx.rank]) if windows is not None else _Window()
+        step_times = state["step_times"].tolist() if "step_times" in state else []
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint file {path} is not a trainer state this run can resume ({type(e).__name__}: {first})") from None
     if origin.step == origin.saved_steps < run.steps:
         _restore_training_draw(model, run, origin.step)
-    window = _Window(**state["log_window"][ctx.rank]) if "log_window" in state else _Window()
-    step_times = state["step_times"].tolist() if "step_times" in state else []
     return origin.step, window, step_times
 
 
@@ -589,10 +613,10 @@ def _restore_training_draw(model: nn.Module, run: RunConfig, start: int) -> None
 def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
     """Write ``run.json`` (configuration and environment) and open ``metrics.jsonl``."""
     os.makedirs(r.out_dir, exist_ok=True)
-    atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps({
+    atomic_write_json(os.path.join(r.out_dir, "run.json"), {
         **r.record, "parameters": r.parameters, "world_size": r.ctx.world, "device": str(r.ctx.device),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
-    }, indent=2, sort_keys=True))
+    }, indent=2, sort_keys=True)
     return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
 
 
@@ -740,10 +764,11 @@ def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: lis
     summary = _summary(r, last_valid, step_times, gap, wall_start)
     if test is not None:
         summary.update({"test": test, f"test_{r.task.metric}": test[r.task.metric]})
+    _check_final_metrics(r, last_valid, test)
     if gap is not None:
         say(DG.format_draw_gap(gap, r.task.metric))
     if ctx.is_main:
-        atomic_write_text(os.path.join(r.out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
+        atomic_write_json(os.path.join(r.out_dir, "summary.json"), summary, indent=2, sort_keys=True)
         saved = _plots(r) if plots else []
         report = r.task.report(r.model, ctx.device)
         if report:
@@ -754,6 +779,19 @@ def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: lis
     # plots can abort inside gloo.
     D.barrier(ctx)
     return summary
+
+
+def _check_final_metrics(r: Run, valid: dict[str, float], test: dict[str, float] | None) -> None:
+    """Raise :class:`TrainingDiverged` if a final metric is NaN or infinite: the model's
+    outputs overflowed though the training loss stayed finite, and a summary cannot hold
+    such a number (JSON has none)."""
+    for split, metrics in (("validation", valid), ("test", test or {})):
+        bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
+        if bad:
+            where = f"the last checkpoint, {r.last_checkpoint}, holds these weights" if r.last_checkpoint else "no checkpoint was written"
+            raise TrainingDiverged(f"the final {split} {', '.join(f'{k} is {v}' for k, v in bad.items())} at step {r.preset.run.steps} "
+                                   f"in {r.out_dir} (not a finite number; summary.json is not written); {where}; check the data's "
+                                   "values and scale, or lower --lr")
 
 
 def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """PNG plots: learning curves, every head's learned RPE function, comparison curves.
 
 Figures are built with matplotlib's object API (``matplotlib.figure.Figure``, rendered by
-Agg), so no global backend is switched and no window is ever opened.
+Agg), so no global backend is switched and no window is ever opened. Files are written
+atomically (:func:`flt._io.atomic_savefig`): a kill mid-plot leaves the previous file, and
+a link of the file's name is replaced, never written through.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flt._dtype import compute_dtype
+from flt._io import atomic_savefig
 from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
 
@@ -136,7 +139,7 @@ def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
-    fig.savefig(out_path)
+    atomic_savefig(fig, out_path)
     return fig
 
 
@@ -291,7 +294,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
         zoom_note = (f"\nshown: |Δ₁|, |Δ₂| ≤ {r:g}" + (f" {unit}" if unit else "") + f" of {extent:.3g}; |f| < {RPE_THRESHOLD:.0%} of its maximum beyond"
                      if r < extent else "")
         fig.suptitle(f"learned f(Δ){slice_note}{zoom_note}", fontsize=9)
-    fig.savefig(out_path)
+    atomic_savefig(fig, out_path)
     return fig
 
 
@@ -337,5 +340,5 @@ def plot_comparison(curves: dict[str, list[list[tuple[int, float]]]], out_path: 
         _log_y(ax, [float(v) for _, values in data.values() for v in values.flatten()])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(out_path)
+    atomic_savefig(fig, out_path)
     return fig
