@@ -10,7 +10,13 @@
 # order again: python -m pytest -p random_order --random-order-bucket=module --random-order-seed=SEED
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet -c constraints.txt -e ".[dev,train,mol,graph,vision,triton,hf,qm9]"
+# The distribution was called flt before 0.2.0: an editable install of this project under that
+# name would stay on sys.path beside the new one and could shadow this checkout, so it goes
+# (only if it is this project: the unrelated package of that name on the index is left alone).
+if python -m pip show flt 2>/dev/null | grep -q '^Summary: FourierLearner'; then
+    python -m pip uninstall --quiet --yes flt
+fi
+python -m pip install --quiet -c constraints.txt -e ".[dev,docs,train,mol,graph,vision,triton,hf,qm9]"
 # Optional peers for the agreement tests; their tests skip (and say so) if this fails.
 python -m pip install --quiet --no-deps -r requirements-peers.txt \
     || echo "note: peer packages could not be installed; their agreement tests will be skipped" >&2
