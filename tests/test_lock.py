@@ -116,4 +116,4 @@ def test_lock_script_merges_the_pythons_pins_with_markers():
     skip = lock.pinned_names(head) | lock.NOT_LOCKED
     assert lock.generated_lines(per_python, skip) == [
         "a==1", 'b==2; python_version < "3.11"', 'b==3; python_version >= "3.11"', 'c==4; python_version >= "3.11"']
-    assert lock.script_extras() == ["dev", "train", "mol", "graph", "vision", "triton", "hf", "qm9"]
+    assert lock.script_extras() == ["dev", "docs", "train", "mol", "graph", "vision", "triton", "hf", "qm9"]

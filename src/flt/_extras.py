@@ -21,7 +21,7 @@ def checkout_root() -> Path | None:
     ``src/flt``), or None for an installed wheel."""
     root = Path(__file__).resolve().parent.parent.parent
     project = root / "pyproject.toml"
-    if project.is_file() and 'name = "flt"' in project.read_text(encoding="utf-8", errors="replace"):
+    if project.is_file() and 'name = "flt-attention"' in project.read_text(encoding="utf-8", errors="replace"):
         return root
     return None
 

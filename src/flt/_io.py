@@ -135,6 +135,19 @@ def atomic_write_json(path: str, data: object, **dump_options: Any) -> None:
     atomic_write_text(path, dumps_json(data, path, **dump_options) + "\n")
 
 
+def new_figure(width: float, height: float, dpi: int = 110, *, extra: str = "train") -> Any:
+    """A matplotlib ``Figure`` (constrained layout, no pyplot state), or an ``ImportError``
+    naming ``extra``, the extra that installs matplotlib for the command at hand. The one figure factory of the training
+    plots and of the tasks' own plots, which cannot import the training package."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        from flt._extras import install_hint
+
+        raise ImportError(f"plots need matplotlib: {install_hint(extra)}, or pass --no-plots") from e
+    return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+
+
 def atomic_savefig(fig: Any, path: str, **savefig_options: Any) -> None:
     """Save a matplotlib figure as a PNG to ``path`` atomically (:func:`atomic_write`): a
     kill mid-plot leaves the previous file, and a link named ``path`` is replaced, not

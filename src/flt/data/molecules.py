@@ -540,11 +540,13 @@ def load_ase(path: str | os.PathLike, target: str = "energy") -> MoleculeData:
         # whatever the parser raises; running out of memory is not.
         except MemoryError:
             raise
+        # Before RuntimeError, whose subclass it is: ASE's JSON database format nested deeper
+        # than its decoder recurses.
+        except RecursionError:
+            raise DataError(f"cannot read structure file {path}: it nests too deeply to be a structure file") from None
         except (OSError, ValueError, IndexError, KeyError, UnknownFileTypeError, AssertionError, RuntimeError,
                 TypeError, AttributeError, StopIteration) as e:
             raise DataError(f"cannot read structure file {path}: {type(e).__name__}: {one_line(e)}") from None
-        except RecursionError:  # ASE's JSON database format, nested deeper than its decoder recurses
-            raise DataError(f"cannot read structure file {path}: it nests too deeply to be a structure file") from None
         ys = [_atoms_target(a, path, i, target) for i, a in enumerate(frames)]
         zs = [a.get_atomic_numbers().astype(np.int64) for a in frames]
         positions = [a.get_positions() for a in frames]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flt._io import atomic_savefig
+from flt._io import atomic_savefig, new_figure
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -21,13 +21,8 @@ if TYPE_CHECKING:
 
 
 def _figure(width: float, height: float, dpi: int = 110) -> Figure:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        from flt._extras import install_hint
-
-        raise ImportError(f"plots need matplotlib: {install_hint('vision')}, or pass --no-plots") from e
-    return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
+    # flt fit's plots come with the vision extra, so a missing matplotlib names that one.
+    return new_figure(width, height, dpi, extra="vision")
 
 
 def save(fig: Figure, path: str) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flt._io import atomic_savefig
-from flt.train.plots import _figure, axis_label
+from flt._io import atomic_savefig, new_figure
+from flt.train.plots import axis_label
 
 
 def plot_search(result: dict[str, Any], out_path: str) -> str:
@@ -19,7 +19,7 @@ def plot_search(result: dict[str, Any], out_path: str) -> str:
         panels.append((result["posenc_slot"], [c["label"] for c in result["posenc_candidates"]], result.get("posenc_alpha_end"),
                        "absolute encoding"))
     metric, task = result["metric"], result["task"]
-    fig = _figure(max(5.0, 2.6 * len(panels) + 1.0), 5.2)
+    fig = new_figure(max(5.0, 2.6 * len(panels) + 1.0), 5.2)
     axes = fig.subplots(2, len(panels), squeeze=False)
     for i, (entry, labels, end, title) in enumerate(panels):
         top, bottom = axes[0][i], axes[1][i]

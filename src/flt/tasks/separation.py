@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flt._checks import check_choice
-from flt._io import atomic_write
+from flt._io import atomic_savefig, new_figure
 from flt.data.separation import (
     Pairs,
     cluster_radius,
@@ -294,13 +294,10 @@ def plot_separation(model: nn.Module, task: SeparationTask, path: str) -> None:
     moved from the smallest separation to ``test_max``, true and predicted by ``model``;
     right, predicted against true interaction energy of every test system, inside and
     beyond the training range. Needs matplotlib."""
-    # matplotlib is optional and flt.train.plots reads the task registry: both imported here.
-    from flt.train.plots import _figure
-
     sweep = interaction_sweep(model, task)
     true, pred = split_interactions(model, task)
     beyond = task.test.beyond
-    fig = _figure(10, 4.0)
+    fig = new_figure(10, 4.0)
     ax1, ax2 = fig.subplots(1, 2)
     grid = sweep["separation"].numpy()
     for k, (qa, qb) in enumerate(sweep["charges"]):
@@ -323,4 +320,4 @@ def plot_separation(model: nn.Module, task: SeparationTask, path: str) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.suptitle(f"separation: interaction energy, {len(task.test)} test systems")
-    atomic_write(path, lambda f: fig.savefig(f, format="png"), binary=True)
+    atomic_savefig(fig, path)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flt._dtype import compute_dtype
-from flt._io import atomic_savefig
+from flt._io import atomic_savefig, new_figure
 from flt.tasks import TASKS
 from flt.train.metrics import read_metrics
 
@@ -36,16 +36,6 @@ def task_axes(task: str | None = None, *, metric: str | None = None) -> dict[str
 def axis_label(name: str, task: str | None = None, *, metric: str | None = None) -> str:
     """``name`` with its unit for ``task`` (inferred from ``metric`` when None), else ``name``."""
     return task_axes(task, metric=metric or name).get(name, name)
-
-
-def _figure(width: float, height: float, dpi: int = 110) -> Figure:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        from flt._extras import install_hint
-
-        raise ImportError(f"plots need matplotlib: {install_hint('train')}, or pass --no-plots") from e
-    return Figure(figsize=(width, height), dpi=dpi, layout="constrained")
 
 
 #: Tick mantissas for a log axis, coarsest first (see :func:`log_ticks`).
@@ -125,7 +115,7 @@ def plot_learning_curves(metrics_path: str, out_path: str, *, metric: str, title
     train = [r for r in records if r["split"] == "train" and r.get("loss") is not None]
     valid = [r for r in records if r["split"] == "valid"]
     scored = [r for r in valid if r.get(metric) is not None]
-    fig = _figure(10, 3.8)
+    fig = new_figure(10, 3.8)
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train")
     ax1.plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", ms=3, label="valid")
@@ -231,7 +221,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
         r = rpe_range(support_radius(full.abs(), torch.cat(f_full, -1)), extent)
         zoomed = r < 0.8 * extent
         delta = torch.linspace(0.0 if causal else -r, r, points, dtype=torch.float64)
-        fig = _figure(max(5.5, 3.4 * len(layers) + 1.0), 4.8 if zoomed else 3.1, dpi=130)
+        fig = new_figure(max(5.5, 3.4 * len(layers) + 1.0), 4.8 if zoomed else 3.1, dpi=130)
         axes = fig.subplots(2 if zoomed else 1, len(layers), squeeze=False, height_ratios=(2, 1) if zoomed else None)
         handles: dict[str, Any] = {}
         for col, (name, spec) in enumerate(layers):
@@ -271,7 +261,7 @@ def plot_rpe_functions(model: torch.nn.Module, out_path: str, *, extent: float, 
         d1, d2 = torch.meshgrid(grid, grid, indexing="ij")
         delta = torch.zeros(side, side, pos_dim, dtype=torch.float64)
         delta[..., 0], delta[..., 1] = d1, d2
-        fig = _figure(2.5 * heads + 1.3, 2.4 * len(layers) + 0.6, dpi=130)
+        fig = new_figure(2.5 * heads + 1.3, 2.4 * len(layers) + 0.6, dpi=130)
         axes = fig.subplots(len(layers), heads, squeeze=False)
         for layer, (row, (name, spec)) in enumerate(zip(axes, layers, strict=True)):
             f = _mask(spec, delta)
@@ -326,7 +316,7 @@ def plot_comparison(curves: dict[str, list[list[tuple[int, float]]]], out_path: 
     data = comparison_curves(curves)
     if not data:
         return None
-    fig = _figure(6.5, 4.0)
+    fig = new_figure(6.5, 4.0)
     ax = fig.subplots()
     for i, label in enumerate(curves):
         if label not in data:
