@@ -894,13 +894,14 @@ def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer
     scale; solid: the output error, dashed: the weights' KL when weights are matched), the fine-tuning loss with the validation loss, and the validation perplexity
     with the softmax model's as a dashed line; a dotted line marks the end of transfer.
     Returns the saved ``matplotlib.figure.Figure``."""
-    from flt.train.plots import STEP_LABEL, _figure
+    from flt._io import new_figure
+    from flt.train.plots import STEP_LABEL
 
     transfer = [rec for rec in records if rec["split"] == "transfer"]
     train = [rec for rec in records if rec["split"] == "train"]
     valid = [rec for rec in records if rec["split"] == "valid"]
     softmax = next(rec for rec in records if rec["split"] == "softmax")
-    fig = _figure(13, 3.8)
+    fig = new_figure(13, 3.8)
     ax1, ax2, ax3 = fig.subplots(1, 3)
     for layer in range(len(transfer[0]["layers"]) if transfer else 0):
         steps = [rec["step"] for rec in transfer]
