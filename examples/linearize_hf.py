@@ -54,7 +54,8 @@ def linearize(smoke: bool, work: Path) -> None:
     size = ["--smoke"] if smoke else ["--steps", "1500", "--layers", "4", "--width", "128"]
     subprocess.run([sys.executable, str(Path(__file__).with_name("train_tiny_llama.py")), "--out-dir", str(softmax), *size], check=True)
     steps = ["--transfer-steps", "2", "--finetune-steps", "2", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1"] if smoke else []
-    code = cli.main(["linearize", str(softmax), "--out-dir", str(run), "--attention", "flt:near_field=16",
+    # The tiny Llama was trained on bytes and saved without a tokenizer: --bytes says so.
+    code = cli.main(["linearize", str(softmax), "--out-dir", str(run), "--attention", "flt:near_field=16", "--bytes",
                      *steps, "--threads", "1", "--no-progress", "--no-plots"])
     if code:
         raise SystemExit(code)
