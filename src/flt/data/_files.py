@@ -178,3 +178,19 @@ def _npy_declared_bytes(member: IO[bytes]) -> int | None:
     for n in shape:
         count *= n
     return count * dtype.itemsize
+
+
+def torch_load_error(error: BaseException) -> str:
+    """What a failed ``torch.load(..., weights_only=True)`` says, on one line: for a refused
+    pickle, only the global it refused (torch's text spans lines, holds terminal escape
+    codes, and advises loading the file without ``weights_only``, which would run its code);
+    otherwise the error's type and :func:`one_line` text."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        # What follows the marker is the reason, then advice this message leaves out.
+        reason = re.split(r"Check the documentation|Please use", text.split("WeightsUnpickler error:", 1)[1])[0]
+        reason = one_line(reason).rstrip(". ")
+        return "torch.load with weights_only=True refused to unpickle it" + (f" ({reason})" if reason else "")
+    return f"{type(error).__name__}: {one_line(text) or f'{type(error).__name__} without a message'}"
