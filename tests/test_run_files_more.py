@@ -154,7 +154,7 @@ def test_a_fifo_among_a_converted_models_safetensors_is_refused_before_loading(t
     config.update(model_type="llama", architectures=["LlamaForCausalLM"])  # a folder of the earlier layout
     config_file.write_text(json.dumps(config))
     os.mkfifo(tmp_path / "extra.safetensors")
-    with no_hang(tmp_path / "extra.safetensors"), pytest.raises(DataError, match=r"model file .*extra\.safetensors is a FIFO \(named pipe\), not a regular file"):
+    with no_hang(tmp_path / "extra.safetensors"), pytest.raises(ValueError, match=r"model file .*extra\.safetensors is a FIFO \(named pipe\), not a regular file"):
         from_pretrained(tmp_path)
     (tmp_path / "extra.safetensors").unlink()
     config_file.write_text(DEEP)

@@ -50,8 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
 from flt._checks import check_choice
-from flt._io import read_json_file
-from flt.data._files import regular_files
+from flt._io import read_json_file, regular_files
 from flt.functional import AttentionCore
 
 #: The name of flt's attention implementation in ``transformers``' registries.
