@@ -260,6 +260,39 @@ def confined_path(folder: str, name: object, what: str, error: type[ValueError] 
     return path
 
 
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words: ``"a FIFO"``, ``"a directory"``, ..."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def regular_files(folder: str, suffixes: tuple[str, ...], what: str, error: type[ValueError] = ValueError) -> list[str]:
+    """Sorted full paths of the entries of ``folder`` whose names end with one of
+    ``suffixes`` (case-insensitive) and do not start with a dot. An entry with such a name
+    that is not a regular file (a FIFO, a device, a socket, a directory, a broken link) is
+    refused with ``error`` (a ``ValueError``) naming it and ``what`` it was meant as:
+    opening a FIFO to read it would block until a writer came, and the others would fail
+    later without a name. Links to regular files are regular files here (a Hugging Face
+    cache folder is made of them)."""
+    found = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.lower().endswith(suffixes):
+                continue
+            try:
+                mode = entry.stat().st_mode  # follows links: a link to a regular file is one
+            except FileNotFoundError:
+                raise error(f"{what} {entry.path} is a broken link; flt reads only regular files") from None
+            if not stat.S_ISREG(mode):
+                raise error(f"{what} {entry.path} is {file_kind(mode)}, not a regular file; "
+                            "flt reads only regular files (remove or rename it)")
+            found.append(entry.path)
+    return sorted(found)
+
+
 #: How deeply JSON that flt reads may nest: its own files nest a few levels; a document
 #: nested thousands deep is crafted, and would end in a RecursionError where it is read
 #: or used.

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import torch
 
+from flt._io import atomic_savefig
 from flt.layers import FLTAttention
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
 from flt.relative.spectra import SAMPLERS, SPECTRA
@@ -328,5 +329,5 @@ def plot_masks(path: str | os.PathLike, names: Sequence[str] | None = None, R: i
     axes[0][0].legend(fontsize=7)
     axes[0][0].set_ylabel("f(offset): exact and a.c")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, os.fspath(path), dpi=110)
     plt.close(fig)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from flt._io import atomic_savefig
 from flt.bench.approx import AttentionError, MaskError, attention_errors
 
 if TYPE_CHECKING:
@@ -80,5 +81,5 @@ def plot_convergence(masks: list[MaskError], sweeps: dict[str, list[AttentionErr
         ax.set_ylabel("relative output error")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, os.fspath(path), dpi=110)
     plt.close(fig)

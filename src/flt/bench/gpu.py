@@ -30,6 +30,7 @@ from typing import cast
 
 import torch
 
+from flt._io import atomic_savefig
 from flt.bench.flops import floor_ratio, model_flops
 from flt.bench.variants import SHAPES, VARIANTS
 
@@ -309,5 +310,5 @@ def plot(data: dict, path: str | os.PathLike) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, os.fspath(path), dpi=120)
     plt.close(fig)

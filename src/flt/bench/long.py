@@ -38,6 +38,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, cast
 
+from flt._io import atomic_savefig, atomic_write_text
+from flt.bench import write_json
+
 if TYPE_CHECKING:  # torch is imported after the worker's memory limit is set
     from flt.models import CausalLM
 
@@ -237,7 +240,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic_savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -285,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = decode_speed(m, n, args.new_tokens, args.threads)
                 results.append(r)
                 print(json.dumps(r), flush=True)
-                with open(os.path.join(args.out, "decode.json"), "w") as fh:
-                    json.dump(results, fh, indent=1)
+                write_json(os.path.join(args.out, "decode.json"), results)
         return 0
     rows, failures = [], []
     load_before = _load_average()
@@ -304,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(f"{m} N={n}: {row['ms_per_step']:.0f} ms/step (spread {row['spread']:.0%}), peak {row['peak_mib']:.0f} MiB", flush=True)
-            with open(os.path.join(args.out, "long.json"), "w") as fh:
-                json.dump(rows, fh, indent=1)
+            write_json(os.path.join(args.out, "long.json"), rows)
             if row["ms_per_step"] > 1000 * args.max_step_s:
                 break
     load = "load average (1 min) " + (f"{load_before:.1f} before, {_load_average():.1f} after"
@@ -313,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"longlm small model, batch {args.batch}, {args.threads} thread(s), float32, training step "
               f"(forward, loss, backward, AdamW); {load}; `python -m flt.bench.long {' '.join(argv or sys.argv[1:])}`")
     text = report(rows, header) + "".join(f"- failed: {f}\n" for f in failures)
-    with open(os.path.join(args.out, "long.md"), "w") as fh:
-        fh.write(text)
+    atomic_write_text(os.path.join(args.out, "long.md"), text)
     plot(rows, os.path.join(args.out, "long.png"),
          f"longlm small model (2 layers, width 64), batch {args.batch}, CPU, {args.threads} thread(s); {load}")
     print(text)

@@ -18,6 +18,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from flt._io import atomic_savefig
 from flt.bench.flops import floor_ratio, model_flops
 from flt.bench.measure import timing_flags
 from flt.bench.variants import SHAPES, VARIANTS
@@ -489,5 +490,5 @@ def plot(data: dict, path: str | os.PathLike) -> None:
             if axes[row][col].get_legend_handles_labels()[0]:  # a mode may have no series
                 axes[row][col].legend(fontsize=6, title="fitted exponent in (); red x: unreliable timing", title_fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_savefig(fig, os.fspath(path), dpi=110)
     plt.close(fig)

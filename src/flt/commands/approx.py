@@ -12,10 +12,11 @@ and the k-nearest-keys near set (``flt:near_neighbors=k``); writes spatial.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from flt.bench import write_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,9 +57,8 @@ def run(args: argparse.Namespace) -> int:
     plot = out / "masks.png"
     if plots:
         approx.plot_masks(plot)
-    (out / "approx.json").write_text(
-        json.dumps({"masks": [asdict(r) for r in masks], "favor_scales": [asdict(r) for r in scales], "attention": [asdict(r) for r in attn]}, indent=1)
-    )
+    write_json(out / "approx.json", {"masks": [asdict(r) for r in masks], "favor_scales": [asdict(r) for r in scales],
+                                     "attention": [asdict(r) for r in attn]})
     saved = f"{plot} and {out / 'approx.json'}" if plots else str(out / "approx.json")
     print(f"\nsaved {saved} ({time.perf_counter() - t0:.1f} s)")
     return 0
@@ -73,6 +73,6 @@ def run_spatial(args: argparse.Namespace, out: Path, t0: float) -> int:
     print("## A Gaussian bump f(0) exp(-|Delta|^2 / 2) on point sets of unit spacing: relative error of FLTAttention")
     print("## against its exact(), and against softmax with the bump on every pair (full_mask_error); dim 128, 2 heads\n")
     print(approx.markdown_table(rows))
-    (out / "spatial.json").write_text(json.dumps({"spatial": [asdict(r) for r in rows]}, indent=1))
+    write_json(out / "spatial.json", {"spatial": [asdict(r) for r in rows]})
     print(f"\nsaved {out / 'spatial.json'} ({time.perf_counter() - t0:.1f} s)")
     return 0

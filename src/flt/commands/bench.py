@@ -10,11 +10,14 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from flt._io import atomic_write_text, dumps_json, open_append_text
+from flt.bench import finite_or_null, write_json
 
 SPEED_DESCRIPTION = """\
 Time and peak memory of every attention variant of a preset, over named shapes and
@@ -114,9 +117,9 @@ def run_speed(args: argparse.Namespace) -> int:
         + ([f"--allocator {args.allocator}"] if args.allocator != "keep" else [])
     )
     data["elapsed_s"] = time.perf_counter() - t0
-    (out / "speed.json").write_text(json.dumps(data, indent=1))
+    write_json(out / "speed.json", data)
     text = report.markdown(data, data["command"])
-    (out / "speed.md").write_text(text)
+    atomic_write_text(str(out / "speed.md"), text)
     if plots:
         report.plot(data, out / "speed.png")
     print()
@@ -166,9 +169,14 @@ def run_speed_cuda(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(out / "speed-cuda.jsonl", "w", encoding="utf-8") as partial:
+    partial_path = str(out / "speed-cuda.jsonl")
+    if os.path.lexists(partial_path) and (os.path.islink(partial_path) or not os.path.isdir(partial_path)):
+        # An earlier run's file is replaced, as the atomic writes replace theirs: its name
+        # is removed (a link, not what it points to; one name of a hard-linked file).
+        os.unlink(partial_path)
+    with open_append_text(partial_path, "partial results file") as partial:
         def keep(result: dict) -> None:  # each result on disk as it comes: a stopped run keeps what it measured
-            partial.write(json.dumps(result) + "\n")
+            partial.write(dumps_json(finite_or_null(result), partial_path) + "\n")
             partial.flush()
 
         data = gpu.run(**options, on_result=keep)
@@ -176,9 +184,9 @@ def run_speed_cuda(args: argparse.Namespace) -> int:
                                 "--lengths", *map(str, options["lengths"]), "--precisions", *options["precisions"],
                                 "--modes", *options["modes"], "--shapes", options["shape"]])
     data["elapsed_s"] = time.perf_counter() - t0
-    (out / "speed-cuda.json").write_text(json.dumps(data, indent=1))
+    write_json(out / "speed-cuda.json", data)
     text = gpu.markdown(data, data["command"])
-    (out / "speed-cuda.md").write_text(text)
+    atomic_write_text(str(out / "speed-cuda.md"), text)
     if plots:
         gpu.plot(data, out / "speed-cuda.png")
     print()
@@ -225,8 +233,9 @@ def run_approx(args: argparse.Namespace) -> int:
         approx.markdown_table(fidelity), "",
     ]
     text = "\n".join(lines)
-    (out / "approx.md").write_text(text)
-    (out / "approx.json").write_text(json.dumps({"masks": [asdict(r) for r in masks], "fidelity": [asdict(r) for r in fidelity], **{k: [asdict(r) for r in v] for k, v in sweeps.items()}}, indent=1))
+    atomic_write_text(str(out / "approx.md"), text)
+    write_json(out / "approx.json", {"masks": [asdict(r) for r in masks], "fidelity": [asdict(r) for r in fidelity],
+                                     **{k: [asdict(r) for r in v] for k, v in sweeps.items()}})
     if plots:
         convergence.plot_convergence(masks, sweeps, out / "approx.png")
     print(text)

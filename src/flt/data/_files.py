@@ -18,6 +18,8 @@ import os
 import stat
 from typing import IO, Any
 
+from flt._io import file_kind, regular_files as _regular_files
+
 from .errors import DataError, MissingDataError
 
 
@@ -26,15 +28,6 @@ def one_line(error: object, width: int = 200) -> str:
     message may span lines (a traceback excerpt, an array's repr)."""
     text = " ".join(str(error).split())
     return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def file_kind(mode: int) -> str:
-    """What a ``st_mode`` is, in words: ``"a FIFO"``, ``"a directory"``, ..."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def open_regular(path: str | os.PathLike, what: str, *, encoding: str | None = None, newline: str | None = None) -> IO[Any]:
@@ -64,25 +57,8 @@ def open_regular(path: str | os.PathLike, what: str, *, encoding: str | None = N
 
 
 def regular_files(folder: str, suffixes: tuple[str, ...], what: str) -> list[str]:
-    """Sorted full paths of the entries of ``folder`` whose names end with one of
-    ``suffixes`` (case-insensitive) and do not start with a dot. An entry with such a name
-    that is not a regular file (a FIFO, a device, a socket, a directory, a broken link) is
-    refused with a :class:`DataError` naming it: it was meant as data, and opening it
-    could block or fail later without a name."""
-    found = []
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if entry.name.startswith(".") or not entry.name.lower().endswith(suffixes):
-                continue
-            try:
-                mode = entry.stat().st_mode  # follows links: a link to a regular file is one
-            except FileNotFoundError:
-                raise DataError(f"{what} {entry.path} is a broken link; data files must be regular files") from None
-            if not stat.S_ISREG(mode):
-                raise DataError(f"{what} {entry.path} is {file_kind(mode)}, not a regular file; "
-                                "data files must be regular files (remove or rename it)")
-            found.append(entry.path)
-    return sorted(found)
+    """:func:`flt._io.regular_files`, refusing with a :class:`DataError`."""
+    return _regular_files(folder, suffixes, what, DataError)
 
 
 def check_file_memory(path: str, nbytes: float, what: str, *, detail: str = "", hint: str = "") -> None:
@@ -178,3 +154,19 @@ def _npy_declared_bytes(member: IO[bytes]) -> int | None:
     for n in shape:
         count *= n
     return count * dtype.itemsize
+
+
+def torch_load_error(error: BaseException) -> str:
+    """What a failed ``torch.load(..., weights_only=True)`` says, on one line: for a refused
+    pickle, only the global it refused (torch's text spans lines, holds terminal escape
+    codes, and advises loading the file without ``weights_only``, which would run its code);
+    otherwise the error's type and :func:`one_line` text."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        # What follows the marker is the reason, then advice this message leaves out.
+        reason = re.split(r"Check the documentation|Please use", text.split("WeightsUnpickler error:", 1)[1])[0]
+        reason = one_line(reason).rstrip(". ")
+        return "torch.load with weights_only=True refused to unpickle it" + (f" ({reason})" if reason else "")
+    return f"{type(error).__name__}: {one_line(text) or f'{type(error).__name__} without a message'}"

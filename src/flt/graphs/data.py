@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from flt._checks import check_positive_int
-from flt.data._files import check_file_size, open_regular
+from flt.data._files import check_file_size, open_regular, torch_load_error
 from flt.data.errors import DataError
 
 #: Node ids must fit int64.
@@ -260,8 +260,7 @@ def load_pyg(path: str | os.PathLike, *, name: str | None = None) -> Graph:
         with torch.serialization.safe_globals(_pyg_safe_globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (pickle raises many types; all mean "not a usable file")
-        # An empty file fails with an empty message: say so rather than index into nothing.
-        why = (str(e).splitlines() or [f"{type(e).__name__} (the file is {os.path.getsize(path)} bytes)"])[0]
+        why = torch_load_error(e)
         raise DataError(f"{path} is not a torch.save file of a PyG Data object or dict that loads with weights_only=True: "
                         f"{why}") from None
     fields = obj.to_dict() if hasattr(obj, "to_dict") and not isinstance(obj, dict) else obj

@@ -50,6 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.utils import logging
 
 from flt._checks import check_choice
+from flt._io import read_json_file, regular_files
 from flt.functional import AttentionCore
 
 #: The name of flt's attention implementation in ``transformers``' registries.
@@ -437,6 +438,9 @@ def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
     directory = Path(directory)
     _register_saved_family(directory)
     config = AutoConfig.from_pretrained(directory)
+    # Before anything opens them: a FIFO named *.safetensors would block the load forever.
+    # Links to regular files are read (a Hugging Face cache folder is made of them).
+    weight_files = regular_files(str(directory), (".safetensors",), "model file")
     settings = getattr(config, CONFIG_KEY, None)
     if not settings:
         raise ValueError(f"{directory} holds no flt settings (config.{CONFIG_KEY}); it was not saved after flt.integrations.transformers.convert")
@@ -451,7 +455,7 @@ def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
     settings = dict(settings)
     convert(model, settings.pop("attention"), **settings)
     cores = {}
-    for file in sorted(directory.glob("*.safetensors")):
+    for file in weight_files:
         cores.update({k: t for k, t in load_file(file).items() if ".flt_core." in k})
     expected = {k for k in model.state_dict() if ".flt_core." in k}
     missing = expected - set(cores)
@@ -465,15 +469,16 @@ def from_pretrained(directory: str | Path, **kwargs: Any) -> PreTrainedModel:
 def _register_saved_family(directory: Path) -> None:
     """Register the converted classes of the family a folder's ``config.json`` names
     (``flt_<model_type>``), when it is one this process has not registered."""
-    import json
-
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        model_type = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # AutoConfig names what is wrong with the folder
+        # Bounded depth, and a FIFO refused unopened: AutoConfig, which reads it next,
+        # would hang on a FIFO or end in a RecursionError on deep nesting.
+        config = read_json_file(str(directory / "config.json"))
+    except OSError:
+        return  # AutoConfig names what is missing from the folder
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str) or not model_type.startswith(MODEL_TYPE_PREFIX) or model_type in CONFIG_MAPPING:
         return
     base = model_type[len(MODEL_TYPE_PREFIX):]

@@ -124,12 +124,15 @@ def _own_checkpoints_dir(run_dir: str) -> str:
 
 
 def _prune(root: str, keep: int, current: str) -> None:
-    steps = sorted(n for n in os.listdir(root) if _STEP_DIR.match(n))
+    # Only this run's own step directories count and are deleted: a link named step-* (to a
+    # folder inside the run or out of it) takes no place among the kept ones, and neither
+    # the link nor what it points to is deleted.
+    steps = _step_dirs(root)
     for old in steps[:-keep] if keep > 0 else steps:
         if old != current:
             discard_dir(os.path.join(root, old))
     for n in os.listdir(root):
-        if n.startswith(".step-") and n.endswith(".tmp"):
+        if n.startswith(".step-") and n.endswith(".tmp") and _own_dir(os.path.join(root, n)):
             # A temporary directory of a killed run: never complete, never referenced.
             shutil.rmtree(os.path.join(root, n))
 
@@ -140,11 +143,17 @@ def has_checkpoint(run_dir: str) -> bool:
     return os.path.exists(os.path.join(root, LATEST)) or bool(_step_dirs(root))
 
 
+def _own_dir(path: str) -> bool:
+    """True if ``path`` is a directory itself, not a link to one."""
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
 def _step_dirs(root: str) -> list[str]:
-    """Names of the ``step-*`` directories in ``root``, oldest first."""
+    """Names of the ``step-*`` directories in ``root``, oldest first: directories of the
+    run itself, not links to directories (which may lie outside the run)."""
     if not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.isdir(os.path.join(root, n)))
+    return sorted(n for n in os.listdir(root) if _STEP_DIR.match(n) and _own_dir(os.path.join(root, n)))
 
 
 def _note(message: str) -> None:
@@ -320,8 +329,9 @@ def load_trainer_state(ckpt: str, step: int | None = None) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, RecursionError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"checkpoint file {path} is corrupt: {type(e).__name__}: {first}") from None
+        from flt.data._files import torch_load_error
+
+        raise CheckpointError(f"checkpoint file {path} is corrupt: {torch_load_error(e)}") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a trainer state (a dict)")
     if step is not None and state.get("step") != step:

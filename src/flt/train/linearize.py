@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn.functional as F
 
+from flt._io import atomic_savefig, atomic_write_json, read_json_file
 from flt.tasks.base import step_generator
 
 if TYPE_CHECKING:
@@ -174,10 +175,15 @@ def load_text(path: str | None, valid_fraction: float = 0.1) -> tuple[bytes, byt
 
         splits = load_python_docs()
         return splits.train, splits.valid, "python-docs"
+    from flt.data._files import read_regular
+    from flt.data.text import TEXT_BYTES_PER_BYTE
+
     file = Path(path)
-    if not file.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"--data {path}: no such file (expected a UTF-8 text file)")
-    data = file.read_bytes()
+    # A FIFO or device is refused before it is read (reading a FIFO waits for a writer), and
+    # the size is checked against FLT_MEMORY_LIMIT before the bytes are.
+    data = read_regular(path, "--data file", bytes_per_byte=TEXT_BYTES_PER_BYTE, hint="use a smaller --data file")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -315,10 +321,7 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     if not config_file.is_file():
         raise ValueError(f"MODEL_DIR {model_dir} is not a transformers checkpoint: it has no config.json "
                          "(write one with model.save_pretrained)")
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"MODEL_DIR {model_dir}: config.json is not JSON ({err})") from None
+    config = read_json_file(str(config_file), f"MODEL_DIR {model_dir}: config.json")
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(f"MODEL_DIR {model_dir} is not a transformers checkpoint: its config.json has no model_type")
     if config.get(CONFIG_KEY):
@@ -691,13 +694,11 @@ def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tup
 
 
 def _write_run_json(r: _Run, teacher: PreTrainedModel, student: PreTrainedModel) -> None:
-    from flt._io import atomic_write_text
-
     info = {**r.record, "parameters": sum(p.numel() for p in student.parameters()),
             "softmax_parameters": sum(p.numel() for p in teacher.parameters()), "model_type": teacher.config.model_type,
             "device": str(r.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version()}
-    atomic_write_text(os.path.join(r.out_dir, "run.json"), json.dumps(info, indent=2, sort_keys=True))
+    atomic_write_json(os.path.join(r.out_dir, "run.json"), info, indent=2, sort_keys=True)
 
 
 def _evaluate(r: _Run, model: PreTrainedModel) -> dict[str, float]:
@@ -839,7 +840,6 @@ def _checkpoint(r: _Run, step: int) -> None:
 def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     """``summary.json`` from the records (a resumed run has the earlier ones too), the
     linearised model in ``model/`` and the plot."""
-    from flt._io import atomic_write_text
     from flt.train.loop import peak_memory_mib
     from flt.train.metrics import read_metrics
 
@@ -852,6 +852,13 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
     ppl = {"softmax": softmax[METRIC], "converted": valid[0][METRIC],
            "transferred": valid[c.transfer_steps][METRIC] if c.transfer_steps else None,
            "finetuned": valid[c.steps][METRIC] if c.finetune_steps else None}
+    bad = {k: v for k, v in ppl.items() if v is not None and not math.isfinite(v)}
+    if bad:
+        from flt.train.loop import TrainingDiverged
+
+        raise TrainingDiverged(f"the validation perplexity {', '.join(f'{k} is {v}' for k, v in bad.items())} in {r.out_dir} "
+                               "(not a finite number; summary.json is not written); lower the learning rates, or check "
+                               "the model's and the text's scale")
     final = ppl["finetuned"] if ppl["finetuned"] is not None else ppl["transferred"]
     times = {stage: [t for i, t in enumerate(r.step_times, 1) if c.stage(i) == stage] for stage in ("transfer", "finetune")}
     memory, memory_kind = peak_memory_mib(r.device)
@@ -866,7 +873,7 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
         "train_time_s": sum(r.step_times), "wall_time_s": time.perf_counter() - wall_start,
         "peak_memory_mib": memory, "memory_kind": memory_kind, "device": str(r.device),
     }
-    atomic_write_text(os.path.join(r.out_dir, "summary.json"), json.dumps(summary, indent=2, sort_keys=True))
+    atomic_write_json(os.path.join(r.out_dir, "summary.json"), summary, indent=2, sort_keys=True)
     _save_model(r)
     if plots:
         plot_linearization(records, os.path.join(r.out_dir, "learning_curves.png"), transfer_steps=c.transfer_steps,
@@ -928,5 +935,5 @@ def plot_linearization(records: list[dict[str, Any]], out_path: str, *, transfer
             ax.axvline(transfer_steps, color="grey", ls=":", lw=1)
     if title:
         fig.suptitle(title)
-    fig.savefig(out_path)
+    atomic_savefig(fig, out_path)
     return fig

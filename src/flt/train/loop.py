@@ -627,6 +627,20 @@ def _progress_bar(r: Run) -> tqdm:
     return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
 
 
+def uses_attention(cfg: Any) -> bool:
+    """Whether the model ``cfg`` describes is built of ``cfg.attention`` layers: a config
+    whose ``encoder`` is not a transformer (``schnet``, ``schnet+lr``, a GNN) uses neither
+    its ``attention`` nor its ``posenc``, whatever their defaults say."""
+    encoder = getattr(cfg, "encoder", None)
+    return not isinstance(encoder, str) or encoder == "transformer" or encoder.startswith("transformer+")
+
+
+def model_label(cfg: Any) -> str:
+    """The model as a run's header and plots name it: ``flt + none`` (attention +
+    positional encoding), or the encoder (``schnet+lr``) of a model without attention."""
+    return f"{cfg.attention} + {cfg.posenc}" if uses_attention(cfg) else str(cfg.encoder)
+
+
 def _announce(r: Run, origin: Origin, say: _Printer) -> None:
     """The first lines: notes about the checkpoint, an extension, what trains where."""
     run = r.preset.run
@@ -637,7 +651,7 @@ def _announce(r: Run, origin: Origin, say: _Printer) -> None:
             f"{r.start + 1}..{run.steps} follows the {run.steps}-step schedule")
     if origin.checkpoint is None and origin.init is not None:
         say(f"initialised from the weights of {origin.init['checkpoint']} (step {origin.init['step']} of that run)")
-    say(f"{r.preset.task}: {r.model_cfg.attention} + {r.model_cfg.posenc}, {r.parameters:,} parameters, "
+    say(f"{r.preset.task}: {model_label(r.model_cfg)}, {r.parameters:,} parameters, "
         f"{r.ctx.world} process(es) on {r.ctx.device}, steps {r.start + 1}..{run.steps}")
 
 
@@ -799,7 +813,7 @@ def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap:
     run, ctx = r.preset.run, r.ctx
     memory, memory_kind = peak_memory_mib(ctx.device)
     summary = {
-        "task": r.preset.task, "attention": r.model_cfg.attention, "posenc": r.model_cfg.posenc, "seed": run.seed,
+        "task": r.preset.task, **_mechanism(r.model_cfg), "seed": run.seed,
         "steps": run.steps, "metric": r.task.metric, "final": last_valid, "parameters": r.parameters,
         "time_per_step_s": statistics.median(step_times[1:] or step_times) if step_times else None,
         "train_time_s": sum(step_times), "wall_time_s": time.perf_counter() - wall_start,
@@ -811,13 +825,23 @@ def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap:
     return summary
 
 
+def _mechanism(cfg: Any) -> dict[str, Any]:
+    """The summary's record of the model: its ``attention`` and ``posenc`` (null for a
+    model without attention layers), and its ``model`` (the encoder) where the config names one."""
+    used = uses_attention(cfg)
+    record: dict[str, Any] = {"attention": cfg.attention if used else None, "posenc": cfg.posenc if used else None}
+    if isinstance(getattr(cfg, "encoder", None), str):
+        record["model"] = cfg.encoder
+    return record
+
+
 def _plots(r: Run) -> list[str]:
     """Write the PNG plots; returns their file names."""
     # matplotlib is an optional dependency, imported only when plots are wanted.
     from flt.train.plots import plot_learning_curves, plot_rpe_functions
 
     task, cfg = r.task, r.model_cfg
-    title = f"{task.name}: {cfg.attention} + {cfg.posenc}"
+    title = f"{task.name}: {model_label(cfg)}"
     plot_learning_curves(os.path.join(r.out_dir, "metrics.jsonl"), os.path.join(r.out_dir, "learning_curves.png"),
                          metric=task.metric, title=title, task=task.name)
     saved = ["learning_curves.png"]
