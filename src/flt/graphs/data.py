@@ -261,6 +261,8 @@ def load_pyg(path: str | os.PathLike, *, name: str | None = None) -> Graph:
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (pickle raises many types; all mean "not a usable file")
         why = torch_load_error(e)
+        if not str(e).strip():  # an error without a message (EOFError of an empty file): say how big the file is
+            why = f"{why} (the file is {os.path.getsize(path)} bytes)"
         raise DataError(f"{path} is not a torch.save file of a PyG Data object or dict that loads with weights_only=True: "
                         f"{why}") from None
     fields = obj.to_dict() if hasattr(obj, "to_dict") and not isinstance(obj, dict) else obj
