@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_run_safety import run_quietly, tiny_lm
+from test_run_safety import finished_run, run_quietly, tiny_lm
 
 from flt._io import JSONError, loads_json, read_json_file
 from flt.cli import main
@@ -32,14 +32,7 @@ SMOKE = ["--preset", "smoke", "--no-progress", "--threads", "1"]
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished 4-step run: checkpoints at steps 3 and 4."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_quietly(tiny_lm(steps=4), out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return finished_run(tmp_path_factory)
 
 
 @pytest.fixture

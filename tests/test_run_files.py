@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_run_safety import run_quietly, tiny_lm
+from test_run_safety import finished_run, run_quietly, tiny_lm
 
 import flt
 from flt._io import atomic_savefig, atomic_write_json, dumps_json, open_append_text, open_own_file
@@ -32,14 +32,7 @@ NOTES = "the user's notes\n"
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished 4-step run (checkpoints at steps 3 and 4) that tests copy."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_quietly(tiny_lm(steps=4), out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
+    return finished_run(tmp_path_factory)
 
 
 def outside_file(tmp_path: Path) -> Path:

@@ -455,3 +455,16 @@ def test_atomic_dir_replaces_a_left_directory_and_leaves_nothing_on_failure(tmp_
         atomic_dir(str(tmp_path), "out", fail)
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary left
     assert sorted(os.listdir(final)) == ["new.txt"]  # the old directory untouched
+
+
+def finished_run(tmp_path_factory) -> Path:
+    """A finished 4-step tiny run (checkpoints at steps 3 and 4), trained on one thread, for
+    the run-file tests to copy."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_quietly(tiny_lm(steps=4), out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
