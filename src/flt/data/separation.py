@@ -85,20 +85,14 @@ def min_separation(cluster_particles: int) -> float:
     return 2.0 * cluster_radius(cluster_particles) + MIN_GAP
 
 
-def coulomb_energy(pos: torch.Tensor, charge: torch.Tensor, softening: float, chunk: int = 256) -> torch.Tensor:
-    """``E = sum_{i < j} q_i q_j / sqrt(r_ij^2 + softening^2)`` in float64:
-    ``pos [S, N, 3], charge [S, N] -> [S]``; ``chunk`` systems at a time (memory
-    ``O(chunk N^2)``)."""
-    pos, charge = pos.double(), charge.double()
-    out = torch.empty(pos.shape[0], dtype=torch.float64)
-    n = pos.shape[1]
-    off_diagonal = ~torch.eye(n, dtype=torch.bool)
-    for start in range(0, pos.shape[0], chunk):
-        p, q = pos[start : start + chunk], charge[start : start + chunk]
-        r = torch.cdist(p, p)
-        g = torch.where(off_diagonal, 1.0 / torch.sqrt(r * r + softening * softening), 0.0)
-        out[start : start + chunk] = 0.5 * torch.einsum("si,sij,sj->s", q, g, q)
-    return out
+def coulomb_energy(pos: torch.Tensor, charge: torch.Tensor, softening: float,
+                   potential: torch.Tensor | None = None) -> torch.Tensor:
+    """``E = sum_{i < j} q_i q_j / sqrt(r_ij^2 + softening^2) = 1/2 sum_i q_i phi_i`` in
+    float64, ``phi`` the bare potential of :func:`flt.data.nbody.yukawa_potential` (pass it
+    as ``potential`` when it is already computed): ``pos [S, N, 3], charge [S, N] -> [S]``."""
+    if potential is None:
+        potential = yukawa_potential(pos, charge, None, softening)
+    return 0.5 * (charge.double() * potential.double()).sum(-1)
 
 
 def interaction_energy(pos_a: torch.Tensor, charge_a: torch.Tensor, pos_b: torch.Tensor, charge_b: torch.Tensor,
@@ -178,11 +172,11 @@ def generate_pairs(num_systems: int, cluster_particles: int, *, seed: int, split
     # The energies of the positions as stored (float32), so a target is exact for its input.
     pos = pos.float().double()
     charge_t = torch.from_numpy(charge)
-    energy = coulomb_energy(pos, charge_t, softening)
+    potential = yukawa_potential(pos, charge_t, None, softening)
+    energy = coulomb_energy(pos, charge_t, softening, potential)
     energy_a = coulomb_energy(pos[:, :n], charge_t[:, :n], softening)
     energy_b = coulomb_energy(pos[:, n:], charge_t[:, n:], softening)
     interaction = interaction_energy(pos[:, :n], charge_t[:, :n], pos[:, n:], charge_t[:, n:], softening)
-    potential = yukawa_potential(pos, charge_t, None, softening)
     return Pairs(pos.float(), charge_t.float(), potential.float(), energy.float(), energy_a.float(), energy_b.float(),
                  interaction.float(), separation_t.float(), direction_t.float(), torch.from_numpy(beyond))
 
