@@ -248,18 +248,28 @@ def test_the_exact_control_is_an_option_of_the_block():
         torch.testing.assert_close(fast(clouds.charge, clouds.pos, exact=True), exact(clouds.charge, clouds.pos))
 
 
-def test_the_cloud_radius_graph_is_every_close_pair_of_one_cloud_in_any_row_chunks():
+@pytest.mark.parametrize(("clouds", "particles", "spread", "cutoff"), [(3, 11, 2.0, 2.5), (2, 300, 4.0, 1.0), (1, 50, 0.1, 5.0)])
+def test_the_cloud_radius_graph_is_every_close_pair_of_one_cloud(clouds, particles, spread, cutoff):
+    """The cell list against every pair's distance (and against the molecule task's radius
+    graph): the same ordered pairs, sorted by i then j, the same distances and gradients."""
     from flt.models.particles import cloud_radius_graph
     from flt.models.qm9 import radius_graph
 
-    pos = torch.randn(3, 11, 3) * 2
-    batch = torch.arange(3).repeat_interleave(11)
-    expected, dist = radius_graph(pos.reshape(-1, 3), batch, 2.5)
-    for rows in (1, 4, 64):
-        edges, d = cloud_radius_graph(pos, 2.5, rows=rows)
-        assert set(map(tuple, edges.t().tolist())) == set(map(tuple, expected.t().tolist())) and edges.shape == expected.shape
-        order, ref_order = torch.argsort(edges[0] * 100 + edges[1]), torch.argsort(expected[0] * 100 + expected[1])
-        torch.testing.assert_close(d[order], dist[ref_order])
+    torch.manual_seed(0)
+    pos = (torch.randn(clouds, particles, 3, dtype=torch.float64) * spread).requires_grad_()
+    flat = pos.reshape(-1, 3)
+    same_cloud = torch.arange(clouds).repeat_interleave(particles)
+    dist = (flat[:, None] - flat[None]).norm(dim=-1)
+    close = (dist < cutoff) & (same_cloud[:, None] == same_cloud[None]) & ~torch.eye(len(flat), dtype=torch.bool)
+    expected = close.nonzero().t()  # row-major: sorted by i then j
+    edges, d = cloud_radius_graph(pos, cutoff)
+    assert torch.equal(edges, expected)
+    reference = (flat[expected[0]] - flat[expected[1]]).norm(dim=-1)
+    torch.testing.assert_close(d, reference)
+    (grad,), (ref_grad,) = torch.autograd.grad(d.sum(), pos), torch.autograd.grad(reference.sum(), pos)
+    torch.testing.assert_close(grad, ref_grad)
+    molecule, _ = radius_graph(flat.detach(), same_cloud, cutoff)
+    assert set(map(tuple, edges.t().tolist())) == set(map(tuple, molecule.t().tolist()))
 
 
 @pytest.mark.usefixtures("isolated_cli")

@@ -118,23 +118,40 @@ class ParticleRegressor(nn.Module):
         return self.target_mean + self.target_std * self.head(x).squeeze(-1)
 
 
-def cloud_radius_graph(pos: torch.Tensor, cutoff: float, *, rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def cloud_radius_graph(pos: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(edge_index [2, E], distance [E])`` of every ordered pair ``(i, j)``, ``i != j``, of
     particles of one cloud closer than ``cutoff``, for clouds ``pos [B, N, 3]`` (flat
-    indices ``b N + i``). The distances of ``rows`` query rows at a time, so memory stays
-    ``O(B rows N)`` on large clouds; distances are recomputed from the positions so
-    gradients reach them."""
+    indices ``b N + i``), sorted by ``i`` then ``j``.
+
+    A cell list: particles are binned in cubes of side ``cutoff`` and each is compared with
+    the particles of its own and the 26 neighbouring cubes only, so time and memory grow
+    like ``N`` at a fixed density (about ``27 density cutoff^3`` candidates per particle)
+    instead of ``N^2``. Distances are recomputed from the positions so gradients reach them.
+    """
     B, N, _ = pos.shape
     flat = pos.reshape(B * N, 3)
-    found = []
     with torch.no_grad():
-        for start in range(0, N, rows):
-            block = pos[:, start:start + rows].detach()
-            near = torch.cdist(block, pos.detach()) < cutoff  # [B, rows, N]
-            near[:, torch.arange(block.shape[1]), torch.arange(start, start + block.shape[1])] = False
-            b, i, j = near.nonzero(as_tuple=True)
-            found.append(torch.stack([b * N + start + i, b * N + j]))
-    edge_index = torch.cat(found, dim=1)
+        points = flat.detach()
+        low = pos.detach().amin(1, keepdim=True)
+        cell = torch.floor((pos.detach() - low) / cutoff).long().reshape(B * N, 3) + 1  # a margin of one cell
+        grid = cell.amax(0) + 2
+        cloud = torch.arange(B, device=pos.device).repeat_interleave(N)
+        key = ((cloud * grid[0] + cell[:, 0]) * grid[1] + cell[:, 1]) * grid[2] + cell[:, 2]
+        order = torch.argsort(key, stable=True)
+        sorted_key = key[order]
+        step = torch.tensor([-1, 0, 1], device=pos.device)
+        shift = torch.cartesian_prod(step, step, step)
+        neighbour = key[:, None] + (shift[:, 0] * grid[1] + shift[:, 1]) * grid[2] + shift[:, 2]  # [BN, 27]
+        first = torch.searchsorted(sorted_key, neighbour)
+        count = (torch.searchsorted(sorted_key, neighbour, right=True) - first).reshape(-1)
+        i = torch.arange(B * N, device=pos.device).repeat_interleave(27).repeat_interleave(count)
+        begin = first.reshape(-1).repeat_interleave(count)
+        within = torch.arange(len(i), device=pos.device) - (torch.cumsum(count, 0) - count).repeat_interleave(count)
+        j = order[begin + within]
+        keep = (i != j) & ((points[i] - points[j]).norm(dim=-1) < cutoff)
+        i, j = i[keep], j[keep]
+        canonical = torch.argsort(i * (B * N) + j)
+        edge_index = torch.stack([i[canonical], j[canonical]])
     return edge_index, (flat[edge_index[0]] - flat[edge_index[1]]).norm(dim=-1)
 
 
