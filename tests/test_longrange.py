@@ -14,6 +14,10 @@ from flt.layers.longrange import (
     LongRangeBlock,
     build_frequencies,
     check_block_options,
+    coulomb_tail,
+    coulomb_tail_quadrature,
+    gauss_legendre,
+    tail_reach,
     sphere_quadrature,
 )
 
@@ -210,6 +214,11 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
     ({"content": "softmax"}, "content"),
     ({"normalised": 1}, "normalised must be a bool"),
     ({"frequencies": "grid", "grid_spacing": 0.0}, "grid_spacing must be a positive finite number"),
+    ({"frequencies": "coulomb", "pos_dim": 2}, "pos_dim must be 3"),
+    ({"frequencies": "coulomb", "alpha": -1.0}, "alpha must be a positive finite number"),
+    ({"frequencies": "coulomb", "reach": float("inf")}, "reach must be a positive finite number"),
+    ({"frequencies": "coulomb", "alpha": 5.0, "reach": 100.0}, "alpha \\* reach = 500 needs more than"),
+    ({"frequencies": "coulomb", "num_radii": -1}, "num_radii must be a nonnegative integer"),
 ])
 def test_bad_options_are_refused_with_their_name(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -262,3 +271,86 @@ def test_phases_stay_in_float32_under_bfloat16_autocast():
     assert_close(out.float(), ref, dtype=torch.bfloat16)
     a, c = block.kernel.features(pos)
     assert a.dtype == c.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("alpha", "reach"), [(0.15, 12.0), (0.15, 30.0), (0.25, 12.0), (0.5, 6.0), (0.1, 30.0)])
+def test_coulomb_tail_quadrature_is_erf_over_r_within_its_reach(alpha, reach):
+    """The tail's cosine sum against erf(alpha r) / r, over |r| <= reach in random
+    directions, within the documented 5e-5 f(0); and it is no such thing far past reach."""
+    xi, w = coulomb_tail_quadrature(alpha, reach)
+    torch.manual_seed(0)
+    r = torch.cat([torch.linspace(0, reach, 1500, dtype=torch.float64), reach * torch.rand(500, dtype=torch.float64)])
+    d = torch.randn(len(r), 3, dtype=torch.float64)
+    delta = d / d.norm(dim=-1, keepdim=True) * r[:, None]
+    f0 = 2 * alpha / math.sqrt(math.pi)
+    rule = (torch.cos(2 * math.pi * delta @ xi.T) * w).sum(-1)
+    assert float((rule - coulomb_tail(r, alpha)).abs().max()) <= 5e-5 * f0
+    rotated = (torch.cos(2 * math.pi * (delta @ random_rotation().T) @ xi.T) * w).sum(-1)
+    assert float((rotated - rule).abs().max()) <= 1e-4 * f0
+    far = delta * 4
+    assert float(((torch.cos(2 * math.pi * far @ xi.T) * w).sum(-1) - coulomb_tail(4 * r, alpha)).abs().max()) > 1e-3 * f0
+
+
+def test_coulomb_tail_is_erf_over_r_with_its_limit_and_gradient_at_zero():
+    r = torch.tensor([0.0, 1e-5, 1e-3, 0.5, 3.0, 40.0], dtype=torch.float64, requires_grad=True)
+    alpha = 0.3
+    value = coulomb_tail(r, alpha)
+    expected = torch.tensor([2 * alpha / math.sqrt(math.pi)] + [math.erf(alpha * x) / x for x in r.tolist()[1:]],
+                            dtype=torch.float64)
+    assert_close(value, expected)
+    (grad,) = torch.autograd.grad(value.sum(), r)
+    assert bool(torch.isfinite(grad).all()) and float(grad[0]) == 0.0
+    # d/dr erf(a r)/r = 2 a exp(-a^2 r^2) / (sqrt(pi) r) - erf(a r) / r^2, away from 0
+    x = r.detach()[3:]
+    assert_close(grad[3:], 2 * alpha * torch.exp(-(alpha * x) ** 2) / (math.sqrt(math.pi) * x) - torch.erf(alpha * x) / x**2)
+    assert float(value.detach()[-1] * 40.0) == pytest.approx(1.0, abs=1e-12)  # 1 / r far out
+
+
+def test_gauss_legendre_integrates_polynomials_below_twice_its_nodes():
+    x, w = gauss_legendre(5, 0.0, 2.0)
+    assert_close((w * x**9).sum(), torch.tensor(2.0**10 / 10, dtype=torch.float64))
+    assert abs(float((w * x**10).sum()) - 2.0**11 / 11) > 1e-6
+
+
+def test_coulomb_block_sums_q_over_r_and_its_exact_path_is_the_formula():
+    """With the corrections off, one head and the projections set by hand, the exact path is
+    h_i + a sum_j erf(alpha r_ij) / r_ij h_j (j = i included, at its limit), and the fast
+    path matches it to the quadrature's bound at offsets within reach."""
+    block = LongRangeBlock(1, heads=1, frequencies="coulomb", alpha=0.2, reach=12.0, num_radii=0, tail_amplitude=0.7,
+                           prenorm=False, dtype=torch.float64)
+    with torch.no_grad():
+        for lin in (block.value, block.out):
+            lin.weight.fill_(1.0)
+            lin.bias.zero_()
+    torch.manual_seed(2)
+    pos = torch.rand(1, 40, 3, dtype=torch.float64) * 6.9  # offsets up to 6.9 sqrt(3) < 12
+    q = torch.randn(1, 40, 1, dtype=torch.float64)
+    r = (pos[0, :, None] - pos[0, None]).norm(dim=-1)
+    expected = q[0, :, 0] + 0.7 * (coulomb_tail(r, 0.2) @ q[0, :, 0])
+    assert_close(block(q, pos, exact=True)[0, :, 0], expected)
+    with torch.no_grad():
+        fast = block(q, pos)[0, :, 0]
+    assert float((fast - expected).abs().max()) <= 5e-5 * 0.7 * float(q.abs().sum()) * 2 * 0.2 / math.sqrt(math.pi)
+    assert [n for n, p in block.named_parameters() if n.startswith("kernel.")] == ["kernel.tail"]
+
+
+def test_tail_reach_is_the_smallest_rung_covering_the_offsets():
+    assert tail_reach(0.0) == 4.0 and tail_reach(4.0) == 4.0
+    assert tail_reach(4.01) == pytest.approx(4 * math.sqrt(2))
+    assert tail_reach(30.0) == pytest.approx(32.0) and tail_reach(32.0) == pytest.approx(32.0)
+
+
+@pytest.mark.parametrize("spread", [3.0, 40.0])
+def test_coulomb_reach_per_call_follows_the_set_and_matches_the_formula(spread):
+    """reach=None: one block, a small set and a set spread over ``spread`` units far from the
+    origin; both match the exact formula (float64) to the tail's bound, gradients included."""
+    block = make_block("coulomb", alpha=0.3, num_radii=2, quadrature=6, length_scale=8.0)
+    torch.manual_seed(3)
+    h = torch.randn(1, 9, DIM, dtype=torch.float64, requires_grad=True)
+    pos = (spread * torch.rand(1, 9, 3, dtype=torch.float64) + 500.0).requires_grad_()
+    out, exact = block(h, pos), block(h, pos, exact=True)
+    scale = float(exact.detach().abs().max())
+    assert float((out - exact).detach().abs().max()) <= 1e-3 * scale
+    assert_same_gradients(out, block.reference(h, pos), [h, pos])
+    used = max(block.kernel._tails)
+    assert used == tail_reach(float(2 * (pos - pos.mean(1, keepdim=True)).norm(dim=-1).max()))

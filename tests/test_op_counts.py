@@ -64,3 +64,33 @@ def test_near_neighbor_operation_count_does_not_grow_with_the_number_of_points(c
     # whose length follows N (both sizes use the cell lists: N >= SPATIAL_FROM).
     short, long = near_neighbor_ops(1024, coupling), near_neighbor_ops(4096, coupling)
     assert long <= 1.1 * short, f"{coupling}: {short} aten ops at N = 1024, {long} at N = 4096"
+
+
+def longrange_ops(n: int, frequencies: str, content: str) -> int:
+    """aten operations of one forward and backward of the long-range block on ``n`` random
+    3-D points, one padded (dim 16, 2 heads, small frequency sets)."""
+    from flt.layers.longrange import LongRangeBlock
+
+    small = {"discrete": {"num_frequencies": 8}, "radial": {"num_radii": 2, "quadrature": 4},
+             "grid": {"frequency_cutoff": 0.1}, "random": {"num_frequencies": 8},
+             "coulomb": {"num_radii": 2, "quadrature": 4, "alpha": 0.5, "reach": 2.0}}[frequencies]
+    torch.manual_seed(0)
+    block = LongRangeBlock(16, heads=2, frequencies=frequencies, content=content, num_features=4, **small)
+    h, pos = torch.randn(1, n, 16, requires_grad=True), torch.rand(1, n, 3)
+    pad = torch.zeros(1, n, dtype=torch.bool)
+    pad[0, -1] = True
+    block(h, pos, pad).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        block(h, pos, pad).sum().backward()
+    return sum(1 for event in prof.events() if event.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize("content", ["none", "favor+"])
+@pytest.mark.parametrize("frequencies", ["discrete", "radial", "grid", "random", "coulomb"])
+def test_longrange_operation_count_does_not_grow_with_the_number_of_points(frequencies, content):
+    """The block's fast path is a fixed sequence of products whatever N: no loop over points."""
+    from flt.layers.longrange import FREQUENCIES
+
+    assert frequencies in FREQUENCIES and set(FREQUENCIES) == {"discrete", "radial", "grid", "random", "coulomb"}
+    short, long = longrange_ops(32, frequencies, content), longrange_ops(256, frequencies, content)
+    assert long == short, f"{frequencies}/{content}: {short} aten ops at N = 32, {long} at N = 256"
