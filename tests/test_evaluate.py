@@ -230,3 +230,17 @@ def test_a_checkpoint_that_does_not_fit_its_own_config_is_named_as_such(molecule
         load_with_draws(model, {**state, "extra": state[key]}, {"--attn-opt": {}})
     with pytest.raises(ValueError, match=rf"^--attn-opt {{'x': 1}}: the learned tensors of the checkpoint do not fit \(reshaped: {key}\)"):
         load_with_draws(model, {**state, key: state[key][:1]}, {"--attn-opt": {"x": 1}})
+
+
+def test_statistics_that_differ_in_their_last_bits_are_the_same_model():
+    """A target spread summed with another number of threads (1.9462372055997939 against
+    ...958, seen between a 1-thread training and a 2-thread evaluation) is the same model;
+    a real change of the data is not."""
+    from flt.commands.evaluate import same_value
+
+    assert same_value(1.9462372055997939, 1.9462372055997958)
+    assert same_value({"target_std": 1.9462372055997939, "dims": [1.0, 2.0]}, {"target_std": 1.9462372055997958, "dims": [1.0, 2.0]})
+    assert not same_value(1.9462372055997939, 1.9462372)
+    assert not same_value({"a": 1.0}, {"a": 1.0, "b": 2.0})
+    assert not same_value([1.0, 2.0], [1.0])
+    assert not same_value("1.0", 1.0)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -126,6 +127,19 @@ def load_with_draws(model: torch.nn.Module, state: dict, changed: dict[str, dict
     return own
 
 
+def same_value(a: object, b: object) -> bool:
+    """Equal, with floats equal to 1e-9 relative: statistics a task computes from the same
+    training data (a target's mean and spread) differ in their last bits with the number
+    of threads that summed them."""
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    return a == b
+
+
 def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: TrunkConfig, saved_extra: dict,
                       extra: dict) -> None:
     """Refuse ``data`` on which the trained model would not compute what it was trained to:
@@ -135,7 +149,7 @@ def _check_same_model(name: str, data: dict, cfg: TrunkConfig, configured: Trunk
 
     before, after = (json.loads(json.dumps(config_to_dict(c))) for c in (cfg, configured))
     fields = [f"{k}={before.get(k)!r} (trained) against {after.get(k)!r}" for k in sorted(set(before) | set(after))
-              if before.get(k) != after.get(k)]
+              if not same_value(before.get(k), after.get(k))]
     fields += [f"the task's saved {k}" for k in sorted(set(saved_extra) | set(extra))
                if json.loads(json.dumps(extra.get(k))) != saved_extra.get(k)]
     if fields:
