@@ -513,6 +513,10 @@ class LongRangeBlock(nn.Module):
         num_features: ``m`` of ``"favor+"`` (``"elu"`` has ``m = Dk``).
         feature_seed: seeds the FAVOR+ draw (None: torch's generator); the trainer redraws
             it like any FAVOR+ map (:mod:`flt.layers.draws`).
+        neutral: subtract from the values their mean over the set's real points, so the
+            sum sees only how values differ from point to point ("charges" of a neutral
+            system). A kernel with a ``1 / r`` tail sums a constant value into a term that
+            grows like the set's extent squared; a neutral block has none.
         prenorm: a LayerNorm on ``h`` before the projections.
         exact: always compute the O(N^2) sum with the exact kernels (:meth:`reference`): the
             control "the same relative term, exactly", at O(N^2 R) cost.
@@ -527,7 +531,8 @@ class LongRangeBlock(nn.Module):
 
     def __init__(self, dim: int, *, heads: int = 4, pos_dim: int = 3, frequencies: str = "discrete",
                  normalised: bool = False, content: str = "none", num_features: int = 16,
-                 feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, device: torch.device | str | None = None,
+                 feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, neutral: bool = False,
+                 device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_block_options({"frequencies": frequencies, "content": content, **options})
@@ -539,9 +544,11 @@ class LongRangeBlock(nn.Module):
         check_bool("normalised", normalised)
         check_bool("prenorm", prenorm)
         check_bool("exact", exact)
+        check_bool("neutral", neutral)
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.dim, self.heads, self.pos_dim = dim, heads, pos_dim
         self.frequency_set, self.normalised, self.content, self.exact = frequencies, normalised, content, exact
+        self.neutral = neutral
         self.kernel = build_frequencies(frequencies, heads, pos_dim, **fk, **options)
         self.norm = nn.LayerNorm(dim, **fk) if prenorm else nn.Identity()
         self.value = nn.Linear(dim, dim, **fk)
@@ -582,6 +589,9 @@ class LongRangeBlock(nn.Module):
         pos = (pos - centre).masked_fill(~real, 0.0)
         x = self.norm(h)
         v = rearrange(self.value(x), "b n (h d) -> b h n d", h=self.heads)
+        if self.neutral:
+            weight = real.squeeze(-1)[:, None, :, None].to(v.dtype)
+            v = v - (v * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp_min(1)
         if self.query is None or self.key is None:
             return pos, v, None, None
         q, k = (rearrange(lin(x), "b n (h d) -> b h n d", h=self.heads) for lin in (self.query, self.key))
@@ -655,7 +665,8 @@ class LongRangeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, frequencies={self.frequency_set!r}, "
-                f"normalised={self.normalised}, content={self.content!r}" + (", exact=True" if self.exact else ""))
+                f"normalised={self.normalised}, content={self.content!r}" + (", exact=True" if self.exact else "")
+                + (", neutral=True" if self.neutral else ""))
 
 
 __all__ = [

@@ -17,7 +17,9 @@ owning model binds the padded positions and padding mask for the length of its f
 back (:meth:`LongRangeContext.delta`).
 
 Placement (:data:`PLACEMENTS`): ``"readout"`` wraps the last of the given modules only
-(one block, just before the readout), ``"each"`` wraps every one.
+(one block, just before the readout), ``"each"`` wraps every one; ``"input"`` puts one block
+on the embedded inputs, before the first module (models that offer it: the ``nbody``
+SchNet), so that its values are a function of each point's own input alone.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from torch import nn
 from flt._checks import check_choice
 from flt.layers.longrange import LongRangeBlock, check_block_options
 
-#: Where the blocks go: once before the readout, or after each wrapped module.
-PLACEMENTS = ("readout", "each")
+#: Where the blocks go: once before the readout, after each wrapped module, or on the inputs.
+PLACEMENTS = ("readout", "each", "input")
 
 
 class LongRangeContext:
@@ -119,6 +121,9 @@ def wrap_modules(slots: list[tuple[nn.Module, str]], dim: int, options: dict[str
     the name ``"0"``, ...), by ``wrapper(module, LongRangeBlock(dim, **options)[, context])``.
     Returns the blocks; the parents are changed in place."""
     check_choice("longrange_placement", placement, PLACEMENTS)
+    if placement == "input":
+        raise ValueError("longrange_placement='input' (one block on the embedded inputs) is offered by the nbody "
+                         "SchNet only; this model takes 'readout' or 'each'")
     blocks = []
     for parent, name in (slots if placement == "each" else slots[-1:]):
         block = LongRangeBlock(dim, device=device, dtype=dtype, **options)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
+from flt.layers.longrange import LongRangeBlock
 from flt.models.block import Trunk, build_posenc
 from flt.models.config import LayeredConfig
 from flt.models.longrange import (
@@ -49,7 +50,7 @@ class ParticleConfig(LayeredConfig):
     ``dim`` on the graph of pairs closer than ``cutoff`` mean spacings (``spacing`` position
     units each, filled in by the task from its density), ``num_gaussians`` radial basis
     functions. ``longrange`` (options of :class:`flt.layers.LongRangeBlock`) and
-    ``longrange_placement`` (``"readout"`` or ``"each"``) configure the ``+lr`` encoders'
+    ``longrange_placement`` (``"readout"``, ``"each"``, or ``"input"`` for the SchNet) configure the ``+lr`` encoders'
     block. Predictions are ``target_mean + target_std * out``."""
 
     depth: int = 2
@@ -164,7 +165,9 @@ class ParticleSchNet(nn.Module):
 
     ``longrange`` (options of :class:`flt.layers.LongRangeBlock`, or None for the plain
     model) adds the block after the last interaction block (``longrange_placement=
-    "readout"``) or after each (``"each"``). ``exact=True`` runs the blocks' exact sums (a
+    "readout"``), after each (``"each"``), or once on the embedded charges before the first
+    (``"input"``: the block's values are then a function of each particle's charge alone).
+    ``exact=True`` runs the blocks' exact sums (a
     model without blocks refuses it).
 
     Shapes: ``forward(charge [B, N] (+-1), pos [B, N, 3]) -> [B, N]`` in target units.
@@ -194,7 +197,10 @@ class ParticleSchNet(nn.Module):
         self.to(**fk)
         self.context = LongRangeContext()
         self.has_longrange = longrange is not None
-        if longrange is not None:
+        self.input_block: LongRangeBlock | None = None
+        if longrange is not None and longrange_placement == "input":
+            self.input_block = LongRangeBlock(dim, **{"heads": heads, **longrange}, **fk)
+        elif longrange is not None:
             wrap_modules(list_slots(self.interactions), dim, {"heads": heads, **longrange}, longrange_placement,
                          AfterResidual, self.context, **fk)
 
@@ -205,7 +211,10 @@ class ParticleSchNet(nn.Module):
         B, N = charge.shape
         edge_index, distance = cloud_radius_graph(pos, self.radius)
         basis = self.expand(distance)
-        h = self.embed((charge > 0).long()).reshape(B * N, -1)
+        h = self.embed((charge > 0).long())
+        if self.input_block is not None:
+            h = self.input_block(h, pos, exact=exact)
+        h = h.reshape(B * N, -1)
         with self.context.bound(pos, torch.zeros(B, N, dtype=torch.bool, device=pos.device), exact=exact):
             for interaction in self.interactions:
                 h = h + interaction(h, edge_index, distance, basis)
