@@ -222,7 +222,7 @@ def test_list_presets_prints_every_preset_with_its_budget_and_trains_nothing(tmp
     out = capsys.readouterr().out
     for name, make in get_task("listops").presets.items():
         run = make().run
-        assert f"\n{name}\n" in f"\n{out}" and f"flt train listops --preset {name}`" in out
+        assert f"\n{name}\n" in f"\n{out}" and f"flt train listops --preset {name}:" in out
         assert f"budget: {run.steps} steps of {run.batch_size}, peak lr {run.lr:g}" in out
     assert "About" in out and max(map(len, out.splitlines())) <= 90
     assert not (tmp_path / "runs").exists()

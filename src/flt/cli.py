@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from flt.commands.helptext import plain_parser
+
 #: Subcommand modules, in the order ``flt --help`` lists them.
 COMMANDS = ("approx", "bench", "train", "evaluate", "compare", "search", "generate", "fit", "linearize")
 
@@ -60,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
             importlib.import_module(f"flt.commands.{name}").add_parser(sub)
         except ImportError as err:
             _add_unavailable(sub, name, err)
+    # The descriptions are the modules' docstrings, in reStructuredText: shown as plain text.
+    plain_parser(parser)
     return parser
 
 

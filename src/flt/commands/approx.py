@@ -1,7 +1,7 @@
 """``flt approx``: how well FLT approximates its exact targets, measured live.
 
 Prints the mask error ``max |a.c - f|`` per spectrum and sampler for R = 8..1024, the
-FAVOR+ error at realistic query/key scales, and FLTAttention's error against its exact
+FAVOR+ error at realistic query/key scales, and FLT attention's error against its exact
 O(N^2) attention; saves a PNG of each f against its estimate and the numbers as JSON.
 
 ``flt approx --spatial`` measures instead a strong Gaussian bump on 2-D and 3-D point sets

@@ -31,7 +31,7 @@ speed.json, speed.md and speed.png to --out-dir.
     flt bench speed --variants flt-logit/m256/R32 softmax+t5 --lengths 1024 4096
     flt bench speed --device cuda      # one GPU: FLT eager/compiled/Triton, Flex + T5, SDPA, ...
 
---device cuda times the rows of flt.bench.gpu.GPU_ROWS on the GPU instead (CUDA events,
+--device cuda times a fixed set of GPU rows instead (named in speed-cuda.md; CUDA events,
 bf16 autocast and fp32, peak torch.cuda.max_memory_allocated, "x bf16 floor" against a
 bfloat16 matmul timed in the same process); --rows, --precisions and --lengths choose
 what runs, --preset quick shortens it.
@@ -60,11 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--shapes", nargs="+", metavar="SHAPE", help="override the preset's named shapes (tiny, lm, batch)")
     s.add_argument("--threads", type=int, help="torch threads per worker (default: all CPUs)")
     s.add_argument("--allocator", default="keep",
-                   help="keep: time with freed memory kept for reuse (flt.keep_freed_memory); default: glibc's thresholds "
+                   help="keep: time with freed memory kept by malloc for reuse; default: glibc's thresholds "
                         "(default: %(default)s)")
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: the process-per-configuration CPU runner; cuda: the GPU rows (default: %(default)s)")
-    s.add_argument("--rows", nargs="+", metavar="ROW", help="--device cuda: only these rows (names as in flt.bench.gpu.GPU_ROWS)")
+    s.add_argument("--rows", nargs="+", metavar="ROW", help="--device cuda: only these rows (names as in speed-cuda.md; an unknown name is refused with the list)")
     s.add_argument("--precisions", nargs="+", choices=("bf16", "fp32"), help="--device cuda: bf16 (autocast) and/or fp32 (default: both)")
     s.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), help="--device cuda: forward and/or forward+backward (default: both)")
     s.add_argument("--out-dir", default="flt-out/bench", help="where speed.json/.md/.png go (default: %(default)s)")

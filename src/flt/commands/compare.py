@@ -1,6 +1,6 @@
 """``flt compare TASK --attention a,b,c``: train mechanisms with the same budget and seeds.
 
-Each entry of ``--attention`` is a name in ``flt.ATTENTION``, optionally followed by its
+Each entry of ``--attention`` is a mechanism's name, optionally followed by its
 own options: ``flt:coupling=multiplicative:spectrum=gaussian``, the syntax of ``flt train
 --attention`` (:mod:`flt.options`); ``--attn-opt`` applies to every entry, and a key that
 both set to different values is an error. Every entry's options are checked before the
@@ -46,6 +46,7 @@ from flt.commands.train import (
     preset_from_args,
     task_list,
 )
+from flt.layers import ATTENTION
 from flt.options import parse_attention_list
 from flt.tasks import TASKS, get_task
 
@@ -56,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, epilog=task_list(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("task", choices=list(TASKS))
-    p.add_argument("--attention", required=True, help="comma-separated entries NAME[:KEY=VALUE...]")
+    p.add_argument("--attention", required=True,
+                   help=f"comma-separated entries NAME[:KEY=VALUE...], each NAME one of {', '.join(ATTENTION)}")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     p.add_argument("--out-dir", help="directory for the runs and the table (default: runs/compare-TASK-PRESET)")
     p.add_argument("--resume", action="store_true",

@@ -12,7 +12,7 @@ Examples::
 
 The network trains on the even samples (even pixels of both axes for an image) and is
 tested on all of them (``psnr_test``) and on the odd ones alone (``psnr_odd``). Encodings:
-every name in ``flt.POSENC`` plus ``raw`` (the coordinates) and ``basic``
+every encoding of ``flt train --posenc`` plus ``raw`` (the coordinates) and ``basic``
 (``[sin 2 pi x, cos 2 pi x]``); their options go after the name or in ``--posenc-opt``, as in
 ``flt train``. ``--sweep KEY=V1,V2,...`` fits once per value of an encoding option (or of
 ``dim``) and draws test PSNR against it with the stable rank and distance preservation.
@@ -34,17 +34,19 @@ if TYPE_CHECKING:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from flt.fit.config import TASKS
+    from flt.fit.config import PRESETS, TASKS
+    from flt.posenc import POSENC
 
     p = subparsers.add_parser(
         "fit", help="fit a coordinate MLP to rows of an image or to an image with any positional encoding",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("task", choices=TASKS)
-    p.add_argument("--preset", default="paper", help="smoke or paper (default: paper; see flt.fit.config)")
+    presets = list(dict.fromkeys(name for task in PRESETS.values() for name in task))
+    p.add_argument("--preset", default="paper", help=f"one of {', '.join(presets)} (default: paper; docs/fit.md)")
     p.add_argument("--image", help="a shipped scikit-image image (camera, astronaut, ...) or a PNG/JPEG path (default: camera)")
     p.add_argument("--posenc", default="basic", metavar="NAME[:KEY=VALUE...]",
-                   help="encoding: raw, basic or a name in flt.POSENC, with options (default: basic)")
+                   help=f"encoding: raw, basic or one of {', '.join(POSENC)}, with options (default: basic)")
     p.add_argument("--posenc-opt", action="append", metavar="KEY=VALUE", help="encoding option (repeatable)")
     p.add_argument("--dim", type=int, help="number of features D (default 256; raw and basic: fixed)")
     p.add_argument("--axes", choices=("joint", "concat", "product"), help="2-D: the encoding as defined for P = 2 "

@@ -12,7 +12,8 @@ both``), for ``--transfer-steps`` steps (cores only, original weights frozen), t
 parameters train on next-token loss (``--finetune-steps``). The run directory holds
 ``metrics.jsonl``, ``checkpoints/``, ``summary.json`` (validation perplexity: softmax,
 converted, after transfer, after fine-tuning), ``learning_curves.png`` and ``model/``
-(the linearised model: ``flt.integrations.transformers.from_pretrained``). Needs the
+(the linearised model, to load with the transformers integration's
+:func:`~flt.integrations.transformers.from_pretrained`, docs/integrations.md). Needs the
 ``hf`` extra.
 
 Examples::
@@ -69,7 +70,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default: the embedded Python-documentation corpus)")
     p.add_argument("--out-dir", required=True, help="run directory")
     p.add_argument("--attention", default="flt", metavar="NAME[:KEY=VALUE...]",
-                   help="mechanism and options for flt.integrations.transformers.convert, as in flt train (default: flt with "
+                   help="the mechanism the attention becomes, with its options, as in flt train --attention (default: flt with "
                    f"{':'.join(f'{k}={json.dumps(v)}' for k, v in defaults.attention_options.items())}; for flt, options given "
                    "override these one by one; other mechanisms take only the options given)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")

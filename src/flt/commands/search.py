@@ -38,7 +38,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from flt.commands import THREADS_HELP, default_threads
-from flt.commands.train import preset_from_args
+from flt.commands.train import preset_from_args, run_option_help
 from flt.tasks import holdout_tasks
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fixed-alpha", action="store_true", help="keep alpha uniform (the supernet mixes every candidate equally)")
     p.add_argument("--holdout", type=float, default=0.2, help="fraction of the training split held out for alpha and selection (default: 0.2)")
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field (repeatable)")
-    p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help="RunConfig field (repeatable)")
+    p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help=run_option_help())
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="data loader option (repeatable)")
     p.add_argument("--seed", type=int, help="seed of initialisation, data order, noise and the order of decisions, a non-negative "
                    "integer (default: the preset's, 0; the same as --run-opt seed=N)")

@@ -1,5 +1,5 @@
-"""``flt train TASK``: train a model of a task in ``flt.tasks.TASKS`` with any attention
-mechanism and encoding.
+"""``flt train TASK``: train a model of one of the tasks listed below
+(:data:`flt.tasks.TASKS`) with any attention mechanism and encoding.
 
 Examples::
 
@@ -21,8 +21,8 @@ wrong type is named in the error (:mod:`flt.options`).
 
 ``--resume`` needs the options the run was started with, except ``--steps``: without it the
 run continues to its own step budget (an extended one too); a larger one extends the run, a
-finished one too. The learning rate of a step always follows the
-schedule of the step budget in force when it runs (``RunConfig.lr_at``): the steps left
+finished one too. The learning rate of a step always follows the schedule of the step
+budget in force when it runs (:meth:`flt.tasks.RunConfig.lr_at`): the steps left
 follow the new budget's warm-up and cosine, so a finished run's rate rises from its final
 value to the new schedule's and decays again to the floor at the new last step. The result
 equals a run started with the larger budget, bit for bit, when the schedule does not depend
@@ -36,6 +36,7 @@ that resumes the run; the exit status is 130.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -43,10 +44,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from flt.commands import THREADS_HELP, default_threads
+from flt.commands.helptext import plain
+from flt.layers import ATTENTION
 
 # The one option syntax of every command (re-exported: flt compare and tests import them here).
 from flt.options import parse_assignments, parse_value
-from flt.tasks import TASKS, change_data, get_task, preset_names, set_data_path
+from flt.posenc import POSENC
+from flt.tasks import TASKS, RunConfig, change_data, get_task, set_data_path
 
 if TYPE_CHECKING:
     from flt.train import Preset
@@ -59,38 +63,56 @@ RUN_FLAGS = {"steps": int, "batch_size": int, "lr": float, "eval_every": int, "c
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """Options that define the run's configuration (shared with ``flt compare``)."""
-    p.add_argument("--posenc", default="none", help="absolute encoding, a name in flt.posenc.POSENC (default: none)")
-    p.add_argument("--preset", default="small", help=f"one of {', '.join(preset_names())} (default: small)")
+    p.add_argument("--posenc", default="none", help=f"absolute encoding, one of {', '.join(POSENC)} (default: none)")
+    p.add_argument("--preset", default="small", help=preset_help())
     p.add_argument("--steps", type=int, help="training steps")
     p.add_argument("--batch-size", type=int, help="global batch size (split over processes)")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--eval-every", type=int, help="steps between validations")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     p.add_argument("--compile", action="store_const", const=True, default=None,
-                   help="train through torch.compile(model) (RunConfig.compile; the first steps compile)")
+                   help="train through torch.compile(model) (the first steps compile; the same as --run-opt compile=true)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="arithmetic of the training step: bfloat16 autocast "
-                   "or float32 (RunConfig.precision; default: bf16 on CUDA, fp32 on a CPU; --resume keeps the run's)")
+                   "or float32 (default: bf16 on CUDA, fp32 on a CPU; --resume keeps the run's; the same as --run-opt precision=...)")
     p.add_argument("--init-from", metavar="RUN", help="start from the weights of this run or checkpoint directory "
-                   "(fine-tuning, curricula; RunConfig.init_from)")
+                   "(fine-tuning, curricula; the same as --run-opt init_from=RUN)")
     p.add_argument("--attn-opt", action="append", metavar="KEY=VALUE", help="attention option (repeatable)")
     p.add_argument("--posenc-opt", action="append", metavar="KEY=VALUE", help="encoding option (repeatable)")
     p.add_argument("--model-opt", action="append", metavar="KEY=VALUE", help="model config field, e.g. depth=6 (repeatable)")
-    p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help="RunConfig field, e.g. warmup_steps=10 (repeatable)")
-    p.add_argument("--data", metavar="PATH", help="a real dataset instead of the bundled one (see the task's file in flt.tasks)")
+    p.add_argument("--run-opt", action="append", metavar="KEY=VALUE", help=run_option_help())
+    p.add_argument("--data", metavar="PATH", help="a dataset of your own instead of the bundled one (its format: the task's "
+                   "page of the manual)")
     p.add_argument("--data-opt", action="append", metavar="KEY=VALUE", help="data loader option (repeatable)")
     for flag, (tasks, help_text) in _shortcut_flags().items():
         p.add_argument(f"--{flag}", dest=f"shortcut_{flag.replace('-', '_')}", metavar="VALUE", help=f"{help_text} [{', '.join(tasks)} only]")
 
 
+def preset_help() -> str:
+    """The help of ``--preset``: the presets of every task, read from the registry (tasks
+    with the same presets share a group)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, task in TASKS.items():
+        groups.setdefault(tuple(task.presets), []).append(name)
+    listed = "; ".join(f"{', '.join(tasks)}: {', '.join(presets)}" for presets, tasks in groups.items())
+    return f"the task's preset, default small (flt train TASK --list-presets describes them): {listed}"
+
+
+def run_option_help() -> str:
+    """The help of ``--run-opt``, with every field of :class:`flt.tasks.RunConfig`."""
+    return f"run option (repeatable), e.g. warmup_steps=10; KEY one of {', '.join(f.name for f in dataclasses.fields(RunConfig))}"
+
+
 def _shortcut_flags() -> dict[str, tuple[list[str], str]]:
     """Every task's command-line shortcuts (:attr:`flt.tasks.base.Task.shortcuts`):
-    ``{flag: (tasks that define it, help)}``; a flag of several tasks joins their helps."""
-    flags: dict[str, tuple[list[str], str]] = {}
+    ``{flag: (tasks that define it, help)}``; a flag of several tasks joins their helps,
+    each after the tasks it is of (tasks that share a help share one entry)."""
+    flags: dict[str, dict[str, list[str]]] = {}
     for name, task in TASKS.items():
         for flag, (_, _, help_text) in task.shortcuts.items():
-            tasks, helps = flags.get(flag, ([], ""))
-            flags[flag] = ([*tasks, name], f"{helps}; {help_text}" if helps else help_text)
-    return flags
+            flags.setdefault(flag, {}).setdefault(help_text, []).append(name)
+    return {flag: ([name for name, task in TASKS.items() if flag in task.shortcuts],
+                   "; ".join(f"{', '.join(names)}: {text}" for text, names in helps.items()))
+            for flag, helps in flags.items()}
 
 
 def _apply_shortcuts(args: argparse.Namespace, model_changes: dict, data_changes: dict) -> list[str]:
@@ -131,7 +153,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("task", choices=list(TASKS))
     p.add_argument("--attention", metavar="NAME[:KEY=VALUE...]",
-                   help="attention mechanism, a name in flt.ATTENTION, optionally with options as in flt compare "
+                   help=f"attention mechanism, one of {', '.join(ATTENTION)}, optionally with options as in flt compare "
                    "(flt:num_frequencies=16; default: flt)")
     p.add_argument("--arch", metavar="SEARCH.JSON", help="per-layer mechanisms chosen by flt search (its search.json), "
                    "trained from scratch; instead of --attention")
@@ -160,8 +182,7 @@ def preset_listing(task: str) -> str:
     blocks = []
     for name, make in get_task(task).presets.items():
         run = make().run
-        doc = inspect.cleandoc(make.__doc__ or "").replace("``", "`")
-        text = "\n\n".join(textwrap.fill(" ".join(par.split()), 88) for par in doc.split("\n\n"))
+        text = plain(inspect.cleandoc(make.__doc__ or ""))
         blocks.append(f"{name}\n{textwrap.indent(text, '  ')}\n  budget: {run.steps} steps of {run.batch_size}, "
                       f"peak lr {run.lr:g}")
     return "\n\n".join(blocks)

@@ -138,7 +138,8 @@ class Task(Generic[BatchT, ConfigT]):
     axes: ClassVar[dict[str, str]] = {}
     #: Command-line shortcuts of ``flt train`` / ``flt compare`` for this task:
     #: ``{flag: (where, field, help)}``, ``--flag VALUE`` meaning ``--model-opt field=VALUE``
-    #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``).
+    #: (``where = "model"``) or ``--data-opt field=VALUE`` (``"data"``); ``help`` says what
+    #: the value is, and ``flt train --help`` puts the names of the tasks it is of before it.
     shortcuts: ClassVar[Shortcuts] = {}
     #: The data option whose value seeds the held-out draw of :meth:`holdout_split` (None,
     #: or the option not given: seed 0).

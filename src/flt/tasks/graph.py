@@ -202,9 +202,9 @@ class GraphTask(Task[GraphBatch, GraphConfig]):
     axes: ClassVar[dict[str, str]] = {"loss": "binary cross-entropy (nats/pair)", "auc": "ROC AUC, validation pairs",
                                       "offset": "hops / √K"}
     shortcuts: ClassVar[Shortcuts] = {
-        "model": ("model", "encoder", f"graph: the node encoder, one of {', '.join(TASK_ENCODERS)} (--model-opt encoder=)"),
-        "graph": ("data", "graph", "graph: grid or communities (--data-opt graph=)"),
-        "task": ("data", "task", "graph: link or pair (--data-opt task=)"),
+        "model": ("model", "encoder", f"the node encoder, one of {', '.join(TASK_ENCODERS)} (--model-opt encoder=)"),
+        "graph": ("data", "graph", "grid or communities (--data-opt graph=)"),
+        "task": ("data", "task", "link or pair (--data-opt task=)"),
     }
 
     def __init__(self, *, path: str | os.PathLike[str] | None = None, graph: str | None = None, task: str = "link", num_pairs: int = 2000, seed: int = 0,

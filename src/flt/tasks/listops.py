@@ -1,5 +1,6 @@
 """``listops``: ListOps of the Long Range Arena, a classifier over 500-2000 tokens (the
-``small`` preset: ListOps-short, the same generator on 100-300 tokens).
+``long`` and ``base`` presets; ``smoke`` and ``small``: ListOps-short, the same generator
+on 100-300 tokens).
 
 Data options: ``path`` (the LRA release: a directory with ``basic_train.tsv`` and
 ``basic_val.tsv``, or a ``*_train.tsv`` file; default: a set generated from the benchmark's
@@ -45,6 +46,12 @@ from flt.tasks.base import (
     shard,
 )
 from flt.tasks.preset import Preset, RunConfig
+
+#: Expression lengths in tokens, ``(min_length, max_length)``: the benchmark's, the data
+#: options' default (the ``long`` and ``base`` presets), and ListOps-short's (``smoke`` and
+#: ``small``), which one CPU core trains in minutes.
+BENCHMARK_LENGTHS = (500, 2000)
+SHORT_LENGTHS = (100, 300)
 
 #: ``(tokens [B, L], key_padding_mask [B, L] True = padding, labels [B])``.
 ListOpsBatch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -131,7 +138,8 @@ def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
     model = ListOpsConfig(dim=32, depth=1, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=30, batch_size=8, lr=3e-3, warmup_steps=5, eval_every=15, eval_batches=4,
                     checkpoint_every=15, log_every=5)
-    return Preset(ListOpsTask.name, model, run, {"num_train": 256, "num_valid": 64, "min_length": 100, "max_length": 300})
+    return Preset(ListOpsTask.name, model, run, {"num_train": 256, "num_valid": 64, "min_length": SHORT_LENGTHS[0],
+                                                 "max_length": SHORT_LENGTHS[1]})
 
 
 def small(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -150,8 +158,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     model = ListOpsConfig(dim=64, depth=2, heads=2, **mechanism_options(ListOpsTask, attention, posenc))
     run = RunConfig(steps=1200, batch_size=16, lr=2e-3, warmup_steps=100, eval_every=300, eval_batches=None,
                     checkpoint_every=600, log_every=50)
-    return Preset(ListOpsTask.name, model, run, {"num_train": 5000, "num_valid": 500, "min_length": 100,
-                                                 "max_length": 300})
+    return Preset(ListOpsTask.name, model, run, {"num_train": 5000, "num_valid": 500, "min_length": SHORT_LENGTHS[0],
+                                                 "max_length": SHORT_LENGTHS[1]})
 
 
 def long(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -194,7 +202,9 @@ class ListOpsTask(Task[ListOpsBatch, ListOpsConfig]):
     """ListOps classification (cross-entropy, accuracy)."""
 
     name = "listops"
-    description = "ListOps (Long Range Arena) classifier over 500-2000 tokens; bundled data: generated from its specification"
+    description = (f"ListOps (Long Range Arena) classifier over expressions of {SHORT_LENGTHS[0]}-{SHORT_LENGTHS[1]} tokens "
+                   f"(presets smoke, small: ListOps-short) or {BENCHMARK_LENGTHS[0]}-{BENCHMARK_LENGTHS[1]} (long, base: the "
+                   "benchmark's); bundled data: generated from its specification")
     config, model = ListOpsConfig, SequenceClassifier
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "tok"
     options = ("path", "num_train", "num_valid", "num_test", "seed", "min_length", "max_length", "max_depth", "max_args",
@@ -207,7 +217,8 @@ class ListOpsTask(Task[ListOpsBatch, ListOpsConfig]):
                                       "offset": "tokens"}
 
     def __init__(self, *, path: str | os.PathLike[str] | None = None, num_train: int = 2000, num_valid: int = 200, num_test: int | None = None, seed: int = 0,
-                 min_length: int = 500, max_length: int = 2000, max_depth: int = 10, max_args: int = 10, bucket: int = 0) -> None:
+                 min_length: int = BENCHMARK_LENGTHS[0], max_length: int = BENCHMARK_LENGTHS[1], max_depth: int = 10,
+                 max_args: int = 10, bucket: int = 0) -> None:
         check_nonnegative_int("bucket", bucket, "pools of batches sorted by length; 0: off")
         self.bucket = bucket
         if path is None:

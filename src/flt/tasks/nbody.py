@@ -123,7 +123,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
     attention_defaults, posenc_defaults = ATTENTION_DEFAULTS, POSENC_DEFAULTS
     axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "nmse": "normalised MSE (1 - R^2)",
                                       "rel_mae": "MAE / mean |y - mean|", "offset": "mean particle spacings"}
-    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"nbody: the model, one of {', '.join(PARTICLE_ENCODERS)} (--model-opt encoder=)")}
+    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"the model, one of {', '.join(PARTICLE_ENCODERS)} (--model-opt encoder=)")}
 
     def __init__(self, *, num_particles: int = 256, eval_particles: int | None = None, num_train: int = 1024,
                  num_valid: int = 32, num_test: int = 32, seed: int = 0, layout: str = "uniform", density: float = 1.0,

@@ -138,7 +138,7 @@ class QM9Task(MoleculeTask[QM9Config]):
     holdout_split = Task.holdout_split
     axes: ClassVar[dict[str, str]] = {"loss": "MSE, standardised target (unitless)", "mae": "MAE (the target's unit; meV for energies)",
                                       "rmse": "RMSE (the target's unit; meV for energies)", "offset": "Å"}
-    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"qm9: the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}
+    shortcuts: ClassVar[Shortcuts] = {"model": ("model", "encoder", f"the model, one of {', '.join(ENCODERS)} (--model-opt encoder=)")}
 
     def __init__(self, *, path: str | os.PathLike[str] | None = None, target: str = "gap", num_train: int = QM9_TRAIN,
                  num_valid: int = QM9_VALID, num_test: int | None = None, split_seed: int = 0,
