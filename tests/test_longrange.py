@@ -354,3 +354,19 @@ def test_coulomb_reach_per_call_follows_the_set_and_matches_the_formula(spread):
     assert_same_gradients(out, block.reference(h, pos), [h, pos])
     used = max(block.kernel._tails)
     assert used == tail_reach(float(2 * (pos - pos.mean(1, keepdim=True)).norm(dim=-1).max()))
+
+
+@pytest.mark.parametrize("frequencies", ["discrete", "coulomb"])
+def test_a_neutral_block_sums_only_how_values_differ(frequencies):
+    """neutral=True: matches its O(N^2) reference (padding included, gradients too), and a
+    constant added to every value (the value projection's bias) changes nothing; without
+    neutral it does."""
+    block = make_block(frequencies, neutral=True)
+    h, pos, pad = inputs()
+    out = block(h, pos, pad)
+    assert_same_gradients(out, block.reference(h, pos, pad), [h, pos])
+    with torch.no_grad():
+        block.value.bias.add_(3.0)
+        assert_close(block(h, pos, pad), out)
+        block.neutral = False
+        assert float((block(h, pos, pad) - out).abs().max()) > 1e-3

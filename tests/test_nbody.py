@@ -279,3 +279,37 @@ def test_an_unknown_block_option_is_a_usage_error_before_any_data(tmp_path, caps
     assert code == 2
     assert "got unknown num_frequencies" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_input_block_sums_charges_and_sees_beyond_the_cutoff():
+    """longrange_placement=input: one block on the embedded charges, before the first
+    interaction; a fresh one changes nothing, a trained one sees past the cutoff, and the
+    model stays invariant to translations and permutations. The qm9 models refuse it."""
+    from flt.models import replace_fields
+    from flt.models.longrange import blocks_of
+
+    clouds = generate_clouds(1, 32, seed=0, split="train")
+    cfg = replace_fields(get_preset("nbody", "smoke").model, encoder="schnet")
+    torch.manual_seed(0)
+    plain = NBodyTask.build_model(cfg).eval()
+    torch.manual_seed(0)
+    fresh = NBodyTask.build_model(replace_fields(cfg, encoder="schnet+lr", longrange_placement="input",
+                                                 longrange={"neutral": True})).eval()
+    assert fresh.input_block is not None and blocks_of(fresh) == [fresh.input_block]
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(clouds.charge, clouds.pos), plain(clouds.charge, clouds.pos))
+    model = _particle_model("schnet+lr", longrange_placement="input", longrange={"neutral": True})
+    charge = torch.tensor([[1.0, -1.0]])
+    near, far = torch.tensor([[[0.0, 0, 0], [6.0, 0, 0]]]), torch.tensor([[[0.0, 0, 0], [7.0, 0, 0]]])
+    with torch.no_grad():
+        assert bool((model(charge, near) - model(charge, far)).abs().max() > 1e-4)
+        out = model(clouds.charge, clouds.pos)
+        torch.testing.assert_close(model(clouds.charge, clouds.pos + 5.0), out, rtol=1e-4, atol=1e-5)
+        perm = torch.randperm(32)
+        torch.testing.assert_close(model(clouds.charge[:, perm], clouds.pos[:, perm]), out[:, perm], rtol=1e-4, atol=1e-5)
+    from flt.models.qm9 import QM9Config
+
+    with pytest.raises(ValueError, match="longrange_placement='input'.*nbody SchNet only"):
+        from flt.tasks.qm9 import QM9Task
+
+        QM9Task.build_model(QM9Config(encoder="schnet+lr", dim=16, depth=2, heads=2, longrange_placement="input"))
