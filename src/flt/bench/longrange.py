@@ -31,7 +31,8 @@ from flt.perf import keep_freed_memory
 #: The blocks timed by default, by label: options of :class:`flt.layers.LongRangeBlock`.
 BLOCKS: dict[str, dict[str, Any]] = {
     "radial": {"frequencies": "radial"},
-    "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "reach": 32.0},
+    "coulomb": {"frequencies": "coulomb", "heads": 1, "neutral": True},
+    "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "neutral": True, "reach": 32.0},
     "exact radial": {"frequencies": "radial", "exact": True},
 }
 
