@@ -10,14 +10,18 @@ import sys
 
 import pytest
 import torch
-
 from conftest import assert_close
-from flt.ops.features import favor_plus_features, favor_plus_features_split, gaussian_orthogonal_random_matrix
+
+from flt.ops.features import (
+    favor_plus_features,
+    favor_plus_features_split,
+    gaussian_orthogonal_random_matrix,
+)
 from flt.ops.reference import flt_attention_reference, linear_attention_reference
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
-from flt.ops.triton import favor_attention, favor_attention_torch, interpreted  # noqa: E402
+from flt.ops.triton import favor_attention, favor_attention_torch, interpreted
 
 B, H, N, D, DV, M, R2 = 2, 2, 37, 8, 5, 16, 4  # N: two chunks of 16 and a tail
 COUPLINGS = ("performer", "logit", "multiplicative")
@@ -133,7 +137,7 @@ def test_gradients_match_reference(coupling, causal):
     up = torch.randn_like(out)
     g_out = torch.autograd.grad((out * up).sum(), leaves)
     g_ref = torch.autograd.grad((ref * up).sum(), leaves)
-    for got, want in zip(g_out, g_ref):
+    for got, want in zip(g_out, g_ref, strict=True):
         assert_close(got, want)
 
 
@@ -255,7 +259,7 @@ def test_band_kernel_gradients_match_reference():
     out = band_attention(xq, xk, v, w, bias, width=3, extra_q=a, extra_k=c, causal=True, chunk_size=16)
     ref = _band_reference(xq, xk, v, w, bias, a, c, 3, True)
     up = torch.randn_like(out)
-    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves)):
+    for got, want in zip(torch.autograd.grad((out * up).sum(), leaves), torch.autograd.grad((ref * up).sum(), leaves), strict=True):
         assert_close(got, want)
 
 
@@ -266,8 +270,8 @@ def test_layer_band_backend_triton_matches_torch(causal, far_field):
     beyond the band (its constant features go through the same kernel), in float64."""
     from flt.layers.registry import ATTENTION
 
-    kw = dict(causal=causal, num_features=16, num_frequencies=4, near_field=4, near_relative="clipped", far_field=far_field,
-              dtype=torch.float64, seed=2)
+    kw = {"causal": causal, "num_features": 16, "num_frequencies": 4, "near_field": 4, "near_relative": "clipped",
+          "far_field": far_field, "dtype": torch.float64, "seed": 2}
     torch_layer = ATTENTION["flt"].from_options(16, 2, **kw)
     triton_layer = ATTENTION["flt"].from_options(16, 2, backend="triton", **kw)
     with torch.no_grad():
@@ -288,7 +292,8 @@ def test_launch_tries_smaller_tiles_until_one_fits_and_remembers_it():
     way out when none does."""
     from triton.runtime.errors import OutOfResources
 
-    from flt.ops.triton import _FITTED, launch_fitted, tile_candidates
+    from flt.ops.triton import launch_fitted, tile_candidates
+    from flt.ops.triton.launch import _FITTED
 
     cuda = torch.device("cuda")
     assert tile_candidates(64, 64, 64, torch.device("cpu")) == [(64, 64, None)]
@@ -310,7 +315,7 @@ def test_launch_tries_smaller_tiles_until_one_fits_and_remembers_it():
     launch_fitted(key, tiles, attempt)
     assert tried == [(16, 16, 1)]  # straight to the tile that fitted before
     tried.clear()
-    launch_fitted(key, tiles[:2] + [(32, 16, 1)], attempt)  # other candidates: their own search
+    launch_fitted(key, [*tiles[:2], (32, 16, 1)], attempt)  # other candidates: their own search
     assert tried == [(64, 64, 3), (16, 32, 1), (32, 16, 1)]
     with pytest.raises(ValueError, match=r"no tile of the Triton kernel fits.*\(16, 32, 1\): .*num_features.*float32"):
         launch_fitted(("test", "none fits"), tiles[:2], attempt)
@@ -326,9 +331,7 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
     blocks of 16 (three programs per row)."""
     from triton.runtime.errors import OutOfResources
 
-    import flt.ops.triton as tri
-    from flt.ops.triton import band as tri_band
-    from flt.ops.triton import kernels
+    from flt.ops.triton import band as tri_band, favor, kernels, launch
 
     name = "band_attention_kernel" if coupling == "band" else "favor_attention_kernel"
     real = getattr(kernels, name)
@@ -345,8 +348,8 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
 
     tiles = lambda chunk, bv, bm, device: [(32, 16, None), (16, 16, None)]  # noqa: E731
     monkeypatch.setattr(kernels, name, RefuseFirstSecondLaunch())
-    monkeypatch.setattr(tri, "interpreted", lambda: True)  # it looks at the (now wrapped) kernel
-    monkeypatch.setattr(tri, "tile_candidates", tiles)
+    monkeypatch.setattr(launch, "interpreted", lambda: True)  # it looks at the (now wrapped) kernel
+    monkeypatch.setattr(favor, "tile_candidates", tiles)
     monkeypatch.setattr(tri_band, "tile_candidates", tiles)
     torch.manual_seed(0)
     n, dv = 70, 40
@@ -358,7 +361,7 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
         a, c = (0.3 * torch.randn(1, 2, n, 4, dtype=torch.float64) for _ in range(2))
         w = gaussian_orthogonal_random_matrix(M, D + 4, dtype=torch.float64)
         bias = torch.randn(1, 2, n, 9, dtype=torch.float64)
-        kw = dict(width=4, extra_q=a, extra_k=c, causal=True)
+        kw = {"width": 4, "extra_q": a, "extra_k": c, "causal": True}
         out = band_attention(xq, xk, v, w, bias, segments=2, **kw)
         ref = band_attention_torch(xq, xk, v, w, bias, **kw)
     else:
@@ -368,8 +371,8 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
         ref = favor_attention_torch(xq, xk, v, w, a=a, c=c, causal=True)
     assert refused == [32]  # the first tile's second launch was refused, the second tile ran
     assert_close(out, ref)
-    for k in [k for k in tri._FITTED if k[1] == ((32, 16, None), (16, 16, None))]:
-        del tri._FITTED[k]
+    for k in [k for k in launch._FITTED if k[1] == ((32, 16, None), (16, 16, None))]:
+        del launch._FITTED[k]
 
 
 def test_no_python_float_reaches_a_kernel(monkeypatch):
@@ -377,10 +380,9 @@ def test_no_python_float_reaches_a_kernel(monkeypatch):
     it in float64, so the float64 tests here cannot see the rounding): the band kernel once
     took ``0.5 log m`` that way and differed from the PyTorch band by 1e-9 in float64 on a
     GPU. Every launch must pass tensors, integers and compile-time flags only."""
-    import flt.ops.triton as ops_triton
-    from flt.ops.triton import band, kernels
+    from flt.ops.triton import band, kernels, launch
 
-    monkeypatch.setattr(ops_triton, "interpreted", lambda: True)  # the spies below are not InterpretedFunctions
+    monkeypatch.setattr(launch, "interpreted", lambda: True)  # the spies below are not InterpretedFunctions
     seen = []
 
     def spy(name):

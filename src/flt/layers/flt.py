@@ -26,17 +26,15 @@ from flt._checks import (
     check_choice,
     check_nonnegative_int,
     check_positive_int,
-    check_state_position,
     compiling,
     shown,
 )
 from flt._dtype import compute_dtype
 from flt._limits import FLOAT_BYTES, check_memory
 from flt._signatures import flat_options
-from flt.layers.band_decode import BandDecodeState
 from flt.layers.base import Prepared
 from flt.layers.kernel import KernelAttention, KernelCore, KernelFeatures, mask_padded_keys
-from flt.layers.near import Band, Neighbors
+from flt.layers.near import Band, NearSet, Neighbors
 from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, kernel_parts
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
@@ -72,7 +70,7 @@ class FLTCore(KernelCore):
         causal: bool = False,
         relative: str | Term | Spectrum | None = None,
         features: Features | None = None,
-        near: Band | Neighbors | None = None,
+        near: NearSet | None = None,
         coupling: str = "logit",
         far_field: bool | Literal["near", "constant", "positive"] = True,
         settings: Settings | None = None,
@@ -92,8 +90,9 @@ class FLTCore(KernelCore):
             raise ValueError(f"check_condition must be True or False (warn when rounding can change the multiplicative coupling's outputs), got {shown(settings.check_condition)}")
         check_positive_int("heads", heads)
         check_positive_int("head_dim", head_dim)
-        check_rules(layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
-                                settings=settings, head_dim=head_dim, pos_dim=pos_dim))
+        facts = layer_facts(features=features, near=near, coupling=coupling, far_field=far_field, causal=causal,
+                            settings=settings, head_dim=head_dim, pos_dim=pos_dim)
+        check_rules(facts)
         num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
         self._check_part_memory(heads, head_dim, pos_dim, features, num_frequencies, near, coupling, device)
         super().__init__(
@@ -109,8 +108,7 @@ class FLTCore(KernelCore):
             self.spectrum = SPECTRA[relative.name](heads=heads, pos_dim=pos_dim, device=device, dtype=dtype, **relative.options)
         else:
             self.spectrum = relative
-        self.near_field = near.width if isinstance(near, Band) else 0
-        self.near_neighbors = near.k if isinstance(near, Neighbors) else 0
+        self.near_field, self.near_neighbors = facts.near_field, facts.near_neighbors
         self.near_spectrum: RelativeTerm | None
         if near is not None:
             # The near set's mask is f + f_near. f_near starts at 0, so the near set starts
@@ -142,7 +140,7 @@ class FLTCore(KernelCore):
 
     @staticmethod
     def _check_part_memory(heads: int, head_dim: int, pos_dim: int, features: Features, num_frequencies: object,
-                           near: Band | Neighbors | None, coupling: str, device: torch.device | str | None) -> None:
+                           near: NearSet | None, coupling: str, device: torch.device | str | None) -> None:
         """Refuse parts whose parameters cannot fit (:func:`flt._limits.attention_parameter_values`'
         terms: the feature projection ``m x`` its input, and ``4 H R P`` for the spectrum and
         again for the near set's), before the core allocates them: ``pos_dim = 2**40``
@@ -172,18 +170,15 @@ class FLTCore(KernelCore):
 
     def step_offset(self, state: Any) -> int:
         """The next token's default position; with a band the state must be the band's."""
-        if isinstance(self.near, Band):
-            self.check_decoding("step")
-            if state is not None and not isinstance(state, BandDecodeState):
-                raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
-            return 0 if state is None else check_state_position("BandDecodeState", state)
+        if self.near is not None and self.near.decodes:
+            return self.near.step_offset(self, state)
         return super().step_offset(state)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any, pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Decode one token (``causal=True``); with a band through
         :meth:`flt.layers.near.Band.step` (exact band from a ring buffer, far field
         from the linear state), else :meth:`flt.layers.kernel.KernelCore.step`."""
-        if isinstance(self.near, Band):
+        if self.near is not None and self.near.decodes:
             return self.near.step(self, q, k, v, state, pos)
         return super().step(q, k, v, state, pos)
 
@@ -193,7 +188,7 @@ class FLTCore(KernelCore):
         from: with a band its ring buffer and far field (:meth:`flt.layers.near.Band.prefill`),
         else the linear state (:meth:`flt.layers.kernel.KernelCore.prefill`); padded
         keys (``pad [B, N]``, True marks padding) are in neither."""
-        if isinstance(self.near, Band):
+        if self.near is not None and self.near.decodes:
             return self.near.prefill(self, q, k, v, pos, pad)
         return super().prefill(q, k, v, pos, pad)
 
@@ -475,7 +470,7 @@ class FLTAttention(KernelAttention):
         causal: bool = False,
         relative: str | Term | Spectrum | None = None,
         features: Features | None = None,
-        near: Band | Neighbors | None = None,
+        near: NearSet | None = None,
         coupling: str = "logit",
         far_field: bool | Literal["near", "constant", "positive"] = True,
         settings: Settings | None = None,
@@ -582,15 +577,15 @@ def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | S
 def _check_parts(features: object, near: object, settings: object) -> None:
     """Each part is of its kind (its own values are checked when it is made)."""
     check_kernel_parts(features, settings)
-    if not isinstance(near, (Band, Neighbors, type(None))):
+    if not isinstance(near, (NearSet, type(None))):
         raise TypeError(f"near must be None, Band(w) or Neighbors(k), got {shown(near)} ({type(near).__name__})")
 
 
-def layer_facts(*, features: Features, near: Band | Neighbors | None, coupling: str, far_field: bool | str, causal: bool,
+def layer_facts(*, features: Features, near: NearSet | None, coupling: str, far_field: bool | str, causal: bool,
                 settings: Settings, head_dim: int, pos_dim: int) -> Facts:
     """The :class:`flt.layers.rules.Facts` of an FLT layer made of these parts."""
-    return Facts(features=features.kind, coupling=coupling, near_field=near.width if isinstance(near, Band) else 0,
-                 near_neighbors=near.k if isinstance(near, Neighbors) else 0, near_term=None if near is None else near.term,
-                 far_field=far_field, causal=causal,
-                 backend=settings.backend, rope=settings.rope, head_dim=head_dim, pos_dim=pos_dim, spectrum_term=True)
+    sizes: dict[str, Any] = {} if near is None else {near.size_option: near.size}  # near_field or near_neighbors
+    return Facts(features=features.kind, coupling=coupling, near_term=None if near is None else near.term,
+                 far_field=far_field, causal=causal, backend=settings.backend, rope=settings.rope, head_dim=head_dim,
+                 pos_dim=pos_dim, spectrum_term=True, **sizes)
 

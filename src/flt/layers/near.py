@@ -12,16 +12,18 @@ multiplicative one); all other pairs get the random-feature estimate (docs/math.
 * :class:`Neighbors` ``(k)``: each query's ``k`` nearest keys in position space (sets of
   atoms, patches), by :func:`flt.ops.neighbors.neighbor_attention`.
 
-Each is a small frozen value (``width``/``k`` and ``term``) whose methods take the core
-they belong to, for its features and terms (:meth:`flt.layers.flt.FLTCore.near_set_features`,
-:meth:`~flt.layers.flt.FLTCore.near_mask`). The rules about which couplings, features
-and settings a near set takes are in :mod:`flt.layers.rules`.
+Each is a small frozen value, its width (``Band.width``, ``Neighbors.k``; ``size`` names
+either) and its ``term``, whose methods take the core it belongs to, its host, for the
+core's features and terms: what a near set asks of its host is :class:`NearHost`
+(:class:`flt.layers.flt.FLTCore` is one), and what a host asks of a near set is
+:class:`NearSet`. The rules about which couplings, features and settings a near set takes
+are in :mod:`flt.layers.rules`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,7 @@ from flt._checks import check_positive_int, check_state_position, check_state_te
 from flt._dtype import compute_dtype
 from flt.layers.band_decode import BandDecodeState, empty_state, fold_into_far
 from flt.layers.base import Prepared, batch_shared, regular_step
+from flt.layers.features import FeatureMap
 from flt.ops.band import band_attention, band_attention_reference
 from flt.ops.neighbors import (
     near_offsets,
@@ -41,7 +44,6 @@ from flt.ops.neighbors import (
 from flt.relative.base import RelativeTerm
 
 if TYPE_CHECKING:
-    from flt.layers.flt import FLTCore
     from flt.layers.parts import Term
 
 
@@ -70,6 +72,50 @@ class ZeroTerm(RelativeTerm):
         return f"heads={self.heads}, pos_dim={self.pos_dim}"
 
 
+class NearHost(Protocol):
+    """What a near set asks of the core it belongs to (:class:`flt.layers.flt.FLTCore`):
+    its settings, its scaled queries and keys, its features and its exact mask."""
+
+    @property
+    def causal(self) -> bool: ...
+
+    @property
+    def coupling(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def chunk_size(self) -> int | None: ...
+
+    @property
+    def feature_map(self) -> FeatureMap: ...
+
+    def scaled_qk(self, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x_q, x_k [B, H, N, D]``: queries and keys scaled (and rotated) for the kernel."""
+        ...
+
+    def far_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``a(r), c(r) [B|1, H, N, 2R]``: the far term's features."""
+        ...
+
+    def near_set_features(self, p: Prepared) -> tuple[torch.Tensor, ...]:
+        """``x_q, x_k``, the FAVOR+ features of ``[x_q, a]``, ``[x_k, c]`` and their shifts."""
+        ...
+
+    def near_mask(self, delta: torch.Tensor) -> torch.Tensor:
+        """The exact ``f + f_near`` at offsets ``delta [..., P] -> [..., H]``."""
+        ...
+
+    def attend(self, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """The core's forward on prepared inputs, ``[B, H, N, Dv]``."""
+        ...
+
+    def check_decoding(self, what: str) -> None:
+        """Refuse ``prefill``/``step`` (``what``) on a core that is not causal."""
+        ...
+
+
 class NearSet:
     """What both near sets share: the term ``f_near`` and how it is built.
 
@@ -86,12 +132,38 @@ class NearSet:
     """
 
     term: Any
-    #: The near set decodes token by token (:meth:`Band.step`).
+    #: The near set decodes token by token (:meth:`step`, :meth:`prefill`; the band does).
     decodes = False
+    #: The flat option (presets, the command line, :class:`flt.layers.rules.Facts`) that
+    #: gives this near set its :attr:`size`.
+    size_option: ClassVar[str]
 
     @property
     def size(self) -> int:
+        """The near set's width: the band's ``w``, the neighbours' ``k``."""
         raise NotImplementedError
+
+    def attend(self, core: NearHost, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+        """``[B, H, N, Dv]``: exact weights on the near set, the estimate beyond it."""
+        raise NotImplementedError
+
+    def pairs(self, core: NearHost, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
+        """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans."""
+        raise NotImplementedError
+
+    def step_offset(self, core: NearHost, state: Any) -> int:
+        """How many tokens ``state`` has seen (0 for None), for a near set that :attr:`decodes`."""
+        raise ValueError(f"{type(self).__name__} does not decode token by token")
+
+    def step(self, core: NearHost, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+             pos: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One token, for a near set that :attr:`decodes`: ``(out [B, H, 1, Dv], state)``."""
+        raise ValueError(f"{type(self).__name__} does not decode token by token")
+
+    def prefill(self, core: NearHost, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """A prompt and the state :meth:`step` continues from, for a near set that :attr:`decodes`."""
+        raise ValueError(f"{type(self).__name__} does not decode token by token")
 
     def _normalise_term(self) -> None:
         """A term given by name becomes a :class:`flt.layers.parts.Term` (equal parts compare equal)."""
@@ -149,6 +221,7 @@ class Band(NearSet):
     width: int
     term: Any = None
     decodes = True
+    size_option: ClassVar[str] = "near_field"
 
     def __post_init__(self) -> None:
         check_positive_int("width", self.width)
@@ -158,7 +231,7 @@ class Band(NearSet):
     def size(self) -> int:
         return self.width
 
-    def attend(self, core: FLTCore, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, core: NearHost, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the band, the FAVOR+ estimate beyond it."""
         if core.backend in ("triton", "triton-split") and not reference:
             return self._attend_triton(core, p)
@@ -171,7 +244,7 @@ class Band(NearSet):
         return band_attention(xq, xk, p.v, qf, kf, q_shift, k_shift, bias, width=self.width, causal=core.causal,
                               key_mask=key_mask, chunk_size=core.chunk_size)
 
-    def _attend_triton(self, core: FLTCore, p: Prepared) -> torch.Tensor:
+    def _attend_triton(self, core: NearHost, p: Prepared) -> torch.Tensor:
         """The band by :func:`flt.ops.triton.band.band_attention` (``backend="triton"``) or
         :func:`flt.ops.triton.band.band_attention_split` (``"triton-split"``), far-field
         features made in the kernels."""
@@ -188,7 +261,7 @@ class Band(NearSet):
         return band_kernel(xq, xk, p.v, projection, bias, width=self.width, extra_q=a, extra_k=c,
                            causal=core.causal, key_mask=key_mask)
 
-    def bias(self, core: FLTCore, pos: torch.Tensor) -> torch.Tensor:
+    def bias(self, core: NearHost, pos: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and key ``i + o``, ``o = -w .. w``:
         ``pos [B, N, P] -> [B, H, N, 2w + 1]`` (offsets outside the sequence hold junk the
         band op ignores)."""
@@ -204,13 +277,21 @@ class Band(NearSet):
         f = core.near_mask(delta)  # [B | 1, N | 1, 2w+1, H]
         return rearrange(f, "b n o h -> b h n o").expand(pos.shape[0], -1, pos.shape[1], -1)
 
-    def pairs(self, core: FLTCore, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
+    def pairs(self, core: NearHost, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the band holds, ``[1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = torch.arange(n, device=p.q.device)
         return ((idx.view(-1, 1) - idx.view(1, -1)).abs() <= self.width).view(1, 1, n, n)
 
-    def step(self, core: FLTCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BandDecodeState | None,
+    def step_offset(self, core: NearHost, state: Any) -> int:
+        """The next token's default position: how many tokens ``state`` has seen (0 for
+        None); the state must be the band's."""
+        core.check_decoding("step")
+        if state is not None and not isinstance(state, BandDecodeState):
+            raise TypeError(f"state must be the BandDecodeState of the previous step (or None), got {type(state).__name__}")
+        return 0 if state is None else check_state_position("BandDecodeState", state)
+
+    def step(self, core: NearHost, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: BandDecodeState | None,
              pos: torch.Tensor) -> tuple[torch.Tensor, BandDecodeState]:
         """One token of a causal banded core: exact band from the ring buffer of the last
         ``w + 1`` tokens, far field from the linear state (:mod:`flt.layers.band_decode`).
@@ -277,7 +358,7 @@ class Band(NearSet):
         state.position = t + 1
         return out.unsqueeze(2), state
 
-    def prefill(self, core: FLTCore, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+    def prefill(self, core: NearHost, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                 pad: torch.Tensor | None = None) -> tuple[torch.Tensor, BandDecodeState]:
         """The causal attention of a prompt, with the state :meth:`step` would hold after it.
 
@@ -338,6 +419,7 @@ class Neighbors(NearSet):
 
     k: int
     term: Any = None
+    size_option: ClassVar[str] = "near_neighbors"
 
     def __post_init__(self) -> None:
         check_positive_int("k", self.k)
@@ -347,7 +429,7 @@ class Neighbors(NearSet):
     def size(self) -> int:
         return self.k
 
-    def attend(self, core: FLTCore, p: Prepared, *, reference: bool = False) -> torch.Tensor:
+    def attend(self, core: NearHost, p: Prepared, *, reference: bool = False) -> torch.Tensor:
         """``[B, H, N, Dv]``: exact weights on the near keys, the estimate elsewhere."""
         key_mask = None if p.pad is None else ~p.pad
         op = neighbor_attention_reference if reference else neighbor_attention
@@ -375,12 +457,12 @@ class Neighbors(NearSet):
         (:func:`flt.ops.neighbors.nearest_keys`; sequences shorter than ``k`` are exact)."""
         return nearest_keys(pos, min(self.k, pos.shape[1]), key_mask=key_mask)
 
-    def bias(self, core: FLTCore, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def bias(self, core: NearHost, pos: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Exact ``f + f_near`` of query ``i`` and its near keys ``idx[i]``:
         ``pos [B|1, N, P], idx [B|1, N, k] -> [B|1, H, N, k]``."""
         return rearrange(core.near_mask(near_offsets(pos, idx)), "b n k h -> b h n k")
 
-    def pairs(self, core: FLTCore, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
+    def pairs(self, core: NearHost, p: Prepared, cdt: torch.dtype) -> torch.Tensor:
         """Which pairs the near set holds, ``[B|1, 1, N, N]`` booleans."""
         n = p.q.shape[2]
         idx = self.keys(batch_shared(p.pos).to(cdt), None if p.pad is None else ~p.pad)

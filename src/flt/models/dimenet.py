@@ -5,8 +5,8 @@ PyG's ``DimeNet.forward`` builds its radius graph with ``torch_geometric.nn.radi
 with the module function ``triplets`` (a ``torch_sparse.SparseTensor``); neither
 extension is part of this project's plain install. :class:`PlainDimeNetPlusPlus` runs
 PyG's own forward and blocks unchanged and only swaps those two module-level names, for
-the duration of its forward, for :func:`flt.models.qm9.radius_graph` and
-:func:`flt.models.qm9.triplets`.
+the duration of its forward, for :func:`flt.models.atom_graphs.radius_graph` and
+:func:`flt.models.atom_graphs.triplets`.
 
 Why a swap of two names and not a forward of our own: the forward is the model (angles,
 bases, embedding, interaction and output blocks, readout); rewriting it would be a copy
@@ -33,13 +33,13 @@ except ImportError as error:  # the error names what is missing (torch_geometric
     raise ImportError(f"encoder='dimenet++' runs torch_geometric's DimeNetPlusPlus, which could not be imported "
                       f"({error}); install the qm9 extra: pip install -e '.[qm9]'") from error
 
-from flt.models.qm9 import radius_graph, triplets
+from flt.models.atom_graphs import radius_graph, triplets
 
 
 def _radius_edges(x: torch.Tensor, r: float, batch: torch.Tensor | None = None, max_num_neighbors: int = 32,
                   **_: object) -> torch.Tensor:
     """``torch_geometric.nn.radius_graph``'s call as ``DimeNet.forward`` makes it, answered
-    by :func:`flt.models.qm9.radius_graph`: ``edge_index [2, E]`` of every ordered pair within
+    by :func:`flt.models.atom_graphs.radius_graph`: ``edge_index [2, E]`` of every ordered pair within
     ``r`` (symmetric, so either row may be read as the source). PyG keeps at most
     ``max_num_neighbors`` per atom, an arbitrary subset when there are more; here that case
     is refused instead (it never arises in QM9: at most 28 neighbours against PyG's 32)."""

@@ -12,6 +12,7 @@ positional encoding can be one more slot (``posenc_candidates``, a :class:`Mixed
 """
 
 from flt.search.arch import arch_fields, arch_layers, arch_posenc, read_search
+from flt.search.config import SearchConfig
 from flt.search.mixed import (
     Candidate,
     EncodingCandidate,
@@ -26,7 +27,7 @@ from flt.search.mixed import (
     parse_candidates,
     parse_posenc_candidates,
 )
-from flt.search.run import SearchConfig, SearchInterrupted, check_search, search
+from flt.search.run import SearchInterrupted, check_search, search
 from flt.search.select import magnitude_choice, perturbation_choice, removal_metrics, select_slot
 
 __all__ = [

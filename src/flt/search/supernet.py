@@ -40,7 +40,7 @@ from flt.train.loop import (
 from flt.train.metrics import MetricsLogger
 
 if TYPE_CHECKING:
-    from flt.search.run import SearchConfig
+    from flt.search.config import SearchConfig
 
 __all__ = ["ALPHA_SEED_OFFSET", "ORDER_STREAM", "Supernet", "empty_progress"]
 

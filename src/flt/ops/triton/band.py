@@ -30,9 +30,9 @@ from flt._dtype import compute_dtype
 from flt.ops import band as torch_band
 from flt.ops._common import safe_divide
 from flt.ops.features import favor_plus_features_split
-from flt.ops.triton import (
+from flt.ops.triton.favor import _check
+from flt.ops.triton.launch import (
     TRITON_CHUNK,
-    _check,
     _kernels,
     check_device,
     combine_segments,

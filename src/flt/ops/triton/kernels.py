@@ -1,6 +1,6 @@
 """Triton kernels of the FAVOR+ linear attention core: Performer, FLT logit and multiplicative.
 
-Imported only by :mod:`flt.ops.triton` once it has checked that triton is installed (and,
+Imported only by :mod:`flt.ops.triton.launch` once it has checked that triton is installed (and,
 for CPU tensors, that ``TRITON_INTERPRET=1`` was set before this import: triton decides at
 decoration time whether a kernel is compiled or interpreted).
 
@@ -8,7 +8,7 @@ One kernel, :func:`favor_attention_kernel`, in the chunked style of fast linear-
 kernels: one program per (batch x head, spectral index ``r``, block of value columns,
 segment of the sequence) walks its segment in chunks of ``BC`` tokens. With several
 segments (short of programs otherwise: ``B x H`` small against the GPU) a first launch
-writes every segment's key state, the caller combines them (:mod:`flt.ops.triton`), and a
+writes every segment's key state, the caller combines them (:func:`flt.ops.triton.launch.combine_segments`), and a
 second launch starts each segment from the keys before it. FAVOR+ features are computed inside the
 kernel from the scaled queries/keys and the projection (``[B, H, N, m]`` features never
 reach memory) and everything accumulates in float32 or float64. Each program writes the

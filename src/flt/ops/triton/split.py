@@ -27,9 +27,8 @@ import torch
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
 from flt.ops._common import safe_divide
-from flt.ops.triton import (
-    _check,
-    _FavorAttention,
+from flt.ops.triton.favor import _check, _FavorAttention
+from flt.ops.triton.launch import (
     check_device,
     combine_segments,
     interpreted,
@@ -262,7 +261,7 @@ def _launch_split(xq, xk, v, projection, extra_q, extra_k, key_mask, causal, til
     B, H, N, D = xq.shape
     Dv, m = v.shape[-1], projection.shape[0]
     acc = compute_dtype(*(t for t in (xq, xk, v, extra_q) if t is not None))
-    # bfloat16 operands as the one-program kernel (flt.ops.triton._launch): only in the
+    # bfloat16 operands as the one-program kernel (flt.ops.triton.favor._launch): only in the
     # bidirectional pass, never under the interpreter. TF32: _tf32. Neither for signed values.
     low = not signed and v.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32 and xq.device.type == "cuda" and not causal
     tf32 = not signed and _tf32(acc, xq, xk, v)
@@ -322,7 +321,7 @@ def add_feature_blocks(part: torch.Tensor, lev: torch.Tensor) -> torch.Tensor:
 class _FavorSplit(torch.autograd.Function):
     """Forward: the feature-split kernel. Backward: the split backward kernels
     (:func:`_backward_split`), or, with ``torch_backward``,
-    :class:`flt.ops.triton._FavorAttention`'s (the gradient of
+    :class:`flt.ops.triton.favor._FavorAttention`'s (the gradient of
     :func:`flt.ops.triton.favor_attention_torch`, recomputed), which takes the same first
     nine inputs (``a, c`` None here)."""
 
