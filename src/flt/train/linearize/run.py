@@ -1,12 +1,31 @@
 """The run of :func:`linearize`: attention transfer, then fine-tuning, in a run directory.
 
-The run directory is written by the shared parts of :mod:`flt.train`: the lock
-(:mod:`flt.train.lock`), the checkpoints (:mod:`flt.train.checkpoint`: atomic, hashed),
-the random states (:mod:`flt.train.rng`), ``metrics.jsonl`` (:mod:`flt.train.metrics`).
-Its steps are a loop of their own (:func:`_loop`), not :func:`flt.train.loop.run_steps`:
-two stages with their own parameters, optimizer and learning-rate schedule, a record per
-step with each layer's matching error, validation and a checkpoint at the end of each
-stage, and a trainer state of its own layout, which the runs written so far resume from.
+What it shares with :func:`flt.train.train`: the run directory's lock
+(:func:`flt.train.lock.lock_run_dir`) and the removal of what a killed run left half
+written, the checkpoints (:mod:`flt.train.checkpoint`: written atomically and hashed,
+found, verified and loaded for ``resume``), the random states (:mod:`flt.train.rng`),
+``metrics.jsonl`` (:mod:`flt.train.metrics`), and from :mod:`flt.train.loop` the progress
+bar, the step reached and the checkpoint named on Ctrl-C (:class:`~flt.train.loop.Progress`,
+:func:`~flt.train.loop.resumable_checkpoint`), :class:`~flt.train.loop.TrainingDiverged` and
+the peak memory. The learning-rate schedule is :meth:`flt.tasks.preset.RunConfig.lr_at`.
+
+What it does not: its steps (:func:`_loop`) are not :func:`flt.train.loop.run_steps`, whose
+run is a :class:`flt.train.loop.Run` of a task (:class:`flt.tasks.Task`: batches and loss)
+with one optimizer, one schedule, windowed ``train`` records and a trainer state of the
+loop's layout. Here, without a change to what a run computes or writes:
+
+* the two stages train different parameters with a fresh AdamW each, under a schedule
+  that restarts at the stage boundary (:meth:`LinearizeConfig.lr_at`), and the student
+  runs in eval mode during transfer; the boundary is validated and checkpointed as well as
+  every ``eval_every`` and ``checkpoint_every`` steps (``run_steps`` does so at multiples
+  and at the last step only);
+* the transfer loss is the layers' matching error against the teacher's (both models run
+  each step), not a task's loss, and no random features are redrawn;
+* every step writes its own record (``transfer`` with each layer's error, or ``train``
+  with its ``stage``), where ``run_steps`` averages ``train`` records over ``log_every``;
+* the trainer state is ``{step, stage, optimizer, rng, step_times}`` (one process, one
+  random state), which the runs written so far resume from; the loop's state adds the
+  world size and logging windows and refuses one without them.
 """
 
 from __future__ import annotations
@@ -30,8 +49,6 @@ import torch
 from flt._io import atomic_dir, atomic_write_json
 from flt.train import metrics
 from flt.train.checkpoint import (
-    CheckpointError,
-    find_checkpoint,
     has_checkpoint,
     load_trainer_state,
     load_weights,
@@ -53,7 +70,13 @@ from flt.train.linearize.matching import LayerMatching, trainable_parameters, tr
 from flt.train.linearize.model import check_model_dir, load_softmax_model
 from flt.train.linearize.plots import plot_linearization
 from flt.train.lock import lock_run_dir
-from flt.train.loop import TrainingDiverged, peak_memory_mib
+from flt.train.loop import (
+    Progress,
+    TrainingDiverged,
+    peak_memory_mib,
+    progress_bar,
+    resumable_checkpoint,
+)
 from flt.train.rng import rng_state, seed_everything, set_rng_state
 
 if TYPE_CHECKING:
@@ -115,24 +138,17 @@ def linearize(model_dir: str | os.PathLike, out_dir: str, config: LinearizeConfi
     check_tokens(model_dir, config.byte_tokens)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
     lock = lock_run_dir(out_dir, command="flt linearize")
-    reached = [0]
+    reached = Progress(steps=config.steps)
     try:
         return _linearize(Path(model_dir), out_dir, config, dev, resume, progress, plots, on_step, reached, lock.note)
     except KeyboardInterrupt as err:
-        raise LinearizeInterrupted(out_dir, reached[0], config.steps, _resumable(out_dir)) from err
+        raise LinearizeInterrupted(out_dir, reached.step, reached.steps, resumable_checkpoint(out_dir)) from err
     finally:
         lock.release()
 
 
-def _resumable(out_dir: str) -> str | None:
-    try:
-        return find_checkpoint(out_dir, report=lambda message: None)
-    except (FileNotFoundError, CheckpointError):
-        return None
-
-
 def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: torch.device, resume: bool, progress: bool,
-               plots: bool, on_step: Callable[[int], None] | None, reached: list[int], lock_note: str | None) -> dict[str, Any]:
+               plots: bool, on_step: Callable[[int], None] | None, reached: Progress, lock_note: str | None) -> dict[str, Any]:
     # The transformers integration (the hf extra) is imported only when a run starts.
     from flt.integrations.transformers import convert
 
@@ -256,13 +272,11 @@ def _restore(r: _Run, ckpt: str, meta: dict[str, Any]) -> int:
     return step
 
 
-def _loop(r: _Run, start: int, progress: bool, on_step: Callable[[int], None] | None, reached: list[int]) -> None:
+def _loop(r: _Run, start: int, progress: bool, on_step: Callable[[int], None] | None, reached: Progress) -> None:
+    """Steps ``start + 1 .. steps`` of both stages (the module docstring says why not
+    :func:`flt.train.loop.run_steps`)."""
     c = r.config
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=c.steps, initial=start, desc=f"linearize {c.attention}", dynamic_ncols=True, unit="step")
+    bar = progress_bar(c.steps, start, f"linearize {c.attention}") if progress else None
     try:
         for step in range(start + 1, c.steps + 1):
             if r.stage != c.stage(step):
@@ -282,7 +296,7 @@ def _loop(r: _Run, start: int, progress: bool, on_step: Callable[[int], None] | 
                 bar.write(message) if bar is not None else print(message, flush=True)
             if step % c.checkpoint_every == 0 or stage_end:
                 _checkpoint(r, step)
-            reached[0] = step
+            reached.step = step
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"{r.stage} loss {loss:.4g}")
