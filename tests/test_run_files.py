@@ -176,7 +176,7 @@ def test_no_run_writer_saves_a_figure_or_json_straight_to_its_path():
     """Every figure and JSON file of a run goes through flt._io (atomic, link-free, no NaN);
     a direct ``savefig(path)`` or ``json.dump`` into an open file would follow a link."""
     direct = re.compile(r"\.savefig\((?!f\b)|json\.dump\(|open\([^)]*[\"']w[\"']|\.write_(text|bytes)\(")
-    owners = [*(SRC / "train").glob("*.py"), *(SRC / "search").glob("*.py"), *(SRC / "fit").glob("*.py"),
+    owners = [*(SRC / "train").rglob("*.py"), *(SRC / "search").glob("*.py"), *(SRC / "fit").glob("*.py"),
               *(SRC / "bench").glob("*.py"), *(SRC / "integrations").glob("*.py"),
               *(SRC / "commands" / n for n in ("train.py", "evaluate.py", "compare.py", "generate.py", "search.py", "fit.py",
                                                "linearize.py", "bench.py", "approx.py"))]
@@ -191,7 +191,7 @@ def test_no_reader_of_a_users_json_file_parses_it_unbounded():
     flt._io's bounded reader: ``json.loads`` of a file's text would end a deeply nested one
     in a RecursionError, and opening a FIFO would block."""
     unbounded = re.compile(r"json\.loads?\(.*(read_text|read_bytes|\bf\b|\bfh\b)")
-    readers = [*(SRC / "train").glob("*.py"), *(SRC / "integrations").glob("*.py"), *(SRC / "commands").glob("*.py"),
+    readers = [*(SRC / "train").rglob("*.py"), *(SRC / "integrations").glob("*.py"), *(SRC / "commands").glob("*.py"),
                *(SRC / "search").glob("*.py"), *(SRC / "fit").glob("*.py"), *(SRC / "bench").glob("*.py")]
     found = [f"{p.relative_to(SRC)}:{i}" for p in readers
              for i, line in enumerate(p.read_text().splitlines(), 1) if unbounded.search(line)]

@@ -621,10 +621,16 @@ def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
 
 
 def _progress_bar(r: Run) -> tqdm:
+    return progress_bar(r.preset.run.steps, r.start, f"{r.preset.task} {r.model_cfg.attention}")
+
+
+def progress_bar(steps: int, start: int, desc: str) -> tqdm:
+    """The progress bar of a run of ``steps`` steps, ``start`` of them done already (a
+    resumed run's); :func:`flt.train.linearize.linearize` shows the same."""
     # tqdm is an optional dependency (flt-attention[train]); --no-progress runs without it.
     from tqdm.auto import tqdm
 
-    return tqdm(total=r.preset.run.steps, initial=r.start, desc=f"{r.preset.task} {r.model_cfg.attention}", dynamic_ncols=True, unit="step")
+    return tqdm(total=steps, initial=start, desc=desc, dynamic_ncols=True, unit="step")
 
 
 def uses_attention(cfg: Any) -> bool:
