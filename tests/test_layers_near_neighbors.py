@@ -323,3 +323,16 @@ def test_favor_near_set_keeps_the_exact_exponential_kernel():
     x, pos = torch.randn(2, 9, 16, dtype=F64), torch.randn(2, 9, 3, dtype=F64)
     with torch.no_grad():
         assert_close(layer(x, pos), layer.exact(x, pos))
+
+
+def test_the_approx_bench_compares_a_partial_near_set_with_the_bump_on_every_pair():
+    """``full_mask_error``: with the bump in the near spectrum on the 8 nearest of 64 keys, the
+    comparison with the bump on every pair adds the truncation (above the estimate's
+    own error); for the concatenation, with no near set, it is the same comparison."""
+    from flt.bench.approx import spatial_fidelity_errors
+
+    near, plain = spatial_fidelity_errors((3.5,), ((16, 8),), point_sets=["3-D random, N=64"],
+                                          estimators=["k=8 nearest, mask in f_near", "concat (logit, no near set)"],
+                                          dim=16, seeds=(0,))
+    assert near.full_mask_error is not None and near.full_mask_error > 1.2 * near.rel_error
+    assert plain.full_mask_error == pytest.approx(plain.rel_error, rel=1e-12)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -252,9 +252,13 @@ def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5
                             out, exact = layer(x, pos), layer.exact(x, pos)
                             errs.append(((out - exact).norm() / exact.norm()).item())
                             if options["coupling"] == "logit":
-                                k, layer.core.near_neighbors = layer.core.near_neighbors, pos.shape[0] if where == "near_spectrum" else 0
-                                full = layer.exact(x, pos)  # the near spectrum on every pair when it holds the bump
-                                layer.core.near_neighbors = k
+                                # The near spectrum on every pair when it holds the bump, on none otherwise.
+                                near = layer.core.near
+                                layer.core.near = None if near is None or where != "near_spectrum" else replace(near, k=pos.shape[0])
+                                try:
+                                    full = layer.exact(x, pos)
+                                finally:
+                                    layer.core.near = near
                                 full_errs.append(((out - full).norm() / full.norm()).item())
                     full_error = sum(full_errs) / len(full_errs) if full_errs else None
                     rows.append(SpatialFidelityError(set_name, label, amplitude, m, R, sum(errs) / len(errs), full_error))
