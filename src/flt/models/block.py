@@ -46,8 +46,17 @@ def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bo
                                                 **options)
 
 
+def feed_forward(dim: int, mlp_ratio: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> nn.Sequential:
+    """A block's MLP, ``[..., dim] -> [..., dim]``: a linear map to ``round(dim * mlp_ratio)``
+    (at least 1), GELU, a linear map back (keys ``0.*`` and ``2.*``)."""
+    hidden = max(1, int(round(dim * mlp_ratio)))
+    return nn.Sequential(nn.Linear(dim, hidden, device=device, dtype=dtype), nn.GELU(),
+                         nn.Linear(hidden, dim, device=device, dtype=dtype))
+
+
 class Block(nn.Module):
-    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, GELU MLP).
+    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, GELU MLP, :func:`feed_forward`).
 
     Args:
         dim, heads: model width and attention heads.
@@ -76,8 +85,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(dim, **fk)
         self.attn = build_attention(attention, dim, heads, pos_dim=pos_dim, causal=causal, options=attention_options, **fk)
         self.norm2 = nn.LayerNorm(dim, **fk)
-        hidden = max(1, int(round(dim * mlp_ratio)))
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden, **fk), nn.GELU(), nn.Linear(hidden, dim, **fk))
+        self.mlp = feed_forward(dim, mlp_ratio, **fk)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
