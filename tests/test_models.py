@@ -1,5 +1,5 @@
-"""The three models with every registered attention mechanism: shapes, gradients, causality,
-decoding, symmetries, CAPE."""
+"""The models with every registered attention mechanism: shapes, gradients, causality,
+decoding, symmetries, CAPE; the token model's two heads."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from flt.models import (
     ImageConfig,
     LMConfig,
     MoleculeConfig,
+    TokenModel,
     build_model,
     replace_fields,
     tie_isotropic,
@@ -348,3 +349,42 @@ def test_model_input_errors():
     with pytest.raises(ValueError, match="images must be"):
         vit(torch.randn(2, 3, 8, 8))
     assert math.isfinite(float(vit(torch.randn(1, 1, 8, 8)).sum()))
+
+
+def token_model(head: str, causal: bool, attention: str = "flt") -> TokenModel:
+    torch.manual_seed(0)
+    options = dict(ATTENTION_DEFAULTS["listops"].get(attention, {}))
+    return TokenModel(vocab_size=11, out_dim=3, head=head, causal=causal, **TRUNK, mlp_ratio=2.0, dropout=0.0,
+                      attention=attention, attention_options=options, posenc="none", posenc_options={},
+                      dtype=torch.float64).eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("attention", ["flt", "softmax"])
+def test_token_model_mean_head_is_the_mean_of_the_token_head(attention):
+    # The two heads hold the same parameters under the same names (a strict load), and the
+    # head is linear: the mean head's output is the token head's averaged over the valid tokens.
+    mean, token = token_model("mean", False, attention), token_model("token", False, attention)
+    assert [name for name, _ in mean.named_children()] == ["embed", "posenc", "drop", "trunk", "head"]
+    token.load_state_dict(mean.state_dict(), strict=True)
+    tokens = torch.randint(0, 11, (2, 9))
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 6:] = True
+    per_token, pooled = token(tokens, pad), mean(tokens, pad)
+    assert per_token.shape == (2, 9, 3) and pooled.shape == (2, 3)
+    assert_close(pooled[0], per_token[0].mean(0))
+    assert_close(pooled[1], per_token[1, :6].mean(0))
+    assert_close(mean(tokens), token(tokens).mean(1))
+
+
+@torch.no_grad()
+def test_token_model_causal_flag():
+    causal, bidirectional = token_model("token", True), token_model("token", False)
+    tokens = torch.randint(0, 11, (2, 12))
+    changed = tokens.clone()
+    changed[:, 8:] = (changed[:, 8:] + 1) % 11
+    assert_close(causal(changed)[:, :8], causal(tokens)[:, :8])
+    assert not torch.allclose(causal(changed)[:, 8:], causal(tokens)[:, 8:])
+    assert not torch.allclose(bidirectional(changed)[:, :8], bidirectional(tokens)[:, :8])
+    with pytest.raises(ValueError, match="head"):
+        token_model("sum", False)

@@ -276,16 +276,17 @@ class LinkTransformer(nn.Module):
     ``{"attention": NAME, "attention_options": {...}}`` per layer) replaces ``attention``
     and ``attention_options`` layer by layer (``flt train graph --arch``).
 
-    The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`.
+    The keyword arguments are the fields of :class:`flt.tasks.graph.GraphConfig`; the
+    transformer's other trunk fields (``mlp_ratio``, ``dropout``, ``attention``,
+    ``posenc`` and their options) come as ``**trunk``, which the GNN encoders do not read.
     """
 
     position_basis: torch.Tensor  # buffer [in_dim, gir_positions], when gir_positions > 0
 
-    def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float,
-                 attention: str, attention_options: dict, posenc: str, posenc_options: dict, out_dim: int,
-                 encoder: str = "transformer", gnn_layers: int = 3, indication: bool = False, fusion: bool = False,
-                 gir_hidden: int = 16, gir_steps: int = 0, in_dim: int = 0, gir_positions: int = 0,
-                 layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, *, num_anchors: int, dim: int, depth: int, heads: int, out_dim: int, encoder: str = "transformer",
+                 gnn_layers: int = 3, indication: bool = False, fusion: bool = False, gir_hidden: int = 16, gir_steps: int = 0,
+                 in_dim: int = 0, gir_positions: int = 0, layer_attention: list | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **trunk: Any):
         super().__init__()
         check_choice("encoder", encoder, TASK_ENCODERS)
         self.encoder_kind = encoder
@@ -306,9 +307,8 @@ class LinkTransformer(nn.Module):
                 basis, _ = torch.linalg.qr(torch.randn(dim, gir_positions, dtype=torch.float64))
                 self.register_buffer("position_basis", basis.to(device=device, dtype=dtype or torch.get_default_dtype()))
             self.encoder: NodeTransformer | StructuralEncoder = NodeTransformer(
-                in_dim, gir_positions or in_dim, attention=attention, attention_options=attention_options, dim=dim, heads=heads,
-                layers=depth, out_dim=out_dim, mlp_ratio=mlp_ratio, dropout=dropout, posenc=posenc,
-                posenc_options=posenc_options, layer_attention=layer_attention, device=device, dtype=dtype,
+                in_dim, gir_positions or in_dim, dim=dim, heads=heads, layers=depth, out_dim=out_dim,
+                layer_attention=layer_attention, device=device, dtype=dtype, **trunk,
             )
         else:
             base = "gcn" if encoder == "indicator" else encoder

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
-from flt.models.block import build_attention, build_posenc, layer_mechanisms
+from flt.models.block import build_attention, build_posenc, feed_forward, layer_mechanisms
 
 from .anchors import UNREACHABLE, _check_edges, anchor_distances, distance_features
 
@@ -86,15 +86,20 @@ class _Checkable(Protocol):
 
 
 class _Block(nn.Module):
-    """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``."""
+    """Pre-norm transformer layer: ``h + attn(LN(h), pos)``, then ``h + MLP(LN(h))``.
+
+    :class:`flt.models.Block`'s computation with the same MLP (:func:`~flt.models.block.feed_forward`),
+    kept apart for what graph runs saved: the attention under ``attention`` (the trunk's block
+    names it ``attn``), the parameters in the order ``norm1``, ``norm2``, ``attention``, ``mlp``
+    (which a saved optimizer state follows), and the ``"reference"`` mode of
+    :data:`ATTENTION_MODES`."""
 
     def __init__(self, attention: nn.Module, dim: int, *, mlp_ratio: float = 2.0, dropout: float = 0.0, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.norm1, self.norm2 = nn.LayerNorm(dim, **fk), nn.LayerNorm(dim, **fk)
         self.attention = attention
-        hidden = max(1, int(round(dim * mlp_ratio)))
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden, **fk), nn.GELU(), nn.Linear(hidden, dim, **fk))
+        self.mlp = feed_forward(dim, mlp_ratio, **fk)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, mode: str) -> torch.Tensor:

@@ -4,7 +4,9 @@
 ``MODELS[type(config)]`` is the model class of a config of this package;
 ``build_model(config)`` builds it from its frozen config (:mod:`flt.models.config`). Tasks
 name their config and model class in their own file (:mod:`flt.tasks`); a task with a
-model of its own does not need to be listed here.
+model of its own does not need to be listed here. :class:`TokenModel` is the model over
+token sequences that tasks with a config of their own share (``listops``, ``offsets``),
+with the head and causality they choose.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flt.models.config import (
 )
 from flt.models.lm import CausalLM, LMState, sample_next
 from flt.models.molecule import RADIAL_SPECTRA, MoleculeRegressor, tie_isotropic
+from flt.models.token import TOKEN_HEADS, TokenModel
 from flt.models.vit import ViTClassifier
 
 #: Model class per config class; the constructor's keyword arguments are the config's fields.
@@ -48,6 +51,7 @@ def build_model(config: Any, *, device: torch.device | str | None = None, dtype:
 __all__ = [
     "MODELS",
     "RADIAL_SPECTRA",
+    "TOKEN_HEADS",
     "Block",
     "CausalLM",
     "ImageConfig",
@@ -55,6 +59,7 @@ __all__ = [
     "LMState",
     "MoleculeConfig",
     "MoleculeRegressor",
+    "TokenModel",
     "Trunk",
     "ViTClassifier",
     "build_attention",

@@ -1,4 +1,4 @@
-"""The pre-norm Transformer block and trunk shared by the three models.
+"""The pre-norm Transformer block and trunk shared by the models of this package.
 
 The attention layer comes from :data:`flt.ATTENTION` by name, so every registered
 mechanism works in every model with no change here. Shapes: tokens ``x [B, N, dim]``,
@@ -8,7 +8,7 @@ positions ``pos [B, N, P]``, ``key_padding_mask [B, N]`` (bool, True = padded).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -46,8 +46,17 @@ def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bo
                                                 **options)
 
 
+def feed_forward(dim: int, mlp_ratio: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> nn.Sequential:
+    """A block's MLP, ``[..., dim] -> [..., dim]``: a linear map to ``round(dim * mlp_ratio)``
+    (at least 1), GELU, a linear map back (keys ``0.*`` and ``2.*``)."""
+    hidden = max(1, int(round(dim * mlp_ratio)))
+    return nn.Sequential(nn.Linear(dim, hidden, device=device, dtype=dtype), nn.GELU(),
+                         nn.Linear(hidden, dim, device=device, dtype=dtype))
+
+
 class Block(nn.Module):
-    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, GELU MLP).
+    """``x + attn(LN(x))`` then ``x + MLP(LN(x))`` (pre-norm, GELU MLP, :func:`feed_forward`).
 
     Args:
         dim, heads: model width and attention heads.
@@ -76,8 +85,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(dim, **fk)
         self.attn = build_attention(attention, dim, heads, pos_dim=pos_dim, causal=causal, options=attention_options, **fk)
         self.norm2 = nn.LayerNorm(dim, **fk)
-        hidden = max(1, int(round(dim * mlp_ratio)))
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden, **fk), nn.GELU(), nn.Linear(hidden, dim, **fk))
+        self.mlp = feed_forward(dim, mlp_ratio, **fk)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
@@ -184,17 +192,29 @@ def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], dev
     return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)
 
 
-def build_token_body(model: nn.Module, *, vocab_size: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                     dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                     posenc_options: dict[str, Any], layer_attention: list | None, causal: bool,
-                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-    """Give ``model`` the body of a model over token sequences (positions are token indices):
-    ``embed`` (std 0.02), ``posenc``, ``drop`` and the attention ``trunk``. Attributes, not a
-    submodule, so the state-dict keys of the models that use it stay as they were."""
+class TrunkModules(NamedTuple):
+    """The modules every model of this package builds from its trunk fields (:func:`trunk_modules`)."""
+
+    posenc: nn.Module
+    drop: nn.Dropout
+    trunk: Trunk
+
+
+def trunk_modules(*, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float, attention: str,
+                  attention_options: dict[str, Any], posenc: str, posenc_options: dict[str, Any],
+                  layer_attention: list | None = None, pos_dim: int, causal: bool,
+                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TrunkModules:
+    """The absolute encoding ``posenc`` (``[B, N, P] -> [B, N, dim]``), the dropout on the
+    embedded inputs and the attention :class:`Trunk`, from the fields of a
+    :class:`~flt.models.config.LayeredConfig` (the trunk's, the one signature that lists
+    them: a model takes its own fields and passes the rest here as ``**trunk``) at ``P =
+    pos_dim`` positions, ``causal`` or not. A model assigns them in this order, ``self.posenc,
+    self.drop, self.trunk = trunk_modules(...)``: its state-dict keys and the order of its
+    parameters (which a saved optimizer state follows) are those three names."""
     fk: dict[str, Any] = {"device": device, "dtype": dtype}
-    model.embed = nn.Embedding(vocab_size, dim, **fk)
-    nn.init.normal_(model.embed.weight, std=0.02)
-    model.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)
-    model.drop = nn.Dropout(dropout)
-    model.trunk = Trunk(dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1,
-                        causal=causal, mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk)
+    return TrunkModules(
+        build_posenc(posenc, dim, pos_dim, posenc_options, **fk),
+        nn.Dropout(dropout),
+        Trunk(dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=pos_dim,
+              causal=causal, mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk),
+    )

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flt._dtype import compute_dtype
-from flt.models.block import Trunk, build_posenc
+from flt.models.block import trunk_modules
 from flt.posenc import CAPE
 
 
@@ -32,7 +32,9 @@ class LMState:
 
 
 class CausalLM(nn.Module):
-    """Decoder-only Transformer with tied embeddings (see :class:`flt.models.LMConfig`).
+    """Decoder-only Transformer with tied embeddings (see :class:`flt.models.LMConfig`): the
+    keyword arguments are its fields, those of the trunk (all but ``dim``) as ``**trunk``
+    (:func:`flt.models.block.trunk_modules`).
 
     Shapes: ``forward(tokens [B, T] int64) -> logits [B, T, vocab_size]``.
     """
@@ -43,18 +45,10 @@ class CausalLM(nn.Module):
         vocab_size: int,
         max_len: int,
         dim: int,
-        depth: int,
-        heads: int,
-        mlp_ratio: float,
-        dropout: float,
-        attention: str,
-        attention_options: dict[str, Any],
-        posenc: str,
-        posenc_options: dict[str, Any],
         cape: bool = False,
-        layer_attention: list | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **trunk: Any,
     ) -> None:
         super().__init__()
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
@@ -63,14 +57,9 @@ class CausalLM(nn.Module):
         # Small init: the same matrix is the output head, and N(0, 1) rows would start
         # the logits with a spread of sqrt(dim).
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.posenc = build_posenc(posenc, dim, 1, posenc_options, **fk)
         # No mean-centring: decoding token by token cannot know the mean of future positions.
         self.cape = CAPE.for_1d(mean_center=False) if cape else None
-        self.drop = nn.Dropout(dropout)
-        self.trunk = Trunk(
-            dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=1, causal=True,
-            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
-        )
+        self.posenc, self.drop, self.trunk = trunk_modules(dim=dim, pos_dim=1, causal=True, **fk, **trunk)
 
     @property
     def supports_decoding(self) -> bool:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from flt._checks import check_choice
-from flt.models.block import Trunk, build_posenc
+from flt.models.block import trunk_modules
 from flt.models.config import READOUTS
 from flt.relative.spectra import (
     GaussianKernelSpectrum,
@@ -99,7 +99,9 @@ class MoleculeRegressor(nn.Module):
 
     Shapes: ``forward(z [B, N] int64, pos [B, N, 3], key_padding_mask [B, N] bool) -> [B]``
     where ``key_padding_mask`` is True for padding (any ``pos``; ``z = 0``, the padding
-    element, is refused for a real atom), the polarity of every attention layer.
+    element, is refused for a real atom), the polarity of every attention layer. The keyword
+    arguments are the fields of :class:`flt.models.MoleculeConfig`, those of the trunk (all
+    but ``dim``) as ``**trunk`` (:func:`flt.models.block.trunk_modules`).
     """
 
     def __init__(
@@ -107,21 +109,13 @@ class MoleculeRegressor(nn.Module):
         *,
         num_elements: int,
         dim: int,
-        depth: int,
-        heads: int,
-        mlp_ratio: float,
-        dropout: float,
-        attention: str,
-        attention_options: dict[str, Any],
-        posenc: str,
-        posenc_options: dict[str, Any],
         readout: str = "mean",
         isotropic: bool = True,
         target_mean: float = 0.0,
         target_std: float = 1.0,
-        layer_attention: list | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **trunk: Any,
     ) -> None:
         super().__init__()
         check_choice("readout", readout, READOUTS)
@@ -129,12 +123,7 @@ class MoleculeRegressor(nn.Module):
         self.num_elements, self.readout = num_elements, readout
         self.target_mean, self.target_std = float(target_mean), float(target_std)
         self.embed = nn.Embedding(num_elements, dim, **fk)
-        self.posenc = build_posenc(posenc, dim, 3, posenc_options, **fk)
-        self.drop = nn.Dropout(dropout)
-        self.trunk = Trunk(
-            dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=3, causal=False,
-            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
-        )
+        self.posenc, self.drop, self.trunk = trunk_modules(dim=dim, pos_dim=3, causal=False, **fk, **trunk)
         self.head = nn.Linear(dim, 1, **fk)
         if isotropic:
             tie_isotropic(self.trunk)

@@ -25,7 +25,7 @@ from torch import nn
 
 from flt._checks import check_choice, check_positive_int
 from flt.layers.longrange import LongRangeBlock
-from flt.models.block import Trunk, build_posenc
+from flt.models.block import trunk_modules
 from flt.models.config import LayeredConfig
 from flt.models.longrange import (
     AfterBlock,
@@ -93,20 +93,16 @@ def check_particles(charge: torch.Tensor, pos: torch.Tensor) -> None:
 
 class ParticleRegressor(nn.Module):
     """Shapes: ``forward(charge [B, N] (+-1), pos [B, N, 3]) -> [B, N]`` in target units;
-    ``exact=True`` runs every attention layer's O(N^2) ``exact``."""
+    ``exact=True`` runs every attention layer's O(N^2) ``exact``. ``dim`` and ``**trunk``
+    are the trunk's fields (:func:`flt.models.block.trunk_modules`)."""
 
-    def __init__(self, *, dim: int, depth: int, heads: int, mlp_ratio: float, dropout: float, attention: str,
-                 attention_options: dict[str, Any], posenc: str, posenc_options: dict[str, Any],
-                 isotropic: bool = False, target_mean: float = 0.0, target_std: float = 1.0,
-                 layer_attention: list | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, *, dim: int, isotropic: bool = False, target_mean: float = 0.0, target_std: float = 1.0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **trunk: Any) -> None:
         super().__init__()
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.target_mean, self.target_std = float(target_mean), float(target_std)
         self.embed = nn.Embedding(2, dim, **fk)
-        self.posenc = build_posenc(posenc, dim, 3, posenc_options, **fk)
-        self.drop = nn.Dropout(dropout)
-        self.trunk = Trunk(dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=3,
-                           causal=False, mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk)
+        self.posenc, self.drop, self.trunk = trunk_modules(dim=dim, pos_dim=3, causal=False, **fk, **trunk)
         self.head = nn.Linear(dim, 1, **fk)
         if isotropic:
             tie_isotropic(self.trunk)

@@ -130,14 +130,16 @@ class QM9Regressor(nn.Module):
     SchNet's interaction blocks, the node-feature projection (``lin_up``, width
     ``2 dim``) of DimeNet++'s output blocks (whose outputs are summed into the prediction,
     so ``"readout"`` puts the block in the last one's node path), the transformer's trunk
-    blocks; :func:`flt.models.longrange.blocks_of` lists the blocks."""
+    blocks; :func:`flt.models.longrange.blocks_of` lists the blocks.
 
-    def __init__(self, *, encoder: str, num_elements: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], readout: str | None, isotropic: bool, cutoff: float | None, num_gaussians: int,
-                 target_mean: float, target_std: float, layer_attention: list | None = None,
+    The keyword arguments are the fields of :class:`QM9Config`; the transformer's other
+    trunk fields (``mlp_ratio``, ``dropout``, its mechanisms) come as ``**trunk``, which
+    the message-passing encoders do not read."""
+
+    def __init__(self, *, encoder: str, num_elements: int, dim: int, depth: int, heads: int, readout: str | None,
+                 isotropic: bool, cutoff: float | None, num_gaussians: int, target_mean: float, target_std: float,
                  longrange: dict[str, Any] | None = None, longrange_placement: str = "readout",
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **trunk: Any):
         super().__init__()
         check_choice("encoder", encoder, ENCODERS)
         check_longrange(encoder, dict(longrange or {}), longrange_placement)
@@ -149,12 +151,8 @@ class QM9Regressor(nn.Module):
         self.context = LongRangeContext()
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         if self.base == "transformer":
-            self.net = MoleculeRegressor(
-                num_elements=num_elements, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio, dropout=dropout,
-                attention=attention, attention_options=attention_options, posenc=posenc, posenc_options=posenc_options,
-                readout=readout, isotropic=isotropic, target_mean=target_mean, target_std=target_std,
-                layer_attention=layer_attention, device=device, dtype=dtype,
-            )
+            self.net = MoleculeRegressor(num_elements=num_elements, dim=dim, depth=depth, heads=heads, readout=readout,
+                                         isotropic=isotropic, target_mean=target_mean, target_std=target_std, **fk, **trunk)
             if encoder != self.base:
                 wrap_modules(list_slots(self.net.trunk.blocks), dim, longrange, longrange_placement, AfterBlock, **fk)
             return

@@ -16,7 +16,7 @@ from torch import nn
 
 from flt._checks import check_choice
 from flt._dtype import compute_dtype
-from flt.models.block import Trunk, build_posenc
+from flt.models.block import trunk_modules
 from flt.models.config import POOLINGS
 from flt.posenc import CAPE, patch_grid
 
@@ -26,6 +26,8 @@ class ViTClassifier(nn.Module):
 
     The class token (``pooling="cls"``) has no place in the image; it sits at the centre
     ``(0, 0)``, so relative mechanisms see it as the centre patch, and CAPE leaves it there.
+    The keyword arguments are the fields of :class:`flt.models.ImageConfig`, those of the
+    trunk (all but ``dim``) as ``**trunk`` (:func:`flt.models.block.trunk_modules`).
 
     Shapes: ``forward(images [B, C, S, S]) -> logits [B, num_classes]``.
     """
@@ -40,19 +42,11 @@ class ViTClassifier(nn.Module):
         num_classes: int,
         patch_size: int,
         dim: int,
-        depth: int,
-        heads: int,
-        mlp_ratio: float,
-        dropout: float,
-        attention: str,
-        attention_options: dict[str, Any],
-        posenc: str,
-        posenc_options: dict[str, Any],
         pooling: str = "mean",
         cape: bool = False,
-        layer_attention: list | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **trunk: Any,
     ) -> None:
         super().__init__()
         check_choice("pooling", pooling, POOLINGS)
@@ -67,12 +61,7 @@ class ViTClassifier(nn.Module):
         self.register_buffer("patch_pos", patch_grid(self.grid, device=device, dtype=pos_dtype), persistent=False)
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim, **fk) * 0.02) if pooling == "cls" else None
         self.cape = CAPE.for_2d_patches(self.grid) if cape else None
-        self.posenc = build_posenc(posenc, dim, 2, posenc_options, **fk)
-        self.drop = nn.Dropout(dropout)
-        self.trunk = Trunk(
-            dim, depth, heads, attention=attention, attention_options=attention_options, pos_dim=2, causal=False,
-            mlp_ratio=mlp_ratio, dropout=dropout, layer_attention=layer_attention, **fk,
-        )
+        self.posenc, self.drop, self.trunk = trunk_modules(dim=dim, pos_dim=2, causal=False, **fk, **trunk)
         self.head = nn.Linear(dim, num_classes, **fk)
 
     def positions(self, batch: int) -> torch.Tensor:

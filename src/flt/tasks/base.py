@@ -106,7 +106,7 @@ class Task(Generic[BatchT, ConfigT]):
     #: One line for ``flt train --help`` and the docs table.
     description: ClassVar[str] = ""
     #: Model config dataclass and model class, whose keyword arguments are the config's
-    #: fields (:meth:`build_model`).
+    #: fields or what :meth:`model_arguments` makes of them (:meth:`build_model`).
     config: ClassVar[type[TrunkConfig]]
     model: ClassVar[type]
     #: The key of :attr:`config` in saved configs (``"task"`` of :func:`flt.tasks.config_to_dict`,
@@ -161,7 +161,14 @@ class Task(Generic[BatchT, ConfigT]):
             raise TypeError(f"task {cls.name!r} builds from {cls.config.__name__}, got {type(config).__name__}")
         # Parameters alone (one token): a dim or depth of 10^9 is refused before it is allocated.
         check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")
-        return cls.model(**config_kwargs(config), device=device, dtype=dtype)
+        return cls.model(**cls.model_arguments(config), device=device, dtype=dtype)
+
+    @classmethod
+    def model_arguments(cls, config: TrunkConfig) -> dict[str, Any]:
+        """The keyword arguments of :attr:`model` for ``config``: its fields
+        (:func:`flt.models.config_kwargs`). A task whose model is shared with other tasks
+        (:class:`flt.models.TokenModel`) names its fields and choices here."""
+        return config_kwargs(config)
 
     def configure(self, cfg: ConfigT) -> ConfigT:
         """The model config with its data-dependent fields filled in."""

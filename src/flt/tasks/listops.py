@@ -30,12 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flt._checks import check_nonnegative_int, check_positive_int
-from flt._dtype import compute_dtype
 from flt.data._split import carve_test
 from flt.data.listops import NUM_CLASSES, VOCAB, ListOpsData, load_listops, load_listops_tsv
-from flt.models import replace_fields
-from flt.models.block import Trunk, build_token_body
-from flt.models.config import LayeredConfig
+from flt.models import TokenModel, config_kwargs, replace_fields
+from flt.models.config import LayeredConfig, TrunkConfig
 from flt.tasks.base import (
     Presets,
     Task,
@@ -80,8 +78,8 @@ POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"shifted_basis": {"domain": [0.0, 
 
 @dataclass(frozen=True)
 class ListOpsConfig(LayeredConfig):
-    """Sequence classifier: token embedding, bidirectional trunk, mean over the valid tokens,
-    linear head. Positions are token indices."""
+    """Sequence classifier (:class:`flt.models.TokenModel`): token embedding, bidirectional
+    trunk, mean over the valid tokens, linear head. Positions are token indices."""
 
     vocab_size: int = len(VOCAB)
     num_classes: int = NUM_CLASSES
@@ -90,43 +88,6 @@ class ListOpsConfig(LayeredConfig):
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("num_classes", self.num_classes)
-
-
-class SequenceClassifier(nn.Module):
-    """``forward(tokens [B, N], key_padding_mask [B, N] | None) -> logits [B, num_classes]``
-    (``key_padding_mask`` True marks padding)."""
-
-    # Submodules that build_token_body sets (declared here for the type checker).
-    embed: nn.Embedding
-    posenc: nn.Module
-    drop: nn.Dropout
-    trunk: Trunk
-
-    def __init__(self, *, vocab_size: int, num_classes: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], layer_attention: list | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        build_token_body(self, vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
-                         dropout=dropout, attention=attention, attention_options=attention_options, posenc=posenc,
-                         posenc_options=posenc_options, layer_attention=layer_attention, causal=False,
-                         device=device, dtype=dtype)
-        self.head = nn.Linear(dim, num_classes, device=device, dtype=dtype)
-
-    def forward(self, tokens: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [B, N], got shape {tuple(tokens.shape)}")
-        B, N = tokens.shape
-        pdt = compute_dtype(self.embed.weight)
-        pos = torch.arange(N, device=tokens.device, dtype=pdt).view(1, N, 1).expand(B, N, 1)
-        x = self.embed(tokens) + self.posenc(pos).to(self.embed.weight.dtype)
-        x = self.trunk(self.drop(x), pos, key_padding_mask, exact=exact)
-        if key_padding_mask is None:
-            pooled = x.mean(dim=1)
-        else:
-            keep = (~key_padding_mask).unsqueeze(-1).to(x.dtype)
-            pooled = (x * keep).sum(dim=1) / keep.sum(dim=1).clamp_min(1.0)
-        return self.head(pooled)
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -205,7 +166,7 @@ class ListOpsTask(Task[ListOpsBatch, ListOpsConfig]):
     description = (f"ListOps (Long Range Arena) classifier over expressions of {SHORT_LENGTHS[0]}-{SHORT_LENGTHS[1]} tokens "
                    f"(presets smoke, small: ListOps-short) or {BENCHMARK_LENGTHS[0]}-{BENCHMARK_LENGTHS[1]} (long, base: the "
                    "benchmark's); bundled data: generated from its specification")
-    config, model = ListOpsConfig, SequenceClassifier
+    config, model = ListOpsConfig, TokenModel
     metric, higher_is_better, compare_metrics, unit = "accuracy", True, ("loss",), "tok"
     options = ("path", "num_train", "num_valid", "num_test", "seed", "min_length", "max_length", "max_depth", "max_args",
                "bucket")
@@ -233,6 +194,13 @@ class ListOpsTask(Task[ListOpsBatch, ListOpsConfig]):
             train, test = carve_test(np.arange(len(splits.train)), len(splits.train) + len(splits.valid), TEST_FRACTION, 0)
             train_data, test_data = splits.train.subset(train), splits.train.subset(test)
         self.train, self.valid, self.test = train_data, splits.valid, test_data
+
+    @classmethod
+    def model_arguments(cls, config: TrunkConfig) -> dict[str, Any]:
+        """The classifier: ``num_classes`` outputs from the mean over the valid tokens, bidirectional."""
+        arguments = config_kwargs(config)
+        arguments["out_dim"] = arguments.pop("num_classes")
+        return {**arguments, "head": "mean", "causal": False}
 
     def configure(self, cfg: ListOpsConfig) -> ListOpsConfig:
         return replace_fields(cfg, vocab_size=len(VOCAB), num_classes=NUM_CLASSES)

@@ -34,11 +34,9 @@ import torch
 import torch.nn as nn
 
 from flt._checks import check_positive_int
-from flt._dtype import compute_dtype
 from flt.data.offsets import OffsetSplit, default_score_from, generate_offsets
-from flt.models import replace_fields
-from flt.models.block import Trunk, build_token_body
-from flt.models.config import LayeredConfig
+from flt.models import TokenModel, config_kwargs, replace_fields
+from flt.models.config import LayeredConfig, TrunkConfig
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.preset import Preset, RunConfig
 
@@ -62,7 +60,8 @@ POSENC_DEFAULTS: dict[str, dict[str, Any]] = {"fourier": {"gamma": 32.0}, "shift
 
 @dataclass(frozen=True)
 class OffsetsConfig(LayeredConfig):
-    """Per-token regressor: token embedding, causal trunk, linear head to ``value_dim``."""
+    """Per-token regressor (:class:`flt.models.TokenModel`): token embedding, causal trunk,
+    linear head to ``value_dim``."""
 
     vocab_size: int = 64
     value_dim: int = 4
@@ -71,35 +70,6 @@ class OffsetsConfig(LayeredConfig):
         super().__post_init__()
         check_positive_int("vocab_size", self.vocab_size)
         check_positive_int("value_dim", self.value_dim)
-
-
-class TokenRegressor(nn.Module):
-    """``forward(tokens [B, N]) -> [B, N, value_dim]``; positions are token indices."""
-
-    # Submodules that build_token_body sets (declared here for the type checker).
-    embed: nn.Embedding
-    posenc: nn.Module
-    drop: nn.Dropout
-    trunk: Trunk
-
-    def __init__(self, *, vocab_size: int, value_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 dropout: float, attention: str, attention_options: dict[str, Any], posenc: str,
-                 posenc_options: dict[str, Any], layer_attention: list | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        build_token_body(self, vocab_size=vocab_size, dim=dim, depth=depth, heads=heads, mlp_ratio=mlp_ratio,
-                         dropout=dropout, attention=attention, attention_options=attention_options, posenc=posenc,
-                         posenc_options=posenc_options, layer_attention=layer_attention, causal=True,
-                         device=device, dtype=dtype)
-        self.head = nn.Linear(dim, value_dim, device=device, dtype=dtype)
-
-    def forward(self, tokens: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be [B, N], got shape {tuple(tokens.shape)}")
-        B, N = tokens.shape
-        pos = torch.arange(N, device=tokens.device, dtype=compute_dtype(self.embed.weight)).view(1, N, 1).expand(B, N, 1)
-        x = self.embed(tokens) + self.posenc(pos).to(self.embed.weight.dtype)
-        return self.head(self.trunk(self.drop(x), pos, exact=exact))
 
 
 def smoke(attention: str = "flt", posenc: str = "none") -> Preset:
@@ -141,7 +111,7 @@ class OffsetsTask(Task[tuple[torch.Tensor, torch.Tensor], OffsetsConfig]):
 
     name = "offsets"
     description = "per-token regression of values at relative offsets far beyond a local band; bundled data: generated"
-    config, model = OffsetsConfig, TokenRegressor
+    config, model = OffsetsConfig, TokenModel
     metric, higher_is_better, compare_metrics, unit = "rel_mse", False, ("loss",), "tok"
     options = ("length", "eval_length", "num_train", "num_valid", "num_test", "vocab_size", "value_dim", "centers",
                "width", "amplitude", "score_from", "seed")
@@ -198,6 +168,13 @@ class OffsetsTask(Task[tuple[torch.Tensor, torch.Tensor], OffsetsConfig]):
         if attention == "softmax" and chosen.get("relative_bias", defaults.get("relative_bias")) != "spectrum":
             defaults = {k: v for k, v in defaults.items() if k not in SPECTRUM}
         return super().attention_options(attention, defaults, chosen)
+
+    @classmethod
+    def model_arguments(cls, config: TrunkConfig) -> dict[str, Any]:
+        """The regressor: ``value_dim`` outputs per token, causal."""
+        arguments = config_kwargs(config)
+        arguments["out_dim"] = arguments.pop("value_dim")
+        return {**arguments, "head": "token", "causal": True}
 
     def configure(self, cfg: OffsetsConfig) -> OffsetsConfig:
         return replace_fields(cfg, vocab_size=self.vocab_size, value_dim=self.value_dim)
