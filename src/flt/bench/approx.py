@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
 
 from flt._io import atomic_savefig
 from flt.layers import FLTAttention
+from flt.layers.near import Neighbors
 from flt.ops import favor_plus_features, gaussian_orthogonal_random_matrix
 from flt.relative.spectra import SAMPLERS, SPECTRA
 from flt.relative.spectra.local import LocalSpectrum
@@ -254,7 +255,8 @@ def spatial_fidelity_errors(amplitudes: Sequence[float] = (0.0, 1.0, 2.0, 3.5, 5
                             if options["coupling"] == "logit":
                                 # The near spectrum on every pair when it holds the bump, on none otherwise.
                                 near = layer.core.near
-                                layer.core.near = None if near is None or where != "near_spectrum" else replace(near, k=pos.shape[0])
+                                every = None if near is None or where != "near_spectrum" else Neighbors(pos.shape[0], near.term)
+                                layer.core.near = every
                                 try:
                                     full = layer.exact(x, pos)
                                 finally:
