@@ -236,6 +236,10 @@ class RadialFrequencies(Frequencies):
     ``rho_k |r|`` within it for the offsets that matter (at the default ``length_scale = 1``
     the starting radii are below ``0.16``, so order 8 holds to ``|r| = 10``). The rotation
     invariance error, ``|f(Q r) - f(r)|`` for a rotation ``Q``, is at most twice these.
+    ``quadrature=None`` picks the order per call (:meth:`order_for`) from the largest radius
+    and the points' extent (the rung of :func:`tail_reach` covering twice their largest
+    distance from their centre), as the coulomb tail does: the fast path then follows the
+    sinc on sets larger than the training ones, at a cost that grows with their extent.
 
     Parametrisation: ``rho_k = rho_max theta_k`` with ``theta_k`` starting at ``(k + 1/2) /
     K`` and ``rho_max = 1 / (2 pi length_scale)``; ``w_k = beta_k / K`` with ``beta_k``
@@ -245,7 +249,7 @@ class RadialFrequencies(Frequencies):
     directions: torch.Tensor
     weights: torch.Tensor
 
-    def __init__(self, heads: int, pos_dim: int, *, num_radii: int = 8, quadrature: int = 8, amplitude: float = 1.0,
+    def __init__(self, heads: int, pos_dim: int, *, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
                  length_scale: float = 1.0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, pos_dim)
@@ -255,11 +259,12 @@ class RadialFrequencies(Frequencies):
         if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
                 math.isfinite(length_scale) and length_scale > 0):
             raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
-        u, q = sphere_quadrature(quadrature)
+        u, q = sphere_quadrature(8 if quadrature is None else quadrature)
         fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)
         self.register_buffer("directions", u.to(**fk), persistent=False)
         self.register_buffer("weights", q.to(**fk), persistent=False)
+        self._rules: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         start = (torch.arange(num_radii, dtype=torch.float64) + 0.5) / num_radii
         self.theta = nn.Parameter(start.expand(heads, -1).clone().to(**fk))
         self.beta = nn.Parameter(torch.full((heads, num_radii), float(amplitude), **fk))
@@ -269,9 +274,32 @@ class RadialFrequencies(Frequencies):
         theta, beta = (t if dtype is None else t.to(dtype) for t in (self.theta, self.beta))
         return self.rho_max * theta, beta / beta.shape[-1]
 
-    def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def order_for(self, reach: float) -> int:
+        """The sphere rule's order that ``quadrature=None`` uses for offsets up to ``reach``:
+        the smallest even order at least ``pi rho reach + 4`` for the largest radius now (the
+        coulomb tail's rule), and at least 8."""
+        top = float(self.radii()[0].detach().abs().max()) if self.theta.numel() else 0.0
+        return max(8, 2 * math.ceil((math.pi * top * reach + 4) / 2))
+
+    def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        order = None
+        if self.quadrature is None:
+            largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
+            order = self.order_for(tail_reach(largest if offsets else 2 * largest))
+        with torch.autocast(like.device.type, enabled=False):
+            return self.frequencies(phase_dtype(like), order=order)
+
+    def frequencies(self, dtype: torch.dtype | None = None, *, order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xi [H, K S, 3], w [H, K S])`` with the constructor's rule, or the rule of
+        ``order`` (``S = order^2`` directions)."""
         rho, w = self.radii(dtype)
-        u, q = (t if dtype is None else t.to(dtype) for t in (self.directions, self.weights))
+        if order is None:
+            u, q = self.directions, self.weights
+        else:
+            if order not in self._rules:
+                self._rules[order] = sphere_quadrature(order)
+            u, q = self._rules[order]
+        u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (u, q))
         xi = rearrange(rho[..., None, None] * u, "h k s p -> h (k s) p")
         return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
 
@@ -283,6 +311,8 @@ class RadialFrequencies(Frequencies):
         return (torch.sinc(2 * rho * r) * w).sum(-1)
 
     def extra_repr(self) -> str:
+        if self.quadrature is None:
+            return f"K={self.theta.shape[-1]}, quadrature per call (at least 8)"
         return f"K={self.theta.shape[-1]}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
 
 
@@ -398,23 +428,26 @@ class CoulombFrequencies(Frequencies):
         return self._tails[reach]
 
     def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        reach = self.reach
-        if reach is None:
-            largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
-            reach = tail_reach(largest if offsets else 2 * largest)
+        largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
+        extent = tail_reach(largest if offsets else 2 * largest)
         with torch.autocast(like.device.type, enabled=False):
-            return self.frequencies(phase_dtype(like), reach=reach)
+            return self.frequencies(phase_dtype(like), reach=self.reach or extent, extent=extent)
 
-    def frequencies(self, dtype: torch.dtype | None = None, *, reach: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def frequencies(self, dtype: torch.dtype | None = None, *, reach: float | None = None,
+                    extent: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xi [H, R, P], w [H, R])``: the corrections' then the tail's, whose quadrature
-        holds to ``reach`` (default: the constructor's, or the smallest :func:`tail_reach`)."""
-        xi_t, w_t = self.tail_frequencies(reach or self.reach or tail_reach(0.0))
+        holds to ``reach`` (default: the constructor's, or the smallest :func:`tail_reach`);
+        ``extent`` (the largest offset of the call) sets the corrections' rule when their
+        ``quadrature`` is None."""
+        reach = reach or self.reach or tail_reach(0.0)
+        xi_t, w_t = self.tail_frequencies(reach)
         tail = self.tail if dtype is None else self.tail.to(dtype)
         xi_t, w_t = xi_t.to(device=tail.device, dtype=tail.dtype), w_t.to(device=tail.device, dtype=tail.dtype)
         xi, w = xi_t.expand(self.heads, -1, -1), tail[:, None] * w_t
         if self.corrections is None:
             return xi, w
-        xi_c, w_c = self.corrections.frequencies(dtype)
+        order = self.corrections.order_for(extent or reach) if self.corrections.quadrature is None else None
+        xi_c, w_c = self.corrections.frequencies(dtype, order=order)
         return torch.cat([xi_c, xi], dim=1), torch.cat([w_c, w], dim=1)
 
     def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
