@@ -3,6 +3,10 @@ attention layer takes its term by name or as a module."""
 
 from __future__ import annotations
 
+import importlib
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -181,12 +185,14 @@ def test_every_registered_term_lives_in_the_relative_package():
 
 def test_the_old_import_paths_are_aliases_of_the_relative_package():
     import flt.posenc
-    import flt.posenc.bias
     import flt.relative.alibi
-    import flt.relative.tables
-    import flt.spectra
-
     import flt.relative.spectra
+    import flt.relative.tables
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import flt.posenc.bias
+        import flt.spectra
 
     assert flt.spectra.SPECTRA is SPECTRA
     assert flt.spectra.__all__ == flt.relative.spectra.__all__
@@ -194,6 +200,15 @@ def test_the_old_import_paths_are_aliases_of_the_relative_package():
     assert flt.posenc.bias.alibi_bias is flt.relative.alibi.alibi_bias
     assert flt.posenc.bias.RelativeBiasTable is flt.relative.tables.RelativeBiasTable
     assert flt.posenc.alibi_slopes is flt.relative.alibi.alibi_slopes
+
+
+@pytest.mark.parametrize(("alias", "new"), [("flt.spectra", "flt.relative.spectra"), ("flt.posenc.bias", "flt.relative")])
+def test_importing_an_old_path_warns_that_it_goes_and_names_the_new_one(alias: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(alias)  # imported once already, it would not warn again
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(alias)} is deprecated and is removed in 0\.3\.0; import {re.escape(new)}"):
+        importlib.reload(module)
 
 
 @pytest.mark.parametrize("module", ["flt.relative.tables", "flt.relative.alibi", "flt.relative.spectra", "flt.relative.shortest_path"])
