@@ -453,8 +453,8 @@ class FLTAttention(KernelAttention):
     ``feature_map`` and ``scaling``; ``near_field`` and ``near_neighbors`` are the band's width
     and the neighbours' ``k`` (0 without). The layer has properties that read them on the core
     (``layer.spectrum`` is ``layer.core.spectrum``), as well as ``near``, ``coupling``,
-    ``far_field``, ``far_constant`` and ``check_condition`` (which can be set: ``layer.check_condition
-    = False``); anything else is read on ``layer.core``.
+    ``far_field``, ``far_constant`` and ``check_condition`` (which can also be set,
+    ``layer.check_condition = False``); anything else is read on ``layer.core``.
 
     Shapes: ``forward(x [B, N, dim], pos [B, N, P] | [N, P] | None, key_padding_mask [B, N])
     -> [B, N, dim]``.
