@@ -60,7 +60,7 @@ def brute_force(lay, x, pos, *, kernel):
     Multiplicative: weight = mask * kernel; logit: kernel * exp(mask). Rows normalised,
     causal rows cut at the diagonal. ``[B, N, dim]`` like ``forward``."""
     p = lay.prepare(x, pos, None)
-    xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = lay.core.scaled_qk(p.q, p.k, p.pos)
     n = x.shape[1]
     r = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [1, N, N, P]
     f_near = (lay.spectrum.mask(r) + lay.near_spectrum.of_offsets(r)).permute(0, 3, 1, 2)  # [1, H, N, N]
@@ -233,7 +233,7 @@ def test_positive_constant_is_the_softplus_of_its_parameter_in_every_path(kw):
     forward == reference == the formula (which takes the softplus itself), gradients to theta
     included, and a negative theta still gives a positive constant."""
     lay = trained_look(layer(far_field="positive", **kw))
-    assert bool((lay.far_constant_value() > 0).all())  # CONSTANTS[1] < 0 as theta
+    assert bool((lay.core.far_constant_value() > 0).all())  # CONSTANTS[1] < 0 as theta
     x, pos = inputs(23, kw.get("pos_dim", 1))
     out = lay(x, pos)
     assert_close(out, lay.reference(x, pos))
@@ -246,10 +246,10 @@ def test_positive_constant_is_the_softplus_of_its_parameter_in_every_path(kw):
 def test_positive_constant_starts_small_and_positive_and_needs_a_near_set():
     lay = layer(far_field="positive", coupling="multiplicative", near_neighbors=5, pos_dim=3)
     assert torch.equal(lay.far_constant.detach(), torch.full((2,), -4.0, dtype=F64))
-    assert_close(lay.far_constant_value(), torch.log1p(torch.exp(torch.full((2,), -4.0, dtype=F64))))
+    assert_close(lay.core.far_constant_value(), torch.log1p(torch.exp(torch.full((2,), -4.0, dtype=F64))))
     with pytest.raises(ValueError, match="far_field='positive'.*near_field.*near_neighbors"):
         FLTAttention(16, 2, coupling="multiplicative", far_field="positive")
     with pytest.raises(ValueError, match="far_constant_value needs far_field='constant' or 'positive'"):
-        layer(far_field="near", near_neighbors=5, pos_dim=3).far_constant_value()
+        layer(far_field="near", near_neighbors=5, pos_dim=3).core.far_constant_value()
     name, options = parse_attention("flt:near_neighbors=16:far_field=positive")
     assert (name, options) == ("flt", {"near_neighbors": 16, "far_field": "positive"})

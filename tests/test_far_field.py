@@ -115,7 +115,7 @@ def near_set_reference(lay, x, pos, causal):
     beyond it, the FAVOR+ estimate of the plain kernel ``exp(x_q.x_k)`` (logit) or 0
     (multiplicative); normalised rows. ``[B, N, dim]`` like ``forward``."""
     p = lay.prepare(x, pos, None)
-    xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = lay.core.scaled_qk(p.q, p.k, p.pos)
     r = p.pos.unsqueeze(2) - p.pos.unsqueeze(1)  # [1, N, N, P]
     f = (lay.spectrum.mask(r) + lay.near_spectrum.of_offsets(r)).permute(0, 3, 1, 2)  # [1, H, N, N]
     n = x.shape[1]

@@ -98,7 +98,7 @@ def test_flt_exact_attention_is_the_softmax_spectrum_counterpart(one_thread):
     soft.load_state_dict(flt.state_dict(), strict=False)
     p = pos.unsqueeze(0)
     offsets = soft.spectrum.of_offsets(p.unsqueeze(2) - p.unsqueeze(1)).permute(0, 3, 1, 2)
-    assert_close(soft.positional_term(p, F64), offsets)
+    assert_close(soft.core.positional_term(p, F64), offsets)
     assert_close(soft(h, p), flt.exact(h, p))
     assert_close(soft(h, p), soft.reference(h, p))
 

@@ -199,7 +199,7 @@ def test_chunk_size_zero_is_refused_by_name_and_none_is_the_default(name):
         ATTENTION[name].from_options(16, 2, causal=True, chunk_size=0)
     with pytest.raises(ValueError, match="chunk_size"):
         ATTENTION[name].from_options(16, 2, causal=True, chunk_size=-4)
-    assert ATTENTION[name].from_options(16, 2, causal=True, chunk_size=None).chunk_size is None
+    assert ATTENTION[name].from_options(16, 2, causal=True, chunk_size=None).core.chunk_size is None
 
 
 def test_atom_positions_and_numbers_are_bounded(tmp_path):

@@ -6,6 +6,7 @@ import torch
 from conftest import assert_close
 from flt import ATTENTION, FLTAttention
 from flt.layers import SoftmaxAttention, ToeplitzAttention
+from flt.layers.upgrade import upgrade_state_dict
 from flt.relative import alibi_slopes
 
 F64 = torch.float64
@@ -108,7 +109,7 @@ def test_shared_positions_give_one_term_and_the_same_outputs(bias):
     shared = torch.arange(9, dtype=F64).view(1, 9, 1)
     params = [p for p in layer.parameters() if p.requires_grad]
     for pos in (shared.expand(3, -1, -1), shared.repeat(3, 1, 1)):
-        assert layer.positional_term(pos, F64).shape[0] == 1
+        assert layer.core.positional_term(pos, F64).shape[0] == 1
         out = layer(x, pos)
         rows = torch.cat([layer(x[b : b + 1], pos[b : b + 1]) for b in range(3)])
         assert_close(out, rows)
@@ -120,7 +121,7 @@ def test_shared_positions_give_one_term_and_the_same_outputs(bias):
             if a is not None:
                 assert_close(a, b)
     distinct = shared.repeat(3, 1, 1) * torch.tensor([1.0, 2.0, 3.0], dtype=F64).view(3, 1, 1)  # integer, unequal
-    assert layer.positional_term(distinct, F64).shape[0] == 3
+    assert layer.core.positional_term(distinct, F64).shape[0] == 3
     # Positions that need a gradient keep one term per sequence, so each gets its own gradient.
     learned = shared.repeat(3, 1, 1).requires_grad_()
     if bias != "t5":
@@ -133,16 +134,16 @@ def test_alibi_and_table_biases_against_hand_built_matrices():
     pos = torch.tensor([0.0, 1.0, 3.0], dtype=F64).view(1, 3, 1)
     slopes = alibi_slopes(2).double()
     dist = torch.tensor([[0, 1, 3], [1, 0, 2], [3, 2, 0]], dtype=F64)
-    assert_close(soft.positional_term(pos, F64)[0], -slopes.view(2, 1, 1) * dist)
+    assert_close(soft.core.positional_term(pos, F64)[0], -slopes.view(2, 1, 1) * dist)
     t5 = SoftmaxAttention.from_options(16, 2, relative_bias="clipped", max_distance=1).double()
     with torch.no_grad():
         t5.table.table.copy_(torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]], dtype=F64))  # offsets -1, 0, +1
     pos = torch.arange(3, dtype=F64).view(1, 3, 1)
     expected_h0 = torch.tensor([[2, 3, 3], [1, 2, 3], [1, 1, 2]], dtype=F64)  # offset = key - query, clipped
-    assert_close(t5.positional_term(pos, F64)[0, 0], 16.0 * expected_h0)  # default table_scale = 16
+    assert_close(t5.core.positional_term(pos, F64)[0, 0], 16.0 * expected_h0)  # default table_scale = 16
     bare = SoftmaxAttention.from_options(16, 2, relative_bias="clipped", max_distance=1, table_scale=1.0, learn_table_scale=False).double()
     bare.table.table.data.copy_(t5.table.table)
-    assert_close(bare.positional_term(pos, F64)[0, 0], expected_h0)
+    assert_close(bare.core.positional_term(pos, F64)[0, 0], expected_h0)
     assert "relative.scale" not in dict(bare.core.named_parameters()) and "relative.scale" in dict(t5.core.named_parameters())
 
 
@@ -156,7 +157,7 @@ def test_softmax_table_scale_multiplies_the_bias_and_learns(relative_bias):
         for lay in layers:
             lay.table.table.copy_(torch.linspace(-1, 1, lay.table.table.numel(), dtype=F64).view_as(lay.table.table))
     pos = torch.arange(12, dtype=F64).view(1, 12, 1)
-    assert_close(layers[1].positional_term(pos, F64), 4.0 * layers[0].positional_term(pos, F64))
+    assert_close(layers[1].core.positional_term(pos, F64), 4.0 * layers[0].core.positional_term(pos, F64))
     x = torch.randn(2, 12, 16, dtype=F64)
     layers[1](x, pos).square().sum().backward()
     grad = layers[1].table.scale.grad
@@ -172,7 +173,7 @@ def test_softmax_alibi_distance_unit_and_learnable_slopes():
     per_patch = SoftmaxAttention.from_options(16, 2, pos_dim=2, relative_bias="alibi", alibi_unit=0.5).double()
     per_patch.load_state_dict(per_token.state_dict())
     # Measured in patch spacings, the patch centres are the integer grid.
-    assert_close(per_patch.positional_term(patches, F64), per_token.positional_term(grid, F64))
+    assert_close(per_patch.core.positional_term(patches, F64), per_token.core.positional_term(grid, F64))
     assert_close(per_patch(x, patches), per_token(x, grid))
     assert_close(per_patch(x, patches), per_patch(x, patches + 3.0))  # still relative
     # Learnable slopes: start at ALiBi's, stored as logs, trained.
@@ -195,7 +196,7 @@ def test_toeplitz_bias_is_the_shared_clipped_table():
         with torch.no_grad():
             lay.table.table.normal_()
         n = 6
-        bias = lay.bias(n)  # [H, 2n - 1], entry t + n - 1 for t = i - j
+        bias = lay.core.bias(n)  # [H, 2n - 1], entry t + n - 1 for t = i - j
         for t in range(-(n - 1), n):
             key_minus_query = max(-3, min(-t, 0 if causal else 3))
             assert_close(bias[:, t + n - 1], 2.0 * lay.table.table[key_minus_query + 3])
@@ -210,11 +211,11 @@ def test_toeplitz_loads_state_dicts_from_before_the_shared_table(causal):
     lay = ToeplitzAttention.from_options(16, 2, causal=causal, max_distance=m_dist).double()
     old = {k: v for k, v in lay.state_dict().items() if not k.startswith("core.table.")}
     old["bias_table"] = torch.randn(2, 2 * m_dist + 1, dtype=F64)
-    lay.load_state_dict(old)
+    lay.load_state_dict(upgrade_state_dict(lay, old))
     t = torch.arange(-(n - 1), n).clamp(-m_dist, m_dist)
     expected = old["bias_table"][:, t + m_dist]
     live = slice(n - 1, None) if causal else slice(None)  # causal: only t >= 0 is ever read
-    assert_close(lay.bias(n)[:, live], expected[:, live])
+    assert_close(lay.core.bias(n)[:, live], expected[:, live])
     assert_close(lay.table.scale, torch.ones(2, dtype=F64))
 
 
@@ -237,7 +238,7 @@ def test_toeplitz_causal_outputs_ignore_huge_future_keys(dtype):
     x2 = x.clone()
     x2[:, past:] = (hd**0.25 * longest).repeat(heads)  # scaled key = longest row in every head
     prepared = lay.prepare(x2, None, None)
-    kls = lay.features(prepared.q, prepared.k, prepared.pos).key_log_scale
+    kls = lay.core.features(prepared.q, prepared.k, prepared.pos).key_log_scale
     assert float(kls[..., past:].min()) > float(kls[..., :past].max()) + 30
     out, out2 = lay(x), lay(x2)
     tol = 1e-12 if dtype == F64 else 1e-6

@@ -22,7 +22,7 @@ def rel(a, b):
 def exact_with_estimated_mask(lay, x):
     """The O(N^2) attention with the exact kernel but the layer's random-feature mask a.c."""
     p = lay.prepare(x, None, None)
-    xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = lay.core.scaled_qk(p.q, p.k, p.pos)
     a, c = lay.spectrum.features(p.pos)
     f_hat = a @ c.transpose(-1, -2)
     if lay.coupling == "logit":
@@ -86,7 +86,7 @@ def test_fresh_logit_layer_is_a_performer():
     assert torch.equal(a, torch.zeros_like(a))  # so a_i.c_j = f^ = 0 exactly
     assert c.norm(dim=-1).max() < 0.011  # only the weight floor (base.py) remains on the key side
     p = lay.prepare(x, None, None)
-    xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = lay.core.scaled_qk(p.q, p.k, p.pos)
     # The exact target is plain softmax attention ...
     exact_plain = lay.finish(rpe_attention_reference(xq, xk, p.v, scale=1.0), x)
     assert_close(lay.exact(x), exact_plain)

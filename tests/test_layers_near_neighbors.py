@@ -28,7 +28,7 @@ def strong_layer(k=6, P=3, spectrum="gaussian", amplitude=2.0, **kw):
 def direct(layer, x, pos, pad=None):
     """``softmax(x_q.x_k + f + f_near 1[j in K(i)])`` written out pair by pair."""
     p = layer.prepare(x, pos, pad)
-    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = layer.core.scaled_qk(p.q, p.k, p.pos)
     B, H, N, _ = xq.shape
     pos = p.pos.expand(B, -1, -1)
     valid = torch.ones(B, N, dtype=torch.bool) if pad is None else ~pad
@@ -134,7 +134,7 @@ def test_strong_local_mask_in_the_near_spectrum_costs_no_variance():
 def multiplicative_direct(layer, x, pos, pad=None):
     """``(f + f_near 1[j in K(i)]) exp(x_q.x_k)``, normalised, written out pair by pair."""
     p = layer.prepare(x, pos, pad)
-    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = layer.core.scaled_qk(p.q, p.k, p.pos)
     B, H, N, _ = xq.shape
     pos = p.pos.expand(B, -1, -1)
     valid = torch.ones(B, N, dtype=torch.bool) if pad is None else ~pad
@@ -261,9 +261,9 @@ def features_direct(layer, x, pos, pad=None):
     phi(x_k,j) (f + f_near)(r_i - r_j)`` on the ``k`` nearest valid keys, ``phi.phi a_i.c_j``
     (the random-feature estimate of ``f``, zero unless ``far_field=True``) beyond them."""
     p = layer.prepare(x, pos, pad)
-    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = layer.core.scaled_qk(p.q, p.k, p.pos)
     qf, kf = layer.feature_map(xq)[0], layer.feature_map(xk)[0]
-    a, c = layer.far_features(p.pos)
+    a, c = layer.core.far_features(p.pos)
     B, H, N, _ = xq.shape
     pos = p.pos.expand(B, -1, -1)
     a, c = a.expand(B, -1, -1, -1), c.expand(B, -1, -1, -1)
@@ -272,7 +272,7 @@ def features_direct(layer, x, pos, pad=None):
     rows = []
     for b in range(B):
         delta = pos[b, :, None] - pos[b, None]
-        exact = (layer.far_mask(delta) + layer.near_spectrum.of_offsets(delta)).permute(2, 0, 1)  # [H, N, N]
+        exact = (layer.core.far_mask(delta) + layer.near_spectrum.of_offsets(delta)).permute(2, 0, 1)  # [H, N, N]
         d = delta.square().sum(-1)
         for i in range(N):
             near = sorted(range(N), key=lambda j: (not valid[b, j], j != i, d[i, j].item(), j))[:k]

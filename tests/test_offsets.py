@@ -118,12 +118,12 @@ def test_toeplitz_spectrum_term_equals_pairwise():
     layer = SoftmaxAttention.from_options(8, 2, causal=True, relative_bias="spectrum", spectrum="gaussian_mixture", shift=True,
                              amplitude=1.0, mean_scale=0.1, dtype=torch.float64)
     pos = (torch.arange(37, dtype=torch.float64) + 5).view(1, -1, 1)
-    fast = layer.positional_term(pos, torch.float64)
+    fast = layer.core.positional_term(pos, torch.float64)
     slow = layer.relative.pairwise(pos, pos)
     torch.testing.assert_close(fast, slow, rtol=0, atol=1e-13)
     g = torch.randn_like(slow)
     grads = [torch.autograd.grad((t * g).sum(), list(layer.relative.parameters())) for t in
-             (layer.positional_term(pos, torch.float64), layer.relative.pairwise(pos, pos))]
+             (layer.core.positional_term(pos, torch.float64), layer.relative.pairwise(pos, pos))]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -209,13 +209,13 @@ def test_softmax_with_another_relative_term_drops_the_spectrum_defaults():
     from flt.search.mixed import parse_candidates
 
     (default,) = _softmax_layers("softmax")
-    assert default.relative_bias == "spectrum" and default.spectrum.shift is not None  # row 7: the task's spectrum
+    assert default.core.relative_bias == "spectrum" and default.spectrum.shift is not None  # row 7: the task's spectrum
     (t5,) = _softmax_layers("softmax:relative_bias=t5")
     assert isinstance(t5.relative, T5Bias) and t5.spectrum is None
     (rope,) = _softmax_layers("softmax:relative_bias=none:rope=true")
-    assert rope.relative is None and rope.rope
+    assert rope.relative is None and rope.core.rope
     (by_flag,) = _softmax_layers("softmax", "--attn-opt", "relative_bias=alibi")
-    assert by_flag.relative_bias == "alibi"
+    assert by_flag.core.relative_bias == "alibi"
     with pytest.raises(ValueError, match="spectrum options need relative_bias='spectrum'"):
         _softmax_layers("softmax:relative_bias=t5:components=2")  # chosen, not inherited: still refused
     candidates = {c.label: c.options for c in parse_candidates("softmax,softmax:relative_bias=t5", OffsetsTask)}

@@ -160,7 +160,7 @@ def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(
     layer = strong_layer(causal, near=4, spectrum="local", near_relative="clipped")
     x = torch.randn(2, 23, 64, dtype=F64)
     pos = (torch.arange(23, dtype=F64) + 2.0).view(1, 23, 1).expand(2, 23, 1)
-    once = layer.near.bias(layer, pos[:1])
+    once = layer.near.bias(layer.core, pos[:1])
     assert once.stride(2) == 0  # a view over the rows, not N copies
     results = []
     for patched in (False, True):
@@ -169,7 +169,7 @@ def test_band_bias_of_token_indices_is_computed_once_and_equals_the_per_row_one(
         xg = x.clone().requires_grad_(True)
         out = layer(xg, pos)
         grads = torch.autograd.grad(out.square().sum(), [xg] + list(layer.parameters()), allow_unused=True)
-        results.append((out, grads, layer.near.bias(layer, pos[:1])))
+        results.append((out, grads, layer.near.bias(layer.core, pos[:1])))
     (out, grads, _), (out_rows, grads_rows, per_row) = results
     w = 4
     assert torch.allclose(once[:, :, w:-w], per_row[:, :, w:-w], atol=1e-12)  # interior rows (the ends hold junk)
@@ -214,7 +214,7 @@ def test_shifted_spectra_in_the_band_keep_the_sign_of_the_offsets(causal):
 
     layer = shifted(40)
     with torch.no_grad():
-        row = layer.near.bias(layer, torch.arange(9, dtype=F64).view(1, 9, 1))[0, :, 4]  # offsets +40 .. -40
+        row = layer.near.bias(layer.core, torch.arange(9, dtype=F64).view(1, 9, 1))[0, :, 4]  # offsets +40 .. -40
         assert (row - row.flip(-1)).abs().max() > 0.1  # the mask is not even
         x = torch.randn(2, 33, 64, dtype=F64)
         assert_close(layer(x), layer.exact(x))  # every pair is in the band
@@ -234,7 +234,7 @@ def test_near_field_exact_applies_the_near_spectrum_only_inside_the_band():
         layer.spectrum.amplitude.zero_()
     x = torch.randn(1, 12, 64, dtype=F64)
     p = layer.prepare(x, None, None)
-    xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = layer.core.scaled_qk(p.q, p.k, p.pos)
     i = torch.arange(12, dtype=F64)
     delta = (i.view(-1, 1) - i.view(1, -1)).unsqueeze(-1)
     f = layer.near_spectrum.mask(delta).permute(2, 0, 1) * ((i.view(-1, 1) - i.view(1, -1)).abs() <= 2)
@@ -258,7 +258,7 @@ def test_near_field_with_a_table_term_equals_reference_and_exact_is_direct(causa
     assert any(g is not None and g.abs().sum() > 0 for n, g in table.items() if n.startswith("core.near_spectrum"))
     with torch.no_grad():
         p = layer.prepare(x, None, None)
-        xq, xk = layer.scaled_qk(p.q, p.k, p.pos)
+        xq, xk = layer.core.scaled_qk(p.q, p.k, p.pos)
         i = torch.arange(19, dtype=F64)
         d = i.view(-1, 1) - i.view(1, -1)
         f = layer.spectrum.mask(d.unsqueeze(-1)).permute(2, 0, 1)
@@ -299,11 +299,11 @@ def test_band_bias_of_batch_shared_positions_is_computed_once_and_equals_the_ful
     grid = torch.arange(10, dtype=torch.float64).view(1, 10, 1)
     shared = grid.expand(4, 10, 1)
     assert batch_shared(shared).shape[0] == 1
-    full = layer.near.bias(layer, shared.contiguous())
+    full = layer.near.bias(layer.core, shared.contiguous())
     assert full.shape[0] == 4
     # Interior rows (the first and last w rows hold junk the band op ignores; token indices
     # take the once-per-offset path, the batch of 4 the per-row one).
-    assert torch.equal(layer.near.bias(layer, batch_shared(shared)).expand_as(full)[:, :, 3:-3], full[:, :, 3:-3])
+    assert torch.equal(layer.near.bias(layer.core, batch_shared(shared)).expand_as(full)[:, :, 3:-3], full[:, :, 3:-3])
     distinct = shared + torch.arange(4, dtype=torch.float64).view(4, 1, 1) * torch.linspace(0, 1, 10, dtype=torch.float64).view(1, 10, 1)
     assert batch_shared(distinct) is distinct
     x = torch.randn(4, 10, 16, dtype=torch.float64)

@@ -48,7 +48,7 @@ def test_parts_and_flat_options_build_the_same_layer(near):
     b = FLTAttention(16, 2, relative=Term("local", num_frequencies=8), features=FavorPlus(num_features=32, seed=1),
                      near=part, dtype=F64)
     _same_modules(a, b)
-    assert a.near == b.near and a.kernel == b.kernel
+    assert a.near == b.near and a.core.kernel == b.core.kernel
     x, pos = torch.randn(2, 9, 16, dtype=F64), torch.randint(-20, 20, (2, 9, 1)).to(F64)
     torch.testing.assert_close(a(x, pos), b(x, pos), rtol=0, atol=0)
 
@@ -111,4 +111,4 @@ def test_softmax_takes_any_term_by_name_with_its_options():
                              relative_options={"max_distance": 40, "table_scale": 1.0, "learn_scale": False, "num_buckets": None})
     _same_modules(flat, parts)
     spectral = SoftmaxAttention(16, 2, relative_bias="gaussian", relative_options={"num_frequencies": 4})
-    assert spectral.relative_bias == "spectrum" and spectral.spectrum is spectral.relative
+    assert spectral.core.relative_bias == "spectrum" and spectral.spectrum is spectral.relative

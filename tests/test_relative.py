@@ -3,11 +3,16 @@ attention layer takes its term by name or as a module."""
 
 from __future__ import annotations
 
+import importlib
+import re
+import warnings
+
 import pytest
 import torch
 
 from conftest import assert_close
 from flt.layers import FLTAttention, SoftmaxAttention, ToeplitzAttention
+from flt.layers.upgrade import upgrade_state_dict
 from flt.relative import RELATIVE, RelativeTerm, build_relative
 from flt.relative.spectra import SPECTRA
 
@@ -95,7 +100,7 @@ def test_a_term_registered_beyond_the_built_ins_reaches_softmax_by_name_with_its
     monkeypatch.setitem(RELATIVE, "dipole", Dipole)
     layer = SoftmaxAttention.from_options(8, 2, relative_bias="dipole", relative_options={"strength": 0.5}).double()
     pos = torch.arange(4, dtype=F64).view(1, 4, 1)
-    assert_close(layer.positional_term(pos, F64)[0, 1], 0.5 * (pos[0] - pos[0].T))
+    assert_close(layer.core.positional_term(pos, F64)[0, 1], 0.5 * (pos[0] - pos[0].T))
     with pytest.raises(ValueError, match="relative_bias must be one of"):
         SoftmaxAttention.from_options(8, 2, relative_bias="dipol")
 
@@ -119,7 +124,8 @@ def test_softmax_state_dicts_from_before_the_registry_load(tmp_path):
     fresh = SoftmaxAttention.from_options(8, 2, relative_bias="alibi", alibi_learnable=True).double()
     with torch.no_grad():
         alibi.relative.log_slopes.add_(0.3)
-    fresh.load_state_dict({"log_slopes" if k == "core.relative.log_slopes" else k: v for k, v in alibi.state_dict().items()})
+    old = {"log_slopes" if k == "core.relative.log_slopes" else k: v for k, v in alibi.state_dict().items()}
+    fresh.load_state_dict(upgrade_state_dict(fresh, old))
     assert_close(fresh(x), alibi(x))
 
 
@@ -128,7 +134,7 @@ def test_flt_takes_a_spectrum_module_and_its_exact_path_uses_the_terms_bias():
     lay = FLTAttention.from_options(8, 2, num_features=16, num_frequencies=4, spectrum="gaussian", amplitude=1.0).double()
     x, pos = torch.randn(1, 5, 8, dtype=F64), torch.randn(1, 5, 1, dtype=F64)
     p = lay.prepare(x, pos, None)
-    xq, xk = lay.scaled_qk(p.q, p.k, p.pos)
+    xq, xk = lay.core.scaled_qk(p.q, p.k, p.pos)
     w = torch.softmax(xq @ xk.transpose(-1, -2) + lay.spectrum.bias(pos), -1) @ p.v
     assert_close(lay.exact(x, pos), lay.finish(w, x))
 
@@ -179,12 +185,14 @@ def test_every_registered_term_lives_in_the_relative_package():
 
 def test_the_old_import_paths_are_aliases_of_the_relative_package():
     import flt.posenc
-    import flt.posenc.bias
     import flt.relative.alibi
-    import flt.relative.tables
-    import flt.spectra
-
     import flt.relative.spectra
+    import flt.relative.tables
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import flt.posenc.bias
+        import flt.spectra
 
     assert flt.spectra.SPECTRA is SPECTRA
     assert flt.spectra.__all__ == flt.relative.spectra.__all__
@@ -192,6 +200,15 @@ def test_the_old_import_paths_are_aliases_of_the_relative_package():
     assert flt.posenc.bias.alibi_bias is flt.relative.alibi.alibi_bias
     assert flt.posenc.bias.RelativeBiasTable is flt.relative.tables.RelativeBiasTable
     assert flt.posenc.alibi_slopes is flt.relative.alibi.alibi_slopes
+
+
+@pytest.mark.parametrize(("alias", "new"), [("flt.spectra", "flt.relative.spectra"), ("flt.posenc.bias", "flt.relative")])
+def test_importing_an_old_path_warns_that_it_goes_and_names_the_new_one(alias: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(alias)  # imported once already, it would not warn again
+    with pytest.warns(DeprecationWarning, match=rf"^{re.escape(alias)} is deprecated and is removed in 0\.3\.0; import {re.escape(new)}"):
+        importlib.reload(module)
 
 
 @pytest.mark.parametrize("module", ["flt.relative.tables", "flt.relative.alibi", "flt.relative.spectra", "flt.relative.shortest_path"])

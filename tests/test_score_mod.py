@@ -129,9 +129,8 @@ def test_softmax_flex_backend_matches_sdpa_without_a_dense_bias(relative_bias, c
         p = layer.prepare(x, None, pad)
         ref = layer.finish(layer.core._attend(p.q, p.k, p.v, p.pos, p.pad, "sdpa")[0], x)
         # The flex backend must not ask the term for its [N, N] bias. Both belong to the
-        # core (the layer only forwards the names), so they are patched there, on this
-        # instance: an undo through the forwarding is not a plain attribute undo, and a
-        # class patch would outlive a failed undo in every later test.
+        # core, so they are patched there, on this instance: a class patch would outlive a
+        # failed undo in every later test.
         core = layer.core
         monkeypatch.setattr(core.relative, "pairwise", lambda *a: pytest.fail("dense bias formed"))
         monkeypatch.setattr(core, "positional_term", lambda *a: pytest.fail("dense bias formed"))

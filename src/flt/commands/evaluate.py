@@ -97,9 +97,9 @@ def load_with_draws(model: torch.nn.Module, state: dict, changed: dict[str, dict
     ValueError naming the learned tensors that do not fit, and the ``changed`` options
     (``{flag: options}``, e.g. ``{"--attn-opt": {...}}``).
     """
-    from flt.layers.base import move_into_cores
+    from flt.layers.upgrade import upgrade_state_dict
 
-    state = move_into_cores(model, state)  # a checkpoint saved before layers had cores
+    state = upgrade_state_dict(model, state)  # a checkpoint saved before layers had cores
     # Every module's draw buffers, used or not (a near set's term keeps unused frequency draws);
     # a deterministic feature map's projection is None, in no state dict, and no draw.
     draws = {f"{name}.{b}" if name else b for name, mod in model.named_modules()

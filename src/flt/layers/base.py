@@ -22,19 +22,16 @@ A layer is its projections plus a core: ``to_qkv`` and ``to_out`` here, and ``la
 q/k scaling, near set, redraw schedule) and computes on queries, keys and values ``[B, H, N,
 D]``. The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
 project, call the core's method of the same name and project out;
-:class:`flt.functional.AttentionCore` runs a core on the caller's own projections. Reading an
-attribute of the core through the layer (``layer.spectrum``) returns the core's
-(:meth:`AttentionBase.__getattr__`) and writing one (``layer.check_condition = False``) sets
-the core's. State dicts keep the core's tensors under ``core.`` (``attn.core.spectrum.mu``); a
-file saved before cores existed (``attn.spectrum.mu``) loads as it is
-(:meth:`AttentionBase.move_into_core`), and ``parameters()`` lists them in their order of
-then (:meth:`AttentionBase.named_modules`), so saved optimizer states load too.
+:class:`flt.functional.AttentionCore` runs a core on the caller's own projections. The parts
+a user reads are properties of each layer class (``layer.spectrum`` is ``layer.core.spectrum``);
+everything else is read on ``layer.core``. State dicts keep the core's tensors under ``core.``
+(``attn.core.spectrum.mu``); a file saved before cores existed (``attn.spectrum.mu``) is
+upgraded where it is loaded (:mod:`flt.layers.upgrade`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
@@ -218,18 +215,12 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
 _Layer = TypeVar("_Layer", bound="AttentionBase")
 
 
-#: Attributes that a layer and its core both hold; set on the layer, they are set on both.
-SHARED_WITH_CORE = ("heads", "head_dim", "pos_dim", "causal")
-
-
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers, around
-    ``self.core`` (a :class:`CoreBase`, built by each layer's constructor).
-
-    Attributes of the core read through the layer: ``layer.spectrum`` is
-    ``layer.core.spectrum`` (:meth:`__getattr__`, for names the layer does not have itself),
-    and ``layer.check_condition = False`` sets the core's (:meth:`__setattr__`), so that a
-    write never lands on the layer while the core reads its own.
+    ``self.core`` (a :class:`CoreBase`, built by each layer's constructor). ``heads``,
+    ``head_dim``, ``pos_dim`` and ``causal`` are the layer's and its core's alike; the
+    core's parts are read on ``layer.core``, or through the properties a layer class
+    declares for them (``FLTAttention.spectrum``).
     """
 
     #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
@@ -285,85 +276,6 @@ class AttentionBase(nn.Module):
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
         self.to_out = nn.Linear(dim, dim, **fk)
-
-    def __getattr__(self, name: str) -> Any:
-        """A name the layer does not have is looked up on its core (``layer.spectrum`` is
-        ``layer.core.spectrum``). Python comes here for every name not in the instance
-        ``__dict__``, which includes the layer's own submodules (``self.core``,
-        ``self.to_qkv``): those are found by ``nn.Module.__getattr__`` first, at the cost of
-        one extra call in eager mode (``torch.compile`` traces it once, into no graph op)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            core = self.__dict__.get("_modules", {}).get("core")
-            if core is None or name.startswith("__") or not hasattr(core, name):
-                raise
-        return getattr(core, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Set an attribute of the core on the core (``layer.check_condition = False``):
-        a name the layer does not hold itself but its core does goes to the core; the shapes
-        both hold (:data:`SHARED_WITH_CORE`) are set on both."""
-        core = self.__dict__.get("_modules", {}).get("core")
-        if core is not None and name != "core":
-            if name in SHARED_WITH_CORE:
-                setattr(core, name, value)
-            elif not self._holds(name) and hasattr(core, name):
-                setattr(core, name, value)
-                return
-        super().__setattr__(name, value)
-
-    def _holds(self, name: str) -> bool:
-        return (name in self.__dict__ or name in self._parameters or name in self._buffers or name in self._modules
-                or hasattr(type(self), name))
-
-    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
-                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
-        """``nn.Module.named_modules`` with the core itself listed before the projections and
-        its submodules after them: ``parameters()`` then lists every parameter in the order
-        it had before layers had cores (a core's own parameter, FLT's ``far_constant``, was
-        the layer's and came first), so optimizer states saved then load as they are and
-        gradient-norm sums add in the same order, bit for bit."""
-        core = self._modules.get("core")
-        if core is None:
-            yield from super().named_modules(memo, prefix, remove_duplicate)
-            return
-        memo = set() if memo is None else memo
-        if self in memo:
-            return
-        if remove_duplicate:
-            memo.add(self)
-        yield prefix, self
-        core_prefix = f"{prefix}.core" if prefix else "core"
-        if core not in memo:
-            if remove_duplicate:
-                memo.add(core)
-            yield core_prefix, core
-        for name, module in self._modules.items():
-            if module is not None and name != "core":
-                yield from module.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
-        for name, module in core._modules.items():
-            if module is not None:
-                yield from module.named_modules(memo, f"{core_prefix}.{name}", remove_duplicate)
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        self.move_into_core(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def move_into_core(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """Move, in place, the keys ``prefix + X`` of a state dict saved before the layer held
-        its mechanism in ``core`` (``attn.spectrum.mu``) to ``prefix + "core." + X``; keys of
-        the layer's own modules (``to_qkv``, ``to_out``, ``core``) stay. A key whose new name
-        is already there stays too, so that strict loading reports it as unexpected rather
-        than one of the two tensors being dropped unseen. The core's own migrations of older
-        layouts then run on the moved keys."""
-        if "core" not in self._modules:  # a layer of its own without a core
-            return
-        own = set(self._modules) | set(self._parameters) | set(self._buffers)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            moved = prefix + "core." + key[len(prefix):]
-            if key[len(prefix):].split(".", 1)[0] not in own and moved not in state_dict:
-                state_dict[moved] = state_dict.pop(key)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, N, dim]``: the core's estimator between the projections."""
@@ -491,6 +403,7 @@ class AttentionBase(nn.Module):
         """``[B, H, N, Dv] -> [B, N, dim]`` in the input dtype, through the output projection."""
         return self.to_out(rearrange(out.to(like.dtype), "b h n d -> b n (h d)"))
 
+
 class QKScaling(nn.Module):
     """Scale queries and keys so that the kernel is ``exp(x_q . x_k)``.
 
@@ -518,13 +431,3 @@ class QKScaling(nn.Module):
         root = torch.exp(0.5 * self.log_temperature.to(cdt)).view(1, -1, 1, 1)
         return F.normalize(q.to(cdt), dim=-1) * root, F.normalize(k.to(cdt), dim=-1) * root
 
-
-def move_into_cores(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the state dict ``state`` of ``model`` with the keys of its attention layers
-    in the current layout (:meth:`AttentionBase.move_into_core`), for code that compares
-    keys before loading them (``load_state_dict`` moves them itself)."""
-    moved = dict(state)
-    for name, module in model.named_modules():
-        if isinstance(module, AttentionBase):
-            module.move_into_core(moved, f"{name}." if name else "")
-    return moved

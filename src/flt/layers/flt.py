@@ -387,11 +387,11 @@ class FLTAttention(KernelAttention):
         heads: ``H``.
         pos_dim: ``P``, dimension of the positions (1 text, 2 patches, 3 atoms, ...).
         causal: token ``i`` attends to ``j <= i``; enables :meth:`step`.
-        relative: the far term ``f``, a spectrum (:data:`flt.spectra.SPECTRA`) with random
-            features ``a(r), c(r)``: a name, a :class:`flt.layers.parts.Term` (name and options:
-            ``num_frequencies`` ``R`` (default 32), ``seed``, the family's own), or a spectrum
-            module. Default ``"gaussian_mixture"``; a spectrum built here starts at ``amplitude``
-            0 for the logit coupling and 1 for the multiplicative one.
+        relative: the far term ``f``, a spectrum (:data:`flt.relative.spectra.SPECTRA`) with
+            random features ``a(r), c(r)``: a name, a :class:`flt.layers.parts.Term` (name and
+            options: ``num_frequencies`` ``R`` (default 32), ``seed``, the family's own), or a
+            spectrum module. Default ``"gaussian_mixture"``; a spectrum built here starts at
+            ``amplitude`` 0 for the logit coupling and 1 for the multiplicative one.
         features: the kernel features (:class:`flt.layers.parts.FavorPlus`, the default, with
             ``num_features`` ``m = 256``; ``ReLUFeatures``, ``EluFeatures``, ``TaylorFeatures``,
             ``Hedgehog``: multiplicative coupling only, the logit coupling needs the
@@ -451,8 +451,10 @@ class FLTAttention(KernelAttention):
     which keeps the parts (``core.kernel``: the features, ``core.near``, ``core.settings``) and
     the modules they build: ``spectrum`` (``f``), ``near_spectrum`` (``f_near``, or None),
     ``feature_map`` and ``scaling``; ``near_field`` and ``near_neighbors`` are the band's width
-    and the neighbours' ``k`` (0 without). The layer reads them through (``layer.spectrum``
-    is ``layer.core.spectrum``).
+    and the neighbours' ``k`` (0 without). The layer has properties that read them on the core
+    (``layer.spectrum`` is ``layer.core.spectrum``), as well as ``near``, ``coupling``,
+    ``far_field``, ``far_constant`` and ``check_condition`` (which can also be set,
+    ``layer.check_condition = False``); anything else is read on ``layer.core``.
 
     Shapes: ``forward(x [B, N, dim], pos [B, N, P] | [N, P] | None, key_padding_mask [B, N])
     -> [B, N, dim]``.
@@ -481,6 +483,58 @@ class FLTAttention(KernelAttention):
         self.core = FLTCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features,
                             near=near, coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
         self.supports_decoding = self.core.supports_decoding
+
+    @property
+    def spectrum(self) -> Spectrum:
+        """The far term ``f`` (``layer.core.spectrum``)."""
+        return self.core.spectrum
+
+    @property
+    def near_spectrum(self) -> RelativeTerm | None:
+        """The near set's own term ``f_near`` (``layer.core.near_spectrum``), or None."""
+        return self.core.near_spectrum
+
+    @property
+    def near(self) -> NearSet | None:
+        """The near set part (``layer.core.near``), or None."""
+        return self.core.near
+
+    @property
+    def near_field(self) -> int:
+        """The band's half-width ``w`` in tokens (0 without a band)."""
+        return self.core.near_field
+
+    @property
+    def near_neighbors(self) -> int:
+        """The nearest keys ``k`` of each query (0 without them)."""
+        return self.core.near_neighbors
+
+    @property
+    def coupling(self) -> str:
+        """``"logit"`` or ``"multiplicative"``."""
+        return self.core.coupling
+
+    @property
+    def far_field(self) -> bool | Literal["near", "constant", "positive"]:
+        """The layer's ``far_field`` (``True``, ``False``, ``"near"``, ``"constant"``, ``"positive"``)."""
+        return self.core.far_field
+
+    @property
+    def far_constant(self) -> torch.nn.Parameter | None:
+        """``[H]``: the learnt constant beyond the near set (``far_field="constant"`` or
+        ``"positive"``; the core's parameter), else None."""
+        return self.core.far_constant
+
+    @property
+    def check_condition(self) -> bool:
+        """Whether the multiplicative coupling checks its conditioning (:meth:`FLTCore.check_conditioning`)."""
+        return self.core.check_condition
+
+    @check_condition.setter
+    def check_condition(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"check_condition must be True or False, got {shown(value)}")
+        self.core.check_condition = value
 
     @classmethod
     @flat_options
@@ -569,7 +623,7 @@ def _far_term(relative: str | Term | Spectrum | None, coupling: str) -> Term | S
         check_choice("spectrum", relative.name, SPECTRA)
         return relative.with_defaults(num_frequencies=32, amplitude=0.0 if coupling == "logit" else 1.0)
     if not isinstance(relative, Spectrum):
-        raise TypeError(f"relative must be a spectrum (a name in flt.spectra.SPECTRA, a Term or a Spectrum module: the far "
+        raise TypeError(f"relative must be a spectrum (a name in flt.relative.spectra.SPECTRA, a Term or a Spectrum module: the far "
                         f"term needs random features), got {type(relative).__name__}")
     return relative
 

@@ -279,6 +279,16 @@ class KernelAttention(AttentionBase):
     supports_decoding = True
     core: KernelCore
 
+    @property
+    def feature_map(self) -> FeatureMap:
+        """The core's kernel features (``layer.core.feature_map``)."""
+        return self.core.feature_map
+
+    @property
+    def scaling(self) -> QKScaling:
+        """The core's query and key scaling (``layer.core.scaling``)."""
+        return self.core.scaling
+
 
 def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None = None) -> RecurrentState:
     """The :class:`flt.ops.linear.RecurrentState` after keys ``f.k [B, H, N, m]`` (with

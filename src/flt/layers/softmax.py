@@ -377,6 +377,21 @@ class SoftmaxAttention(AttentionBase):
                                 backend=backend, device=device, dtype=dtype)
         self.supports_decoding = self.core.supports_decoding
 
+    @property
+    def relative(self) -> RelativeTerm | None:
+        """The relative term (``layer.core.relative``), or None."""
+        return self.core.relative
+
+    @property
+    def spectrum(self) -> Spectrum | None:
+        """The relative term when it is a spectrum (``relative_bias="spectrum"``), else None."""
+        return self.core.spectrum
+
+    @property
+    def table(self) -> RelativeTerm | None:
+        """The relative term when it is a T5 or clipped table, else None."""
+        return self.core.table
+
     @classmethod
     @flat_options
     def _from_options(

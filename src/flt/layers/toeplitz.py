@@ -213,6 +213,11 @@ class ToeplitzAttention(KernelAttention):
                                  block_size=block_size, dense_below=dense_below, features=features, settings=settings,
                                  device=device, dtype=dtype)
 
+    @property
+    def table(self) -> ClippedBias:
+        """The relative bias table (``layer.core.table``)."""
+        return self.core.table
+
     @classmethod
     @flat_options
     # Narrower than the base's **options: the names listed here are the layer's flat options,

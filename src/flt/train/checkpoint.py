@@ -60,6 +60,7 @@ from flt._io import (
     remove_temporaries,
     sha256_file,
 )
+from flt.layers.upgrade import parameters_before_cores, upgrading
 from flt.tasks import config_from_dict, get_task
 
 CHECKPOINTS = "checkpoints"
@@ -306,17 +307,50 @@ def read_checkpoint_config(ckpt: str) -> dict[str, Any]:
     return meta
 
 
-def load_weights(ckpt: str, model: torch.nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model`` (strict: every tensor must match)."""
+def load_weights(ckpt: str, model: torch.nn.Module) -> bool:
+    """Load ``model.safetensors`` into ``model`` (strict: every tensor must match). A file
+    written before attention layers had a core is upgraded as it loads
+    (:func:`flt.layers.upgrade.upgrading`); returns True for such a file, whose optimizer
+    state then needs :func:`optimizer_state_before_cores`."""
     path = confined_path(ckpt, MODEL_FILE, f"checkpoint {ckpt}", CheckpointError)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file missing: {path}")
     try:
-        load_model(model, path, strict=True, device=str(next(model.parameters()).device))
+        with upgrading(model) as moved:
+            load_model(model, path, strict=True, device=str(next(model.parameters()).device))
     except SafetensorError as e:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {e}") from None
     except RuntimeError as e:
         raise CheckpointError(f"the weights in {path} do not fit this model: {e}") from None
+    return bool(moved)
+
+
+def optimizer_state_before_cores(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                                 model: torch.nn.Module) -> dict[str, Any]:
+    """The optimizer state ``saved`` by a run whose model listed its parameters as before
+    attention layers had cores (:func:`flt.layers.upgrade.parameters_before_cores`),
+    renumbered for ``optimizer`` over ``model`` as it lists them now, so that each parameter
+    gets its own moments back. Only a core with parameters of its own (FLT's
+    ``far_constant``, ``far_field="constant"`` or ``"positive"``) lists them differently;
+    for any other model the state comes back renumbered to the same numbers. Raises
+    ``ValueError`` when the groups or their sizes differ from ``optimizer``'s."""
+    before = {id(p): i for i, p in enumerate(parameters_before_cores(model))}
+    current = optimizer.state_dict()["param_groups"]
+    if len(saved["param_groups"]) != len(current):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this model's {len(current)}")
+    state: dict[Any, Any] = {}
+    groups = []
+    for group, now, then in zip(optimizer.param_groups, current, saved["param_groups"], strict=True):
+        if len(then["params"]) != len(group["params"]):
+            raise ValueError(f"the checkpoint's optimizer holds {len(then['params'])} parameters in a group where this "
+                             f"model has {len(group['params'])}")
+        index = {id(p): i for p, i in zip(group["params"], now["params"], strict=True)}
+        listed_then = sorted(group["params"], key=lambda p: before[id(p)])
+        for p, old in zip(listed_then, then["params"], strict=True):
+            if old in saved["state"]:
+                state[index[id(p)]] = saved["state"][old]
+        groups.append({**then, "params": now["params"]})
+    return {"state": state, "param_groups": groups}
 
 
 def load_trainer_state(ckpt: str, step: int | None = None) -> dict[str, Any]:

@@ -79,6 +79,7 @@ from flt.train.checkpoint import (
     load_trainer_state,
     load_weights,
     locate_checkpoint,
+    optimizer_state_before_cores,
     remove_leftovers,
     save_checkpoint,
 )
@@ -574,7 +575,7 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
         # between the samples of one big batch.
         torch.manual_seed(run.seed + 7919 * ctx.rank)
         return 0, _Window(), []
-    load_weights(origin.checkpoint, model)
+    before_cores = load_weights(origin.checkpoint, model)
     state = load_trainer_state(origin.checkpoint, origin.step)
     path = os.path.join(origin.checkpoint, STATE_FILE)
     if isinstance(state.get("world_size"), bool) or not isinstance(state.get("world_size"), int):
@@ -585,7 +586,10 @@ def restore(origin: Origin, model: nn.Module, optimizer: torch.optim.Optimizer, 
         rngs, windows = state["rng"], state.get("log_window")
         if not isinstance(rngs, list) or len(rngs) != ctx.world or (windows is not None and (not isinstance(windows, list) or len(windows) != ctx.world)):
             raise ValueError("one random state and logging window per process expected")
-        optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizer"]
+        if before_cores:  # its optimizer listed the parameters in their order of then
+            saved = optimizer_state_before_cores(optimizer, saved, model)
+        optimizer.load_state_dict(saved)
         set_rng_state(rngs[ctx.rank], model)
         hooks.load_state(state)
         window = _Window(**windows[ctx.rank]) if windows is not None else _Window()
