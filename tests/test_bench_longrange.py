@@ -12,7 +12,7 @@ from flt.bench import longrange
 
 
 def test_the_bench_reports_ratios_and_exponents(capsys):
-    longrange.main(["--n", "64", "128", "--repeats", "2", "--exact-max", "64", "--only", "radial", "exact radial"])
+    longrange.main(["--n", "64", "128", "--repeats", "2", "--exact-max", "64", "--wide", "0", "--only", "radial", "exact radial"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     first, second, last = lines
     assert first["N"] == 64 and set(first["seconds"]) == {"schnet", "radial", "exact radial"}
@@ -30,5 +30,6 @@ def test_exponent_is_the_power_of_n():
 
 
 def test_every_default_block_builds_on_schnet():
-    models = longrange.models(dim=8, depth=1, cutoff=2.0, blocks=longrange.BLOCKS)
-    assert set(models) == {"schnet", *longrange.BLOCKS}
+    models = longrange.models(dim=8, depth=1, cutoff=2.0, blocks=longrange.BLOCKS, wide=6.0)
+    assert set(models) == {"schnet", "schnet cutoff=6", *longrange.BLOCKS}
+    assert models["schnet cutoff=6"].radius == 6.0 and models["schnet"].radius == 2.0

@@ -30,18 +30,24 @@ from flt.perf import keep_freed_memory
 
 #: The blocks timed by default, by label: options of :class:`flt.layers.LongRangeBlock`.
 BLOCKS: dict[str, dict[str, Any]] = {
-    "radial": {"frequencies": "radial"},
+    "radial": {"frequencies": "radial", "neutral": True},
+    "radial, rule per call": {"frequencies": "radial", "neutral": True, "quadrature": None},
     "coulomb": {"frequencies": "coulomb", "heads": 1, "neutral": True},
     "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "neutral": True, "reach": 32.0},
-    "exact radial": {"frequencies": "radial", "exact": True},
+    "exact radial": {"frequencies": "radial", "neutral": True, "exact": True},
 }
 
 
-def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, Any]]) -> dict[str, torch.nn.Module]:
-    """``{"schnet": base, label: base with that block, ...}``, all with the same seed."""
+def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, Any]],
+           wide: float | None = None) -> dict[str, torch.nn.Module]:
+    """``{"schnet": base, label: base with that block, ...}``, all with the same seed, and
+    ``"schnet cutoff=W"``, the base model with the cutoff ``wide``, when given."""
     from flt.models.particles import ParticleSchNet
 
     found: dict[str, torch.nn.Module] = {}
+    if wide is not None:
+        torch.manual_seed(0)
+        found[f"schnet cutoff={wide:g}"] = ParticleSchNet(dim=dim, depth=depth, cutoff=wide)
     for label, options in {"schnet": None, **blocks}.items():
         torch.manual_seed(0)
         model = ParticleSchNet(dim=dim, depth=depth, cutoff=cutoff, longrange=options)
@@ -74,12 +80,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--cutoff", type=float, default=2.0, help="SchNet's cutoff in mean spacings")
     parser.add_argument("--exact-max", type=int, default=4096, help="largest N of the exact O(N^2) block")
+    parser.add_argument("--wide", type=float, default=6.0,
+                        help="also time SchNet alone with this cutoff (mean spacings; 0: not), the control whose cutoff covers most of a box")
     parser.add_argument("--only", nargs="+", default=None, help=f"block labels to time (default: all of {list(BLOCKS)})")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory(True)
     blocks = {label: BLOCKS[label] for label in (args.only or BLOCKS)}
-    built = models(dim=args.dim, depth=args.depth, cutoff=args.cutoff, blocks=blocks)
+    built = models(dim=args.dim, depth=args.depth, cutoff=args.cutoff, blocks=blocks, wide=args.wide or None)
     medians: dict[str, dict[int, float]] = {label: {} for label in built}
     for n in args.n:
         g = torch.Generator().manual_seed(n)
@@ -93,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             for label, model in here.items():
                 times[label].append(time_step(model, charge, pos))
         ratios = {label: sorted(t / b for b, t in zip(times["schnet"], times[label], strict=True))
-                  for label in here if label != "schnet"}
+                  for label in here if label != "schnet"}  # the wide SchNet's too: its cost against the base
         for label, t in times.items():
             medians[label][n] = statistics.median(t)
         print(json.dumps({
