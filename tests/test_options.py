@@ -387,3 +387,18 @@ def test_autocast_still_mixes_dtypes(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = lay(torch.randn(1, 4, 16, dtype=torch.bfloat16))
     assert out.shape == (1, 4, 16)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+@pytest.mark.parametrize("relative_bias", [None, "spectrum", "t5"])
+def test_a_mechanism_says_whether_it_takes_a_spectrums_options_as_its_check_does(name, relative_bias):
+    """``takes_spectrum_options`` (what the tasks ask before handing a preset's spectrum
+    options on) agrees with the check: a spectrum's option passes exactly when it says so."""
+    base = {} if relative_bias is None or name != "softmax" else {"relative_bias": relative_bias}
+    options = {**base, "spectrum": "gaussian", "length_scale": 2.0}
+    try:
+        ATTENTION[name].from_options(16, 2, **options)
+        accepted = True
+    except (TypeError, ValueError):
+        accepted = False
+    assert ATTENTION[name].takes_spectrum_options(options) is accepted

@@ -300,6 +300,14 @@ class AttentionBase(nn.Module):
         return default if param is None or param.default is inspect.Parameter.empty else param.default
 
     @classmethod
+    def takes_spectrum_options(cls, options: dict) -> bool:
+        """Whether a layer of this class with flat ``options`` builds a spectrum, and so takes
+        a spectrum's options (``length_scale``, ...): a class whose flat options forward
+        ``**spectrum_options``; a layer may ask more of its other options."""
+        klass: type = cls
+        return constructor_options(klass).forwarded == "spectrum_options"
+
+    @classmethod
     def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
         """Values held by one layer of this class with flat ``options`` (a closed-form
         estimate, :mod:`flt._limits`): here the projections, ``4 dim^2 + dim``; each

@@ -356,6 +356,12 @@ class SoftmaxAttention(AttentionBase):
     size_options: ClassVar[tuple[str, ...]] = ("num_frequencies", "max_distance", "num_buckets", "hidden")
 
     @classmethod
+    def takes_spectrum_options(cls, options: dict) -> bool:
+        """Only with ``relative_bias="spectrum"`` (:mod:`flt.layers.rules` refuses a
+        spectrum's options with another relative term)."""
+        return super().takes_spectrum_options(options) and cls.option(options, "relative_bias") == "spectrum"
+
+    @classmethod
     def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
         """The projections and the relative term's: a spectrum's frequencies and parameters
         ``4 H R P`` and a neural spectrum's MLP, a T5 table's ``H num_buckets``, a clipped
