@@ -13,7 +13,7 @@ import torch
 
 from flt import ATTENTION
 from flt._io import file_mode
-from flt._limits import MemoryLimitError, attention_activation_values, check_memory, memory_limit, parse_bytes
+from flt._limits import MemoryLimitError, check_memory, memory_limit, parse_bytes
 from flt.data.errors import DataError
 from flt.models.config import LMConfig
 from flt.models.memory import model_bytes
@@ -50,11 +50,11 @@ def test_a_refusal_states_the_estimate_and_the_limit(limit):
 
 def test_the_attention_estimates_follow_each_mechanisms_closed_form():
     b, h, n, dv = 2, 3, 50, 8
-    assert attention_activation_values(ATTENTION["softmax"], {}, batch=b, heads=h, length=n, head_dim=dv, training=False) == b * h * n * n
+    assert ATTENTION["softmax"].activation_values({}, batch=b, heads=h, length=n, head_dim=dv, training=False) == b * h * n * n
     m = 16
-    performer = attention_activation_values(ATTENTION["performer"], {"num_features": m}, batch=b, heads=h, length=n, head_dim=dv, training=True)
+    performer = ATTENTION["performer"].activation_values({"num_features": m}, batch=b, heads=h, length=n, head_dim=dv, training=True)
     assert performer == 2 * (2 * b * h * n * m + b * h * m * dv)
-    band = attention_activation_values(ATTENTION["flt"], {"num_features": m, "near_field": 4}, batch=b, heads=h, length=n, head_dim=dv, training=False)
+    band = ATTENTION["flt"].activation_values({"num_features": m, "near_field": 4}, batch=b, heads=h, length=n, head_dim=dv, training=False)
     assert band == 2 * b * h * n * m + b * h * m * dv + 2 * b * h * n * 9
     # Training keeps every layer's activations; parameters get gradients and two moments.
     cfg = LMConfig(dim=32, depth=3, heads=2, attention="softmax")  # mlp_ratio 4

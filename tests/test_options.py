@@ -192,8 +192,7 @@ def test_posenc_unknown_option(capsys):
 
 
 def _count_checks(monkeypatch) -> list[str]:
-    """The owner of every option check run from now on (``attention 'flt'``), with no option
-    set remembered as checked before."""
+    """The owner of every option check run from now on (``attention 'flt'``)."""
     import flt.layers.base
     import flt.options
     from flt._signatures import check_options
@@ -204,7 +203,6 @@ def _count_checks(monkeypatch) -> list[str]:
         owners.append(owner)
         check_options(owner, cls, options, **kw)
 
-    monkeypatch.setattr(flt.options, "_passed", {})
     monkeypatch.setattr(flt.layers.base, "check_options", counting)
     monkeypatch.setattr(flt.options, "check_options", counting)
     return owners
@@ -239,23 +237,33 @@ def test_a_model_checks_each_distinct_option_set_once(monkeypatch):
     assert owners[2:] == ["attention 'flt'", "attention 'flt'"]
 
 
-def test_a_set_that_failed_fails_every_time_and_types_are_not_conflated(monkeypatch):
+def test_a_set_that_failed_fails_every_time_and_only_its_own_check_counts(monkeypatch):
+    from flt.models import build_attention
+    from flt.options import CheckedOptions
+
     owners = _count_checks(monkeypatch)
     for _ in range(2):
         with pytest.raises(TypeError, match="option 'num_frequencies' must be an int, got 'abc'"):
             check_attention_options("flt", {"num_frequencies": "abc"})
-    check_attention_options("flt", {"num_frequencies": 8})
-    check_attention_options("flt", {"num_frequencies": 8})
+    checked = check_attention_options("flt", {"num_frequencies": 8}, reserved=ATTENTION_ARGUMENTS)
+    assert isinstance(checked, CheckedOptions) and checked == {"num_frequencies": 8}
     assert len(owners) == 3
-    # 8.0 and True are other values to the check than 8: each is checked (and refused).
+    build_attention("flt", 16, 2, pos_dim=1, causal=False, options=checked)
+    assert len(owners) == 3  # the builder takes the set as checked
+    build_attention("flt", 16, 2, pos_dim=1, causal=False, options={"num_frequencies": 8})
+    assert len(owners) == 4  # a plain dict is checked
+    # A set checked for another mechanism, or changed after its check, is checked again.
+    with pytest.raises(UnknownOptionError, match="num_frequencies"):
+        build_attention("performer", 16, 2, pos_dim=1, causal=False, options=checked)
+    checked["num_frequencies"] = "abc"
+    with pytest.raises(TypeError, match="option 'num_frequencies' must be an int, got 'abc'"):
+        build_attention("flt", 16, 2, pos_dim=1, causal=False, options=checked)
+    assert len(owners) == 6
+    # 8.0 and True are other values to the check than 8: each is refused.
     with pytest.raises(TypeError, match=r"got 8.0 \(float\)"):
         check_attention_options("flt", {"num_frequencies": 8.0})
     with pytest.raises(TypeError, match=r"got True \(bool\)"):
         check_attention_options("flt", {"num_frequencies": True})
-    # A value with no plain-data form (a tensor) is checked every time.
-    for _ in range(2):
-        check_attention_options("flt", {"spectrum": "gaussian", "length_scale": torch.tensor([1.0, 2.0])})
-    assert len(owners) == 7
 
 
 def test_a_bad_option_fails_before_any_data_loads(monkeypatch, capsys):
@@ -379,3 +387,18 @@ def test_autocast_still_mixes_dtypes(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = lay(torch.randn(1, 4, 16, dtype=torch.bfloat16))
     assert out.shape == (1, 4, 16)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+@pytest.mark.parametrize("relative_bias", [None, "spectrum", "t5"])
+def test_a_mechanism_says_whether_it_takes_a_spectrums_options_as_its_check_does(name, relative_bias):
+    """``takes_spectrum_options`` (what the tasks ask before handing a preset's spectrum
+    options on) agrees with the check: a spectrum's option passes exactly when it says so."""
+    base = {} if relative_bias is None or name != "softmax" else {"relative_bias": relative_bias}
+    options = {**base, "spectrum": "gaussian", "length_scale": 2.0}
+    try:
+        ATTENTION[name].from_options(16, 2, **options)
+        accepted = True
+    except (TypeError, ValueError):
+        accepted = False
+    assert ATTENTION[name].takes_spectrum_options(options) is accepted

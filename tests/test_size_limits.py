@@ -250,3 +250,29 @@ def test_flt_parts_that_cannot_fit_are_refused_before_the_core_allocates(limit):
     with pytest.raises(MemoryLimitError, match=r"num_features=68719476736"):
         FLTAttention(64, 4, features=FavorPlus(num_features=2**36))
     assert FLTAttention(64, 4, pos_dim=3).pos_dim == 3
+
+
+def test_each_mechanism_states_its_own_estimate_over_its_own_options():
+    """A mechanism's estimate reads its own options: every size it names in errors is one of
+    its flat options (or, ``hidden``, of a spectrum it may build), and a size it does not
+    take changes nothing; a larger size it takes raises its estimate."""
+    import inspect
+
+    from flt import ATTENTION
+    from flt._signatures import constructor_options
+    from flt.layers import flat
+    from flt.relative.spectra import SPECTRA
+
+    spectrum_options = {name for cls in SPECTRA.values() for name in constructor_options(cls).params}
+    for name, cls in ATTENTION.items():
+        own = set(constructor_options(cls).params)
+        assert own == set(inspect.signature(getattr(flat, name)).parameters) - {"spectrum_options"}
+        assert set(cls.size_options) <= own | spectrum_options, name
+        base = cls.parameter_values({}, dim=32, heads=4, pos_dim=2)
+        assert base > 4 * 32 * 32  # more than the projections
+        for size in cls.size_options:
+            if size in own and isinstance(constructor_options(cls).params[size].default, int):
+                grown = {size: 4 * constructor_options(cls).params[size].default + 64}
+                values = (cls.parameter_values(grown, dim=32, heads=4, pos_dim=2),
+                          cls.activation_values(grown, batch=2, heads=4, length=600, head_dim=8, training=False))
+                assert values != (base, cls.activation_values({}, batch=2, heads=4, length=600, head_dim=8, training=False)), (name, size)

@@ -10,10 +10,10 @@ estimate and the limit (:class:`MemoryLimitError`, a ``ValueError``).
 The estimates count float32 values and are deliberately simple, one formula per
 mechanism (the largest tensors of a forward pass and, for training, what backward keeps),
 so they are orders of magnitude right, not exact: they catch a size that cannot fit, not
-one that nearly fits. Here: the limit and the estimate of one attention layer given its
-class (what a layer's constructor checks, so this module sits below :mod:`flt.layers` and
-imports nothing from it); :mod:`flt.models.memory` estimates whole models from their
-configs, which name their mechanisms.
+one that nearly fits. Here: the limit and the check, below :mod:`flt.layers`; each
+mechanism states its own estimate (``parameter_values`` and ``activation_values`` of
+:class:`flt.layers.base.AttentionBase` and its layers), and :mod:`flt.models.memory`
+estimates whole models from their configs, which name their mechanisms.
 
 The limit: ``FLT_MEMORY_LIMIT`` (bytes, or a number with a K/M/G/T suffix: ``8G``) if set;
 otherwise the free memory of the CUDA device (``torch.cuda.mem_get_info``), or on the CPU
@@ -22,13 +22,10 @@ the available RAM (``MemAvailable`` of ``/proc/meminfo``, else ``os.sysconf``).
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import re
-from typing import TYPE_CHECKING, Any
-
-from flt._signatures import constructor_options
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a device is asked about, not at import
     import torch
@@ -106,114 +103,3 @@ def check_memory(what: str, nbytes: float, *, device: torch.device | str | None 
             f"{what} needs about {format_bytes(nbytes)}, more than the {format_bytes(limit)} of {source}{tail} "
             f"(set {LIMIT_VARIABLE} to change the limit)"
         )
-
-
-# -- estimates -------------------------------------------------------------------------
-
-
-def _option(cls: type, options: dict, name: str, default: Any = None) -> Any:
-    """``options[name]``, else the default of ``cls``'s constructor (following ``**kwargs``)."""
-    if name in options:
-        return options[name]
-    param = constructor_options(cls).params.get(name)
-    return default if param is None or param.default is inspect.Parameter.empty else param.default
-
-
-def _spectrum_option(cls: type, options: dict, name: str) -> Any:
-    """An option of the spectrum a layer builds (its ``spectrum`` option or default)."""
-    if name in options:
-        return options[name]
-    from flt.relative.spectra import SPECTRA
-
-    spectrum = _option(cls, options, "spectrum")
-    return _option(SPECTRA[spectrum], {}, name) if isinstance(spectrum, str) and spectrum in SPECTRA else None
-
-
-def _int(value: object, fallback: int = 0) -> int:
-    """An int option's value, or ``fallback`` for anything else (the constructor reports it)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
-
-
-def attention_parameter_values(cls: type | None, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
-    """Values held by one attention layer of class ``cls`` (None: an unknown mechanism, its
-    projections only): projections (``4 dim^2``), the random feature projection (``m x`` its
-    input size), the spectrum's frequencies and parameters (``H R P`` a few times) and
-    relative tables."""
-    head_dim = max(dim // max(heads, 1), 1)
-    total = 4 * dim * dim + dim
-    if cls is None:
-        return total
-    m = _int(_option(cls, options, "num_features"))
-    r = _int(_option(cls, options, "num_frequencies"))
-    coupling = _option(cls, options, "coupling", "logit")
-    feature_dim = head_dim + 2 * r if coupling == "logit" else head_dim
-    total += m * feature_dim
-    total += 4 * heads * r * max(pos_dim, 1)
-    if r and (_option(cls, options, "near_field") or _option(cls, options, "near_neighbors")):
-        total += 4 * heads * r * max(pos_dim, 1)  # the near set's own spectrum
-    hidden = _int(_spectrum_option(cls, options, "hidden"))
-    total += 2 * heads * hidden * (hidden + max(pos_dim, 1) + 3)  # a neural spectrum's MLP (and the near set's)
-    buckets = _int(_option(cls, options, "num_buckets"))
-    total += heads * buckets
-    distance = _int(_option(cls, options, "max_distance"))
-    total += heads * (2 * distance + 1)
-    return total
-
-
-def attention_activation_values(cls: type | None, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
-                                training: bool) -> int:
-    """Values of the largest tensors of the forward pass of one attention layer of class
-    ``cls`` (None: an unknown mechanism, counted as softmax) over ``batch`` sequences of
-    ``length`` tokens, twice that when training (what backward keeps):
-
-    * softmax: the weights, ``B H N N``;
-    * kernel mechanisms (Performer, FLT): the features of queries and keys, ``2 B H N m``,
-      and the state ``B H m Dv``; FLT's multiplicative coupling the spectral features
-      ``2 B H N 2R`` and a state ``B H m 2R Dv``; a band of ``w`` tokens ``2 B H N (2w + 1)``,
-      ``k`` nearest keys ``2 B H N k``;
-    * Toeplitz: ``B H N N`` up to ``dense_below`` tokens, else FFTs of ``B H 2N m (Dv + 1)``
-      complex values.
-    """
-    b, h, n, dv = batch, heads, length, head_dim
-    if cls is None or "num_features" not in _parameter_names(cls):
-        values = b * h * n * n
-    else:
-        m = _int(_option(cls, options, "num_features"), 1)
-        r = _int(_option(cls, options, "num_frequencies"))
-        values = 2 * b * h * n * m + b * h * m * dv
-        if _option(cls, options, "coupling", "logit") == "multiplicative":
-            values += 2 * b * h * n * 2 * r + b * h * m * 2 * r * dv
-        w = _int(_option(cls, options, "near_field"))
-        k = _int(_option(cls, options, "near_neighbors"))
-        values += 2 * b * h * n * (2 * w + 1 if w else 0) + 2 * b * h * n * k
-        dense = _option(cls, options, "dense_below")
-        if isinstance(dense, int) and not isinstance(dense, bool):
-            values += b * h * n * n if n <= dense else 4 * b * h * 2 * n * m * (dv + 1)
-    return values * (2 if training else 1)
-
-
-def _registry_name(cls: object) -> str:
-    name = getattr(cls, "__dict__", {}).get("registry_name")
-    return repr(name) if name else getattr(cls, "__name__", str(cls))
-
-
-def _parameter_names(cls: type) -> set[str]:
-    return set(constructor_options(cls).params)
-
-
-#: Attention options that size a layer (named in the messages of :func:`check_attention_memory`
-#: and :func:`flt.models.memory.check_model_memory`).
-SIZE_OPTIONS = ("num_features", "num_frequencies", "near_field", "near_neighbors", "max_distance", "dense_below",
-                 "chunk_size", "hidden", "num_buckets")
-
-
-def check_attention_memory(cls: type, options: dict, *, dim: int, heads: int, pos_dim: int = 1, device: torch.device | str | None = None) -> None:
-    """Refuse an attention layer of class ``cls`` whose parameters and buffers alone exceed
-    the limit (a ``num_features`` or ``num_frequencies`` of 10^9), before its constructor
-    allocates them. Non-int sizes are left to the constructor's own checks."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (dim, heads, pos_dim)):
-        return
-    values = attention_parameter_values(cls, options, dim=dim, heads=heads, pos_dim=pos_dim)
-    sizes = {k: v for k, v in options.items() if k in SIZE_OPTIONS}
-    check_memory(f"attention {_registry_name(cls)} (dim={dim}, heads={heads}{''.join(f', {k}={v}' for k, v in sizes.items())})",
-                 values * FLOAT_BYTES, device=device, hint="make these sizes smaller")

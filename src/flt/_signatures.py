@@ -5,11 +5,11 @@ of options (attention layers, encodings, data options, frozen configs). It lives
 layers so that a layer's builder (:meth:`flt.layers.base.AttentionBase.from_options`) and
 the command line (:mod:`flt.options`) run the same check without an import circle.
 
-Where a class has a builder marked :func:`flat_options` (``FLTAttention._from_options``,
-which turns the flat option names into the layer's parts), its options are those of the
-builder; otherwise those of ``__init__``, following ``**kwargs`` up the MRO. Values are only
-type-checked here; ranges stay with the constructors and combinations with
-:mod:`flt.layers.rules`.
+Where a class names a ``flat_builder`` (``FLTAttention.flat_builder``, the function of
+:mod:`flt.layers.flat` that turns the flat option names into the layer's parts), its
+options are those of the builder; otherwise those of ``__init__``, following ``**kwargs``
+up the MRO. Values are only type-checked here; ranges stay with the constructors and
+combinations with :mod:`flt.layers.rules`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from flt._checks import check_choice, shown
 
@@ -33,17 +33,6 @@ if TYPE_CHECKING:
 class UnknownOptionError(TypeError, ValueError):
     """An option that the mechanism does not take. A ``TypeError`` like Python's own
     "unexpected keyword argument", and a ``ValueError`` like the project's other bad options."""
-
-
-#: A builder function, returned unchanged by :func:`flat_options`.
-_Builder = TypeVar("_Builder", bound=Callable[..., Any])
-
-
-def flat_options(builder: _Builder) -> _Builder:
-    """Mark a ``_from_options`` classmethod's function as the signature that lists a class's
-    options (the flat names a preset or the command line uses), instead of ``__init__``'s."""
-    builder.flat_options = True  # type: ignore[attr-defined]  # a marker read by _signature_source
-    return builder
 
 
 @dataclass(frozen=True)
@@ -79,13 +68,15 @@ FORWARDS: dict[str, tuple[str, Callable[[], dict[str, type]], str, tuple[str, ..
 }
 
 
-def _signature_source(klass: type) -> Callable[..., Any] | None:
-    """The function whose keyword parameters are ``klass``'s options: a :func:`flat_options`
-    builder it defines, else its own ``__init__`` (None when it defines neither)."""
-    builder = klass.__dict__.get("_from_options")
-    if isinstance(builder, classmethod) and getattr(builder.__func__, "flat_options", False):
-        return builder.__func__
-    return klass.__dict__.get("__init__")
+def _signature_source(klass: type) -> tuple[Callable[..., Any], int] | None:
+    """The function whose keyword parameters are ``klass``'s options and how many leading
+    parameters are not (``self``): the ``flat_builder`` it names (a function of
+    :mod:`flt.layers.flat`), else its own ``__init__`` (None when it defines neither)."""
+    builder = klass.__dict__.get("flat_builder")
+    if isinstance(builder, staticmethod):
+        return builder.__func__, 0
+    init = klass.__dict__.get("__init__")
+    return None if init is None else (init, 1)
 
 
 def _evaluate(annotation: Any, func: Callable[..., Any]) -> Any:
@@ -105,14 +96,15 @@ def constructor_options(cls: type) -> Options:
     ``__init__`` passes ``**kwargs`` on to ``super().__init__``, those of the next one."""
     params: dict[str, Option] = {}
     for klass in cls.__mro__:
-        init = _signature_source(klass)
-        if init is None:
+        source = _signature_source(klass)
+        if source is None:
             continue
+        init, skip = source
         if klass.__module__.split(".")[0] in ("builtins", "torch"):
             return Options(params, None, True)
         var_keyword = None
         for i, p in enumerate(inspect.signature(init).parameters.values()):
-            if i == 0 or p.kind is p.VAR_POSITIONAL:
+            if i < skip or p.kind is p.VAR_POSITIONAL:
                 continue
             if p.kind is p.VAR_KEYWORD:
                 var_keyword = p.name

@@ -28,18 +28,17 @@ only type-checked here; ranges stay with the constructors and combinations with
 Once per option set. Options enter at the outermost of nested entry points: the command
 line checks them before any data loads, then builds the model, whose builders
 (:func:`flt.models.build_attention`, :func:`flt.models.build_posenc`) are entry points of
-their own for Python callers, and builds each of its layers from them. So the two checks
-here remember the option sets that passed (the last :data:`REMEMBERED`, in this process):
-a set the command line checked is not checked again by the model, nor once per layer. A
-set that fails is never remembered, and fails with the same message every time. Sets
-holding a value without a plain-data form (a tensor) are checked every time.
+their own for Python callers, and builds each of its layers from them. The checks return
+the options as :class:`CheckedOptions`, which the command line puts in the model's config:
+the builders take such a set as checked, and check any other dict (a model checks each
+distinct set it is given once, not once per layer). A set that fails fails with the same
+message every time.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 from flt._io import MAX_JSON_DEPTH, nests_deeper_than
@@ -58,6 +57,7 @@ from flt.layers.base import ATTENTION_ARGUMENTS, check_layer_options
 __all__ = [
     "ATTENTION_ARGUMENTS",
     "FORWARDS",
+    "CheckedOptions",
     "Option",
     "Options",
     "UnknownOptionError",
@@ -238,48 +238,32 @@ def _resolve(mechanism: str | type, registry: dict, what: str) -> tuple[type, st
     return mechanism, f"{what} {name!r}" if name else mechanism.__name__
 
 
-#: How many option sets that passed :func:`check_attention_options` or
-#: :func:`check_posenc_options` are remembered (the oldest forgotten first).
-REMEMBERED = 256
+class CheckedOptions(dict):
+    """Options as they passed :func:`check_attention_options` or :func:`check_posenc_options`:
+    a dict of the same items that remembers which class and reserved names it was checked
+    against, so that the model builders it is handed to (:func:`flt.models.build_attention`,
+    :func:`flt.models.build_posenc`) build from it without checking it again. An item set
+    or replaced after the check makes it unchecked again; a plain dict is always checked."""
 
-#: The keys (:func:`_option_key`) of the option sets that passed, oldest first.
-_passed: dict[tuple, None] = {}
+    #: The class and reserved names it was checked against, and its items then.
+    checked: tuple[type, tuple[str, ...], tuple[tuple[str, Any], ...]]
 
-
-def _frozen(value: Any) -> Any:
-    """A hashable form of an option value that keeps its type (``[1, 2]`` and ``(1, 2)``,
-    ``1``, ``1.0`` and ``True`` differ, as they may to the check); ``TypeError`` for a value
-    that is not plain data (a tensor, an array)."""
-    if value is None or type(value) in (bool, int, float, str):
-        return (type(value), value)
-    if type(value) in (list, tuple):
-        return (type(value), tuple(_frozen(v) for v in value))
-    if type(value) is dict:
-        return (dict, tuple(sorted(((str(k), type(k), _frozen(v)) for k, v in value.items()), key=lambda kv: kv[0])))
-    raise TypeError(f"no plain-data form for {type(value).__name__}")
+    def checked_for(self, cls: type, reserved: tuple[str, ...]) -> bool:
+        """Whether these very items passed the check of ``cls`` with ``reserved`` reserved."""
+        checked = self.__dict__.get("checked")
+        if checked is None or checked[0] is not cls or checked[1] != reserved or len(checked[2]) != len(self):
+            return False
+        return all(key in self and self[key] is value for key, value in checked[2])
 
 
-def _option_key(owner: str, cls: type, options: dict[str, Any], reserved: tuple[str, ...]) -> tuple | None:
-    """What identifies one check: the entry (its name and class), the options and the
-    reserved names; None when an option has no plain-data form (then it is checked every time)."""
-    try:
-        return (owner, cls, reserved, _frozen(options))
-    except TypeError:
-        return None
+def _checked(options: dict[str, Any], cls: type, reserved: tuple[str, ...]) -> CheckedOptions:
+    result = CheckedOptions(options)
+    result.checked = (cls, reserved, tuple(options.items()))
+    return result
 
 
-def _check_once(key: tuple | None, check: Callable[[], None]) -> None:
-    """Run ``check`` unless the set ``key`` passed before; remember it when it passes."""
-    if key is not None and key in _passed:
-        return
-    check()
-    if key is not None:
-        _passed[key] = None
-        if len(_passed) > REMEMBERED:
-            del _passed[next(iter(_passed))]
-
-
-def check_attention_options(mechanism: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
+def check_attention_options(mechanism: str | type, options: dict[str, Any], *,
+                            reserved: tuple[str, ...] = ()) -> CheckedOptions:
     """Check ``options`` for ``ATTENTION[mechanism]`` (a name or the class itself).
 
     Every keyword argument of the constructor is known (``dim``, ``heads``, ``pos_dim``,
@@ -287,25 +271,26 @@ def check_attention_options(mechanism: str | type, options: dict[str, Any], *, r
     them, since the model sets them); ``**spectrum_options`` are checked against the
     spectrum that ``options["spectrum"]`` (or the default) selects. Raises
     :class:`UnknownOptionError` for an unknown name, ``TypeError`` for a value of the wrong
-    type, ``ValueError`` for a reserved name or an unknown mechanism or spectrum. A set
-    that passed before is not checked again (module docstring).
+    type, ``ValueError`` for a reserved name or an unknown mechanism or spectrum. Returns
+    the options as :class:`CheckedOptions` (module docstring).
     """
     from flt.layers.registry import ATTENTION
 
-    cls, owner = _resolve(mechanism, ATTENTION, "attention")
+    cls, _ = _resolve(mechanism, ATTENTION, "attention")
     # A seed of the mechanism's draws is a seed as the run's is (check_seed), whatever the class's annotation allows.
     check_seed(options.get("seed"), "attention option seed", allow_none=True)
-    _check_once(_option_key(owner, cls, options, reserved),
-                lambda: check_layer_options(cls, options, reserved=reserved))
+    check_layer_options(cls, options, reserved=reserved)
+    return _checked(options, cls, reserved)
 
 
-def check_posenc_options(encoding: str | type, options: dict[str, Any], *, reserved: tuple[str, ...] = ()) -> None:
+def check_posenc_options(encoding: str | type, options: dict[str, Any], *,
+                         reserved: tuple[str, ...] = ()) -> CheckedOptions:
     """Check ``options`` for ``POSENC[encoding]`` (a name or the class); as
     :func:`check_attention_options`."""
     from flt.posenc import POSENC
 
     cls, owner = _resolve(encoding, POSENC, "posenc")
     check_seed(options.get("seed"), "posenc option seed", allow_none=True)
-    _check_once(_option_key(owner, cls, options, reserved),
-                lambda: check_options(owner, cls, options, arguments=POSENC_ARGUMENTS, reserved=reserved))
+    check_options(owner, cls, options, arguments=POSENC_ARGUMENTS, reserved=reserved)
+    return _checked(options, cls, reserved)
 

@@ -225,8 +225,9 @@ def preset_from_args(args: argparse.Namespace, attention: str, attention_options
     chosen = merge_options(attention_options or {}, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=options_source)
     attn_options = get_task(args.task).attention_options(attention, preset.model.attention_options, chosen)
     posenc_options = {**preset.model.posenc_options, **parse_assignments(args.posenc_opt, "--posenc-opt")}
-    check_attention_options(attention, attn_options, reserved=ATTENTION_ARGUMENTS)
-    check_posenc_options(args.posenc, posenc_options, reserved=POSENC_ARGUMENTS)
+    # Checked here, before any data loads, and handed to the model as checked (CheckedOptions).
+    attn_options = check_attention_options(attention, attn_options, reserved=ATTENTION_ARGUMENTS)
+    posenc_options = check_posenc_options(args.posenc, posenc_options, reserved=POSENC_ARGUMENTS)
     model = replace_fields(preset.model, attention_options=attn_options, posenc_options=posenc_options, **model_changes)
     run_changes = parse_assignments(args.run_opt, "--run-opt")
     for name in RUN_FLAGS:  # commands that share this function may lack some flags (flt search)

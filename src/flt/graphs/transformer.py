@@ -163,7 +163,7 @@ class NodeTransformer(nn.Module):
         self.embed = nn.Linear(in_dim, dim, **fk)
         self.posenc = build_posenc(posenc, dim, pos_dim, dict(posenc_options or {}), **fk)
         self.blocks = nn.ModuleList(
-            _Block(build_attention(name, dim, heads, pos_dim=pos_dim, causal=False, options=dict(options), **fk),
+            _Block(build_attention(name, dim, heads, pos_dim=pos_dim, causal=False, options=options, **fk),
                    dim, mlp_ratio=mlp_ratio, dropout=dropout, **fk)
             for name, options in mechanisms
         )

@@ -11,7 +11,10 @@ against the signature that lists them (:func:`flt._signatures.check_options`; fo
 type is reported by name, and refuses sizes too large for memory before anything is
 allocated; then it builds the layer. A model builds its layers with
 :meth:`AttentionBase.from_checked_options`, from options checked once where they entered
-(:func:`flt.models.build_attention`), not once per layer. A constructor called directly
+(:func:`flt.models.build_attention`, which takes :class:`flt.options.CheckedOptions` as
+checked), not once per layer. Each class states its own memory estimate
+(:meth:`AttentionBase.parameter_values`, :meth:`AttentionBase.forward_values`), which
+:func:`check_attention_memory` compares with the limit of :mod:`flt._limits`. A constructor called directly
 checks its own arguments (its parts check theirs, :mod:`flt.layers.rules` their combinations).
 :meth:`AttentionBase.prepare` checks the input of every forward call: rank, feature size,
 at least one token, and the dtype and device of the layer's parameters (metadata only: no
@@ -31,7 +34,9 @@ upgraded where it is loaded (:mod:`flt.layers.upgrade`).
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, overload
 
@@ -49,8 +54,8 @@ from flt._checks import (
     shown,
 )
 from flt._dtype import compute_dtype
-from flt._limits import FLOAT_BYTES, check_attention_memory, check_memory
-from flt._signatures import check_options
+from flt._limits import FLOAT_BYTES, check_memory
+from flt._signatures import check_options, constructor_options
 
 #: Arguments of every :data:`flt.ATTENTION` constructor that the caller (the model) sets:
 #: not options.
@@ -211,6 +216,49 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
     check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
 
 
+def size(value: object, fallback: int = 0) -> int:
+    """A size option's value in a memory estimate: a positive int, else ``fallback`` (the
+    constructor reports anything else)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else fallback
+
+
+def spectrum_option(cls: type[AttentionBase], options: dict, name: str) -> Any:
+    """An option of the spectrum a layer of class ``cls`` builds (its ``spectrum`` option or
+    default), for a memory estimate; None when there is none."""
+    if name in options:
+        return options[name]
+    from flt.relative.spectra import SPECTRA
+
+    spectrum = cls.option(options, "spectrum")
+    if not (isinstance(spectrum, str) and spectrum in SPECTRA):
+        return None
+    spectrum_class: type = SPECTRA[spectrum]
+    param = constructor_options(spectrum_class).params.get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def spectrum_values(cls: type[AttentionBase], options: dict, *, heads: int, pos_dim: int) -> int:
+    """Values of a layer's spectrum beyond its frequencies: a neural spectrum's MLP of
+    ``hidden`` units per head (and the near set's), ``2 H hidden (hidden + P + 3)``."""
+    hidden = size(spectrum_option(cls, options, "hidden"))
+    return 2 * heads * hidden * (hidden + max(pos_dim, 1) + 3)
+
+
+def check_attention_memory(cls: type[AttentionBase], options: dict, *, dim: int, heads: int, pos_dim: int = 1,
+                           device: torch.device | str | None = None) -> None:
+    """Refuse an attention layer of class ``cls`` whose parameters and buffers alone
+    (:meth:`AttentionBase.parameter_values`) exceed the limit (a ``num_features`` or
+    ``num_frequencies`` of 10^9), before its constructor allocates them. Non-int sizes are
+    left to the constructor's own checks."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (dim, heads, pos_dim)):
+        return
+    values = cls.parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim)
+    name = cls.__dict__.get("registry_name")
+    sizes = "".join(f", {k}={v}" for k, v in options.items() if k in cls.size_options)
+    check_memory(f"attention {repr(name) if name else cls.__name__} (dim={dim}, heads={heads}{sizes})",
+                 values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
+
+
 #: A layer class's own type, so that ``FLTAttention.from_options(...)`` is an FLTAttention.
 _Layer = TypeVar("_Layer", bound="AttentionBase")
 
@@ -230,9 +278,55 @@ class AttentionBase(nn.Module):
     #: (:func:`flt.layers.draws.stable_named_modules`): those names seed fixed draws and key
     #: saved random states, and stay what they were before the core existed.
     unnamed_submodules: ClassVar[tuple[str, ...]] = ("core",)
+    #: The function of :mod:`flt.layers.flat` that lists the class's flat options and turns
+    #: them into its constructor's arguments (its parts); None: the constructor's keywords.
+    flat_builder: ClassVar[Callable[..., dict[str, Any]] | None] = None
     #: Causal layers of this class decode (:meth:`step`); instances copy their core's.
     supports_decoding: bool = False
     core: CoreBase
+
+    #: The options that size a layer of this class, named in memory errors
+    #: (:func:`check_attention_memory`, :func:`flt.models.memory.check_model_memory`).
+    size_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option(cls, options: dict, name: str, default: Any = None) -> Any:
+        """``options[name]``, else the default its class gives it (its flat builder's or its
+        constructor's), else ``default``: the value a memory estimate reads."""
+        if name in options:
+            return options[name]
+        klass: type = cls
+        param = constructor_options(klass).params.get(name)
+        return default if param is None or param.default is inspect.Parameter.empty else param.default
+
+    @classmethod
+    def takes_spectrum_options(cls, options: dict) -> bool:
+        """Whether a layer of this class with flat ``options`` builds a spectrum, and so takes
+        a spectrum's options (``length_scale``, ...): a class whose flat options forward
+        ``**spectrum_options``; a layer may ask more of its other options."""
+        klass: type = cls
+        return constructor_options(klass).forwarded == "spectrum_options"
+
+    @classmethod
+    def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+        """Values held by one layer of this class with flat ``options`` (a closed-form
+        estimate, :mod:`flt._limits`): here the projections, ``4 dim^2 + dim``; each
+        mechanism adds its own."""
+        return 4 * dim * dim + dim
+
+    @classmethod
+    def activation_values(cls, options: dict, *, batch: int, heads: int, length: int, head_dim: int,
+                          training: bool) -> int:
+        """Values of the largest tensors of one layer's forward pass over ``batch`` sequences
+        of ``length`` tokens (:meth:`forward_values`), twice that when ``training`` (what
+        backward keeps)."""
+        return cls.forward_values(options, batch=batch, heads=heads, length=length, head_dim=head_dim) * (2 if training else 1)
+
+    @classmethod
+    def forward_values(cls, options: dict, *, batch: int, heads: int, length: int, head_dim: int) -> int:
+        """Values of the largest tensors of one forward pass: here the attention weights
+        ``B H N N``; a linear mechanism states its own."""
+        return batch * heads * length * length
 
     @classmethod
     def from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
@@ -256,9 +350,11 @@ class AttentionBase(nn.Module):
 
     @classmethod
     def _from_options(cls: type[_Layer], dim: int, heads: int, **options: Any) -> _Layer:
-        """Build from checked flat options: the constructor itself, unless a layer's parts
-        need translating (``FLTAttention``, ``SoftmaxAttention``)."""
-        return cls(dim, heads, **options)
+        """Build from checked flat options: the constructor's arguments that the class's
+        :attr:`flat_builder` makes of them, else the options themselves."""
+        if cls.flat_builder is None:
+            return cls(dim, heads, **options)
+        return cls(**cls.flat_builder(dim, heads, **options))
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()

@@ -16,7 +16,7 @@ The RPE mask ``f(r_i - r_j)`` is the Fourier transform of a learned spectrum (se
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,26 +24,21 @@ from einops import rearrange
 
 from flt._checks import (
     check_choice,
-    check_nonnegative_int,
     check_positive_int,
     compiling,
     shown,
 )
 from flt._dtype import compute_dtype
 from flt._limits import FLOAT_BYTES, check_memory
-from flt._signatures import flat_options
-from flt.layers.base import Prepared
+from flt.layers import flat
+from flt.layers.base import Prepared, size, spectrum_values
 from flt.layers.kernel import KernelAttention, KernelCore, KernelFeatures, mask_padded_keys
-from flt.layers.near import Band, NearSet, Neighbors
-from flt.layers.parts import FavorPlus, Features, Settings, Term, check_kernel_parts, kernel_parts
+from flt.layers.near import NearSet
+from flt.layers.parts import COUPLINGS, FavorPlus, Features, Settings, Term, check_kernel_parts
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import kronecker_condition
 from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
-
-#: How FLT combines its relative term with the kernel: added to the logits, or multiplying
-#: the kernel's weights.
-COUPLINGS = ("logit", "multiplicative")
 
 #: The multiplicative coupling warns when the bound on its row condition numbers exceeds
 #: this, or ``1 / u`` for inputs of unit roundoff ``u`` (:meth:`FLTCore.check_conditioning`).
@@ -141,7 +136,7 @@ class FLTCore(KernelCore):
     @staticmethod
     def _check_part_memory(heads: int, head_dim: int, pos_dim: int, features: Features, num_frequencies: object,
                            near: NearSet | None, coupling: str, device: torch.device | str | None) -> None:
-        """Refuse parts whose parameters cannot fit (:func:`flt._limits.attention_parameter_values`'
+        """Refuse parts whose parameters cannot fit (:meth:`FLTAttention.parameter_values`'
         terms: the feature projection ``m x`` its input, and ``4 H R P`` for the spectrum and
         again for the near set's), before the core allocates them: ``pos_dim = 2**40``
         would otherwise ask for petabytes."""
@@ -461,7 +456,37 @@ class FLTAttention(KernelAttention):
     """
 
     registry_name = "flt"
+    #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
+    flat_builder = staticmethod(flat.flt)
     core: FLTCore
+    size_options: ClassVar[tuple[str, ...]] = ("num_features", "num_frequencies", "near_field", "near_neighbors",
+                                               "chunk_size", "hidden")
+
+    @classmethod
+    def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+        """The kernel's (:class:`flt.layers.kernel.KernelAttention`), the logit coupling's
+        ``2R`` more inputs of the feature projection, the spectrum's frequencies and
+        parameters ``4 H R P`` (again for the near set's own) and a neural spectrum's MLP."""
+        m, r = size(cls.option(options, "num_features")), size(cls.option(options, "num_frequencies"))
+        values = super().parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim)
+        if cls.option(options, "coupling", "logit") == "logit":
+            values += m * 2 * r
+        near = r and (cls.option(options, "near_field") or cls.option(options, "near_neighbors"))
+        values += 4 * heads * r * max(pos_dim, 1) * (2 if near else 1)
+        return values + spectrum_values(cls, options, heads=heads, pos_dim=pos_dim)
+
+    @classmethod
+    def forward_values(cls, options: dict, *, batch: int, heads: int, length: int, head_dim: int) -> int:
+        """The kernel's; the multiplicative coupling's spectral features ``2 B H N 2R`` and
+        state ``B H m 2R Dv``; a band of ``w`` tokens ``2 B H N (2w + 1)``, ``k`` nearest keys
+        ``2 B H N k``."""
+        values = super().forward_values(options, batch=batch, heads=heads, length=length, head_dim=head_dim)
+        b, h, n = batch, heads, length
+        m, r = size(cls.option(options, "num_features"), 1), size(cls.option(options, "num_frequencies"))
+        if cls.option(options, "coupling", "logit") == "multiplicative":
+            values += 2 * b * h * n * 2 * r + b * h * m * 2 * r * head_dim
+        w, k = size(cls.option(options, "near_field")), size(cls.option(options, "near_neighbors"))
+        return values + 2 * b * h * n * (2 * w + 1 if w else 0) + 2 * b * h * n * k
 
     def __init__(
         self,
@@ -535,68 +560,6 @@ class FLTAttention(KernelAttention):
         if not isinstance(value, bool):
             raise ValueError(f"check_condition must be True or False, got {shown(value)}")
         self.core.check_condition = value
-
-    @classmethod
-    @flat_options
-    def _from_options(
-        cls,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        spectrum: str = "gaussian_mixture",
-        coupling: str = "logit",
-        num_features: int = 256,
-        num_frequencies: int = 32,
-        causal: bool = False,
-        feature_map: str = "favor+",
-        qk_norm: bool | None = None,
-        temperature: float = 1.0,
-        orthogonal: bool = True,
-        redraw_interval: int | None = None,
-        seed: int | None = None,
-        spectrum_seed: int | None = None,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        chunk_size: int | None = None,
-        near_field: int = 0,
-        near_neighbors: int = 0,
-        near_relative: str | None = None,
-        near_relative_options: dict | None = None,
-        far_field: bool | Literal["near", "constant", "positive"] = True,
-        check_condition: bool = True,
-        backend: str = "torch",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **spectrum_options: Any,
-    ) -> FLTAttention:
-        """The layer from the flat options of presets and the command line (checked by
-        :meth:`from_options`): ``num_features``, ``feature_map``, ``orthogonal``, ``seed``
-        (the feature map's), ``qk_norm``, ``temperature`` make the features part;
-        ``spectrum``, ``num_frequencies``, ``spectrum_seed`` (the spectrum's own ``seed``) and
-        ``**spectrum_options`` the far term; ``near_field`` (``w >= 1``: a band; 0 off) or
-        ``near_neighbors`` (``k >= 1``: the nearest keys; 0 off), with ``near_relative`` and
-        ``near_relative_options`` as its term, the near set; ``rope``, ``rope_base``,
-        ``chunk_size``, ``backend``, ``redraw_interval``, ``check_condition`` the settings."""
-        check_choice("coupling", coupling, COUPLINGS)
-        check_choice("spectrum", spectrum, SPECTRA)
-        check_nonnegative_int("near_field", near_field, "the band half-width w in tokens; 0 = off")
-        check_nonnegative_int("near_neighbors", near_neighbors, "k nearest keys in position space; 0 = off")
-        # The rules that only flat options can break (two near sets, a term without a set).
-        check_rules(Facts(features=feature_map, coupling=coupling, near_field=near_field, near_neighbors=near_neighbors,
-                          near_term=near_relative, near_term_options=near_relative_options is not None,
-                          far_field=far_field, causal=causal, backend=backend, spectrum_term=True))
-        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
-                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval,
-                                          check_condition=check_condition)
-        if spectrum_seed is not None:
-            spectrum_options["seed"] = spectrum_seed
-        relative = Term(spectrum, num_frequencies=num_frequencies, **spectrum_options)
-        term = None if near_relative is None else Term(near_relative, **(near_relative_options or {}))
-        near = Band(near_field, term) if near_field else Neighbors(near_neighbors, term) if near_neighbors else None
-        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features, near=near,
-                   coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
 
 
 def _constant_features(constant: torch.Tensor, lead: tuple[int, ...], width: int,

@@ -10,12 +10,12 @@ Subclasses decide the features through :meth:`KernelCore.features`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from flt._checks import check_choice, check_positive_int, check_state_position, shown
-from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling
+from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling, size
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
 from flt.layers.rules import Facts, check_rules
@@ -277,6 +277,22 @@ class KernelAttention(AttentionBase):
     """Base of the linear layers: projections plus a :class:`KernelCore` (``self.core``)."""
 
     supports_decoding = True
+    size_options: ClassVar[tuple[str, ...]] = ("num_features", "chunk_size")
+
+    @classmethod
+    def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+        """The projections, the random feature projection (``m x`` its input ``D``) and a
+        relative table of ``H (2 max_distance + 1)`` values (``max_distance`` 0 without one)."""
+        head_dim = max(dim // max(heads, 1), 1)
+        m, distance = size(cls.option(options, "num_features")), size(cls.option(options, "max_distance"))
+        return (super().parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim) + m * head_dim
+                + heads * (2 * distance + 1))
+
+    @classmethod
+    def forward_values(cls, options: dict, *, batch: int, heads: int, length: int, head_dim: int) -> int:
+        """The features of queries and keys, ``2 B H N m``, and the state ``B H m Dv``."""
+        m = size(cls.option(options, "num_features"), 1)
+        return 2 * batch * heads * length * m + batch * heads * m * head_dim
     core: KernelCore
 
     @property

@@ -25,6 +25,10 @@ from flt._checks import check_positive_int, shown
 from flt._signatures import check_fields
 from flt.layers.features import FeatureMap
 
+#: How FLT combines its relative term with the kernel: added to the logits, or multiplying
+#: the kernel's weights (softmax's spectrum term takes the same two).
+COUPLINGS = ("logit", "multiplicative")
+
 if TYPE_CHECKING:
     import torch
 
@@ -219,7 +223,7 @@ def kernel_parts(*, feature_map: str = "favor+", num_features: int = 256, orthog
                  chunk_size: int | None = None, backend: str = "torch", redraw_interval: int | None = None,
                  check_condition: bool = True) -> tuple[Features, Settings]:
     """The features and settings parts of a kernel layer's flat options (what the
-    ``_from_options`` of FLT, Performer and Toeplitz share)."""
+    flat builders of FLT, Performer and Toeplitz share, :mod:`flt.layers.flat`)."""
     features = features_from(feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
                              qk_norm=qk_norm, temperature=temperature)
     settings = Settings(rope=rope, rope_base=rope_base, chunk_size=chunk_size, backend=backend,

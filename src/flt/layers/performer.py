@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from flt._signatures import flat_options
+from flt.layers import flat
 from flt.layers.kernel import KernelAttention, KernelCore
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts
 
 
 class PerformerCore(KernelCore):
@@ -46,6 +46,8 @@ class PerformerAttention(KernelAttention):
     """
 
     registry_name = "performer"
+    #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
+    flat_builder = staticmethod(flat.performer)
     core: PerformerCore
 
     def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
@@ -53,20 +55,3 @@ class PerformerAttention(KernelAttention):
         super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
         self.core = PerformerCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings,
                                   device=device, dtype=dtype)
-
-    @classmethod
-    @flat_options
-    # Narrower than the base's **options: the names listed here are the layer's flat options,
-    # and from_options has checked them against this very signature.
-    def _from_options(cls, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, num_features: int = 256,  # type: ignore[override]
-                      feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
-                      redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
-                      chunk_size: int | None = None, backend: str = "torch", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> PerformerAttention:
-        """The layer from flat options (checked by :meth:`from_options`): ``num_features``,
-        ``feature_map``, ``qk_norm``, ``temperature``, ``orthogonal``, ``seed`` make the
-        features part; ``rope``, ``rope_base``, ``chunk_size``, ``backend``,
-        ``redraw_interval`` the settings."""
-        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
-                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
-        return cls(dim, heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings, device=device, dtype=dtype)

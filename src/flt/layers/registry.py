@@ -15,7 +15,9 @@ once (:func:`flt.layers.base.check_layer_options`, the same check as
 registry name with the valid options (the layer's and, for ``**spectrum_options``, its
 spectrum's) and the closest match; a value of the wrong type names the option and the
 expected type. A new entry needs nothing more than annotated keyword parameters (or, for a
-layer built from parts, a ``_from_options`` marked ``@flat_options`` that lists them).
+layer built from parts, a function of :mod:`flt.layers.flat` that lists them, named by its
+``flat_builder``), and states its own memory estimate (``parameter_values``,
+``forward_values``).
 """
 
 from __future__ import annotations

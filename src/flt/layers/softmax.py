@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from einops import rearrange
 
-from flt._checks import check_choice, check_positive_float, check_state_tensors
+from flt._checks import check_choice, check_state_tensors
 from flt._dtype import compute_dtype
-from flt._signatures import flat_options
-from flt.layers.base import AttentionBase, CoreBase, batch_shared
+from flt.layers import flat
+from flt.layers.base import AttentionBase, CoreBase, batch_shared, size, spectrum_values
 from flt.layers.rules import BUILT_IN, Facts, check_rules
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
 from flt.posenc.rope import apply_rope
 from flt.relative.base import RelativeTerm
 from flt.relative.spectra import SPECTRA, Spectrum
-from flt.relative.tables import DEFAULT_TABLE_SCALE
 
 #: The ``relative_bias`` values exact softmax takes (``None``: no relative term).
 RELATIVE_BIASES = (None, *BUILT_IN)
@@ -336,7 +335,7 @@ class SoftmaxAttention(AttentionBase):
             SDPA, or with the reference backend when ``backend="reference"``.
 
     :meth:`from_options` takes the flat options of presets and the command line
-    (``relative_bias="t5", max_distance=64``; :meth:`_from_options` lists them): the tables'
+    (``relative_bias="t5", max_distance=64``; :func:`flt.layers.flat.softmax` lists them): the tables'
     ``max_distance``, ``num_buckets``, ``table_scale`` (default 16: it multiplies the bias's
     effective learning rate, :class:`flt.posenc.RelativeBiasTable`) and
     ``learn_table_scale``; ALiBi's ``alibi_unit`` (the distance counted as one step, e.g.
@@ -351,7 +350,26 @@ class SoftmaxAttention(AttentionBase):
     """
 
     registry_name = "softmax"
+    #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
+    flat_builder = staticmethod(flat.softmax)
     core: SoftmaxCore
+    size_options: ClassVar[tuple[str, ...]] = ("num_frequencies", "max_distance", "num_buckets", "hidden")
+
+    @classmethod
+    def takes_spectrum_options(cls, options: dict) -> bool:
+        """Only with ``relative_bias="spectrum"`` (:mod:`flt.layers.rules` refuses a
+        spectrum's options with another relative term)."""
+        return super().takes_spectrum_options(options) and cls.option(options, "relative_bias") == "spectrum"
+
+    @classmethod
+    def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
+        """The projections and the relative term's: a spectrum's frequencies and parameters
+        ``4 H R P`` and a neural spectrum's MLP, a T5 table's ``H num_buckets``, a clipped
+        table's ``H (2 max_distance + 1)`` (each counted whichever ``relative_bias`` is chosen)."""
+        r, buckets = size(cls.option(options, "num_frequencies")), size(cls.option(options, "num_buckets"))
+        distance = size(cls.option(options, "max_distance"))
+        return (super().parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim) + 4 * heads * r * max(pos_dim, 1)
+                + spectrum_values(cls, options, heads=heads, pos_dim=pos_dim) + heads * buckets + heads * (2 * distance + 1))
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
 
@@ -391,61 +409,3 @@ class SoftmaxAttention(AttentionBase):
     def table(self) -> RelativeTerm | None:
         """The relative term when it is a T5 or clipped table, else None."""
         return self.core.table
-
-    @classmethod
-    @flat_options
-    def _from_options(
-        cls,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        relative_bias: str | RelativeTerm | None = None,
-        max_distance: int = 128,
-        num_buckets: int | None = None,
-        table_scale: float = DEFAULT_TABLE_SCALE,
-        learn_table_scale: bool = True,
-        alibi_unit: float = 1.0,
-        alibi_learnable: bool = False,
-        spectrum: str = "gaussian_mixture",
-        coupling: str = "logit",
-        num_frequencies: int = 32,
-        relative_options: dict | None = None,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        backend: str = "sdpa",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **spectrum_options: Any,
-    ) -> SoftmaxAttention:
-        """The layer from the flat options of presets and the command line (checked by
-        :meth:`from_options`): the options of the built-in terms become ``relative_options``
-        (``max_distance``, ``num_buckets``, ``table_scale``, ``learn_table_scale`` for the
-        tables, ``alibi_unit``, ``alibi_learnable`` for ALiBi, ``spectrum``,
-        ``num_frequencies`` and ``**spectrum_options`` for ``relative_bias="spectrum"``).
-        Options of the other terms are accepted and unused, so a preset's options survive
-        an override of ``relative_bias``."""
-        from flt.relative import RELATIVE
-
-        if not isinstance(relative_bias, RelativeTerm):
-            check_choice("relative_bias", relative_bias, (None, "spectrum", *(n for n in RELATIVE if n not in SPECTRA)))
-        check_choice("backend", backend, BACKENDS)
-        check_choice("coupling", coupling, ("logit", "multiplicative"))
-        is_spectrum = relative_bias == "spectrum" or isinstance(relative_bias, Spectrum)
-        check_rules(Facts(coupling=coupling, relative=relative_bias, spectrum_term=is_spectrum, pos_dim=pos_dim,
-                          spectrum_options=tuple(spectrum_options), flat_relative_options=relative_options is not None))
-        check_positive_float("alibi_unit", alibi_unit)
-        if not isinstance(alibi_learnable, bool):
-            raise TypeError(f"alibi_learnable must be a bool, got {type(alibi_learnable).__name__}")
-        options = relative_options
-        if relative_bias in ("t5", "clipped"):
-            options = {"max_distance": max_distance, "table_scale": table_scale, "learn_scale": learn_table_scale}
-            if relative_bias == "t5":
-                options["num_buckets"] = num_buckets
-        elif relative_bias == "alibi":
-            options = {"unit": alibi_unit, "learnable": alibi_learnable}
-        elif relative_bias == "spectrum":
-            options = {"spectrum": spectrum, "num_frequencies": num_frequencies, **spectrum_options}
-        return cls(dim, heads, pos_dim=pos_dim, causal=causal, relative_bias=relative_bias, relative_options=options,
-                   coupling=coupling, rope=rope, rope_base=rope_base, backend=backend, device=device, dtype=dtype)

@@ -7,15 +7,16 @@ key blocks, a fixed number of operations whatever ``N``, so that no output sees 
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
-from flt._signatures import flat_options
+from flt.layers import flat
+from flt.layers.base import size
 from flt.layers.kernel import KernelAttention, KernelCore, mask_padded_keys
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts, kernel_parts
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import (
     DEFAULT_BLOCK_SIZE,
@@ -184,8 +185,23 @@ class ToeplitzAttention(KernelAttention):
     """
 
     registry_name = "toeplitz"
+    #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
+    flat_builder = staticmethod(flat.toeplitz)
     core: ToeplitzCore
     supports_decoding = False
+    size_options: ClassVar[tuple[str, ...]] = ("num_features", "max_distance", "dense_below", "chunk_size")
+
+    @classmethod
+    def forward_values(cls, options: dict, *, batch: int, heads: int, length: int, head_dim: int) -> int:
+        """The kernel's (:class:`flt.layers.kernel.KernelAttention`) and the Toeplitz product's:
+        ``B H N N`` up to ``dense_below`` tokens, else FFTs of ``B H 2N m (Dv + 1)`` complex
+        values."""
+        values = super().forward_values(options, batch=batch, heads=heads, length=length, head_dim=head_dim)
+        b, h, n, m = batch, heads, length, size(cls.option(options, "num_features"), 1)
+        dense = cls.option(options, "dense_below")
+        if isinstance(dense, int) and not isinstance(dense, bool):
+            values += b * h * n * n if n <= dense else 4 * b * h * 2 * n * m * (head_dim + 1)
+        return values
 
     def __init__(
         self,
@@ -217,26 +233,6 @@ class ToeplitzAttention(KernelAttention):
     def table(self) -> ClippedBias:
         """The relative bias table (``layer.core.table``)."""
         return self.core.table
-
-    @classmethod
-    @flat_options
-    # Narrower than the base's **options: the names listed here are the layer's flat options,
-    # and from_options has checked them against this very signature.
-    def _from_options(cls, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 512,  # type: ignore[override]
-                      table_scale: float = DEFAULT_TABLE_SCALE, learn_table_scale: bool = True, fft_dtype: torch.dtype | None = None,
-                      block_size: int = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW, num_features: int = 256,
-                      feature_map: str = "favor+", qk_norm: bool | None = None, temperature: float = 1.0, orthogonal: bool = True,
-                      redraw_interval: int | None = None, seed: int | None = None, rope: bool = False, rope_base: float = 10000.0,
-                      chunk_size: int | None = None, backend: str = "torch", device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> ToeplitzAttention:
-        """The layer from flat options (checked by :meth:`from_options`): the feature and
-        settings options as :meth:`flt.layers.performer.PerformerAttention._from_options`,
-        the table's and the FFT's as the constructor."""
-        features, settings = kernel_parts(feature_map=feature_map, num_features=num_features, orthogonal=orthogonal, seed=seed,
-                                          qk_norm=qk_norm, temperature=temperature, rope=rope, rope_base=rope_base,
-                                          chunk_size=chunk_size, backend=backend, redraw_interval=redraw_interval)
-        return cls(dim, heads, pos_dim=pos_dim, causal=causal, max_distance=max_distance, table_scale=table_scale,
-                   learn_table_scale=learn_table_scale, fft_dtype=fft_dtype, block_size=block_size, dense_below=dense_below,
-                   features=features, settings=settings, device=device, dtype=dtype)
 
     def step(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(NO_DECODING)

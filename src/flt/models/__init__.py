@@ -11,6 +11,7 @@ with the head and causality they choose.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -35,9 +36,10 @@ MODELS: dict[type, type] = {LMConfig: CausalLM, ImageConfig: ViTClassifier, Mole
 
 def config_kwargs(config: Any) -> dict:
     """A config's fields as constructor arguments; the option dicts are copied, so the model
-    never holds (or mutates) the config's own."""
+    never holds (or mutates) the config's own (a copy of checked options stays checked,
+    :class:`flt.options.CheckedOptions`)."""
     kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return {k: dict(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
+    return {k: copy.copy(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
 
 
 def build_model(config: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> torch.nn.Module:

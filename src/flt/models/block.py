@@ -18,6 +18,7 @@ from flt.layers import ATTENTION
 from flt.options import (
     ATTENTION_ARGUMENTS,
     POSENC_ARGUMENTS,
+    CheckedOptions,
     check_attention_options,
     check_posenc_options,
 )
@@ -37,13 +38,20 @@ def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bo
                     device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """``ATTENTION[name].from_options(dim, heads, pos_dim=, causal=, **options)`` with a clear
     error for a bad name: the flat options checked (:func:`flt.options.check_attention_options`,
-    the arguments set here reserved), then the layer's parts built. A set of options is
-    checked once however many layers are built from it, and not again when the command
-    line checked it before building the model."""
+    the arguments set here reserved) unless they are the :class:`flt.options.CheckedOptions`
+    that check returned, then the layer's parts built."""
     check_choice("attention", name, ATTENTION)
-    check_attention_options(name, options, reserved=ATTENTION_ARGUMENTS)
+    options = checked_attention_options(name, options)
     return ATTENTION[name].from_checked_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype,
                                                 **options)
+
+
+def checked_attention_options(name: str, options: dict[str, Any]) -> CheckedOptions:
+    """``options`` of ``ATTENTION[name]`` checked with the model's arguments reserved: as
+    they are when they already passed that check, else checked now."""
+    if isinstance(options, CheckedOptions) and options.checked_for(ATTENTION[name], ATTENTION_ARGUMENTS):
+        return options
+    return check_attention_options(name, options, reserved=ATTENTION_ARGUMENTS)
 
 
 def feed_forward(dim: int, mlp_ratio: float, *, device: torch.device | str | None = None,
@@ -120,15 +128,24 @@ class Block(nn.Module):
 
 
 def layer_mechanisms(attention: str, attention_options: dict[str, Any] | None, layer_attention: list | None,
-                     depth: int) -> list[tuple[str, dict[str, Any]]]:
+                     depth: int) -> list[tuple[str, CheckedOptions]]:
     """``(name, options)`` of each of ``depth`` layers: ``attention`` with its options for
     every layer, or ``layer_attention`` (one ``{"attention": NAME, "attention_options":
-    {...}}`` per layer, ``LayeredConfig.layer_attention``) replacing them layer by layer."""
+    {...}}`` per layer, ``LayeredConfig.layer_attention``) replacing them layer by layer.
+    Each distinct set is checked once (:func:`checked_attention_options`), however many
+    layers share it."""
     if layer_attention is None:
-        return [(attention, dict(attention_options or {})) for _ in range(depth)]
-    if len(layer_attention) != depth:
+        entries = [(attention, attention_options or {})] * depth
+    elif len(layer_attention) != depth:
         raise ValueError(f"layer_attention must list one mechanism per layer ({depth}), got {len(layer_attention)}")
-    return [(e["attention"], dict(e["attention_options"])) for e in layer_attention]
+    else:
+        entries = [(e["attention"], e["attention_options"]) for e in layer_attention]
+    checked: dict[tuple[str, int], CheckedOptions] = {}
+    for name, options in entries:
+        if (name, id(options)) not in checked:
+            check_choice("attention", name, ATTENTION)
+            checked[name, id(options)] = checked_attention_options(name, options)
+    return [(name, checked[name, id(options)]) for name, options in entries]
 
 
 class Trunk(nn.Module):
@@ -186,9 +203,10 @@ class Trunk(nn.Module):
 
 def build_posenc(name: str, dim: int, pos_dim: int, options: dict[str, Any], device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> nn.Module:
     """``POSENC[name](dim, pos_dim, **options)``: absolute encoding ``[B, N, P] -> [B, N, dim]``,
-    its options checked once (:func:`flt.options.check_posenc_options`, as :func:`build_attention`)."""
+    its options checked unless they passed that check before (as :func:`build_attention`)."""
     check_choice("posenc", name, POSENC)
-    check_posenc_options(name, options, reserved=POSENC_ARGUMENTS)
+    if not (isinstance(options, CheckedOptions) and options.checked_for(POSENC[name], POSENC_ARGUMENTS)):
+        options = check_posenc_options(name, options, reserved=POSENC_ARGUMENTS)
     return POSENC[name](dim, pos_dim, device=device, dtype=dtype, **options)
 
 

@@ -1,6 +1,6 @@
 """Memory estimates of whole models, from their configs (:mod:`flt.models.config`): the
-estimate of every attention layer (:func:`flt._limits.attention_parameter_values`, by the
-mechanism its config names in :data:`flt.layers.ATTENTION`), the MLPs, embeddings and
+estimate of every attention layer (its mechanism's own, ``parameter_values`` and
+``activation_values`` of the class its config names in :data:`flt.layers.ATTENTION`), the MLPs, embeddings and
 heads, compared with the machine's limit (:func:`flt._limits.check_memory`) before a model
 is built or trained.
 """
@@ -9,14 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flt._limits import (
-    FLOAT_BYTES,
-    SIZE_OPTIONS,
-    attention_activation_values,
-    attention_parameter_values,
-    check_memory,
-    format_bytes,
-)
+from flt._limits import FLOAT_BYTES, check_memory, format_bytes
+from flt.layers.base import AttentionBase
 from flt.layers.registry import ATTENTION
 
 if TYPE_CHECKING:
@@ -25,18 +19,19 @@ if TYPE_CHECKING:
     from flt.models.config import TrunkConfig
 
 
-def _layers(cfg: TrunkConfig) -> list[tuple[type | None, dict, int]]:
+def _layers(cfg: TrunkConfig) -> list[tuple[type[AttentionBase], dict, int]]:
     """``(attention class, options, how many layers)``: one entry for a uniform trunk, so a
-    ``depth`` of 10^9 costs one estimate, not 10^9. The class is None for a config without
-    an attention or with an unknown one."""
+    ``depth`` of 10^9 costs one estimate, not 10^9. The class is :class:`AttentionBase`
+    (projections and softmax's weights) for a config without an attention or with an
+    unknown one."""
     layered = getattr(cfg, "layer_attention", None)
     if layered:
         return [(_attention_class(entry["attention"]), entry["attention_options"], 1) for entry in layered]
     return [(_attention_class(getattr(cfg, "attention", None)), getattr(cfg, "attention_options", {}), cfg.depth)]
 
 
-def _attention_class(name: str | None) -> type | None:
-    return ATTENTION.get(name) if name is not None else None
+def _attention_class(name: str | None) -> type[AttentionBase]:
+    return ATTENTION.get(name, AttentionBase) if name is not None else AttentionBase
 
 
 def model_parameter_values(cfg: Any) -> int:
@@ -44,7 +39,7 @@ def model_parameter_values(cfg: Any) -> int:
     every layer), embeddings and heads of its vocabulary, classes or elements, patches."""
     dim, heads, pos_dim = cfg.dim, cfg.heads, _pos_dim(cfg)
     mlp = int(2 * dim * dim * float(getattr(cfg, "mlp_ratio", 4.0)))
-    total = sum((attention_parameter_values(cls, options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
+    total = sum((cls.parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim) + mlp + 4 * dim) * count
                 for cls, options, count in _layers(cfg))
     for field in ("vocab_size", "num_classes", "num_elements", "in_dim"):
         value = getattr(cfg, field, None)
@@ -63,13 +58,13 @@ def _pos_dim(cfg: TrunkConfig) -> int:
 def model_bytes(cfg: Any, *, batch: int, length: int, training: bool) -> dict[str, int]:
     """Estimated bytes of a model config at work: ``parameters`` (with gradients and AdamW's
     two moments when ``training``), ``activations`` (the trunk's ``B N dim (8 + 2 mlp_ratio)``
-    values per layer and :func:`attention_activation_values`; every layer's kept for backward
+    values per layer and the mechanism's ``activation_values``; every layer's kept for backward
     when training, one layer at a time otherwise) and ``total``."""
     params = model_parameter_values(cfg) * FLOAT_BYTES * (4 if training else 1)
     head_dim = max(cfg.dim // max(cfg.heads, 1), 1)
     trunk = batch * length * cfg.dim * (8 + 2 * float(getattr(cfg, "mlp_ratio", 4.0)))
-    per_layer = [(trunk + attention_activation_values(cls, options, batch=batch, heads=cfg.heads, length=length,
-                                                      head_dim=head_dim, training=training), count)
+    per_layer = [(trunk + cls.activation_values(options, batch=batch, heads=cfg.heads, length=length, head_dim=head_dim,
+                                                 training=training), count)
                  for cls, options, count in _layers(cfg)]
     kept = sum(v * count for v, count in per_layer) if training else max((v for v, _ in per_layer), default=0)
     activations = int(kept * FLOAT_BYTES)
@@ -84,7 +79,8 @@ def check_model_memory(cfg: Any, *, batch: int, length: int | None, training: bo
     length = max(int(length or 1), 1)
     est = model_bytes(cfg, batch=batch, length=length, training=training)
     what = purpose or ("training" if training else "evaluating")
-    options = {k: v for k, v in getattr(cfg, "attention_options", {}).items() if k in SIZE_OPTIONS}
+    size_options = _attention_class(getattr(cfg, "attention", None)).size_options
+    options = {k: v for k, v in getattr(cfg, "attention_options", {}).items() if k in size_options}
     sizes = (f"dim={cfg.dim}, depth={cfg.depth}, heads={cfg.heads}, attention {getattr(cfg, 'attention', None)!r}"
              f"{' ' + str(options) if options else ''}, batch_size={batch}, {length} tokens")
     check_memory(

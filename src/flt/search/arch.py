@@ -3,6 +3,7 @@ the search mixed it) that ``flt train --arch`` builds."""
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -103,12 +104,14 @@ def arch_fields(data: dict[str, Any], selection: str = "perturbation") -> dict[s
     )
 
     layers = arch_layers(data, selection)
-    for layer in layers:  # as the model will (flt.models.build_attention), so they are checked once
-        check_attention_options(layer["attention"], layer["attention_options"], reserved=ATTENTION_ARGUMENTS)
-    fields = {"attention": layers[0]["attention"], "attention_options": dict(layers[0]["attention_options"]),
+    for layer in layers:  # as the model would (flt.models.build_attention), which takes them as checked
+        layer["attention_options"] = check_attention_options(layer["attention"], layer["attention_options"],
+                                                             reserved=ATTENTION_ARGUMENTS)
+    fields = {"attention": layers[0]["attention"], "attention_options": copy.copy(layers[0]["attention_options"]),
               "layer_attention": layers}
     posenc = arch_posenc(data, selection)
     if posenc is not None:
-        check_posenc_options(posenc["posenc"], posenc["posenc_options"], reserved=POSENC_ARGUMENTS)
+        posenc["posenc_options"] = check_posenc_options(posenc["posenc"], posenc["posenc_options"],
+                                                        reserved=POSENC_ARGUMENTS)
         fields.update(posenc)
     return fields

@@ -64,6 +64,7 @@ from flt.graphs import (
     standardize_columns,
 )
 from flt.graphs.link import TASK_ENCODERS
+from flt.layers import ATTENTION
 from flt.models import replace_fields
 from flt.models.config import LayeredConfig
 from flt.tasks.base import (
@@ -316,9 +317,10 @@ class GraphTask(Task[GraphBatch, GraphConfig]):
         if cfg.gir_positions and self.positions != "anchor":
             raise ValueError(f"gir_positions replaces the positions of the data; it needs positions='anchor', got {self.positions!r}")
         options = dict(cfg.attention_options)
-        if cfg.attention == "softmax" and options.get("relative_bias") != "spectrum":
-            defaults = ATTENTION_DEFAULTS["softmax"]
-            options = {k: v for k, v in options.items() if not (k in SPECTRUM_DEFAULTS and v == defaults[k])}
+        mechanism = ATTENTION.get(cfg.attention)
+        if mechanism is not None and not mechanism.takes_spectrum_options(options):
+            defaults = ATTENTION_DEFAULTS.get(cfg.attention, {})
+            options = {k: v for k, v in options.items() if not (k in SPECTRUM_DEFAULTS and k in defaults and v == defaults[k])}
         if cfg.attention == "softmax" and options.get("relative_bias") == "spd":
             if self.positions != "anchor" or cfg.gir_positions:
                 raise ValueError("relative_bias='spd' reads hop distances from the positions: it needs positions='anchor' and no gir_positions")

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from flt._checks import check_positive_int
 from flt.data.offsets import OffsetSplit, default_score_from, generate_offsets
+from flt.layers import ATTENTION
 from flt.models import TokenModel, config_kwargs, replace_fields
 from flt.models.config import LayeredConfig, TrunkConfig
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
@@ -160,12 +161,13 @@ class OffsetsTask(Task[tuple[torch.Tensor, torch.Tensor], OffsetsConfig]):
 
     @classmethod
     def attention_options(cls, attention: str, defaults: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
-        """As :meth:`Task.attention_options`; a ``softmax`` that chooses another relative
-        term than the spectrum (``softmax:relative_bias=t5``, or ``relative_bias=none`` with
-        ``rope=true``) does not inherit the spectrum's options of :data:`ATTENTION_DEFAULTS`
-        (the layer refuses them without ``relative_bias='spectrum'``); options it chooses
-        itself are kept, so a wrong one is still an error."""
-        if attention == "softmax" and chosen.get("relative_bias", defaults.get("relative_bias")) != "spectrum":
+        """As :meth:`Task.attention_options`; a mechanism whose options build no spectrum
+        (``softmax:relative_bias=t5``, or ``relative_bias=none`` with ``rope=true``: its
+        ``takes_spectrum_options``) does not inherit the spectrum's options of
+        :data:`ATTENTION_DEFAULTS` (the layer refuses them); options it chooses itself are
+        kept, so a wrong one is still an error."""
+        mechanism = ATTENTION.get(attention)
+        if mechanism is not None and not mechanism.takes_spectrum_options({**defaults, **chosen}):
             defaults = {k: v for k, v in defaults.items() if k not in SPECTRUM}
         return super().attention_options(attention, defaults, chosen)
 
