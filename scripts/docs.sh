@@ -11,7 +11,7 @@ NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict "$@"
 # Every public name of the documented modules has its anchor in the rendered API reference.
 python - <<'PY'
 import importlib.util, re, sys
-spec = importlib.util.spec_from_file_location("docstring_rules", "tests/test_docstrings.py")
+spec = importlib.util.spec_from_file_location("docstring_rules", "tests/lab/test_docstrings.py")
 rules = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rules)
 page = open("site/api/index.html", encoding="utf-8").read()

@@ -67,7 +67,7 @@ fi
 if part cuda; then
 
 # 1. Every CUDA test (float64 identities, bf16, decoding, Triton kernels, Flex score_mod, sparse pairs).
-timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/test_cuda.py tests/test_ops_pairs.py \
+timeout -k 10 100 $PY -m pytest -m cuda -q -p no:cacheprovider -n 8 tests/library/test_cuda.py tests/library/test_ops_pairs.py \
     2>&1 | tee "$OUT/pytest-cuda.log" | tail -40
 note "cuda tests" "${PIPESTATUS[0]}"
 fi
@@ -140,7 +140,7 @@ fi
 if part split; then
 # The feature-split kernels: correctness on the GPU first (m = 256 in blocks of 64, float64
 # and float32, bf16 autocast), then forward and forward+backward at width 512, batch 4.
-timeout -k 10 130 $PY -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py -k "split" \
+timeout -k 10 130 $PY -m pytest -m cuda -q -p no:cacheprovider tests/library/test_cuda.py -k "split" \
     2>&1 | tee "$OUT/pytest-split.log" | tail -15
 note "split tests" "${PIPESTATUS[0]}"
 bench split 340 --shapes batch --lengths 4096 16384 \

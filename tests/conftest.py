@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Triton decides when it is first imported whether kernels compile for a GPU or run in its
-# CPU interpreter; without CUDA the kernel tests (tests/test_ops_triton.py) need the latter.
+# CPU interpreter; without CUDA the kernel tests (tests/library/test_ops_triton.py) need the latter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

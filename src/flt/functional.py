@@ -15,7 +15,7 @@ Every layer of :data:`flt.layers.ATTENTION` is its projections plus a mechanism 
 :class:`AttentionCore` holds one such core (``core.attention``, the name its state-dict keys
 have always had) and checks the caller's inputs before calling it. The layer and the core run
 the same code on the same projected inputs, so they agree to the last bit
-(tests/test_functional.py); :meth:`AttentionCore.from_layer` holds the layer's own core.
+(tests/library/test_functional.py); :meth:`AttentionCore.from_layer` holds the layer's own core.
 :meth:`AttentionCore.weights` gives the ``N x N`` attention weights the output is made of
 (the weights ``flt linearize --transfer weights`` matches to a softmax model's).
 

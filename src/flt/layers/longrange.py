@@ -229,7 +229,7 @@ class RadialFrequencies(Frequencies):
     nodes, ``R = K quadrature^2`` frequencies ``rho_k u_s`` with weights ``w_k q_s``.
     :meth:`exact_mask` is the sinc itself. The quadrature is exact for harmonics of degree
     below ``2 quadrature``; its error in ``f`` per unit of ``sum |w_k|``, the largest over
-    directions of ``r`` (float64, ``tests/test_longrange.py``): order 8 (64 directions)
+    directions of ``r`` (float64, ``tests/library/test_longrange.py``): order 8 (64 directions)
     below ``1e-5`` for ``rho |r| <= 1`` and ``3e-3`` for ``rho |r| <= 1.6``; order 12 (144)
     below ``1e-7`` for ``rho |r| <= 1.6`` and ``1e-5`` for ``rho |r| <= 2``. Past that range
     it does not decay like the sinc (errors up to 0.7 at ``rho |r| = 3`` for order 8): keep
@@ -342,7 +342,7 @@ def coulomb_tail_quadrature(alpha: float, reach: float) -> tuple[torch.Tensor, t
     each radius's sinc is the average over the directions of :func:`sphere_quadrature` of
     the smallest even order at least ``pi rho_k reach + 4``. The error, the largest over
     ``|r| <= reach`` and over directions, stays below ``5e-5 f(0)`` with ``f(0) = 2 alpha /
-    sqrt(pi)`` (float64, ``tests/test_longrange.py``); past ``reach`` it is not bounded.
+    sqrt(pi)`` (float64, ``tests/library/test_longrange.py``); past ``reach`` it is not bounded.
     ``R`` grows like ``(alpha reach)^3``: about 870 at ``alpha = 0.15, reach = 12``, 4,300 at
     ``reach = 30``.
     """

@@ -8,7 +8,7 @@ a :class:`Facts` record of the layer being built (by its constructor, or by its 
 flat options before any part exists). The table's order is the order the rules are checked
 in, so the first broken one is the one reported.
 
-``tests/test_rules.py`` lists every rule with its message. To relax a rule, change its
+``tests/library/test_rules.py`` lists every rule with its message. To relax a rule, change its
 ``when``; the band's need for FAVOR+ is ``band_needs_favor`` (the
 nearest-keys set takes any feature map: its near pairs keep the features' own kernel).
 """

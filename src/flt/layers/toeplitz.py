@@ -177,7 +177,7 @@ class ToeplitzAttention(KernelAttention):
     Key stabiliser: FAVOR+'s per-key log scales go to the op as ``key_log_scale``.
     Bidirectional, the op shifts them by one maximum over all keys; causal, by maxima over
     key blocks that precede each row, so a later key, however large, changes no earlier
-    output (``tests/test_layers_attention.py::test_toeplitz_causal_outputs_ignore_huge_future_keys``).
+    output (``tests/library/test_layers_attention.py::test_toeplitz_causal_outputs_ignore_huge_future_keys``).
 
     Positions must be a regular grid with unit step, ``pos[:, i] = pos[:, 0] + i`` (any
     start: the bias depends only on offsets); anything else is rejected. The mechanism is

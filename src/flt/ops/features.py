@@ -59,7 +59,7 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor) -> tuple[torc
     op as ``key_log_scale``, which rescales with a global max (bidirectional) or a running
     max over past keys only (causal), so no output ever depends on a future key.
 
-    Peer convention (checked in ``tests/test_peers.py``): performer-pytorch's
+    Peer convention (checked in ``tests/library/test_peers.py``): performer-pytorch's
     ``softmax_kernel`` scales by ``D^(-1/4)`` itself, shifts queries by the max of ``W x``
     and keys by one global max, and adds ``eps = 1e-4`` to every feature. The shifts cancel;
     the ``eps`` biases the kernel and, with the global key max, lets future keys change

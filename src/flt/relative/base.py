@@ -144,7 +144,7 @@ class RelativeTerm(nn.Module):
         combined with scalar arithmetic and Python loops over components and axes. Compiled
         FlexAttention lowers a ``score_mod`` to code per score, and in torch 2.13 an operation
         on a whole captured tensor, or on a slice of it with two dimensions, gives wrong
-        values there (``tests/test_score_mod.py`` checks the compiled result). Unchecked:
+        values there (``tests/library/test_score_mod.py`` checks the compiled result). Unchecked:
         :meth:`score_mod` checked the positions."""
         raise NotImplementedError(f"{type(self).__name__} has no head_value")
 

@@ -3,7 +3,7 @@
 ``RELATIVE[name]`` is a :class:`flt.relative.RelativeTerm` subclass whose constructor takes
 ``heads`` first and, as keywords, ``pos_dim``, ``device``, ``dtype`` and (if it cares)
 ``causal``, then its own options. Adding a term: one file with the class, one line here;
-the tests in ``tests/test_relative.py`` are parametrised from this dict.
+the tests in ``tests/library/test_relative.py`` are parametrised from this dict.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ so the ``[B, H, N, m]`` features never reach memory (kernel in :mod:`flt.ops.tri
 :func:`~flt.ops.triton.favor.favor_attention_torch` computes the same function with the
 PyTorch ops; it is the kernel's backward pass (recomputed from the inputs, linear memory) and its reference.
 The kernels are tested against the float64 quadratic references on CPU tensors under
-``TRITON_INTERPRET=1`` (``tests/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
+``TRITON_INTERPRET=1`` (``tests/library/test_ops_triton.py``) and on CUDA by ``pytest -m cuda``.
 They are correct, not fast: on an H200 at m = 256 (a fallback tile of 16 tokens) the forward
 took 10-18x the PyTorch path's time (docs/performance.md, "GPU (CUDA)"). The feature-split
 kernels (:mod:`flt.ops.triton.split`, ``split_features=True``) split the ``m`` features over

@@ -3,7 +3,7 @@
 The FLT paper's local RPE is a box ``f = a 1[|Delta| <= w]`` with spectrum
 ``g = a sin(2 pi w xi) / (pi xi)``. That ``g`` is signed with ``1/xi`` tails, so the
 importance-sampling variance ``int g^2 / p`` is infinite for any Gaussian proposal (it
-diverges like ``w / tau`` as the smoothing ``tau -> 0``; ``tests/test_spectra.py`` checks
+diverges like ``w / tau`` as the smoothing ``tau -> 0``; ``tests/library/test_spectra.py`` checks
 the growth). Following docs/math.md we use the box convolved with a Gaussian of std ``tau``
 instead, whose spectrum carries the Gaussian factor ``exp(-2 pi^2 tau^2 xi^2)``; sampling
 from that factor makes ``g / p`` bounded.

@@ -1,0 +1,34 @@
+"""The Python blocks of docs/integrations.md run, in order, in one namespace (the page's
+own assertions are the checks: the core against its layer, the converted model's float64
+identity, the save/load round trip)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(text: str) -> list[str]:
+    return [m.group(1) for m in _BLOCK.finditer(text)]
+
+
+def test_block_parser_finds_fenced_python_only():
+    text = "a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\n```\n"
+    assert python_blocks(text) == ["x = 1\n", "y = 2\n"]
+
+
+def test_integrations_page_snippets_run(one_thread):
+    pytest.importorskip("transformers")
+    blocks = python_blocks(PAGE.read_text(encoding="utf-8"))
+    assert len(blocks) >= 6
+    namespace: dict = {"__name__": "docs_integrations"}
+    for number, block in enumerate(blocks, 1):
+        try:
+            exec(compile(block, f"{PAGE.name}, block {number}", "exec"), namespace)  # noqa: S102
+        except Exception as error:
+            raise AssertionError(f"{PAGE.name}: Python block {number} failed: {error!r}\n{block}") from error
