@@ -83,8 +83,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     """``flt train separation --preset small``: 2 layers, width 64, 4 heads, 2000 steps of
     16 systems of two clusters of 16 particles (4096 training systems, about 8 epochs),
     target ``potential``, separations up to 10 spacings in training and up to 20 in
-    validation and test. Measured with ``--model schnet`` (cutoff 2): 2.5 min of steps
-    (72 ms per step, ``--threads 1``, load average about 4 from other jobs), test
+    validation and test. About 2.5 min of steps with ``--model schnet`` (cutoff 2;
+    measured: 72 ms per step, ``--threads 1``, load average about 4 from other jobs), test
     interaction MAE 0.83 inside the training range and 0.43 beyond; with the long-range
     block (``--model schnet+lr``, ``longrange={"frequencies": "coulomb", "heads": 1}``) 7 min
     (0.21 s per step), 0.024 inside and 0.13 beyond (seed 1; docs/longrange.md)."""
