@@ -317,3 +317,21 @@ def test_the_input_block_sums_charges_and_sees_beyond_the_cutoff():
         from flt.tasks.qm9 import QM9Task
 
         QM9Task.build_model(QM9Config(encoder="schnet+lr", dim=16, depth=2, heads=2, longrange_placement="input"))
+
+
+def test_the_cell_list_refuses_clouds_too_wide_for_its_keys():
+    from flt.models.particles import cloud_radius_graph
+
+    pos = torch.zeros(2, 3, 3)
+    pos[:, 1] = 1e7
+    with pytest.raises(ValueError, match="cell keys of 2 clouds would overflow int64"):
+        cloud_radius_graph(pos, 0.5)
+
+
+def test_only_the_schnet_takes_the_input_placement_and_configs_say_so():
+    from flt.models import replace_fields
+
+    cfg = get_preset("nbody", "smoke").model
+    assert replace_fields(cfg, encoder="schnet+lr", longrange_placement="input").longrange_placement == "input"
+    with pytest.raises(ValueError, match="longrange_placement='input'.*nbody SchNet only"):
+        replace_fields(cfg, encoder="transformer+lr", longrange_placement="input")

@@ -215,10 +215,11 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
     ({"normalised": 1}, "normalised must be a bool"),
     ({"frequencies": "grid", "grid_spacing": 0.0}, "grid_spacing must be a positive finite number"),
     ({"frequencies": "coulomb", "pos_dim": 2}, "pos_dim must be 3"),
-    ({"frequencies": "coulomb", "alpha": -1.0}, "alpha must be a positive finite number"),
-    ({"frequencies": "coulomb", "reach": float("inf")}, "reach must be a positive finite number"),
+    ({"frequencies": "coulomb", "alpha": -1.0}, "alpha must be a finite number > 0"),
+    ({"frequencies": "coulomb", "reach": float("inf")}, "reach must be a finite number > 0"),
     ({"frequencies": "coulomb", "alpha": 5.0, "reach": 100.0}, "alpha \\* reach = 500 needs more than"),
-    ({"frequencies": "coulomb", "num_radii": -1}, "num_radii must be a nonnegative integer"),
+    ({"frequencies": "coulomb", "num_radii": -1}, "num_radii must be a nonnegative int"),
+    ({"frequencies": "coulomb", "tail_amplitude": float("nan")}, "tail_amplitude must be a finite number"),
 ])
 def test_bad_options_are_refused_with_their_name(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -352,7 +353,7 @@ def test_coulomb_reach_per_call_follows_the_set_and_matches_the_formula(spread):
     scale = float(exact.detach().abs().max())
     assert float((out - exact).detach().abs().max()) <= 1e-3 * scale
     assert_same_gradients(out, block.reference(h, pos), [h, pos])
-    used = max(block.kernel._tails)
+    used = max(reach for reach, _, _ in block.kernel._tails)
     assert used == tail_reach(float(2 * (pos - pos.mean(1, keepdim=True)).norm(dim=-1).max()))
 
 

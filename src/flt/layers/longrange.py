@@ -42,7 +42,15 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from flt._checks import check_bool, check_choice, check_finite, check_positive_int, check_tensor
+from flt._checks import (
+    check_bool,
+    check_choice,
+    check_finite,
+    check_nonnegative_int,
+    check_positive_float,
+    check_positive_int,
+    check_tensor,
+)
 from flt._dtype import compute_dtype
 from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
@@ -57,12 +65,23 @@ CONTENT = ("none", "elu", "favor+")
 _REFERENCE_ELEMENTS = 1 << 23
 
 
+def gauss_legendre(n: int, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss-Legendre nodes and weights on ``[low, high]`` (float64, Golub-Welsch), exact for
+    polynomials of degree below ``2 n``."""
+    check_positive_int("n", n)
+    k = torch.arange(1, n, dtype=torch.float64)
+    off = k / torch.sqrt(4 * k * k - 1)
+    nodes, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
+    half = (high - low) / 2
+    return low + half * (nodes + 1), half * 2 * vectors[0] ** 2
+
+
 def sphere_quadrature(order: int, *, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Directions ``u [S, 3]`` and weights ``q [S]`` (summing to 1) for averages over the unit
     sphere of functions even in ``u`` (``g(u) = g(-u)``), ``S = order^2``.
 
     The product rule: Gauss-Legendre nodes ``mu_i`` in ``cos(theta)`` (``order`` of them,
-    from the eigenvalues of the Jacobi matrix, Golub-Welsch) times ``2 order`` equally spaced
+    :func:`gauss_legendre`) times ``2 order`` equally spaced
     azimuths, exact for spherical harmonics of degree below ``2 order``. The rule is
     antipodally symmetric (``(mu, phi) -> (-mu, phi + pi)`` maps nodes to nodes), so for an
     even function the lower hemisphere repeats the upper one: only ``mu_i > 0`` is kept,
@@ -71,11 +90,7 @@ def sphere_quadrature(order: int, *, dtype: torch.dtype = torch.float64) -> tupl
     check_positive_int("order", order)
     if order % 2:
         raise ValueError(f"order must be even (the rule keeps the upper half of its symmetric nodes), got {order}")
-    k = torch.arange(1, order, dtype=torch.float64)
-    off = k / torch.sqrt(4 * k * k - 1)
-    jacobi = torch.diag(off, 1) + torch.diag(off, -1)
-    mu, vectors = torch.linalg.eigh(jacobi)
-    weight = 2 * vectors[0] ** 2  # Gauss-Legendre weights on [-1, 1], summing to 2
+    mu, weight = gauss_legendre(order, -1.0, 1.0)  # weights summing to 2
     upper = mu > 0
     mu, weight = mu[upper], weight[upper]
     azimuths = 2 * order
@@ -264,7 +279,7 @@ class RadialFrequencies(Frequencies):
         self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)
         self.register_buffer("directions", u.to(**fk), persistent=False)
         self.register_buffer("weights", q.to(**fk), persistent=False)
-        self._rules: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rules: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         start = (torch.arange(num_radii, dtype=torch.float64) + 0.5) / num_radii
         self.theta = nn.Parameter(start.expand(heads, -1).clone().to(**fk))
         self.beta = nn.Parameter(torch.full((heads, num_radii), float(amplitude), **fk))
@@ -279,13 +294,10 @@ class RadialFrequencies(Frequencies):
         the smallest even order at least ``pi rho reach + 4`` for the largest radius now (the
         coulomb tail's rule), and at least 8."""
         top = float(self.radii()[0].detach().abs().max()) if self.theta.numel() else 0.0
-        return max(8, 2 * math.ceil((math.pi * top * reach + 4) / 2))
+        return max(8, rule_order(top, reach))
 
     def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        order = None
-        if self.quadrature is None:
-            largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
-            order = self.order_for(tail_reach(largest if offsets else 2 * largest))
+        order = None if self.quadrature is not None else self.order_for(call_reach(like, offsets=offsets))
         with torch.autocast(like.device.type, enabled=False):
             return self.frequencies(phase_dtype(like), order=order)
 
@@ -294,12 +306,13 @@ class RadialFrequencies(Frequencies):
         ``order`` (``S = order^2`` directions)."""
         rho, w = self.radii(dtype)
         if order is None:
-            u, q = self.directions, self.weights
-        else:
-            if order not in self._rules:
-                self._rules[order] = sphere_quadrature(order)
-            u, q = self._rules[order]
-        u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (u, q))
+            u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.directions, self.weights))
+        else:  # built and moved once per order, device and dtype
+            key = (order, rho.device, rho.dtype)
+            if key not in self._rules:
+                u, q = sphere_quadrature(order)
+                self._rules[key] = (u.to(device=rho.device, dtype=rho.dtype), q.to(device=rho.device, dtype=rho.dtype))
+            u, q = self._rules[key]
         xi = rearrange(rho[..., None, None] * u, "h k s p -> h (k s) p")
         return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
 
@@ -316,15 +329,19 @@ class RadialFrequencies(Frequencies):
         return f"K={self.theta.shape[-1]}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
 
 
-def gauss_legendre(n: int, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gauss-Legendre nodes and weights on ``[low, high]`` (float64, Golub-Welsch), exact for
-    polynomials of degree below ``2 n``."""
-    check_positive_int("n", n)
-    k = torch.arange(1, n, dtype=torch.float64)
-    off = k / torch.sqrt(4 * k * k - 1)
-    nodes, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
-    half = (high - low) / 2
-    return low + half * (nodes + 1), half * 2 * vectors[0] ** 2
+def rule_order(radius: float, reach: float) -> int:
+    """The order of :func:`sphere_quadrature` that averages ``cos(2 pi xi.r)`` over
+    ``|xi| = radius`` well enough for ``|r| <= reach``: the smallest even order at least
+    ``pi radius reach + 4`` (the error bounds of :func:`coulomb_tail_quadrature`)."""
+    return 2 * math.ceil((math.pi * radius * reach + 4) / 2)
+
+
+def call_reach(like: torch.Tensor, *, offsets: bool) -> float:
+    """The :func:`tail_reach` rung that covers one call's offsets: ``like`` holds the offsets
+    themselves, or positions (centred by the block), whose offsets are at most twice their
+    largest norm. One host synchronisation."""
+    largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
+    return tail_reach(largest if offsets else 2 * largest)
 
 
 #: The Gaussian window ``exp(-(pi rho / alpha)^2)`` of the Coulomb tail is cut where it falls below this.
@@ -346,21 +363,17 @@ def coulomb_tail_quadrature(alpha: float, reach: float) -> tuple[torch.Tensor, t
     ``R`` grows like ``(alpha reach)^3``: about 870 at ``alpha = 0.15, reach = 12``, 4,300 at
     ``reach = 30``.
     """
-    for name, value in (("alpha", alpha), ("reach", reach)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive finite number (alpha per position unit, reach in position "
-                             f"units), got {value!r}")
+    alpha, reach = check_positive_float("alpha", alpha), check_positive_float("reach", reach)
     top = alpha * math.sqrt(math.log(1 / _TAIL_WINDOW)) / math.pi
     count = math.ceil(math.pi * top * reach / 2) + 6
-    orders = [2 * math.ceil((math.pi * top * reach + 4) / 2)]  # the largest radius's order bounds R below
-    if count * orders[0] ** 2 > 1 << 22:
+    if count * rule_order(top, reach) ** 2 > 1 << 22:  # the largest radius's rule bounds R
         raise ValueError(f"alpha * reach = {alpha * reach:g} needs more than {1 << 22} tail frequencies; lower alpha "
                          f"(a longer smooth part) or reach")
     rho, weight = gauss_legendre(count, 0.0, top)
     weight = 4 * weight * torch.exp(-(math.pi * rho / alpha) ** 2)
     xs, ws = [], []
     for radius, w in zip(rho.tolist(), weight.tolist(), strict=True):
-        u, q = sphere_quadrature(2 * math.ceil((math.pi * radius * reach + 4) / 2))
+        u, q = sphere_quadrature(rule_order(radius, reach))
         xs.append(radius * u)
         ws.append(w * q)
     return torch.cat(xs), torch.cat(ws)
@@ -409,27 +422,30 @@ class CoulombFrequencies(Frequencies):
         super().__init__(heads, pos_dim)
         if pos_dim != 3:
             raise ValueError(f"frequencies='coulomb' is the 3-D Coulomb kernel; pos_dim must be 3, got {pos_dim}")
-        if isinstance(num_radii, bool) or not isinstance(num_radii, int) or num_radii < 0:
-            raise ValueError(f"num_radii must be a nonnegative integer (0: no learned corrections), got {num_radii!r}")
-        check_finite("tail_amplitude", torch.tensor(float(tail_amplitude)))
-        coulomb_tail_quadrature(alpha, tail_reach(0.0) if reach is None else reach)  # checks alpha and reach
+        check_nonnegative_int("num_radii", num_radii, "0: no learned corrections")
+        if isinstance(tail_amplitude, bool) or not isinstance(tail_amplitude, (int, float)) or not math.isfinite(tail_amplitude):
+            raise ValueError(f"tail_amplitude must be a finite number, got {tail_amplitude!r}")
         fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
-        self.alpha, self.reach = float(alpha), None if reach is None else float(reach)
-        self._tails: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.alpha, self.reach = check_positive_float("alpha", alpha), None if reach is None else check_positive_float("reach", reach)
+        self._tails: dict[tuple[float, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self.tail = nn.Parameter(torch.full((heads,), float(tail_amplitude), **fk))
+        self.tail_frequencies(self.reach or tail_reach(0.0))  # refuses an alpha * reach too large, now
         self.corrections = None if num_radii == 0 else RadialFrequencies(
             heads, pos_dim, num_radii=num_radii, quadrature=quadrature, amplitude=amplitude,
             length_scale=length_scale, device=device, dtype=dtype)
 
-    def tail_frequencies(self, reach: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tail's ``(xi [R, 3], w [R])`` in float64 on the CPU, built once per reach."""
-        if reach not in self._tails:
-            self._tails[reach] = coulomb_tail_quadrature(self.alpha, reach)
-        return self._tails[reach]
+    def tail_frequencies(self, reach: float, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail's ``(xi [R, 3], w [R])`` on the scale's device in ``dtype`` (default the
+        scale's), built and moved once per reach, device and dtype."""
+        dtype = dtype or self.tail.dtype
+        key = (reach, self.tail.device, dtype)
+        if key not in self._tails:
+            xi, w = coulomb_tail_quadrature(self.alpha, reach)
+            self._tails[key] = (xi.to(device=self.tail.device, dtype=dtype), w.to(device=self.tail.device, dtype=dtype))
+        return self._tails[key]
 
     def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        largest = float(like.detach().norm(dim=-1).max()) if like.numel() else 0.0
-        extent = tail_reach(largest if offsets else 2 * largest)
+        extent = call_reach(like, offsets=offsets)
         with torch.autocast(like.device.type, enabled=False):
             return self.frequencies(phase_dtype(like), reach=self.reach or extent, extent=extent)
 
@@ -440,9 +456,8 @@ class CoulombFrequencies(Frequencies):
         ``extent`` (the largest offset of the call) sets the corrections' rule when their
         ``quadrature`` is None."""
         reach = reach or self.reach or tail_reach(0.0)
-        xi_t, w_t = self.tail_frequencies(reach)
         tail = self.tail if dtype is None else self.tail.to(dtype)
-        xi_t, w_t = xi_t.to(device=tail.device, dtype=tail.dtype), w_t.to(device=tail.device, dtype=tail.dtype)
+        xi_t, w_t = self.tail_frequencies(reach, tail.dtype)
         xi, w = xi_t.expand(self.heads, -1, -1), tail[:, None] * w_t
         if self.corrections is None:
             return xi, w
@@ -713,12 +728,14 @@ __all__ = [
     "RadialFrequencies",
     "RandomFrequencies",
     "build_frequencies",
+    "call_reach",
     "check_block_options",
     "coulomb_tail",
     "coulomb_tail_quadrature",
     "dense_sum",
     "feature_sum",
     "gauss_legendre",
+    "rule_order",
     "sphere_quadrature",
     "tail_reach",
 ]

@@ -120,10 +120,7 @@ def wrap_modules(slots: list[tuple[nn.Module, str]], dim: int, options: dict[str
     (``"each"``), a slot being ``(parent, attribute name)`` (an index of a ``ModuleList`` is
     the name ``"0"``, ...), by ``wrapper(module, LongRangeBlock(dim, **options)[, context])``.
     Returns the blocks; the parents are changed in place."""
-    check_choice("longrange_placement", placement, PLACEMENTS)
-    if placement == "input":
-        raise ValueError("longrange_placement='input' (one block on the embedded inputs) is offered by the nbody "
-                         "SchNet only; this model takes 'readout' or 'each'")
+    check_placement(placement, takes_input=False)
     blocks = []
     for parent, name in (slots if placement == "each" else slots[-1:]):
         block = LongRangeBlock(dim, device=device, dtype=dtype, **options)
@@ -143,12 +140,22 @@ def blocks_of(model: nn.Module) -> list[LongRangeBlock]:
     return [m for m in model.modules() if isinstance(m, LongRangeBlock)]
 
 
-def check_longrange(encoder: str, options: object, placement: object, default_placement: str = "readout") -> None:
-    """A config's ``longrange`` options and placement: a dict and one of :data:`PLACEMENTS`,
-    and left at their defaults unless ``encoder`` ends with ``"lr"`` (a model with the block)."""
+def check_placement(placement: object, *, takes_input: bool) -> None:
+    """One of :data:`PLACEMENTS`; ``"input"`` only for a model that offers it."""
+    check_choice("longrange_placement", placement, PLACEMENTS)
+    if placement == "input" and not takes_input:
+        raise ValueError("longrange_placement='input' (one block on the embedded inputs) is offered by the nbody "
+                         "SchNet only; this model takes 'readout' or 'each'")
+
+
+def check_longrange(encoder: str, options: object, placement: object, default_placement: str = "readout", *,
+                    input_encoders: tuple[str, ...] = ()) -> None:
+    """A config's ``longrange`` options and placement: a dict and one of :data:`PLACEMENTS`
+    (``"input"`` only for ``input_encoders``), and left at their defaults unless ``encoder``
+    ends with ``"lr"`` (a model with the block)."""
     if not isinstance(options, dict):
         raise TypeError(f"longrange must be a dict of LongRangeBlock options, got {type(options).__name__}")
-    check_choice("longrange_placement", placement, PLACEMENTS)
+    check_placement(placement, takes_input=encoder in input_encoders)
     if not encoder.endswith("lr") and (options or placement != default_placement):
         raise ValueError(f"longrange and longrange_placement configure the long-range block of the '+lr' models; "
                          f"encoder={encoder!r} has none")
@@ -166,6 +173,7 @@ __all__ = [
     "LongRangeContext",
     "blocks_of",
     "check_longrange",
+    "check_placement",
     "list_slots",
     "wrap_modules",
 ]

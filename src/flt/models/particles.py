@@ -67,7 +67,7 @@ class ParticleConfig(LayeredConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("encoder", self.encoder, PARTICLE_ENCODERS)
-        check_longrange(self.encoder, self.longrange, self.longrange_placement)
+        check_longrange(self.encoder, self.longrange, self.longrange_placement, input_encoders=("schnet+lr",))
         check_positive_int("num_gaussians", self.num_gaussians)
         for name in ("cutoff", "spacing"):
             value = getattr(self, name)
@@ -132,6 +132,9 @@ def cloud_radius_graph(pos: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, 
         low = pos.detach().amin(1, keepdim=True)
         cell = torch.floor((pos.detach() - low) / cutoff).long().reshape(B * N, 3) + 1  # a margin of one cell
         grid = cell.amax(0) + 2
+        if B * math.prod(grid.tolist()) >= 2**62:  # Python ints: the tensor's product would overflow first
+            raise ValueError(f"pos spans {[int(g) - 2 for g in grid.tolist()]} cells of side {cutoff:g} per axis; the "
+                             f"cell keys of {B} clouds would overflow int64: positions this far apart are not one cloud")
         cloud = torch.arange(B, device=pos.device).repeat_interleave(N)
         key = ((cloud * grid[0] + cell[:, 0]) * grid[1] + cell[:, 1]) * grid[2] + cell[:, 2]
         order = torch.argsort(key, stable=True)
@@ -194,11 +197,12 @@ class ParticleSchNet(nn.Module):
         self.context = LongRangeContext()
         self.has_longrange = longrange is not None
         self.input_block: LongRangeBlock | None = None
-        if longrange is not None and longrange_placement == "input":
-            self.input_block = LongRangeBlock(dim, **{"heads": heads, **longrange}, **fk)
-        elif longrange is not None:
-            wrap_modules(list_slots(self.interactions), dim, {"heads": heads, **longrange}, longrange_placement,
-                         AfterResidual, self.context, **fk)
+        if longrange is not None:
+            options = {"heads": heads, **longrange}
+            if longrange_placement == "input":
+                self.input_block = LongRangeBlock(dim, **options, **fk)
+            else:
+                wrap_modules(list_slots(self.interactions), dim, options, longrange_placement, AfterResidual, self.context, **fk)
 
     def forward(self, charge: torch.Tensor, pos: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         check_particles(charge, pos)
