@@ -136,14 +136,22 @@ class Frequencies(nn.Module):
         """The kernel this set stands for, ``[..., P] -> [..., H]``: here the cosine sum."""
         return self.mask(delta)
 
+    def phase_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(phase [B, G, N, R], w [H, R])`` in float32 or better, with ``f_h(r_i - r_j) =
+        sum_r w_hr cos(phase_ir - phase_jr)`` (of group ``g = h`` when ``G = H``; ``G = 1``
+        when the heads share their frequencies). The weights are kept apart, so that a sum
+        folds them into its small ``[R, Dv]`` states (:func:`feature_sum`)."""
+        xi, w = self._precise(pos, offsets=False)
+        cdt = compute_dtype(pos)
+        return 2 * math.pi * rearrange(cycles(pos, xi), "b n h r -> b h n r").to(cdt), w.to(cdt)
+
     def features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(a, c)``, each ``[B, H, N, 2R]`` in float32 or better, with ``a_i . c_j =
         f(r_i - r_j)``: ``c = [cos, sin]`` of the phases, ``a`` the same times ``w``."""
-        xi, w = self._precise(pos, offsets=False)
-        cdt = compute_dtype(pos)
-        phase = 2 * math.pi * rearrange(cycles(pos, xi), "b n h r -> b h n r").to(cdt)
+        phase, w = self.phase_features(pos)
         c = torch.cat([torch.cos(phase), torch.sin(phase)], dim=-1)
-        return c * torch.cat([w, w], dim=-1).to(cdt).unsqueeze(-2), c
+        a = c * torch.cat([w, w], dim=-1).unsqueeze(-2)
+        return a, c.expand_as(a)
 
 
 class DiscreteFrequencies(Frequencies):
@@ -258,19 +266,23 @@ class RadialFrequencies(Frequencies):
 
     Parametrisation: ``rho_k = rho_max theta_k`` with ``theta_k`` starting at ``(k + 1/2) /
     K`` and ``rho_max = 1 / (2 pi length_scale)``; ``w_k = beta_k / K`` with ``beta_k``
-    starting at ``amplitude``.
+    starting at ``amplitude``. ``shared=True``: one set of radii for all heads (``theta [1,
+    K]``), each head with its own weights (``beta [H, K]``): the heads' features are then
+    one ``[N, 2 K S]`` tensor instead of ``H`` of them, so the block's cost in cosines and
+    sines is ``1 / H`` of the unshared set's at the same ``K`` (:func:`feature_sum`).
     """
 
     directions: torch.Tensor
     weights: torch.Tensor
 
     def __init__(self, heads: int, pos_dim: int, *, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
-                 length_scale: float = 1.0, device: torch.device | str | None = None,
+                 length_scale: float = 1.0, shared: bool = False, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, pos_dim)
         if pos_dim != 3:
             raise ValueError(f"frequencies='radial' averages over the directions of 3-D space; pos_dim must be 3, got {pos_dim}")
         check_positive_int("num_radii", num_radii)
+        check_bool("shared", shared)
         if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
                 math.isfinite(length_scale) and length_scale > 0):
             raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
@@ -281,11 +293,12 @@ class RadialFrequencies(Frequencies):
         self.register_buffer("weights", q.to(**fk), persistent=False)
         self._rules: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         start = (torch.arange(num_radii, dtype=torch.float64) + 0.5) / num_radii
-        self.theta = nn.Parameter(start.expand(heads, -1).clone().to(**fk))
+        self.shared = shared
+        self.theta = nn.Parameter(start.expand(1 if shared else heads, -1).clone().to(**fk))
         self.beta = nn.Parameter(torch.full((heads, num_radii), float(amplitude), **fk))
 
     def radii(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rho [H, K], w [H, K])`` in position units."""
+        """``(rho [G, K], w [H, K])`` in position units (``G = 1`` when ``shared``, else ``H``)."""
         theta, beta = (t if dtype is None else t.to(dtype) for t in (self.theta, self.beta))
         return self.rho_max * theta, beta / beta.shape[-1]
 
@@ -302,8 +315,8 @@ class RadialFrequencies(Frequencies):
             return self.frequencies(phase_dtype(like), order=order)
 
     def frequencies(self, dtype: torch.dtype | None = None, *, order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(xi [H, K S, 3], w [H, K S])`` with the constructor's rule, or the rule of
-        ``order`` (``S = order^2`` directions)."""
+        """``(xi [G, K S, 3], w [H, K S])`` with the constructor's rule, or the rule of
+        ``order`` (``S = order^2`` directions; ``G = 1`` when ``shared``, else ``H``)."""
         rho, w = self.radii(dtype)
         if order is None:
             u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.directions, self.weights))
@@ -324,9 +337,10 @@ class RadialFrequencies(Frequencies):
         return (torch.sinc(2 * rho * r) * w).sum(-1)
 
     def extra_repr(self) -> str:
+        shared = ", shared" if self.shared else ""
         if self.quadrature is None:
-            return f"K={self.theta.shape[-1]}, quadrature per call (at least 8)"
-        return f"K={self.theta.shape[-1]}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
+            return f"K={self.theta.shape[-1]}{shared}, quadrature per call (at least 8)"
+        return f"K={self.theta.shape[-1]}{shared}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
 
 
 def rule_order(radius: float, reach: float) -> int:
@@ -516,21 +530,68 @@ def check_block_options(options: dict[str, Any]) -> None:
                         f"got unknown {', '.join(unknown)}")
 
 
-def feature_sum(a: torch.Tensor, c: torch.Tensor, v: torch.Tensor, qf: torch.Tensor | None = None,
-                kf: torch.Tensor | None = None, *, normalised: bool = False) -> torch.Tensor:
-    """``out_i = sum_j (a_i.c_j) (qf_i.kf_j) v_j`` in ``O(N 2R m Dv)``, divided by the same sum
-    with ``v = 1`` when ``normalised`` (rows whose sum is 0 give 0, :func:`flt.ops._common.safe_divide`).
+def _grouped(v: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[B, H, N, D] -> [B, G, N, (H / G) D]``: the heads of a group side by side."""
+    return rearrange(v, "b (g k) n d -> b g n (k d)", g=groups)
 
-    ``a, c [B, H, N, 2R]``, ``v [B, H, N, Dv]``, content features ``qf, kf [B, H, N, m]``
-    or None (``qf_i.kf_j = 1``) -> ``[B, H, N, Dv]``.
+
+def _weighted(state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``state [B, G, R, K D]`` times ``w [G, R, K]`` along its heads ``K``."""
+    per_head = rearrange(state, "b g r (k d) -> b g r k d", k=w.shape[-1])
+    return rearrange(per_head * w[None, ..., None], "b g r k d -> b g r (k d)")
+
+
+class _CosineSum(torch.autograd.Function):
+    """``out_i = sum_r w_r [cos_ir sum_j cos_jr v_j + sin_ir sum_j sin_jr v_j]`` on grouped
+    layouts (:func:`_grouped`), with a backward written out: two ``[N, R]`` tensors kept,
+    and no ``[N, 2R]`` feature or gradient tensor made (autograd's own backward of the same
+    expression adds the two uses of each feature in an ``[N, 2R]`` buffer)."""
+
+    @staticmethod
+    def forward(ctx: Any, phase: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cos, sin = torch.cos(phase), torch.sin(phase)
+        sum_cos, sum_sin = cos.transpose(-1, -2) @ v, sin.transpose(-1, -2) @ v
+        ctx.save_for_backward(cos, sin, w, v, sum_cos, sum_sin)
+        return cos @ _weighted(sum_cos, w) + sin @ _weighted(sum_sin, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin, w, v, sum_cos, sum_sin = ctx.saved_tensors
+        back_cos, back_sin = cos.transpose(-1, -2) @ grad, sin.transpose(-1, -2) @ grad
+        k = w.shape[-1]
+        per_head = "b g r (k d) -> b g r k d"
+        grad_w = (rearrange(back_cos * sum_cos + back_sin * sum_sin, per_head, k=k)).sum((0, -1))
+        wb_cos, wb_sin, ws_cos, ws_sin = (_weighted(t, w) for t in (back_cos, back_sin, sum_cos, sum_sin))
+        grad_v = cos @ wb_cos + sin @ wb_sin
+        grad_cos = grad @ ws_cos.transpose(-1, -2) + v @ wb_cos.transpose(-1, -2)
+        grad_sin = grad @ ws_sin.transpose(-1, -2) + v @ wb_sin.transpose(-1, -2)
+        return cos * grad_sin - sin * grad_cos, grad_w, grad_v
+
+
+def feature_sum(phase: torch.Tensor, w: torch.Tensor, v: torch.Tensor, qf: torch.Tensor | None = None,
+                kf: torch.Tensor | None = None, *, keep: torch.Tensor | None = None,
+                normalised: bool = False) -> torch.Tensor:
+    """``out_i = sum_j f(r_i - r_j) (qf_i.kf_j) keep_j v_j`` with ``f_h(r_i - r_j) = sum_r
+    w_hr cos(phase_ir - phase_jr)``, in ``O(N R m Dv)``; divided by the same sum with ``v =
+    1`` when ``normalised`` (rows whose sum is 0 give 0, :func:`flt.ops._common.safe_divide`).
+
+    ``phase [B, G, N, R]`` (``G = H``, or 1 for phases the heads share), weights ``w [H, R]``,
+    ``v [B, H, N, Dv]``, content features ``qf, kf [B, H, N, m]`` or None (``qf_i.kf_j = 1``),
+    ``keep [B, N]`` (False for keys that send nothing) or None -> ``[B, H, N, Dv]``. The
+    weights and ``keep`` multiply the small states and the values, never an ``[N, R]`` tensor.
     """
     if normalised:
         v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-    if qf is None or kf is None:
-        out = a @ (c.transpose(-1, -2) @ v)
+    if keep is not None:
+        v = v * keep[:, None, :, None].to(v.dtype)
+    heads, groups = v.shape[1], phase.shape[1]
+    if qf is not None and kf is not None:
+        c = torch.cat([torch.cos(phase), torch.sin(phase)], dim=-1).expand(-1, heads, -1, -1)
+        state = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v) * torch.cat([w, w], dim=-1)[None, :, :, None, None]
+        out = torch.einsum("bhnr,bhnm,bhrmd->bhnd", c, qf, state)
     else:
-        state = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v)
-        out = torch.einsum("bhnr,bhnm,bhrmd->bhnd", a, qf, state)
+        grouped = _CosineSum.apply(phase, rearrange(w, "(g k) r -> g r k", g=groups), _grouped(v, groups))
+        out = rearrange(grouped, "b g n (k d) -> b (g k) n d", k=heads // groups)
     return safe_divide(out[..., :-1], out[..., -1:]) if normalised else out
 
 
@@ -669,14 +730,12 @@ class LongRangeBlock(nn.Module):
             return self.reference(h, pos, key_padding_mask, kernel="exact")
         pad = self._check(h, pos, key_padding_mask)
         pos, v, q, k = self._inputs(h, pos, pad)
-        a, c = self.kernel.features(pos)
-        keep = (~pad)[:, None, :, None].to(c.dtype)
-        a, c = a * keep, c * keep
-        cdt = compute_dtype(a, v)
+        phase, w = self.kernel.phase_features(pos)
+        cdt = compute_dtype(phase, v)
         qf = kf = None
         if q is not None and k is not None:
             qf, kf = (t.to(cdt) for t in self._content_features(q, k))
-        msg = feature_sum(a.to(cdt), c.to(cdt), v.to(cdt), qf, kf, normalised=self.normalised)
+        msg = feature_sum(phase.to(cdt), w.to(cdt), v.to(cdt), qf, kf, keep=~pad, normalised=self.normalised)
         return self._finish(h, msg, pad)
 
     def pair_kernel(self, pos: torch.Tensor, *, kernel: str = "features") -> torch.Tensor:
