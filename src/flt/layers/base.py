@@ -23,10 +23,14 @@ host synchronisation).
 A layer is its projections plus a core: ``to_qkv`` and ``to_out`` here, and ``layer.core``, a
 :class:`CoreBase` that holds every learned part of the mechanism (spectrum, feature map, tables,
 q/k scaling, near set, redraw schedule) and computes on queries, keys and values ``[B, H, N,
-D]``. The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
+D]``. A layer class names its core's class (``core_class``) and writes no constructor: the
+one here builds the projections and then the core from the layer's keywords, so a
+mechanism's parts are written once, in its core's signature (which ``inspect.signature`` of
+the layer class and the option checks read). The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
 project, call the core's method of the same name and project out;
 :class:`flt.functional.AttentionCore` runs a core on the caller's own projections. The parts
-a user reads are properties of each layer class (``layer.spectrum`` is ``layer.core.spectrum``);
+a user reads are attributes of each layer class (:class:`OfCore`: ``layer.spectrum`` is
+``layer.core.spectrum``);
 everything else is read on ``layer.core``. State dicts keep the core's tensors under ``core.``
 (``attn.core.spectrum.mu``); a file saved before cores existed (``attn.spectrum.mu``) is
 upgraded where it is loaded (:mod:`flt.layers.upgrade`).
@@ -320,10 +324,10 @@ _Layer = TypeVar("_Layer", bound="AttentionBase")
 
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers, around
-    ``self.core`` (a :class:`CoreBase`, built by each layer's constructor). ``heads``,
-    ``head_dim``, ``pos_dim`` and ``causal`` are the layer's and its core's alike; the
-    core's parts are read on ``layer.core``, or through the properties a layer class
-    declares for them (``FLTAttention.spectrum``).
+    ``self.core``, an instance of the class's :attr:`core_class` (a :class:`CoreBase`) built
+    by :meth:`__init__`. ``heads``, ``head_dim``, ``pos_dim`` and ``causal`` are the layer's
+    and its core's alike; the core's parts are read on ``layer.core``, or through the
+    attributes a layer class declares for them (:class:`OfCore`, ``FLTAttention.spectrum``).
     """
 
     #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
