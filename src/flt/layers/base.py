@@ -216,8 +216,7 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
     the caller sets itself (the command line reserves :data:`ATTENTION_ARGUMENTS`)."""
     name = cls.__dict__.get("registry_name")  # a subclass of a registered layer is not that entry
     owner = f"attention {name!r}" if name else cls.__name__
-    # feature_dim: how a kernel layer subclass sizes its feature map's input; not listed.
-    check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
+    check_options(owner, cls, options, arguments=ATTENTION_ARGUMENTS, reserved=reserved)
 
 
 def size(value: object, fallback: int = 0) -> int:
