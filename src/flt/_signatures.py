@@ -112,6 +112,13 @@ def constructor_options(cls: type) -> Options:
                 params[p.name] = Option(p.name, _evaluate(p.annotation, init), p.default, klass)
         if var_keyword is None:
             return Options(params, None, False)
+        core_class = getattr(cls, "core_class", None)
+        if var_keyword == "parts" and core_class is not None:
+            # An attention layer's ``**parts``: its core's keyword arguments, less those the
+            # layer sets itself (:class:`flt.layers.base.AttentionBase`).
+            core, own = constructor_options(core_class), getattr(cls, "core_arguments", ())
+            params.update({k: v for k, v in core.params.items() if k not in params and k not in own})
+            return Options(params, core.forwarded, core.open)
         if var_keyword in FORWARDS:
             return Options(params, var_keyword, False)
     return Options(params, None, True)

@@ -8,7 +8,9 @@ import inspect
 import pytest
 import torch
 
+from flt._signatures import constructor_options
 from flt.layers import (
+    ATTENTION,
     Band,
     EluFeatures,
     FavorPlus,
@@ -19,6 +21,8 @@ from flt.layers import (
     SoftmaxAttention,
     Term,
 )
+from flt.layers.base import CORE_ARGUMENTS, AttentionBase
+from flt.layers.performer import PerformerCore
 from flt.relative.spectra import SPECTRA
 
 F64 = torch.float64
@@ -28,6 +32,41 @@ F64 = torch.float64
 def test_constructors_take_at_most_twelve_parameters(cls):
     assert len(inspect.signature(cls).parameters) <= 12
     assert not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_a_layer_takes_its_cores_parts_and_writes_no_constructor(name):
+    """One signature per mechanism: the layer's keywords are its core's, read from the core."""
+    cls = ATTENTION[name]
+    assert "__init__" not in cls.__dict__
+    layer_params = list(inspect.signature(cls).parameters)
+    core_params = [p for p in inspect.signature(cls.core_class).parameters if p not in CORE_ARGUMENTS]
+    assert layer_params == ["dim", "heads", "pos_dim", "causal", *core_params, "device", "dtype"]
+    layer = cls(16, 2, dtype=F64)
+    assert type(layer.core) is cls.core_class and layer.core.head_dim == 8
+    assert [n for n, _ in layer.named_children()] == ["to_qkv", "to_out", "core"]  # parameter order of saved optimizers
+
+
+def test_a_layer_class_without_flat_options_is_checked_against_its_cores_parts():
+    class Plain(AttentionBase):
+        core_class = PerformerCore
+
+    options = constructor_options(Plain)
+    assert not options.open and {"features", "settings"} <= set(options.params)
+    assert not {"head_dim", "feature_dim"} & set(options.params)
+    with pytest.raises(TypeError, match="unknown option 'feature'"):
+        Plain.from_options(16, 2, feature=FavorPlus())
+    assert Plain.from_options(16, 2, features=EluFeatures()).core.feature_map.kind == "elu"
+
+
+def test_the_parts_read_on_a_layer_are_its_cores_and_are_set_there():
+    layer = FLTAttention(16, 2, near=Band(2))
+    assert layer.spectrum is layer.core.spectrum and layer.near is layer.core.near and layer.near_field == 2
+    assert layer.feature_map is layer.core.feature_map
+    with pytest.raises(AttributeError, match=r"set it on layer\.core"):
+        layer.coupling = "multiplicative"
+    assert layer.coupling == "logit"
+    assert "far term" in FLTAttention.spectrum.__doc__
 
 
 def _same_modules(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -99,7 +138,7 @@ def test_parts_check_their_own_values():
         Settings(chunk_size=1.5)
     with pytest.raises(TypeError, match=r"near must be None, Band\(w\) or Neighbors\(k\), got 4 \(int\)"):
         FLTAttention(16, 2, near=4)
-    with pytest.raises(TypeError, match="features must be a flt.layers.parts.Features"):
+    with pytest.raises(TypeError, match=r"features must be a flt\.layers\.parts\.Features"):
         FLTAttention(16, 2, features="favor+")
 
 

@@ -23,10 +23,14 @@ host synchronisation).
 A layer is its projections plus a core: ``to_qkv`` and ``to_out`` here, and ``layer.core``, a
 :class:`CoreBase` that holds every learned part of the mechanism (spectrum, feature map, tables,
 q/k scaling, near set, redraw schedule) and computes on queries, keys and values ``[B, H, N,
-D]``. The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
+D]``. A layer class names its core's class (``core_class``) and writes no constructor: the
+one here builds the projections and then the core from the layer's keywords, so a
+mechanism's parts are written once, in its core's signature (which ``inspect.signature`` of
+the layer class and the option checks read). The layer's ``forward``, ``reference``, ``exact``, ``prefill`` and ``step`` check ``x``,
 project, call the core's method of the same name and project out;
 :class:`flt.functional.AttentionCore` runs a core on the caller's own projections. The parts
-a user reads are properties of each layer class (``layer.spectrum`` is ``layer.core.spectrum``);
+a user reads are attributes of each layer class (:class:`OfCore`: ``layer.spectrum`` is
+``layer.core.spectrum``);
 everything else is read on ``layer.core``. State dicts keep the core's tensors under ``core.``
 (``attn.core.spectrum.mu``); a file saved before cores existed (``attn.spectrum.mu``) is
 upgraded where it is loaded (:mod:`flt.layers.upgrade`).
@@ -38,7 +42,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import torch
 import torch.nn.functional as F
@@ -212,8 +216,7 @@ def check_layer_options(cls: type, options: dict, *, reserved: tuple[str, ...] =
     the caller sets itself (the command line reserves :data:`ATTENTION_ARGUMENTS`)."""
     name = cls.__dict__.get("registry_name")  # a subclass of a registered layer is not that entry
     owner = f"attention {name!r}" if name else cls.__name__
-    # feature_dim: how a kernel layer subclass sizes its feature map's input; not listed.
-    check_options(owner, cls, options, arguments=(*ATTENTION_ARGUMENTS, "feature_dim"), reserved=reserved)
+    check_options(owner, cls, options, arguments=ATTENTION_ARGUMENTS, reserved=reserved)
 
 
 def size(value: object, fallback: int = 0) -> int:
@@ -259,16 +262,71 @@ def check_attention_memory(cls: type[AttentionBase], options: dict, *, dim: int,
                  values * FLOAT_BYTES, device=device, hint="make these sizes smaller")
 
 
+#: Arguments of a core's constructor that its layer sets itself: the layer's
+#: :data:`ATTENTION_ARGUMENTS` (``head_dim`` from ``dim``), and ``feature_dim``, the input
+#: size of a kernel core's feature map, which a core subclass sets (FLT's logit coupling).
+CORE_ARGUMENTS = ("heads", "head_dim", "pos_dim", "causal", "feature_dim", "device", "dtype")
+
+
+def layer_signature(cls: type[AttentionBase]) -> inspect.Signature | None:
+    """The signature of the layer class ``cls``: ``(dim, heads, *, pos_dim, causal, <the
+    keyword arguments of its core_class's constructor>, device, dtype)``, read from the
+    core, where the parts are written once. None for a class without a core class."""
+    core = getattr(cls, "core_class", None)
+    if core is None:
+        return None
+    own = list(inspect.signature(AttentionBase.__init__).parameters.values())[1:-1]  # self and **parts out
+    parts = [p for p in inspect.signature(core).parameters.values() if p.name not in cls.core_arguments]
+    return inspect.Signature([*own[:4], *parts, *own[4:]], return_annotation=None)
+
+
+class _LayerSignature:
+    """``inspect.signature`` of a layer class (:func:`layer_signature`); an instance's is that
+    of its ``__call__``, as for any module."""
+
+    def __get__(self, obj: object, owner: type[AttentionBase]) -> inspect.Signature | None:
+        if obj is not None:
+            raise AttributeError("__signature__")
+        return layer_signature(owner)
+
+
+_Part = TypeVar("_Part")
+
+
+class OfCore(Generic[_Part]):
+    """A read-only attribute of a layer that is its core's attribute of the same name: the
+    parts users read on the layer (``layer.spectrum`` is ``layer.core.spectrum``), declared
+    on the layer class with their type and what they are,
+    ``spectrum = OfCore[Spectrum]("The far term f.")``. Everything else is read on ``layer.core``."""
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> OfCore[_Part]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _Part: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.core, self.name)  # type: ignore[attr-defined]
+
+    def __set__(self, obj: object, value: object) -> None:
+        raise AttributeError(f"{type(obj).__name__}.{self.name} is its core's; set it on layer.core")
+
+
 #: A layer class's own type, so that ``FLTAttention.from_options(...)`` is an FLTAttention.
 _Layer = TypeVar("_Layer", bound="AttentionBase")
 
 
 class AttentionBase(nn.Module):
     """Input/output projections and input validation shared by the attention layers, around
-    ``self.core`` (a :class:`CoreBase`, built by each layer's constructor). ``heads``,
-    ``head_dim``, ``pos_dim`` and ``causal`` are the layer's and its core's alike; the
-    core's parts are read on ``layer.core``, or through the properties a layer class
-    declares for them (``FLTAttention.spectrum``).
+    ``self.core``, an instance of the class's :attr:`core_class` (a :class:`CoreBase`) built
+    by :meth:`__init__`. ``heads``, ``head_dim``, ``pos_dim`` and ``causal`` are the layer's
+    and its core's alike; the core's parts are read on ``layer.core``, or through the
+    attributes a layer class declares for them (:class:`OfCore`, ``FLTAttention.spectrum``).
     """
 
     #: The layer's key in :data:`flt.layers.ATTENTION` (set by each registered class, beside
@@ -281,6 +339,13 @@ class AttentionBase(nn.Module):
     #: The function of :mod:`flt.layers.flat` that lists the class's flat options and turns
     #: them into its constructor's arguments (its parts); None: the constructor's keywords.
     flat_builder: ClassVar[Callable[..., dict[str, Any]] | None] = None
+    #: The mechanism: the class of ``self.core``, whose constructor's keyword arguments (its
+    #: parts) are the layer's beside :data:`ATTENTION_ARGUMENTS`.
+    core_class: ClassVar[type[CoreBase]]
+    #: The arguments of :attr:`core_class` that the layer sets, not parts.
+    core_arguments: ClassVar[tuple[str, ...]] = CORE_ARGUMENTS
+    #: ``inspect.signature(cls)``: the layer's arguments with its core's parts.
+    __signature__ = _LayerSignature()
     #: Causal layers of this class decode (:meth:`step`); instances copy their core's.
     supports_decoding: bool = False
     core: CoreBase
@@ -356,7 +421,11 @@ class AttentionBase(nn.Module):
             return cls(dim, heads, **options)
         return cls(**cls.flat_builder(dim, heads, **options))
 
-    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, **parts: Any) -> None:
+        """The projections, then ``self.core``: :attr:`core_class` with ``heads``, ``head_dim =
+        dim // heads``, ``pos_dim``, ``causal``, ``device``, ``dtype`` and the ``parts`` (the
+        keyword arguments of the core's constructor, which the class's signature lists)."""
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("heads", heads)
@@ -372,6 +441,8 @@ class AttentionBase(nn.Module):
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=False, **fk)
         self.to_out = nn.Linear(dim, dim, **fk)
+        self.core = self.core_class(heads, dim // heads, pos_dim=pos_dim, causal=causal, **fk, **parts)
+        self.supports_decoding = self.core.supports_decoding
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, N, dim]``: the core's estimator between the projections."""

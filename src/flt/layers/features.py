@@ -9,17 +9,7 @@ import torch
 from torch import nn
 
 from flt._checks import check_choice, check_positive_int
-from flt.ops.features import (
-    elu_features,
-    favor_plus_features,
-    favor_plus_features_split,
-    gaussian_orthogonal_random_matrix,
-    hedgehog_features,
-    relu_features,
-    relu_kernel,
-    taylor_features,
-    taylor_kernel,
-)
+from flt.ops import features as ops
 
 #: The kernel feature maps by the name ``feature_map`` takes.
 FEATURE_MAPS = ("favor+", "relu", "elu", "taylor", "hedgehog")
@@ -82,7 +72,7 @@ class FeatureMap(nn.Module):
         if kind in DETERMINISTIC_MAPS:
             self.register_buffer("projection", None)
         else:
-            proj = gaussian_orthogonal_random_matrix(
+            proj = ops.gaussian_orthogonal_random_matrix(
                 num_features, dim, orthogonal=orthogonal, generator=self._generator, device=device, dtype=torch.float32
             )
             # Kept in float32 or better whatever the module dtype: it feeds an exponential.
@@ -94,7 +84,7 @@ class FeatureMap(nn.Module):
         else orthogonal rows of unit norm, seeded like the random projections."""
         if rows == dim:
             return torch.eye(dim, device=device, dtype=dtype)
-        w = gaussian_orthogonal_random_matrix(rows, dim, generator=self._generator, dtype=torch.float64)
+        w = ops.gaussian_orthogonal_random_matrix(rows, dim, generator=self._generator, dtype=torch.float64)
         return (w / w.norm(dim=-1, keepdim=True)).to(device=device, dtype=dtype or torch.get_default_dtype())
 
     @property
@@ -123,7 +113,7 @@ class FeatureMap(nn.Module):
         """
         if self.projection is None:
             return
-        new = gaussian_orthogonal_random_matrix(
+        new = ops.gaussian_orthogonal_random_matrix(
             self.num_features, self.dim, orthogonal=self.orthogonal,
             generator=self._generator if generator is None else generator, dtype=torch.float64,
         )
@@ -136,15 +126,15 @@ class FeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.kind == "favor+":
-            return favor_plus_features(x, self._drawn())
+            return ops.favor_plus_features(x, self._drawn())
         if self.kind == "relu":
-            return relu_features(x, self._drawn()), None
+            return ops.relu_features(x, self._drawn()), None
         if self.kind == "taylor":
-            return taylor_features(x), None
+            return ops.taylor_features(x), None
         if self.kind == "hedgehog":
             assert self.weight is not None  # built for kind="hedgehog"
-            return hedgehog_features(x, self.weight), None
-        return elu_features(x), None
+            return ops.hedgehog_features(x, self.weight), None
+        return ops.elu_features(x), None
 
     def exact_kernel(self, xq: torch.Tensor, xk: torch.Tensor) -> torch.Tensor | None:
         """The kernel these features estimate, ``[..., N, Nk]``, or None for ``"favor+"``
@@ -154,9 +144,9 @@ class FeatureMap(nn.Module):
         if self.kind == "favor+":
             return None
         if self.kind == "relu":
-            return relu_kernel(xq, xk)
+            return ops.relu_kernel(xq, xk)
         if self.kind == "taylor":
-            return taylor_kernel(xq, xk)  # without its D^2 features
+            return ops.taylor_kernel(xq, xk)  # without its D^2 features
         return self(xq)[0] @ self(xk)[0].transpose(-1, -2)
 
     def forward_split(self, x: torch.Tensor, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +155,7 @@ class FeatureMap(nn.Module):
         (:func:`flt.ops.features.favor_plus_features_split`). ``"favor+"`` only."""
         if self.kind != "favor+":
             raise ValueError(f"forward_split needs feature_map='favor+', this map is {self.kind!r}")
-        return favor_plus_features_split(x, extra, self._drawn())
+        return ops.favor_plus_features_split(x, extra, self._drawn())
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, num_features={self.num_features}, kind={self.kind!r}"

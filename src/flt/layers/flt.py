@@ -31,7 +31,7 @@ from flt._checks import (
 from flt._dtype import compute_dtype
 from flt._limits import FLOAT_BYTES, check_memory
 from flt.layers import flat
-from flt.layers.base import Prepared, size, spectrum_values
+from flt.layers.base import OfCore, Prepared, size, spectrum_values
 from flt.layers.kernel import KernelAttention, KernelCore, KernelFeatures, mask_padded_keys
 from flt.layers.near import NearSet
 from flt.layers.parts import COUPLINGS, FavorPlus, Features, Settings, Term, check_kernel_parts
@@ -56,22 +56,11 @@ class FLTCore(KernelCore):
     ``[B, H, N, D]``. The arguments are :class:`FLTAttention`'s, with ``head_dim`` for ``dim``.
     """
 
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        relative: str | Term | Spectrum | None = None,
-        features: Features | None = None,
-        near: NearSet | None = None,
-        coupling: str = "logit",
-        far_field: bool | Literal["near", "constant", "positive"] = True,
-        settings: Settings | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False,
+                 relative: str | Term | Spectrum | None = None, features: Features | None = None, near: NearSet | None = None,
+                 coupling: str = "logit", far_field: bool | Literal["near", "constant", "positive"] = True,
+                 settings: Settings | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         check_choice("coupling", coupling, COUPLINGS)
         features = FavorPlus() if features is None else features
         settings = Settings() if settings is None else settings
@@ -90,12 +79,10 @@ class FLTCore(KernelCore):
         check_rules(facts)
         num_frequencies = relative.options["num_frequencies"] if isinstance(relative, Term) else relative.num_frequencies
         self._check_part_memory(heads, head_dim, pos_dim, features, num_frequencies, near, coupling, device)
-        super().__init__(
-            heads, head_dim, pos_dim=pos_dim, causal=causal,
-            feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
-            **features.map_options(), **settings.kernel_options(), device=device, dtype=dtype,
-        )
-        self.coupling, self.kernel, self.near, self.settings = coupling, features, near, settings
+        super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal, features=features, settings=settings,
+                         feature_dim=head_dim + 2 * num_frequencies if coupling == "logit" else head_dim,
+                         device=device, dtype=dtype)
+        self.coupling, self.near = coupling, near
         self.check_condition = settings.check_condition
         self._condition_warned: set = set()  # precisions warned about: once each per layer, then no check
         self._condition_trained: set = set()  # precisions checked in training mode (first step only)
@@ -458,6 +445,7 @@ class FLTAttention(KernelAttention):
     registry_name = "flt"
     #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
     flat_builder = staticmethod(flat.flt)
+    core_class = FLTCore
     core: FLTCore
     size_options: ClassVar[tuple[str, ...]] = ("num_features", "num_frequencies", "near_field", "near_neighbors",
                                                "chunk_size", "hidden")
@@ -488,67 +476,17 @@ class FLTAttention(KernelAttention):
         w, k = size(cls.option(options, "near_field")), size(cls.option(options, "near_neighbors"))
         return values + 2 * b * h * n * (2 * w + 1 if w else 0) + 2 * b * h * n * k
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        relative: str | Term | Spectrum | None = None,
-        features: Features | None = None,
-        near: NearSet | None = None,
-        coupling: str = "logit",
-        far_field: bool | Literal["near", "constant", "positive"] = True,
-        settings: Settings | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        self.core = FLTCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, relative=relative, features=features,
-                            near=near, coupling=coupling, far_field=far_field, settings=settings, device=device, dtype=dtype)
-        self.supports_decoding = self.core.supports_decoding
-
-    @property
-    def spectrum(self) -> Spectrum:
-        """The far term ``f`` (``layer.core.spectrum``)."""
-        return self.core.spectrum
-
-    @property
-    def near_spectrum(self) -> RelativeTerm | None:
-        """The near set's own term ``f_near`` (``layer.core.near_spectrum``), or None."""
-        return self.core.near_spectrum
-
-    @property
-    def near(self) -> NearSet | None:
-        """The near set part (``layer.core.near``), or None."""
-        return self.core.near
-
-    @property
-    def near_field(self) -> int:
-        """The band's half-width ``w`` in tokens (0 without a band)."""
-        return self.core.near_field
-
-    @property
-    def near_neighbors(self) -> int:
-        """The nearest keys ``k`` of each query (0 without them)."""
-        return self.core.near_neighbors
-
-    @property
-    def coupling(self) -> str:
-        """``"logit"`` or ``"multiplicative"``."""
-        return self.core.coupling
-
-    @property
-    def far_field(self) -> bool | Literal["near", "constant", "positive"]:
-        """The layer's ``far_field`` (``True``, ``False``, ``"near"``, ``"constant"``, ``"positive"``)."""
-        return self.core.far_field
-
-    @property
-    def far_constant(self) -> torch.nn.Parameter | None:
-        """``[H]``: the learnt constant beyond the near set (``far_field="constant"`` or
-        ``"positive"``; the core's parameter), else None."""
-        return self.core.far_constant
+    spectrum = OfCore[Spectrum]("The far term ``f`` (``layer.core.spectrum``).")
+    near_spectrum = OfCore[RelativeTerm | None]("The near set's own term ``f_near`` (``layer.core.near_spectrum``), or None.")
+    near = OfCore[NearSet | None]("The near set part (``layer.core.near``), or None.")
+    near_field = OfCore[int]("The band's half-width ``w`` in tokens (0 without a band).")
+    near_neighbors = OfCore[int]("The nearest keys ``k`` of each query (0 without them).")
+    coupling = OfCore[str]('``"logit"`` or ``"multiplicative"``.')
+    far_field = OfCore[bool | Literal["near", "constant", "positive"]](
+        'The layer\'s ``far_field`` (``True``, ``False``, ``"near"``, ``"constant"``, ``"positive"``).')
+    far_constant = OfCore[torch.nn.Parameter | None](
+        '``[H]``: the learnt constant beyond the near set (``far_field="constant"`` or ``"positive"``; the core\'s '
+        "parameter), else None.")
 
     @property
     def check_condition(self) -> bool:

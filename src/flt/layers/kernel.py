@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 import torch
 
 from flt._checks import check_choice, check_positive_int, check_state_position, shown
-from flt.layers.base import AttentionBase, CoreBase, Prepared, QKScaling, size
+from flt.layers.base import AttentionBase, CoreBase, OfCore, Prepared, QKScaling, size
 from flt.layers.draws import redraw
 from flt.layers.features import FeatureMap
+from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts
 from flt.layers.rules import Facts, check_rules
 from flt.ops.linear import (
     DEFAULT_CHUNK_SIZE,
@@ -78,9 +79,12 @@ def mask_padded_keys(feats: KernelFeatures, pad: torch.Tensor | None) -> KernelF
 
 
 class KernelCore(CoreBase):
-    """Base of the linear cores; see :class:`flt.layers.performer.PerformerAttention` for
-    the arguments they share (``num_features``, ``feature_map``, ``qk_norm``, ``temperature``,
-    ``orthogonal``, ``redraw_interval``, ``seed``, ``rope``, ``rope_base``, ``chunk_size``).
+    """Base of the linear cores: the kernel features and settings parts
+    (:mod:`flt.layers.parts`; ``features`` default :class:`~flt.layers.parts.FavorPlus`,
+    ``settings`` default :class:`~flt.layers.parts.Settings`), as
+    :class:`flt.layers.performer.PerformerAttention` takes them. ``feature_dim`` is the size of
+    the feature map's inputs, ``head_dim`` unless a subclass joins more inputs to the queries
+    and keys (FLT's logit coupling, :class:`flt.layers.flt.FLTCore`).
 
     ``redraw_interval=k`` (default ``None``: off) is for training loops of one's own: in
     training mode every ``k``-th forward call (counted by the persistent buffer
@@ -99,41 +103,24 @@ class KernelCore(CoreBase):
 
     supports_decoding = True
 
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        feature_dim: int | None = None,
-        num_features: int = 256,
-        feature_map: str = "favor+",
-        qk_norm: bool | None = None,
-        temperature: float = 1.0,
-        orthogonal: bool = True,
-        redraw_interval: int | None = None,
-        seed: int | None = None,
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        chunk_size: int | None = None,
-        backend: str = "torch",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
+                 settings: Settings | None = None, feature_dim: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal)
-        check_choice("backend", backend, KERNEL_BACKENDS)
-        check_rules(Facts(features=feature_map, backend=backend, rope=rope, head_dim=head_dim, pos_dim=pos_dim))
-        self.backend = backend
+        features = FavorPlus() if features is None else features
+        settings = Settings() if settings is None else settings
+        check_kernel_parts(features, settings)
+        check_choice("backend", settings.backend, KERNEL_BACKENDS)
+        check_rules(Facts(features=features.kind, backend=settings.backend, rope=settings.rope, head_dim=head_dim, pos_dim=pos_dim))
+        self.kernel, self.settings, self.backend = features, settings, settings.backend
+        chunk_size = settings.chunk_size
         if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
             raise ValueError(f"chunk_size must be a positive int, or None for the default chosen from the shapes; got {shown(chunk_size)}")
-        self.rope, self.rope_base, self.chunk_size = bool(rope), rope_base, chunk_size
-        qk_norm = feature_map == "favor+" if qk_norm is None else qk_norm
-        self.scaling = QKScaling(heads, head_dim, qk_norm=qk_norm, temperature=temperature, device=device, dtype=dtype)
-        self.feature_map = FeatureMap(
-            feature_dim or head_dim, num_features, kind=feature_map, orthogonal=orthogonal, seed=seed, device=device, dtype=dtype,
-        )
+        self.rope, self.rope_base, self.chunk_size = bool(settings.rope), settings.rope_base, chunk_size
+        self.scaling = QKScaling(heads, head_dim, qk_norm=features.qk_norm, temperature=features.temperature, device=device, dtype=dtype)
+        self.feature_map = features.build(feature_dim or head_dim, device=device, dtype=dtype)
         self.redraw_calls: torch.Tensor  # a buffer where redraw_interval is set
+        redraw_interval = settings.redraw_interval
         if redraw_interval is not None:
             check_positive_int("redraw_interval", redraw_interval)
             self.register_buffer("redraw_calls", torch.zeros((), dtype=torch.long, device=device), persistent=True)
@@ -278,6 +265,9 @@ class KernelAttention(AttentionBase):
 
     supports_decoding = True
     size_options: ClassVar[tuple[str, ...]] = ("num_features", "chunk_size")
+    core: KernelCore
+    feature_map = OfCore[FeatureMap]("The core's kernel features (``layer.core.feature_map``).")
+    scaling = OfCore[QKScaling]("The core's query and key scaling (``layer.core.scaling``).")
 
     @classmethod
     def parameter_values(cls, options: dict, *, dim: int, heads: int, pos_dim: int = 1) -> int:
@@ -293,17 +283,6 @@ class KernelAttention(AttentionBase):
         """The features of queries and keys, ``2 B H N m``, and the state ``B H m Dv``."""
         m = size(cls.option(options, "num_features"), 1)
         return 2 * batch * heads * length * m + batch * heads * m * head_dim
-    core: KernelCore
-
-    @property
-    def feature_map(self) -> FeatureMap:
-        """The core's kernel features (``layer.core.feature_map``)."""
-        return self.core.feature_map
-
-    @property
-    def scaling(self) -> QKScaling:
-        """The core's query and key scaling (``layer.core.scaling``)."""
-        return self.core.scaling
 
 
 def linear_state(f: KernelFeatures, v: torch.Tensor, chunk_size: int | None = None) -> RecurrentState:

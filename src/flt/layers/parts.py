@@ -97,7 +97,8 @@ class Features:
             check_positive_int("num_features", getattr(self, "num_features", None))  # the kinds with the field
 
     def map_options(self) -> dict:
-        """The feature keywords of :class:`flt.layers.kernel.KernelAttention`."""
+        """The options of the feature map these features build (:meth:`build`): its kind,
+        size, draws and seed, and the scaling's ``qk_norm`` and ``temperature``."""
         return {"feature_map": self.kind, "num_features": getattr(self, "num_features", 256),
                 "orthogonal": getattr(self, "orthogonal", True), "seed": self.seed,
                 "qk_norm": self.qk_norm, "temperature": self.temperature}
@@ -202,11 +203,6 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_fields(self)
-
-    def kernel_options(self) -> dict:
-        """The keywords of :class:`flt.layers.kernel.KernelAttention` these settings give."""
-        return {"rope": self.rope, "rope_base": self.rope_base, "chunk_size": self.chunk_size,
-                "backend": self.backend, "redraw_interval": self.redraw_interval}
 
 
 def check_kernel_parts(features: Any, settings: Any) -> None:

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 from flt.layers import flat
 from flt.layers.kernel import KernelAttention, KernelCore
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts
 
 
 class PerformerCore(KernelCore):
     """The Performer's core: the kernel features and settings of :class:`PerformerAttention`
-    on queries and keys ``[B, H, N, D]`` (``features``, ``settings`` as there)."""
-
-    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
-                 settings: Settings | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        features = FavorPlus() if features is None else features
-        settings = Settings() if settings is None else settings
-        check_kernel_parts(features, settings)
-        super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal, **features.map_options(), **settings.kernel_options(),
-                         device=device, dtype=dtype)
-        self.kernel, self.settings = features, settings
+    on queries and keys ``[B, H, N, D]`` (``features``, ``settings`` as there; the arguments
+    of :class:`flt.layers.kernel.KernelCore`)."""
 
 
 class PerformerAttention(KernelAttention):
@@ -48,10 +37,5 @@ class PerformerAttention(KernelAttention):
     registry_name = "performer"
     #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
     flat_builder = staticmethod(flat.performer)
+    core_class = PerformerCore
     core: PerformerCore
-
-    def __init__(self, dim: int, heads: int, *, pos_dim: int = 1, causal: bool = False, features: Features | None = None,
-                 settings: Settings | None = None, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        self.core = PerformerCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, features=features, settings=settings,
-                                  device=device, dtype=dtype)

@@ -24,7 +24,7 @@ from einops import rearrange
 from flt._checks import check_choice, check_state_tensors
 from flt._dtype import compute_dtype
 from flt.layers import flat
-from flt.layers.base import AttentionBase, CoreBase, batch_shared, size, spectrum_values
+from flt.layers.base import AttentionBase, CoreBase, OfCore, batch_shared, size, spectrum_values
 from flt.layers.rules import BUILT_IN, Facts, check_rules
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.softmax import BACKENDS, softmax_attention
@@ -140,22 +140,10 @@ class SoftmaxCore(CoreBase):
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
 
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        relative_bias: str | RelativeTerm | None = None,
-        relative_options: dict | None = None,
-        coupling: str = "logit",
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        backend: str = "sdpa",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False,
+                 relative_bias: str | RelativeTerm | None = None, relative_options: dict | None = None, coupling: str = "logit",
+                 rope: bool = False, rope_base: float = 10000.0, backend: str = "sdpa", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, head_dim, pos_dim=pos_dim, causal=causal)
         from flt.relative import RELATIVE, build_relative
 
@@ -352,6 +340,7 @@ class SoftmaxAttention(AttentionBase):
     registry_name = "softmax"
     #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
     flat_builder = staticmethod(flat.softmax)
+    core_class = SoftmaxCore
     core: SoftmaxCore
     size_options: ClassVar[tuple[str, ...]] = ("num_frequencies", "max_distance", "num_buckets", "hidden")
 
@@ -370,42 +359,9 @@ class SoftmaxAttention(AttentionBase):
         distance = size(cls.option(options, "max_distance"))
         return (super().parameter_values(options, dim=dim, heads=heads, pos_dim=pos_dim) + 4 * heads * r * max(pos_dim, 1)
                 + spectrum_values(cls, options, heads=heads, pos_dim=pos_dim) + heads * buckets + heads * (2 * distance + 1))
+
     #: Causal instances decode from a KV cache (set per instance in ``__init__``).
     supports_decoding = True
-
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        relative_bias: str | RelativeTerm | None = None,
-        relative_options: dict | None = None,
-        coupling: str = "logit",
-        rope: bool = False,
-        rope_base: float = 10000.0,
-        backend: str = "sdpa",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype)
-        self.core = SoftmaxCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, relative_bias=relative_bias,
-                                relative_options=relative_options, coupling=coupling, rope=rope, rope_base=rope_base,
-                                backend=backend, device=device, dtype=dtype)
-        self.supports_decoding = self.core.supports_decoding
-
-    @property
-    def relative(self) -> RelativeTerm | None:
-        """The relative term (``layer.core.relative``), or None."""
-        return self.core.relative
-
-    @property
-    def spectrum(self) -> Spectrum | None:
-        """The relative term when it is a spectrum (``relative_bias="spectrum"``), else None."""
-        return self.core.spectrum
-
-    @property
-    def table(self) -> RelativeTerm | None:
-        """The relative term when it is a T5 or clipped table, else None."""
-        return self.core.table
+    relative = OfCore[RelativeTerm | None]("The relative term (``layer.core.relative``), or None.")
+    spectrum = OfCore[Spectrum | None]('The relative term when it is a spectrum (``relative_bias="spectrum"``), else None.')
+    table = OfCore[RelativeTerm | None]("The relative term when it is a T5 or clipped table, else None.")

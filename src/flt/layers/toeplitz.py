@@ -14,9 +14,9 @@ import torch
 from flt._checks import check_nonnegative_int, check_positive_int, check_values
 from flt._dtype import compute_dtype
 from flt.layers import flat
-from flt.layers.base import size
+from flt.layers.base import OfCore, size
 from flt.layers.kernel import KernelAttention, KernelCore, mask_padded_keys
-from flt.layers.parts import FavorPlus, Features, Settings, check_kernel_parts
+from flt.layers.parts import Features, Settings
 from flt.ops.reference import rpe_attention_reference
 from flt.ops.toeplitz import (
     DEFAULT_BLOCK_SIZE,
@@ -38,37 +38,19 @@ class ToeplitzCore(KernelCore):
 
     supports_decoding = False
 
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        max_distance: int = 512,
-        table_scale: float = DEFAULT_TABLE_SCALE,
-        learn_table_scale: bool = True,
-        fft_dtype: torch.dtype | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        dense_below: int = DEFAULT_DENSE_BELOW,
-        features: Features | None = None,
-        settings: Settings | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, heads: int, head_dim: int, *, pos_dim: int = 1, causal: bool = False, max_distance: int = 512,
+                 table_scale: float = DEFAULT_TABLE_SCALE, learn_table_scale: bool = True, fft_dtype: torch.dtype | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, dense_below: int = DEFAULT_DENSE_BELOW, features: Features | None = None,
+                 settings: Settings | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if pos_dim != 1:
             raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
         check_positive_int("max_distance", max_distance)
         check_positive_int("block_size", block_size)
         check_nonnegative_int("dense_below", dense_below, "0: always the FFTs")
-        features = FavorPlus() if features is None else features
-        settings = Settings() if settings is None else settings
-        check_kernel_parts(features, settings)
-        if settings.backend != "torch":
+        if isinstance(settings, Settings) and settings.backend != "torch":
             raise ValueError(f"toeplitz attention has no Triton kernel: backend must be 'torch', got {settings.backend!r}")
-        super().__init__(heads, head_dim, pos_dim=1, causal=causal, device=device, dtype=dtype, **features.map_options(),
-                         **settings.kernel_options())
-        self.kernel, self.settings = features, settings
+        super().__init__(heads, head_dim, pos_dim=1, causal=causal, features=features, settings=settings, device=device, dtype=dtype)
         self.max_distance, self.fft_dtype, self.block_size, self.dense_below = max_distance, fft_dtype, block_size, dense_below
         self.table = ClippedBias(  # RELATIVE["clipped"], by its class so that its table is typed
             heads, causal=causal, max_distance=max_distance, table_scale=table_scale,
@@ -187,6 +169,7 @@ class ToeplitzAttention(KernelAttention):
     registry_name = "toeplitz"
     #: Its flat options and how they become its parts (:mod:`flt.layers.flat`).
     flat_builder = staticmethod(flat.toeplitz)
+    core_class = ToeplitzCore
     core: ToeplitzCore
     supports_decoding = False
     size_options: ClassVar[tuple[str, ...]] = ("num_features", "max_distance", "dense_below", "chunk_size")
@@ -203,36 +186,7 @@ class ToeplitzAttention(KernelAttention):
             values += b * h * n * n if n <= dense else 4 * b * h * 2 * n * m * (head_dim + 1)
         return values
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        pos_dim: int = 1,
-        causal: bool = False,
-        max_distance: int = 512,
-        table_scale: float = DEFAULT_TABLE_SCALE,
-        learn_table_scale: bool = True,
-        fft_dtype: torch.dtype | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        dense_below: int = DEFAULT_DENSE_BELOW,
-        features: Features | None = None,
-        settings: Settings | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        if pos_dim != 1:
-            raise ValueError(f"toeplitz attention needs a 1-D regular grid (pos_dim = 1), got pos_dim = {pos_dim}")
-        super().__init__(dim, heads, pos_dim=1, causal=causal, device=device, dtype=dtype)
-        self.core = ToeplitzCore(heads, dim // heads, pos_dim=pos_dim, causal=causal, max_distance=max_distance,
-                                 table_scale=table_scale, learn_table_scale=learn_table_scale, fft_dtype=fft_dtype,
-                                 block_size=block_size, dense_below=dense_below, features=features, settings=settings,
-                                 device=device, dtype=dtype)
-
-    @property
-    def table(self) -> ClippedBias:
-        """The relative bias table (``layer.core.table``)."""
-        return self.core.table
+    table = OfCore[ClippedBias]("The relative bias table (``layer.core.table``).")
 
     def step(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(NO_DECODING)

@@ -88,20 +88,9 @@ class Spectrum(RelativeTerm):
     #: starting parameters instead of the draws.
     exact_estimate: bool = False
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        sampler: str = "iid",
-        seed: int | None = None,
-        redraw: bool = False,
-        shift: bool = False,
-        shift_scale: float = 1.0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, sampler: str = "iid", seed: int | None = None,
+                 redraw: bool = False, shift: bool = False, shift_scale: float = 1.0,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_positive_int("heads", heads)
         check_positive_int("pos_dim", pos_dim)

@@ -53,18 +53,8 @@ class DiscreteSpectrum(Spectrum):
 
     spread: torch.Tensor  # buffer: ``s_c`` of every frequency, ``[1, R, 1]`` (from the options, not saved)
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        components: int = 4,
-        amplitude: float = 1.0,
-        length_scale: float = 8.0,
-        length_spread: float = 8.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, components: int = 4, amplitude: float = 1.0,
+                 length_scale: float = 8.0, length_spread: float = 8.0, **kwargs: Any) -> None:
         amplitude = check_amplitude(amplitude)
         lengths = component_lengths(num_frequencies, components, length_scale, length_spread)
         if kwargs.get("shift"):

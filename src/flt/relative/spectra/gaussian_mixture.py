@@ -89,22 +89,9 @@ class GaussianMixtureSpectrum(Spectrum):
 
     supports_shift = True
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        components: int = 4,
-        amplitude: float = 1.0,
-        length_scale: float = 8.0,
-        length_spread: float = 8.0,
-        mean_scale: float = 0.0,
-        min_length: float = 0.0,
-        basis: float = 0.0,
-        alpha_scale: float = 1.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, components: int = 4, amplitude: float = 1.0,
+                 length_scale: float = 8.0, length_spread: float = 8.0, mean_scale: float = 0.0, min_length: float = 0.0,
+                 basis: float = 0.0, alpha_scale: float = 1.0, **kwargs: Any) -> None:
         amplitude = check_amplitude(amplitude)
         lengths = component_lengths(num_frequencies, components, length_scale, length_spread)
         if isinstance(mean_scale, bool) or not isinstance(mean_scale, (int, float)) or not (math.isfinite(mean_scale) and mean_scale >= 0):

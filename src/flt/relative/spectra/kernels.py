@@ -77,16 +77,8 @@ class GaussianKernelSpectrum(_KernelSpectrum):
         **kwargs: ``sampler``, ``seed``, ``redraw``, ``device``, ``dtype`` (see :class:`Spectrum`).
     """
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        amplitude: float = 1.0,
-        length_scale: float | Sequence[float] = 8.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, amplitude: float = 1.0,
+                 length_scale: float | Sequence[float] = 8.0, **kwargs: Any) -> None:
         amplitude = check_amplitude(amplitude)
         lengths = per_axis("length_scale", length_scale, pos_dim)
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)
@@ -168,17 +160,8 @@ class MaternSpectrum(_KernelSpectrum):
         **kwargs: ``sampler``, ``seed``, ``redraw``, ``device``, ``dtype``.
     """
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        nu: float = 1.5,
-        amplitude: float = 1.0,
-        length_scale: float | Sequence[float] = 8.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, nu: float = 1.5, amplitude: float = 1.0,
+                 length_scale: float | Sequence[float] = 8.0, **kwargs: Any) -> None:
         if isinstance(nu, bool) or not isinstance(nu, (int, float)) or float(nu) not in MATERN_NU:
             raise ValueError(
                 f"nu must be one of {MATERN_NU} (closed-form Matern kernels whose chi-square "

@@ -64,18 +64,9 @@ class LocalSpectrum(Spectrum):
 
     supports_shift = True
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        windows: int = 4,
-        window_sizes: Sequence[float] | None = None,
-        smoothing: float | Sequence[float] = 1.0,
-        amplitude: float = 1.0,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, windows: int = 4,
+                 window_sizes: Sequence[float] | None = None, smoothing: float | Sequence[float] = 1.0,
+                 amplitude: float = 1.0, **kwargs: Any) -> None:
         check_positive_int("num_frequencies", num_frequencies)
         check_positive_int("windows", windows)
         if num_frequencies % windows:

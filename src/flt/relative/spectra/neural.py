@@ -70,19 +70,9 @@ class NeuralSpectrum(Spectrum):
         **kwargs: ``sampler``, ``seed``, ``redraw``, ``device``, ``dtype``.
     """
 
-    def __init__(
-        self,
-        heads: int,
-        pos_dim: int,
-        num_frequencies: int,
-        *,
-        hidden: int = 32,
-        amplitude: float = 1.0,
-        length_scale: float | Sequence[float] = 8.0,
-        proposal_ratio: float = 1.0,
-        quadrature_points: int = 201,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, hidden: int = 32, amplitude: float = 1.0,
+                 length_scale: float | Sequence[float] = 8.0, proposal_ratio: float = 1.0, quadrature_points: int = 201,
+                 **kwargs: Any) -> None:
         check_positive_int("hidden", hidden)
         check_positive_int("quadrature_points", quadrature_points)
         amplitude = check_amplitude(amplitude)
