@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from flt.baselines.particles import ParticleRegressor
 from flt.cli import main
 from flt.commands.evaluate import evaluate_run
 from flt.data.nbody import box_side, generate_clouds
-from flt.models.particles import ParticleRegressor
 from flt.tasks import get_preset, load_task
 from flt.tasks.nbody import NBodyTask
 
@@ -136,8 +136,8 @@ def test_the_per_particle_model_predicts_in_target_units():
 
 def _particle_model(encoder: str, seed: int = 0, **fields):
     """The smoke preset's model as ``encoder``, built from ``seed``; its blocks' ``W_o`` moved off zero."""
+    from flt.baselines.longrange import blocks_of
     from flt.models import replace_fields
-    from flt.models.longrange import blocks_of
 
     cfg = replace_fields(get_preset("nbody", "smoke").model, encoder=encoder, **fields)
     torch.manual_seed(seed)
@@ -215,8 +215,8 @@ def test_bad_particle_model_fields_are_refused_with_their_name(fields, message):
 
 
 def test_particle_model_is_the_one_builder():
+    from flt.baselines.particles import PARTICLE_MODELS, ParticleSchNet, particle_model
     from flt.models import replace_fields
-    from flt.models.particles import PARTICLE_MODELS, ParticleSchNet, particle_model
 
     cfg = get_preset("nbody", "smoke").model
     assert isinstance(particle_model(cfg), ParticleRegressor) and isinstance(NBodyTask.build_model(cfg), ParticleRegressor)
@@ -255,8 +255,8 @@ def test_the_exact_control_is_an_option_of_the_block():
 def test_the_cloud_radius_graph_is_every_close_pair_of_one_cloud(clouds, particles, spread, cutoff):
     """The cell list against every pair's distance (and against the molecule task's radius
     graph): the same ordered pairs, sorted by i then j, the same distances and gradients."""
-    from flt.models.particles import cloud_radius_graph
-    from flt.models.qm9 import radius_graph
+    from flt.baselines.atom_graphs import radius_graph
+    from flt.baselines.particles import cloud_radius_graph
 
     torch.manual_seed(0)
     pos = (torch.randn(clouds, particles, 3, dtype=torch.float64) * spread).requires_grad_()
@@ -289,8 +289,8 @@ def test_the_input_block_sums_charges_and_sees_beyond_the_cutoff():
     """longrange_placement=input: one block on the embedded charges, before the first
     interaction; a fresh one changes nothing, a trained one sees past the cutoff, and the
     model stays invariant to translations and permutations. The qm9 models refuse it."""
+    from flt.baselines.longrange import blocks_of
     from flt.models import replace_fields
-    from flt.models.longrange import blocks_of
 
     clouds = generate_clouds(1, 32, seed=0, split="train")
     cfg = replace_fields(get_preset("nbody", "smoke").model, encoder="schnet")
@@ -311,7 +311,7 @@ def test_the_input_block_sums_charges_and_sees_beyond_the_cutoff():
         torch.testing.assert_close(model(clouds.charge, clouds.pos + 5.0), out, rtol=1e-4, atol=1e-5)
         perm = torch.randperm(32)
         torch.testing.assert_close(model(clouds.charge[:, perm], clouds.pos[:, perm]), out[:, perm], rtol=1e-4, atol=1e-5)
-    from flt.models.qm9 import QM9Config
+    from flt.baselines.qm9 import QM9Config
 
     with pytest.raises(ValueError, match="longrange_placement='input'.*nbody SchNet only"):
         from flt.tasks.qm9 import QM9Task
@@ -320,7 +320,7 @@ def test_the_input_block_sums_charges_and_sees_beyond_the_cutoff():
 
 
 def test_the_cell_list_refuses_clouds_too_wide_for_its_keys():
-    from flt.models.particles import cloud_radius_graph
+    from flt.baselines.particles import cloud_radius_graph
 
     pos = torch.zeros(2, 3, 3)
     pos[:, 1] = 1e7

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from flt.baselines.atom_graphs import radius_graph
+from flt.baselines.longrange import blocks_of
+from flt.baselines.qm9 import QM9Config, QM9Regressor
 from flt.cli import main
 from flt.data import DataError, MissingDataError, collate_molecules
 from flt.data.qm9 import HARTREE_MEV, TARGETS, load_qm9pack, read_qm9_csv, split_qm9
 from flt.layers.longrange import LongRangeBlock
-from flt.models.longrange import blocks_of
-from flt.models.qm9 import QM9Config, QM9Regressor, radius_graph
 from flt.tasks import TASKS, get_preset
 from flt.tasks.qm9 import QM9Task
 

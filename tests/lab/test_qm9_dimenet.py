@@ -10,9 +10,10 @@ pytest.importorskip("torch_geometric")
 
 from torch_geometric.nn.models import dimenet
 
-import flt.models.dimenet
-from flt.models.dimenet import PlainDimeNetPlusPlus, _radius_edges
-from flt.models.qm9 import CUTOFFS, QM9Config, QM9Regressor, triplets
+import flt.baselines.dimenet
+from flt.baselines.atom_graphs import triplets
+from flt.baselines.dimenet import PlainDimeNetPlusPlus, _radius_edges
+from flt.baselines.qm9 import CUTOFFS, QM9Config, QM9Regressor
 from flt.tasks.qm9 import QM9Task
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,7 +87,7 @@ class _SmallBasis(PlainDimeNetPlusPlus):
 
 @pytest.fixture(autouse=True)
 def small_basis(monkeypatch):
-    monkeypatch.setattr(flt.models.dimenet, "PlainDimeNetPlusPlus", _SmallBasis)
+    monkeypatch.setattr(flt.baselines.dimenet, "PlainDimeNetPlusPlus", _SmallBasis)
 
 
 def _dimenet(readout: str = "sum") -> QM9Regressor:
@@ -153,7 +154,7 @@ def test_dimenet_plus_plus_mean_readout_divides_the_sum_by_the_atoms():
 def test_configs_saved_with_the_old_shared_cutoff_read_as_the_same_model(encoder, saved, loaded):
     """Runs saved when ``cutoff`` defaulted to 10.0 for every encoder resume against
     today's preset (cutoff None: each model's own), and mean the same model."""
-    from flt.models.qm9 import QM9Config
+    from flt.baselines.qm9 import QM9Config
     from flt.tasks import config_from_dict, config_to_dict
 
     record = config_to_dict(QM9Config(encoder=encoder, cutoff=saved, attention="softmax"))
@@ -164,7 +165,7 @@ def test_configs_saved_with_the_old_shared_cutoff_read_as_the_same_model(encoder
 
 
 def test_triplets_refuse_a_malformed_edge_index():
-    from flt.models.qm9 import triplets
+    from flt.baselines.atom_graphs import triplets
 
     with pytest.raises(ValueError, match=r"edge_index must be an integer tensor \[2, E\], got \(3, 4\)"):
         triplets(torch.zeros(3, 4, dtype=torch.long), 5)

@@ -239,9 +239,9 @@ def test_a_schnet_run_names_its_model_not_an_attention_it_does_not_use(tmp_path,
 
 
 def test_model_labels_name_attention_for_attention_models_and_the_encoder_otherwise():
+    from flt.baselines.particles import ParticleConfig
+    from flt.baselines.qm9 import QM9Config
     from flt.graphs.link import TASK_ENCODERS
-    from flt.models.particles import ParticleConfig
-    from flt.models.qm9 import QM9Config
     from flt.tasks.graph import GraphConfig
 
     assert loop.model_label(ParticleConfig()) == "flt + none" if ParticleConfig().attention == "flt" else True

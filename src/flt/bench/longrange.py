@@ -44,7 +44,7 @@ def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, A
            wide: float | None = None) -> dict[str, torch.nn.Module]:
     """``{"schnet": base, label: base with that block, ...}``, all with the same seed, and
     ``"schnet cutoff=W"``, the base model with the cutoff ``wide``, when given."""
-    from flt.models.particles import ParticleSchNet
+    from flt.baselines.particles import ParticleSchNet
 
     found: dict[str, torch.nn.Module] = {}
     if wide is not None:

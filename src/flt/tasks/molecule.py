@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flt.baselines.qm9 import QM9Config
 from flt.data import (
     MoleculeBatch,
     MoleculeData,
@@ -34,7 +35,6 @@ from flt.data import (
 )
 from flt.models import MoleculeConfig, MoleculeRegressor, replace_fields, tie_isotropic
 from flt.models.config import TrunkConfig
-from flt.models.qm9 import QM9Config
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.holdout import split_indices
 from flt.tasks.preset import Preset, RunConfig

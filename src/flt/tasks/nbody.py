@@ -19,7 +19,7 @@ likewise with absolute errors. ``loss`` is the MSE of the standardised target. T
 split is evaluated once, after training (``summary.json``'s ``test``), and chooses nothing.
 
 Models (``--model``, ``ParticleConfig.encoder``; built by
-:func:`flt.models.particles.particle_model`): ``transformer`` (the default, with any
+:func:`flt.baselines.particles.particle_model`): ``transformer`` (the default, with any
 ``--attention``), ``schnet`` (a per-particle SchNet from torch_geometric's blocks, radius
 graph at ``cutoff`` mean spacings, ``--model-opt cutoff=3``), and both with the long-range
 block, ``transformer+lr`` and ``schnet+lr`` (``--model-opt longrange='{"frequencies":
@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flt.data.nbody import Clouds, box_side, cloud_splits
-from flt.models import replace_fields
-from flt.models.memory import check_model_memory
-from flt.models.particles import (
+from flt.baselines.particles import (
     PARTICLE_ENCODERS,
     ParticleConfig,
     ParticleRegressor,
     particle_model,
 )
+from flt.data.nbody import Clouds, box_side, cloud_splits
+from flt.models import replace_fields
+from flt.models.memory import check_model_memory
 from flt.tasks.base import (
     Presets,
     Shortcuts,
@@ -140,7 +140,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
     @classmethod
     def build_model(cls, config: Any, *, device: torch.device | str | None = None,
                     dtype: torch.dtype | None = None) -> nn.Module:
-        """The model ``config.encoder`` names (:func:`flt.models.particles.particle_model`)."""
+        """The model ``config.encoder`` names (:func:`flt.baselines.particles.particle_model`)."""
         if not isinstance(config, ParticleConfig):
             raise TypeError(f"task {cls.name!r} builds from ParticleConfig, got {type(config).__name__}")
         check_model_memory(config, batch=1, length=1, training=False, device=device, purpose="building")

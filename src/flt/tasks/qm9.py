@@ -17,7 +17,7 @@ energy. Every target is standardised with the training split's mean and deviatio
 
 Models (``--model``, ``QM9Config.encoder``): ``transformer``, the molecule regressor with
 any attention mechanism (``--attention``), and torch_geometric's ``schnet`` and
-``dimenet++``, both on graphs computed in plain torch (:mod:`flt.models.qm9`); each with
+``dimenet++``, both on graphs computed in plain torch (:mod:`flt.baselines.qm9`); each with
 the long-range block as ``transformer+lr``, ``schnet+lr`` and ``dimenet++lr``
 (``--model-opt longrange='{"frequencies": "grid"}'``, ``--model-opt
 longrange_placement=each``, the base model's ``--model-opt cutoff=5``; docs/longrange.md).
@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from flt.baselines.qm9 import ENCODERS, QM9Config, QM9Regressor
 from flt.data.qm9 import QM9_TRAIN, QM9_VALID, TARGETS, load_qm9
 from flt.models import replace_fields
-from flt.models.qm9 import ENCODERS, QM9Config, QM9Regressor
 from flt.tasks.base import Presets, Shortcuts, Task, mechanism_options
 from flt.tasks.molecule import MoleculeTask
 from flt.tasks.preset import Preset, RunConfig

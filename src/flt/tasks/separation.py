@@ -40,6 +40,7 @@ from torch import nn
 
 from flt._checks import check_choice
 from flt._io import atomic_savefig, new_figure
+from flt.baselines.particles import ParticleConfig
 from flt.data.separation import (
     Pairs,
     cluster_radius,
@@ -49,7 +50,6 @@ from flt.data.separation import (
     separation_splits,
 )
 from flt.models import replace_fields
-from flt.models.particles import ParticleConfig
 from flt.tasks.base import Presets, Task, epoch_indices, eval_slices, mechanism_options, shard
 from flt.tasks.nbody import NBodyTask
 from flt.tasks.preset import Preset, RunConfig
