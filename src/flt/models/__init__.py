@@ -6,7 +6,9 @@
 name their config and model class in their own file (:mod:`flt.tasks`); a task with a
 model of its own does not need to be listed here. :class:`TokenModel` is the model over
 token sequences that tasks with a config of their own share (``listops``, ``offsets``),
-with the head and causality they choose.
+with the head and causality they choose. The models the 3-D tasks compare these with
+(torch_geometric's SchNet and DimeNet++, the long-range block on models) are the lab's,
+:mod:`flt.baselines`; ``flt.models.qm9`` and its siblings are deprecated aliases of them.
 """
 
 from __future__ import annotations
