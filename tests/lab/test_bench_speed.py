@@ -13,7 +13,7 @@ import torch
 from flt.bench import measure, report, speed
 from flt.cli import main as cli_main
 
-TINY = dict(shape="tiny", threads=torch.get_num_threads(), warmup=1, repeats=2, min_repeats=2, budget_s=0.1)
+TINY = {"shape": "tiny", "threads": torch.get_num_threads(), "warmup": 1, "repeats": 2, "min_repeats": 2, "budget_s": 0.1}
 
 
 def _config(variant, N=40, mode="fwd", causal=False):

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flt.cli import main
+from flt.integrations.transformers import convert, from_pretrained
 from flt.train.linearize import (
     LayerMatching,
     LinearizeConfig,
@@ -26,7 +27,6 @@ from flt.train.linearize import (
     load_text,
     perplexity,
 )
-from flt.integrations.transformers import convert, from_pretrained
 from flt.train.metrics import read_metrics
 
 #: A small text: both stages and every evaluation read it in well under a second.
@@ -119,7 +119,7 @@ def test_attention_transfer_reduces_every_layers_matching_error(checkpoints, tex
     summary = linearize(checkpoints["sharp"], str(tmp_path / "run"), config, progress=False, plots=False)
     before, after = summary["matching_error"]["before"], summary["matching_error"]["after"]
     assert len(before) == len(after) == 2
-    for layer, (b, a) in enumerate(zip(before, after)):
+    for layer, (b, a) in enumerate(zip(before, after, strict=True)):
         assert a < 0.97 * b, f"layer {layer}: matching error {b:.3g} -> {a:.3g}"
     assert summary["ppl"]["finetuned"] is None and summary["ppl"]["transferred"] is not None
 

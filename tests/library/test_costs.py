@@ -7,7 +7,7 @@ import pytest
 
 from flt.layers.registry import ATTENTION, COSTS, forward_flops
 
-SIZES = dict(batch=2, heads=4, head_dim=16)
+SIZES = {"batch": 2, "heads": 4, "head_dim": 16}
 
 
 def test_every_attention_entry_states_its_cost():
