@@ -8,6 +8,10 @@
 # into another fails, every time, in the run that has it. The bucket is the module, not the
 # whole suite, so a module's fixtures are built once, as in the plain order. To run that
 # order again: python -m pytest -p random_order --random-order-bucket=module --random-order-seed=SEED
+# The default run is also spread over two processes (-n 2, pytest-xdist from the dev extra);
+# each collects the suite in the same shuffled order and takes tests from it, so a test must
+# keep its files, caches and ports to itself (tmp_path, a free port), as the suite's do. A
+# module whose tests both processes take builds its module fixtures once in each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The distribution was called flt before 0.2.0: an editable install of this project under that
@@ -24,7 +28,7 @@ lint_rc=0
 order=()
 if [ "$#" -eq 0 ]; then
     bash scripts/lint.sh || lint_rc=$?
-    order=(-p random_order --random-order-bucket=module --random-order-seed=4545)
+    order=(-n 2 -p random_order --random-order-bucket=module --random-order-seed=4545)
 fi
 set +e
 # -ra: the summary names every test that failed, errored or was skipped, and why.

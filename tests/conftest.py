@@ -63,6 +63,25 @@ def one_thread():
 
 
 @pytest.fixture
+def attention_checks(monkeypatch):
+    """The option sets checked for an attention mechanism from here on, one dict per check,
+    whichever entry point checks them (:func:`flt.options.check_attention_options` and
+    ``AttentionBase.from_options`` both go through ``flt.layers.base.check_options``)."""
+    import flt.layers.base as base
+
+    checked: list[dict] = []
+    real = base.check_options
+
+    def counting(owner, cls, options, **kwargs):
+        if owner.startswith("attention"):
+            checked.append(dict(options))
+        return real(owner, cls, options, **kwargs)
+
+    monkeypatch.setattr(base, "check_options", counting)
+    return checked
+
+
+@pytest.fixture
 def isolated_cli(monkeypatch, tmp_path, one_thread):
     """For tests that run flt's commands: one thread, and the generated-data caches in the
     test's own folder."""

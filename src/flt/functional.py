@@ -81,6 +81,22 @@ class AttentionCore(nn.Module):
         self.attention = layer.core
 
     @classmethod
+    def from_checked_options(cls, mechanism: str, options: dict[str, Any], *, heads: int, head_dim: int, pos_dim: int = 1,
+                             causal: bool = False, device: torch.device | str | None = None,
+                             dtype: torch.dtype | None = None) -> AttentionCore:
+        """The core ``AttentionCore(mechanism, heads=, ..., **options)`` builds, from
+        ``options`` as :func:`flt.options.check_attention_options` returned them (with
+        :data:`flt.options.ATTENTION_ARGUMENTS` reserved): built without checking them again,
+        so that one set checked once builds a core per layer of a model (any other dict is
+        checked here, as the constructor would)."""
+        from flt.options import checked_once
+
+        check_choice("mechanism", mechanism, sorted(ATTENTION))
+        layer = ATTENTION[mechanism].from_checked_options(heads * head_dim, heads, pos_dim=pos_dim, causal=causal, device=device,
+                                                          dtype=dtype, **checked_once(mechanism, options))
+        return cls._holding(mechanism, layer.core)
+
+    @classmethod
     def from_layer(cls, layer: nn.Module) -> AttentionCore:
         """The core of ``layer`` (an instance of a class in :data:`flt.layers.ATTENTION`):
         ``layer.core`` itself, shared (training the core trains the layer), without the
@@ -90,10 +106,16 @@ class AttentionCore(nn.Module):
         names = {type_: name for name, type_ in ATTENTION.items()}
         if not isinstance(layer, AttentionBase) or type(layer) not in names:  # (every entry is one)
             raise TypeError(f"layer must be an instance of a class in flt.layers.ATTENTION, got {type(layer).__name__}")
+        return cls._holding(names[type(layer)], layer.core)
+
+    @classmethod
+    def _holding(cls, mechanism: str, attention: CoreBase) -> AttentionCore:
+        """An instance holding the core ``attention`` of ``mechanism``, built by neither
+        constructor (the classmethods build their layer themselves)."""
         core = cls.__new__(cls)
         nn.Module.__init__(core)
-        core.mechanism_name = names[type(layer)]
-        core.attention = layer.core
+        core.mechanism_name = mechanism
+        core.attention = attention
         return core
 
     @property

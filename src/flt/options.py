@@ -65,6 +65,7 @@ __all__ = [
     "check_fields",
     "check_keyword_types",
     "check_posenc_options",
+    "checked_once",
     "constructor_options",
     "merge_options",
     "parse_assignments",
@@ -281,6 +282,18 @@ def check_attention_options(mechanism: str | type, options: dict[str, Any], *,
     check_seed(options.get("seed"), "attention option seed", allow_none=True)
     check_layer_options(cls, options, reserved=reserved)
     return _checked(options, cls, reserved)
+
+
+def checked_once(mechanism: str, options: dict[str, Any]) -> CheckedOptions:
+    """``options`` of ``ATTENTION[mechanism]`` checked with :data:`ATTENTION_ARGUMENTS`
+    reserved (what a builder that sets those arguments itself needs): as they are when they
+    already passed that check, else checked now (:func:`check_attention_options`)."""
+    from flt.layers.registry import ATTENTION
+
+    cls = ATTENTION.get(mechanism)
+    if cls is not None and isinstance(options, CheckedOptions) and options.checked_for(cls, ATTENTION_ARGUMENTS):
+        return options
+    return check_attention_options(mechanism, options, reserved=ATTENTION_ARGUMENTS)
 
 
 def check_posenc_options(encoding: str | type, options: dict[str, Any], *,

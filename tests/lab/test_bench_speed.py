@@ -13,7 +13,7 @@ import torch
 from flt.bench import measure, report, speed
 from flt.cli import main as cli_main
 
-TINY = dict(shape="tiny", threads=torch.get_num_threads(), warmup=1, repeats=2, min_repeats=2, budget_s=0.1)
+TINY = {"shape": "tiny", "threads": torch.get_num_threads(), "warmup": 1, "repeats": 2, "min_repeats": 2, "budget_s": 0.1}
 
 
 def _config(variant, N=40, mode="fwd", causal=False):
@@ -283,3 +283,12 @@ def test_bf16_variant_reports_its_accuracy_against_float64():
     # bf16 rounding (2^-8) shows, and nothing worse than a few percent.
     assert 1e-4 < acc["output_rel_error"] < 0.05 and 1e-4 < acc["grad_rel_error"] < 0.1
     assert result["first_call_s"] > 0
+
+
+def test_exact_variants_are_the_layers_of_exact_mechanisms_and_declare_quadratic_time():
+    from flt.bench.variants import VARIANTS
+
+    exact = {name for name, v in VARIANTS.items() if v.exact}
+    assert exact and all(VARIANTS[name].time_order == 2 for name in exact)
+    assert all(v.kind == "layer" for v in map(VARIANTS.get, exact))
+    assert not VARIANTS["op:kronecker/m16/R4"].exact and not VARIANTS["performer-pytorch/m32"].exact

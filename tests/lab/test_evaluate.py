@@ -61,6 +61,15 @@ def test_changed_estimator_settings_are_evaluated_on_fresh_draws(molecule_run):
     assert everything["exact"] == pytest.approx(summary["draw_gap"]["exact"], rel=1e-5)
 
 
+def test_changed_options_are_checked_once_and_built_as_checked(molecule_run, attention_checks):
+    path, _ = molecule_run
+    evaluate_run(path, {"num_frequencies": 64}, draws=1, exact=False)
+    assert len(attention_checks) == 1 and attention_checks[0]["num_frequencies"] == 64
+    attention_checks.clear()
+    evaluate_run(path, draws=1, exact=False)  # the saved options: checked where the model is built
+    assert len(attention_checks) == 1
+
+
 def test_options_that_change_learned_tensors_are_refused(molecule_run):
     path, _ = molecule_run
     with pytest.raises(ValueError, match=r"qk_norm.*learned tensors.*gone: .*log_temperature"):

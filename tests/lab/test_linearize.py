@@ -16,16 +16,17 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from flt.cli import main
+from flt.integrations.transformers import convert, from_pretrained
 from flt.train.linearize import (
     LayerMatching,
     LinearizeConfig,
     LinearizeInterrupted,
     byte_ids,
     linearize,
+    load_softmax_model,
     load_text,
     perplexity,
 )
-from flt.integrations.transformers import from_pretrained
 from flt.train.metrics import read_metrics
 
 #: A small text: both stages and every evaluation read it in well under a second.
@@ -118,7 +119,7 @@ def test_attention_transfer_reduces_every_layers_matching_error(checkpoints, tex
     summary = linearize(checkpoints["sharp"], str(tmp_path / "run"), config, progress=False, plots=False)
     before, after = summary["matching_error"]["before"], summary["matching_error"]["after"]
     assert len(before) == len(after) == 2
-    for layer, (b, a) in enumerate(zip(before, after)):
+    for layer, (b, a) in enumerate(zip(before, after, strict=True)):
         assert a < 0.97 * b, f"layer {layer}: matching error {b:.3g} -> {a:.3g}"
     assert summary["ppl"]["finetuned"] is None and summary["ppl"]["transferred"] is not None
 
@@ -239,6 +240,31 @@ def test_converted_model_is_not_linearized_again(checkpoints, text_file, tmp_pat
     linearize(checkpoints["llama"], str(tmp_path / "run"), config, progress=False, plots=False)
     with pytest.raises(ValueError, match="converted by flt already"):
         linearize(tmp_path / "run" / "model", str(tmp_path / "again"), config, progress=False, plots=False)
+
+
+@pytest.mark.cli
+def test_cli_checks_the_attention_options_once(checkpoints, text_file, tmp_path, isolated_cli, attention_checks):
+    """Once on the command line, before any model loads; linearize() and the cores of both
+    layers take them as checked."""
+    code = main(["linearize", str(checkpoints["llama"]), "--bytes", "--data", str(text_file), "--out-dir", str(tmp_path / "run"),
+                 "--seq-len", "24", "--batch-size", "2", "--transfer-steps", "1", "--finetune-steps", "1", "--warmup-steps", "0",
+                 "--eval-every", "2", "--eval-batches", "1", "--attention", "flt:near_field=4:qk_norm=false:num_features=16",
+                 "--no-progress", "--no-plots"])
+    assert code == 0
+    assert attention_checks == [{**LinearizeConfig().attention_options, "near_field": 4, "qk_norm": False, "num_features": 16}]
+
+
+def test_convert_checks_its_options_once_for_every_layer(checkpoints, one_thread, attention_checks):
+    from flt.options import ATTENTION_ARGUMENTS, check_attention_options
+
+    model = convert(load_softmax_model(checkpoints["llama"], "cpu"), "flt", near_field=4, num_features=16)
+    assert len(model.model.layers) == 2 and attention_checks == [{"near_field": 4, "num_features": 16}]
+    checked = check_attention_options("flt", {"near_field": 4, "num_features": 16}, reserved=ATTENTION_ARGUMENTS)
+    attention_checks.clear()
+    convert(load_softmax_model(checkpoints["llama"], "cpu"), "flt", attention_options=checked)
+    assert attention_checks == []
+    with pytest.raises(TypeError, match="not both"):
+        convert(load_softmax_model(checkpoints["llama"], "cpu"), "flt", attention_options=checked, seed=1)
 
 
 def test_cli_flt_options_override_the_defaults_one_by_one():

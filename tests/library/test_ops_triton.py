@@ -352,7 +352,7 @@ def test_a_tile_refused_at_the_second_launch_leaves_no_trace(monkeypatch, coupli
     monkeypatch.setattr(favor, "tile_candidates", tiles)
     monkeypatch.setattr(tri_band, "tile_candidates", tiles)
     torch.manual_seed(0)
-    n, dv = 70, 40
+    n, dv = 40, 40  # two chunks of 32 (the first tile), one per segment; three of 16 (the second)
     xq, xk = (0.5 * torch.randn(1, 2, n, D, dtype=torch.float64) for _ in range(2))
     v = torch.randn(1, 2, n, dv, dtype=torch.float64)
     if coupling == "band":

@@ -62,7 +62,10 @@ def test_split_kernel_matches_reference_float64(coupling, causal, m, bm, chunk):
     assert_close(out, _reference(xq, xk, v, w, causal, **extra))
 
 
-@pytest.mark.parametrize("causal", [False, True])
+# Bidirectional is marked slow: its segments are summed, as the causal ones are before their
+# prefix is combined; test_ops_triton_split_kronecker.py::test_level_does_not_depend_on_the_values
+# runs the same sums kernel bidirectionally in three segments of two value blocks.
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_segments_and_value_blocks(causal):
     """Three segments combined, and 20 value columns in two blocks of 16; the backward
     (one segment) from that forward's levels."""
@@ -127,9 +130,16 @@ def test_option_of_favor_attention_and_gradients(causal):
 BACKWARD_TILES = [(16, 16, 16, 5, False), (40, 16, 16, 5, True), (64, 32, 32, 20, True), (24, 32, 16, 5, True)]
 
 
-@pytest.mark.parametrize("m,bm,chunk,dv,pad", BACKWARD_TILES)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("coupling", ["performer", "logit"])
+#: The default suite runs each tile once and each (coupling, causal) pair once, with one of the
+#: tiles; the other twelve combinations are marked slow (scripts/test.sh -m slow runs them).
+_BACKWARD_DEFAULT = {(16, False, "performer"), (40, True, "logit"), (64, True, "performer"), (24, False, "logit")}
+BACKWARD_CASES = [
+    pytest.param(coupling, causal, *tile, marks=() if (tile[0], causal, coupling) in _BACKWARD_DEFAULT else pytest.mark.slow)
+    for coupling in ("performer", "logit") for causal in (False, True) for tile in BACKWARD_TILES
+]
+
+
+@pytest.mark.parametrize("coupling,causal,m,bm,chunk,dv,pad", BACKWARD_CASES)
 def test_backward_kernels_match_reference_gradients_float64(coupling, causal, m, bm, chunk, dv, pad):
     """The backward kernels' gradients of ``xq, xk, v`` and (logit) of ``extra_q, extra_k``
     (given once for the batch: summed over it) equal autograd of the float64 reference."""
@@ -139,6 +149,7 @@ def test_backward_kernels_match_reference_gradients_float64(coupling, causal, m,
     assert_same_gradients(out, _reference(xq, xk, v, w, causal, **extra), leaves, exact_dtype=True)
 
 
+@pytest.mark.slow  # the default suite: the batch-shared extra (test_backward_kernels_match_reference_gradients_float64) and these scales (test_blocks_far_apart_in_scale, test_keys_far_from_the_origin)
 def test_backward_with_batched_extra_and_far_apart_scales():
     """``extra_q, extra_k`` per batch element, and inputs whose feature blocks have their
     largest features 16 orders of magnitude apart (test_blocks_far_apart_in_scale)."""
@@ -163,7 +174,9 @@ def test_keys_far_from_the_origin():
         assert_same_gradients(out, _reference(xq, xk, v, w, causal), leaves, exact_dtype=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+# Bidirectional is marked slow: the causal case runs the same segmented backward and combines
+# the segments' states in prefix order besides.
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_backward_in_segments(causal):
     """The backward cut into four segments (each segment's key and query states, combined
     in PyTorch, as the forward's): the reference's gradients, with ragged feature blocks
@@ -216,7 +229,7 @@ def test_autocast_leaves_the_combination_of_segments_alone():
     """Under bfloat16 autocast the PyTorch steps between the launches (the causal
     segments' combination is an einsum, which autocast would run in bfloat16: 9e-3 off
     here) stay in float32: the same result as without autocast."""
-    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=50, dv=20)
+    xq, xk, v, w, extra = _inputs("logit", dtype=torch.float32, n=40)
     run = lambda: favor_attention_split(xq, xk, v, w, causal=True, chunk_size=16, feature_block=16, segments=3, **extra)  # noqa: E731
     plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):

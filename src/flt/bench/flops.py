@@ -27,57 +27,44 @@ Per batch element and head, with ``N`` tokens, head width ``D``, ``m`` random fe
 Backward: every product costs twice its forward FLOPs (gradients of both operands) except
 the random feature maps, whose projection is a buffer: once (learned maps: twice, their
 weight gets a gradient). ``fwd+bwd`` is forward + backward.
+
+Each attention mechanism states its own model (:data:`flt.layers.registry.COSTS`, beside its
+registry entry); the op-level variants' models are here (:data:`OP_FLOPS`).
 """
 
 from __future__ import annotations
 
 from flt.bench.variants import SHAPES, VARIANTS
+from flt.layers.registry import forward_flops
 
 
-def _chunk_size(m: int, two_r: int, dv: int) -> int:
-    """The causal chunk length the op picks by default for these shapes."""
+def kronecker_flops(options: dict, *, batch: int, heads: int, length: int, head_dim: int, causal: bool) -> dict[str, float]:
+    """Forward FLOPs of the op ``flt_attention`` with the multiplicative (Kronecker)
+    coupling: features are its inputs, so no projections and no feature maps."""
     from flt.ops.linear import causal_chunk_size
 
-    return causal_chunk_size(m, two_r, dv)
+    bhn, D = batch * heads * length, head_dim
+    m, two_r = options["num_features"], 2 * options["num_frequencies"]
+    parts: dict[str, float] = {"state and read-out": 2 * 2 * bhn * two_r * m * (D + 1)}
+    if causal:
+        parts["in-chunk products"] = 2 * bhn * causal_chunk_size(m, two_r, D) * (m + two_r + D + 1)
+    return parts
+
+
+#: The op-level variants' FLOP models (``Variant(kind="op")``), under the op the variant names.
+OP_FLOPS = {"kronecker": kronecker_flops}
 
 
 def forward_parts(variant: str, shape: str, N: int, causal: bool) -> dict[str, float] | None:
-    """Forward FLOPs of one layer call by part, or None for a variant without a model."""
+    """Forward FLOPs of one layer call by part, or None for a variant without a model: an
+    attention layer asks its mechanism (:func:`flt.layers.registry.forward_flops`), an op
+    its entry in :data:`OP_FLOPS`; a peer has none."""
     v = VARIANTS[variant]
     s = SHAPES[shape]
-    B, H, D = s.B, s.H, s.D
-    d = H * D
-    opts = v.kwargs
-    bhn = B * H * N
-    parts: dict[str, float] = {"projections": 4 * 2 * B * N * d * d}
-    if v.mechanism == "softmax" and v.kind == "layer":
-        parts["scores and values"] = 2 * 2 * B * H * N * N * D * (0.5 if causal else 1.0)
-        return parts
-    if v.mechanism == "kronecker":  # op level: features are inputs, no projections
-        m, two_r = opts["num_features"], 2 * opts["num_frequencies"]
-        parts = {"state and read-out": 2 * 2 * bhn * two_r * m * (D + 1)}
-        if causal:
-            parts["in-chunk products"] = 2 * bhn * _chunk_size(m, two_r, D) * (m + two_r + D + 1)
-        return parts
-    if v.mechanism not in ("flt", "performer") or v.kind != "layer":
-        return None
-    m = opts.get("num_features", 256)
-    coupling = opts.get("coupling", "logit") if v.mechanism == "flt" else "none"
-    two_r = 2 * opts.get("num_frequencies", 32) if v.mechanism == "flt" else 0
-    d_in = D + two_r if coupling == "logit" else D
-    if opts.get("feature_map") == "hedgehog":  # a learned [m/2, D] map: its backward is two products
-        parts["learned feature maps"] = 2 * 2 * bhn * (m // 2) * d_in
-    else:
-        parts["feature maps"] = 2 * 2 * bhn * m * d_in
-    width = two_r * m if coupling == "multiplicative" else m
-    parts["state and read-out"] = 2 * 2 * bhn * width * (D + 1)
-    if causal:
-        kron = two_r if coupling == "multiplicative" else 0
-        parts["in-chunk products"] = 2 * bhn * _chunk_size(m, kron or 1, D) * (m + kron + D + 1)
-    k = opts.get("near_neighbors") or (2 * opts["near_field"] + 1 if opts.get("near_field") else 0)
-    if k:
-        parts["near set"] = 2 * bhn * k * (D + m + 2 * (D + 1))
-    return parts
+    if v.kind == "layer":
+        return forward_flops(v.mechanism, v.kwargs, batch=s.B, heads=s.H, length=N, head_dim=s.D, causal=causal)
+    op = OP_FLOPS.get(v.mechanism) if v.kind == "op" else None
+    return None if op is None else op(v.kwargs, batch=s.B, heads=s.H, length=N, head_dim=s.D, causal=causal)
 
 
 def model_flops(variant: str, shape: str, N: int, mode: str, causal: bool) -> float | None:

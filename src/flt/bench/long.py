@@ -53,6 +53,17 @@ MECHANISMS = {
     "softmax+t5": ("softmax", {"relative_bias": "t5"}),
 }
 LENGTHS = (1024, 2048, 4096, 8192)
+#: The entry the exact ones are compared with (FLT), and the exact one the plot marks (the
+#: cheapest exact relative bias).
+HEADLINE = ("flt", "softmax+t5")
+
+
+def exact_entries() -> list[str]:
+    """The entries of :data:`MECHANISMS` whose mechanism is exact (every step forms all
+    ``N^2`` pairs; :data:`flt.layers.registry.COSTS`), in their order."""
+    from flt.layers.registry import COSTS
+
+    return [name for name, (attention, _) in MECHANISMS.items() if COSTS[attention].exact]
 
 
 def build(name: str, n: int) -> CausalLM:
@@ -205,12 +216,13 @@ def report(rows: list[dict], header: str) -> str:
             cells += ["not run", "-"] if r is None else [f"{r['ms_per_step']:.0f} (spread {r['spread']:.0%})", f"{r['peak_mib']:.0f}"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    for exact in ("softmax+spectrum", "softmax+t5"):
-        if exact not in mechs or "flt" not in mechs:
+    fast = HEADLINE[0]
+    for exact in exact_entries():
+        if exact not in mechs or fast not in mechs:
             continue
         for key, what in (("ms_per_step", "time"), ("peak_mib", "peak memory")):
-            x = crossover(rows, "flt", exact, key)
-            common = sorted({r["n"] for r in rows if r["mechanism"] == exact} & {r["n"] for r in rows if r["mechanism"] == "flt"})
+            x = crossover(rows, fast, exact, key)
+            common = sorted({r["n"] for r in rows if r["mechanism"] == exact} & {r["n"] for r in rows if r["mechanism"] == fast})
             where = ("never (in the measured range)" if x is None
                      else f"{x:.0f} or less (already at the smallest N both measured)" if x == common[0] else f"{x:.0f}")
             lines.append(f"- FLT's {what} below {exact}'s from N = {where}")
@@ -229,7 +241,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             pts = sorted((r["n"], r[key]) for r in rows if r["mechanism"] == m)
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=m)
-        x = crossover(rows, "flt", "softmax+t5", key)
+        x = crossover(rows, *HEADLINE, key)
         if x is not None:
             ax.axvline(x, color="grey", linestyle=":", label=f"FLT = exact softmax+T5 at N = {x:.0f}")
         ax.set_xscale("log", base=2)

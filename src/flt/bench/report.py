@@ -158,7 +158,7 @@ def targets(data: dict) -> list[dict]:
         if rows[-1]["measured"] is None:
             # The named exact baseline did not run at this N: say what every other exact one gives.
             for other, spec in VARIANTS.items():
-                if spec.mechanism == "softmax" and other != exact and spec.memory_order >= 2:
+                if spec.exact and other != exact and spec.memory_order >= 2:
                     alt = _get(results, other, shape, False, mode, N)
                     if _ok(alt):
                         ratio(f"{mode}: {other} time / {flt} time (>=)", TARGETS[key], alt, _get(results, flt, shape, False, mode, N), True,
@@ -171,7 +171,7 @@ def targets(data: dict) -> list[dict]:
     fits = exponents(results, preset["fit_min_n"])
     for (variant, shp, causal, mode), fit in sorted(fits.items()):
         spec = VARIANTS[variant]
-        if spec.kind == "op" or spec.memory_order >= 2 or spec.mechanism == "softmax" or shp != shape or fit["memory"] is None:
+        if spec.kind == "op" or spec.memory_order >= 2 or spec.exact or shp != shape or fit["memory"] is None:
             continue
         slope, npts = fit["memory"]
         rows.append({
@@ -266,7 +266,8 @@ def floor_rows(data: dict, N: int | None = None) -> list[dict]:
 
 def floor_targets(data: dict) -> list[dict]:
     """Issue 12's targets at the preset's ``target_n``: x floor of the compiled logit coupling,
-    its bf16 path and the multiplicative path (bidirectional), and causal / bidirectional time."""
+    its bf16 path and the multiplicative path (bidirectional), and causal / bidirectional time
+    of every variant of the mechanism of the preset's headline (its first, FLT)."""
     N = target_length(data)
     shape = data["preset"]["shapes"][0]
     rows = []
@@ -279,7 +280,8 @@ def floor_targets(data: dict) -> list[dict]:
             measured = f["x_floor"]
             rows.append({"name": f"{mode}: {variant} x floor (<=)", "target": target, "measured": measured,
                          "passed": None if measured is None else measured <= target, "note": f["unreliable"]})
-    for variant in sorted({k[0] for k in by_key if VARIANTS[k[0]].mechanism == "flt"}):
+    headline = VARIANTS[data["preset"]["headline"][0]].mechanism
+    for variant in sorted({k[0] for k in by_key if VARIANTS[k[0]].mechanism == headline}):
         for mode in ("fwd", "fwd+bwd"):
             causal, bidir = _get(data["results"], variant, shape, True, mode, N), _get(data["results"], variant, shape, False, mode, N)
             if not (_ok(causal) and _ok(bidir)):

@@ -46,6 +46,14 @@ class Variant:
     def kwargs(self) -> dict:
         return dict(self.options)
 
+    @property
+    def exact(self) -> bool:
+        """An attention layer whose mechanism is exact: every call forms all ``N^2`` pairs
+        (its :data:`flt.layers.registry.COSTS` entry says so; ops and peers are not)."""
+        from flt.layers.registry import COSTS
+
+        return self.kind == "layer" and COSTS[self.mechanism].exact
+
 
 def _flt(coupling: str, m: int, R: int) -> Variant:
     return Variant("flt", (("coupling", coupling), ("num_features", m), ("num_frequencies", R)))

@@ -206,6 +206,7 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     from safetensors.torch import load_file
 
     from flt.layers.draws import fixed_draw
+    from flt.models import replace_fields
     from flt.options import ATTENTION_ARGUMENTS, check_attention_options
     from flt.tasks import change_data, config_from_dict, load_task
     from flt.tasks.base import has_test_split
@@ -230,8 +231,9 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     model_dict["attention_options"] = {**model_dict.get("attention_options", {}), **changed}
     cfg = config_from_dict(model_dict)
     run = run_config_from_dict(preset["run"])
-    if changed:  # bad estimator options are refused before any data is loaded
-        check_attention_options(model_dict["attention"], model_dict["attention_options"], reserved=ATTENTION_ARGUMENTS)
+    if changed:  # bad estimator options are refused before any data is loaded, and the model built from them as checked
+        cfg = replace_fields(cfg, attention_options=check_attention_options(cfg.attention, cfg.attention_options,
+                                                                            reserved=ATTENTION_ARGUMENTS))
     data = dict(data_options or {})
     name, trained = preset["task"], preset.get("data", {})
     options = change_data(name, trained, data, "--data-opt/--data")

@@ -100,15 +100,15 @@ def config_from_args(args: argparse.Namespace) -> LinearizeConfig:
     name, entry = parse_attention(args.attention)
     options = merge_options(entry, parse_assignments(args.attn_opt, "--attn-opt"), entry_source=f"--attention {args.attention}")
     changes = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k) is not None}
-    if name == "flt":  # the options given override the defaults for FLT one by one
-        options = {**LinearizeConfig().attention_options, **options}
+    defaults = LinearizeConfig()
+    if name == defaults.attention:  # the options given override the default mechanism's defaults one by one
+        options = {**defaults.attention_options, **options}
     changes["attention_options"] = options
     # Recorded absolute, so that --resume from another directory finds the same text.
     data = None if args.data is None else os.path.abspath(args.data)
     config = LinearizeConfig(attention=name, data=data, finetune=args.finetune, transfer=args.transfer, byte_tokens=args.bytes,
                              **changes)
-    check_attention(config)
-    return config
+    return check_attention(config)
 
 
 def run(args: argparse.Namespace) -> int:

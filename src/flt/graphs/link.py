@@ -49,7 +49,13 @@ from .anchors import select_anchors
 from .data import Graph, communities, grid_graph
 from .gnn import GNN_KINDS, StructuralEncoder, parse_kind
 from .split import LinkSplit, split_links
-from .transformer import GraphTransformer, LaplacianPE, NodeTransformer, anchor_inputs
+from .transformer import (
+    GRAPH_ATTENTIONS,
+    GraphTransformer,
+    LaplacianPE,
+    NodeTransformer,
+    anchor_inputs,
+)
 
 #: Model kinds of :func:`build_pair_model`: the structural encoders (GIR, the distance MLP
 #: and every GNN of :data:`~flt.graphs.gnn.GNN_KINDS`, featureless, with anchor indication,
@@ -149,7 +155,7 @@ class _Encoder(nn.Module):
         super().__init__()
         self.kind, self.num_nodes = kind, num_nodes
         self.edges, self.anchors, self.initial_anchors = train_edges, anchors, anchors
-        if kind in ("flt", "softmax-spectrum"):
+        if kind in GRAPH_ATTENTIONS:
             self.x, self.pos = anchor_inputs(num_nodes, train_edges, anchors)
             self.net: GraphTransformer | LaplacianPE | StructuralEncoder = GraphTransformer(
                 len(anchors), len(anchors), attention=kind, out_dim=dim, **options)
@@ -182,7 +188,7 @@ class _Encoder(nn.Module):
         self.anchors = self.initial_anchors
 
     def forward(self) -> torch.Tensor:
-        if self.kind in ("flt", "softmax-spectrum"):
+        if self.kind in GRAPH_ATTENTIONS:
             return self.net(self.x, self.pos)
         if self.kind == "lap-pe":
             return self.net()

@@ -52,6 +52,7 @@ from transformers.utils import logging
 from flt._checks import check_choice
 from flt._io import read_json_file, regular_files
 from flt.functional import AttentionCore
+from flt.layers.registry import ATTENTION
 
 #: The name of flt's attention implementation in ``transformers``' registries.
 IMPLEMENTATION = "flt"
@@ -84,7 +85,8 @@ class _ConvertedAttention(Protocol):
     layer_idx: int
 
 
-def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forward", **options: Any) -> PreTrainedModel:
+def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forward", attention_options: dict[str, Any] | None = None,
+            **options: Any) -> PreTrainedModel:
     """Replace the attention core of a ``transformers`` decoder by flt's, in place.
 
     Args:
@@ -97,6 +99,10 @@ def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forw
             (:data:`PATHS`).
         **options: the core's options (``coupling``, ``near_field``, ``num_features``,
             ``qk_norm``, ``seed``, spectrum options, ...); ``causal`` is always True.
+            Checked once for all layers.
+        attention_options: the same options as one dict, instead of ``**options``; those
+            that :func:`flt.options.check_attention_options` returned with
+            :data:`flt.options.ATTENTION_ARGUMENTS` reserved are not checked again.
 
     Returns:
         ``model``, converted: every projection weight kept, one core per layer (its
@@ -105,6 +111,10 @@ def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forw
         config of that class's config class, whose ``model_type`` is ``flt_`` and the original's.
     """
     check_choice("path", path, PATHS)
+    if attention_options is not None:
+        if options:
+            raise TypeError(f"convert: give the options as attention_options or as keywords, not both ({sorted(options)})")
+        options = attention_options
     if "causal" in options:
         raise ValueError("causal is not an option of convert: a decoder's attention is causal")
     _equip(model, attention, path, options)
@@ -114,7 +124,12 @@ def convert(model: PreTrainedModel, attention: str = "flt", *, path: str = "forw
 
 
 def _equip(model: PreTrainedModel, attention: str, path: str, options: dict[str, Any]) -> None:
-    """Give every self-attention module of ``model`` a core and switch its attention to flt's."""
+    """Give every self-attention module of ``model`` a core and switch its attention to flt's;
+    ``options`` are checked once for all (:func:`flt.options.checked_once`)."""
+    from flt.options import checked_once
+
+    check_choice("mechanism", attention, sorted(ATTENTION))
+    options = checked_once(attention, options)
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no self-attention module convert() knows (q_proj/k_proj of the Llama family, c_attn of GPT-2)")
@@ -127,8 +142,8 @@ def _equip(model: PreTrainedModel, attention: str, path: str, options: dict[str,
         heads, head_dim = _heads(model.config, module)
         converted = cast(_ConvertedAttention, module)  # gains the attributes the attention function reads
         with torch.device("cpu") if meta else contextlib.nullcontext():
-            converted.flt_core = AttentionCore(attention, heads=heads, head_dim=head_dim, causal=True, device=device,
-                                               dtype=param.dtype, **options)
+            converted.flt_core = AttentionCore.from_checked_options(attention, options, heads=heads, head_dim=head_dim, causal=True,
+                                                                    device=device, dtype=param.dtype)
         converted.flt_core.path = path
         if not hasattr(module, "_flt_cache"):
             converted._flt_cache = None

@@ -18,9 +18,18 @@ expected type. A new entry needs nothing more than annotated keyword parameters 
 layer built from parts, a function of :mod:`flt.layers.flat` that lists them, named by its
 ``flat_builder``), and states its own memory estimate (``parameter_values``,
 ``forward_values``).
+
+:data:`COSTS` holds, beside each entry, what the benchmarks ask of a mechanism instead of
+branching on its name: whether it is exact (every call forms all ``N^2`` pairs) and its
+model of the matrix-product FLOPs of one forward call (:func:`forward_flops`, the model
+:mod:`flt.bench.flops` describes), or None where it has none.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from flt.layers.base import AttentionBase
 from flt.layers.flt import FLTAttention
@@ -43,3 +52,82 @@ def _by_name(*classes: type[AttentionBase]) -> dict[str, type[AttentionBase]]:
 
 #: Each entry under the name its class declares (``registry_name``, beside its definition).
 ATTENTION: dict[str, type[AttentionBase]] = _by_name(SoftmaxAttention, PerformerAttention, ToeplitzAttention, FLTAttention)
+
+
+#: ``(cls, options, *, batch, heads, length, head_dim, causal) -> {part: FLOPs}``.
+FlopModel = Callable[..., dict[str, float]]
+
+
+def _projection_flops(*, batch: int, heads: int, length: int, head_dim: int) -> float:
+    """q, k, v and out: ``4 * 2 N d^2`` per sequence, ``d = H D``."""
+    d = heads * head_dim
+    return 4 * 2 * batch * length * d * d
+
+
+def exact_flops(cls: type[AttentionBase], options: dict, *, batch: int, heads: int, length: int, head_dim: int,
+                causal: bool) -> dict[str, float]:
+    """Forward FLOPs of exact attention by part: the projections, and ``2 N^2 D`` for the
+    scores and as much for the values per head (halved when causal)."""
+    return {"projections": _projection_flops(batch=batch, heads=heads, length=length, head_dim=head_dim),
+            "scores and values": 2 * 2 * batch * heads * length * length * head_dim * (0.5 if causal else 1.0)}
+
+
+def kernel_flops(cls: type[AttentionBase], options: dict, *, batch: int, heads: int, length: int, head_dim: int,
+                 causal: bool) -> dict[str, float]:
+    """Forward FLOPs of a kernel (linear) mechanism by part, from its flat ``options`` and the
+    defaults its class gives them (:meth:`AttentionBase.option`): an option the class does not
+    have (a Performer's ``coupling``, ``num_frequencies``, near set) counts as absent.
+    The terms are those of :mod:`flt.bench.flops`."""
+    from flt.ops.linear import causal_chunk_size
+
+    D, bhn = head_dim, batch * heads * length
+    parts: dict[str, float] = {"projections": _projection_flops(batch=batch, heads=heads, length=length, head_dim=head_dim)}
+    m = cls.option(options, "num_features")
+    coupling = cls.option(options, "coupling")
+    two_r = 2 * (cls.option(options, "num_frequencies") or 0)
+    d_in = D + two_r if coupling == "logit" else D
+    if cls.option(options, "feature_map") == "hedgehog":  # a learned [m/2, D] map: its backward is two products
+        parts["learned feature maps"] = 2 * 2 * bhn * (m // 2) * d_in
+    else:
+        parts["feature maps"] = 2 * 2 * bhn * m * d_in
+    kron = two_r if coupling == "multiplicative" else 0
+    width = two_r * m if coupling == "multiplicative" else m
+    parts["state and read-out"] = 2 * 2 * bhn * width * (D + 1)
+    if causal:
+        parts["in-chunk products"] = 2 * bhn * causal_chunk_size(m, kron or 1, D) * (m + kron + D + 1)
+    near_field = cls.option(options, "near_field") or 0
+    k = cls.option(options, "near_neighbors") or (2 * near_field + 1 if near_field else 0)
+    if k:
+        parts["near set"] = 2 * bhn * k * (D + m + 2 * (D + 1))
+    return parts
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the benchmarks ask of a mechanism (:data:`COSTS`)."""
+
+    #: Every forward call forms all ``N^2`` pairs of queries and keys (exact attention).
+    exact: bool
+    #: Its forward FLOPs by part (:func:`forward_flops`), or None: no model (the FFT of Toeplitz).
+    flops: FlopModel | None = None
+
+
+#: Each ``ATTENTION`` entry's :class:`Cost`, under the same name (a test holds the two to the
+#: same names, so that a new mechanism states its own rather than silently getting none).
+COSTS: dict[str, Cost] = {
+    "softmax": Cost(exact=True, flops=exact_flops),
+    "performer": Cost(exact=False, flops=kernel_flops),
+    "toeplitz": Cost(exact=False),
+    "flt": Cost(exact=False, flops=kernel_flops),
+}
+
+
+def forward_flops(name: str, options: dict[str, Any], *, batch: int, heads: int, length: int, head_dim: int,
+                  causal: bool) -> dict[str, float] | None:
+    """Matrix-product FLOPs of one forward call of ``ATTENTION[name]`` with flat ``options``
+    over ``batch`` sequences of ``length`` tokens, by part (a multiply-add is 2 FLOPs;
+    :mod:`flt.bench.flops`), or None for a mechanism without a model."""
+    model = COSTS[name].flops
+    if model is None:
+        return None
+    return model(ATTENTION[name], options, batch=batch, heads=heads, length=length, head_dim=head_dim, causal=causal)

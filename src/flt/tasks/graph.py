@@ -321,7 +321,7 @@ class GraphTask(Task[GraphBatch, GraphConfig]):
         if mechanism is not None and not mechanism.takes_spectrum_options(options):
             defaults = ATTENTION_DEFAULTS.get(cfg.attention, {})
             options = {k: v for k, v in options.items() if not (k in SPECTRUM_DEFAULTS and k in defaults and v == defaults[k])}
-        if cfg.attention == "softmax" and options.get("relative_bias") == "spd":
+        if mechanism is not None and mechanism.option(options, "relative_bias") == "spd":
             if self.positions != "anchor" or cfg.gir_positions:
                 raise ValueError("relative_bias='spd' reads hop distances from the positions: it needs positions='anchor' and no gir_positions")
             options["relative_options"] = {"unit": 1.0 / math.sqrt(self.num_anchors), **(options.get("relative_options") or {})}

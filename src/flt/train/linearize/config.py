@@ -3,12 +3,13 @@ attention that run before any model loads (:func:`check_attention`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from flt._checks import check_choice
 from flt.layers import ATTENTION
-from flt.options import ATTENTION_ARGUMENTS, check_attention_options
+from flt.options import checked_once
 from flt.tasks.preset import RunConfig
 
 #: What trains during fine-tuning (:class:`LinearizeConfig.finetune`).
@@ -97,15 +98,19 @@ class LinearizeConfig:
         return RunConfig(steps=steps, lr=lr, warmup_steps=min(self.warmup_steps, max(steps - 1, 0))).lr_at(local)
 
 
-def check_attention(config: LinearizeConfig) -> None:
+def check_attention(config: LinearizeConfig) -> LinearizeConfig:
     """Refuse an unknown mechanism or option before any model loads (the checks of ``flt train``),
-    and weights to match from a mechanism without them."""
+    and weights to match from a mechanism without them. Returns ``config`` with its
+    ``attention_options`` as the check returned them (:class:`flt.options.CheckedOptions`):
+    options that already passed it are not checked again, here or where the cores are built
+    (:func:`flt.integrations.transformers.convert`)."""
     check_choice("attention", config.attention, ATTENTION)
     if "causal" in config.attention_options:
         raise ValueError("causal is not an attention option here: a decoder's attention is causal")
     if "path" in config.attention_options:
         raise ValueError("path is not an attention option here: linearize trains the estimator (path='forward')")
-    check_attention_options(config.attention, config.attention_options, reserved=ATTENTION_ARGUMENTS)
+    config = dataclasses.replace(config, attention_options=checked_once(config.attention, config.attention_options))
     if config.transfer != "outputs" and config.attention_options.get("coupling") == "multiplicative":
         raise ValueError(f"--transfer {config.transfer} matches attention weights, which coupling='multiplicative' does not "
                          "have (its signed mask makes them signed); use --transfer outputs or coupling='logit'")
+    return config

@@ -133,7 +133,7 @@ def linearize(model_dir: str | os.PathLike, out_dir: str, config: LinearizeConfi
         ValueError, FileNotFoundError: bad ``model_dir``, data or options, before training.
         flt.train.lock.RunDirectoryInUse: another process works in ``out_dir``.
     """
-    check_attention(config)
+    config = check_attention(config)  # options the command line checked are not checked again
     check_model_dir(model_dir)
     check_tokens(model_dir, config.byte_tokens)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device)
@@ -166,7 +166,7 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: t
     teacher = load_softmax_model(model_dir, device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    student = convert(copy.deepcopy(teacher), config.attention, **config.attention_options)
+    student = convert(copy.deepcopy(teacher), config.attention, attention_options=config.attention_options)
     weights = config.transfer != "outputs"
     if weights:
         teacher.set_attn_implementation("eager")  # the implementation that returns the softmax weights
