@@ -430,7 +430,7 @@ class CoulombFrequencies(Frequencies):
     """
 
     def __init__(self, heads: int, pos_dim: int, *, alpha: float = 0.15, reach: float | None = None,
-                 tail_amplitude: float = 1.0, num_radii: int = 8, quadrature: int = 8, amplitude: float = 1.0,
+                 tail_amplitude: float = 1.0, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
                  length_scale: float = 1.0, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, pos_dim)
