@@ -32,7 +32,8 @@ from flt.perf import keep_freed_memory
 BLOCKS: dict[str, dict[str, Any]] = {
     "radial": {"frequencies": "radial", "neutral": True},
     "radial, shared radii": {"frequencies": "radial", "neutral": True, "shared": True},
-    "radial, 16 shared radii": {"frequencies": "radial", "neutral": True, "shared": True, "num_radii": 16},
+    "radial, shared radii, rule per call": {"frequencies": "radial", "neutral": True, "shared": True, "quadrature": None},
+    "radial, shared radii, order 16": {"frequencies": "radial", "neutral": True, "shared": True, "quadrature": 16},
     "radial, rule per call": {"frequencies": "radial", "neutral": True, "quadrature": None},
     "coulomb": {"frequencies": "coulomb", "heads": 1, "neutral": True},
     "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "neutral": True, "reach": 32.0},
