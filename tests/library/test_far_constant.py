@@ -5,13 +5,10 @@ there"."""
 
 import pytest
 import torch
-
 from conftest import assert_close, assert_same_gradients
+
 from flt import FLTAttention
-from flt.cli import build_parser
-from flt.commands.train import preset_from_args
-from flt.tasks.qm9 import QM9Task
-from flt.options import check_attention_options, parse_attention
+from flt.options import parse_attention
 
 F64 = torch.float64
 CONSTANTS = (0.6, -0.4)  # one per head; the second below 0 (a negative weight or bias)
@@ -209,19 +206,6 @@ def test_the_constant_needs_a_near_set_and_a_known_spelling():
         FLTAttention(16, 2, far_field="constant")
     with pytest.raises(TypeError, match="far_field.*'constant'"):
         layer(near_field=3, far_field="constants")
-
-
-def test_the_cli_string_parses_and_builds_constant_layers():
-    name, options = parse_attention("flt:near_neighbors=16:far_field=constant")
-    assert (name, options) == ("flt", {"near_neighbors": 16, "far_field": "constant"})
-    check_attention_options(name, options)
-    args = build_parser().parse_args(["train", "qm9", "--preset", "small", "--attention",
-                                      "flt:near_neighbors=16:far_field=constant"])
-    model = QM9Task.build_model(preset_from_args(args, *parse_attention(args.attention)).model)
-    layers = [m for m in model.modules() if isinstance(m, FLTAttention)]
-    assert layers and all(m.far_field == "constant" and m.near_neighbors == 16 and m.coupling == "multiplicative"
-                          for m in layers)
-    assert all(torch.equal(m.far_constant.detach(), torch.zeros(m.heads)) for m in layers)
 
 
 POSITIVE_CASES = {k: CASES[k] for k in ("multiplicative, hedgehog, 5 nearest atoms", "logit, causal band of 3")}

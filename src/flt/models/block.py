@@ -16,11 +16,10 @@ from torch import nn
 from flt._checks import check_choice
 from flt.layers import ATTENTION
 from flt.options import (
-    ATTENTION_ARGUMENTS,
     POSENC_ARGUMENTS,
     CheckedOptions,
-    check_attention_options,
     check_posenc_options,
+    checked_once,
 )
 from flt.posenc import POSENC
 
@@ -41,17 +40,9 @@ def build_attention(name: str, dim: int, heads: int, *, pos_dim: int, causal: bo
     the arguments set here reserved) unless they are the :class:`flt.options.CheckedOptions`
     that check returned, then the layer's parts built."""
     check_choice("attention", name, ATTENTION)
-    options = checked_attention_options(name, options)
+    options = checked_once(name, options)
     return ATTENTION[name].from_checked_options(dim, heads, pos_dim=pos_dim, causal=causal, device=device, dtype=dtype,
                                                 **options)
-
-
-def checked_attention_options(name: str, options: dict[str, Any]) -> CheckedOptions:
-    """``options`` of ``ATTENTION[name]`` checked with the model's arguments reserved: as
-    they are when they already passed that check, else checked now."""
-    if isinstance(options, CheckedOptions) and options.checked_for(ATTENTION[name], ATTENTION_ARGUMENTS):
-        return options
-    return check_attention_options(name, options, reserved=ATTENTION_ARGUMENTS)
 
 
 def feed_forward(dim: int, mlp_ratio: float, *, device: torch.device | str | None = None,
@@ -132,7 +123,7 @@ def layer_mechanisms(attention: str, attention_options: dict[str, Any] | None, l
     """``(name, options)`` of each of ``depth`` layers: ``attention`` with its options for
     every layer, or ``layer_attention`` (one ``{"attention": NAME, "attention_options":
     {...}}`` per layer, ``LayeredConfig.layer_attention``) replacing them layer by layer.
-    Each distinct set is checked once (:func:`checked_attention_options`), however many
+    Each distinct set is checked once (:func:`flt.options.checked_once`), however many
     layers share it."""
     if layer_attention is None:
         entries = [(attention, attention_options or {})] * depth
@@ -144,7 +135,7 @@ def layer_mechanisms(attention: str, attention_options: dict[str, Any] | None, l
     for name, options in entries:
         if (name, id(options)) not in checked:
             check_choice("attention", name, ATTENTION)
-            checked[name, id(options)] = checked_attention_options(name, options)
+            checked[name, id(options)] = checked_once(name, options)
     return [(name, checked[name, id(options)]) for name, options in entries]
 
 
