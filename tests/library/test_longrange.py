@@ -91,6 +91,19 @@ def test_feature_sum_backward_is_autograds_of_the_written_out_sum(groups, normal
                                     (phase, w, v))
 
 
+@pytest.mark.parametrize(("phase", "w", "v", "message"), [
+    ((2, 3, 5, 4), (3, 4), (2, 3, 5), "v must have rank 4"),
+    ((2, 2, 5, 4), (3, 4), (2, 3, 5, 2), "G dividing H"),
+    ((2, 1, 6, 4), (3, 4), (2, 3, 5, 2), "share B and N"),
+    ((2, 1, 5, 4), (3, 5), (2, 3, 5, 2), r"w must be \[H, R\] = \[3, 4\]"),
+])
+def test_feature_sum_refuses_shapes_that_do_not_fit(phase, w, v, message):
+    with pytest.raises(ValueError, match=message):
+        feature_sum(torch.zeros(phase), torch.zeros(w), torch.zeros(v))
+    with pytest.raises(TypeError, match="phase must have a floating-point dtype"):
+        feature_sum(torch.zeros(2, 3, 5, 4, dtype=torch.long), torch.zeros(3, 4), torch.zeros(2, 3, 5, 2))
+
+
 @pytest.mark.parametrize("content", CONTENT)
 def test_shared_radii_are_one_feature_set_and_match_the_dense_sum(content):
     """shared=True: one row of radii for all heads, each head its own weights; forward and

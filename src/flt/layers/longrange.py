@@ -535,10 +535,14 @@ def _grouped(v: torch.Tensor, groups: int) -> torch.Tensor:
     return rearrange(v, "b (g k) n d -> b g n (k d)", g=groups)
 
 
+def _per_head(state: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, G, R, K D] -> [B, G, R, K, D]``: a grouped state split into its ``K`` heads."""
+    return rearrange(state, "b g r (k d) -> b g r k d", k=k)
+
+
 def _weighted(state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``state [B, G, R, K D]`` times ``w [G, R, K]`` along its heads ``K``."""
-    per_head = rearrange(state, "b g r (k d) -> b g r k d", k=w.shape[-1])
-    return rearrange(per_head * w[None, ..., None], "b g r k d -> b g r (k d)")
+    return rearrange(_per_head(state, w.shape[-1]) * w[None, ..., None], "b g r k d -> b g r (k d)")
 
 
 class _CosineSum(torch.autograd.Function):
@@ -558,9 +562,7 @@ class _CosineSum(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin, w, v, sum_cos, sum_sin = ctx.saved_tensors
         back_cos, back_sin = cos.transpose(-1, -2) @ grad, sin.transpose(-1, -2) @ grad
-        k = w.shape[-1]
-        per_head = "b g r (k d) -> b g r k d"
-        grad_w = (rearrange(back_cos * sum_cos + back_sin * sum_sin, per_head, k=k)).sum((0, -1))
+        grad_w = _per_head(back_cos * sum_cos + back_sin * sum_sin, w.shape[-1]).sum((0, -1))
         wb_cos, wb_sin, ws_cos, ws_sin = (_weighted(t, w) for t in (back_cos, back_sin, sum_cos, sum_sin))
         grad_v = cos @ wb_cos + sin @ wb_sin
         grad_cos = grad @ ws_cos.transpose(-1, -2) + v @ wb_cos.transpose(-1, -2)
@@ -580,11 +582,18 @@ def feature_sum(phase: torch.Tensor, w: torch.Tensor, v: torch.Tensor, qf: torch
     ``keep [B, N]`` (False for keys that send nothing) or None -> ``[B, H, N, Dv]``. The
     weights and ``keep`` multiply the small states and the values, never an ``[N, R]`` tensor.
     """
+    check_tensor("phase", phase, ndim=4, layout="[B, G, N, R]")
+    check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
+    heads, groups = v.shape[1], phase.shape[1]
+    if heads % groups or phase.shape[0] != v.shape[0] or phase.shape[2] != v.shape[2]:
+        raise ValueError(f"phase [B, G, N, R] and v [B, H, N, Dv] must share B and N, with G dividing H (G = H, or 1 for shared phases); "
+                         f"got phase {tuple(phase.shape)}, v {tuple(v.shape)}")
+    if w.shape != (heads, phase.shape[-1]):
+        raise ValueError(f"w must be [H, R] = [{heads}, {phase.shape[-1]}], got shape {tuple(w.shape)}")
     if normalised:
         v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
     if keep is not None:
         v = v * keep[:, None, :, None].to(v.dtype)
-    heads, groups = v.shape[1], phase.shape[1]
     if qf is not None and kf is not None:
         c = torch.cat([torch.cos(phase), torch.sin(phase)], dim=-1).expand(-1, heads, -1, -1)
         state = torch.einsum("bhnr,bhnm,bhnd->bhrmd", c, kf, v) * torch.cat([w, w], dim=-1)[None, :, :, None, None]
