@@ -85,6 +85,9 @@ class Features:
     """
 
     kind: ClassVar[str]
+    #: The map has weights of its own (``[m/2, D]`` for ``hedgehog``): the FLOP model of
+    #: :mod:`flt.layers.registry` counts it as two products instead of a fixed projection.
+    learned: ClassVar[bool] = False
     qk_norm: bool = False
     temperature: float = 1.0
     seed: int | None = None
@@ -149,6 +152,7 @@ class Hedgehog(Features):
     """``[softmax(W x), softmax(-W x)]`` with a learned ``W [m/2, D]`` (``num_features = m``, even)."""
 
     kind: ClassVar[str] = "hedgehog"
+    learned: ClassVar[bool] = True
     num_features: int = 256
 
     def __post_init__(self) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 from flt.layers.base import AttentionBase
 from flt.layers.flt import FLTAttention
+from flt.layers.parts import FEATURES
 from flt.layers.performer import PerformerAttention
 from flt.layers.softmax import SoftmaxAttention
 from flt.layers.toeplitz import ToeplitzAttention
@@ -86,7 +87,7 @@ def kernel_flops(cls: type[AttentionBase], options: dict, *, batch: int, heads: 
     coupling = cls.option(options, "coupling")
     two_r = 2 * (cls.option(options, "num_frequencies") or 0)
     d_in = D + two_r if coupling == "logit" else D
-    if cls.option(options, "feature_map") == "hedgehog":  # a learned [m/2, D] map: its backward is two products
+    if FEATURES[cls.option(options, "feature_map")].learned:  # a learned [m/2, D] map: two products
         parts["learned feature maps"] = 2 * 2 * bhn * (m // 2) * d_in
     else:
         parts["feature maps"] = 2 * 2 * bhn * m * d_in
