@@ -196,6 +196,50 @@ def test_resume_refuses_other_options(checkpoints, text_file, tmp_path, one_thre
                   progress=False, plots=False)
 
 
+def test_resume_refuses_a_checkpoint_of_the_old_loop(checkpoints, text_file, tmp_path, one_thread):
+    """A checkpoint written before linearize ran on the training loop (a trainer state of
+    its own: one random state, no world size or logging window) is refused by name, with
+    what to do, before anything in the run directory changes."""
+    from flt.train.checkpoint import STATE_FILE, sha256_file
+
+    config = small_config(text_file, checkpoint_every=1)
+    run = tmp_path / "run"
+    with pytest.raises(LinearizeInterrupted):
+        linearize(checkpoints["llama"], str(run), config, progress=False, plots=False, on_step=_StopAt(2))
+    ckpt = run / "checkpoints" / "step-00000002"
+    state = torch.load(ckpt / STATE_FILE, weights_only=True)
+    old = {"step": 2, "stage": "transfer", "optimizer": state["optimizer"], "rng": state["rng"][0], "step_times": state["step_times"]}
+    torch.save(old, ckpt / STATE_FILE)
+    meta = json.loads((ckpt / "config.json").read_text())
+    meta["files"][STATE_FILE] = {"sha256": sha256_file(str(ckpt / STATE_FILE)), "bytes": (ckpt / STATE_FILE).stat().st_size}
+    (ckpt / "config.json").write_text(json.dumps(meta))
+    records = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=rf"^{ckpt} was written by an earlier version of flt linearize, whose checkpoints this "
+                       "one does not resume; start the run again in another --out-dir$"):
+        linearize(checkpoints["llama"], str(run), config, resume=True, progress=False, plots=False)
+    assert (run / "metrics.jsonl").read_text() == records
+
+
+@pytest.mark.parametrize("stage", ["transfer", "finetune"])
+def test_a_diverging_stage_names_its_learning_rate(stage, checkpoints, text_file, tmp_path, one_thread, monkeypatch):
+    """A non-finite loss stops the run, naming the step (of
+    the stage's last), the last checkpoint (intact) and the flag of the stage's learning rate."""
+    import flt.train.linearize.run as run_module
+    from flt.train.loop import TrainingDiverged
+
+    def nan(*args):
+        return torch.tensor(float("nan"), requires_grad=True)
+
+    monkeypatch.setattr(run_module, "transfer_loss" if stage == "transfer" else "next_token_loss", nan)
+    config = small_config(text_file, transfer_steps=1, finetune_steps=2)
+    run = tmp_path / "run"
+    step, last, where = (1, 1, "no checkpoint was written yet") if stage == "transfer" else (
+        2, 3, f"the last checkpoint, {run / 'checkpoints' / 'step-00000001'}, is intact")
+    with pytest.raises(TrainingDiverged) as diverged:
+        linearize(checkpoints["llama"], str(run), config, progress=False, plots=False)
+    assert str(diverged.value) == f"the training loss is nan at step {step} of {last} in {run}; {where}; lower --{stage}-lr"
+
+
 def _cli_error(argv, capsys) -> str:
     assert main(argv) == 2
     return capsys.readouterr().err

@@ -166,12 +166,11 @@ def _search(preset: Preset, config: SearchConfig, out_dir: str, ctx: D.Context, 
     optimizer = weights_optimizer(model, run, exclude=supernet.alphas)
     start, window, step_times = restore(origin, model, optimizer, run, ctx, supernet)
     reached.step = start
-    r = Run(preset=preset, out_dir=out_dir, ctx=ctx, task=weights_task, model_cfg=model_cfg, model=model, ddp=model,
-            optimizer=optimizer, record={**record, "model": config_to_dict(model_cfg)}, start=start,
-            parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
+    r = Run(run=run, out_dir=out_dir, ctx=ctx, task=weights_task, model=model, ddp=model, optimizer=optimizer,
+            record={**record, "model": config_to_dict(model_cfg)}, start=start, window=window, step_times=step_times,
             last_checkpoint=origin.checkpoint, hooks=supernet,
             clipped=[p for group in optimizer.param_groups for p in group["params"]])
-    _announce(r, supernet, say)
+    _announce(r, preset.task, supernet, say)
 
     def write(step: int, done: bool = False) -> dict[str, Any]:
         result = _result(preset, config, model_cfg, progress, supernet.slots, task, step, done=done)
@@ -210,16 +209,17 @@ def _origin(out_dir: str, record: dict[str, Any], resume: bool, say: Callable[[s
     return Origin(ckpt, int(meta["step"]), steps), progress
 
 
-def _announce(r: Run, supernet: Supernet, say: Callable[[str], None]) -> None:
+def _announce(r: Run, task: str, supernet: Supernet, say: Callable[[str], None]) -> None:
     """The first lines: where a resumed search continues, what the supernet mixes."""
-    run, config = r.preset.run, supernet.config
+    run, config = r.run, supernet.config
+    parameters = sum(p.numel() for p in r.model.parameters())
     if r.last_checkpoint is not None:
         say(f"resuming the search in {r.out_dir} from step {r.start} "
             f"({len(supernet.progress['slots'])} of {len(supernet.slots)} slots decided)")
     posenc_labels = [c.label for c in config.posenc_candidates]
-    say(f"{r.preset.task} search over {', '.join(c.label for c in config.candidates)}"
+    say(f"{task} search over {', '.join(c.label for c in config.candidates)}"
         + (f" and the absolute encodings {', '.join(posenc_labels)}" if posenc_labels else "")
-        + f": {len(supernet.slots)} slots, {r.parameters:,} parameters in the supernet, "
+        + f": {len(supernet.slots)} slots, {parameters:,} parameters in the supernet, "
         f"{run.steps} supernet steps, {config.tune_steps} fine-tuning steps per decision"
         + (", alpha frozen uniform" if config.fixed_alpha else ""))
 

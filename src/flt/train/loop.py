@@ -30,10 +30,12 @@ a checkpoint (:func:`restore`), open the run directory, loop over the steps
 (:func:`run_steps`: :func:`train_step`, :func:`_log_training`, :func:`_validate`,
 :func:`checkpoint_step`) and finish (:func:`_finish`: draw gap, summary, plots).
 
-The loop has one other client, :func:`flt.search.search`: it goes through the same data,
-step, checkpoint and resume functions with a :class:`StepHooks` of its own (an
-architecture step before each weights step, its evaluation on a held-out part, its extra
-checkpoint state), then adds its selection step.
+The loop has two other clients, each with a :class:`Run` and a :class:`StepHooks` of its
+own, through the same step, checkpoint and resume functions. :func:`flt.search.search`
+adds an architecture step before each weights step, its evaluation on a held-out part and
+its extra checkpoint state, then its selection step. :func:`flt.train.linearize.linearize`
+runs a ``transformers`` model in two stages, one :class:`Run` each (its own parameters,
+optimizer and learning-rate schedule), with records, validation and advice of its own.
 """
 
 from __future__ import annotations
@@ -339,10 +341,16 @@ class Origin:
 
 class StepHooks:
     """What a client of the loop adds to its steps; these defaults add nothing, and
-    :func:`train` is the loop with them. :mod:`flt.search` is the other client: its
-    architecture step runs in :meth:`before_update`, its progress lines in :meth:`validate`,
-    and its architecture optimizer and decisions travel in every checkpoint
-    (:meth:`state`, :meth:`record`), so that a resumed search continues bit for bit."""
+    :func:`train` is the loop with them. :mod:`flt.search` is a client: its architecture
+    step runs in :meth:`before_update`, its progress lines in :meth:`validate`, and its
+    architecture optimizer and decisions travel in every checkpoint (:meth:`state`,
+    :meth:`record`), so that a resumed search continues bit for bit.
+    :mod:`flt.train.linearize` is another: each of its stages names its records
+    (:meth:`train_record`), validates by perplexity and says which learning rate to lower
+    (:attr:`advice`)."""
+
+    #: The end of :class:`TrainingDiverged`'s message: what to change.
+    advice = "lower --lr or check the data"
 
     def before_update(self, r: Run, step: int) -> None:
         """Runs in step ``step`` after the draw of the step, before the weights' loss; it
@@ -352,6 +360,13 @@ class StepHooks:
         """The periodic evaluation after step ``step`` (whose training loss is ``loss``):
         by default the validation split (:func:`_validate`)."""
         return _validate(r, step, logger, say)
+
+    def train_record(self, r: Run, step: int, values: dict[str, float]) -> tuple[str, dict[str, Any]]:
+        """The split and fields of the record written after step ``step`` every
+        ``log_every`` steps; ``values`` are the loop's: the mean training loss over those
+        steps, the learning rate and the throughput ``{unit}_per_s``. By default
+        ``("train", values)``."""
+        return "train", values
 
     def state(self) -> dict[str, Any]:
         """Extra trainer state for every checkpoint (tensors and plain containers)."""
@@ -367,22 +382,22 @@ class StepHooks:
 
 @dataclass
 class Run:
-    """What a run holds while it trains, built once by :func:`_train` (or by a client of
-    the loop, :class:`StepHooks`)."""
+    """What :func:`run_steps` and :func:`checkpoint_step` work on: a model trained on a
+    task's batches with one optimizer under ``run`` (the step budget, batches, logging,
+    evaluation and checkpoint intervals, clipping, precision, seed). :func:`_train` builds
+    one for each run (a :class:`_TrainRun`), a client of the loop its own (:class:`StepHooks`)."""
 
-    preset: Preset
+    run: RunConfig
     out_dir: str
     ctx: D.Context
     task: Task
-    model_cfg: TrunkConfig
     model: nn.Module
     ddp: nn.Module
     optimizer: torch.optim.Optimizer
-    #: Configuration saved in ``run.json`` and in every checkpoint: preset, filled-in
-    #: model config and the task's extra data, serialised once.
+    #: Configuration saved in ``run.json`` and in every checkpoint (JSON), serialised once.
     record: dict[str, Any]
+    #: The last step already trained; :func:`run_steps` trains ``start + 1 .. run.steps``.
     start: int
-    parameters: int
     #: What the checkpoint restored: the partly filled logging window of each process and
     #: the main process's step times (both empty for a fresh run).
     window: _Window
@@ -393,6 +408,22 @@ class Run:
     #: bounds (None: every parameter of the model).
     hooks: StepHooks = field(default_factory=StepHooks)
     clipped: list[nn.Parameter] | None = None
+    #: The learning rate of each step (None: ``run.lr_at``, the schedule of ``run.steps``).
+    schedule: Callable[[int], float] | None = None
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of (1-based) ``step``."""
+        return self.run.lr_at(step) if self.schedule is None else self.schedule(step)
+
+
+@dataclass(kw_only=True)
+class _TrainRun(Run):
+    """A run of :func:`train`: also its preset (whose ``run`` is :attr:`Run.run`), the
+    model's config with its data-dependent fields, and the number of parameters."""
+
+    preset: Preset
+    model_cfg: TrunkConfig
+    parameters: int
 
 
 @dataclass
@@ -431,8 +462,8 @@ def _train(preset: Preset, out_dir: str, ctx: D.Context, *, resume: bool, keep_s
     task, model_cfg = load_data(preset, ctx)
     model, optimizer = _build_model(task, model_cfg, preset.run, ctx)
     start, window, step_times = restore(origin, model, optimizer, preset.run, ctx, StepHooks())
-    r = Run(
-        preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
+    r = _TrainRun(
+        run=preset.run, preset=preset, out_dir=out_dir, ctx=ctx, task=task, model_cfg=model_cfg, model=model,
         ddp=_training_module(model, preset.run, ctx), optimizer=optimizer,
         record={"preset": preset_record, "model": config_to_dict(model_cfg), "extra": task.extra(), "init": origin.init},
         start=start, parameters=sum(p.numel() for p in model.parameters()), window=window, step_times=step_times,
@@ -614,7 +645,7 @@ def _restore_training_draw(model: nn.Module, run: RunConfig, start: int) -> None
         DG.redraw_for_step(model, run, last_redraw)
 
 
-def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
+def _open_run_dir(r: _TrainRun, origin: Origin) -> MetricsLogger:
     """Write ``run.json`` (configuration and environment) and open ``metrics.jsonl``."""
     os.makedirs(r.out_dir, exist_ok=True)
     atomic_write_json(os.path.join(r.out_dir, "run.json"), {
@@ -624,8 +655,8 @@ def _open_run_dir(r: Run, origin: Origin) -> MetricsLogger:
     return MetricsLogger(os.path.join(r.out_dir, "metrics.jsonl"), resume_step=origin.step if origin.checkpoint else None)
 
 
-def _progress_bar(r: Run) -> tqdm:
-    return progress_bar(r.preset.run.steps, r.start, f"{r.preset.task} {r.model_cfg.attention}")
+def _progress_bar(r: _TrainRun) -> tqdm:
+    return progress_bar(r.run.steps, r.start, f"{r.preset.task} {r.model_cfg.attention}")
 
 
 def progress_bar(steps: int, start: int, desc: str) -> tqdm:
@@ -651,9 +682,9 @@ def model_label(cfg: Any) -> str:
     return f"{cfg.attention} + {cfg.posenc}" if uses_attention(cfg) else str(cfg.encoder)
 
 
-def _announce(r: Run, origin: Origin, say: _Printer) -> None:
+def _announce(r: _TrainRun, origin: Origin, say: _Printer) -> None:
     """The first lines: notes about the checkpoint, an extension, what trains where."""
-    run = r.preset.run
+    run = r.run
     for note in origin.notes:
         say(note)
     if origin.checkpoint is not None and run.steps > origin.saved_steps:
@@ -669,7 +700,7 @@ def run_steps(r: Run, logger: MetricsLogger | None, bar: tqdm | None, say: Calla
               on_step: Callable[[int], None] | None,
               reached: Progress) -> tuple[dict[str, float], list[float]]:
     """Steps ``start + 1 .. run.steps``; returns ``(last validation metrics, step times)``."""
-    run, ctx = r.preset.run, r.ctx
+    run, ctx = r.run, r.ctx
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     # Both continue from the checkpoint, so that a resumed run logs what an uninterrupted one does.
@@ -678,7 +709,7 @@ def run_steps(r: Run, logger: MetricsLogger | None, bar: tqdm | None, say: Calla
     r.model.train()
     for step in range(r.start + 1, run.steps + 1):
         t0 = time.perf_counter()
-        loss, items = train_step(r, step, run.lr_at(step))
+        loss, items = train_step(r, step, r.lr_at(step))
         dt = time.perf_counter() - t0
         step_times.append(dt)
         window.add(loss, items, dt)
@@ -702,7 +733,7 @@ def run_steps(r: Run, logger: MetricsLogger | None, bar: tqdm | None, say: Calla
 def train_step(r: Run, step: int, lr: float) -> tuple[float, int]:
     """One optimizer step at learning rate ``lr`` (after the client's :meth:`StepHooks.before_update`);
     returns the loss and the number of ``task.unit`` in the global batch."""
-    run, ctx = r.preset.run, r.ctx
+    run, ctx = r.run, r.ctx
     DG.redraw_for_step(r.model, run, step)  # draw-robust training (flt.train.drawgap)
     r.hooks.before_update(r, step)
     for group in r.optimizer.param_groups:
@@ -732,23 +763,25 @@ def _check_finite(r: Run, loss: torch.Tensor, step: int) -> float:
     shown = value if not math.isfinite(value) else "not finite in another process"
     where = (f"the last checkpoint, {r.last_checkpoint}, is intact"
              if r.last_checkpoint else "no checkpoint was written yet")
-    raise TrainingDiverged(f"the training loss is {shown} at step {step} of {r.preset.run.steps} in {r.out_dir}; "
-                           f"{where}; lower --lr or check the data")
+    raise TrainingDiverged(f"the training loss is {shown} at step {step} of {r.run.steps} in {r.out_dir}; "
+                           f"{where}; {r.hooks.advice}")
 
 
 def _log_training(r: Run, logger: MetricsLogger | None, window: _Window, step: int) -> None:
-    """A ``train`` record: the mean loss over the window and processes, the learning rate, the throughput."""
+    """A ``train`` record (or what :meth:`StepHooks.train_record` makes of it): the mean
+    loss over the window and processes, the learning rate, the throughput."""
     mean_loss = D.all_reduce_sum(r.ctx, [window.loss / window.steps])[0] / r.ctx.world
     if logger is not None:
         rate = window.items / max(window.seconds, 1e-9)
-        logger.log(step, "train", loss=mean_loss, lr=r.preset.run.lr_at(step), **{f"{r.task.unit}_per_s": rate})
+        split, fields = r.hooks.train_record(r, step, {"loss": mean_loss, "lr": r.lr_at(step), f"{r.task.unit}_per_s": rate})
+        logger.log(step, split, **fields)
 
 
 def _validate(r: Run, step: int, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
     """Validation metrics of ``step``, logged and printed. All on one fixed draw, which the
     final checkpoint keeps (flt.train.drawgap); the final evaluation covers the whole
     validation split, periodic ones may be capped."""
-    run = r.preset.run
+    run = r.run
     last = step == run.steps
     metrics = evaluate_on_draw(r.task, r.model, r.ctx, run, None if last else run.eval_batches, keep=last)
     if logger is not None:
@@ -767,13 +800,13 @@ def checkpoint_step(r: Run, step: int, window: _Window, step_times: list[float])
         state = {"step": step, "optimizer": r.optimizer.state_dict(), "rng": rngs, "world_size": r.ctx.world,
                  "log_window": windows, "step_times": torch.tensor(step_times, dtype=torch.float64), **r.hooks.state()}
         r.last_checkpoint = save_checkpoint(r.out_dir, step, r.model, config={**r.record, **r.hooks.record()}, trainer_state=state,
-                                            keep=r.preset.run.keep_checkpoints)
+                                            keep=r.run.keep_checkpoints)
     D.barrier(r.ctx)
 
 
-def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
+def _finish(r: _TrainRun, say: _Printer, last_valid: dict[str, float], step_times: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
     """Final evaluation if none ran, draw gap, ``summary.json``, plots and the last lines."""
-    run, ctx = r.preset.run, r.ctx
+    run, ctx = r.run, r.ctx
     eval_bs = run.eval_batch_size or run.batch_size
     if not last_valid:
         # Resumed at the final step: nothing left to train, report the final weights.
@@ -805,7 +838,7 @@ def _finish(r: Run, say: _Printer, last_valid: dict[str, float], step_times: lis
     return summary
 
 
-def _check_final_metrics(r: Run, valid: dict[str, float], test: dict[str, float] | None) -> None:
+def _check_final_metrics(r: _TrainRun, valid: dict[str, float], test: dict[str, float] | None) -> None:
     """Raise :class:`TrainingDiverged` if a final metric is NaN or infinite: the model's
     outputs overflowed though the training loss stayed finite, and a summary cannot hold
     such a number (JSON has none)."""
@@ -813,14 +846,14 @@ def _check_final_metrics(r: Run, valid: dict[str, float], test: dict[str, float]
         bad = {k: v for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)}
         if bad:
             where = f"the last checkpoint, {r.last_checkpoint}, holds these weights" if r.last_checkpoint else "no checkpoint was written"
-            raise TrainingDiverged(f"the final {split} {', '.join(f'{k} is {v}' for k, v in bad.items())} at step {r.preset.run.steps} "
+            raise TrainingDiverged(f"the final {split} {', '.join(f'{k} is {v}' for k, v in bad.items())} at step {r.run.steps} "
                                    f"in {r.out_dir} (not a finite number; summary.json is not written); {where}; check the data's "
                                    "values and scale, or lower --lr")
 
 
-def _summary(r: Run, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
+def _summary(r: _TrainRun, last_valid: dict[str, float], step_times: list[float], gap: dict[str, Any] | None, wall_start: float) -> dict[str, Any]:
     """The contents of ``summary.json``; the peak memory is the largest over processes."""
-    run, ctx = r.preset.run, r.ctx
+    run, ctx = r.run, r.ctx
     memory, memory_kind = peak_memory_mib(ctx.device)
     summary = {
         "task": r.preset.task, **_mechanism(r.model_cfg), "seed": run.seed,
@@ -845,7 +878,7 @@ def _mechanism(cfg: Any) -> dict[str, Any]:
     return record
 
 
-def _plots(r: Run) -> list[str]:
+def _plots(r: _TrainRun) -> list[str]:
     """Write the PNG plots; returns their file names."""
     # matplotlib is an optional dependency, imported only when plots are wanted.
     from flt.train.plots import plot_learning_curves, plot_rpe_functions

@@ -18,7 +18,9 @@ in two stages, as Hedgehog and LoLCATs linearise pretrained models:
    default), its attention modules (``"attention"``: cores and q/k/v/o projections) or the
    cores only (``"cores"``), by next-token cross-entropy on the same text.
 
-The run directory is the one ``flt train`` writes (the same checkpoint, lock, metrics and
+Both stages run on the training loop of ``flt train`` (:func:`flt.train.loop.run_steps`,
+one :class:`flt.train.loop.Run` per stage; :mod:`flt.train.linearize.run` says how), and
+the run directory is the one ``flt train`` writes (the same checkpoint, lock, metrics and
 plot code of :mod:`flt.train`): ``run.json``, ``metrics.jsonl`` (``transfer`` records: the
 loss, each layer's output error ``layers`` and, when weights are matched, its weights' KL
 ``kl``; ``train``; ``valid``; ``matching`` before and after transfer), ``checkpoints/``
@@ -26,9 +28,6 @@ loss, each layer's output error ``layers`` and, when weights are matched, its we
 perplexity of the softmax model, of the converted model before transfer, after transfer
 and after fine-tuning), ``learning_curves.png`` and ``model/``, the linearised model saved
 with ``save_pretrained`` (load it with :func:`flt.integrations.transformers.from_pretrained`).
-:func:`flt.train.train` itself runs flt's own models from a task's config; a
-``transformers`` model is not one, so the two stages here are a short loop over the same parts
-(:mod:`flt.train.linearize.run` says which parts, and why the steps are a loop of their own).
 
 Text: a UTF-8 file (its last ``valid_fraction`` is validation) or, by default, the
 embedded Python-documentation corpus (:func:`flt.data.text.load_python_docs`). Tokens: the

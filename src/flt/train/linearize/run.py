@@ -1,31 +1,26 @@
-"""The run of :func:`linearize`: attention transfer, then fine-tuning, in a run directory.
+"""The run of :func:`linearize`: attention transfer, then fine-tuning, in a run directory,
+on the training loop of :mod:`flt.train.loop`.
 
-What it shares with :func:`flt.train.train`: the run directory's lock
-(:func:`flt.train.lock.lock_run_dir`) and the removal of what a killed run left half
-written, the checkpoints (:mod:`flt.train.checkpoint`: written atomically and hashed,
-found, verified and loaded for ``resume``), the random states (:mod:`flt.train.rng`),
-``metrics.jsonl`` (:mod:`flt.train.metrics`), and from :mod:`flt.train.loop` the progress
-bar, the step reached and the checkpoint named on Ctrl-C (:class:`~flt.train.loop.Progress`,
-:func:`~flt.train.loop.resumable_checkpoint`), :class:`~flt.train.loop.TrainingDiverged` and
-the peak memory. The learning-rate schedule is :meth:`flt.tasks.preset.RunConfig.lr_at`.
+Each stage is one :class:`flt.train.loop.Run` (transfer: steps ``1..transfer_steps``,
+fine-tuning: the rest) that :func:`flt.train.loop.run_steps` trains as it trains
+``flt train``'s and ``flt search``'s: the same step (batch, loss, finite-loss check,
+clipping, update), step times, progress bar, ``metrics.jsonl``, checkpoints
+(:func:`~flt.train.loop.checkpoint_step`) and resume (:func:`~flt.train.loop.restore`),
+under the same lock. What a stage brings (:class:`_Stage`):
 
-What it does not: its steps (:func:`_loop`) are not :func:`flt.train.loop.run_steps`, whose
-run is a :class:`flt.train.loop.Run` of a task (:class:`flt.tasks.Task`: batches and loss)
-with one optimizer, one schedule, windowed ``train`` records and a trainer state of the
-loop's layout. Here, without a change to what a run computes or writes:
+* its task (:class:`_Text`): the training windows of each step (:func:`window_batch`) and
+  the stage's loss, in transfer the layers' matching error against the teacher (both
+  models run, the student in eval mode: no dropout), in fine-tuning next-token
+  cross-entropy;
+* its parameters, a fresh AdamW over them and the schedule :meth:`LinearizeConfig.lr_at`,
+  which restarts at the boundary; the boundary is the transfer :class:`Run`'s last step,
+  so it is validated and checkpointed as every ``eval_every`` and ``checkpoint_every`` steps;
+* its hooks: a record every step (``transfer`` with each layer's error, or ``train``, with
+  the stage), validation by perplexity (and, at the end of transfer, each layer's
+  matching error), the learning rate to lower should the loss diverge.
 
-* the two stages train different parameters with a fresh AdamW each, under a schedule
-  that restarts at the stage boundary (:meth:`LinearizeConfig.lr_at`), and the student
-  runs in eval mode during transfer; the boundary is validated and checkpointed as well as
-  every ``eval_every`` and ``checkpoint_every`` steps (``run_steps`` does so at multiples
-  and at the last step only);
-* the transfer loss is the layers' matching error against the teacher's (both models run
-  each step), not a task's loss, and no random features are redrawn;
-* every step writes its own record (``transfer`` with each layer's error, or ``train``
-  with its ``stage``), where ``run_steps`` averages ``train`` records over ``log_every``;
-* the trainer state is ``{step, stage, optimizer, rng, step_times}`` (one process, one
-  random state), which the runs written so far resume from; the loop's state adds the
-  world size and logging windows and refuses one without them.
+A resumed run restores its checkpoint into the stage that wrote it (at the boundary, the
+transfer stage, whose optimizer fine-tuning then replaces with a fresh one).
 """
 
 from __future__ import annotations
@@ -40,21 +35,21 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flt._io import atomic_dir, atomic_write_json
-from flt.train import metrics
+from flt.tasks import Task
+from flt.tasks.preset import RunConfig
+from flt.train import distributed as D, metrics
 from flt.train.checkpoint import (
     has_checkpoint,
     load_trainer_state,
-    load_weights,
     locate_checkpoint,
     remove_leftovers,
-    save_checkpoint,
 )
 from flt.train.linearize.config import LinearizeConfig, check_attention
 from flt.train.linearize.data import (
@@ -71,21 +66,27 @@ from flt.train.linearize.model import check_model_dir, load_softmax_model
 from flt.train.linearize.plots import plot_linearization
 from flt.train.lock import lock_run_dir
 from flt.train.loop import (
+    Origin,
     Progress,
+    Run,
+    StepHooks,
     TrainingDiverged,
     peak_memory_mib,
     progress_bar,
+    restore,
     resumable_checkpoint,
+    run_steps,
 )
-from flt.train.rng import rng_state, seed_everything, set_rng_state
+from flt.train.metrics import MetricsLogger
+from flt.train.rng import seed_everything
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
 @dataclass
-class _Run:
-    """What a linearisation holds while it trains."""
+class _Linearization:
+    """What both stages of a linearisation share."""
 
     config: LinearizeConfig
     out_dir: str
@@ -96,11 +97,6 @@ class _Run:
     train_ids: torch.Tensor
     valid_ids: torch.Tensor
     record: dict[str, Any]
-    logger: Any = None
-    optimizer: torch.optim.Optimizer | None = None
-    stage: str | None = None
-    step_times: list[float] = field(default_factory=list)
-    last_checkpoint: str | None = None
 
 
 #: The default of :func:`linearize`'s ``config`` (frozen: one instance serves every call).
@@ -156,10 +152,9 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: t
     notes = [lock_note] if lock_note else []
     notes += [f"removed {p}, left half written by a run that was killed" for p in remove_leftovers(out_dir)]
     record = {"linearize": dataclasses.asdict(config), "model_dir": str(model_dir.resolve())}
-    origin: str | None = None
-    meta: dict[str, Any] = {}
+    origin = Origin()
     if resume:
-        origin, meta = _resume_point(out_dir, record, notes)
+        origin = _resume_point(out_dir, record, notes)
     elif has_checkpoint(out_dir):
         raise ValueError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
     seed_everything(config.seed)
@@ -178,23 +173,42 @@ def _linearize(model_dir: Path, out_dir: str, config: LinearizeConfig, device: t
         raise ValueError(f"the text has token id {top}, beyond the vocabulary of {model_dir} ({teacher.config.vocab_size}); "
                          "a byte-level text needs vocab_size >= 256 or the model's tokenizer files in MODEL_DIR")
     record.update(tokens=tokens.kind, corpus=corpus)
-    r = _Run(config, out_dir, device, teacher, student, LayerMatching(teacher, student, weights=weights), train_ids, valid_ids, record)
+    lin = _Linearization(config, out_dir, device, teacher, student, LayerMatching(teacher, student, weights=weights), train_ids,
+                         valid_ids, record)
     if config.transfer_steps and not trainable_parameters(student, "cores"):
         raise ValueError(f"{config.attention} with options {config.attention_options} has no learned parameters for "
                          "attention transfer; set transfer_steps to 0 or choose a mechanism with a learned part")
-    start = 0 if origin is None else _restore(r, origin, meta)
+    stages = [name for name, steps in (("transfer", config.transfer_steps), ("finetune", config.finetune_steps)) if steps]
+    # The stage that wrote the checkpoint restores it (at the boundary, transfer); a fresh run starts with the first.
+    stages = stages[stages.index(config.stage(max(origin.step, 1))):]
+    first = _Stage(lin, stages[0])
+    start, window, step_times = restore(origin, student, first.optimizer, first.run, first.ctx, first)
+    r = first.on_loop(start, window, step_times, origin.checkpoint)
+    reached.step = start
     for note in notes:
         print(f"note: {note}", flush=True)
     os.makedirs(out_dir, exist_ok=True)
-    _write_run_json(r, teacher, student)
-    with contextlib.closing(metrics.MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), resume_step=start if origin else None)) as r.logger:
-        if origin is None:
-            _baselines(r)
-        _loop(r, start, progress, on_step, reached)
-    return _finish(r, plots, wall_start)
+    _write_run_json(lin)
+    with contextlib.ExitStack() as stack:
+        logger = stack.enter_context(contextlib.closing(MetricsLogger(os.path.join(out_dir, "metrics.jsonl"),
+                                                                      resume_step=start if origin.checkpoint else None)))
+        if origin.checkpoint is None:
+            _baselines(lin, logger)
+        bar = stack.enter_context(progress_bar(config.steps, start, f"linearize {config.attention}")) if progress else None
+        say: Callable[[str], None] = bar.write if bar is not None else lambda text: print(text, flush=True)
+        peaks: list[float] = []
+        for i, name in enumerate(stages):
+            if i:  # the next stage starts where the last one ended
+                r = _Stage(lin, name).on_loop(r.run.steps, r.window, r.step_times, r.last_checkpoint)
+            if r.start < r.run.steps:
+                run_steps(r, logger, bar, say, on_step, reached)
+                peaks.append(peak_memory_mib(device)[0])
+    return _finish(lin, r.step_times, peaks, plots, wall_start)
 
 
-def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tuple[str, dict[str, Any]]:
+def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> Origin:
+    """The latest checkpoint of the run in ``out_dir``, refused unless it is a run of the
+    same model and options whose trainer state the loop resumes."""
     ckpt, meta = locate_checkpoint(out_dir, report=notes.append)
     saved = {k: meta.get(k) for k in ("linearize", "model_dir")}
     if isinstance(saved["linearize"], dict):
@@ -206,146 +220,127 @@ def _resume_point(out_dir: str, record: dict[str, Any], notes: list[str]) -> tup
         raise ValueError(f"--resume needs the options of the run in {out_dir}; these differ: {', '.join(diffs)}")
     if saved["model_dir"] != record["model_dir"]:
         raise ValueError(f"--resume: the run in {out_dir} linearises {saved['model_dir']}, not {record['model_dir']}")
-    return ckpt, meta
+    step = int(meta["step"])
+    if "world_size" not in load_trainer_state(ckpt, step):
+        # Before linearize ran on the training loop its trainer state had its own layout.
+        raise ValueError(f"{ckpt} was written by an earlier version of flt linearize, whose checkpoints this one does not "
+                         "resume; start the run again in another --out-dir")
+    return Origin(ckpt, step, record["linearize"]["transfer_steps"] + record["linearize"]["finetune_steps"])
 
 
-def _write_run_json(r: _Run, teacher: PreTrainedModel, student: PreTrainedModel) -> None:
-    info = {**r.record, "parameters": sum(p.numel() for p in student.parameters()),
-            "softmax_parameters": sum(p.numel() for p in teacher.parameters()), "model_type": teacher.config.model_type,
-            "device": str(r.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+class _Text(Task[torch.Tensor, Any]):
+    """The training text as the loop's task in one stage (one process): the windows of each
+    step (:func:`window_batch`, ``[B, seq_len + 1]``) and the stage's loss on them."""
+
+    unit = "tokens"
+
+    def __init__(self, lin: _Linearization, stage: str) -> None:
+        self.lin, self.stage = lin, stage
+        #: Each layer's matching losses in the last transfer step (its ``transfer`` record's).
+        self.layers: dict[str, list[float]] = {}
+
+    def train_batch(self, step: int, batch_size: int, seed: int, rank: int, world: int) -> torch.Tensor:
+        return window_batch(self.lin.train_ids, step, batch_size, self.lin.config.seq_len, seed)
+
+    def batch_items(self, batch: torch.Tensor) -> int:
+        return batch[:, 1:].numel()
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        """Fine-tuning: next-token cross-entropy. Transfer: the layers' matching loss
+        (:func:`transfer_loss`); each layer's output error (``layers``) and, when weights
+        are matched, its weights' KL (``kl``) are kept for the step's record. ``model`` is
+        the student (one process: no DDP wrapper)."""
+        student = self.lin.student
+        if self.stage == "finetune":
+            return next_token_loss(student, batch)
+        # Transfer matches the teacher's deterministic outputs: no dropout in the student either.
+        student.eval()
+        losses = self.lin.matching.losses(batch[:, :-1])
+        self.layers = {"layers": losses["outputs"].detach().tolist()}
+        if "weights" in losses:
+            self.layers["kl"] = losses["weights"].detach().tolist()
+        return transfer_loss(losses, self.lin.config.transfer)
+
+
+class _Stage(StepHooks):
+    """One stage (``"transfer"`` or ``"finetune"``) as a client of the loop: its parameters,
+    a fresh AdamW over them, the loop's settings of its steps (:attr:`run`) in one process
+    (:attr:`ctx`), its task (:class:`_Text`) and its hooks."""
+
+    def __init__(self, lin: _Linearization, name: str) -> None:
+        c = lin.config
+        self.lin, self.name, self.text, self.ctx = lin, name, _Text(lin, name), D.Context(0, 1, lin.device)
+        self.advice = f"lower --{name}-lr"
+        self.params = trainable_parameters(lin.student, "cores" if name == "transfer" else c.finetune)
+        lr = c.transfer_lr if name == "transfer" else c.finetune_lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        # One record a step; the random features are drawn once, not redrawn; float32. The
+        # learning rate is the schedule of the stage (on_loop), not this config's.
+        self.run = RunConfig(steps=c.transfer_steps if name == "transfer" else c.steps, batch_size=c.batch_size, lr=lr,
+                             grad_clip=c.grad_clip, eval_every=c.eval_every, checkpoint_every=c.checkpoint_every,
+                             keep_checkpoints=c.keep_checkpoints, log_every=1, seed=c.seed, redraw_interval=0, precision="fp32")
+
+    def on_loop(self, start: int, window: Any, step_times: list[float], last_checkpoint: str | None) -> Run:
+        """The loop's :class:`Run` of this stage from step ``start``, with what the last
+        stage or the checkpoint left: the loop's logging window, the step times and the
+        newest checkpoint."""
+        lin = self.lin
+        return Run(run=self.run, out_dir=lin.out_dir, ctx=self.ctx, task=self.text, model=lin.student,
+                   ddp=lin.student, optimizer=self.optimizer, record=lin.record, start=start, window=window,
+                   step_times=step_times, last_checkpoint=last_checkpoint, hooks=self, clipped=self.params,
+                   schedule=lin.config.lr_at)
+
+    def train_record(self, r: Run, step: int, values: dict[str, float]) -> tuple[str, dict[str, Any]]:
+        """The step's record (``log_every`` is 1), without the throughput: ``transfer`` with each
+        layer's matching losses (:attr:`_Text.layers`), or ``train``; both name the stage."""
+        record = {"loss": values["loss"], "lr": values["lr"], "stage": self.name}
+        return ("transfer", {**record, **self.text.layers}) if self.name == "transfer" else ("train", record)
+
+    def validate(self, r: Run, step: int, loss: float, logger: MetricsLogger | None, say: Callable[[str], None]) -> dict[str, float]:
+        """The validation perplexity, and at the end of transfer each layer's matching error."""
+        valid = _evaluate(self.lin, self.lin.student)
+        if logger is not None:
+            logger.log(step, "valid", stage=self.name, **valid)
+            if self.name == "transfer" and step == r.run.steps:
+                logger.log(step, "matching", **_matching(self.lin))
+        say(f"step {step} ({self.name}): valid ppl {valid[METRIC]:.4g}")
+        return valid
+
+
+def _write_run_json(lin: _Linearization) -> None:
+    info = {**lin.record, "parameters": sum(p.numel() for p in lin.student.parameters()),
+            "softmax_parameters": sum(p.numel() for p in lin.teacher.parameters()), "model_type": lin.teacher.config.model_type,
+            "device": str(lin.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version()}
-    atomic_write_json(os.path.join(r.out_dir, "run.json"), info, indent=2, sort_keys=True)
+    atomic_write_json(os.path.join(lin.out_dir, "run.json"), info, indent=2, sort_keys=True)
 
 
-def _evaluate(r: _Run, model: PreTrainedModel) -> dict[str, float]:
-    c = r.config
-    return perplexity(model, r.valid_ids, seq_len=c.seq_len, batch_size=c.batch_size, max_batches=c.eval_batches, device=r.device)
+def _evaluate(lin: _Linearization, model: PreTrainedModel) -> dict[str, float]:
+    c = lin.config
+    return perplexity(model, lin.valid_ids, seq_len=c.seq_len, batch_size=c.batch_size, max_batches=c.eval_batches, device=lin.device)
 
 
-def _matching(r: _Run) -> dict[str, list[float]]:
+def _matching(lin: _Linearization) -> dict[str, list[float]]:
     """The ``matching`` record's values on the validation windows: each layer's output
     error (``error``) and, when weights are matched, its weights' KL (``kl``)."""
-    c = r.config
-    losses = r.matching.evaluate(r.valid_ids, c.seq_len, c.batch_size, c.eval_batches, device=r.device)
+    c = lin.config
+    losses = lin.matching.evaluate(lin.valid_ids, c.seq_len, c.batch_size, c.eval_batches, device=lin.device)
     return {"error": losses["outputs"], **({"kl": losses["weights"]} if "weights" in losses else {})}
 
 
-def _baselines(r: _Run) -> None:
+def _baselines(lin: _Linearization, logger: MetricsLogger) -> None:
     """Step 0: the softmax model's and the converted model's validation perplexity and the
     converted layers' matching error, before any training."""
-    softmax, converted = _evaluate(r, r.teacher), _evaluate(r, r.student)
-    r.logger.log(0, "softmax", **softmax)
-    r.logger.log(0, "valid", stage="converted", **converted)
-    r.logger.log(0, "matching", **_matching(r))
+    softmax, converted = _evaluate(lin, lin.teacher), _evaluate(lin, lin.student)
+    logger.log(0, "softmax", **softmax)
+    logger.log(0, "valid", stage="converted", **converted)
+    logger.log(0, "matching", **_matching(lin))
     print(f"softmax model: valid ppl {softmax[METRIC]:.4g}; converted, before training: valid ppl {converted[METRIC]:.4g}", flush=True)
 
 
-def _set_stage(r: _Run, stage: str) -> None:
-    """Trainable parameters, optimizer and train/eval mode of ``stage``; a fresh AdamW."""
-    c = r.config
-    params = trainable_parameters(r.student, "cores" if stage == "transfer" else c.finetune)
-    r.optimizer = torch.optim.AdamW(params, lr=c.transfer_lr if stage == "transfer" else c.finetune_lr, betas=(0.9, 0.95),
-                                    weight_decay=0.0)
-    # Transfer matches the teacher's deterministic outputs: no dropout in the student either.
-    r.student.train(stage == "finetune")
-    r.stage = stage
-
-
-def _optimizer(r: _Run) -> torch.optim.Optimizer:
-    """The optimizer of the stage in progress (:func:`_set_stage` creates it)."""
-    if r.optimizer is None:
-        raise RuntimeError("no stage has been set: the optimizer comes with the stage (_set_stage)")
-    return r.optimizer
-
-
-def _restore(r: _Run, ckpt: str, meta: dict[str, Any]) -> int:
-    load_weights(ckpt, r.student)
-    state = load_trainer_state(ckpt)
-    step = int(meta["step"])
-    if step < r.config.steps:
-        _set_stage(r, r.config.stage(step + 1))
-        if state["stage"] == r.stage:
-            _optimizer(r).load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"], r.student)
-    r.step_times = state["step_times"].tolist()
-    r.last_checkpoint = ckpt
-    return step
-
-
-def _loop(r: _Run, start: int, progress: bool, on_step: Callable[[int], None] | None, reached: Progress) -> None:
-    """Steps ``start + 1 .. steps`` of both stages (the module docstring says why not
-    :func:`flt.train.loop.run_steps`)."""
-    c = r.config
-    bar = progress_bar(c.steps, start, f"linearize {c.attention}") if progress else None
-    try:
-        for step in range(start + 1, c.steps + 1):
-            if r.stage != c.stage(step):
-                _set_stage(r, c.stage(step))
-            t0 = time.perf_counter()
-            loss, layers = _train_step(r, step)
-            r.step_times.append(time.perf_counter() - t0)
-            values = {"loss": loss, "lr": c.lr_at(step), "stage": r.stage}
-            r.logger.log(step, "transfer" if layers is not None else "train", **values, **(layers or {}))
-            stage_end = step in (c.transfer_steps, c.steps)
-            if step % c.eval_every == 0 or stage_end:
-                valid = _evaluate(r, r.student)
-                r.logger.log(step, "valid", stage=r.stage, **valid)
-                if r.stage == "transfer" and step == c.transfer_steps:
-                    r.logger.log(step, "matching", **_matching(r))
-                message = f"step {step} ({r.stage}): valid ppl {valid[METRIC]:.4g}"
-                bar.write(message) if bar is not None else print(message, flush=True)
-            if step % c.checkpoint_every == 0 or stage_end:
-                _checkpoint(r, step)
-            reached.step = step
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{r.stage} loss {loss:.4g}")
-            if on_step is not None:
-                on_step(step)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _train_step(r: _Run, step: int) -> tuple[float, dict[str, list[float]] | None]:
-    """One optimizer step: ``(loss, per-layer matching losses or None)``: in transfer each
-    layer's output error (``layers``) and, when weights are matched, its weights' KL (``kl``)."""
-    c, optimizer = r.config, _optimizer(r)
-    for group in optimizer.param_groups:
-        group["lr"] = c.lr_at(step)
-    batch = window_batch(r.train_ids, step, c.batch_size, c.seq_len, c.seed).to(r.device)
-    layers = None
-    if r.stage == "transfer":
-        losses = r.matching.losses(batch[:, :-1])
-        loss = transfer_loss(losses, c.transfer)
-        layers = {"layers": losses["outputs"].detach().tolist()}
-        if "weights" in losses:
-            layers["kl"] = losses["weights"].detach().tolist()
-    else:
-        loss = next_token_loss(r.student, batch)
-    value = float(loss.detach())
-    if not math.isfinite(value):
-        where = f"the last checkpoint, {r.last_checkpoint}, is intact" if r.last_checkpoint else "no checkpoint was written yet"
-        raise TrainingDiverged(f"the {r.stage} loss is {value} at step {step} of {c.steps} in {r.out_dir}; {where}; "
-                               f"lower the {r.stage} learning rate")
-    loss.backward()
-    if c.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], c.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return value, layers
-
-
-def _checkpoint(r: _Run, step: int) -> None:
-    state = {"step": step, "stage": r.stage, "optimizer": _optimizer(r).state_dict(), "rng": rng_state(r.student),
-             "step_times": torch.tensor(r.step_times, dtype=torch.float64)}
-    r.last_checkpoint = save_checkpoint(r.out_dir, step, r.student, config=r.record, trainer_state=state,
-                                        keep=r.config.keep_checkpoints)
-
-
-def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
+def _finish(r: _Linearization, step_times: list[float], peaks: list[float], plots: bool, wall_start: float) -> dict[str, Any]:
     """``summary.json`` from the records (a resumed run has the earlier ones too), the
-    linearised model in ``model/`` and the plot."""
+    linearised model in ``model/`` and the plot; ``peaks``: each stage's peak memory (MiB)."""
     c = r.config
     records = metrics.read_metrics(os.path.join(r.out_dir, "metrics.jsonl"))
     valid = {rec["step"]: rec for rec in records if rec["split"] == "valid"}
@@ -361,8 +356,9 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
                                "(not a finite number; summary.json is not written); lower the learning rates, or check "
                                "the model's and the text's scale")
     final = ppl["finetuned"] if ppl["finetuned"] is not None else ppl["transferred"]
-    times = {stage: [t for i, t in enumerate(r.step_times, 1) if c.stage(i) == stage] for stage in ("transfer", "finetune")}
+    times = {stage: [t for i, t in enumerate(step_times, 1) if c.stage(i) == stage] for stage in ("transfer", "finetune")}
     memory, memory_kind = peak_memory_mib(r.device)
+    memory = max([memory, *peaks])  # on CUDA each stage counts from its own start
     summary = {
         **r.record, "attention": c.attention, "attention_options": c.attention_options, "metric": METRIC,
         "steps": c.steps, "transfer_steps": c.transfer_steps, "finetune_steps": c.finetune_steps, "finetune": c.finetune,
@@ -371,7 +367,7 @@ def _finish(r: _Run, plots: bool, wall_start: float) -> dict[str, Any]:
         "matching_error": {"before": matching.get(0), "after": matching.get(c.transfer_steps) if c.transfer_steps else None},
         "weights_kl": {"before": kl.get(0), "after": kl.get(c.transfer_steps) if c.transfer_steps else None},
         "time_per_step_s": {k: statistics.median(v) if v else None for k, v in times.items()},
-        "train_time_s": sum(r.step_times), "wall_time_s": time.perf_counter() - wall_start,
+        "train_time_s": sum(step_times), "wall_time_s": time.perf_counter() - wall_start,
         "peak_memory_mib": memory, "memory_kind": memory_kind, "device": str(r.device),
     }
     atomic_write_json(os.path.join(r.out_dir, "summary.json"), summary, indent=2, sort_keys=True)
@@ -389,7 +385,7 @@ def _show(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
 
 
-def _save_model(r: _Run) -> None:
+def _save_model(r: _Linearization) -> None:
     """``save_pretrained`` into a temporary directory renamed into place, so ``model/`` is
     complete or absent."""
     atomic_dir(r.out_dir, "model", r.student.save_pretrained)
