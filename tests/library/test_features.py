@@ -259,3 +259,17 @@ def test_hedgehog_features_are_two_softmax_halves_of_a_learned_map():
         FeatureMap(4, 7, kind="hedgehog")
     with pytest.raises(ValueError, match="weight must be"):
         hedgehog_features(x, torch.randn(3, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dim", [3, 5, 8, 16])
+def test_orthogonal_draw_is_the_block_by_block_draw(dim):
+    # The projection is drawn as one batch of blocks: for every D a seed must still give the
+    # matrix that drawing and factoring its blocks one after the other gives, bit for bit.
+    gen = torch.Generator().manual_seed(7)
+    blocks = []
+    for _ in range(3):
+        q, r = torch.linalg.qr(torch.randn(dim, dim, generator=gen, dtype=F64))
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)
+    expected = torch.cat(blocks)[: 3 * dim - 1] * torch.randn(3 * dim - 1, dim, generator=gen, dtype=F64).norm(dim=1, keepdim=True)
+    got = gaussian_orthogonal_random_matrix(3 * dim - 1, dim, generator=torch.Generator().manual_seed(7), dtype=F64)
+    assert torch.equal(got, expected)

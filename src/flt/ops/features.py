@@ -37,12 +37,18 @@ def gaussian_orthogonal_random_matrix(
     gauss = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
     if not orthogonal:
         return gauss(num_features, dim).to(device=device, dtype=dtype)
-    blocks = []
-    for _ in range(math.ceil(num_features / dim)):
-        qmat, rmat = torch.linalg.qr(gauss(dim, dim))
-        qmat = qmat * torch.sign(torch.diagonal(rmat)).unsqueeze(0)  # unique Haar-distributed Q
-        blocks.append(qmat.T)
-    rows = torch.cat(blocks, dim=0)[:num_features]
+    count = math.ceil(num_features / dim)
+    # One [count, D, D] draw and one batched QR. torch's CPU generator fills a tensor of a
+    # multiple of 16 numbers exactly as it fills its blocks one after the other, and the
+    # batched QR factors each block as a QR of it alone does, so when D^2 is one the matrix is bit for bit the
+    # one block-by-block draws give; otherwise the blocks are drawn and factored one by one,
+    # so that a seed keeps its matrix for every D.
+    if dim * dim % 16 == 0:
+        qmat, rmat = torch.linalg.qr(gauss(count, dim, dim))
+    else:
+        qmat, rmat = (torch.stack(parts) for parts in zip(*(torch.linalg.qr(gauss(dim, dim)) for _ in range(count))))
+    qmat = qmat * torch.sign(torch.diagonal(rmat, dim1=-2, dim2=-1)).unsqueeze(-2)  # unique Haar-distributed Q
+    rows = qmat.transpose(-1, -2).reshape(count * dim, dim)[:num_features]
     norms = gauss(num_features, dim).norm(dim=1, keepdim=True)
     return (rows * norms).to(device=device, dtype=dtype)
 
