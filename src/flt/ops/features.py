@@ -46,7 +46,8 @@ def gaussian_orthogonal_random_matrix(
     if dim * dim % 16 == 0:
         qmat, rmat = torch.linalg.qr(gauss(count, dim, dim))
     else:
-        qmat, rmat = (torch.stack(parts) for parts in zip(*(torch.linalg.qr(gauss(dim, dim)) for _ in range(count))))
+        factors = [torch.linalg.qr(gauss(dim, dim)) for _ in range(count)]
+        qmat, rmat = torch.stack([q for q, _ in factors]), torch.stack([r for _, r in factors])
     qmat = qmat * torch.sign(torch.diagonal(rmat, dim1=-2, dim2=-1)).unsqueeze(-2)  # unique Haar-distributed Q
     rows = qmat.transpose(-1, -2).reshape(count * dim, dim)[:num_features]
     norms = gauss(num_features, dim).norm(dim=1, keepdim=True)
