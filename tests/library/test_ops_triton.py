@@ -21,6 +21,10 @@ from flt.ops.reference import flt_attention_reference, linear_attention_referenc
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
+# The kernels run under Triton's interpreter here: minutes on a CPU, so they are left out of
+# the default run (-m interpreter runs them; CI does, with the slow tests).
+pytestmark = pytest.mark.interpreter
+
 from flt.ops.triton import favor_attention, favor_attention_torch, interpreted
 
 B, H, N, D, DV, M, R2 = 2, 2, 37, 8, 5, 16, 4  # N: two chunks of 16 and a tail

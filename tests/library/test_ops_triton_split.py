@@ -12,6 +12,10 @@ from flt.ops.features import gaussian_orthogonal_random_matrix
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
+# The kernels run under Triton's interpreter here: minutes on a CPU, so they are left out of
+# the default run (-m interpreter runs them; CI does, with the slow tests).
+pytestmark = pytest.mark.interpreter
+
 from test_ops_triton import _reference
 
 from flt.ops.triton import favor_attention, interpreted

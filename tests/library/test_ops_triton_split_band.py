@@ -14,6 +14,10 @@ from flt.ops.features import favor_plus_features_split, gaussian_orthogonal_rand
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
+# The kernels run under Triton's interpreter here: minutes on a CPU, so they are left out of
+# the default run (-m interpreter runs them; CI does, with the slow tests).
+pytestmark = pytest.mark.interpreter
+
 from flt.ops.triton import interpreted  # noqa: E402
 from flt.ops.triton.band import band_attention_split  # noqa: E402
 from flt.ops.triton.split import favor_sums_split  # noqa: E402
