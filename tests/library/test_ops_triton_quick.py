@@ -13,10 +13,14 @@ import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the optional extra 'triton')")
 
-from test_ops_triton import test_gradients_match_reference as _flt_gradients
-from test_ops_triton import test_kernel_matches_reference_float64 as _flt_forward
-from test_ops_triton_split import test_backward_kernels_match_reference_gradients_float64 as _split_backward
-from test_ops_triton_split import test_split_kernel_matches_reference_float64 as _split_forward
+from test_ops_triton import (
+    test_gradients_match_reference as _flt_gradients,
+    test_kernel_matches_reference_float64 as _flt_forward,
+)
+from test_ops_triton_split import (
+    test_backward_kernels_match_reference_gradients_float64 as _split_backward,
+    test_split_kernel_matches_reference_float64 as _split_forward,
+)
 from test_ops_triton_split_band import test_band_split_matches_reference_float64 as _band
 from test_ops_triton_split_kronecker import test_matches_reference_float64 as _kronecker
 
