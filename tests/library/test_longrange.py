@@ -102,6 +102,8 @@ def test_feature_sum_refuses_shapes_that_do_not_fit(phase, w, v, message):
         feature_sum(torch.zeros(phase), torch.zeros(w), torch.zeros(v))
     with pytest.raises(TypeError, match="phase must have a floating-point dtype"):
         feature_sum(torch.zeros(2, 3, 5, 4, dtype=torch.long), torch.zeros(3, 4), torch.zeros(2, 3, 5, 2))
+    with pytest.raises(TypeError, match="w must be a torch.Tensor"):
+        feature_sum(torch.zeros(2, 3, 5, 4), [[1.0] * 4] * 3, torch.zeros(2, 3, 5, 2))
 
 
 @pytest.mark.parametrize("content", CONTENT)

@@ -584,6 +584,7 @@ def feature_sum(phase: torch.Tensor, w: torch.Tensor, v: torch.Tensor, qf: torch
     """
     check_tensor("phase", phase, ndim=4, layout="[B, G, N, R]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
+    check_tensor("w", w, ndim=2, layout="[H, R]")
     heads, groups = v.shape[1], phase.shape[1]
     if heads % groups or phase.shape[0] != v.shape[0] or phase.shape[2] != v.shape[2]:
         raise ValueError(f"phase [B, G, N, R] and v [B, H, N, Dv] must share B and N, with G dividing H (G = H, or 1 for shared phases); "

@@ -38,10 +38,10 @@ def gaussian_orthogonal_random_matrix(
     if not orthogonal:
         return gauss(num_features, dim).to(device=device, dtype=dtype)
     count = math.ceil(num_features / dim)
-    # One [count, D, D] draw and one batched QR. torch's CPU generator fills a tensor of a
-    # multiple of 16 numbers exactly as it fills its blocks one after the other, and the
-    # batched QR factors each block as a QR of it alone does, so when D^2 is one the matrix is bit for bit the
-    # one block-by-block draws give; otherwise the blocks are drawn and factored one by one,
+    # One [count, D, D] draw and one batched QR. torch's CPU generator fills a tensor whose
+    # size is a multiple of 16 exactly as it fills the same numbers block after block, and the
+    # batched QR factors each block as a QR of it alone does: when D^2 is such a size the
+    # matrix is bit for bit the block-by-block one. Other D draw and factor block by block,
     # so that a seed keeps its matrix for every D.
     if dim * dim % 16 == 0:
         qmat, rmat = torch.linalg.qr(gauss(count, dim, dim))
