@@ -18,6 +18,7 @@ from flt.layers.longrange import (
     coulomb_tail_quadrature,
     feature_sum,
     gauss_legendre,
+    radial_profile,
     sphere_quadrature,
     tail_reach,
 )
@@ -286,6 +287,9 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
     ({"frequencies": "coulomb", "alpha": 5.0, "reach": 100.0}, "alpha \\* reach = 500 needs more than"),
     ({"frequencies": "coulomb", "num_radii": -1}, "num_radii must be a nonnegative int"),
     ({"frequencies": "coulomb", "tail_amplitude": float("nan")}, "tail_amplitude must be a finite number"),
+    ({"frequencies": "radial", "width": -0.1}, "width must be a non-negative finite number"),
+    ({"frequencies": "radial", "width": 0.05, "width_nodes": 4}, "width_nodes must be an odd number >= 3"),
+    ({"frequencies": "coulomb", "width": float("nan")}, "width must be a non-negative finite number"),
 ])
 def test_bad_options_are_refused_with_their_name(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -462,3 +466,68 @@ def test_radial_quadrature_per_call_follows_the_sinc_on_a_large_set(frequencies)
     out = per_call(h, pos)
     assert float((out - exact).detach().abs().max()) <= 1e-5 * scale
     assert_same_gradients(out, per_call.reference(h, pos), [h, pos])
+
+
+@pytest.mark.parametrize(("frequencies", "shared"), [("radial", False), ("radial", True), ("coulomb", False)])
+def test_profiled_shells_match_the_dense_sum_forward_and_backward(frequencies, shared):
+    """width > 0: the fast path against the pair-by-pair float64 sum of the same cosines,
+    gradients of h, pos and every parameter included, and the exact path against the
+    written-out sum of sincs over every radius of the profiles."""
+    options = {"width": 0.05, "width_nodes": 5, "quadrature": 6}
+    if frequencies == "radial":
+        options["shared"] = shared
+    block = make_block(frequencies, **options)
+    h, pos, pad = inputs()
+    out = block(h, pos, pad)
+    params = [p for p in block.parameters() if p.requires_grad]
+    assert_same_gradients(out, block.reference(h, pos, pad), [h, pos, *params])
+    radial = block.kernel if frequencies == "radial" else block.kernel.corrections
+    rho, w = radial.radii()
+    z, weights = radial_profile(0.05, 5)
+    delta = torch.randn(4, 3, 3, dtype=torch.float64) * 3
+    r = delta.norm(dim=-1)[..., None, None, None]
+    nodes = rho[:, :, None] + 0.05 * z  # [G, K, M]
+    written = (torch.sinc(2 * nodes * r) * weights * w[:, :, None]).sum((-1, -2))  # [..., H]
+    got = radial.exact_mask(delta)
+    assert_close(got, written)
+
+
+def test_radial_profile_is_a_normalised_symmetric_gaussian_and_thin_shells_without_width():
+    z, h = radial_profile(0.03, 9)
+    assert_close(h.sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.equal(z, -z.flip(0)) and torch.equal(h, h.flip(0))
+    assert float(z[0]) == -3.0 and float(z[-1]) == 3.0
+    assert_close(h / h[4], torch.exp(-z * z / 2))
+    z0, h0 = radial_profile(0.0, 9)
+    assert z0.tolist() == [0.0] and h0.tolist() == [1.0]
+    thin = make_block("radial")
+    zero = make_block("radial", width=0.0, width_nodes=9)
+    delta = torch.randn(5, 3, dtype=torch.float64) * 4
+    assert torch.equal(zero.kernel.exact_mask(delta), thin.kernel.exact_mask(delta))
+    assert thin.kernel.frequencies()[0].shape == zero.kernel.frequencies()[0].shape
+
+
+def test_profiled_shells_fall_off_like_the_gaussian_and_stay_small_until_the_profile_aliases():
+    """For radii well above the width, each profiled shell is its thin sinc times
+    exp(-2 pi^2 width^2 r^2) (to 5% of the thin sinc's size: the profile spans 6% of the
+    radius, over which the sinc's 1 / rho changes), and past 1.5 / (pi width), where that
+    Gaussian is e^-4.5, it stays below 2% of the thin shell's envelope up to half the
+    profile's period 1 / (width dz), where the thin sinc is still at full size."""
+    width, nodes = 0.03, 9
+    kernel = build_frequencies("radial", 1, 3, num_radii=1, width=width, width_nodes=nodes, dtype=torch.float64)
+    thin = build_frequencies("radial", 1, 3, num_radii=1, dtype=torch.float64)
+    with torch.no_grad():
+        for k in (kernel, thin):
+            k.theta.fill_(0.5 / k.rho_max)  # rho = 0.5 cycles per unit, 17 widths
+    period = 1 / (width * 6 / (nodes - 1))
+    r = torch.linspace(0.5, period / 2, 400, dtype=torch.float64)
+    delta = torch.stack([r, torch.zeros_like(r), torch.zeros_like(r)], dim=-1)
+    with torch.no_grad():
+        profiled, sinc = kernel.exact_mask(delta)[:, 0], thin.exact_mask(delta)[:, 0]
+    envelope = 1 / (2 * math.pi * 0.5 * r)  # the thin sinc's size at r
+    damped = sinc * torch.exp(-2 * math.pi ** 2 * width ** 2 * r ** 2)
+    assert float(((profiled - damped).abs() / envelope).max()) < 0.05
+    far = r > 1.5 / (math.pi * width)
+    assert far.sum() > 50
+    assert float((profiled[far].abs() / envelope[far]).max()) < 0.02
+    assert float((sinc[far].abs() / envelope[far]).max()) > 0.9

@@ -20,6 +20,8 @@ Frequency sets (``frequencies=``, :data:`FREQUENCIES`), one ``f`` per head:
 * ``"radial"``: learned radii ``rho_k`` and weights, ``f(r) = sum_k w_k sinc(2 rho_k |r|)``
   (``P = 3``), the average of ``cos(2 pi xi.r)`` over the directions of ``|xi| = rho_k``,
   computed by the product quadrature of :func:`sphere_quadrature`; ``exact`` uses the sinc.
+  ``width``: each shell with a Gaussian radial profile, whose sinc falls off past about
+  ``1 / (2 pi width)`` instead of oscillating on like ``1 / r``.
 * ``"grid"``: the Ewald message-passing control: fixed frequencies on a regular grid
   (``grid_spacing``) up to ``frequency_cutoff``, learned weights (filters); ``f`` is then
   periodic with period ``1 / grid_spacing`` along each axis.
@@ -264,6 +266,20 @@ class RadialFrequencies(Frequencies):
     distance from their centre), as the coulomb tail does: the fast path then follows the
     sinc on sets larger than the training ones, at a cost that grows with their extent.
 
+    ``width > 0`` gives each shell a Gaussian radial profile of that standard deviation
+    (cycles per position unit): radius ``rho_k`` becomes ``width_nodes`` (odd) radii
+    ``rho_k + width z_m``, ``z_m`` equally spaced on ``[-3, 3]``, with weights ``w_k h_m``,
+    ``h_m`` proportional to ``exp(-z_m^2 / 2)`` and summing to 1 (:func:`radial_profile`).
+    The kernel is then ``sum_k w_k sum_m h_m sinc(2 (rho_k + width z_m) |r|)``, which for
+    ``rho_k`` well above ``width`` is the thin shells' sincs times ``D(r) = sum_m h_m cos(2
+    pi width z_m |r|)``: ``exp(-2 pi^2 width^2 r^2)`` out to about half the profile's period
+    ``1 / (width dz)`` (``dz = 6 / (width_nodes - 1)``), where its nodes alias. A thin
+    shell's sinc decays like ``1 / r`` and oscillates without end, so learned sincs fitted
+    to the offsets of small sets go on oscillating beyond them; profiled shells fall off
+    past ``1 / (2 pi width)``, and what the set has not learned stays near zero on larger
+    sets (the ``coulomb`` set's corrections, whose tail carries the ``1 / r``). ``R = K
+    width_nodes quadrature^2``: the cost is ``width_nodes`` times the thin shells'.
+
     Parametrisation: ``rho_k = rho_max theta_k`` with ``theta_k`` starting at ``(k + 1/2) /
     K`` and ``rho_max = 1 / (2 pi length_scale)``; ``w_k = beta_k / K`` with ``beta_k``
     starting at ``amplitude``. ``shared=True``: one set of radii for all heads (``theta [1,
@@ -275,14 +291,18 @@ class RadialFrequencies(Frequencies):
     directions: torch.Tensor
     weights: torch.Tensor
 
+    profile: torch.Tensor
+    profile_weights: torch.Tensor
+
     def __init__(self, heads: int, pos_dim: int, *, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
-                 length_scale: float = 1.0, shared: bool = False, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 length_scale: float = 1.0, shared: bool = False, width: float = 0.0, width_nodes: int = 9,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, pos_dim)
         if pos_dim != 3:
             raise ValueError(f"frequencies='radial' averages over the directions of 3-D space; pos_dim must be 3, got {pos_dim}")
         check_positive_int("num_radii", num_radii)
         check_bool("shared", shared)
+        z, h = radial_profile(width, width_nodes)
         if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
                 math.isfinite(length_scale) and length_scale > 0):
             raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
@@ -291,6 +311,9 @@ class RadialFrequencies(Frequencies):
         self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)
         self.register_buffer("directions", u.to(**fk), persistent=False)
         self.register_buffer("weights", q.to(**fk), persistent=False)
+        self.width = float(width)
+        self.register_buffer("profile", (self.width * z).to(**fk), persistent=False)
+        self.register_buffer("profile_weights", h.to(**fk), persistent=False)
         self._rules: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         start = (torch.arange(num_radii, dtype=torch.float64) + 0.5) / num_radii
         self.shared = shared
@@ -302,11 +325,20 @@ class RadialFrequencies(Frequencies):
         theta, beta = (t if dtype is None else t.to(dtype) for t in (self.theta, self.beta))
         return self.rho_max * theta, beta / beta.shape[-1]
 
+    def shells(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rho [G, K M], w [H, K M])``: every radius of every profile and its weight
+        (``M = 1``, the radii themselves, when ``width = 0``)."""
+        rho, w = self.radii(dtype)
+        if self.width == 0.0:
+            return rho, w
+        z, h = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.profile, self.profile_weights))
+        return rearrange(rho[..., None] + z, "g k m -> g (k m)"), rearrange(w[..., None] * h, "h k m -> h (k m)")
+
     def order_for(self, reach: float) -> int:
         """The sphere rule's order that ``quadrature=None`` uses for offsets up to ``reach``:
         the smallest even order at least ``pi rho reach + 4`` for the largest radius now (the
         coulomb tail's rule), and at least 8."""
-        top = float(self.radii()[0].detach().abs().max()) if self.theta.numel() else 0.0
+        top = float(self.shells()[0].detach().abs().max()) if self.theta.numel() else 0.0
         return max(8, rule_order(top, reach))
 
     def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,8 +348,9 @@ class RadialFrequencies(Frequencies):
 
     def frequencies(self, dtype: torch.dtype | None = None, *, order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xi [G, K S, 3], w [H, K S])`` with the constructor's rule, or the rule of
-        ``order`` (``S = order^2`` directions; ``G = 1`` when ``shared``, else ``H``)."""
-        rho, w = self.radii(dtype)
+        ``order`` (``S = order^2`` directions; ``G = 1`` when ``shared``, else ``H``; ``K``
+        counts every radius of the profiles)."""
+        rho, w = self.shells(dtype)
         if order is None:
             u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.directions, self.weights))
         else:  # built and moved once per order, device and dtype
@@ -330,17 +363,38 @@ class RadialFrequencies(Frequencies):
         return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
 
     def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
-        """``sum_k w_k sinc(2 rho_k |delta|)``: ``[..., 3] -> [..., H]``, in float32 or better."""
+        """``sum_k w_k sinc(2 rho_k |delta|)`` over every radius of the profiles: ``[..., 3] ->
+        [..., H]``, in float32 or better."""
         cdt = compute_dtype(delta)
-        rho, w = self.radii(cdt)
+        rho, w = self.shells(cdt)
         r = delta.to(cdt).norm(dim=-1)[..., None, None]
         return (torch.sinc(2 * rho * r) * w).sum(-1)
 
     def extra_repr(self) -> str:
         shared = ", shared" if self.shared else ""
+        if self.width:
+            shared += f", width={self.width} ({self.profile.shape[0]} nodes)"
         if self.quadrature is None:
             return f"K={self.theta.shape[-1]}{shared}, quadrature per call (at least 8)"
         return f"K={self.theta.shape[-1]}{shared}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
+
+
+def radial_profile(width: float, nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(z [M], h [M])`` (float64) of :class:`RadialFrequencies`' radial profile: ``M =
+    nodes`` points equally spaced on ``[-3, 3]`` and weights proportional to ``exp(-z^2 /
+    2)`` summing to 1; ``width = 0`` (thin shells) gives ``z = [0], h = [1]``. ``nodes`` must
+    be odd (the profile keeps its centre) and at least 3 when ``width > 0``."""
+    if isinstance(width, bool) or not isinstance(width, (int, float)) or not (math.isfinite(width) and width >= 0):
+        raise ValueError(f"width must be a non-negative finite number (cycles per position unit; 0 for thin shells), got {width!r}")
+    check_positive_int("width_nodes", nodes)
+    if nodes % 2 == 0 or nodes < 3:
+        raise ValueError(f"width_nodes must be an odd number >= 3 (the profile's nodes around each radius, its centre "
+                         f"among them), got {nodes}")
+    if width == 0:
+        return torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    z = torch.linspace(-3.0, 3.0, nodes, dtype=torch.float64)
+    h = torch.exp(-z * z / 2)
+    return z, h / h.sum()
 
 
 def rule_order(radius: float, reach: float) -> int:
@@ -426,13 +480,15 @@ class CoulombFrequencies(Frequencies):
     reach)^3``, so at a fixed density the cost grows like ``N^2`` over sizes; a number fixes
     ``R`` (linear in ``N``) and the tail is right only for offsets within it. The corrections
     are :class:`RadialFrequencies` (``num_radii``, ``quadrature``, ``length_scale``,
-    ``amplitude``; ``num_radii=0`` for none). :meth:`exact_mask` is the formula itself.
+    ``amplitude``, ``width``, ``width_nodes``; ``num_radii=0`` for none): with ``width > 0``
+    they fall off past about ``1 / (2 pi width)``, so beyond the offsets they were fitted on
+    the tail alone carries the kernel. :meth:`exact_mask` is the formula itself.
     """
 
     def __init__(self, heads: int, pos_dim: int, *, alpha: float = 0.15, reach: float | None = None,
                  tail_amplitude: float = 1.0, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
-                 length_scale: float = 1.0, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 length_scale: float = 1.0, width: float = 0.0, width_nodes: int = 9,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(heads, pos_dim)
         if pos_dim != 3:
             raise ValueError(f"frequencies='coulomb' is the 3-D Coulomb kernel; pos_dim must be 3, got {pos_dim}")
@@ -446,7 +502,7 @@ class CoulombFrequencies(Frequencies):
         self.tail_frequencies(self.reach or tail_reach(0.0))  # refuses an alpha * reach too large, now
         self.corrections = None if num_radii == 0 else RadialFrequencies(
             heads, pos_dim, num_radii=num_radii, quadrature=quadrature, amplitude=amplitude,
-            length_scale=length_scale, device=device, dtype=dtype)
+            length_scale=length_scale, width=width, width_nodes=width_nodes, device=device, dtype=dtype)
 
     def tail_frequencies(self, reach: float, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The tail's ``(xi [R, 3], w [R])`` on the scale's device in ``dtype`` (default the
@@ -804,6 +860,7 @@ __all__ = [
     "dense_sum",
     "feature_sum",
     "gauss_legendre",
+    "radial_profile",
     "rule_order",
     "sphere_quadrature",
     "tail_reach",
