@@ -287,9 +287,9 @@ def test_bad_inputs_are_refused_naming_the_argument(call, message):
     ({"frequencies": "coulomb", "alpha": 5.0, "reach": 100.0}, "alpha \\* reach = 500 needs more than"),
     ({"frequencies": "coulomb", "num_radii": -1}, "num_radii must be a nonnegative int"),
     ({"frequencies": "coulomb", "tail_amplitude": float("nan")}, "tail_amplitude must be a finite number"),
-    ({"frequencies": "radial", "width": -0.1}, "width must be a non-negative finite number"),
+    ({"frequencies": "radial", "width": -0.1}, "width must be a finite number >= 0"),
     ({"frequencies": "radial", "width": 0.05, "width_nodes": 4}, "width_nodes must be an odd number >= 3"),
-    ({"frequencies": "coulomb", "width": float("nan")}, "width must be a non-negative finite number"),
+    ({"frequencies": "coulomb", "width": float("nan")}, "width must be a finite number >= 0"),
 ])
 def test_bad_options_are_refused_with_their_name(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):

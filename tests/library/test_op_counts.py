@@ -66,16 +66,16 @@ def test_near_neighbor_operation_count_does_not_grow_with_the_number_of_points(c
     assert long <= 1.1 * short, f"{coupling}: {short} aten ops at N = 1024, {long} at N = 4096"
 
 
-def longrange_ops(n: int, frequencies: str, content: str) -> int:
+def longrange_ops(n: int, frequencies: str, content: str, **extra) -> int:
     """aten operations of one forward and backward of the long-range block on ``n`` random
-    3-D points, one padded (dim 16, 2 heads, small frequency sets)."""
+    3-D points, one padded (dim 16, 2 heads, small frequency sets; ``extra`` options on top)."""
     from flt.layers.longrange import LongRangeBlock
 
     small = {"discrete": {"num_frequencies": 8}, "radial": {"num_radii": 2, "quadrature": 4},
              "grid": {"frequency_cutoff": 0.1}, "random": {"num_frequencies": 8},
              "coulomb": {"num_radii": 2, "quadrature": 4, "alpha": 0.5, "reach": 2.0}}[frequencies]
     torch.manual_seed(0)
-    block = LongRangeBlock(16, heads=2, frequencies=frequencies, content=content, num_features=4, **small)
+    block = LongRangeBlock(16, heads=2, frequencies=frequencies, content=content, num_features=4, **{**small, **extra})
     h, pos = torch.randn(1, n, 16, requires_grad=True), torch.rand(1, n, 3)
     pad = torch.zeros(1, n, dtype=torch.bool)
     pad[0, -1] = True
@@ -94,3 +94,12 @@ def test_longrange_operation_count_does_not_grow_with_the_number_of_points(frequ
     assert frequencies in FREQUENCIES and set(FREQUENCIES) == {"discrete", "radial", "grid", "random", "coulomb"}
     short, long = longrange_ops(32, frequencies, content), longrange_ops(256, frequencies, content)
     assert long == short, f"{frequencies}/{content}: {short} aten ops at N = 32, {long} at N = 256"
+
+
+@pytest.mark.parametrize("frequencies", ["radial", "coulomb"])
+def test_profiled_shells_operation_count_does_not_grow_with_the_number_of_points(frequencies):
+    """``width > 0`` adds the profile's radii once per call, not per point."""
+    options = {"width": 0.05, "width_nodes": 3}
+    short, long = longrange_ops(32, frequencies, "none", **options), longrange_ops(256, frequencies, "none", **options)
+    assert long == short, f"{frequencies} with a width: {short} aten ops at N = 32, {long} at N = 256"
+

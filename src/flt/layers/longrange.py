@@ -48,6 +48,7 @@ from flt._checks import (
     check_bool,
     check_choice,
     check_finite,
+    check_nonnegative_float,
     check_nonnegative_int,
     check_positive_float,
     check_positive_int,
@@ -383,9 +384,8 @@ def radial_profile(width: float, nodes: int) -> tuple[torch.Tensor, torch.Tensor
     """``(z [M], h [M])`` (float64) of :class:`RadialFrequencies`' radial profile: ``M =
     nodes`` points equally spaced on ``[-3, 3]`` and weights proportional to ``exp(-z^2 /
     2)`` summing to 1; ``width = 0`` (thin shells) gives ``z = [0], h = [1]``. ``nodes`` must
-    be odd (the profile keeps its centre) and at least 3 when ``width > 0``."""
-    if isinstance(width, bool) or not isinstance(width, (int, float)) or not (math.isfinite(width) and width >= 0):
-        raise ValueError(f"width must be a non-negative finite number (cycles per position unit; 0 for thin shells), got {width!r}")
+    be odd (the profile keeps its centre) and at least 3, whatever the width."""
+    width = check_nonnegative_float("width", width)
     check_positive_int("width_nodes", nodes)
     if nodes % 2 == 0 or nodes < 3:
         raise ValueError(f"width_nodes must be an odd number >= 3 (the profile's nodes around each radius, its centre "
