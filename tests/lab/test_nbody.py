@@ -13,7 +13,7 @@ import torch
 from flt.baselines.particles import ParticleRegressor
 from flt.cli import main
 from flt.commands.evaluate import evaluate_run
-from flt.data.nbody import box_side, generate_clouds
+from flt.data.nbody import box_side, generate_clouds, yukawa_potential
 from flt.tasks import get_preset, load_task
 from flt.tasks.nbody import NBodyTask
 
@@ -335,3 +335,84 @@ def test_only_the_schnet_takes_the_input_placement_and_configs_say_so():
     assert replace_fields(cfg, encoder="schnet+lr", longrange_placement="input").longrange_placement == "input"
     with pytest.raises(ValueError, match="longrange_placement='input'.*nbody SchNet only"):
         replace_fields(cfg, encoder="transformer+lr", longrange_placement="input")
+
+
+def test_the_bands_of_the_potential_add_up_to_it_and_split_pairs_by_distance():
+    clouds = generate_clouds(3, 32, seed=0, split="test", screening=None)
+    whole = yukawa_potential(clouds.pos, clouds.charge, None, 1.0)
+    bands = yukawa_potential(clouds.pos, clouds.charge, None, 1.0, edges=[0.0, 1.5, 3.0, math.inf])
+    assert bands.shape == (3, 32, 3) and bands.dtype == torch.float64
+    torch.testing.assert_close(bands.sum(-1), whole, rtol=0, atol=1e-12)
+    # two charges 2.5 apart: each one's potential is the other's, in the middle band only
+    pos, charge = torch.tensor([[[0.0, 0, 0], [2.5, 0, 0]]]), torch.tensor([[1.0, -1.0]])
+    two = yukawa_potential(pos, charge, 3.0, 0.5, edges=[0.0, 1.5, 3.0, math.inf])
+    g = math.exp(-2.5 / 3.0) / math.sqrt(2.5**2 + 0.25)
+    torch.testing.assert_close(two, torch.tensor([[[0.0, -g, 0.0], [0.0, g, 0.0]]], dtype=torch.float64))
+    for edges in ([1.0], [0.0, 2.0, 2.0], [-1.0, 2.0], [0.0, float("nan")]):
+        with pytest.raises(ValueError, match=r"edges must be at least two increasing distances"):
+            yukawa_potential(pos, charge, 3.0, 0.5, edges=edges)
+
+
+class _BandGains(torch.nn.Module):
+    """A model whose error is known: each band of the exact potential times its gain, plus an offset."""
+
+    def __init__(self, edges: list[float], gains: list[float], offset: float) -> None:
+        super().__init__()
+        self.edges, self.gains, self.offset = edges, torch.tensor(gains, dtype=torch.float64), offset
+
+    def forward(self, charge: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bands = yukawa_potential(pos, charge, None, 1.0, edges=self.edges)
+        return (bands * self.gains).sum(-1) + self.offset
+
+
+def test_the_error_breakdown_recovers_each_bands_relative_error():
+    task = NBodyTask(num_particles=64, num_train=2, num_valid=4, num_test=2, screening=None)
+    edges = [0.0, 2.0, 4.0, math.inf]
+    batches = [(task.valid.pos[i:i + 2], task.valid.charge[i:i + 2], task.valid.y[i:i + 2]) for i in (0, 2)]
+    parts = task.error_breakdown(_BandGains(edges, [1.0, 0.9, 1.25], 0.5), batches, edges=edges)
+    assert [(b["low"], b["high"]) for b in parts["bands"]] == [(0.0, 2.0), (2.0, 4.0), (4.0, None)]
+    assert [b["coef"] for b in parts["bands"]] == pytest.approx([0.0, -0.1, 0.25], abs=1e-6)
+    assert parts["nmse_left"] == pytest.approx(0.0, abs=1e-8) and parts["nmse"] > 0.01
+    y = task.valid.y.double()
+    err = _BandGains(edges, [1.0, 0.9, 1.25], 0.5)(task.valid.charge, task.valid.pos) - y
+    assert parts["nmse"] == pytest.approx(float((err**2).sum() / ((y - task.target_mean) ** 2).sum()), rel=1e-6)
+    # the error of a model that is exact is nothing to split
+    exact = task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), batches, edges=edges)
+    assert exact["nmse"] == pytest.approx(0.0, abs=1e-10) and all(abs(b["coef"]) < 1e-6 for b in exact["bands"])
+
+
+def test_a_mixed_pool_gives_every_other_step_larger_clouds():
+    task = NBodyTask(num_particles=16, num_train=8, num_valid=2, num_test=2, mixed_particles=64, mixed_train=4)
+    sizes = [task.train_batch(step, 2, 0, 0, 1)[0].shape[1] for step in range(1, 7)]
+    assert sizes == [16, 64, 16, 64, 16, 64]
+    assert len(task.mixed) == 4 and task.longest_sequence(None) == 64 and task.side == pytest.approx(4.0)
+    # every mixed cloud of one epoch comes once; the first pool's order is its own
+    seen = torch.cat([task.train_batch(step, 2, 0, 0, 1)[0] for step in (2, 4)])
+    assert len({tuple(p[0].tolist()) for p in seen}) == 4
+    plain = NBodyTask(num_particles=16, num_train=8, num_valid=2, num_test=2)
+    assert plain.mixed is None and plain.train_batch(3, 2, 0, 0, 1)[0].shape[1] == 16
+    torch.testing.assert_close(task.train_batch(3, 2, 0, 0, 1)[0], plain.train_batch(2, 2, 0, 0, 1)[0])
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"mixed_particles": 9}, r"mixed_particles must be an even number >= 2"),
+    ({"mixed_particles": 0}, r"mixed_particles must be a positive integer"),
+    ({"mixed_particles": 16, "mixed_train": 0}, r"mixed_train must be a positive integer"),
+    ({"mixed_train": 4}, r"mixed_train \(4\) needs mixed_particles"),
+])
+def test_bad_mixed_options_are_refused_with_their_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        NBodyTask(num_particles=8, num_train=2, num_valid=1, num_test=1, **options)
+
+
+@pytest.mark.cli
+def test_flt_evaluate_breakdown_prints_the_bands(smoke_run, capsys, tmp_path):
+    path, _ = smoke_run
+    out = tmp_path / "res.json"
+    assert main(["evaluate", path, "--split", "test", "--draws", "0", "--no-exact", "--breakdown", "--no-progress",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "error by the pairs' distance" in printed and "[16, inf)" in printed
+    parts = json.loads(out.read_text())["breakdown"]
+    assert [b["low"] for b in parts["bands"]] == [0, 2, 3, 4, 6, 8, 11, 16]
+    assert 0 <= parts["nmse_left"] <= parts["nmse"]

@@ -17,7 +17,10 @@ so that the numbers match ``summary.json``'s draw gap): validation picked the pr
 learning rates, so test is the split to report. ``--fidelity`` adds, for every attention
 layer, the relative error ``||fast(x) - exact(x)|| / ||exact(x)||`` on the hidden states
 that reach that layer on the split's batches (:mod:`flt.train.fidelity`), printed as a
-table and written to ``--out``'s JSON as ``fidelity``.
+table and written to ``--out``'s JSON as ``fidelity``. ``--breakdown`` (tasks that have
+one: ``nbody``) splits the error on the model's own draw by what it misses, as
+``breakdown`` in the JSON: for ``nbody``, by the distance of the pairs whose part of the
+target the model gets wrong (:meth:`flt.tasks.nbody.NBodyTask.error_breakdown`).
 
 Only the random draws may change shape: every learned tensor of the checkpoint must fit
 the model built with the new options (an option that adds or reshapes parameters is an
@@ -32,6 +35,7 @@ Examples::
     flt evaluate runs/molecule-flt-small-s0 --split test --fidelity
     flt evaluate runs/molecule-flt-small-s0 --attn-opt num_frequencies=1024 --attn-opt sampler=qmc
     flt evaluate runs/listops-flt-small-s0 --data-opt min_length=500 --data-opt max_length=2000
+    flt evaluate runs/nbody-s1 --split test --breakdown --data-opt eval_particles=4096 --batch-size 1
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fidelity", action="store_true",
                    help="also each attention layer's relative error ||fast - exact|| / ||exact|| on the hidden "
                         "states that reach it (the split's batches, --max-batches of them)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also split the error by what the model misses (nbody: by the pairs' distance)")
     p.add_argument("--draws", type=int, default=3, help="fresh draws to evaluate (default: %(default)s)")
     p.add_argument("--no-exact", action="store_true", help="skip the exact O(N^2) evaluation")
     p.add_argument("--exact-max-elements", type=int, default=None, metavar="E",
@@ -189,13 +195,14 @@ def _check_recorded_paths(task: str, options: dict, given: dict, config: str) ->
 def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int = 3, exact: bool = True,
                  batch_size: int | None = None, max_batches: int | None = None, device: torch.device | str = "cpu",
                  exact_max_elements: int | None = None, data_options: dict | None = None, split: str = "valid",
-                 fidelity: bool = False, bar: tqdm | None = None) -> dict:
+                 fidelity: bool = False, breakdown: bool = False, bar: tqdm | None = None) -> dict:
     """The metrics of a saved run on ``split`` (``"valid"`` or ``"test"``): ``{"metric",
     "split", "options", "data", "dropped", "own", "fresh", "fresh_mean", "fresh_std",
     "exact"}`` (``own``, the checkpoint's own draw, only without changed attention options;
     ``exact`` None when skipped or too large, as for the draw gap), and with ``fidelity``
     ``"fidelity"``: :func:`flt.train.fidelity.layer_fidelity`'s rows on the model's own
-    draw (or its first fresh draw when the options changed the draws' shapes).
+    draw (or its first fresh draw when the options changed the draws' shapes); with
+    ``breakdown`` ``"breakdown"``, the task's ``error_breakdown`` of the model's own draw.
     ``data_options`` change the run's data options (its validation set) for the evaluation;
     ``data`` in the result lists them, ``dropped`` the trained data options that a new path
     dropped (:func:`flt.tasks.change_data`). ``split="test"`` scores the task's test split
@@ -241,6 +248,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     dropped = sorted(set(trained) - set(options))
     _stage(bar, f"loading the {name} data")
     task = load_task(name, options)
+    if breakdown and not hasattr(task, "error_breakdown"):
+        raise ValueError(f"--breakdown: task {name!r} has no error breakdown (nbody has one)")
     if split == "test" and not has_test_split(task):
         raise ValueError(f"--split test: task {name!r} has no test split (it defines no test_batches)")
     configured = task.configure(cfg)  # as training does: a task may size its data by the config (an LM's windows)
@@ -280,6 +289,12 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
         _stage(bar, "each layer's fidelity")
         rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, to_device(b, dev)))
 
+    parts = None
+    if breakdown:  # on the own draw, before the fresh draws
+        split_batches = task.eval_batches if split == "valid" else task.test_batches
+        _stage(bar, "the error's breakdown", batches)
+        parts = task.error_breakdown(model, (to_device(b, dev) for b in split_batches(bs, batches, 0, 1)))  # type: ignore[attr-defined]
+
     fresh = []
     for i in range(draws):
         with fixed_draw(model, DG.draw_seed(run.seed, f"fresh-{i}")):
@@ -295,7 +310,19 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
         "fresh_mean": statistics.fmean(fresh) if fresh else None,
         "fresh_std": statistics.stdev(fresh) if len(fresh) > 1 else (0.0 if fresh else None),
         "exact": exact_value, **({"fidelity": rows} if rows is not None else {}),
+        **({"breakdown": parts} if parts is not None else {}),
     }
+
+
+def format_breakdown(parts: dict) -> str:
+    """``flt evaluate --breakdown``'s table: one row per distance band."""
+    lines = [f"error by the pairs' distance (mean spacings): nmse {parts['nmse']:.4g}, "
+             f"{parts['nmse_left']:.4g} left once each band's relative error is removed",
+             "  band          share of target variance   relative error (pred - y per unit of the band)"]
+    for row in parts["bands"]:
+        band = f"[{row['low']:g}, {'inf' if row['high'] is None else format(row['high'], 'g')})"
+        lines.append(f"  {band:<13} {row['share']:>10.3f}                 {row['coef']:+.3f}")
+    return "\n".join(lines)
 
 
 def _stage(bar: tqdm | None, what: str, batches: int | None = None) -> None:
@@ -334,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
         res = evaluate_run(args.checkpoint, options, draws=args.draws, exact=not args.no_exact,
                            batch_size=args.batch_size, max_batches=args.max_batches, device=args.device,
                            exact_max_elements=args.exact_max_elements, data_options=data, split=args.split,
-                           fidelity=args.fidelity, bar=bar)
+                           fidelity=args.fidelity, breakdown=args.breakdown, bar=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -350,6 +377,8 @@ def run(args: argparse.Namespace) -> int:
         from flt.train.fidelity import format_fidelity
 
         print(format_fidelity(res["fidelity"]))
+    if "breakdown" in res:
+        print(format_breakdown(res["breakdown"]))
     if args.out:
         from flt._io import atomic_write_json
 

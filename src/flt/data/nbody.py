@@ -33,6 +33,7 @@ Why these choices (docs/nbody.md has the measurements):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,15 +80,25 @@ def check_screening(screening: float | None) -> None:
 
 
 def yukawa_potential(pos: torch.Tensor, charge: torch.Tensor, screening: float | None, softening: float,
-                     chunk: int = 256) -> torch.Tensor:
+                     chunk: int = 256, *, edges: Sequence[float] | None = None) -> torch.Tensor:
     """``y_i = sum_{j != i} q_j exp(-r_ij / screening) / sqrt(r_ij^2 + softening^2)`` in
     float64: ``pos [S, N, 3], charge [S, N] -> [S, N]``; ``screening`` None or ``inf``: the
     bare (softened) Coulomb potential, no exponential. Cloud by cloud, ``chunk`` queries
     at a time: memory ``O(chunk N)``, and blocks small enough to stay in cache (4 times
-    faster than whole clouds at ``N = 1024`` here)."""
+    faster than whole clouds at ``N = 1024`` here).
+
+    ``edges`` (``B + 1`` increasing distances, the last may be ``inf``) splits the sum by
+    the pairs' distance instead: ``[S, N, B]``, band ``b`` the pairs with ``edges[b] <=
+    r_ij < edges[b + 1]``; with ``edges[0] = 0`` and ``edges[-1] = inf`` the bands add up
+    to the potential."""
     pos, charge = pos.double(), charge.double()
     n = pos.shape[1]
-    out = torch.empty(charge.shape, dtype=torch.float64)
+    if edges is not None:
+        bounds = torch.tensor([float(e) for e in edges], dtype=torch.float64)
+        if bounds.ndim != 1 or len(bounds) < 2 or bool(torch.isnan(bounds).any()) or not bool((bounds[1:] > bounds[:-1]).all()) \
+                or float(bounds[0]) < 0:
+            raise ValueError(f"edges must be at least two increasing distances >= 0 (the bands' bounds), got {list(edges)!r}")
+    out = torch.empty((*charge.shape, len(bounds) - 1) if edges is not None else charge.shape, dtype=torch.float64)
     length = screening if screening is not None and math.isfinite(screening) else None  # None: no exponential
     for s in range(pos.shape[0]):
         for start in range(0, n, chunk):
@@ -98,7 +109,12 @@ def yukawa_potential(pos: torch.Tensor, charge: torch.Tensor, screening: float |
                 g = g * torch.exp(-r / length)
             rows = torch.arange(start, stop)
             g[rows - start, rows] = 0.0  # no self-interaction
-            out[s, start:stop] = g @ charge[s]
+            if edges is None:
+                out[s, start:stop] = g @ charge[s]
+            else:
+                band = torch.bucketize(r, bounds, right=True) - 1  # [c, N]: -1 or B outside the edges
+                for b in range(len(bounds) - 1):
+                    out[s, start:stop, b] = (g * (band == b)) @ charge[s]
     return out
 
 
