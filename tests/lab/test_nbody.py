@@ -117,6 +117,8 @@ def test_flt_evaluate_scores_larger_clouds_and_the_test_split(smoke_run):
     path, summary = smoke_run
     same = evaluate_run(path, draws=0, exact=False, split="test")
     assert same["own"] == pytest.approx(summary["test"]["nmse"], rel=1e-6)
+    one = evaluate_run(path, draws=0, exact=False, split="test", batch_size=1)
+    assert one["own"] == pytest.approx(summary["test"]["nmse"], rel=1e-5)
     larger = evaluate_run(path, draws=1, exact=True, data_options={"eval_particles": 512})
     assert larger["data"] == {"eval_particles": 512}
     assert all(math.isfinite(larger[k]) for k in ("own", "exact")) and larger["own"] != summary["final"]["nmse"]
@@ -416,3 +418,15 @@ def test_flt_evaluate_breakdown_prints_the_bands(smoke_run, capsys, tmp_path):
     parts = json.loads(out.read_text())["breakdown"]
     assert [b["low"] for b in parts["bands"]] == [0, 2, 3, 4, 6, 8, 11, 16]
     assert 0 <= parts["nmse_left"] <= parts["nmse"]
+
+
+@pytest.mark.cli
+def test_a_smaller_evaluation_batch_scores_the_same_clouds(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "nbody", "--preset", "smoke", "--out-dir", str(out), "--no-progress", "--no-plots",
+                 "--run-opt", "steps=2", "--run-opt", "draw_gap_batches=1"]) == 0
+    two = evaluate_run(str(out), draws=0, exact=False, split="test")  # one batch of the run's 2 clouds
+    one = evaluate_run(str(out), draws=0, exact=False, split="test", batch_size=1)
+    assert one["own"] == pytest.approx(two["own"], rel=1e-5)
+    first = evaluate_run(str(out), draws=0, exact=False, split="test", batch_size=1, max_batches=1)
+    assert first["own"] != pytest.approx(two["own"], rel=1e-3)  # one cloud of the two is another number

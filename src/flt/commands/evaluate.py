@@ -81,7 +81,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "batches shrink to fit too (default: 2**24, 64 MiB in float32, as the draw gap of flt train)")
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch size (default: the run's)")
     p.add_argument("--max-batches", type=int, default=None,
-                   help="validation batches (default: the run's draw_gap_batches, i.e. the draw gap's)")
+                   help="batches to evaluate (default: as many as hold the samples of the run's draw gap, "
+                        "draw_gap_batches of the run's batch size, so --batch-size changes memory, not the samples)")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
@@ -274,7 +275,9 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 
         model.register_forward_pre_hook(count)
     ctx = Context(0, 1, dev)
-    batches = max_batches if max_batches is not None else run.draw_gap_batches
+    batches = max_batches
+    if batches is None and run.draw_gap_batches is not None:  # the draw gap's samples, whatever the batch size
+        batches = math.ceil(run.draw_gap_batches * (run.eval_batch_size or run.batch_size) / bs)
     metric = task.metric
 
     def measure(m: torch.nn.Module, size: int = bs, what: str = "") -> float:
