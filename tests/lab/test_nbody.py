@@ -378,6 +378,22 @@ def test_the_error_breakdown_recovers_each_bands_relative_error():
     y = task.valid.y.double()
     err = _BandGains(edges, [1.0, 0.9, 1.25], 0.5)(task.valid.charge, task.valid.pos) - y
     assert parts["nmse"] == pytest.approx(float((err**2).sum() / ((y - task.target_mean) ** 2).sum()), rel=1e-6)
+    assert 0 <= parts["dipole_share"] < 0.5  # band gains are not a dipole field
+    # a kernel with an r^2 part: on a neutral cloud its error is the dipole term plus a constant per cloud
+    class Quadratic(torch.nn.Module):
+        def __init__(self, constant: bool) -> None:
+            super().__init__()
+            self.constant = constant
+
+        def forward(self, charge: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            pos, charge = pos.double(), charge.double()
+            r2 = torch.cdist(pos, pos) ** 2
+            centred = pos - pos.mean(1, keepdim=True)
+            extra = torch.einsum("snm,sm->sn", r2, charge) if self.constant else \
+                -2 * (centred * (charge[..., None] * centred).sum(1, keepdim=True)).sum(-1)
+            return yukawa_potential(pos, charge, None, 1.0) + 0.01 * extra
+    assert task.error_breakdown(Quadratic(False), batches, edges=edges)["dipole_share"] == pytest.approx(1.0, abs=1e-9)
+    assert 0.5 < task.error_breakdown(Quadratic(True), batches, edges=edges)["dipole_share"] < 1.0
     # the error of a model that is exact is nothing to split
     exact = task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), batches, edges=edges)
     assert exact["nmse"] == pytest.approx(0.0, abs=1e-10) and all(abs(b["coef"]) < 1e-6 for b in exact["bands"])
@@ -414,7 +430,7 @@ def test_flt_evaluate_breakdown_prints_the_bands(smoke_run, capsys, tmp_path):
     assert main(["evaluate", path, "--split", "test", "--draws", "0", "--no-exact", "--breakdown", "--no-progress",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "error by the pairs' distance" in printed and "[16, inf)" in printed
+    assert "error by the pairs' distance" in printed and "[16, inf)" in printed and "a dipole field" in printed
     parts = json.loads(out.read_text())["breakdown"]
     assert [b["low"] for b in parts["bands"]] == [0, 2, 3, 4, 6, 8, 11, 16]
     assert 0 <= parts["nmse_left"] <= parts["nmse"]

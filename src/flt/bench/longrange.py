@@ -34,6 +34,8 @@ BLOCKS: dict[str, dict[str, Any]] = {
     "radial, shared radii": {"frequencies": "radial", "neutral": True, "shared": True},
     "radial, shared radii, rule per call": {"frequencies": "radial", "neutral": True, "shared": True, "quadrature": None},
     "radial, shared radii, order 16": {"frequencies": "radial", "neutral": True, "shared": True, "quadrature": 16},
+    "radial, 16 shared radii, rule per call": {"frequencies": "radial", "neutral": True, "shared": True,
+                                               "quadrature": None, "num_radii": 16},
     "radial, rule per call": {"frequencies": "radial", "neutral": True, "quadrature": None},
     "coulomb": {"frequencies": "coulomb", "heads": 1, "neutral": True},
     "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "neutral": True, "reach": 32.0},

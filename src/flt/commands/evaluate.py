@@ -320,7 +320,8 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 def format_breakdown(parts: dict) -> str:
     """``flt evaluate --breakdown``'s table: one row per distance band."""
     lines = [f"error by the pairs' distance (mean spacings): nmse {parts['nmse']:.4g}, "
-             f"{parts['nmse_left']:.4g} left once each band's relative error is removed",
+             f"{parts['nmse_left']:.4g} left once each band's relative error is removed; a dipole field "
+             f"(r_i - c).D fits {parts['dipole_share']:.1%} of it",
              "  band          share of target variance   relative error (pred - y per unit of the band)"]
     for row in parts["bands"]:
         band = f"[{row['low']:g}, {'inf' if row['high'] is None else format(row['high'], 'g')})"

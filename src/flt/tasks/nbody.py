@@ -116,6 +116,15 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     return Preset(NBodyTask.name, model, run, {})
 
 
+def _dipole_term(pos: torch.Tensor, charge: torch.Tensor) -> torch.Tensor:
+    """``(r_i - c).D [S, N]`` per cloud, ``c`` its centre and ``D = sum_j q_j (r_j - c)``:
+    ``sum_j q_j |r_i - r_j|^2 = -2 (r_i - c).D`` in a neutral cloud, the response of an
+    ``r^2`` kernel."""
+    centred = pos - pos.mean(1, keepdim=True)
+    dipole = (charge[..., None] * centred).sum(1, keepdim=True)
+    return (centred * dipole).sum(-1)
+
+
 class NBodyTask(Task[CloudBatch, ParticleConfig]):
     """Per-particle Yukawa potential of neutral 3-D clouds (normalised MSE, lower is better)."""
 
@@ -221,13 +230,18 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         y`` is fitted by least squares as ``c_0 + sum_b c_b y_ib``: ``c_b`` is the model's
         relative error on band ``b``'s contribution (``-0.1``: 10% too weak there, as a
         kernel that falls too fast would be), and the nmse left after removing that fit is
-        the error no per-band gain explains (the bands' empty on small clouds get 0). Returns
-        ``{"edges", "nmse", "nmse_left", "bands": [{"low", "high", "share", "coef"}]}``,
-        ``share`` the band's variance over the target's, an unbounded last edge as None."""
+        the error no per-band gain explains (the bands' empty on small clouds get 0).
+        ``dipole_share`` is the part of the squared error that ``kappa (r_i - c).D`` fits
+        (``c`` the cloud's centre, ``D = sum_j q_j (r_j - c)`` its dipole), no constant: most
+        of what a kernel with an ``r^2`` part (``a + b r^2`` over the training box) adds on a
+        larger box, the rest being a constant per cloud.
+        Returns ``{"edges", "nmse", "nmse_left", "dipole_share", "bands": [{"low", "high",
+        "share", "coef"}]}``, ``share`` the band's variance over the target's, an unbounded
+        last edge as None."""
         bounds = [float(e) * self.spacing for e in edges]
         width = len(bounds)  # B bands and a constant
         xtx, xte = torch.zeros(width, width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
-        ete = var = count = 0.0
+        ete = var = count = dd = de = 0.0
         band_sq = torch.zeros(width - 1, dtype=torch.float64)
         band_sum = torch.zeros(width - 1, dtype=torch.float64)
         with torch.inference_mode():
@@ -238,6 +252,8 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
                 xtx += x.T @ x
                 xte += x.T @ err
                 ete += float(err @ err)
+                dip = _dipole_term(pos.cpu().double(), charge.cpu().double()).flatten()
+                dd, de = dd + float(dip @ dip), de + float(dip @ err)
                 var += float(((y.double() - self.target_mean) ** 2).sum())
                 count += err.numel()
                 band_sum += x[:, :-1].sum(0)
@@ -249,6 +265,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         band_var = band_sq / count - (band_sum / count) ** 2
         shown = [float(e) if math.isfinite(e) else None for e in edges]  # JSON has no infinity
         return {"edges": shown, "nmse": ete / var, "nmse_left": left / var,
+                "dipole_share": (de * de / dd) / ete if dd > 0 and ete > 0 else 0.0,
                 "bands": [{"low": lo, "high": hi, "share": float(v) / (var / count), "coef": float(c)}
                           for lo, hi, v, c in zip(shown[:-1], shown[1:], band_var, coef[:-1], strict=True)]}
 
