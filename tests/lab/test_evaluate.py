@@ -256,3 +256,33 @@ def test_statistics_that_differ_in_their_last_bits_are_the_same_model():
     assert not same_value({"a": 1.0}, {"a": 1.0, "b": 2.0})
     assert not same_value([1.0, 2.0], [1.0])
     assert not same_value("1.0", 1.0)
+
+
+@pytest.fixture(scope="module")
+def molecule_run_two_batches(tmp_path_factory):
+    """The molecule run of :func:`molecule_run` whose draw gap reads 2 batches of 4 structures."""
+    p = get_preset("molecule", "smoke", "flt")
+    options = {**p.model.attention_options, "feature_map": "favor+", "num_frequencies": 32, "sampler": "iid", "near_neighbors": 4}
+    model = dataclasses.replace(p.model, dim=16, attention_options=options)
+    run = dataclasses.replace(p.run, steps=2, batch_size=4, eval_batch_size=4, eval_every=2, log_every=1,
+                              checkpoint_every=2, draw_gap_batches=2)
+    yield from _trained(tmp_path_factory, "evaluate2", Preset("molecule", model, run, {**p.data, "num_samples": 48, "progress": False}))
+
+
+def test_smaller_batches_score_the_draw_gaps_samples(molecule_run_two_batches):
+    """The draw gap reads 8 structures: in batches of 4, of 1, and exactly in the batches that fit."""
+    from flt.tasks import load_task
+
+    path, summary = molecule_run_two_batches
+    gap = summary["draw_gap"]
+    res = evaluate_run(path, draws=1, batch_size=1)
+    assert res["own"] == pytest.approx(gap["own"], rel=1e-5)
+    assert res["exact"] == pytest.approx(gap["exact"], rel=1e-5)
+    # an exact batch of one structure (what a tight memory limit gives) scores the same 8
+    preset = get_preset("molecule", "smoke", "flt")
+    task = load_task("molecule", {**preset.data, "num_samples": 48, "progress": False})
+    cfg = task.configure(preset.model)
+    one = cfg.heads * task.longest_sequence(cfg) ** 2
+    tight = evaluate_run(path, draws=0, exact_max_elements=one)
+    assert tight["exact"] == pytest.approx(gap["exact"], rel=1e-5)
+    assert evaluate_run(path, draws=0, max_batches=1, batch_size=1)["own"] != pytest.approx(gap["own"], rel=1e-4)

@@ -394,6 +394,11 @@ def test_the_error_breakdown_recovers_each_bands_relative_error():
             return yukawa_potential(pos, charge, None, 1.0) + 0.01 * extra
     assert task.error_breakdown(Quadratic(False), batches, edges=edges)["dipole_share"] == pytest.approx(1.0, abs=1e-9)
     assert 0.5 < task.error_breakdown(Quadratic(True), batches, edges=edges)["dipole_share"] < 1.0
+    # bands with no pair (a 64-particle box is 4 wide, its offsets below 7) get 0 and leave the fit exact
+    wide = [0.0, 2.0, 4.0, 8.0, 16.0, math.inf]
+    empty = task.error_breakdown(_BandGains(wide, [1.0, 0.8, 1.0, 1.0, 1.0], 0.2), batches, edges=wide)
+    assert [b["coef"] for b in empty["bands"]] == pytest.approx([0.0, -0.2, 0.0, 0.0, 0.0], abs=1e-6)
+    assert empty["nmse_left"] == pytest.approx(0.0, abs=1e-8) and empty["nmse"] > 0.01
     # the error of a model that is exact is nothing to split
     exact = task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), batches, edges=edges)
     assert exact["nmse"] == pytest.approx(0.0, abs=1e-10) and all(abs(b["coef"]) < 1e-6 for b in exact["bands"])
@@ -403,10 +408,13 @@ def test_a_mixed_pool_gives_every_other_step_larger_clouds():
     task = NBodyTask(num_particles=16, num_train=8, num_valid=2, num_test=2, mixed_particles=64, mixed_train=4)
     sizes = [task.train_batch(step, 2, 0, 0, 1)[0].shape[1] for step in range(1, 7)]
     assert sizes == [16, 64, 16, 64, 16, 64]
-    assert len(task.mixed) == 4 and task.longest_sequence(None) == 64 and task.side == pytest.approx(4.0)
+    assert len(task.mixed) == 4 and task.side == pytest.approx(4.0)
     # every mixed cloud of one epoch comes once; the first pool's order is its own
     seen = torch.cat([task.train_batch(step, 2, 0, 0, 1)[0] for step in (2, 4)])
     assert len({tuple(p[0].tolist()) for p in seen}) == 4
+    assert task.longest_sequence(None) == 16 and task.step_shape(None, 2) == (2, 64)  # validation clouds; memory: the largest
+    with pytest.raises(ValueError, match=r"mixed_train \(4 clouds\) must be at least the batch size \(8\)"):
+        task.train_batch(2, 8, 0, 0, 1)
     plain = NBodyTask(num_particles=16, num_train=8, num_valid=2, num_test=2)
     assert plain.mixed is None and plain.train_batch(3, 2, 0, 0, 1)[0].shape[1] == 16
     torch.testing.assert_close(task.train_batch(3, 2, 0, 0, 1)[0], plain.train_batch(2, 2, 0, 0, 1)[0])
@@ -417,6 +425,7 @@ def test_a_mixed_pool_gives_every_other_step_larger_clouds():
     ({"mixed_particles": 0}, r"mixed_particles must be a positive integer"),
     ({"mixed_particles": 16, "mixed_train": 0}, r"mixed_train must be a positive integer"),
     ({"mixed_train": 4}, r"mixed_train \(4\) needs mixed_particles"),
+    ({"mixed_particles": 8}, r"mixed_particles \(8\) must differ from num_particles"),
 ])
 def test_bad_mixed_options_are_refused_with_their_name(options, message):
     with pytest.raises(ValueError, match=message):

@@ -82,7 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="evaluation batch size (default: the run's)")
     p.add_argument("--max-batches", type=int, default=None,
                    help="batches to evaluate (default: as many as hold the samples of the run's draw gap, "
-                        "draw_gap_batches of the run's batch size, so --batch-size changes memory, not the samples)")
+                        "draw_gap_batches of the run's batch size, rounded up to whole batches: --batch-size "
+                        "changes memory, not the samples)")
     p.add_argument("--out", default=None, help="also write the results as JSON to this file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=default_threads(), help=THREADS_HELP)
@@ -275,14 +276,20 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 
         model.register_forward_pre_hook(count)
     ctx = Context(0, 1, dev)
-    batches = max_batches
-    if batches is None and run.draw_gap_batches is not None:  # the draw gap's samples, whatever the batch size
-        batches = math.ceil(run.draw_gap_batches * (run.eval_batch_size or run.batch_size) / bs)
+    samples = None if run.draw_gap_batches is None else run.draw_gap_batches * (run.eval_batch_size or run.batch_size)
+
+    def batches_of(size: int) -> int | None:
+        """``--max-batches``, or as many batches of ``size`` as hold the draw gap's samples."""
+        if max_batches is not None or samples is None:
+            return max_batches
+        return math.ceil(samples / size)
+
+    batches = batches_of(bs)
     metric = task.metric
 
     def measure(m: torch.nn.Module, size: int = bs, what: str = "") -> float:
-        _stage(bar, what, batches)
-        return float(evaluate(task, m, ctx, size, batches, split=split)[metric])
+        _stage(bar, what, batches_of(size))
+        return float(evaluate(task, m, ctx, size, batches_of(size), split=split)[metric])
 
     rows = None
     if fidelity:  # before the fresh draws, which leave the model on the last of them
@@ -321,7 +328,7 @@ def format_breakdown(parts: dict) -> str:
     """``flt evaluate --breakdown``'s table: one row per distance band."""
     lines = [f"error by the pairs' distance (mean spacings): nmse {parts['nmse']:.4g}, "
              f"{parts['nmse_left']:.4g} left once each band's relative error is removed; a dipole field "
-             f"(r_i - c).D fits {parts['dipole_share']:.1%} of it",
+             f"(r_i - c).D fits {parts['dipole_share']:.1%} of the squared error",
              "  band          share of target variance   relative error (pred - y per unit of the band)"]
     for row in parts["bands"]:
         band = f"[{row['low']:g}, {'inf' if row['high'] is None else format(row['high'], 'g')})"

@@ -118,8 +118,8 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
 
 def _dipole_term(pos: torch.Tensor, charge: torch.Tensor) -> torch.Tensor:
     """``(r_i - c).D [S, N]`` per cloud, ``c`` its centre and ``D = sum_j q_j (r_j - c)``:
-    ``sum_j q_j |r_i - r_j|^2 = -2 (r_i - c).D`` in a neutral cloud, the response of an
-    ``r^2`` kernel."""
+    ``sum_j q_j |r_i - r_j|^2 = -2 (r_i - c).D + sum_j q_j |r_j - c|^2`` in a neutral cloud:
+    the response of an ``r^2`` kernel, less a constant per cloud."""
     centred = pos - pos.mean(1, keepdim=True)
     dipole = (charge[..., None] * centred).sum(1, keepdim=True)
     return (centred * dipole).sum(-1)
@@ -159,6 +159,9 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
             if mixed_particles < 2 or mixed_particles % 2:
                 raise ValueError(f"mixed_particles must be an even number >= 2 (neutral clouds: as many +1 as -1 "
                                  f"charges), got {mixed_particles}")
+            if mixed_particles == num_particles:
+                raise ValueError(f"mixed_particles ({mixed_particles}) must differ from num_particles: the mixed pool "
+                                 f"would repeat the first training clouds")
             if mixed_train is None:
                 mixed_train = max(1, num_train // 4)
             check_positive_int("mixed_train", mixed_train)
@@ -188,6 +191,8 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         pool, index = self.train, step
         if self.mixed is not None:
             pool, index = (self.train, (step + 1) // 2) if step % 2 else (self.mixed, step // 2)
+            if pool is self.mixed and len(pool) < batch_size:
+                raise ValueError(f"mixed_train ({len(pool)} clouds) must be at least the batch size ({batch_size})")
         idx = epoch_indices(len(pool), batch_size, seed, index)[shard(batch_size, rank, world)]
         return pool.pos[idx], pool.charge[idx], pool.y[idx]
 
@@ -260,8 +265,11 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
                 band_sq += (x[:, :-1] ** 2).sum(0)
         if not count:
             raise ValueError("error_breakdown needs at least one batch")
-        coef = torch.linalg.lstsq(xtx, xte[:, None]).solution.flatten()
-        left = max(ete - float(coef @ xte), 0.0)  # the residual of the normal equations' solution
+        # Bands with no pair (beyond a small box) are zero columns: fit the others, give those 0.
+        used = torch.diagonal(xtx) > 0
+        coef = torch.zeros(width, dtype=torch.float64)
+        coef[used] = torch.linalg.lstsq(xtx[used][:, used], xte[used][:, None], driver="gelsd").solution.flatten()
+        left = max(ete - 2 * float(coef @ xte) + float(coef @ xtx @ coef), 0.0)  # |e - X c|^2
         band_var = band_sq / count - (band_sum / count) ** 2
         shown = [float(e) if math.isfinite(e) else None for e in edges]  # JSON has no infinity
         return {"edges": shown, "nmse": ete / var, "nmse_left": left / var,
@@ -273,4 +281,9 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         return math.ceil(self.side), False
 
     def longest_sequence(self, cfg: ParticleConfig) -> int:
-        return max(self.valid.num_particles, 0 if self.mixed is None else self.mixed.num_particles)
+        return self.valid.num_particles
+
+    def step_shape(self, cfg: ParticleConfig, batch_size: int) -> tuple[int, int | None]:
+        """The largest clouds a step or an evaluation holds: the mixed pool's too."""
+        mixed = 0 if self.mixed is None else self.mixed.num_particles
+        return batch_size, max(self.valid.num_particles, self.train.num_particles, mixed)
