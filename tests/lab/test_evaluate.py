@@ -286,3 +286,9 @@ def test_smaller_batches_score_the_draw_gaps_samples(molecule_run_two_batches):
     tight = evaluate_run(path, draws=0, exact_max_elements=one)
     assert tight["exact"] == pytest.approx(gap["exact"], rel=1e-5)
     assert evaluate_run(path, draws=0, max_batches=1, batch_size=1)["own"] != pytest.approx(gap["own"], rel=1e-4)
+
+
+def test_a_breakdown_is_refused_for_a_task_without_one(molecule_run):
+    path, _ = molecule_run
+    with pytest.raises(ValueError, match=r"--breakdown: task 'molecule' has no error breakdown \(nbody has one\)"):
+        evaluate_run(path, draws=0, exact=False, breakdown=True)

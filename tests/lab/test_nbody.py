@@ -399,6 +399,10 @@ def test_the_error_breakdown_recovers_each_bands_relative_error():
     empty = task.error_breakdown(_BandGains(wide, [1.0, 0.8, 1.0, 1.0, 1.0], 0.2), batches, edges=wide)
     assert [b["coef"] for b in empty["bands"]] == pytest.approx([0.0, -0.2, 0.0, 0.0, 0.0], abs=1e-6)
     assert empty["nmse_left"] == pytest.approx(0.0, abs=1e-8) and empty["nmse"] > 0.01
+    with pytest.raises(ValueError, match=r"error_breakdown needs at least one batch"):
+        task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), [], edges=edges)
+    with pytest.raises(ValueError, match=r"edges must be at least two increasing distances"):
+        task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), batches, edges=[0.0, 4.0, 2.0])
     # the error of a model that is exact is nothing to split
     exact = task.error_breakdown(_BandGains(edges, [1.0, 1.0, 1.0], 0.0), batches, edges=edges)
     assert exact["nmse"] == pytest.approx(0.0, abs=1e-10) and all(abs(b["coef"]) < 1e-6 for b in exact["bands"])

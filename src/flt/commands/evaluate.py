@@ -276,15 +276,13 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
 
         model.register_forward_pre_hook(count)
     ctx = Context(0, 1, dev)
-    samples = None if run.draw_gap_batches is None else run.draw_gap_batches * (run.eval_batch_size or run.batch_size)
 
     def batches_of(size: int) -> int | None:
         """``--max-batches``, or as many batches of ``size`` as hold the draw gap's samples."""
-        if max_batches is not None or samples is None:
-            return max_batches
-        return math.ceil(samples / size)
+        return max_batches if max_batches is not None else DG.gap_batches(run, size)
 
     batches = batches_of(bs)
+    split_batches = task.eval_batches if split == "valid" else task.test_batches
     metric = task.metric
 
     def measure(m: torch.nn.Module, size: int = bs, what: str = "") -> float:
@@ -295,13 +293,11 @@ def evaluate_run(path: str, attention_options: dict | None = None, *, draws: int
     if fidelity:  # before the fresh draws, which leave the model on the last of them
         from flt.train.fidelity import layer_fidelity
 
-        split_batches = task.eval_batches if split == "valid" else task.test_batches
         _stage(bar, "each layer's fidelity")
         rows = layer_fidelity(model, split_batches(bs, batches, 0, 1), lambda m, b: task.eval_sums(m, to_device(b, dev)))
 
     parts = None
     if breakdown:  # on the own draw, before the fresh draws
-        split_batches = task.eval_batches if split == "valid" else task.test_batches
         _stage(bar, "the error's breakdown", batches)
         parts = task.error_breakdown(model, (to_device(b, dev) for b in split_batches(bs, batches, 0, 1)))  # type: ignore[attr-defined]
 

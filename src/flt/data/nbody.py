@@ -65,6 +65,15 @@ class Clouds:
         return self.pos.shape[1]
 
 
+def check_cloud_size(name: str, value: object) -> None:
+    """Refuse a cloud size that is not an even integer >= 2 (a neutral cloud holds as many
+    +1 as -1 charges), naming the option."""
+    check_positive_int(name, value)
+    assert isinstance(value, int)
+    if value < 2 or value % 2:
+        raise ValueError(f"{name} must be an even number >= 2 (neutral clouds: as many +1 as -1 charges), got {value}")
+
+
 def box_side(num_particles: int, density: float) -> float:
     """Side of the cubic box that holds ``num_particles`` at ``density`` per unit volume."""
     return (num_particles / density) ** (1.0 / 3.0)
@@ -180,10 +189,8 @@ def cloud_splits(*, num_particles: int = 256, eval_particles: int | None = None,
                         ("num_test", num_test)):
         check_positive_int(name, value)
     eval_particles = num_particles if eval_particles is None else eval_particles
-    check_positive_int("eval_particles", eval_particles)
     for name, value in (("num_particles", num_particles), ("eval_particles", eval_particles)):
-        if value < 2 or value % 2:
-            raise ValueError(f"{name} must be an even number >= 2 (neutral clouds: as many +1 as -1 charges), got {value}")
+        check_cloud_size(name, value)
     common: dict[str, Any] = {"seed": seed, "layout": layout, "density": density, "screening": screening, "softening": softening}
     return CloudSplits(generate_clouds(num_train, num_particles, split="train", **common),
                        generate_clouds(num_valid, eval_particles, split="valid", **common),

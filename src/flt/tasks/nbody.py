@@ -51,7 +51,14 @@ from flt.baselines.particles import (
     ParticleRegressor,
     particle_model,
 )
-from flt.data.nbody import Clouds, box_side, cloud_splits, generate_clouds, yukawa_potential
+from flt.data.nbody import (
+    Clouds,
+    box_side,
+    check_cloud_size,
+    cloud_splits,
+    generate_clouds,
+    yukawa_potential,
+)
 from flt.models import replace_fields
 from flt.models.memory import check_model_memory
 from flt.tasks.base import (
@@ -155,10 +162,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
             if mixed_train is not None:
                 raise ValueError(f"mixed_train ({mixed_train!r}) needs mixed_particles, the size of the second pool's clouds")
         else:
-            check_positive_int("mixed_particles", mixed_particles)
-            if mixed_particles < 2 or mixed_particles % 2:
-                raise ValueError(f"mixed_particles must be an even number >= 2 (neutral clouds: as many +1 as -1 "
-                                 f"charges), got {mixed_particles}")
+            check_cloud_size("mixed_particles", mixed_particles)
             if mixed_particles == num_particles:
                 raise ValueError(f"mixed_particles ({mixed_particles}) must differ from num_particles: the mixed pool "
                                  f"would repeat the first training clouds")
@@ -246,9 +250,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         bounds = [float(e) * self.spacing for e in edges]
         width = len(bounds)  # B bands and a constant
         xtx, xte = torch.zeros(width, width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
-        ete = var = count = dd = de = 0.0
-        band_sq = torch.zeros(width - 1, dtype=torch.float64)
-        band_sum = torch.zeros(width - 1, dtype=torch.float64)
+        ete = var = dd = de = 0.0
         with torch.inference_mode():
             for pos, charge, y in batches:
                 err = (model(charge, pos).double() - y.double()).flatten().cpu()
@@ -260,9 +262,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
                 dip = _dipole_term(pos.cpu().double(), charge.cpu().double()).flatten()
                 dd, de = dd + float(dip @ dip), de + float(dip @ err)
                 var += float(((y.double() - self.target_mean) ** 2).sum())
-                count += err.numel()
-                band_sum += x[:, :-1].sum(0)
-                band_sq += (x[:, :-1] ** 2).sum(0)
+        count = float(xtx[-1, -1])  # the constant column: sums of the bands in the last row, of squares on the diagonal
         if not count:
             raise ValueError("error_breakdown needs at least one batch")
         # Bands with no pair (beyond a small box) are zero columns: fit the others, give those 0.
@@ -270,7 +270,7 @@ class NBodyTask(Task[CloudBatch, ParticleConfig]):
         coef = torch.zeros(width, dtype=torch.float64)
         coef[used] = torch.linalg.lstsq(xtx[used][:, used], xte[used][:, None], driver="gelsd").solution.flatten()
         left = max(ete - 2 * float(coef @ xte) + float(coef @ xtx @ coef), 0.0)  # |e - X c|^2
-        band_var = band_sq / count - (band_sum / count) ** 2
+        band_var = torch.diagonal(xtx)[:-1] / count - (xtx[-1, :-1] / count) ** 2
         shown = [float(e) if math.isfinite(e) else None for e in edges]  # JSON has no infinity
         return {"edges": shown, "nmse": ete / var, "nmse_left": left / var,
                 "dipole_share": (de * de / dd) / ete if dd > 0 and ete > 0 else 0.0,

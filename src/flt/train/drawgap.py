@@ -92,6 +92,15 @@ class ExactForward(nn.Module):
         return self.model(*args, exact=True, **kwargs)
 
 
+def gap_batches(run: RunConfig, batch_size: int) -> int | None:
+    """Batches of ``batch_size`` that hold the draw gap's samples: ``draw_gap_batches`` of
+    the run's evaluation batch size, rounded up (None: the whole split). A smaller batch,
+    such as the exact evaluation's, changes memory, not the samples."""
+    if run.draw_gap_batches is None:
+        return None
+    return math.ceil(run.draw_gap_batches * (run.eval_batch_size or run.batch_size) / batch_size)
+
+
 def exact_batch_size(task: Task, model: nn.Module, model_cfg: TrunkConfig, batch_size: int, max_elements: int = EXACT_MAX_ELEMENTS) -> int | None:
     """Batch size for the exact evaluation, or None when it is not possible: some attention
     layer has no ``exact`` (e.g. Toeplitz), or one sample's weights exceed ``max_elements``."""

@@ -816,10 +816,7 @@ def _finish(r: _TrainRun, say: _Printer, last_valid: dict[str, float], step_time
         test = evaluate_on_draw(r.task, r.model, ctx, run, None, split="test")
         say(f"test {_format(test)}")
     # Own draw vs fresh draws vs exact attention (flt.train.drawgap).
-    def gap_batches(size: int) -> int | None:  # the exact evaluation's batches shrink to fit: as many as hold the same samples
-        return None if run.draw_gap_batches is None else math.ceil(run.draw_gap_batches * eval_bs / size)
-
-    gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, gap_batches(bs)), eval_bs,
+    gap = DG.draw_gap(r.task, r.model, r.model_cfg, run, lambda m, bs: evaluate(r.task, m, ctx, bs, DG.gap_batches(run, bs)), eval_bs,
                       own=last_valid if run.draw_gap_batches is None else None)
     summary = _summary(r, last_valid, step_times, gap, wall_start)
     if test is not None:
