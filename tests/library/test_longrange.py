@@ -17,11 +17,10 @@ from flt.layers.longrange import (
     coulomb_tail,
     coulomb_tail_quadrature,
     feature_sum,
-    gauss_legendre,
     radial_profile,
-    sphere_quadrature,
     tail_reach,
 )
+from flt.relative.spectra.radial import gauss_legendre, sphere_quadrature
 
 DIM, HEADS = 8, 2
 

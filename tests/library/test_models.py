@@ -226,6 +226,29 @@ def test_molecule_default_flt_exact_path_is_rotation_invariant():
         assert_close(model(z, pos @ random_rotation(s).T, mask, exact=True), exact, scale=1e3)
 
 
+@torch.no_grad()
+def test_molecule_with_the_radial_spectrum_is_rotation_invariant_on_both_paths():
+    """spectrum=radial needs no tying: the exact path is invariant to rounding, the fast path
+    to its direction rule's error, which a coarser rule makes larger."""
+    z, pos, mask = molecules(B=4, N=9, dtype=torch.float64)  # offsets up to 13 A
+    moved = {}
+    for quadrature in (8, 4):
+        torch.manual_seed(0)
+        options = {"spectrum": "radial", "num_frequencies": 128, "quadrature": quadrature, "length_scale": 3.0,
+                   "coupling": "multiplicative", "near_neighbors": 0}
+        model = make(MoleculeConfig, "flt", dtype=torch.float64, attention_options=options).eval()
+        exact, fast = model(z, pos, mask, exact=True), model(z, pos, mask)
+        scale = float(fast.abs().max())
+        gap = float((fast - exact).abs().max()) / scale
+        assert gap < 1e-6 if quadrature == 8 else gap > 1e-4  # order 4 is exact only below degree 8
+        for s in range(3):
+            rotated = pos @ random_rotation(s).T
+            assert_close(model(z, rotated, mask, exact=True), exact, scale=1e3)
+        moved[quadrature] = max(float((model(z, pos @ random_rotation(s).T, mask) - fast).abs().max()) / scale
+                                for s in range(3))
+    assert moved[8] < 3e-6 and moved[4] > 10 * moved[8], moved
+
+
 def test_isotropic_lengths_stay_tied_through_training():
     model = make(MoleculeConfig, "flt", attention_options={"length_scale": [1.0, 2.0, 4.0]})
     spectra = [m for m in model.modules() if isinstance(m, GaussianKernelSpectrum)]
@@ -254,6 +277,7 @@ def test_tie_isotropic_rejects_non_radial_spectra():
     with pytest.raises(ValueError, match="shift"):
         tie_isotropic(shifted)
     assert tie_isotropic(FLTAttention.from_options(16, 2, pos_dim=3, spectrum="matern", num_frequencies=8)) == 1
+    assert tie_isotropic(FLTAttention.from_options(16, 2, pos_dim=3, spectrum="radial", num_frequencies=64)) == 1
 
 
 def test_isotropic_mixture_is_radial_with_several_lengths_per_head():

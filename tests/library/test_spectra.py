@@ -30,11 +30,12 @@ CASES = [
     ("local", dict(windows=2, window_sizes=(1.5, 4.0), smoothing=0.8)),
     ("neural", dict(hidden=8, length_scale=3.0)),
     ("discrete", dict(components=2, length_scale=3.0, length_spread=2.0)),
+    ("radial", dict(length_scale=3.0, quadrature=4)),
 ]
 IDS = [name + (f"-nu{opts['nu']}" if "nu" in opts else "") for name, opts in CASES]
 # The families with a density, whose features estimate f by sampling it (the discrete family's
 # frequencies are parameters and its features compute f exactly: tests/library/test_spectrum_discrete.py).
-SAMPLED = [(case, i) for case, i in zip(CASES, IDS, strict=True) if not SPECTRA[case[0]].exact_estimate]
+SAMPLED = [(case, i) for case, i in zip(CASES, IDS, strict=True) if not SPECTRA[case[0]].deterministic]
 SAMPLED_CASES, SAMPLED_IDS = [c for c, _ in SAMPLED], [i for _, i in SAMPLED]
 OPTIONS = {name: opts for name, opts in CASES}  # one case per name (the last Matern) where nu does not matter
 # The families with components, each component moved by a learned shift (build() draws
@@ -406,7 +407,7 @@ def test_shift_options_are_checked():
     assert LocalSpectrum(2, 1, 8, windows=2).shift is None and LocalSpectrum(2, 1, 8, windows=2).phases(torch.zeros(2, 8, 1)) is None
 
 
-@pytest.mark.parametrize("name", sorted(n for n in SPECTRA if not SPECTRA[n].exact_estimate))
+@pytest.mark.parametrize("name", sorted(n for n in SPECTRA if not SPECTRA[n].deterministic))
 def test_frequencies_are_a_fixed_buffer_unless_redrawn(name):
     options = OPTIONS[name]
     pos = torch.randn(5, 1, dtype=F64)
@@ -571,7 +572,7 @@ def test_bad_points_are_rejected(name):
         spec.features(torch.randn(5, 2))
     with pytest.raises(ValueError, match=r"pos must have rank 2 or 3"):
         spec.features(torch.randn(5))
-    checked = [(spec.mask, "delta"), (spec.estimate, "delta")] + ([] if spec.exact_estimate else [(spec.density, "xi")])
+    checked = [(spec.mask, "delta"), (spec.estimate, "delta")] + ([] if spec.deterministic else [(spec.density, "xi")])
     for method, arg in checked:
         with pytest.raises(ValueError, match=rf"{arg} must have last dimension P = 1"):
             method(torch.randn(5, 2))

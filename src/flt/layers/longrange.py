@@ -59,6 +59,7 @@ from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
 from flt.relative.spectra.base import cycles, phase_dtype
 from flt.relative.spectra.discrete import DiscreteSpectrum
+from flt.relative.spectra.radial import gauss_legendre, shell_average, sphere_quadrature
 
 #: Content kernels ``K_ij``: none (``K = 1``), ``elu + 1`` features of projected queries and
 #: keys (deterministic), or FAVOR+ random features estimating ``exp(q.k / sqrt(Dk))``.
@@ -66,44 +67,6 @@ CONTENT = ("none", "elu", "favor+")
 
 # Query rows per chunk of the O(N^2) reference: its [B, rows, N, H, R] phases stay below this.
 _REFERENCE_ELEMENTS = 1 << 23
-
-
-def gauss_legendre(n: int, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gauss-Legendre nodes and weights on ``[low, high]`` (float64, Golub-Welsch), exact for
-    polynomials of degree below ``2 n``."""
-    check_positive_int("n", n)
-    k = torch.arange(1, n, dtype=torch.float64)
-    off = k / torch.sqrt(4 * k * k - 1)
-    nodes, vectors = torch.linalg.eigh(torch.diag(off, 1) + torch.diag(off, -1))
-    half = (high - low) / 2
-    return low + half * (nodes + 1), half * 2 * vectors[0] ** 2
-
-
-def sphere_quadrature(order: int, *, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Directions ``u [S, 3]`` and weights ``q [S]`` (summing to 1) for averages over the unit
-    sphere of functions even in ``u`` (``g(u) = g(-u)``), ``S = order^2``.
-
-    The product rule: Gauss-Legendre nodes ``mu_i`` in ``cos(theta)`` (``order`` of them,
-    :func:`gauss_legendre`) times ``2 order`` equally spaced
-    azimuths, exact for spherical harmonics of degree below ``2 order``. The rule is
-    antipodally symmetric (``(mu, phi) -> (-mu, phi + pi)`` maps nodes to nodes), so for an
-    even function the lower hemisphere repeats the upper one: only ``mu_i > 0`` is kept,
-    with twice the weight. Deterministic, no random rotation. ``order`` must be even.
-    """
-    check_positive_int("order", order)
-    if order % 2:
-        raise ValueError(f"order must be even (the rule keeps the upper half of its symmetric nodes), got {order}")
-    mu, weight = gauss_legendre(order, -1.0, 1.0)  # weights summing to 2
-    upper = mu > 0
-    mu, weight = mu[upper], weight[upper]
-    azimuths = 2 * order
-    phi = 2 * math.pi * (torch.arange(azimuths, dtype=torch.float64) + 0.5) / azimuths
-    sin_theta = torch.sqrt(1 - mu * mu)
-    u = torch.stack([sin_theta[:, None] * torch.cos(phi), sin_theta[:, None] * torch.sin(phi),
-                     mu[:, None].expand(-1, azimuths)], dim=-1).reshape(-1, 3)
-    # Upper half: weight w_i / 2 per node of the full rule, doubled, over `azimuths` nodes.
-    q = (weight[:, None] / azimuths).expand(-1, azimuths).reshape(-1)
-    return u.to(dtype), q.to(dtype)
 
 
 class Frequencies(nn.Module):
@@ -369,7 +332,7 @@ class RadialFrequencies(Frequencies):
         cdt = compute_dtype(delta)
         rho, w = self.shells(cdt)
         r = delta.to(cdt).norm(dim=-1)[..., None, None]
-        return (torch.sinc(2 * rho * r) * w).sum(-1)
+        return (shell_average(rho * r, 3) * w).sum(-1)
 
     def extra_repr(self) -> str:
         shared = ", shared" if self.shared else ""
@@ -859,9 +822,7 @@ __all__ = [
     "coulomb_tail_quadrature",
     "dense_sum",
     "feature_sum",
-    "gauss_legendre",
     "radial_profile",
     "rule_order",
-    "sphere_quadrature",
     "tail_reach",
 ]

@@ -8,7 +8,8 @@ act per token apart from attention, and the readout is a masked sum or mean, so:
   differences);
 * rotating it changes nothing when every attention layer's mask depends on ``|Delta|``
   only, e.g. FLT with a radial spectrum (``gaussian`` or ``matern`` with tied per-axis
-  lengths, see ``isotropic``) and no absolute encoding. This holds exactly for
+  lengths, see ``isotropic``, or the ``radial`` family, whose fast path is invariant to its
+  direction rule's stated error whatever ``R``) and no absolute encoding. This holds exactly for
   ``exact=True`` (the O(N^2) mask ``f`` from ``spectrum.mask``); the fast path uses ``R``
   random frequencies whose estimate ``f^`` is radial only in expectation, so it is
   rotation invariant up to an error that shrinks like ``R^(-1/2)``.
@@ -35,13 +36,16 @@ from flt.relative.spectra import (
     GaussianKernelSpectrum,
     GaussianMixtureSpectrum,
     MaternSpectrum,
+    RadialSpectrum,
     Spectrum,
 )
 
 #: Spectra whose mask is a function of ``|Delta / l|``: radial once the lengths are tied.
 #: A Gaussian mixture is radial once its per-axis scales are tied and its means held at the
 #: origin: ``f(r) = sum_c alpha_c exp(-r^2 / (2 l_c^2))``, several length scales per head.
-RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum, GaussianMixtureSpectrum)
+#: The radial family is radial as it is (learned shells; its features to their direction
+#: rule's error) and needs no tying.
+RADIAL_SPECTRA = (GaussianKernelSpectrum, MaternSpectrum, GaussianMixtureSpectrum, RadialSpectrum)
 
 
 class _SameOnEveryAxis(nn.Module):
@@ -74,11 +78,14 @@ def tie_isotropic(module: nn.Module) -> int:
             continue
         if not isinstance(sub, RADIAL_SPECTRA):
             raise ValueError(
-                f"isotropic=True needs radial spectra (gaussian, matern or gaussian_mixture), but {name} is a "
+                f"isotropic=True needs radial spectra (gaussian, matern, gaussian_mixture or radial), but {name} is a "
                 f"{type(sub).__name__}; choose a radial spectrum or set isotropic=False"
             )
         if getattr(sub, "shift", None) is not None:
             raise ValueError(f"isotropic=True needs radial spectra, but {name} has a learned shift (shift=True); drop it or set isotropic=False")
+        if isinstance(sub, RadialSpectrum):
+            tied += 1
+            continue
         if isinstance(sub, GaussianMixtureSpectrum) and bool((sub.mu != 0).any()):
             raise ValueError(f"isotropic=True holds a Gaussian mixture's means at the origin, but {name} has nonzero means "
                              f"(mean_scale > 0); set mean_scale=0 or isotropic=False")

@@ -11,6 +11,7 @@ from flt.relative.spectra.gaussian_mixture import GaussianMixtureSpectrum
 from flt.relative.spectra.kernels import MATERN_NU, GaussianKernelSpectrum, MaternSpectrum
 from flt.relative.spectra.local import LocalSpectrum
 from flt.relative.spectra.neural import NeuralSpectrum
+from flt.relative.spectra.radial import RadialSpectrum
 from flt.relative.spectra.sampling import SAMPLERS, standard_normal_draws
 
 #: The spectral families ``g`` by name: each gives its exact ``f`` and the random-feature
@@ -22,6 +23,7 @@ SPECTRA: dict[str, type[Spectrum]] = {
     "local": LocalSpectrum,
     "neural": NeuralSpectrum,
     "discrete": DiscreteSpectrum,
+    "radial": RadialSpectrum,
 }
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "LocalSpectrum",
     "MaternSpectrum",
     "NeuralSpectrum",
+    "RadialSpectrum",
     "Spectrum",
     "standard_normal_draws",
 ]

@@ -83,10 +83,11 @@ class Spectrum(RelativeTerm):
     extra_normals: int = 0
     #: Names of the buffers that hold the draws (:mod:`flt.layers.draws`).
     random_feature_buffers: tuple[str, ...] = ("eps",)
-    #: Whether the features compute ``f`` exactly (a discrete spectrum, whose frequencies
-    #: are parameters): then there is no density, nothing to redraw, and the seed sets the
-    #: starting parameters instead of the draws.
-    exact_estimate: bool = False
+    #: Whether the features are a fixed function of the parameters, with no density
+    #: sampled: the discrete family's compute ``f`` exactly, the radial family's to its
+    #: direction rule's stated error. Then there is nothing to redraw, and the seed sets the
+    #: starting parameters (or nothing) instead of the draws.
+    deterministic: bool = False
 
     def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, sampler: str = "iid", seed: int | None = None,
                  redraw: bool = False, shift: bool = False, shift_scale: float = 1.0,
@@ -99,7 +100,7 @@ class Spectrum(RelativeTerm):
         self.heads, self.pos_dim, self.num_frequencies = heads, pos_dim, num_frequencies
         self.sampler, self.seed = sampler, seed
         #: Whether the layer that owns this spectrum samples its frequencies.
-        self.has_random_features = not self.exact_estimate
+        self.has_random_features = not self.deterministic
         self._factory: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.register_buffer("eps", self._draw(seed), persistent=True)
         if not isinstance(shift, bool):

@@ -48,7 +48,7 @@ class DiscreteSpectrum(Spectrum):
     """
 
     #: The features compute ``f`` itself: the estimate is exact, nothing is sampled.
-    exact_estimate = True
+    deterministic = True
     random_feature_buffers = ()
 
     spread: torch.Tensor  # buffer: ``s_c`` of every frequency, ``[1, R, 1]`` (from the options, not saved)
