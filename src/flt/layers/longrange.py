@@ -55,6 +55,7 @@ from flt._checks import (
     check_tensor,
 )
 from flt._dtype import compute_dtype
+from flt._limits import check_memory, memory_limit
 from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
 from flt.relative.spectra.base import cycles, phase_dtype
@@ -67,6 +68,10 @@ CONTENT = ("none", "elu", "favor+")
 
 # Query rows per chunk of the O(N^2) reference: its [B, rows, N, H, R] phases stay below this.
 _REFERENCE_ELEMENTS = 1 << 23
+#: Bytes per phase value of the fast path's float64 arithmetic at its peak (the product
+#: ``xi.r``, its rounding and the reduced turns), before the compute-dtype phases, cosines
+#: and sines (:meth:`LongRangeBlock._sets_per_part`).
+_PHASE_BYTES = 24
 
 
 class Frequencies(nn.Module):
@@ -102,12 +107,20 @@ class Frequencies(nn.Module):
         """The kernel this set stands for, ``[..., P] -> [..., H]``: here the cosine sum."""
         return self.mask(delta)
 
-    def phase_features(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def call_frequencies(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frequencies one call on positions ``pos [B, N, P]`` uses, ``(xi [G, R, P], w
+        [H, R])`` in float64: sets whose rule follows the points' extent choose it from all
+        of ``pos``, so every part of a batch gets the same kernel."""
+        return self._precise(pos, offsets=False)
+
+    def phase_features(self, pos: torch.Tensor, frequencies: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(phase [B, G, N, R], w [H, R])`` in float32 or better, with ``f_h(r_i - r_j) =
         sum_r w_hr cos(phase_ir - phase_jr)`` (of group ``g = h`` when ``G = H``; ``G = 1``
         when the heads share their frequencies). The weights are kept apart, so that a sum
-        folds them into its small ``[R, Dv]`` states (:func:`feature_sum`)."""
-        xi, w = self._precise(pos, offsets=False)
+        folds them into its small ``[R, Dv]`` states (:func:`feature_sum`). ``frequencies``:
+        those of :meth:`call_frequencies` for a larger batch that ``pos`` is part of."""
+        xi, w = self.call_frequencies(pos) if frequencies is None else frequencies
         cdt = compute_dtype(pos)
         return 2 * math.pi * rearrange(cycles(pos, xi), "b n h r -> b h n r").to(cdt), w.to(cdt)
 
@@ -759,13 +772,41 @@ class LongRangeBlock(nn.Module):
             return self.reference(h, pos, key_padding_mask, kernel="exact")
         pad = self._check(h, pos, key_padding_mask)
         pos, v, q, k = self._inputs(h, pos, pad)
-        phase, w = self.kernel.phase_features(pos)
-        cdt = compute_dtype(phase, v)
+        frequencies = self.kernel.call_frequencies(pos)
+        cdt = compute_dtype(pos, v)
         qf = kf = None
         if q is not None and k is not None:
             qf, kf = (t.to(cdt) for t in self._content_features(q, k))
-        msg = feature_sum(phase.to(cdt), w.to(cdt), v.to(cdt), qf, kf, keep=~pad, normalised=self.normalised)
+        rows = self._sets_per_part(pos, frequencies, cdt)
+        parts = []
+        for b in range(0, h.shape[0], rows):
+            part = slice(b, b + rows)
+            phase, w = self.kernel.phase_features(pos[part], frequencies)
+            parts.append(feature_sum(phase.to(cdt), w.to(cdt), v[part].to(cdt), None if qf is None else qf[part],
+                                     None if kf is None else kf[part], keep=~pad[part], normalised=self.normalised))
+        msg = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(h, msg, pad)
+
+    def _sets_per_part(self, pos: torch.Tensor, frequencies: tuple[torch.Tensor, torch.Tensor], cdt: torch.dtype) -> int:
+        """How many sets of the batch one pass of the fast path takes. Its phases hold ``N G R``
+        values per set, about :data:`_PHASE_BYTES` plus three compute-dtype values each at
+        their peak (float64 phase arithmetic, then cosines and sines; measured 24-30 bytes
+        per value in float32 on CPU). With gradients every set's are kept for the backward
+        pass, so the whole batch must fit; without (evaluation), the batch is taken in parts
+        that fit, with the same frequencies (:meth:`Frequencies.call_frequencies`), so the
+        result does not depend on the parts. Anything that cannot fit is refused with a
+        :class:`flt._limits.MemoryLimitError` naming the sizes, before it is allocated."""
+        B, N, _ = pos.shape
+        groups, count = frequencies[0].shape[0], frequencies[0].shape[1]
+        per_set = N * groups * count * (_PHASE_BYTES + 3 * torch.finfo(cdt).bits // 8)
+        training = torch.is_grad_enabled()
+        check_memory(f"the long-range block's phases ({self.frequency_set}: {count} frequencies for this call's extent, "
+                     f"{groups} phase group(s), {N} points per set, {B if training else 1} set(s)"
+                     f"{', kept for the backward pass' if training else ''})", per_set * (B if training else 1),
+                     device=pos.device, hint="use fewer points or sets per batch, or fewer frequencies (num_radii, "
+                     "quadrature, alpha, shared=True)")
+        limit, _ = memory_limit(pos.device)
+        return B if training else max(1, min(B, limit // per_set))
 
     def pair_kernel(self, pos: torch.Tensor, *, kernel: str = "features") -> torch.Tensor:
         """``f(r_i - r_j)`` of every pair, ``[B, H, N, N]``, evaluated directly from the offsets:
