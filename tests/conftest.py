@@ -112,3 +112,14 @@ def kill_at(step):
             raise Killed
 
     return hook
+
+
+def random_rotation(seed: int | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A uniformly random proper rotation ``[3, 3]`` (QR of a Gaussian matrix, signs fixed,
+    determinant +1), from a generator seeded with ``seed`` (None: torch's global one)."""
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))
+    if torch.det(q) < 0:
+        q[:, 0] = -q[:, 0]
+    return q.to(dtype)

@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close, assert_same_gradients
+from conftest import assert_close, assert_same_gradients, random_rotation
 
+from flt._limits import MemoryLimitError
 from flt.layers.longrange import (
     CONTENT,
     FREQUENCIES,
@@ -20,7 +21,6 @@ from flt.layers.longrange import (
     radial_profile,
     tail_reach,
 )
-from flt._limits import MemoryLimitError
 from flt.relative.spectra.radial import gauss_legendre, sphere_quadrature
 
 DIM, HEADS = 8, 2
@@ -43,12 +43,6 @@ def inputs(B: int = 2, N: int = 7, dtype=torch.float64) -> tuple[torch.Tensor, t
     pad = torch.zeros(B, N, dtype=torch.bool)
     pad[B - 1, N - 2:] = B > 1  # with two sets, the second has two padded points
     return h, pos, pad
-
-
-def random_rotation(dtype=torch.float64) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(3, 3, dtype=dtype))
-    q = q * torch.sign(torch.diagonal(r))
-    return q if torch.det(q) > 0 else -q
 
 
 @pytest.mark.parametrize("content", CONTENT)

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
+from conftest import assert_close, random_rotation
 
-from conftest import assert_close
 from flt import ATTENTION
 from flt.models import (
     CausalLM,
@@ -56,15 +56,6 @@ def molecules(B=3, N=7, dtype=torch.float32, seed=0):
     pad[0, N - 2 :] = True  # a padded structure
     z[pad] = 0  # the padding element
     return z, pos, pad
-
-
-def random_rotation(seed: int, dtype=torch.float64) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
-    q = q * torch.sign(torch.diagonal(r))
-    if torch.det(q) < 0:
-        q[:, 0] = -q[:, 0]
-    return q.to(dtype)
 
 
 def _check_grads(model, out):

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from conftest import assert_close, random_rotation
 from scipy import integrate
 
-from conftest import assert_close
 from flt.relative.spectra import SPECTRA, RadialSpectrum
 from flt.relative.spectra.radial import chi_quantiles, shell_average, shell_rule
 
@@ -24,13 +24,6 @@ def directions(P: int, count: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     e = torch.randn(count, P, generator=g, dtype=F64)
     return e / e.norm(dim=-1, keepdim=True)
-
-
-def rotation(seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    q, r = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=F64))
-    q = q * torch.sign(torch.diagonal(r))
-    return q if torch.det(q) > 0 else -q
 
 
 def spectrum(P=3, R=128, quadrature=8, perturb=0.2, **options) -> RadialSpectrum:
@@ -85,7 +78,7 @@ def test_bessel_gradient_is_minus_j1():
 
 @pytest.mark.parametrize("P", [2, 3])
 def test_the_mask_is_the_average_of_the_features_cosines_and_within_the_rule_error(P):
-    spec = spectrum(P=P, R=64 if P == 3 else 64, quadrature=8)
+    spec = spectrum(P=P, R=64, quadrature=8)
     rho, w = spec.radii()
     reach = 1.0 / float(rho.detach().max())  # rho |Delta| <= 1 for every shell: rule error below 1e-5
     delta = directions(P, 60, seed=1) * torch.linspace(0, reach, 60, dtype=F64)[:, None]
@@ -109,7 +102,7 @@ def test_rotation_changes_the_mask_by_rounding_and_the_features_by_the_rule_erro
     bound = 2e-5 * float(w.abs().sum(-1).max())
     moved = []
     for seed in range(3):
-        rotated = delta @ rotation(seed).T
+        rotated = delta @ random_rotation(seed).T
         assert_close(spec.mask(rotated), mask, scale=10)
         moved.append(float((spec.estimate(rotated) - estimate).abs().max()))
     assert max(moved) < bound
@@ -160,7 +153,7 @@ def test_the_radial_spectrum_in_flt_attention_is_rotation_invariant_to_the_rule_
     pos = torch.randn(2, 9, 3, dtype=F64)
     with torch.no_grad():
         out = layer(x, pos)
-        moved = max(float((layer(x, pos @ rotation(s).T) - out).abs().max()) for s in range(3))
+        moved = max(float((layer(x, pos @ random_rotation(s).T) - out).abs().max()) for s in range(3))
     assert moved < 1e-5 * float(out.abs().max())
 
 
