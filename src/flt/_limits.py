@@ -88,18 +88,24 @@ def memory_limit(device: torch.device | str | None = None) -> tuple[int, str]:
         import torch
 
         if torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-            return int(free), f"free memory of {device}"
+            dev = torch.device(device)
+            free, _ = torch.cuda.mem_get_info(dev)
+            # What the caching allocator holds but no tensor uses is free to this process,
+            # though the driver counts it as taken.
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            return int(free + cached), f"free memory of {device}"
     return _cpu_available()
 
 
-def check_memory(what: str, nbytes: float, *, device: torch.device | str | None = None, hint: str = "") -> None:
+def check_memory(what: str, nbytes: float, *, device: torch.device | str | None = None, hint: str = "",
+                 limit: tuple[int, str] | None = None) -> None:
     """Raise :class:`MemoryLimitError` when ``nbytes`` (an estimate for ``what``) exceeds
-    the limit of ``device`` (:func:`memory_limit`); ``hint`` says how to shrink it."""
-    limit, source = memory_limit(device)
-    if nbytes > limit:
+    the limit of ``device`` (:func:`memory_limit`, or ``limit`` as it returned it);
+    ``hint`` says how to shrink it."""
+    bound, source = memory_limit(device) if limit is None else limit
+    if nbytes > bound:
         tail = f"; {hint}" if hint else ""
         raise MemoryLimitError(
-            f"{what} needs about {format_bytes(nbytes)}, more than the {format_bytes(limit)} of {source}{tail} "
+            f"{what} needs about {format_bytes(nbytes)}, more than the {format_bytes(bound)} of {source}{tail} "
             f"(set {LIMIT_VARIABLE} to change the limit)"
         )

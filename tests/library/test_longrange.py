@@ -527,40 +527,56 @@ def test_profiled_shells_fall_off_like_the_gaussian_and_stay_small_until_the_pro
     assert float((sinc[far].abs() / envelope[far]).max()) > 0.9
 
 
-@pytest.mark.parametrize("frequencies, options", [("radial", {"quadrature": None, "num_radii": 4}),
-                                                  ("coulomb", {"num_radii": 2}), ("discrete", {"num_frequencies": 16})])
+@pytest.mark.parametrize("frequencies, options", [
+    ("radial", {"quadrature": None, "num_radii": 4}), ("radial", {"quadrature": None, "num_radii": 4, "shared": True}),
+    ("coulomb", {"num_radii": 2}), ("discrete", {"num_frequencies": 16}),
+    ("radial", {"content": "elu", "normalised": True, "shared": True}), ("discrete", {"content": "favor+", "normalised": True}),
+])
 def test_evaluation_takes_the_batch_in_parts_that_fit_and_gets_the_same_result(frequencies, options, monkeypatch):
-    """Without gradients the fast path splits the batch when its phases would pass the memory
-    limit; the parts share the call's frequencies (a rule chosen from the whole batch's extent),
-    so the output is the one-pass output."""
+    """Without gradients the fast path splits the batch when its phases would pass half the
+    memory limit; the parts share the call's frequencies (a rule chosen from the whole
+    batch's extent), so the output is the one-pass output."""
     import flt.layers.longrange as longrange
 
     block = make_block(frequencies, **options)
     h, pos, pad = inputs(B=5, N=9)
-    pos = pos.detach() * torch.tensor([1.0, 1.0, 1.0, 1.0, 6.0], dtype=torch.float64)[:, None, None]  # one set far wider
+    h, pos = h.detach(), pos.detach() * torch.tensor([1.0, 1.0, 1.0, 1.0, 6.0], dtype=torch.float64)[:, None, None]
     with torch.no_grad():
-        whole = block(h.detach(), pos, pad)
+        whole = block(h, pos, pad)
         xi, _ = block.kernel.call_frequencies(block._inputs(h, pos, pad)[0])
-        per_set = 9 * xi.shape[0] * xi.shape[1] * (24 + 3 * 8)
+        per_set = block.set_bytes(9, xi.shape[0], xi.shape[1], torch.float64, DIM // HEADS)
         calls = []
         monkeypatch.setattr(longrange, "feature_sum", lambda *a, **k: calls.append(a[2].shape[0]) or feature_sum(*a, **k))
-        monkeypatch.setenv("FLT_MEMORY_LIMIT", str(2 * per_set + 1))
-        parts = block(h.detach(), pos, pad)
+        monkeypatch.setenv("FLT_MEMORY_LIMIT", str(4 * per_set + 1))
+        parts = block(h, pos, pad)
     assert calls == [2, 2, 1]
     assert_close(parts, whole)
     with torch.no_grad(), pytest.raises(MemoryLimitError, match=r"long-range block's phases .* 9 points per set, 1 set"):
         monkeypatch.setenv("FLT_MEMORY_LIMIT", str(per_set // 2))
-        block(h.detach(), pos, pad)
+        block(h, pos, pad)
 
 
 def test_training_refuses_phases_that_do_not_fit_before_allocating_them(monkeypatch):
     block = make_block("radial", quadrature=8, num_radii=4)
     h, pos, pad = inputs(B=3, N=9)
-    per_set = 9 * HEADS * 4 * 64 * (24 + 3 * 8)
+    per_set = block.set_bytes(9, HEADS, 4 * 64, torch.float64, DIM // HEADS)
     monkeypatch.setenv("FLT_MEMORY_LIMIT", str(2 * per_set))
     with pytest.raises(MemoryLimitError, match=r"256 frequencies .* 3 set\(s\), kept for the backward pass.*num_radii"):
         block(h, pos, pad)
     with torch.no_grad():
         block(h, pos, pad)  # evaluation fits, in parts
+    for p in block.parameters():
+        p.requires_grad_(False)
+    block(h.detach(), pos.detach(), pad)  # nothing to differentiate: taken in parts like evaluation
     monkeypatch.setenv("FLT_MEMORY_LIMIT", str(3 * per_set))
+    for p in block.parameters():
+        p.requires_grad_(True)
     block(h, pos, pad).sum().backward()
+
+
+@pytest.mark.parametrize("B, N", [(0, 5), (2, 0)])
+def test_empty_batches_and_empty_sets_pass_through(B, N):
+    block = make_block("radial", quadrature=None)
+    h = torch.randn(B, N, DIM, dtype=torch.float64)
+    out = block(h, torch.randn(B, N, 3, dtype=torch.float64))
+    assert out.shape == (B, N, DIM)

@@ -64,16 +64,12 @@ def test_the_direction_rules_have_their_stated_error(P, order, reach, bound):
     assert error > bound / 1e3  # the bound is the rule's, not a loose one
 
 
-def test_the_one_dimensional_rule_is_exact():
-    u, q = shell_rule(1, 8)
-    x = torch.linspace(-5, 5, 41, dtype=F64)
-    assert torch.equal(u, torch.ones(1, 1, dtype=F64)) and torch.equal(q, torch.ones(1, dtype=F64))
-    assert_close(torch.cos(2 * math.pi * x * u[0, 0]), shell_average(x, 1))
-
-
-def test_bessel_gradient_is_minus_j1():
+def test_bessel_gradient_is_minus_j1_and_a_second_derivative_is_refused():
     x = torch.linspace(0.01, 6.0, 17, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: shell_average(t, 2), [x])
+    (g,) = torch.autograd.grad(shell_average(x, 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        g.sum().backward()
 
 
 @pytest.mark.parametrize("P", [2, 3])

@@ -53,6 +53,7 @@ from flt._checks import (
     check_positive_float,
     check_positive_int,
     check_tensor,
+    compiling,
 )
 from flt._dtype import compute_dtype
 from flt._limits import check_memory, memory_limit
@@ -60,7 +61,13 @@ from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
 from flt.relative.spectra.base import cycles, phase_dtype
 from flt.relative.spectra.discrete import DiscreteSpectrum
-from flt.relative.spectra.radial import gauss_legendre, shell_average, sphere_quadrature
+from flt.relative.spectra.radial import (
+    gauss_legendre,
+    rule_order,
+    shell_average,
+    shell_frequencies,
+    sphere_quadrature,
+)
 
 #: Content kernels ``K_ij``: none (``K = 1``), ``elu + 1`` features of projected queries and
 #: keys (deterministic), or FAVOR+ random features estimating ``exp(q.k / sqrt(Dk))``.
@@ -336,8 +343,7 @@ class RadialFrequencies(Frequencies):
                 u, q = sphere_quadrature(order)
                 self._rules[key] = (u.to(device=rho.device, dtype=rho.dtype), q.to(device=rho.device, dtype=rho.dtype))
             u, q = self._rules[key]
-        xi = rearrange(rho[..., None, None] * u, "h k s p -> h (k s) p")
-        return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
+        return shell_frequencies(rho, w, u, q)
 
     def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """``sum_k w_k sinc(2 rho_k |delta|)`` over every radius of the profiles: ``[..., 3] ->
@@ -371,13 +377,6 @@ def radial_profile(width: float, nodes: int) -> tuple[torch.Tensor, torch.Tensor
     z = torch.linspace(-3.0, 3.0, nodes, dtype=torch.float64)
     h = torch.exp(-z * z / 2)
     return z, h / h.sum()
-
-
-def rule_order(radius: float, reach: float) -> int:
-    """The order of :func:`sphere_quadrature` that averages ``cos(2 pi xi.r)`` over
-    ``|xi| = radius`` well enough for ``|r| <= reach``: the smallest even order at least
-    ``pi radius reach + 4`` (the error bounds of :func:`coulomb_tail_quadrature`)."""
-    return 2 * math.ceil((math.pi * radius * reach + 4) / 2)
 
 
 def call_reach(like: torch.Tensor, *, offsets: bool) -> float:
@@ -771,13 +770,17 @@ class LongRangeBlock(nn.Module):
         if exact or self.exact:
             return self.reference(h, pos, key_padding_mask, kernel="exact")
         pad = self._check(h, pos, key_padding_mask)
+        if h.numel() == 0:
+            return h.clone()  # no sets, or sets of no points: nothing to sum
         pos, v, q, k = self._inputs(h, pos, pad)
         frequencies = self.kernel.call_frequencies(pos)
         cdt = compute_dtype(pos, v)
         qf = kf = None
         if q is not None and k is not None:
             qf, kf = (t.to(cdt) for t in self._content_features(q, k))
-        rows = self._sets_per_part(pos, frequencies, cdt)
+        backward = torch.is_grad_enabled() and (h.requires_grad or pos.requires_grad
+                                                or any(p.requires_grad for p in self.parameters()))
+        rows = h.shape[0] if compiling() else self._sets_per_part(pos, frequencies, cdt, v.shape[-1], backward=backward)
         parts = []
         for b in range(0, h.shape[0], rows):
             part = slice(b, b + rows)
@@ -787,26 +790,38 @@ class LongRangeBlock(nn.Module):
         msg = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(h, msg, pad)
 
-    def _sets_per_part(self, pos: torch.Tensor, frequencies: tuple[torch.Tensor, torch.Tensor], cdt: torch.dtype) -> int:
+    def set_bytes(self, points: int, groups: int, count: int, cdt: torch.dtype, head_dim: int) -> int:
+        """The fast path's estimated peak bytes for one set of ``points`` points with ``count``
+        frequencies in ``groups`` phase groups (:meth:`_sets_per_part`)."""
+        item = torch.finfo(cdt).bits // 8
+        total = points * groups * count * (_PHASE_BYTES + 3 * item) + 4 * count * self.heads * (head_dim + 1) * item
+        if self.feature_map is not None:
+            total += 2 * self.heads * 2 * count * (self.feature_map.num_features * (head_dim + 1) + points) * item
+        return total
+
+    def _sets_per_part(self, pos: torch.Tensor, frequencies: tuple[torch.Tensor, torch.Tensor], cdt: torch.dtype,
+                       head_dim: int, *, backward: bool) -> int:
         """How many sets of the batch one pass of the fast path takes. Its phases hold ``N G R``
         values per set, about :data:`_PHASE_BYTES` plus three compute-dtype values each at
         their peak (float64 phase arithmetic, then cosines and sines; measured 24-30 bytes
-        per value in float32 on CPU). With gradients every set's are kept for the backward
-        pass, so the whole batch must fit; without (evaluation), the batch is taken in parts
-        that fit, with the same frequencies (:meth:`Frequencies.call_frequencies`), so the
-        result does not depend on the parts. Anything that cannot fit is refused with a
+        per value in float32 on CPU); its states ``[R, H (Dv + 1)]`` (and with a content
+        kernel ``[H, 2R, m, Dv + 1]``, with the features expanded to every head) add to that.
+        With a backward pass ahead every set's are kept for it, so the whole batch must fit;
+        without (evaluation), the batch is taken in parts that fit in half the limit, with
+        the same frequencies (:meth:`Frequencies.call_frequencies`), so the result is the
+        one-pass result to rounding. What cannot fit is refused with a
         :class:`flt._limits.MemoryLimitError` naming the sizes, before it is allocated."""
         B, N, _ = pos.shape
         groups, count = frequencies[0].shape[0], frequencies[0].shape[1]
-        per_set = N * groups * count * (_PHASE_BYTES + 3 * torch.finfo(cdt).bits // 8)
-        training = torch.is_grad_enabled()
-        check_memory(f"the long-range block's phases ({self.frequency_set}: {count} frequencies for this call's extent, "
-                     f"{groups} phase group(s), {N} points per set, {B if training else 1} set(s)"
-                     f"{', kept for the backward pass' if training else ''})", per_set * (B if training else 1),
-                     device=pos.device, hint="use fewer points or sets per batch, or fewer frequencies (num_radii, "
-                     "quadrature, alpha, shared=True)")
-        limit, _ = memory_limit(pos.device)
-        return B if training else max(1, min(B, limit // per_set))
+        per_set = self.set_bytes(N, groups, count, cdt, head_dim)
+        limit = memory_limit(pos.device)
+        sets = B if backward else 1
+        check_memory(f"the long-range block's phases and states ({self.frequency_set}: {count} frequencies for this "
+                     f"call's extent, {groups} phase group(s), {N} points per set, {sets} set(s)"
+                     f"{', kept for the backward pass' if backward else ''})", per_set * sets, device=pos.device,
+                     hint="use fewer points or sets per batch, or fewer frequencies (num_radii, quadrature, alpha, "
+                     "shared=True)", limit=limit)
+        return B if backward else max(1, min(B, limit[0] // (2 * per_set)))
 
     def pair_kernel(self, pos: torch.Tensor, *, kernel: str = "features") -> torch.Tensor:
         """``f(r_i - r_j)`` of every pair, ``[B, H, N, N]``, evaluated directly from the offsets:
@@ -864,6 +879,5 @@ __all__ = [
     "dense_sum",
     "feature_sum",
     "radial_profile",
-    "rule_order",
     "tail_reach",
 ]

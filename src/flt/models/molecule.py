@@ -69,8 +69,9 @@ def tie_isotropic(module: nn.Module) -> int:
     The tied value is the mean of the per-axis raw parameters, so gradients reach all of
     them equally and the lengths stay equal through training. A Gaussian mixture also has
     its component means held at the origin (its lengths, one per component, stay free), so
-    its mask is a sum of radial Gaussians. Returns the number of spectra tied; a spectrum
-    that is not in :data:`RADIAL_SPECTRA`, or one with a learned shift, raises ``ValueError``.
+    its mask is a sum of radial Gaussians. Returns the number of radial spectra found (the
+    ``radial`` family needs no tying); a spectrum that is not in :data:`RADIAL_SPECTRA`, or
+    one with a learned shift, raises ``ValueError``.
     """
     tied = 0
     for name, sub in module.named_modules():

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import torch
 from einops import rearrange
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from flt._checks import check_positive_int
 from flt._dtype import compute_dtype
@@ -82,7 +83,7 @@ def shell_rule(pos_dim: int, order: int, *, dtype: torch.dtype = torch.float64) 
 
     For ``cos(2 pi x u.e)`` the terms of degree ``2 order`` and above carry Bessel factors
     that vanish fast once ``2 order > 2 pi x``; the rule of order ``n`` is accurate while
-    ``pi x + 4 <= n`` (:func:`flt.layers.longrange.rule_order`). Measured in float64 over
+    ``pi x + 4 <= n`` (:func:`rule_order`). Measured in float64 over
     directions of ``e`` (``tests/library/test_spectrum_radial.py``): order 8, ``P = 3``,
     below ``1e-5`` for ``x <= 1`` and ``3e-3`` for ``x <= 1.6``; order 8, ``P = 2``, below
     ``1e-5`` for ``x <= 1`` and ``4e-3`` for ``x <= 1.6``; order 12, ``P = 3``, below ``1e-7``
@@ -101,8 +102,25 @@ def shell_rule(pos_dim: int, order: int, *, dtype: torch.dtype = torch.float64) 
                      f"got {pos_dim}")
 
 
+def rule_order(radius: float, reach: float) -> int:
+    """The order of :func:`sphere_quadrature` that averages ``cos(2 pi xi.r)`` over
+    ``|xi| = radius`` well enough for ``|r| <= reach``: the smallest even order at least
+    ``pi radius reach + 4`` (the rule of order ``n`` holds while ``pi x + 4 <= n``, :func:`shell_rule`)."""
+    return 2 * math.ceil((math.pi * radius * reach + 4) / 2)
+
+
+def shell_frequencies(rho: torch.Tensor, w: torch.Tensor, u: torch.Tensor, q: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every shell times every direction of a rule: radii ``rho [G, K]`` and weights ``w [H,
+    K]`` with directions ``u [S, P]`` and weights ``q [S]`` give ``(xi [G, K S, P], w [H, K
+    S])``, frequencies ``rho_k u_s`` with weights ``w_k q_s``."""
+    xi = rearrange(rho[..., None, None] * u, "g k s p -> g (k s) p")
+    return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
+
+
 class _BesselJ0(torch.autograd.Function):
-    """``J_0(x)`` with its derivative ``-J_1(x)`` (torch's ``bessel_j0`` has no backward)."""
+    """``J_0(x)`` with its derivative ``-J_1(x)`` (torch's ``bessel_j0`` has no backward);
+    once differentiable: a second derivative through it raises instead of being dropped."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +128,7 @@ class _BesselJ0(torch.autograd.Function):
         return torch.special.bessel_j0(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (x,) = ctx.saved_tensors
         return -torch.special.bessel_j1(x) * grad
@@ -173,9 +192,6 @@ class RadialSpectrum(Spectrum):
     deterministic = True
     random_feature_buffers = ()
 
-    directions: torch.Tensor  # buffer ``[S, P]`` (from the options, not saved)
-    direction_weights: torch.Tensor  # buffer ``[S]``
-
     def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, quadrature: int = 8, amplitude: float = 1.0,
                  length_scale: float = 8.0, **kwargs: Any) -> None:
         amplitude = check_amplitude(amplitude)
@@ -197,8 +213,10 @@ class RadialSpectrum(Spectrum):
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
         self.quadrature, self.num_radii = quadrature, num_frequencies // u.shape[0]
         self.scale = 1.0 / (2 * math.pi * float(length_scale))
-        self.register_buffer("directions", u.to(**fk), persistent=False)
-        self.register_buffer("direction_weights", q.to(**fk), persistent=False)
+        # The rule stays float64 and is cast per device and dtype on use: a float32 copy would
+        # put 1e-7 errors into the directions of a float64 spectrum.
+        self._rule = (u, q)
+        self._rules: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         start = chi_quantiles(pos_dim, self.num_radii)
         self.theta = nn.Parameter(start.expand(heads, -1).clone().to(**fk))
         self.beta = nn.Parameter(torch.full((heads, self.num_radii), amplitude, **fk))
@@ -220,9 +238,10 @@ class RadialSpectrum(Spectrum):
     def frequencies(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(xi [H, K S, P], w [H, K S])``: every shell times every direction of the rule."""
         rho, w = self.radii(dtype)
-        u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.directions, self.direction_weights))
-        xi = rearrange(rho[..., None, None] * u, "h k s p -> h (k s) p")
-        return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
+        key = (rho.device, rho.dtype)
+        if key not in self._rules:
+            self._rules[key] = tuple(t.to(device=rho.device, dtype=rho.dtype) for t in self._rule)  # type: ignore[assignment]
+        return shell_frequencies(rho, w, *self._rules[key])
 
     def mask(self, delta: torch.Tensor) -> torch.Tensor:
         """``f(Delta) = sum_k w_k A_P(rho_k |Delta|)``: ``[..., P] -> [..., H]``, in float32
@@ -234,4 +253,4 @@ class RadialSpectrum(Spectrum):
         return (shell_average(rho * r, self.pos_dim) * w).sum(-1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, K={self.num_radii}, quadrature={self.quadrature} ({self.directions.shape[0]} directions)"
+        return f"{super().extra_repr()}, K={self.num_radii}, quadrature={self.quadrature} ({self._rule[0].shape[0]} directions)"
