@@ -287,9 +287,7 @@ class RadialFrequencies(Frequencies):
         check_positive_int("num_radii", num_radii)
         check_bool("shared", shared)
         z, h = radial_profile(width, width_nodes)
-        if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
-                math.isfinite(length_scale) and length_scale > 0):
-            raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
+        length_scale = check_positive_float("length_scale", length_scale)  # position units
         u, q = sphere_quadrature(8 if quadrature is None else quadrature)
         fk: dict[str, Any] = {"device": device, "dtype": dtype or torch.get_default_dtype()}
         self.quadrature, self.rho_max = quadrature, 1.0 / (2 * math.pi * length_scale)

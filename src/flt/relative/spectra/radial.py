@@ -28,7 +28,7 @@ from einops import rearrange
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from flt._checks import check_positive_int
+from flt._checks import check_positive_float, check_positive_int
 from flt._dtype import compute_dtype
 from flt.relative.spectra.base import Spectrum, as_dtype
 from flt.relative.spectra.kernels import check_amplitude
@@ -195,9 +195,7 @@ class RadialSpectrum(Spectrum):
     def __init__(self, heads: int, pos_dim: int, num_frequencies: int, *, quadrature: int = 8, amplitude: float = 1.0,
                  length_scale: float = 8.0, **kwargs: Any) -> None:
         amplitude = check_amplitude(amplitude)
-        if isinstance(length_scale, bool) or not isinstance(length_scale, (int, float)) or not (
-                math.isfinite(length_scale) and length_scale > 0):
-            raise ValueError(f"length_scale must be a positive finite number (position units), got {length_scale!r}")
+        length_scale = check_positive_float("length_scale", length_scale)  # position units
         if kwargs.get("shift"):
             raise ValueError("shift: the radial family has no components to shift (its mask is even); use shift=False")
         check_positive_int("quadrature", quadrature)
@@ -212,7 +210,7 @@ class RadialSpectrum(Spectrum):
         super().__init__(heads, pos_dim, num_frequencies, **kwargs)  # has_random_features: False
         fk = {"device": self._factory["device"], "dtype": self._factory["dtype"]}
         self.quadrature, self.num_radii = quadrature, num_frequencies // u.shape[0]
-        self.scale = 1.0 / (2 * math.pi * float(length_scale))
+        self.scale = 1.0 / (2 * math.pi * length_scale)
         # The rule stays float64 and is cast per device and dtype on use: a float32 copy would
         # put 1e-7 errors into the directions of a float64 spectrum.
         self._rule = (u, q)
