@@ -13,6 +13,7 @@ from flt.layers.longrange import (
     CONTENT,
     FREQUENCIES,
     LongRangeBlock,
+    RadialFrequencies,
     build_frequencies,
     check_block_options,
     coulomb_tail,
@@ -460,6 +461,43 @@ def test_radial_quadrature_per_call_follows_the_sinc_on_a_large_set(frequencies)
     out = per_call(h, pos)
     assert float((out - exact).detach().abs().max()) <= 1e-5 * scale
     assert_same_gradients(out, per_call.reference(h, pos), [h, pos])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_per_call_rule_gives_each_radius_its_own_order(shared):
+    """quadrature=None: each radius gets the order its own rho * reach asks for (the largest
+    over the heads), not the largest radius's; the frequencies are each radius's rule, so
+    the cosine sum equals the sincs to the rule's error at every offset within reach."""
+    torch.manual_seed(5)
+    kernel = RadialFrequencies(HEADS, 3, num_radii=4, quadrature=None, shared=shared, dtype=torch.float64)
+    with torch.no_grad():
+        kernel.theta.copy_(torch.tensor([0.02, 0.3, 0.6, 1.0], dtype=torch.float64).expand_as(kernel.theta))
+        kernel.theta[..., 1] += torch.arange(kernel.theta.shape[0]) * 0.05  # heads differ when not shared
+        kernel.beta.uniform_(0.5, 1.5)
+    reach = 64.0
+    rho = kernel.rho_max * kernel.theta.detach().amax(0)
+    orders = kernel.orders_for(reach)
+    assert orders == [max(8, 2 * math.ceil((math.pi * float(r) * reach + 4) / 2)) for r in rho]
+    assert orders[0] == 8 and orders[0] < orders[1] < orders[2] < orders[3]
+    xi, w = kernel.frequencies(reach=reach)
+    assert xi.shape == (kernel.theta.shape[0], sum(o * o for o in orders), 3) and w.shape == (HEADS, xi.shape[1])
+    # every frequency lies on one of its group's shells, with the radius's weight spread over its rule
+    radii, weights = kernel.radii()
+    norms = xi.norm(dim=-1)
+    for k, order in enumerate(orders):
+        on_shell = (norms - radii[:, k : k + 1]).abs() < 1e-12
+        assert int(on_shell[0].sum()) == order * order
+        assert_close(w[:, on_shell[0]].sum(-1), weights[:, k])
+    delta = torch.randn(200, 3, dtype=torch.float64)
+    delta = delta / delta.norm(dim=-1, keepdim=True) * torch.linspace(0, reach, 200, dtype=torch.float64)[:, None]
+    def error(xi, w):
+        fast = (torch.cos(2 * math.pi * torch.einsum("grp,np->ngr", xi, delta)) * w).sum(-1)
+        return float((fast - kernel.exact_mask(delta)).abs().max()) / float(weights.abs().sum(-1).max())
+
+    # each radius at the edge of its rule (pi rho reach + 4 = order) near |r| = reach: the
+    # rule's error there is at most 5e-3 per unit weight (order 36), far less inside
+    assert error(xi, w) < 1e-3
+    assert error(*kernel.frequencies()) > 1e-2  # the constructor's order-8 rule cannot follow the sincs out there
 
 
 @pytest.mark.parametrize(("frequencies", "shared"), [("radial", False), ("radial", True), ("coulomb", False)])

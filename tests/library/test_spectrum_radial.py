@@ -13,7 +13,7 @@ from conftest import assert_close, random_rotation
 from scipy import integrate
 
 from flt.relative.spectra import SPECTRA, RadialSpectrum
-from flt.relative.spectra.radial import chi_quantiles, shell_average, shell_rule
+from flt.relative.spectra.radial import chi_quantiles, rule_order, shell_average, shell_rule
 
 F64 = torch.float64
 
@@ -62,6 +62,23 @@ def test_the_direction_rules_have_their_stated_error(P, order, reach, bound):
     error = float((rule - shell_average(x, P)[:, None]).abs().max())
     assert error < bound
     assert error > bound / 1e3  # the bound is the rule's, not a loose one
+
+
+@pytest.mark.parametrize("order", [8, 16, 24, 36])
+def test_rule_order_keeps_the_sphere_rule_within_its_stated_error(order):
+    """rule_order's criterion pi x + 4 <= order: at its edge the rule's error is 1e-4 (order
+    8) to 6e-3 (order 36), and a quarter of the way in it is below 1e-5."""
+    edge = (order - 4) / math.pi
+    assert rule_order(0.999 * edge, 1.0) == order and rule_order(1.01 * edge, 1.0) == order + 2
+    u, q = shell_rule(3, order)
+    e = directions(3, 500)
+
+    def error(x: float) -> float:
+        rule = (torch.cos(2 * math.pi * x * (e @ u.T)) * q).sum(-1)
+        return float((rule - shell_average(torch.tensor(x, dtype=F64), 3)).abs().max())
+
+    assert 1e-4 < error(edge) < 6e-3
+    assert error(0.75 * edge) < 1e-5
 
 
 def test_bessel_gradient_is_minus_j1_and_a_second_derivative_is_refused():

@@ -245,10 +245,13 @@ class RadialFrequencies(Frequencies):
     ``rho_k |r|`` within it for the offsets that matter (at the default ``length_scale = 1``
     the starting radii are below ``0.16``, so order 8 holds to ``|r| = 10``). The rotation
     invariance error, ``|f(Q r) - f(r)|`` for a rotation ``Q``, is at most twice these.
-    ``quadrature=None`` picks the order per call (:meth:`order_for`) from the largest radius
-    and the points' extent (the rung of :func:`tail_reach` covering twice their largest
-    distance from their centre), as the coulomb tail does: the fast path then follows the
-    sinc on sets larger than the training ones, at a cost that grows with their extent.
+    ``quadrature=None`` picks the rule per call and per radius (:meth:`orders_for`) from the
+    radius and the points' extent (the rung of :func:`tail_reach` covering twice their
+    largest distance from their centre), as the coulomb tail does: the fast path then follows
+    the sinc on sets larger than the training ones, at a cost that grows with their extent.
+    A radius ``rho`` gets the order ``pi rho reach + 4`` (at least 8), so the small radii
+    that carry the far field take fewer directions than the largest one: about a third of
+    the frequencies one rule for all would take, for evenly spaced radii on large sets.
 
     ``width > 0`` gives each shell a Gaussian radial profile of that standard deviation
     (cycles per position unit): radius ``rho_k`` becomes ``width_nodes`` (odd) radii
@@ -316,32 +319,42 @@ class RadialFrequencies(Frequencies):
         z, h = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.profile, self.profile_weights))
         return rearrange(rho[..., None] + z, "g k m -> g (k m)"), rearrange(w[..., None] * h, "h k m -> h (k m)")
 
-    def order_for(self, reach: float) -> int:
-        """The sphere rule's order that ``quadrature=None`` uses for offsets up to ``reach``:
-        the smallest even order at least ``pi rho reach + 4`` for the largest radius now (the
-        coulomb tail's rule), and at least 8."""
-        top = float(self.shells()[0].detach().abs().max()) if self.theta.numel() else 0.0
-        return max(8, rule_order(top, reach))
+    def orders_for(self, reach: float) -> list[int]:
+        """The sphere rule's order that ``quadrature=None`` gives each radius (every radius of
+        the profiles, in :meth:`shells`' order) for offsets up to ``reach``: the smallest even
+        order at least ``pi rho reach + 4`` for that radius's largest value over the heads
+        (the coulomb tail's rule), and at least 8. One host synchronisation."""
+        rho = self.shells()[0].detach().abs().amax(0)
+        return [max(8, rule_order(radius, reach)) for radius in rho.tolist()]
 
     def _precise(self, like: torch.Tensor, *, offsets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        order = None if self.quadrature is not None else self.order_for(call_reach(like, offsets=offsets))
+        reach = None if self.quadrature is not None else call_reach(like, offsets=offsets)
         with torch.autocast(like.device.type, enabled=False):
-            return self.frequencies(phase_dtype(like), order=order)
+            return self.frequencies(phase_dtype(like), reach=reach)
 
-    def frequencies(self, dtype: torch.dtype | None = None, *, order: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(xi [G, K S, 3], w [H, K S])`` with the constructor's rule, or the rule of
-        ``order`` (``S = order^2`` directions; ``G = 1`` when ``shared``, else ``H``; ``K``
-        counts every radius of the profiles)."""
+    def _rule(self, order: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`sphere_quadrature` of ``order``, built and moved once per order, device and dtype."""
+        key = (order, like.device, like.dtype)
+        if key not in self._rules:
+            self._rules[key] = tuple(t.to(device=like.device, dtype=like.dtype) for t in sphere_quadrature(order))  # type: ignore[assignment]
+        return self._rules[key]
+
+    def frequencies(self, dtype: torch.dtype | None = None, *, reach: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(xi [G, R, 3], w [H, R])`` with the constructor's rule (``R = K S``, ``S =
+        quadrature^2`` directions), or with each radius's rule for offsets up to ``reach``
+        (:meth:`orders_for`; ``R`` the sum of the rules' sizes, the radii grouped by order).
+        ``G = 1`` when ``shared``, else ``H``; ``K`` counts every radius of the profiles."""
         rho, w = self.shells(dtype)
-        if order is None:
+        if reach is None:
             u, q = (t.to(device=rho.device, dtype=rho.dtype) for t in (self.directions, self.weights))
-        else:  # built and moved once per order, device and dtype
-            key = (order, rho.device, rho.dtype)
-            if key not in self._rules:
-                u, q = sphere_quadrature(order)
-                self._rules[key] = (u.to(device=rho.device, dtype=rho.dtype), q.to(device=rho.device, dtype=rho.dtype))
-            u, q = self._rules[key]
-        return shell_frequencies(rho, w, u, q)
+            return shell_frequencies(rho, w, u, q)
+        orders = self.orders_for(reach)
+        parts = []
+        for order in sorted(set(orders)):
+            index = torch.tensor([k for k, o in enumerate(orders) if o == order], device=rho.device)
+            parts.append(shell_frequencies(rho.index_select(1, index), w.index_select(1, index), *self._rule(order, rho)))
+        return torch.cat([xi for xi, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
 
     def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:
         """``sum_k w_k sinc(2 rho_k |delta|)`` over every radius of the profiles: ``[..., 3] ->
@@ -504,8 +517,8 @@ class CoulombFrequencies(Frequencies):
         xi, w = xi_t.expand(self.heads, -1, -1), tail[:, None] * w_t
         if self.corrections is None:
             return xi, w
-        order = self.corrections.order_for(extent or reach) if self.corrections.quadrature is None else None
-        xi_c, w_c = self.corrections.frequencies(dtype, order=order)
+        own = (extent or reach) if self.corrections.quadrature is None else None
+        xi_c, w_c = self.corrections.frequencies(dtype, reach=own)
         return torch.cat([xi_c, xi], dim=1), torch.cat([w_c, w], dim=1)
 
     def exact_mask(self, delta: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,10 @@ def shell_rule(pos_dim: int, order: int, *, dtype: torch.dtype = torch.float64) 
 def rule_order(radius: float, reach: float) -> int:
     """The order of :func:`sphere_quadrature` that averages ``cos(2 pi xi.r)`` over
     ``|xi| = radius`` well enough for ``|r| <= reach``: the smallest even order at least
-    ``pi radius reach + 4`` (the rule of order ``n`` holds while ``pi x + 4 <= n``, :func:`shell_rule`)."""
+    ``pi radius reach + 4`` (the rule of order ``n`` holds while ``pi x + 4 <= n``, :func:`shell_rule`).
+    At that edge, ``x = radius reach``, the rule's error in ``P = 3`` is 1e-4 (order 8) to
+    6e-3 (order 36); at three quarters of it, below 1e-5 (float64, over directions,
+    ``tests/library/test_spectrum_radial.py``)."""
     return 2 * math.ceil((math.pi * radius * reach + 4) / 2)
 
 
