@@ -87,7 +87,10 @@ def small(attention: str = "flt", posenc: str = "none") -> Preset:
     measured: 72 ms per step, ``--threads 1``, load average about 4 from other jobs), test
     interaction MAE 0.83 inside the training range and 0.43 beyond; with the long-range
     block (``--model schnet+lr``, ``longrange={"frequencies": "coulomb", "heads": 1}``) 7 min
-    (0.21 s per step), 0.024 inside and 0.13 beyond (seed 1; docs/longrange.md)."""
+    (0.21 s per step), 0.024 inside and 0.13 beyond (seed 1); with its fixed tail and damped
+    corrections (``{"frequencies": "coulomb", "heads": 1, "alpha": 0.3, "num_radii": 4,
+    "width": 0.05, "quadrature": null, "amplitude": 0}``) about 30 min (0.87-0.97 s per step,
+    another training beside it), 0.027 inside and 0.009 beyond (five seeds; docs/longrange.md)."""
     model = SeparationTask.config(dim=64, depth=2, heads=4, **mechanism_options(SeparationTask, attention, posenc))
     run = RunConfig(steps=2000, batch_size=16, lr=3e-3, warmup_steps=100, eval_every=500, checkpoint_every=500,
                     log_every=50, eval_batch_size=64, draw_gap_batches=2)
