@@ -67,7 +67,7 @@ def test_the_direction_rules_have_their_stated_error(P, order, reach, bound):
 @pytest.mark.parametrize("order", [8, 16, 24, 36])
 def test_rule_order_keeps_the_sphere_rule_within_its_stated_error(order):
     """rule_order's criterion pi x + 4 <= order: at its edge the rule's error is 1e-4 (order
-    8) to 6e-3 (order 36), and a quarter of the way in it is below 1e-5."""
+    8) to 6e-3 (order 36), and at three quarters of that x it is below 1e-5."""
     edge = (order - 4) / math.pi
     assert rule_order(0.999 * edge, 1.0) == order and rule_order(1.01 * edge, 1.0) == order + 2
     u, q = shell_rule(3, order)

@@ -21,6 +21,7 @@ radial spectrum".
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -107,7 +108,7 @@ def rule_order(radius: float, reach: float) -> int:
     ``|xi| = radius`` well enough for ``|r| <= reach``: the smallest even order at least
     ``pi radius reach + 4`` (the rule of order ``n`` holds while ``pi x + 4 <= n``, :func:`shell_rule`).
     At that edge, ``x = radius reach``, the rule's error in ``P = 3`` is 1e-4 (order 8) to
-    6e-3 (order 36); at three quarters of it, below 1e-5 (float64, over directions,
+    6e-3 (order 36); at three quarters of that ``x``, below 1e-5 (float64, over directions,
     ``tests/library/test_spectrum_radial.py``)."""
     return 2 * math.ceil((math.pi * radius * reach + 4) / 2)
 
@@ -119,6 +120,18 @@ def shell_frequencies(rho: torch.Tensor, w: torch.Tensor, u: torch.Tensor, q: to
     S])``, frequencies ``rho_k u_s`` with weights ``w_k q_s``."""
     xi = rearrange(rho[..., None, None] * u, "g k s p -> g (k s) p")
     return xi, rearrange(w[..., None] * q, "h k s -> h (k s)")
+
+
+def shell_frequencies_each(rho: torch.Tensor, w: torch.Tensor, rules: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each shell with its own rule: radii ``rho [G, K]`` and weights ``w [H, K]`` with one
+    ``(u [S_k, P], q [S_k])`` per radius give ``(xi [G, sum S_k, P], w [H, sum S_k])``, radius
+    ``k``'s frequencies ``rho_k u_s`` (weights ``w_k q_s``) in one contiguous run. The same
+    few tensor operations whatever the rules (the directions are concatenated first)."""
+    sizes = torch.tensor([u.shape[0] for u, _ in rules], device=rho.device)
+    index = torch.repeat_interleave(torch.arange(len(rules), device=rho.device), sizes)
+    u, q = torch.cat([u for u, _ in rules]), torch.cat([q for _, q in rules])
+    return rho[:, index, None] * u, w[:, index] * q
 
 
 class _BesselJ0(torch.autograd.Function):
