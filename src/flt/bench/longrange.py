@@ -40,6 +40,14 @@ BLOCKS: dict[str, dict[str, Any]] = {
     "coulomb": {"frequencies": "coulomb", "heads": 1, "neutral": True},
     "coulomb reach=32": {"frequencies": "coulomb", "heads": 1, "neutral": True, "reach": 32.0},
     "exact radial": {"frequencies": "radial", "neutral": True, "exact": True},
+    "radial, 16 shared radii, mesh": {"frequencies": "radial", "neutral": True, "shared": True, "num_radii": 16,
+                                      "engine": "mesh"},
+    "coulomb alpha=0.5 tail alone, mesh": {"frequencies": "coulomb", "heads": 4, "neutral": True, "alpha": 0.5,
+                                           "num_radii": 0, "engine": "mesh"},
+    "coulomb alpha=0.5 tail alone, mesh, value_dim=4": {"frequencies": "coulomb", "heads": 4, "neutral": True,
+                                                         "alpha": 0.5, "num_radii": 0, "engine": "mesh", "value_dim": 4},
+    "coulomb alpha=0.5, mesh": {"frequencies": "coulomb", "heads": 1, "neutral": True, "alpha": 0.5,
+                                "num_radii": 4, "width": 0.05, "amplitude": 0.0, "engine": "mesh"},
 }
 
 

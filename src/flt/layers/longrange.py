@@ -59,6 +59,8 @@ from flt._dtype import compute_dtype
 from flt._limits import check_memory, memory_limit
 from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
+from flt.ops.mesh import mesh_shape, mesh_sum, mesh_sum_reference
+from flt.ops.toeplitz import fft_length
 from flt.relative.spectra.base import cycles, phase_dtype
 from flt.relative.spectra.discrete import DiscreteSpectrum
 from flt.relative.spectra.radial import (
@@ -69,6 +71,11 @@ from flt.relative.spectra.radial import (
     shell_frequencies_each,
     sphere_quadrature,
 )
+
+#: How the block sums: through the set's frequencies (``O(N R Dv)``, the cosine sum), or
+#: through a mesh (:func:`flt.ops.mesh.mesh_sum`, ``O(N p^3 Dv + M log M Dv)``, the exact
+#: kernel smoothed by the mesh's splines).
+ENGINES = ("features", "mesh")
 
 #: Content kernels ``K_ij``: none (``K = 1``), ``elu + 1`` features of projected queries and
 #: keys (deterministic), or FAVOR+ random features estimating ``exp(q.k / sqrt(Dk))``.
@@ -88,6 +95,9 @@ class Frequencies(nn.Module):
     Subclasses implement :meth:`frequencies`; :meth:`exact_mask` is the kernel the set
     stands for (the cosine sum itself unless a subclass says otherwise).
     """
+
+    #: Whether ``f`` depends on ``|r|`` alone (sets that are say so).
+    isotropic = False
 
     def __init__(self, heads: int, pos_dim: int) -> None:
         super().__init__()
@@ -279,6 +289,8 @@ class RadialFrequencies(Frequencies):
 
     directions: torch.Tensor
     weights: torch.Tensor
+    #: ``f`` depends on ``|r|`` alone (the mesh engine evaluates it once per distance).
+    isotropic = True
 
     profile: torch.Tensor
     profile_weights: torch.Tensor
@@ -469,6 +481,9 @@ class CoulombFrequencies(Frequencies):
     they fall off past about ``1 / (2 pi width)``, so beyond the offsets they were fitted on
     the tail alone carries the kernel. :meth:`exact_mask` is the formula itself.
     """
+
+    #: ``f`` depends on ``|r|`` alone (the mesh engine evaluates it once per distance).
+    isotropic = True
 
     def __init__(self, heads: int, pos_dim: int, *, alpha: float = 0.15, reach: float | None = None,
                  tail_amplitude: float = 1.0, num_radii: int = 8, quadrature: int | None = 8, amplitude: float = 1.0,
@@ -680,6 +695,16 @@ class LongRangeBlock(nn.Module):
         prenorm: a LayerNorm on ``h`` before the projections.
         exact: always compute the O(N^2) sum with the exact kernels (:meth:`reference`): the
             control "the same relative term, exactly", at O(N^2 R) cost.
+        engine: a key of :data:`ENGINES`. ``"features"`` (the default) sums the set's
+            cosine sum through its frequencies. ``"mesh"`` sums the set's exact kernel
+            (:meth:`Frequencies.exact_mask`: the sinc, the ``1 / r`` tail's formula)
+            through a mesh of ``mesh_spacing`` position units and B-splines of
+            ``mesh_order`` (:func:`flt.ops.mesh.mesh_sum`): its cost does not depend on the
+            kernel's reach, and its error is the mesh's (docs/longrange.md), small for
+            kernels smooth on the mesh's scale. The mesh engine takes no content kernel.
+        value_dim: ``Dv``, each head's value width (default ``d / H``): the sums carry ``H
+            Dv`` channels, so a narrower value cuts either engine's cost (the mesh's FFTs
+            are one per channel) without narrowing ``h``.
 
     ``W_o`` starts at zero, so a fresh block is the identity and adding it to a trained
     model changes nothing until it learns.
@@ -692,7 +717,8 @@ class LongRangeBlock(nn.Module):
     def __init__(self, dim: int, *, heads: int = 4, pos_dim: int = 3, frequencies: str = "discrete",
                  normalised: bool = False, content: str = "none", num_features: int = 16,
                  feature_seed: int | None = None, prenorm: bool = True, exact: bool = False, neutral: bool = False,
-                 device: torch.device | str | None = None,
+                 engine: str = "features", mesh_spacing: float = 1.0, mesh_order: int = 4,
+                 value_dim: int | None = None, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, **options: Any) -> None:
         super().__init__()
         check_block_options({"frequencies": frequencies, "content": content, **options})
@@ -705,14 +731,26 @@ class LongRangeBlock(nn.Module):
         check_bool("prenorm", prenorm)
         check_bool("exact", exact)
         check_bool("neutral", neutral)
+        check_choice("engine", engine, ENGINES)
+        if engine == "mesh" and content != "none":
+            raise ValueError(f"engine='mesh' sums the kernel alone; content must be 'none' with it, got {content!r}")
+        self.engine = engine
+        self.mesh_spacing = check_positive_float("mesh_spacing", mesh_spacing)
+        check_positive_int("mesh_order", mesh_order)
+        if mesh_order < 2:
+            raise ValueError(f"mesh_order must be at least 2 (linear splines; 4 is cubic), got {mesh_order}")
+        self.mesh_order = mesh_order
+        if value_dim is not None:
+            check_positive_int("value_dim", value_dim)
+        self.value_dim = dim // heads if value_dim is None else value_dim
         fk: dict[str, Any] = {"device": device, "dtype": dtype}
         self.dim, self.heads, self.pos_dim = dim, heads, pos_dim
         self.frequency_set, self.normalised, self.content, self.exact = frequencies, normalised, content, exact
         self.neutral = neutral
         self.kernel = build_frequencies(frequencies, heads, pos_dim, **fk, **options)
         self.norm = nn.LayerNorm(dim, **fk) if prenorm else nn.Identity()
-        self.value = nn.Linear(dim, dim, **fk)
-        self.out = nn.Linear(dim, dim, **fk)
+        self.value = nn.Linear(dim, heads * self.value_dim, **fk)
+        self.out = nn.Linear(heads * self.value_dim, dim, **fk)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
         self.query: nn.Linear | None = None
@@ -783,6 +821,8 @@ class LongRangeBlock(nn.Module):
         if h.numel() == 0:
             return h.clone()  # no sets, or sets of no points: nothing to sum
         pos, v, q, k = self._inputs(h, pos, pad)
+        if self.engine == "mesh":
+            return self._finish(h, self._mesh(pos, v, pad), pad)
         frequencies = self.kernel.call_frequencies(pos)
         cdt = compute_dtype(pos, v)
         qf = kf = None
@@ -799,6 +839,26 @@ class LongRangeBlock(nn.Module):
                                      None if kf is None else kf[part], keep=~pad[part], normalised=self.normalised))
         msg = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self._finish(h, msg, pad)
+
+    def _mesh(self, pos: torch.Tensor, v: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        """The messages ``[B, H, N, Dv]`` through :func:`flt.ops.mesh.mesh_sum`, after a check
+        that its meshes fit in memory (one per set and value channel, padded for the FFT,
+        with their transforms; and every point's stencil of values)."""
+        cdt = compute_dtype(pos, v)
+        v = v.to(cdt)
+        if self.normalised:
+            v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
+        _, size = mesh_shape(pos, self.mesh_spacing, self.mesh_order)
+        cells = math.prod(fft_length(2 * n - 1) for n in size)
+        B, H, N, width = v.shape
+        item = torch.finfo(cdt).bits // 8
+        check_memory(f"the long-range block's mesh ({'x'.join(map(str, size))} nodes padded to {cells} for the FFT, "
+                     f"{B} set(s) of {H * width} value channels, {N} points)",
+                     (6 * cells + 3 * N * self.mesh_order ** pos.shape[-1]) * B * H * width * item, device=pos.device,
+                     hint="raise mesh_spacing, or use fewer sets per batch")
+        out = mesh_sum(pos.to(cdt), v, self.kernel.exact_mask, spacing=self.mesh_spacing, order=self.mesh_order,
+                       isotropic=self.kernel.isotropic, keep=~pad)
+        return safe_divide(out[..., :-1], out[..., -1:]) if self.normalised else out
 
     def set_bytes(self, points: int, groups: int, count: int, cdt: torch.dtype, head_dim: int) -> int:
         """The fast path's estimated peak bytes for one set of ``points`` points with ``count``
@@ -847,13 +907,26 @@ class LongRangeBlock(nn.Module):
         return rearrange(torch.cat(parts, dim=1), "b i j h -> b h i j")
 
     def reference(self, h: torch.Tensor, pos: torch.Tensor, key_padding_mask: torch.Tensor | None = None, *,
-                  kernel: str = "features") -> torch.Tensor:
-        """The O(N^2) sum with ``f`` evaluated pair by pair (:meth:`pair_kernel`), in the
-        compute dtype of the inputs (float64 in the tests). ``kernel="features"`` computes
-        what the fast path does (the same FAVOR+ draw); ``"exact"`` the exact kernels."""
+                  kernel: str | None = None) -> torch.Tensor:
+        """The O(N^2) sum pair by pair, in the compute dtype of the inputs (float64 in the
+        tests). ``kernel``: ``"features"``, ``f`` the cosine sum of the frequencies
+        (:meth:`pair_kernel`; the same FAVOR+ draw); ``"exact"``, the exact kernels;
+        ``"mesh"``, the mesh kernel of :func:`flt.ops.mesh.mesh_sum_reference`; None (the
+        default), the one the block's engine computes."""
+        kernel = kernel or ("mesh" if self.engine == "mesh" else "features")
+        check_choice("kernel", kernel, ("features", "exact", "mesh"))
         pad = self._check(h, pos, key_padding_mask)
         pos, v, q, k = self._inputs(h, pos, pad)
         cdt = compute_dtype(pos, v)
+        if kernel == "mesh":
+            if q is not None:
+                raise ValueError("kernel='mesh' sums the kernel alone; the block's content must be 'none'")
+            values = v.to(cdt)
+            if self.normalised:
+                values = torch.cat([values, values.new_ones(*values.shape[:-1], 1)], dim=-1)
+            out = mesh_sum_reference(pos.to(cdt), values, self.kernel.exact_mask, spacing=self.mesh_spacing,
+                                     order=self.mesh_order, keep=~pad)
+            return self._finish(h, safe_divide(out[..., :-1], out[..., -1:]) if self.normalised else out, pad)
         f = self.pair_kernel(pos.to(cdt), kernel=kernel).to(cdt) * (~pad)[:, None, None, :].to(cdt)
         content = None
         if q is not None and k is not None:
@@ -868,11 +941,14 @@ class LongRangeBlock(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, heads={self.heads}, frequencies={self.frequency_set!r}, "
                 f"normalised={self.normalised}, content={self.content!r}" + (", exact=True" if self.exact else "")
-                + (", neutral=True" if self.neutral else ""))
+                + (", neutral=True" if self.neutral else "")
+                + (f", engine='mesh', mesh_spacing={self.mesh_spacing:g}, mesh_order={self.mesh_order}"
+                   if self.engine == "mesh" else ""))
 
 
 __all__ = [
     "CONTENT",
+    "ENGINES",
     "FREQUENCIES",
     "CoulombFrequencies",
     "DiscreteFrequencies",

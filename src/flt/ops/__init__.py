@@ -34,6 +34,7 @@ from flt.ops.linear import (
     linear_attention,
     recurrent_step,
 )
+from flt.ops.mesh import mesh_sum, mesh_sum_reference
 from flt.ops.reference import (
     flt_attention_reference,
     linear_attention_reference,
@@ -66,6 +67,8 @@ __all__ = [
     "kronecker_condition",
     "linear_attention",
     "linear_attention_reference",
+    "mesh_sum",
+    "mesh_sum_reference",
     "recurrent_step",
     "relu_features",
     "relu_kernel",
