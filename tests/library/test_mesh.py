@@ -216,3 +216,34 @@ def test_a_narrower_value_is_summed_as_the_reference_sums_it(engine):
 def test_value_dim_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="value_dim must be a positive integer"):
         LongRangeBlock(DIM, heads=HEADS, value_dim=0)
+
+
+def test_float_positions_of_another_dtype_than_the_values_are_rounded_once():
+    """A float64 position just below a node that rounds onto it in float32: the mesh's extent
+    and the stencils come from the same rounded positions (no stencil past the mesh)."""
+    pos = torch.tensor([[[0.0], [2.99999999]]], dtype=torch.float64)
+    v = torch.ones(1, 1, 2, 1, dtype=torch.float32, requires_grad=True)
+    kernel = tail_kernel(torch.tensor([1.0]))
+    for order in (2, 4):
+        out = mesh_sum(pos, v, kernel, order=order)
+        out.sum().backward()
+        assert out.dtype == torch.float32
+        assert_close(out, mesh_sum(pos.float(), v.detach(), kernel, order=order))
+
+
+def test_float32_mesh_block_matches_its_float64_copy():
+    block = make_block("coulomb")
+    h, pos, pad = inputs(N=40)
+    single = make_block("coulomb").float()
+    assert_close(single(h.float(), pos.float(), pad), block(h, pos, pad).detach(), dtype=torch.float32, scale=10)
+
+
+def test_a_second_derivative_is_refused_not_wrong():
+    """The stencils' backward holds constant matrices; differentiating it again would drop
+    the weights' terms, so it raises instead."""
+    pos = torch.randn(1, 3, 1, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 3, 1, dtype=torch.float64)
+    out = mesh_sum(pos, v, tail_kernel(torch.tensor([1.0], dtype=torch.float64)), order=3)
+    (grad,) = torch.autograd.grad(out.pow(2).sum(), pos, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.pow(2).sum().backward()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from einops import rearrange
+from torch.autograd.function import once_differentiable
 
 from flt._checks import check_positive_float, check_positive_int, check_tensor
 from flt.ops.toeplitz import fft_length
@@ -68,7 +69,8 @@ def mesh_shape(pos: torch.Tensor, spacing: float, order: int) -> tuple[list[int]
     u = pos.detach() / spacing
     lo = torch.floor(u.amin((0, 1)) - order / 2).long() + 1
     hi = torch.floor(u.amax((0, 1)) - order / 2).long() + order
-    return lo.tolist(), (hi - lo + 1).tolist()
+    low, high = torch.stack([lo, hi]).tolist()
+    return low, [b - a + 1 for a, b in zip(low, high, strict=True)]
 
 
 def _stencils(pos: torch.Tensor, spacing: float, order: int, low: list[int],
@@ -144,7 +146,7 @@ def mesh_kernel(kernel: Kernel, spacing: float, padded: list[int], heads: int, l
     if values.shape != (*padded, heads):
         raise ValueError(f"kernel must map offsets [..., P] to [..., H] with H = {heads}, got shape {tuple(values.shape)} "
                          f"for offsets {tuple(grid.shape)}")
-    return rearrange(values, "... h -> h ...")
+    return rearrange(values.to(like.dtype), "... h -> h ...")
 
 
 class _Stencils:
@@ -186,6 +188,7 @@ class _Spread(torch.autograd.Function):
         return stencils.spread @ values
 
     @staticmethod
+    @once_differentiable  # its backward's matrices are constants: a second derivative would drop the weights' terms
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         (values,) = ctx.saved_tensors
         stencils = ctx.stencils
@@ -204,6 +207,7 @@ class _Gather(torch.autograd.Function):
         return stencils.gather @ nodes
 
     @staticmethod
+    @once_differentiable  # as _Spread's
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         (nodes,) = ctx.saved_tensors
         stencils = ctx.stencils
@@ -267,9 +271,10 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
         v = v * keep[:, None, :, None].to(v.dtype)
     if N == 0:
         return v.clone()
+    pos = pos.to(v.dtype)  # the mesh's extent and the stencils from the same rounded positions
     low, size = mesh_shape(pos, spacing, order)
     lengths = [fft_length(2 * n - 1) for n in size]
-    index, weight = _stencils(pos.to(v.dtype), spacing, order, low, size)
+    index, weight = _stencils(pos, spacing, order, low, size)
     cells = math.prod(size)
     stencils = _Stencils(index, weight, cells)
     values = rearrange(v, "b h n d -> (b n) (h d)")
@@ -298,10 +303,11 @@ def mesh_sum_reference(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, sp
     dims, heads = pos.shape[-1], v.shape[1]
     if keep is not None:
         v = v * keep[:, None, :, None].to(v.dtype)
+    pos = pos.to(v.dtype)
     steps = torch.arange(order, device=pos.device)
     nodes, weights = [], []
     for axis in range(dims):
-        first, w = bspline_weights(pos[..., axis].to(v.dtype) / spacing, order)
+        first, w = bspline_weights(pos[..., axis] / spacing, order)
         nodes.append(first.unsqueeze(-1) + steps)  # [B, N, p]
         weights.append(w)
     flat = [g.reshape(-1) for g in torch.meshgrid(*[steps] * dims, indexing="ij")]
@@ -316,13 +322,14 @@ def mesh_sum_reference(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, sp
         table = mesh_kernel(kernel, spacing, padded, heads, v)  # [H, *padded]
         m, w = spline_nodes(order)
         for axis, length in enumerate(padded):
-            lag = (torch.arange(length)[:, None] - torch.arange(length)[None, :]) % length
-            circulant = torch.zeros(length, length, dtype=torch.float64)
+            steps_l = torch.arange(length, device=v.device)
+            lag = (steps_l[:, None] - steps_l[None, :]) % length
+            circulant = torch.zeros(length, length, dtype=v.dtype, device=v.device)
             for offset, value in zip(m.tolist(), w.tolist(), strict=True):
                 circulant[lag == offset % length] += value
             moved = table.movedim(axis + 1, 0)
             flat_table = moved.reshape(length, -1)
-            flat_table = torch.linalg.solve(circulant.to(v.dtype), torch.linalg.solve(circulant.to(v.dtype), flat_table))
+            flat_table = torch.linalg.solve(circulant, torch.linalg.solve(circulant, flat_table))
             table = flat_table.reshape(moved.shape).movedim(0, axis + 1)
         # Each pair of stencil nodes reads the table at their offset, wrapped as the layout is.
         flat_index = torch.zeros_like(diff[..., 0])
