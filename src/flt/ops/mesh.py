@@ -178,42 +178,27 @@ class _Stencils:
         return (nodes[node].reshape(B * N, S, -1) * points[:, None, :]).sum(-1).reshape(B, N, S)
 
 
-class _Spread(torch.autograd.Function):
-    """``grid [B cells, C] = spread @ values [B N, C]``, differentiable in the values and weights."""
+class _StencilProduct(torch.autograd.Function):
+    """One sparse product with the stencils, differentiable in its input and the weights:
+    ``spread @ x`` (points ``[B N, C]`` to nodes ``[B cells, C]``), or with ``to_points``
+    ``gather @ x`` (nodes to points). Each one's backward is the other's product."""
 
     @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, weight: torch.Tensor, stencils: _Stencils) -> torch.Tensor:
-        ctx.stencils = stencils
-        ctx.save_for_backward(values)
-        return stencils.spread @ values
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, stencils: _Stencils, to_points: bool) -> torch.Tensor:
+        ctx.stencils, ctx.to_points = stencils, to_points
+        ctx.save_for_backward(x)
+        return (stencils.gather if to_points else stencils.spread) @ x
 
     @staticmethod
-    @once_differentiable  # its backward's matrices are constants: a second derivative would drop the weights' terms
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        (values,) = ctx.saved_tensors
-        stencils = ctx.stencils
-        grad_values = stencils.gather @ grad if ctx.needs_input_grad[0] else None
-        grad_weight = stencils.weight_grad(values, grad) if ctx.needs_input_grad[1] else None
-        return grad_values, grad_weight, None
-
-
-class _Gather(torch.autograd.Function):
-    """``out [B N, C] = gather @ nodes [B cells, C]``, differentiable in the nodes and weights."""
-
-    @staticmethod
-    def forward(ctx: Any, nodes: torch.Tensor, weight: torch.Tensor, stencils: _Stencils) -> torch.Tensor:
-        ctx.stencils = stencils
-        ctx.save_for_backward(nodes)
-        return stencils.gather @ nodes
-
-    @staticmethod
-    @once_differentiable  # as _Spread's
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        (nodes,) = ctx.saved_tensors
-        stencils = ctx.stencils
-        grad_nodes = stencils.spread @ grad if ctx.needs_input_grad[0] else None
-        grad_weight = stencils.weight_grad(grad, nodes) if ctx.needs_input_grad[1] else None
-        return grad_nodes, grad_weight, None
+    @once_differentiable  # its matrices are constants: a second derivative would drop the weights' terms
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        (x,) = ctx.saved_tensors
+        stencils, to_points = ctx.stencils, ctx.to_points
+        grad_x = (stencils.spread if to_points else stencils.gather) @ grad if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = stencils.weight_grad(grad, x) if to_points else stencils.weight_grad(x, grad)
+        return grad_x, grad_weight, None, None
 
 
 def sharpened_kernel(kernel: Kernel, spacing: float, size: list[int], heads: int, like: torch.Tensor, *,
@@ -278,7 +263,7 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     cells = math.prod(size)
     stencils = _Stencils(index, weight, cells)
     values = rearrange(v, "b h n d -> (b n) (h d)")
-    grid = _Spread.apply(values, weight, stencils)  # [B cells, H Dv]
+    grid = _StencilProduct.apply(values, weight, stencils, False)  # [B cells, H Dv]
     grid = rearrange(grid, "(b x) (h d) -> b h d x", b=B, h=heads).reshape(B, heads, width, *size)
     if sharpen:
         table = sharpened_kernel(kernel, spacing, size, heads, v, order=order, isotropic=isotropic)
@@ -287,7 +272,7 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     f_hat = torch.fft.rfftn(table, s=lengths, dim=tuple(range(-dims, 0)))
     conv = _convolve(grid, f_hat, size, lengths)
     nodes = rearrange(conv.reshape(B, heads, width, cells), "b h d x -> (b x) (h d)")
-    out = _Gather.apply(nodes, weight, stencils)  # [B N, H Dv]
+    out = _StencilProduct.apply(nodes, weight, stencils, True)  # [B N, H Dv]
     return rearrange(out, "(b n) (h d) -> b h n d", b=B, h=heads)
 
 
