@@ -1,6 +1,6 @@
 """The Python blocks of docs/integrations.md run, in order, in one namespace (the page's
 own assertions are the checks: the core against its layer, the converted model's float64
-identity, the save/load round trip)."""
+identity, the save/load round trip); so do the README's."""
 
 from __future__ import annotations
 
@@ -32,3 +32,18 @@ def test_integrations_page_snippets_run(one_thread):
             exec(compile(block, f"{PAGE.name}, block {number}", "exec"), namespace)  # noqa: S102
         except Exception as error:
             raise AssertionError(f"{PAGE.name}: Python block {number} failed: {error!r}\n{block}") from error
+
+
+def test_readme_python_blocks_run(one_thread):
+    """The README's Python blocks run in order in one namespace, all but the Hugging Face
+    one (it needs a downloaded decoder, ``model``; this page's test above runs its calls)."""
+    readme = PAGE.parents[1] / "README.md"
+    blocks = [b for b in python_blocks(readme.read_text(encoding="utf-8")) if "flt.integrations.transformers" not in b]
+    assert len(blocks) >= 3
+    namespace: dict = {"__name__": "readme"}
+    for number, block in enumerate(blocks, 1):
+        try:
+            exec(compile(block, f"README.md, block {number}", "exec"), namespace)  # noqa: S102
+        except Exception as error:
+            raise AssertionError(f"README.md: Python block {number} failed: {error!r}\n{block}") from error
+    assert namespace["h"].shape == (2, 4096, 64)

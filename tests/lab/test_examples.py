@@ -22,8 +22,9 @@ EXPECTED = {
     "custom_spectrum.py": "done: loss",
     "qm9_flt_vs_schnet.py": "SchNet:",
     "linearize_hf.py": "perplexities:",
+    "coulomb_sizes.py": "test nmse by size",
 }
-NEEDS = {"qm9_flt_vs_schnet.py": ["torch_geometric"], "linearize_hf.py": ["transformers"], "vit_digits.py": ["sklearn"]}
+NEEDS = {"qm9_flt_vs_schnet.py": ["torch_geometric"], "coulomb_sizes.py": ["torch_geometric"], "linearize_hf.py": ["transformers"], "vit_digits.py": ["sklearn"]}
 
 
 def test_every_example_has_a_smoke_test():
