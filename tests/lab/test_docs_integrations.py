@@ -22,16 +22,23 @@ def test_block_parser_finds_fenced_python_only():
     assert python_blocks(text) == ["x = 1\n", "y = 2\n"]
 
 
+def run_blocks(blocks: list[str], page: str) -> dict:
+    """Run ``blocks`` in order in one namespace; a failing block fails naming ``page`` and
+    its number. Returns the namespace, for the caller's checks."""
+    namespace: dict = {"__name__": page}
+    for number, block in enumerate(blocks, 1):
+        try:
+            exec(compile(block, f"{page}, block {number}", "exec"), namespace)  # noqa: S102
+        except Exception as error:
+            raise AssertionError(f"{page}: Python block {number} failed: {error!r}\n{block}") from error
+    return namespace
+
+
 def test_integrations_page_snippets_run(one_thread):
     pytest.importorskip("transformers")
     blocks = python_blocks(PAGE.read_text(encoding="utf-8"))
     assert len(blocks) >= 6
-    namespace: dict = {"__name__": "docs_integrations"}
-    for number, block in enumerate(blocks, 1):
-        try:
-            exec(compile(block, f"{PAGE.name}, block {number}", "exec"), namespace)  # noqa: S102
-        except Exception as error:
-            raise AssertionError(f"{PAGE.name}: Python block {number} failed: {error!r}\n{block}") from error
+    run_blocks(blocks, PAGE.name)
 
 
 def test_readme_python_blocks_run(one_thread):
@@ -40,10 +47,5 @@ def test_readme_python_blocks_run(one_thread):
     readme = PAGE.parents[1] / "README.md"
     blocks = [b for b in python_blocks(readme.read_text(encoding="utf-8")) if "flt.integrations.transformers" not in b]
     assert len(blocks) >= 3
-    namespace: dict = {"__name__": "readme"}
-    for number, block in enumerate(blocks, 1):
-        try:
-            exec(compile(block, f"README.md, block {number}", "exec"), namespace)  # noqa: S102
-        except Exception as error:
-            raise AssertionError(f"README.md: Python block {number} failed: {error!r}\n{block}") from error
+    namespace = run_blocks(blocks, readme.name)
     assert namespace["h"].shape == (2, 4096, 64)
