@@ -195,7 +195,7 @@ def test_a_mesh_too_large_is_refused_before_it_is_allocated(monkeypatch):
     monkeypatch.setenv("FLT_MEMORY_LIMIT", "1MB")
     block = make_block("radial")
     h, pos, _ = inputs(N=50)
-    with pytest.raises(MemoryLimitError, match="long-range block's mesh"):
+    with pytest.raises(MemoryLimitError, match=r"the mesh sum \(\d+x\d+x\d+ nodes"):
         block(h, 10 * pos)
 
 
@@ -247,3 +247,26 @@ def test_a_second_derivative_is_refused_not_wrong():
     (grad,) = torch.autograd.grad(out.pow(2).sum(), pos, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda p, v, k: mesh_sum(p[0], v, k), r"pos must have rank 3 \[B, N, P\]"),
+    (lambda p, v, k: mesh_sum(p, v[0], k), r"v must have rank 4 \[B, H, N, Dv\]"),
+    (lambda p, v, k: mesh_sum(p[:, :3], v, k), "pos .* and v .* must share B and N"),
+    (lambda p, v, k: mesh_sum(p.long(), v, k), "pos must have a floating-point dtype"),
+    (lambda p, v, k: mesh_sum(p.index_fill(1, torch.tensor([2]), float("nan")), v, k), "pos contains .*non-finite"),
+    (lambda p, v, k: mesh_sum(p, v, k, keep=torch.ones(2, 5)), r"keep must be a bool tensor \[B, N\] = \[2, 5\]"),
+    (lambda p, v, k: mesh_sum(p, v, k, keep=torch.ones(2, 4, dtype=torch.bool)), "keep must be a bool tensor"),
+    (lambda p, v, k: mesh_sum(p, v, k, spacing=0.0), "spacing must be a finite number > 0"),
+    (lambda p, v, k: mesh_sum(p, v, lambda d: d.norm(dim=-1, keepdim=True).expand(*d.shape[:-1], 3)), "kernel must map"),
+])
+def test_mesh_sum_refuses_bad_input_naming_the_argument(call, message):
+    pos = torch.randn(2, 5, 3, dtype=torch.float64)
+    v = torch.randn(2, HEADS, 5, 3, dtype=torch.float64)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(pos, v, tail_kernel(torch.tensor([1.0, 2.0], dtype=torch.float64)))
+
+
+def test_an_empty_batch_sums_to_nothing():
+    v = torch.randn(0, HEADS, 5, 3)
+    assert mesh_sum(torch.randn(0, 5, 3), v, tail_kernel(torch.tensor([1.0, 2.0]))).shape == v.shape

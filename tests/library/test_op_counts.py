@@ -103,3 +103,16 @@ def test_profiled_shells_operation_count_does_not_grow_with_the_number_of_points
     short, long = longrange_ops(32, frequencies, "none", **options), longrange_ops(256, frequencies, "none", **options)
     assert long == short, f"{frequencies} with a width: {short} aten ops at N = 32, {long} at N = 256"
 
+
+
+@pytest.mark.parametrize("frequencies", ["radial", "coulomb"])
+def test_mesh_engine_operation_count_does_not_grow_with_the_number_of_points(frequencies):
+    """The mesh engine spreads, convolves and gathers with a fixed sequence of operations:
+    sparse products over all points at once, a loop over the axes, not over points. Between
+    small and large sets torch's sparse and indexing kernels switch branches (a zero fill,
+    a copy: 9 ops more from 32 to 2,048 points on the same mesh), so the count must be equal
+    at 2,048 and 8,192 points and within a few ops of the small set's."""
+    options = {"engine": "mesh", "mesh_spacing": 0.1}
+    small, large, larger = (longrange_ops(n, frequencies, "none", **options) for n in (32, 2048, 8192))
+    assert larger == large and abs(large - small) <= 16, \
+        f"{frequencies} through the mesh: aten ops at N = 32, 2048, 8192: {small}, {large}, {larger}"

@@ -59,8 +59,7 @@ from flt._dtype import compute_dtype
 from flt._limits import check_memory, memory_limit
 from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
-from flt.ops.mesh import mesh_shape, mesh_sum, mesh_sum_reference, padded_size
-from flt.ops.toeplitz import fft_length
+from flt.ops.mesh import mesh_sum, mesh_sum_reference
 from flt.relative.spectra.base import cycles, phase_dtype
 from flt.relative.spectra.discrete import DiscreteSpectrum
 from flt.relative.spectra.radial import (
@@ -841,29 +840,16 @@ class LongRangeBlock(nn.Module):
         return self._finish(h, msg, pad)
 
     def _mesh(self, pos: torch.Tensor, v: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """The messages ``[B, H, N, Dv]`` through :func:`flt.ops.mesh.mesh_sum`, after a check
-        that it fits in memory: the meshes (one per set and value channel, padded for the FFT,
-        with their transforms), every point's stencil of values, and the kernel's table on the
-        sharpening's wider mesh (its integer offsets, and for a set that is not isotropic the
-        float64 phases ``[..., H, R]`` that :meth:`Frequencies.mask` forms at every node)."""
+        """The messages ``[B, H, N, Dv]`` through :func:`flt.ops.mesh.mesh_sum`, whose memory
+        check also counts the float64 phases ``[..., H, R]`` that :meth:`Frequencies.mask`
+        forms at every offset for a set that is not isotropic."""
         cdt = compute_dtype(pos, v)
-        v, pos = v.to(cdt), pos.to(cdt)
+        v = v.to(cdt)
         if self.normalised:
             v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-        _, size = mesh_shape(pos, self.mesh_spacing, self.mesh_order)
-        cells = math.prod(fft_length(2 * n - 1) for n in size)
-        wide = math.prod(padded_size(n, self.mesh_order) for n in size)
-        B, H, N, width = v.shape
-        dims, item = pos.shape[-1], torch.finfo(cdt).bits // 8
-        table = wide * (3 * 8 * dims + 4 * H * item)
-        if not self.kernel.isotropic:
-            table += wide * H * self.kernel.frequencies()[1].shape[-1] * _PHASE_BYTES
-        check_memory(f"the long-range block's mesh ({'x'.join(map(str, size))} nodes padded to {cells} for the FFT, "
-                     f"{B} set(s) of {H * width} value channels, {N} points)",
-                     (6 * cells + 3 * N * self.mesh_order ** dims) * B * H * width * item + table, device=pos.device,
-                     hint="raise mesh_spacing, or use fewer sets per batch")
-        out = mesh_sum(pos, v, self.kernel.exact_mask, spacing=self.mesh_spacing, order=self.mesh_order,
-                       isotropic=self.kernel.isotropic, keep=~pad)
+        kernel_bytes = 0 if self.kernel.isotropic else self.heads * self.kernel.frequencies()[1].shape[-1] * _PHASE_BYTES
+        out = mesh_sum(pos.to(cdt), v, self.kernel.exact_mask, spacing=self.mesh_spacing, order=self.mesh_order,
+                       isotropic=self.kernel.isotropic, keep=~pad, kernel_bytes=kernel_bytes)
         return safe_divide(out[..., :-1], out[..., -1:]) if self.normalised else out
 
     def set_bytes(self, points: int, groups: int, count: int, cdt: torch.dtype, head_dim: int) -> int:

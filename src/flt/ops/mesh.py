@@ -36,7 +36,8 @@ import torch
 from einops import rearrange
 from torch.autograd.function import once_differentiable
 
-from flt._checks import check_positive_float, check_positive_int, check_tensor
+from flt._checks import check_finite, check_positive_float, check_positive_int, check_tensor
+from flt._limits import check_memory
 from flt.ops.toeplitz import fft_length
 
 #: A kernel evaluated at offsets: ``[..., P] -> [..., H]``.
@@ -123,6 +124,13 @@ def spline_transform(order: int, padded: list[int], *, device: torch.device | No
     return total.to(device=device, dtype=dtype)
 
 
+def wrapped_offsets(length: int, device: torch.device) -> torch.Tensor:
+    """``[length]`` long: the node offset each entry of a circular axis of ``length`` stands
+    for, ``m`` for ``m <= length / 2`` and ``m - length`` past it."""
+    m = torch.arange(length, device=device)
+    return torch.where(m <= length // 2, m, m - length)
+
+
 def mesh_kernel(kernel: Kernel, spacing: float, padded: list[int], heads: int, like: torch.Tensor, *,
                 isotropic: bool = False) -> torch.Tensor:
     """``f`` at the mesh's offsets laid out for a circular convolution of the padded mesh:
@@ -131,10 +139,7 @@ def mesh_kernel(kernel: Kernel, spacing: float, padded: list[int], heads: int, l
     the layout smooth for the sharpening filter). ``isotropic``: ``f`` depends on ``|r|``
     alone, so it is evaluated once per distinct ``|m|^2`` (along the first axis) and looked
     up: a few thousand evaluations instead of one per node."""
-    axes = []
-    for total in padded:
-        m = torch.arange(total, device=like.device)
-        axes.append(torch.where(m <= total // 2, m, m - total))
+    axes = [wrapped_offsets(total, like.device) for total in padded]
     grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
     if isotropic:
         distinct, inverse = torch.unique((grid * grid).sum(-1), return_inverse=True)
@@ -157,8 +162,9 @@ class _Stencils:
 
     def __init__(self, index: torch.Tensor, weight: torch.Tensor, cells: int) -> None:
         B, N, S = index.shape
-        self.index, self.shape = index, (B, N, S, cells)
-        node = (index + cells * torch.arange(B, device=index.device)[:, None, None]).reshape(-1)
+        self.shape = (B, N, S, cells)
+        #: Each stencil entry's node on the batch's meshes laid end to end, ``[B N S]``.
+        self.node = node = (index + cells * torch.arange(B, device=index.device)[:, None, None]).reshape(-1)
         w = weight.detach().reshape(-1)
         rows = torch.arange(0, B * N * S + 1, S, device=index.device)
         with warnings.catch_warnings():  # CSR is "beta" in torch; its products here are tested against the reference
@@ -173,9 +179,8 @@ class _Stencils:
     def weight_grad(self, points: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """``d/dw_ns`` of ``sum`` (points ``[B N, C]``) . (nodes ``[B cells, C]`` at the stencil):
         ``[B, N, S]``, the gradient that reaches the positions through the weights."""
-        B, N, S, cells = self.shape
-        node = (self.index + cells * torch.arange(B, device=self.index.device)[:, None, None]).reshape(-1)
-        return (nodes[node].reshape(B * N, S, -1) * points[:, None, :]).sum(-1).reshape(B, N, S)
+        B, N, S, _ = self.shape
+        return (nodes[self.node].reshape(B * N, S, -1) * points[:, None, :]).sum(-1).reshape(B, N, S)
 
 
 class _StencilProduct(torch.autograd.Function):
@@ -213,9 +218,7 @@ def sharpened_kernel(kernel: Kernel, spacing: float, size: list[int], heads: int
     table = torch.fft.irfftn(torch.fft.rfftn(table, s=wide, dim=dims)
                              / spline_transform(order, wide, device=like.device, dtype=like.dtype), s=wide, dim=dims)
     for axis, (n, total) in enumerate(zip(size, wide, strict=True)):
-        length = fft_length(2 * n - 1)
-        m = torch.arange(length, device=like.device)
-        table = table.index_select(axis + 1, torch.where(m <= length // 2, m, m - length) % total)
+        table = table.index_select(axis + 1, wrapped_offsets(fft_length(2 * n - 1), like.device) % total)
     return table
 
 
@@ -233,8 +236,22 @@ def _convolve(grid: torch.Tensor, f_hat: torch.Tensor, size: list[int], lengths:
     return torch.fft.irfft(x, n=lengths[-1], dim=-1).narrow(-1, 0, size[-1])
 
 
+def mesh_bytes(size: list[int], *, sets: int, channels: int, points: int, order: int, item: int,
+               kernel_bytes: int = 0) -> int:
+    """The estimated peak bytes of :func:`mesh_sum` on a mesh of ``size`` nodes: the meshes
+    of ``sets`` sets of ``channels`` value channels padded for the FFT, with their
+    transforms; every point's stencil; and the kernel's table on the sharpening's wider mesh
+    (its integer offsets, and ``kernel_bytes`` per offset for the kernel's own evaluation)."""
+    cells = math.prod(fft_length(2 * n - 1) for n in size)
+    wide = math.prod(padded_size(n, order) for n in size)
+    dims = len(size)
+    meshes = (6 * cells + 3 * points * order ** dims) * sets * channels * item
+    return meshes + wide * (3 * 8 * dims + 4 * item + kernel_bytes)
+
+
 def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: float = 1.0, order: int = 4,
-             sharpen: bool = True, isotropic: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
+             sharpen: bool = True, isotropic: bool = False, keep: torch.Tensor | None = None,
+             kernel_bytes: int = 0) -> torch.Tensor:
     """``out_i = sum_j F(r_i, r_j) v_j`` with ``F`` the mesh kernel of ``f`` (module
     docstring): positions ``pos [B, N, P]`` (position units; the mesh's nodes sit at the
     multiples of ``spacing``, so positions relative to a set's centre make the sum exactly
@@ -243,7 +260,12 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     dtype of ``v``. B-splines of ``order`` (4, cubic, by default); ``sharpen`` divides the
     kernel's transform by :func:`spline_transform` (without it ``F`` is ``f`` smoothed twice
     by the spline); ``isotropic`` says ``f`` depends on ``|r|`` alone (:func:`mesh_kernel`).
-    Differentiable in ``v``, the kernel's parameters and ``pos``."""
+    Differentiable in ``v``, the kernel's parameters and ``pos``.
+
+    Positions must be finite (the mesh is built around them). Before anything is allocated
+    the estimate of :func:`mesh_bytes` (``kernel_bytes``: what the kernel needs per offset
+    it is evaluated at) is compared with the memory limit
+    (:func:`flt._limits.check_memory`): points spread far apart make a large mesh."""
     check_tensor("pos", pos, ndim=3, layout="[B, N, P]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
     spacing = check_positive_float("spacing", spacing)
@@ -253,11 +275,20 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     if v.shape[0] != B or v.shape[2] != N:
         raise ValueError(f"pos [B, N, P] and v [B, H, N, Dv] must share B and N; got pos {tuple(pos.shape)}, v {tuple(v.shape)}")
     if keep is not None:
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.shape != (B, N):
+            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ValueError(f"keep must be a bool tensor [B, N] = [{B}, {N}] (False: the point sends nothing), got {got}")
         v = v * keep[:, None, :, None].to(v.dtype)
-    if N == 0:
+    if B == 0 or N == 0:
         return v.clone()
+    check_finite("pos", pos)
     pos = pos.to(v.dtype)  # the mesh's extent and the stencils from the same rounded positions
     low, size = mesh_shape(pos, spacing, order)
+    item = torch.finfo(v.dtype).bits // 8
+    check_memory(f"the mesh sum ({'x'.join(map(str, size))} nodes, {B} set(s) of {heads * width} value channels, "
+                 f"{N} points)", mesh_bytes(size, sets=B, channels=heads * width, points=N, order=order, item=item,
+                                            kernel_bytes=kernel_bytes),
+                 device=pos.device, hint="raise the mesh's spacing, or use fewer sets per batch")
     lengths = [fft_length(2 * n - 1) for n in size]
     index, weight = _stencils(pos, spacing, order, low, size)
     cells = math.prod(size)
@@ -328,6 +359,7 @@ def mesh_sum_reference(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, sp
 __all__ = [
     "Kernel",
     "bspline_weights",
+    "mesh_bytes",
     "mesh_kernel",
     "mesh_shape",
     "mesh_sum",
@@ -335,4 +367,5 @@ __all__ = [
     "padded_size",
     "spline_nodes",
     "spline_transform",
+    "wrapped_offsets",
 ]
