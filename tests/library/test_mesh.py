@@ -195,7 +195,7 @@ def test_a_mesh_too_large_is_refused_before_it_is_allocated(monkeypatch):
     monkeypatch.setenv("FLT_MEMORY_LIMIT", "1MB")
     block = make_block("radial")
     h, pos, _ = inputs(N=50)
-    with pytest.raises(MemoryLimitError, match=r"the mesh sum \(\d+x\d+x\d+ nodes"):
+    with pytest.raises(MemoryLimitError, match=r"long-range block's mesh \(\d+x\d+x\d+ nodes"):
         block(h, 10 * pos)
 
 

@@ -59,7 +59,7 @@ from flt._dtype import compute_dtype
 from flt._limits import check_memory, memory_limit
 from flt.layers.features import FeatureMap
 from flt.ops._common import safe_divide
-from flt.ops.mesh import mesh_sum, mesh_sum_reference
+from flt.ops.mesh import mesh_bytes, mesh_shape, mesh_sum, mesh_sum_reference
 from flt.relative.spectra.base import cycles, phase_dtype
 from flt.relative.spectra.discrete import DiscreteSpectrum
 from flt.relative.spectra.radial import (
@@ -840,16 +840,24 @@ class LongRangeBlock(nn.Module):
         return self._finish(h, msg, pad)
 
     def _mesh(self, pos: torch.Tensor, v: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        """The messages ``[B, H, N, Dv]`` through :func:`flt.ops.mesh.mesh_sum`, whose memory
-        check also counts the float64 phases ``[..., H, R]`` that :meth:`Frequencies.mask`
-        forms at every offset for a set that is not isotropic."""
+        """The messages ``[B, H, N, Dv]`` through :func:`flt.ops.mesh.mesh_sum`, after a check
+        that :func:`flt.ops.mesh.mesh_bytes` fits in memory, counting for a set that is not
+        isotropic the float64 phases ``[..., H, R]`` that :meth:`Frequencies.mask` forms at
+        every offset."""
         cdt = compute_dtype(pos, v)
-        v = v.to(cdt)
+        v, pos = v.to(cdt), pos.to(cdt)
         if self.normalised:
             v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)
-        kernel_bytes = 0 if self.kernel.isotropic else self.heads * self.kernel.frequencies()[1].shape[-1] * _PHASE_BYTES
-        out = mesh_sum(pos.to(cdt), v, self.kernel.exact_mask, spacing=self.mesh_spacing, order=self.mesh_order,
-                       isotropic=self.kernel.isotropic, keep=~pad, kernel_bytes=kernel_bytes)
+        B, H, N, width = v.shape
+        _, size = mesh_shape(pos, self.mesh_spacing, self.mesh_order)
+        kernel_bytes = 0 if self.kernel.isotropic else H * self.kernel.frequencies()[1].shape[-1] * _PHASE_BYTES
+        check_memory(f"the long-range block's mesh ({'x'.join(map(str, size))} nodes, {B} set(s) of {H * width} "
+                     f"value channels, {N} points)",
+                     mesh_bytes(size, sets=B, channels=H * width, points=N, order=self.mesh_order,
+                                item=torch.finfo(cdt).bits // 8, kernel_bytes=kernel_bytes),
+                     device=pos.device, hint="raise mesh_spacing, or use fewer sets per batch")
+        out = mesh_sum(pos, v, self.kernel.exact_mask, spacing=self.mesh_spacing, order=self.mesh_order,
+                       isotropic=self.kernel.isotropic, keep=~pad)
         return safe_divide(out[..., :-1], out[..., -1:]) if self.normalised else out
 
     def set_bytes(self, points: int, groups: int, count: int, cdt: torch.dtype, head_dim: int) -> int:

@@ -37,7 +37,6 @@ from einops import rearrange
 from torch.autograd.function import once_differentiable
 
 from flt._checks import check_finite, check_positive_float, check_positive_int, check_tensor
-from flt._limits import check_memory
 from flt.ops.toeplitz import fft_length
 
 #: A kernel evaluated at offsets: ``[..., P] -> [..., H]``.
@@ -250,8 +249,7 @@ def mesh_bytes(size: list[int], *, sets: int, channels: int, points: int, order:
 
 
 def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: float = 1.0, order: int = 4,
-             sharpen: bool = True, isotropic: bool = False, keep: torch.Tensor | None = None,
-             kernel_bytes: int = 0) -> torch.Tensor:
+             sharpen: bool = True, isotropic: bool = False, keep: torch.Tensor | None = None) -> torch.Tensor:
     """``out_i = sum_j F(r_i, r_j) v_j`` with ``F`` the mesh kernel of ``f`` (module
     docstring): positions ``pos [B, N, P]`` (position units; the mesh's nodes sit at the
     multiples of ``spacing``, so positions relative to a set's centre make the sum exactly
@@ -262,10 +260,9 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     by the spline); ``isotropic`` says ``f`` depends on ``|r|`` alone (:func:`mesh_kernel`).
     Differentiable in ``v``, the kernel's parameters and ``pos``.
 
-    Positions must be finite (the mesh is built around them). Before anything is allocated
-    the estimate of :func:`mesh_bytes` (``kernel_bytes``: what the kernel needs per offset
-    it is evaluated at) is compared with the memory limit
-    (:func:`flt._limits.check_memory`): points spread far apart make a large mesh."""
+    Positions must be finite (the mesh is built around them). The op allocates what
+    :func:`mesh_bytes` estimates without checking it against a limit (a layer does,
+    :class:`flt.layers.LongRangeBlock`): points spread far apart make a large mesh."""
     check_tensor("pos", pos, ndim=3, layout="[B, N, P]")
     check_tensor("v", v, ndim=4, layout="[B, H, N, Dv]")
     spacing = check_positive_float("spacing", spacing)
@@ -284,11 +281,6 @@ def mesh_sum(pos: torch.Tensor, v: torch.Tensor, kernel: Kernel, *, spacing: flo
     check_finite("pos", pos)
     pos = pos.to(v.dtype)  # the mesh's extent and the stencils from the same rounded positions
     low, size = mesh_shape(pos, spacing, order)
-    item = torch.finfo(v.dtype).bits // 8
-    check_memory(f"the mesh sum ({'x'.join(map(str, size))} nodes, {B} set(s) of {heads * width} value channels, "
-                 f"{N} points)", mesh_bytes(size, sets=B, channels=heads * width, points=N, order=order, item=item,
-                                            kernel_bytes=kernel_bytes),
-                 device=pos.device, hint="raise the mesh's spacing, or use fewer sets per batch")
     lengths = [fft_length(2 * n - 1) for n in size]
     index, weight = _stencils(pos, spacing, order, low, size)
     cells = math.prod(size)
