@@ -392,3 +392,31 @@ def test_the_task_trains_from_xyz_files(tmp_path, qm9_csv):
     folder = _write_xyz_folder(tmp_path / "xyz", rows)
     task = QM9Task(path=str(folder), target="gap", num_train=80, num_valid=20, num_test=20)
     assert len(task.train.y) == 80 and task.target_std > 0
+
+
+def test_the_molecule_bench_times_schnet_and_each_block_on_qm9_batches(qm9_csv, capsys):
+    from flt.bench import longrange
+
+    path, rows = qm9_csv
+    longrange.main(["--molecules", "--qm9-path", path, "--batches", "2", "--batch-size", "4", "--repeats", "2",
+                    "--dim", "8", "--depth", "1", "--only", "radial", "exact radial"])
+    (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
+    assert line["molecules"] == 4 and line["batches"] == 2 and set(line["seconds"]) == {"schnet", "radial", "exact radial"}
+    assert 3 <= line["mean_atoms"] <= 8  # the test molecules have 3-8 atoms
+    for label in ("radial", "exact radial"):
+        lo, hi = line["ratio_range"][label]
+        assert 0 < lo <= line["ratio_to_schnet"][label] <= hi
+    with pytest.raises(SystemExit):
+        longrange.main(["--molecules", "--qm9-path", path, "--only", "coulomb"])  # a particle block's label
+
+
+def test_the_molecule_bench_builds_the_qm9_models_with_learned_blocks():
+    from flt.bench import longrange
+
+    built = longrange.molecule_models(dim=8, depth=1, cutoff=5.0, blocks=longrange.MOLECULE_BLOCKS)
+    assert set(built) == {"schnet", *longrange.MOLECULE_BLOCKS}
+    assert blocks_of(built["schnet"]) == []
+    for label, options in longrange.MOLECULE_BLOCKS.items():
+        (block,) = blocks_of(built[label])
+        assert block.frequency_set == options["frequencies"] and block.exact == options.get("exact", False)
+        assert block.out.weight.abs().sum() > 0  # timed as a block that has learned, not the identity

@@ -12,6 +12,12 @@ runs only up to ``--exact-max``.
 
 Each line of output is one JSON object: ``N``, the median seconds per model, each block's
 median ratio to the base and its range; a last line gives the exponents.
+
+``--molecules`` times QM9's SchNet (``flt train qm9 --model schnet``: width 64, three
+interaction blocks, ``--mol-cutoff`` 5 Angstrom) alone and with each block of
+:data:`MOLECULE_BLOCKS`, on ``--batches`` batches of ``--batch-size`` training molecules
+(the qm9pack set, or ``--qm9-path``), the same way: one JSON line with the median seconds
+per step, the ratios to SchNet and their ranges over every (repetition, batch).
 """
 
 from __future__ import annotations
@@ -50,6 +56,22 @@ BLOCKS: dict[str, dict[str, Any]] = {
                                 "num_radii": 4, "width": 0.05, "amplitude": 0.0, "engine": "mesh"},
 }
 
+#: The blocks timed on QM9's SchNet (``--molecules``), by label: the QM9 runs' options.
+MOLECULE_BLOCKS: dict[str, dict[str, Any]] = {
+    "radial": {"frequencies": "radial"},
+    "radial, shared radii": {"frequencies": "radial", "shared": True},
+    "grid": {"frequencies": "grid"},
+    "exact radial": {"frequencies": "radial", "exact": True},
+}
+
+
+def _learned(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its blocks' ``W_o`` moved off zero, so a timed block has learned."""
+    for name, p in model.named_parameters():
+        if name.endswith("out.weight"):  # W_o starts at zero
+            torch.nn.init.normal_(p, std=0.01)
+    return model
+
 
 def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, Any]],
            wide: float | None = None) -> dict[str, torch.nn.Module]:
@@ -63,20 +85,70 @@ def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, A
         found[f"schnet cutoff={wide:g}"] = ParticleSchNet(dim=dim, depth=depth, cutoff=wide)
     for label, options in {"schnet": None, **blocks}.items():
         torch.manual_seed(0)
-        model = ParticleSchNet(dim=dim, depth=depth, cutoff=cutoff, longrange=options)
-        for name, p in model.named_parameters():
-            if name.endswith("out.weight"):  # W_o starts at zero; time a block that has learned
-                torch.nn.init.normal_(p, std=0.01)
-        found[label] = model
+        found[label] = _learned(ParticleSchNet(dim=dim, depth=depth, cutoff=cutoff, longrange=options))
     return found
 
 
-def time_step(model: torch.nn.Module, charge: torch.Tensor, pos: torch.Tensor) -> float:
+def molecule_models(*, dim: int, depth: int, cutoff: float,
+                    blocks: dict[str, dict[str, Any]]) -> dict[str, torch.nn.Module]:
+    """``{"schnet": QM9's SchNet, label: the same with that block once before the readout, ...}``,
+    all with the same seed: the models of ``flt train qm9 --model schnet[+lr]`` (target ``mu``)."""
+    from flt.baselines.qm9 import QM9Regressor
+
+    found: dict[str, torch.nn.Module] = {}
+    for label, options in {"schnet": None, **blocks}.items():
+        torch.manual_seed(0)
+        found[label] = _learned(QM9Regressor(
+            encoder="schnet" if options is None else "schnet+lr", num_elements=10, dim=dim, depth=depth, heads=4,
+            readout="mean", isotropic=True, cutoff=cutoff, num_gaussians=50, target_mean=0.0, target_std=1.0,
+            longrange=options))
+    return found
+
+
+def molecule_batches(path: str | None, count: int, batch_size: int) -> list[tuple[torch.Tensor, ...]]:
+    """The first ``count`` batches of ``batch_size`` QM9 training molecules (``path``: a CSV or
+    xyz folder; None: the qm9pack set) as ``(z, pos, key_padding_mask)``."""
+    from flt.data import collate_molecules
+    from flt.data.qm9 import load_qm9
+
+    train = load_qm9(path, target="mu", num_train=count * batch_size, num_valid=1, num_test=1).train
+    batches = [collate_molecules([train[i] for i in range(b * batch_size, (b + 1) * batch_size)]) for b in range(count)]
+    return [(b.z, b.pos, b.key_padding_mask) for b in batches]
+
+
+def time_step(model: torch.nn.Module, *inputs: torch.Tensor) -> float:
     """Wall seconds of one forward and backward (parameter gradients) on one batch."""
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    model(charge, pos).square().mean().backward()
+    model(*inputs).square().mean().backward()
     return time.perf_counter() - start
+
+
+def summary(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Median seconds per model, and each other model's median ratio to ``"schnet"`` over the
+    paired repetitions with its range."""
+    ratios = {label: sorted(t / b for b, t in zip(times["schnet"], times[label], strict=True))
+              for label in times if label != "schnet"}
+    return {"seconds": {label: round(statistics.median(t), 4) for label, t in times.items()},
+            "ratio_to_schnet": {label: round(statistics.median(r), 3) for label, r in ratios.items()},
+            "ratio_range": {label: [round(r[0], 3), round(r[-1], 3)] for label, r in ratios.items()}}
+
+
+def molecules(args: argparse.Namespace) -> None:
+    """``--molecules``: QM9's SchNet alone and with each block, on real molecules, one JSON line."""
+    blocks = {label: MOLECULE_BLOCKS[label] for label in (args.only or MOLECULE_BLOCKS)}
+    built = molecule_models(dim=args.dim, depth=args.depth or 3, cutoff=args.mol_cutoff, blocks=blocks)
+    batches = molecule_batches(args.qm9_path, args.batches, args.batch_size)
+    for model in built.values():
+        time_step(model, *batches[0])  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in built}
+    for _ in range(args.repeats):
+        for batch in batches:
+            for label, model in built.items():
+                times[label].append(time_step(model, *batch))
+    atoms = statistics.mean(float((~pad).sum()) / pad.shape[0] for _, _, pad in batches)
+    print(json.dumps({"molecules": args.batch_size, "batches": args.batches, "mean_atoms": round(atoms, 2),
+                      "threads": args.threads, "repeats": args.repeats, **summary(times)}), flush=True)
 
 
 def exponent(n1: int, t1: float, n2: int, t2: float) -> float:
@@ -90,17 +162,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--depth", type=int, default=None, help="interaction blocks (default: 2, or 3 with --molecules)")
     parser.add_argument("--cutoff", type=float, default=2.0, help="SchNet's cutoff in mean spacings")
     parser.add_argument("--exact-max", type=int, default=4096, help="largest N of the exact O(N^2) block")
     parser.add_argument("--wide", type=float, default=6.0,
                         help="also time SchNet alone with this cutoff (mean spacings; 0: not), the control whose cutoff covers most of a box")
-    parser.add_argument("--only", nargs="+", default=None, help=f"block labels to time (default: all of {list(BLOCKS)})")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help=f"block labels to time (default: all of {list(BLOCKS)}, or with --molecules of {list(MOLECULE_BLOCKS)})")
+    parser.add_argument("--molecules", action="store_true", help="time QM9's SchNet and its blocks on QM9 batches instead")
+    parser.add_argument("--qm9-path", default=None, help="with --molecules: a QM9 CSV or xyz folder (default: the qm9pack set)")
+    parser.add_argument("--batch-size", type=int, default=32, help="with --molecules: molecules per batch")
+    parser.add_argument("--batches", type=int, default=8, help="with --molecules: distinct batches, each timed every repetition")
+    parser.add_argument("--mol-cutoff", type=float, default=5.0, help="with --molecules: SchNet's cutoff in Angstrom")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory(True)
+    unknown = set(args.only or ()) - set(MOLECULE_BLOCKS if args.molecules else BLOCKS)
+    if unknown:
+        parser.error(f"--only: unknown block label(s) {sorted(unknown)}")
+    if args.molecules:
+        molecules(args)
+        return
     blocks = {label: BLOCKS[label] for label in (args.only or BLOCKS)}
-    built = models(dim=args.dim, depth=args.depth, cutoff=args.cutoff, blocks=blocks, wide=args.wide or None)
+    built = models(dim=args.dim, depth=args.depth or 2, cutoff=args.cutoff, blocks=blocks, wide=args.wide or None)
     medians: dict[str, dict[int, float]] = {label: {} for label in built}
     for n in args.n:
         g = torch.Generator().manual_seed(n)
@@ -113,16 +197,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         for _ in range(args.repeats):
             for label, model in here.items():
                 times[label].append(time_step(model, charge, pos))
-        ratios = {label: sorted(t / b for b, t in zip(times["schnet"], times[label], strict=True))
-                  for label in here if label != "schnet"}  # the wide SchNet's too: its cost against the base
         for label, t in times.items():
             medians[label][n] = statistics.median(t)
-        print(json.dumps({
-            "N": n, "threads": args.threads, "repeats": args.repeats,
-            "seconds": {label: round(statistics.median(t), 4) for label, t in times.items()},
-            "ratio_to_schnet": {label: round(statistics.median(r), 3) for label, r in ratios.items()},
-            "ratio_range": {label: [round(r[0], 3), round(r[-1], 3)] for label, r in ratios.items()},
-        }), flush=True)
+        # the wide SchNet's ratio too: its cost against the base
+        print(json.dumps({"N": n, "threads": args.threads, "repeats": args.repeats, **summary(times)}), flush=True)
     exponents = {}
     for label, by_n in medians.items():
         sizes = sorted(by_n)
