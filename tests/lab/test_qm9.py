@@ -397,7 +397,7 @@ def test_the_task_trains_from_xyz_files(tmp_path, qm9_csv):
 def test_the_molecule_bench_times_schnet_and_each_block_on_qm9_batches(qm9_csv, capsys):
     from flt.bench import longrange
 
-    path, rows = qm9_csv
+    path, _ = qm9_csv
     longrange.main(["--molecules", "--qm9-path", path, "--batches", "2", "--batch-size", "4", "--repeats", "2",
                     "--dim", "8", "--depth", "1", "--only", "radial", "exact radial"])
     (line,) = [json.loads(out) for out in capsys.readouterr().out.splitlines()]
