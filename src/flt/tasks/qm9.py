@@ -110,11 +110,11 @@ def medium(attention: str = "flt", posenc: str = "none") -> Preset:
     width 64) on all 110,000 training molecules, evaluated on the usual 10,000 validation
     and 10,831 test molecules, 55,000 steps of 32 (16 epochs) at peak lr 3e-3 (the rate
     FLT, SchNet and DimeNet++ each did best at on small; not chosen on medium), target
-    ``gap`` (``--data-opt target=U0``, ``mu``, ``alpha`` or ``r2`` as for small). Measured
-    on the 2-core VM (``--threads 1``, one other training beside it), target ``mu``, seeds
-    1 and 2 (docs/longrange.md, "QM9 mu, the medium preset"): SchNet (``--model schnet
-    --model-opt cutoff=5``) 36.5-37.4 min end to end (0.037 s per step), test MAE 0.1246
-    and 0.1307 D; with the exact radial block (``--model schnet+lr --model-opt
+    ``gap`` (``--data-opt target=U0``, ``mu``, ``alpha`` or ``r2`` as for small). About
+    37 min for SchNet and 49 min with the block, measured on the 2-core VM (``--threads 1``,
+    one other training beside it), target ``mu``, seeds 1 and 2 (docs/longrange.md, "QM9
+    mu, the medium preset"): SchNet (``--model schnet --model-opt cutoff=5``) 36.5-37.4 min
+    end to end (0.037 s per step), test MAE 0.1246 and 0.1307 D; with the exact radial block (``--model schnet+lr --model-opt
     'longrange={"frequencies": "radial", "exact": true}'``) 48.6-48.7 min (0.049 s), 0.0837
     and 0.0837 D. The other models take longer by their step-time ratio to SchNet on small
     (FLT about 4.7x, DimeNet++ about 15x). Published full-data test MAEs of SchNet: U0 14
