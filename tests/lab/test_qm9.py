@@ -408,6 +408,17 @@ def test_the_molecule_bench_times_schnet_and_each_block_on_qm9_batches(qm9_csv, 
         assert 0 < lo <= line["ratio_to_schnet"][label] <= hi
     with pytest.raises(SystemExit):
         longrange.main(["--molecules", "--qm9-path", path, "--only", "coulomb"])  # a particle block's label
+    with pytest.raises(SystemExit):
+        longrange.main(["--molecules", "--qm9-path", path, "--batches", "0"])
+    assert "--batches: must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_the_molecule_bench_times_the_models_qm9_trains():
+    from flt.bench import longrange
+
+    built = longrange.molecule_models(dim=64, depth=3, cutoff=5.0, blocks={"radial": {"frequencies": "radial"}})
+    # the small preset's SchNet and SchNet + block (the parameter counts of docs/longrange.md's QM9 runs)
+    assert [sum(p.numel() for p in m.parameters()) for m in built.values()] == [68_033, 76_545]
 
 
 def test_the_molecule_bench_builds_the_qm9_models_with_learned_blocks():

@@ -92,16 +92,19 @@ def models(*, dim: int, depth: int, cutoff: float, blocks: dict[str, dict[str, A
 def molecule_models(*, dim: int, depth: int, cutoff: float,
                     blocks: dict[str, dict[str, Any]]) -> dict[str, torch.nn.Module]:
     """``{"schnet": QM9's SchNet, label: the same with that block once before the readout, ...}``,
-    all with the same seed: the models of ``flt train qm9 --model schnet[+lr]`` (target ``mu``)."""
-    from flt.baselines.qm9 import QM9Regressor
+    all with the same seed: the small preset's model config (``flt train qm9 --model
+    schnet[+lr]``, target ``mu``: a mean readout) at this width, depth and cutoff."""
+    from flt.models import replace_fields
+    from flt.tasks import get_preset
+    from flt.tasks.qm9 import QM9Task
 
+    preset = get_preset("qm9", "small").model
     found: dict[str, torch.nn.Module] = {}
     for label, options in {"schnet": None, **blocks}.items():
+        config = replace_fields(preset, encoder="schnet" if options is None else "schnet+lr", dim=dim, depth=depth,
+                                cutoff=cutoff, readout="mean", longrange=options or {})
         torch.manual_seed(0)
-        found[label] = _learned(QM9Regressor(
-            encoder="schnet" if options is None else "schnet+lr", num_elements=10, dim=dim, depth=depth, heads=4,
-            readout="mean", isotropic=True, cutoff=cutoff, num_gaussians=50, target_mean=0.0, target_std=1.0,
-            longrange=options))
+        found[label] = _learned(QM9Task.build_model(config))
     return found
 
 
@@ -156,6 +159,14 @@ def exponent(n1: int, t1: float, n2: int, t2: float) -> float:
     return math.log(t2 / t1) / math.log(n2 / n1)
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a positive integer."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096, 16384], help="particles per cloud")
@@ -171,8 +182,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help=f"block labels to time (default: all of {list(BLOCKS)}, or with --molecules of {list(MOLECULE_BLOCKS)})")
     parser.add_argument("--molecules", action="store_true", help="time QM9's SchNet and its blocks on QM9 batches instead")
     parser.add_argument("--qm9-path", default=None, help="with --molecules: a QM9 CSV or xyz folder (default: the qm9pack set)")
-    parser.add_argument("--batch-size", type=int, default=32, help="with --molecules: molecules per batch")
-    parser.add_argument("--batches", type=int, default=8, help="with --molecules: distinct batches, each timed every repetition")
+    parser.add_argument("--batch-size", type=_positive, default=32, help="with --molecules: molecules per batch")
+    parser.add_argument("--batches", type=_positive, default=8, help="with --molecules: distinct batches, each timed every repetition")
     parser.add_argument("--mol-cutoff", type=float, default=5.0, help="with --molecules: SchNet's cutoff in Angstrom")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -114,9 +114,9 @@ def medium(attention: str = "flt", posenc: str = "none") -> Preset:
     37 min for SchNet and 49 min with the block, measured on the 2-core VM (``--threads 1``,
     one other training beside it), target ``mu``, seeds 1 and 2 (docs/longrange.md, "QM9
     mu, the medium preset"): SchNet (``--model schnet --model-opt cutoff=5``) 36.5-37.4 min
-    end to end (0.037 s per step), test MAE 0.1246 and 0.1307 D; with the exact radial block (``--model schnet+lr --model-opt
-    'longrange={"frequencies": "radial", "exact": true}'``) 48.6-48.7 min (0.049 s), 0.0837
-    and 0.0837 D. The other models take longer by their step-time ratio to SchNet on small
+    end to end (0.037 s per step), test MAE 0.1246 and 0.1307 D; with the exact radial
+    block (``--model schnet+lr --model-opt 'longrange={"frequencies": "radial", "exact":
+    true}'``) 48.6-48.7 min (0.049 s), 0.0837 and 0.0837 D. The other models take longer by their step-time ratio to SchNet on small
     (FLT about 4.7x, DimeNet++ about 15x). Published full-data test MAEs of SchNet: U0 14
     meV, mu 0.033 D, alpha 0.235 a0^3, r2 0.073 a0^2, gap 63 meV."""
     model = QM9Config(dim=64, depth=3, heads=4, **mechanism_options(QM9Task, attention, posenc))
