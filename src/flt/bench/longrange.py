@@ -95,10 +95,9 @@ def molecule_models(*, dim: int, depth: int, cutoff: float,
     all with the same seed: the small preset's model config (``flt train qm9 --model
     schnet[+lr]``, target ``mu``: a mean readout) at this width, depth and cutoff."""
     from flt.models import replace_fields
-    from flt.tasks import get_preset
-    from flt.tasks.qm9 import QM9Task
+    from flt.tasks.qm9 import QM9Task, small
 
-    preset = get_preset("qm9", "small").model
+    preset = small().model
     found: dict[str, torch.nn.Module] = {}
     for label, options in {"schnet": None, **blocks}.items():
         config = replace_fields(preset, encoder="schnet" if options is None else "schnet+lr", dim=dim, depth=depth,
